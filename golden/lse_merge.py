@@ -1,0 +1,103 @@
+"""LSE merge: combining attention states computed over disjoint key sets (SPEC section 1).
+
+The attention state of a query row over a key set ``K`` is ``(o, lse)`` with
+``o = sum_j softmax_j * v_j`` and ``lse = ln sum_j exp(s_j)``. Two states over disjoint key sets
+merge into the state over their union: that is what makes split-KV decoding (flash-decoding),
+cascade/prefix attention and decode context parallelism exact. Paper: papers.md#lse-merge.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import einsum
+
+from golden._paged import masked_softmax_state
+
+NEG_INF = float("-inf")
+
+
+def merge_states(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge ``N`` attention states into one.
+
+    ``M = max_i lse_i``; ``w_i = exp(lse_i - M)``; ``o = sum_i (w_i / sum w) * o_i``;
+    ``lse = M + ln sum_i w_i``. ``+inf`` LSEs count as ``-inf`` (an empty set, as FlashAttention-2
+    reports it). A state of weight 0 never contributes, even if its ``o`` is NaN. When every state
+    is empty the result is the neutral state ``(0, -inf)``.
+
+    Args:
+        o: ``[..., N, D]`` float, the states' normalized outputs.
+        lse: ``[..., N]`` float, their natural-log LSEs.
+
+    Returns:
+        ``(o [..., D], lse [...])`` in ``float64`` if either input is float64, else ``float32``.
+
+    Traffic: reads ``N*(D+1)`` values per row; writes ``D+1``.
+    """
+    dtype = torch.float64 if torch.float64 in (o.dtype, lse.dtype) else torch.float32
+    o, lse = o.to(dtype), lse.to(dtype)
+    lse = torch.where(torch.isposinf(lse), NEG_INF, lse)
+    m = lse.amax(dim=-1, keepdim=True)
+    empty = torch.isneginf(m)
+    w = torch.exp(lse - torch.where(empty, 0.0, m))  # 0 for empty states, never NaN
+    total = w.sum(dim=-1, keepdim=True)
+    scale = torch.where(empty, 0.0, w / torch.where(empty, 1.0, total))
+    contrib = torch.where(scale.unsqueeze(-1) > 0, scale.unsqueeze(-1) * o, 0.0)
+    merged_o = contrib.sum(dim=-2)
+    merged_lse = torch.where(empty, NEG_INF, m + torch.log(total)).squeeze(-1)
+    return merged_o, merged_lse
+
+
+def merge_two(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two-state merge (prefix/suffix, cascade): ``merge_states`` of ``[(o_a, lse_a), (o_b, lse_b)]``.
+
+    Args:
+        o_a, o_b: ``[..., D]``; lse_a, lse_b: ``[...]``.
+
+    Returns:
+        ``(o [..., D], lse [...])`` as in :func:`merge_states`.
+    """
+    return merge_states(torch.stack([o_a, o_b], dim=-2), torch.stack([lse_a, lse_b], dim=-1))
+
+
+def attention_state(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of query rows over a key set, as a state ``(o, lse)``.
+
+    ``s_j = scale * q . k_j``; ``o = softmax(s) @ v`` over the visible keys; ``lse = ln sum exp s_j``.
+
+    Args:
+        q: ``[R, D]``; k: ``[J, D]``; v: ``[J, Dv]``; visible: ``[R, J]`` bool or None (all keys).
+
+    Returns:
+        ``(o [R, Dv], lse [R])``; rows that see no key get ``(0, -inf)``.
+    """
+    scores = scale * einsum(q, k, "r d, j d -> r j")
+    if visible is None:
+        visible = torch.ones_like(scores, dtype=torch.bool)
+    p, lse = masked_softmax_state(scores, visible)
+    return einsum(p, v, "r j, j e -> r e"), lse
+
+
+def split_states(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, parts: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention states of ``q`` over each part of a partition of the keys (the split-KV stage 1).
+
+    Args:
+        q: ``[R, D]``; k: ``[J, D]``; v: ``[J, Dv]``; parts: ``S`` index tensors into ``[0, J)``.
+
+    Returns:
+        ``(o [R, S, Dv], lse [R, S])``; an empty part gives ``(0, -inf)``.
+    """
+    states = [attention_state(q, k[idx], v[idx], scale) for idx in parts]
+    return torch.stack([o for o, _ in states], dim=1), torch.stack([lse for _, lse in states], dim=1)
+
+
+def lse_base2_to_e(lse2: torch.Tensor) -> torch.Tensor:
+    """Convert a base-2 LSE (FlashInfer's convention) to natural log: ``lse_e = lse_2 * ln 2``."""
+    return lse2 * math.log(2.0)

@@ -1,0 +1,53 @@
+"""Test configuration shared by every op: hypothesis profiles, the device fixture, markers.
+
+Hypothesis profile: ``HYPOTHESIS_PROFILE=ci`` (default: derandomized, bounded, for 2 CPU cores)
+or ``HYPOTHESIS_PROFILE=gpu`` (many more examples, for a CUDA machine), ``dev`` (random, few).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import triton_impl  # noqa: F401  (selects the interpreter before any kernel module is imported)
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    max_examples=12,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "gpu",
+    max_examples=300,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", max_examples=5, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs CUDA (compiled Triton)")
+    config.addinivalue_line("markers", "slow: long-running; excluded from the default run")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """cuda when present (compiled kernels), else cpu (kernels under the Triton interpreter)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

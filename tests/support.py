@@ -1,0 +1,124 @@
+"""Seeded tensor factories and paged-cache builders shared by every op's tests.
+
+Hypothesis draws shapes and an integer seed; tensors come from a seeded ``torch.Generator``
+(hypothesis never generates float arrays).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from triton_impl.tolerances import Tolerance, compare, tolerance
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """Normal values drawn on the CPU (reproducible everywhere), scaled, cast, then moved."""
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype).to(device)
+
+
+def nan_filled(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An output buffer whose every element fails a comparison until the kernel writes it."""
+    if dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.full(shape, torch.iinfo(dtype).min, dtype=dtype, device=device)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, key: tuple[str, str, object] | Tolerance) -> None:
+    """Assert against the tolerance table entry ``(op, output, dtype)`` (or an explicit Tolerance)."""
+    tol = key if isinstance(key, Tolerance) else tolerance(*key)
+    cmp = compare(actual, expected, tol)
+    assert cmp.ok, f"max abs {cmp.max_abs:.3e}, max rel {cmp.max_rel:.3e} vs atol {tol.atol:g} rtol {tol.rtol:g}: {cmp.detail}"
+
+
+def fails_tolerance(actual: torch.Tensor, expected: torch.Tensor, key: tuple[str, str, object] | Tolerance) -> bool:
+    """For negative controls: True when ``actual`` is outside the tolerance."""
+    tol = key if isinstance(key, Tolerance) else tolerance(*key)
+    return not compare(actual, expected, tol).ok
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit-exact comparison for codes, bytes, indices (and floats compared as bits)."""
+    from triton_impl.parity import exact
+
+    cmp = exact(actual, expected)
+    assert cmp.ok, cmp.detail
+
+
+@dataclass
+class PagedCache:
+    """A paged KV cache as serving lays it out, with the block table that addresses it.
+
+    ``cache`` is the view a kernel gets: ``[num_pages, page_size, HKV, D]`` ("4d"),
+    ``[num_pages * page_size, HKV, D]`` ("3d") or a per-layer view into a cross-layer cache
+    ``[num_pages, num_layers, page_size, HKV, D][:, layer]`` whose page stride is ``num_layers``
+    times larger ("cross_layer"). Pages are handed out in shuffled order; every page and slot that
+    no request uses holds NaN (the moat), so a kernel that reads past a request's keys fails.
+    """
+
+    cache: torch.Tensor
+    block_table: torch.Tensor  # [B, max_pages] int32; unused entries hold a large garbage id
+    seq_lens: torch.Tensor  # [B] int32
+    page_size: int
+
+
+def paged_cache(
+    seq_lens: list[int],
+    page_size: int,
+    num_kv_heads: int,
+    width: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gen: torch.Generator,
+    *,
+    layout: str = "4d",
+    shuffle: bool = True,
+    spare_pages: int = 2,
+    extra_columns: int = 1,
+    scale: float = 1.0,
+    moat: bool = True,
+) -> PagedCache:
+    """Build a paged cache holding ``seq_lens[b]`` random tokens for each request ``b``.
+
+    FP8 dtypes get values drawn in fp32 and rounded by torch; the moat uses NaN for float caches
+    (0x7F, the e4m3fn NaN, for fp8). ``spare_pages`` unused pages and ``extra_columns`` unused
+    block-table columns (filled with garbage page ids) are added so out-of-range reads show.
+    """
+    if layout not in ("4d", "3d", "cross_layer"):
+        raise ValueError(f"layout: expected '4d', '3d' or 'cross_layer', got {layout!r}")
+    pages_per_req = [(n + page_size - 1) // page_size for n in seq_lens]
+    num_pages = sum(pages_per_req) + spare_pages
+    order = torch.randperm(num_pages, generator=gen) if shuffle else torch.arange(num_pages)
+    max_pages = max(pages_per_req + [0]) + extra_columns
+    table = torch.full((len(seq_lens), max_pages), 2**30 + 7, dtype=torch.int32)
+    nxt = 0
+    for b, n_pages in enumerate(pages_per_req):
+        table[b, :n_pages] = order[nxt : nxt + n_pages].to(torch.int32)
+        nxt += n_pages
+
+    store_dtype = torch.float32 if dtype in FP8_DTYPES else dtype
+    values = torch.randn((num_pages, page_size, num_kv_heads, width), generator=gen, dtype=torch.float64) * scale
+    values = values.to(store_dtype)
+    if moat:
+        used = torch.zeros((num_pages, page_size), dtype=torch.bool)
+        for b, n in enumerate(seq_lens):
+            j = torch.arange(n)
+            used[table[b, j // page_size].long(), j % page_size] = True
+        values[~used] = float("nan")
+    values = values.to(dtype)
+
+    num_layers = 3 if layout == "cross_layer" else 1
+    full = torch.randn((num_pages, num_layers, page_size, num_kv_heads, width), generator=gen).to(dtype)
+    full[:, num_layers // 2] = values
+    full = full.to(device)
+    cache = full[:, num_layers // 2]
+    if layout == "3d":
+        cache = cache.flatten(0, 1)
+    return PagedCache(cache, table.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), page_size)

@@ -1,0 +1,3 @@
+from triton_impl.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""Command line: ``attnref parity`` (the main job), ``attnref tolerances``.
+
+``python -m triton_impl ...`` is the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import triton_impl  # noqa: F401  (selects the interpreter on a machine without CUDA)
+    from triton_impl import interpreter
+
+    parser = argparse.ArgumentParser(prog="attnref", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    parity = sub.add_parser("parity", help="run every Triton op against its golden twin and print a table")
+    parity.add_argument("--op", action="append", help="only this op (repeatable)")
+    parity.add_argument("--no-progress", action="store_true")
+    sub.add_parser("tolerances", help="print the tolerance table as markdown")
+    args = parser.parse_args(argv)
+
+    if args.command == "tolerances":
+        from triton_impl.tolerances import markdown_table
+
+        sys.stdout.write(markdown_table())
+        return 0
+
+    from triton_impl.parity import format_table, registered_cases, run_cases
+
+    device = _device()
+    mode = "Triton interpreter (CPU)" if bool(interpreter.INTERPRET) else f"compiled on {torch.cuda.get_device_name()}"
+    print(f"parity: {mode}; torch {torch.__version__}")
+    rows = run_cases(registered_cases(args.op), device, progress=not args.no_progress)
+    print(format_table(rows))
+    failed = sum(not r.comparison.ok for r in rows)
+    print(f"{len(rows) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""Everything that differs between compiled Triton and ``TRITON_INTERPRET=1``, in one place.
+
+The interpreter (Triton 3.6 to 3.9 at least) runs kernels with NumPy and has defects that make a
+naive kernel silently wrong on a CPU (SPEC section 7). Each workaround below is named for what it
+does and is right in both modes, so a kernel calls it unconditionally:
+
+1. bf16 is held as raw 16-bit patterns, so arithmetic, comparisons and reductions on bf16 values
+   operate on the bits. ``x.to(tl.float32)`` is correct, so kernels upcast every loaded bf16
+   value before arithmetic (``.to(tl.float32)``, or ``.to(dot_dtype(...))`` for a dot operand).
+2. ``tl.dot`` of bf16 operands multiplies the bit patterns (triton-lang/triton#11584).
+   :func:`dot_dtype` gives the operand dtype: fp32 under the interpreter, the 16-bit type compiled.
+3. fp32 -> fp8 e4m3 drops the mantissa carry (31.6 -> 16) and rounds ties away from zero
+   (#8322, #11897). :func:`f32_to_e4m3_bits` is a software round-to-nearest-even encoder.
+4. fp32 -> bf16 is not round-to-nearest-even. :func:`f32_to_bf16_rne` rounds in software, and
+   :func:`cast_for_store` uses it for bf16 outputs under the interpreter only.
+
+``tests/test_interpreter.py`` shows each defect (skipped when compiled) and checks each workaround
+against torch bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Decided once, at import: triton.jit reads TRITON_INTERPRET when a kernel is decorated, and
+# triton_impl/__init__.py sets it on a machine without CUDA before any kernel module is imported.
+INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+_DOT_DTYPES = {
+    torch.bfloat16: tl.bfloat16,
+    torch.float16: tl.float16,
+    torch.float32: tl.float32,
+}
+
+
+def dot_dtype(dtype: torch.dtype) -> tl.dtype:
+    """Operand dtype for ``tl.dot`` on data of ``dtype``: fp32 under the interpreter (defect 2).
+
+    Compiled, bf16/fp16 operands feed the tensor cores (fp32 accumulation); an fp8 cache is
+    dequantized to the query's 16-bit type first, as upstream does, so pass the query dtype.
+    """
+    if bool(INTERPRET):
+        return tl.float32
+    if dtype not in _DOT_DTYPES:
+        raise TypeError(f"dot operands: expected one of {list(_DOT_DTYPES)}, got {dtype}")
+    return _DOT_DTYPES[dtype]
+
+
+@triton.jit
+def f32_to_bf16_rne(x):
+    """fp32 -> bf16, round to nearest even (overflow to +-inf), any NaN -> quiet NaN 0x7FC0."""
+    bits = x.to(tl.uint32, bitcast=True)
+    lsb = (bits >> 16) & 1
+    rounded = (bits + 0x7FFF + lsb) >> 16
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    out = tl.where(is_nan, 0x7FC0, rounded)
+    return out.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def f32_to_e4m3_bits(x, FNUZ: tl.constexpr):
+    """fp32 -> fp8 e4m3 code (uint8), round to nearest even, torch's overflow rules.
+
+    OCP ``float8_e4m3fn`` (bias 7, max 448): out-of-range values and +-inf saturate to +-448,
+    NaN -> 0x7F with its sign, -0 keeps its sign. FNUZ ``float8_e4m3fnuz`` (bias 8, max 240):
+    anything that rounds past 240, +-inf and NaN -> 0x80 (the only NaN), and -0 -> 0.
+
+    Integer arithmetic only, so it is exact compiled and interpreted. The significand is
+    shifted down to the target ulp (which is 2^(e-3) for normals and 2^(1-bias-3) for
+    subnormals) and rounded half to even; a carry out of the mantissa lands in the exponent field
+    because the code is ``(biased_exponent - 1) * 8 + significand``.
+    """
+    BIAS: tl.constexpr = 8 if FNUZ else 7
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31).to(tl.int32)
+    magnitude = bits & 0x7FFFFFFF
+    is_nan = magnitude > 0x7F800000
+    exp_field = (magnitude >> 23).to(tl.int32)
+    significand = (magnitude & 0x7FFFFF) | tl.where(exp_field > 0, 0x800000, 0).to(tl.uint32)
+    target_exp = exp_field - 127 + BIAS  # biased e4m3 exponent if x were normal there
+    shift = 20 + tl.maximum(1 - target_exp, 0)
+    shift = tl.minimum(shift, 31).to(tl.uint32)
+    kept = significand >> shift
+    rest = significand & ((1 << shift) - 1)
+    half = (1 << (shift - 1)).to(tl.uint32)
+    round_up = (rest > half) | ((rest == half) & ((kept & 1) == 1))
+    kept = kept + round_up.to(tl.uint32)
+    code = (tl.maximum(target_exp, 1) - 1) * 8 + kept.to(tl.int32)
+    if FNUZ:
+        code = tl.where(code > 0x7F, 0x80, code)
+        code = tl.where(is_nan, 0x80, code)
+        code = tl.where((code != 0) & (code != 0x80), code | (sign << 7), code)
+    else:
+        code = tl.minimum(code, 0x7E)
+        code = tl.where(is_nan, 0x7F, code)
+        code = code | (sign << 7)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def cast_for_store(x, OUT_DTYPE: tl.constexpr):
+    """Cast fp32 ``x`` to an output element type with round-to-nearest-even in both modes."""
+    if INTERPRET and OUT_DTYPE == tl.bfloat16:
+        return f32_to_bf16_rne(x)
+    return x.to(OUT_DTYPE)
