@@ -1,0 +1,247 @@
+"""LSE merge kernels: vLLM's two-state ``merge_attn_states`` and the N-way split merge.
+
+Twin of ``golden/lse_merge.py`` (SPEC section 1). ``merge_splits`` is stage 2 of every split-KV
+kernel in this package (``mla_verify``, ``decode_attention``, ``turboquant``): their stage 1
+writes every split slot of every row, an empty split as ``(0, -inf)``, so the merge needs no split
+boundaries and cannot read stale scratch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_impl.interpreter import cast_for_store
+from triton_impl.validation import check_tensor
+
+_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Launch configs as data. Both kernels are memory-bound: a program should move >= 4 KB so the
+# grid is not launch/tail-bound, and load 16 B per thread. Hopper numbers from the H200 sweep in
+# notebooks/bench (issue 7); until then they are the defaults below for every architecture.
+MERGE_CONFIGS: dict[str, dict[str, int]] = {
+    "default": {"MAX_BLOCK_HEADS_D": 4096, "num_warps": 4},
+}
+
+
+def _merge_config() -> dict[str, int]:
+    return MERGE_CONFIGS["default"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Two-state merge: output = merge(prefix, suffix), LSEs head-major [H, T].
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _merge_two_kernel(
+    out_ptr, out_lse_ptr, p_out_ptr, p_lse_ptr, s_out_ptr, s_lse_ptr,
+    num_heads, head_dim,
+    stride_out_t, stride_out_h,
+    stride_p_t, stride_p_h,
+    stride_s_t, stride_s_h,
+    stride_plse_h, stride_plse_t,
+    stride_slse_h, stride_slse_t,
+    stride_olse_h, stride_olse_t,
+    HAS_OUT_LSE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(T, cdiv(H, BLOCK_H))``: a program owns ``BLOCK_H`` heads of one token.
+
+    It reads the two LSEs of each head once, turns them into two weights in [0, 1] that sum to
+    1, and streams the ``[BLOCK_H, D]`` outputs through. A side of weight 0 is never multiplied
+    (its output may be NaN or garbage when its key set was empty).
+    """
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    head_ok = heads < num_heads
+    mask = head_ok[:, None] & (dims[None, :] < head_dim)
+
+    p_lse = tl.load(p_lse_ptr + heads * stride_plse_h + token * stride_plse_t, mask=head_ok, other=float("-inf"))
+    s_lse = tl.load(s_lse_ptr + heads * stride_slse_h + token * stride_slse_t, mask=head_ok, other=float("-inf"))
+    # +inf marks an empty set for some backends (FlashAttention-2): treat it as -inf.
+    p_lse = tl.where(p_lse == float("inf"), float("-inf"), p_lse)
+    s_lse = tl.where(s_lse == float("inf"), float("-inf"), s_lse)
+    m = tl.maximum(p_lse, s_lse)
+    empty = m == float("-inf")
+    m_safe = tl.where(empty, 0.0, m)
+    p_w = tl.exp(p_lse - m_safe)
+    s_w = tl.exp(s_lse - m_safe)
+    total = p_w + s_w
+    inv_total = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
+    p_scale = p_w * inv_total
+    s_scale = s_w * inv_total
+
+    p_out = tl.load(
+        p_out_ptr + token * stride_p_t + heads[:, None] * stride_p_h + dims[None, :],
+        mask=mask & (p_scale[:, None] > 0), other=0.0,
+    ).to(tl.float32)
+    s_out = tl.load(
+        s_out_ptr + token * stride_s_t + heads[:, None] * stride_s_h + dims[None, :],
+        mask=mask & (s_scale[:, None] > 0), other=0.0,
+    ).to(tl.float32)
+    merged = p_out * p_scale[:, None] + s_out * s_scale[:, None]
+    tl.store(
+        out_ptr + token * stride_out_t + heads[:, None] * stride_out_h + dims[None, :],
+        cast_for_store(merged, out_ptr.dtype.element_ty), mask=mask,
+    )
+    if HAS_OUT_LSE:
+        merged_lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
+        tl.store(out_lse_ptr + heads * stride_olse_h + token * stride_olse_t, merged_lse, mask=head_ok)
+
+
+def merge_attn_states(
+    output: torch.Tensor,
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    output_lse: torch.Tensor | None = None,
+) -> None:
+    """Merge two attention states per (token, head) into ``output`` (vLLM's signature).
+
+    ``M = max(p, s)``; ``o = o_p * e^(p-M)/W + o_s * e^(s-M)/W`` with ``W = e^(p-M) + e^(s-M)``;
+    ``lse = M + ln W``. ``+inf`` LSEs count as ``-inf``; both sides empty gives ``(0, -inf)``
+    (upstream's Triton kernel gives NaN there). Golden: ``golden.lse_merge.merge_two``.
+
+    Args:
+        output: ``[T, H, D]`` fp32/fp16/bf16, written.
+        prefix_output, suffix_output: ``[T, H, D]``, same dtype as ``output``.
+        prefix_lse, suffix_lse: ``[H, T]`` fp32 natural-log LSEs (head-major; strided views allowed).
+        output_lse: ``[H, T]`` fp32 or None, written when given.
+
+    Traffic: reads ``2*T*H*D`` outputs and ``2*T*H`` LSEs; writes ``T*H*D`` (+ ``T*H`` LSEs).
+    """
+    check_tensor("output", output, ndim=3, dtypes=_OUT_DTYPES)
+    num_tokens, num_heads, head_dim = output.shape
+    for name, t in (("prefix_output", prefix_output), ("suffix_output", suffix_output)):
+        check_tensor(name, t, shape=(num_tokens, num_heads, head_dim), dtypes=(output.dtype,), device=output.device)
+    for name, t in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse), ("output_lse", output_lse)):
+        if t is not None or name != "output_lse":
+            check_tensor(
+                name, t, shape=(num_heads, num_tokens), dtypes=(torch.float32,), device=output.device,
+                unit_last_stride=False,
+            )
+    if num_tokens == 0 or num_heads == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = max(1, min(triton.next_power_of_2(num_heads), _merge_config()["MAX_BLOCK_HEADS_D"] // block_d))
+    lse_out = output_lse if output_lse is not None else prefix_lse  # dummy pointer when absent
+    _merge_two_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        output, lse_out, prefix_output, prefix_lse, suffix_output, suffix_lse,
+        num_heads, head_dim,
+        output.stride(0), output.stride(1),
+        prefix_output.stride(0), prefix_output.stride(1),
+        suffix_output.stride(0), suffix_output.stride(1),
+        prefix_lse.stride(0), prefix_lse.stride(1),
+        suffix_lse.stride(0), suffix_lse.stride(1),
+        lse_out.stride(0), lse_out.stride(1),
+        HAS_OUT_LSE=output_lse is not None,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=_merge_config()["num_warps"],
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# N-way merge of split partials: stage 2 of split-KV attention.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partials_ptr, o_ptr, lse_ptr,
+    num_heads, num_splits, head_dim,
+    stride_p_r, stride_p_h, stride_p_s,
+    stride_o_r, stride_o_h,
+    stride_lse_r, stride_lse_h,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(rows, H)``: a program merges the ``S`` split states of one (row, head).
+
+    Pass 1 reads the ``S`` LSEs (stored at column ``D`` of each split) and takes their max; pass 2
+    streams ``BLOCK_S`` splits at a time, weighting each normalized partial by
+    ``exp(lse_s - max)``. Splits with ``lse = -inf`` are empty: their outputs are never loaded.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    base = partials_ptr + row * stride_p_r + head * stride_p_h
+    dims = tl.arange(0, BLOCK_D)
+    splits = tl.arange(0, BLOCK_S)
+
+    m = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    for start in range(0, num_splits, BLOCK_S):
+        s = start + splits
+        lse_s = tl.load(base + s * stride_p_s + head_dim, mask=s < num_splits, other=float("-inf"))
+        m = tl.maximum(m, tl.where(lse_s == float("inf"), float("-inf"), lse_s))
+    m_all = tl.max(m, axis=0)
+    empty = m_all == float("-inf")
+    m_safe = tl.where(empty, 0.0, m_all)
+
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    total = tl.zeros((BLOCK_S,), tl.float32)
+    for start in range(0, num_splits, BLOCK_S):
+        s = start + splits
+        lse_s = tl.load(base + s * stride_p_s + head_dim, mask=s < num_splits, other=float("-inf"))
+        w = tl.exp(tl.where(lse_s == float("inf"), float("-inf"), lse_s) - m_safe)
+        part = tl.load(
+            base + s[:, None] * stride_p_s + dims[None, :],
+            mask=(w[:, None] > 0) & (dims[None, :] < head_dim), other=0.0,
+        )
+        acc += tl.sum(part * w[:, None], axis=0)
+        total += w
+    w_sum = tl.sum(total, axis=0)
+    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, w_sum))
+    tl.store(o_ptr + row * stride_o_r + head * stride_o_h + dims, cast_for_store(acc * inv, o_ptr.dtype.element_ty),
+             mask=dims < head_dim)
+    merged_lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, w_sum)))
+    tl.store(lse_ptr + row * stride_lse_r + head * stride_lse_h, cast_for_store(merged_lse, lse_ptr.dtype.element_ty))
+
+
+def merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge the ``S`` split states of every (row, head): stage 2 of split-KV attention.
+
+    ``partials[r, h, s, :D]`` is split ``s``'s normalized output and ``partials[r, h, s, D]`` its
+    natural-log LSE (``-inf`` for an empty split, whose outputs are then never read). Result as
+    ``golden.lse_merge.merge_states``: all splits empty gives ``(0, -inf)``.
+
+    Args:
+        partials: ``[R, H, S, D+1]`` fp32 (any strides, unit last stride).
+        o: ``[R, H, D]`` fp32/fp16/bf16, written.
+        lse: ``[R, H]`` fp32 (or the model dtype, as serving passes it), written.
+
+    Traffic: reads ``R*H*S`` LSEs and at most ``R*H*S*D`` partials (empty splits are skipped);
+    writes ``R*H*(D+1)``.
+    """
+    check_tensor("partials", partials, ndim=4, dtypes=(torch.float32,))
+    rows, num_heads, num_splits, width = partials.shape
+    head_dim = width - 1
+    check_tensor("o", o, shape=(rows, num_heads, head_dim), dtypes=_OUT_DTYPES, device=partials.device)
+    check_tensor("lse", lse, shape=(rows, num_heads), dtypes=_OUT_DTYPES, device=partials.device,
+                 unit_last_stride=False)
+    if num_splits < 1:
+        raise ValueError(f"partials: expected at least one split, got shape {list(partials.shape)}")
+    _launch_merge_splits(partials, o, lse)
+
+
+def _launch_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """``merge_splits`` without the checks, for stage 2 of kernels that validated already."""
+    rows, num_heads, num_splits, width = partials.shape
+    if rows == 0 or num_heads == 0:
+        return
+    block_d = triton.next_power_of_2(width - 1)
+    block_s = max(1, min(triton.next_power_of_2(num_splits), _merge_config()["MAX_BLOCK_HEADS_D"] // block_d))
+    _merge_splits_kernel[(rows, num_heads)](
+        partials, o, lse,
+        num_heads, num_splits, width - 1,
+        partials.stride(0), partials.stride(1), partials.stride(2),
+        o.stride(0), o.stride(1),
+        lse.stride(0), lse.stride(1),
+        BLOCK_S=block_s,
+        BLOCK_D=block_d,
+        num_warps=_merge_config()["num_warps"],
+    )  # fmt: skip
