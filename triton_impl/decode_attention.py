@@ -1,0 +1,445 @@
+"""Split-KV decode attention over a paged KV cache: MLA and GQA/MHA, sliding window, logit cap, FP8.
+
+Twin of ``golden/decode_attention.py`` (SPEC section 3), with vLLM's ``decode_attention_fwd``
+signature. Every query row has its own extent ``b_seq_len[r]`` and block-table row
+``req_to_token[r]``; multi-token decode is served by flattening (:func:`expand_decode_rows`).
+
+Two stages. Stage 1 (:func:`_decode_stage1_kernel`) cuts each row's visible keys ``[lo, n)`` into
+``S`` splits (window-aware: ``lo = max(0, n - W)``) and writes every split's normalized partial
+output and natural-log LSE into ``attn_logits[r, h, s, :Lv]`` / ``[..., Lv]``, an empty split as
+``(0, -inf)``. Stage 2 is ``triton_impl.lse_merge.merge_splits``; because every slot is written it
+needs no split boundaries, so stage 1 is the only place the window shapes the partition. With
+``S == 1`` stage 1 writes ``o``/``lse`` directly, and a row's result depends on nothing but that
+row (batch invariance, bit for bit).
+
+Also here: vLLM's serving helpers ``_compute_num_kv_splits`` and :func:`expand_decode_rows`, and
+decode context parallelism over ``torch.distributed`` (:func:`decode_attention_dcp`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_impl.interpreter import cast_for_store, dot_dtype
+from triton_impl.lse_merge import _launch_merge_splits
+from triton_impl.validation import (
+    check_block_table,
+    check_positive,
+    check_power_of_two,
+    check_tensor,
+)
+
+_Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LOG2E = tl.constexpr(1.4426950408889634)  # softmax in base 2: exp(x) = exp2(x * log2 e)
+_LN2 = tl.constexpr(0.6931471805599453)  # the stored LSE is natural-log: ln(x) = log2(x) * ln 2
+
+# vLLM serving constants of `_compute_num_kv_splits` (vllm/v1/attention/backends/mla/triton_mla.py).
+_MIN_WORK_PER_SPLIT = 512
+_SPLIT_OCCUPANCY_MULTIPLIER = 2
+
+# Launch configs as data, keyed by GPU architecture ("sm90" = Hopper), then by cache kind.
+# BLOCK_H query heads share one K/V tile (tl.dot needs M >= 16); BLOCK_N keys per tile. The
+# "default" numbers are upstream vLLM's CUDA choices for this kernel (BLOCK_N 32, BLOCK_H 16,
+# 4 warps, 2 stages; 1 stage when the latent tile is >= 1024 wide); the Hopper entry starts from
+# them until the H200 sweep (issue 7) replaces it. The config never depends on the batch, so
+# the summation order of a row does not either (batch invariance with one split).
+DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
+    "default": {
+        "mla": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
+        "gqa": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
+    },
+    "sm90": {
+        "mla": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
+        "gqa": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
+    },
+}
+
+
+def _gpu_arch(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "default"
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = f"sm{major}{minor}"
+    return arch if arch in DECODE_CONFIGS else "default"
+
+
+def select_decode_config(device: torch.device, is_mla: bool, block_dv: int) -> dict[str, int]:
+    """The launch config for a cache kind on a device (never a function of the batch)."""
+    config = dict(DECODE_CONFIGS[_gpu_arch(device)]["mla" if is_mla else "gqa"])
+    if block_dv >= 1024:
+        config["num_stages"] = 1  # a second stage of 1024-wide tiles does not fit in shared memory
+    return config
+
+
+# ----------------------------------------------------------------------------------------------
+# Serving helpers (TritonMLAImpl.forward_mqa).
+# ----------------------------------------------------------------------------------------------
+
+
+def _compute_num_kv_splits(max_seq_len: int, sm_count: int, sliding_window: int | None = None) -> int:
+    """vLLM's split count: ``min(next_pow2(max(1, L // 512)), 2 * sm_count)``.
+
+    ``L`` is ``max_seq_len`` clamped to the sliding window first (a windowed row never sees more
+    than ``W`` keys). Examples: 1023 -> 1, 1024 -> 2, 5000 -> 16; with ``W = 1024``, 5000 -> 2.
+    The result ignores batch size and heads, as upstream does.
+    """
+    if max_seq_len < 0:
+        raise ValueError(f"max_seq_len: expected >= 0, got {max_seq_len}")
+    check_positive("sm_count", sm_count)
+    if sliding_window is not None and sliding_window < 0:
+        raise ValueError(f"sliding_window: expected None, 0 or a positive int, got {sliding_window}")
+    if sliding_window:
+        max_seq_len = min(max_seq_len, sliding_window)
+    ideal = triton.next_power_of_2(max(1, max_seq_len // _MIN_WORK_PER_SPLIT))
+    return min(ideal, _SPLIT_OCCUPANCY_MULTIPLIER * sm_count)
+
+
+def expand_decode_rows(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, query_len: int, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten multi-token decode to one row per query token, as ``forward_mqa`` does.
+
+    Request ``b`` becomes rows ``b*Q .. b*Q + Q - 1`` with its block-table row repeated; causal
+    extents ``clamp(L_b - (Q-1) + t, 0)``, non-causal extents ``L_b``. No host synchronization
+    (CUDA-graph safe). Golden: ``golden.decode_attention.expand_decode_rows``.
+
+    Args:
+        block_table: ``[B, max_pages]`` int32/int64.
+        seq_lens: ``[B]`` int32/int64.
+        query_len: ``Q >= 1``; ``Q == 1`` returns the inputs unchanged.
+        causal: per-row causal extents, or ``L_b`` for every row.
+
+    Returns:
+        ``(block_table [B*Q, max_pages], seq_lens [B*Q])``.
+
+    Traffic: reads ``B*(max_pages + 1)`` ints; writes ``Q`` times that.
+    """
+    check_tensor("block_table", block_table, ndim=2, dtypes=_INDEX_DTYPES, unit_last_stride=False)
+    check_tensor("seq_lens", seq_lens, shape=(block_table.shape[0],), dtypes=_INDEX_DTYPES,
+                 device=block_table.device, unit_last_stride=False)  # fmt: skip
+    check_positive("query_len", query_len)
+    if query_len == 1:
+        return block_table, seq_lens
+    block_table = block_table.repeat_interleave(query_len, dim=0)
+    if not causal:
+        return block_table, seq_lens.repeat_interleave(query_len)
+    offsets = torch.arange(1 - query_len, 1, device=seq_lens.device, dtype=seq_lens.dtype)
+    return block_table, (seq_lens[:, None] + offsets[None, :]).flatten().clamp(min=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 1.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x):
+    # tl has no tanh that runs compiled and interpreted alike; tanh(x) = 2 sigmoid(2x) - 1.
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
+    sm_scale, logit_cap, sliding_window, num_kv_splits,
+    stride_q_r, stride_q_h,
+    stride_k_page, stride_k_tok, stride_k_head,
+    stride_v_page, stride_v_tok, stride_v_head,
+    stride_o_r, stride_o_h,
+    stride_lse_r, stride_lse_h,
+    stride_p_r, stride_p_h, stride_p_s,
+    stride_t_r, stride_t_p, stride_sl,
+    GROUP: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    LK: tl.constexpr,
+    LV: tl.constexpr,
+    D_FIRST: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    IS_MLA: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(R, HKV * HEAD_BLOCKS, S)``: a program owns one split of one row for ``BLOCK_H`` of
+    the ``GROUP`` query heads that share one KV head.
+
+    The query tile ``[BLOCK_H, Lk]`` is loaded once. Each K tile ``[BLOCK_N, Lk]`` (and V tile, or
+    for MLA the first ``Lv`` columns of the same K tile) is read once and serves all ``BLOCK_H``
+    heads through ``tl.dot``. Keys are addressed one by one through the block table (64-bit page
+    offsets, page stride from the tensor), so split starts need no alignment. The key columns
+    are read as two pieces, ``[0, D_FIRST)`` and ``[D_FIRST, Lk)``: for MLA the first piece is the
+    latent ``[0, Lv)`` that is also V and the second the rope part; for GQA the first piece is all
+    of K. Online softmax in base 2 (``sm_scale * log2 e``); the stored LSE is natural-log.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_head = pid_h // HEAD_BLOCKS
+    in_group = (pid_h % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = in_group < GROUP
+    heads = kv_head * GROUP + in_group
+
+    # This row's split [start, end) of its visible keys [lo, n): golden.decode_attention.split_bounds.
+    n = tl.maximum(tl.load(seq_lens_ptr + row * stride_sl).to(tl.int32), 0)
+    lo = tl.where(sliding_window > 0, tl.maximum(n - sliding_window, 0), 0)
+    chunk = tl.cdiv(n - lo, num_kv_splits)
+    start = tl.minimum(lo + split * chunk, n)
+    end = tl.minimum(start + chunk, n)
+
+    d1 = tl.arange(0, BLOCK_D)
+    d1_ok = d1 < D_FIRST
+    dv = tl.arange(0, BLOCK_DV)
+    dv_ok = dv < LV
+    q_rows = q_ptr + row * stride_q_r + heads[:, None].to(tl.int64) * stride_q_h
+    q1 = tl.load(q_rows + d1[None, :], mask=head_ok[:, None] & d1_ok[None, :], other=0.0).to(DOT_DTYPE)
+    if BLOCK_DPE > 0:
+        dpe = tl.arange(0, BLOCK_DPE)
+        dpe_ok = dpe < LK - D_FIRST
+        q2 = tl.load(q_rows + D_FIRST + dpe[None, :], mask=head_ok[:, None] & dpe_ok[None, :], other=0.0)
+        q2 = q2.to(DOT_DTYPE)
+
+    # FP8 codes are exact in bf16/fp16, so the tiles go to the dot undequantized and the scales
+    # act on fp32 results: k_scale on the scores, v_scale on the output (for MLA, V is K: k_scale).
+    qk_scale = sm_scale
+    out_scale = 1.0
+    if IS_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr).to(tl.float32)
+        if IS_MLA:
+            out_scale = tl.load(k_scale_ptr).to(tl.float32)
+        else:
+            out_scale = tl.load(v_scale_ptr).to(tl.float32)
+    if not HAS_CAP:
+        qk_scale = qk_scale * _LOG2E
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        toks = tile + tl.arange(0, BLOCK_N)
+        tok_ok = toks < end
+        page = tl.load(table_ptr + row * stride_t_r + (toks // PAGE_SIZE) * stride_t_p, mask=tok_ok, other=0)
+        slot = (toks % PAGE_SIZE).to(tl.int64)
+        k_rows = k_ptr + page.to(tl.int64) * stride_k_page + slot * stride_k_tok + kv_head * stride_k_head
+        k1 = tl.load(k_rows[:, None] + d1[None, :], mask=tok_ok[:, None] & d1_ok[None, :], other=0.0)
+        k1 = k1.to(DOT_DTYPE)
+        qk = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+        if BLOCK_DPE > 0:
+            k2 = tl.load(k_rows[:, None] + D_FIRST + dpe[None, :], mask=tok_ok[:, None] & dpe_ok[None, :], other=0.0)
+            k2 = k2.to(DOT_DTYPE)
+            qk += tl.dot(q2, tl.trans(k2), input_precision="ieee")
+        qk = qk * qk_scale
+        if HAS_CAP:
+            qk = logit_cap * _tanh(qk / logit_cap) * _LOG2E
+        qk = tl.where(tok_ok[None, :], qk, float("-inf"))
+
+        # Every tile holds at least one key of [start, end), so m_new is finite (finite data).
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IS_MLA:
+            v = k1  # BLOCK_D == BLOCK_DV and D_FIRST == LV: the latent tile is V
+        else:
+            v_rows = v_ptr + page.to(tl.int64) * stride_v_page + slot * stride_v_tok + kv_head * stride_v_head
+            v = tl.load(v_rows[:, None] + dv[None, :], mask=tok_ok[:, None] & dv_ok[None, :], other=0.0)
+            v = v.to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+        m_i = m_new
+
+    # An empty split is the neutral state (0, -inf): stage 2 then needs no boundaries.
+    empty = end <= start
+    out = tl.where(empty, 0.0, acc * (out_scale / tl.where(empty, 1.0, l_i))[:, None])
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * _LN2)
+    store_mask = head_ok[:, None] & dv_ok[None, :]
+    head_offs = heads.to(tl.int64)
+    if SINGLE_SPLIT:
+        o_rows = o_ptr + row * stride_o_r + head_offs[:, None] * stride_o_h
+        tl.store(o_rows + dv[None, :], cast_for_store(out, o_ptr.dtype.element_ty), mask=store_mask)
+        lse_out = lse_ptr + row * stride_lse_r + head_offs * stride_lse_h
+        tl.store(lse_out, cast_for_store(lse, lse_ptr.dtype.element_ty), mask=head_ok)
+    else:
+        p_rows = part_ptr + row * stride_p_r + head_offs * stride_p_h + split * stride_p_s
+        tl.store(p_rows[:, None] + dv[None, :], out, mask=store_mask)
+        tl.store(p_rows + LV, lse, mask=head_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public wrapper.
+# ----------------------------------------------------------------------------------------------
+
+
+def _paged_strides(name: str, buf: torch.Tensor, page_size: int) -> tuple[int, int, int, int]:
+    """``(num_pages, page_stride, token_stride, head_stride)`` of a 3-D or 4-D cache.
+
+    The page stride is read from the tensor: a per-layer view into a cross-layer cache has a
+    larger one than ``page_size * token_stride``.
+    """
+    if buf.dim() == 4:
+        if buf.shape[1] != page_size:
+            raise ValueError(f"{name}: expected [num_pages, {page_size}, HKV, D], got {list(buf.shape)}")
+        return buf.shape[0], buf.stride(0), buf.stride(1), buf.stride(2)
+    if buf.shape[0] % page_size:
+        raise ValueError(f"{name}: {buf.shape[0]} tokens is not a multiple of page_size={page_size}")
+    return buf.shape[0] // page_size, buf.stride(0) * page_size, buf.stride(0), buf.stride(1)
+
+
+def _check_scale(name: str, scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    if scale is None:
+        return torch.ones((), dtype=torch.float32, device=device)
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or not scale.is_floating_point():
+        raise TypeError(f"{name}: expected a one-element float tensor or None, got {scale!r}")
+    if scale.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {scale.device}")
+    return scale
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    req_to_token: torch.Tensor,
+    b_seq_len: torch.Tensor,
+    attn_logits: torch.Tensor | None,
+    num_kv_splits: int,
+    sm_scale: float,
+    page_size: int,
+    logit_cap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    is_mla: bool = False,
+    sliding_window: int | None = None,
+) -> None:
+    """Split-KV decode attention, one KV extent and block-table row per query row (vLLM signature).
+
+    Row ``r`` sees keys ``[lo, n)``, ``n = b_seq_len[r]``, ``lo = max(0, n - W)`` with a window;
+    ``s = sm_scale * q . K`` (then ``cap * tanh(s / cap)`` when ``logit_cap > 0``);
+    ``o = softmax(s) @ V``, ``lse = ln sum exp s``. Rows with no key get ``(0, -inf)``.
+    Golden: ``golden.decode_attention.decode_attention`` (stage 1 alone:
+    ``decode_attention_splits``). Paper: papers.md#decode-attention.
+
+    Args:
+        q: ``[R, H, Lk]`` bf16/fp16/fp32 (unit last stride; row and head strides free).
+        k_buffer: ``[num_pages, page_size, HKV, Lk]`` (any page stride, e.g. a cross-layer view) or
+            ``[num_pages * page_size, HKV, Lk]``; the query dtype or ``float8_e4m3fn``.
+        v_buffer: like ``k_buffer`` with width ``Lv``, same dtype. MLA: a view ``k_buffer[..., :Lv]``,
+            of which only the width is used (V is read from the K tile).
+        o: ``[R, H, Lv]`` fp32/fp16/bf16, written.
+        lse: ``[R, H]`` fp32 (or fp16/bf16 as serving passes it), written, natural-log.
+        req_to_token: ``[R, max_pages]`` int32/int64 block table (any strides); entries covering
+            ``[0, n)`` must address a page, the rest are never read.
+        b_seq_len: ``[R]`` int32/int64 extents (``<= 0``: empty row).
+        attn_logits: ``[R, H, S, Lv+1]`` fp32 split scratch, or None when ``S == 1``.
+        num_kv_splits: ``S >= 1``; splits cover the visible window, so ``S`` past the window length
+            only adds empty splits.
+        sm_scale: softmax scale. page_size: tokens per page.
+        logit_cap: ``0`` (none) or ``> 0``.
+        k_scale, v_scale: one-element fp32 tensors dequantizing an FP8 cache, or None (1); ignored
+            for a 16-bit cache; MLA's V uses ``k_scale`` (it is part of K).
+        is_mla: one latent KV head, V = first ``Lv`` columns of K; ``Lv`` and ``Lk - Lv`` powers of
+            two (``Lk - Lv = 0`` allowed).
+        sliding_window: ``W > 0`` keys (the row's last key included) or ``None``/``0``.
+
+    Traffic: reads ``R*H*Lk`` query elements and per row its ``n - lo`` visible keys once per KV
+    head (``Lk`` cache elements each for MLA, ``Lk + Lv`` for GQA; MLA with ``H > BLOCK_H`` re-reads
+    them per head block, from L2); with ``S > 1`` writes and re-reads ``R*H*S*(Lv+1)`` fp32
+    partials; writes ``R*H*Lv`` + ``R*H`` outputs.
+    """
+    check_tensor("q", q, ndim=3, dtypes=_Q_DTYPES)
+    num_rows, num_heads, key_width = q.shape
+    device = q.device
+    cache_dtypes = (q.dtype, torch.float8_e4m3fn)
+    check_tensor("k_buffer", k_buffer, ndim=(3, 4), dtypes=cache_dtypes, device=device)
+    check_tensor("v_buffer", v_buffer, ndim=k_buffer.dim(), dtypes=(k_buffer.dtype,), device=device)
+    check_positive("page_size", page_size)
+    check_positive("num_kv_splits", num_kv_splits)
+    num_pages, stride_k_page, stride_k_tok, stride_k_head = _paged_strides("k_buffer", k_buffer, page_size)
+    _, stride_v_page, stride_v_tok, stride_v_head = _paged_strides("v_buffer", v_buffer, page_size)
+    if k_buffer.shape[-1] != key_width:
+        raise ValueError(f"k_buffer: expected key width {key_width} (q's), got {k_buffer.shape[-1]}")
+    num_kv_heads, value_width = k_buffer.shape[-2], v_buffer.shape[-1]
+    if v_buffer.shape[:-1] != k_buffer.shape[:-1]:
+        raise ValueError(f"v_buffer: expected shape {[*k_buffer.shape[:-1], value_width]}, got {list(v_buffer.shape)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q: {num_heads} query heads is not a multiple of k_buffer's {num_kv_heads} KV heads")
+    if is_mla:
+        if num_kv_heads != 1:
+            raise ValueError(f"k_buffer: MLA expects one latent KV head, got {num_kv_heads}")
+        if value_width > key_width:
+            raise ValueError(f"v_buffer: MLA value width {value_width} exceeds the key width {key_width}")
+        check_power_of_two("v_buffer width (MLA Lv)", value_width)
+        check_power_of_two("rope width (MLA Lk - Lv)", key_width - value_width, allow_zero=True)
+    check_tensor("o", o, shape=(num_rows, num_heads, value_width), dtypes=_OUT_DTYPES, device=device)
+    check_tensor("lse", lse, shape=(num_rows, num_heads), dtypes=_OUT_DTYPES, device=device, unit_last_stride=False)
+    check_tensor("req_to_token", req_to_token, ndim=2, dtypes=_INDEX_DTYPES, device=device, unit_last_stride=False)
+    if req_to_token.shape[0] != num_rows:
+        raise ValueError(f"req_to_token: expected {num_rows} rows (q's), got {req_to_token.shape[0]}")
+    check_tensor("b_seq_len", b_seq_len, shape=(num_rows,), dtypes=_INDEX_DTYPES, device=device, unit_last_stride=False)
+    single = num_kv_splits == 1
+    if not single:
+        check_tensor("attn_logits", attn_logits, shape=(num_rows, num_heads, num_kv_splits, value_width + 1),
+                     dtypes=(torch.float32,), device=device)  # fmt: skip
+    if not isinstance(logit_cap, (int, float)) or not logit_cap >= 0:
+        raise ValueError(f"logit_cap: expected a float >= 0, got {logit_cap!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 0):
+        raise ValueError(f"sliding_window: expected None, 0 or a positive int, got {sliding_window!r}")
+    k_scale = _check_scale("k_scale", k_scale, device)
+    v_scale = _check_scale("v_scale", v_scale, device)
+    check_block_table("req_to_token", req_to_token, b_seq_len, page_size, num_pages)
+    if num_rows == 0 or num_heads == 0:
+        return
+
+    block_dv = max(16, triton.next_power_of_2(value_width))
+    d_first = value_width if is_mla else key_width
+    block_d = block_dv if is_mla else max(16, triton.next_power_of_2(key_width))
+    rope_width = key_width - d_first
+    block_dpe = max(16, triton.next_power_of_2(rope_width)) if rope_width else 0
+    config = select_decode_config(device, is_mla, block_dv)
+    group = num_heads // num_kv_heads
+    block_h = min(config["BLOCK_H"], max(16, triton.next_power_of_2(group)))
+    head_blocks = triton.cdiv(group, block_h)
+    part = o if single else attn_logits  # a dummy pointer when stage 1 writes o directly
+    part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]
+    grid = (num_rows, num_kv_heads * head_blocks, num_kv_splits)
+    _decode_stage1_kernel[grid](
+        q, k_buffer, v_buffer, o, lse, part, req_to_token, b_seq_len, k_scale, v_scale,
+        float(sm_scale), float(logit_cap), int(sliding_window or 0), num_kv_splits,
+        q.stride(0), q.stride(1),
+        stride_k_page, stride_k_tok, stride_k_head,
+        stride_v_page, stride_v_tok, stride_v_head,
+        o.stride(0), o.stride(1),
+        lse.stride(0), lse.stride(1),
+        *part_strides,
+        req_to_token.stride(0), req_to_token.stride(1), b_seq_len.stride(0),
+        GROUP=group,
+        HEAD_BLOCKS=head_blocks,
+        LK=key_width,
+        LV=value_width,
+        D_FIRST=d_first,
+        PAGE_SIZE=page_size,
+        IS_MLA=is_mla,
+        IS_FP8=k_buffer.dtype == torch.float8_e4m3fn,
+        HAS_CAP=logit_cap > 0,
+        SINGLE_SPLIT=single,
+        BLOCK_H=block_h,
+        BLOCK_N=config["BLOCK_N"],
+        BLOCK_D=block_d,
+        BLOCK_DPE=block_dpe,
+        BLOCK_DV=block_dv,
+        DOT_DTYPE=dot_dtype(q.dtype),
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )  # fmt: skip
+    if not single:
+        _launch_merge_splits(attn_logits, o, lse)
