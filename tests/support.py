@@ -35,7 +35,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, key: tuple[str, s
     """Assert against the tolerance table entry ``(op, output, dtype)`` (or an explicit Tolerance)."""
     tol = key if isinstance(key, Tolerance) else tolerance(*key)
     cmp = compare(actual, expected, tol)
-    assert cmp.ok, f"max abs {cmp.max_abs:.3e}, max rel {cmp.max_rel:.3e} vs atol {tol.atol:g} rtol {tol.rtol:g}: {cmp.detail}"
+    assert cmp.ok, (
+        f"max abs {cmp.max_abs:.3e}, max rel {cmp.max_rel:.3e} vs atol {tol.atol:g} rtol {tol.rtol:g}: {cmp.detail}"
+    )
 
 
 def fails_tolerance(actual: torch.Tensor, expected: torch.Tensor, key: tuple[str, str, object] | Tolerance) -> bool:
@@ -96,7 +98,7 @@ def paged_cache(
     pages_per_req = [(n + page_size - 1) // page_size for n in seq_lens]
     num_pages = sum(pages_per_req) + spare_pages
     order = torch.randperm(num_pages, generator=gen) if shuffle else torch.arange(num_pages)
-    max_pages = max(pages_per_req + [0]) + extra_columns
+    max_pages = max([*pages_per_req, 0]) + extra_columns
     table = torch.full((len(seq_lens), max_pages), 2**30 + 7, dtype=torch.int32)
     nxt = 0
     for b, n_pages in enumerate(pages_per_req):

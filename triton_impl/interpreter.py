@@ -104,6 +104,6 @@ def f32_to_e4m3_bits(x, FNUZ: tl.constexpr):
 @triton.jit
 def cast_for_store(x, OUT_DTYPE: tl.constexpr):
     """Cast fp32 ``x`` to an output element type with round-to-nearest-even in both modes."""
-    if INTERPRET and OUT_DTYPE == tl.bfloat16:
+    if INTERPRET and tl.bfloat16 == OUT_DTYPE:
         return f32_to_bf16_rne(x)
     return x.to(OUT_DTYPE)

@@ -77,16 +77,19 @@ def _merge_two_kernel(
 
     p_out = tl.load(
         p_out_ptr + token * stride_p_t + heads[:, None] * stride_p_h + dims[None, :],
-        mask=mask & (p_scale[:, None] > 0), other=0.0,
+        mask=mask & (p_scale[:, None] > 0),
+        other=0.0,
     ).to(tl.float32)
     s_out = tl.load(
         s_out_ptr + token * stride_s_t + heads[:, None] * stride_s_h + dims[None, :],
-        mask=mask & (s_scale[:, None] > 0), other=0.0,
+        mask=mask & (s_scale[:, None] > 0),
+        other=0.0,
     ).to(tl.float32)
     merged = p_out * p_scale[:, None] + s_out * s_scale[:, None]
     tl.store(
         out_ptr + token * stride_out_t + heads[:, None] * stride_out_h + dims[None, :],
-        cast_for_store(merged, out_ptr.dtype.element_ty), mask=mask,
+        cast_for_store(merged, out_ptr.dtype.element_ty),
+        mask=mask,
     )
     if HAS_OUT_LSE:
         merged_lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
@@ -122,7 +125,11 @@ def merge_attn_states(
     for name, t in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse), ("output_lse", output_lse)):
         if t is not None or name != "output_lse":
             check_tensor(
-                name, t, shape=(num_heads, num_tokens), dtypes=(torch.float32,), device=output.device,
+                name,
+                t,
+                shape=(num_heads, num_tokens),
+                dtypes=(torch.float32,),
+                device=output.device,
                 unit_last_stride=False,
             )
     if num_tokens == 0 or num_heads == 0:
@@ -190,14 +197,18 @@ def _merge_splits_kernel(
         w = tl.exp(tl.where(lse_s == float("inf"), float("-inf"), lse_s) - m_safe)
         part = tl.load(
             base + s[:, None] * stride_p_s + dims[None, :],
-            mask=(w[:, None] > 0) & (dims[None, :] < head_dim), other=0.0,
+            mask=(w[:, None] > 0) & (dims[None, :] < head_dim),
+            other=0.0,
         )
         acc += tl.sum(part * w[:, None], axis=0)
         total += w
     w_sum = tl.sum(total, axis=0)
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, w_sum))
-    tl.store(o_ptr + row * stride_o_r + head * stride_o_h + dims, cast_for_store(acc * inv, o_ptr.dtype.element_ty),
-             mask=dims < head_dim)
+    tl.store(
+        o_ptr + row * stride_o_r + head * stride_o_h + dims,
+        cast_for_store(acc * inv, o_ptr.dtype.element_ty),
+        mask=dims < head_dim,
+    )
     merged_lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, w_sum)))
     tl.store(lse_ptr + row * stride_lse_r + head * stride_lse_h, cast_for_store(merged_lse, lse_ptr.dtype.element_ty))
 
@@ -221,8 +232,9 @@ def merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> 
     rows, num_heads, num_splits, width = partials.shape
     head_dim = width - 1
     check_tensor("o", o, shape=(rows, num_heads, head_dim), dtypes=_OUT_DTYPES, device=partials.device)
-    check_tensor("lse", lse, shape=(rows, num_heads), dtypes=_OUT_DTYPES, device=partials.device,
-                 unit_last_stride=False)
+    check_tensor(
+        "lse", lse, shape=(rows, num_heads), dtypes=_OUT_DTYPES, device=partials.device, unit_last_stride=False
+    )
     if num_splits < 1:
         raise ValueError(f"partials: expected at least one split, got shape {list(partials.shape)}")
     _launch_merge_splits(partials, o, lse)

@@ -39,10 +39,11 @@ def check_tensor(
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if t.dim() not in allowed:
             raise ValueError(f"{name}: expected rank {' or '.join(map(str, allowed))}, got shape {tuple(t.shape)}")
-    if shape is not None:
-        if t.dim() != len(shape) or any(e is not None and e != a for e, a in zip(shape, t.shape)):
-            want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
-            raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if shape is not None and (
+        t.dim() != len(shape) or any(e is not None and e != a for e, a in zip(shape, t.shape))
+    ):
+        want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
     if dtypes is not None:
         allowed_dtypes = tuple(dtypes)
         if t.dtype not in allowed_dtypes:
@@ -83,8 +84,7 @@ def check_block_table(
     used_pages = (seq_lens.to(torch.int64).clamp(min=0) + page_size - 1) // page_size
     if int(used_pages.max().item()) > block_table.shape[1]:
         raise ValueError(
-            f"{name}: a row needs {int(used_pages.max().item())} pages but the table has "
-            f"{block_table.shape[1]} columns"
+            f"{name}: a row needs {int(used_pages.max().item())} pages but the table has {block_table.shape[1]} columns"
         )
     cols = torch.arange(block_table.shape[1], device=block_table.device)
     read = cols[None, :] < used_pages[:, None].to(block_table.device)
@@ -93,6 +93,5 @@ def check_block_table(
     if bool(bad.any()):
         row, col = (int(i) for i in bad.nonzero()[0])
         raise ValueError(
-            f"{name}: entry [{row}, {col}] = {int(entries[row, col])} is outside the cache's "
-            f"{num_pages} pages"
+            f"{name}: entry [{row}, {col}] = {int(entries[row, col])} is outside the cache's {num_pages} pages"
         )

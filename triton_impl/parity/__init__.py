@@ -84,7 +84,11 @@ def run_cases(cases: Sequence[Case], device: torch.device, progress: bool = True
         checks = case.run(device)
         seconds = time.perf_counter() - start
         for check in checks:
-            cmp = exact(check.actual, check.expected) if check.tol is None else compare(check.actual, check.expected, check.tol)
+            cmp = (
+                exact(check.actual, check.expected)
+                if check.tol is None
+                else compare(check.actual, check.expected, check.tol)
+            )
             rows.append(Row(case.op, case.name, check.output, cmp, check.tol, seconds))
     if progress:
         sys.stderr.write(f"\r[{'#' * 30}] {len(cases)}/{len(cases)} done{' ' * 50}\n")
@@ -103,7 +107,7 @@ def format_table(rows: Sequence[Row]) -> str:
             err_abs, err_rel = f"{r.comparison.max_abs:.3e}", f"{r.comparison.max_rel:.3e}"
         body.append((r.op, r.case, r.output, err_abs, err_rel, tol, "PASS" if r.comparison.ok else "FAIL"))
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
-    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
     out = [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     out.extend(line(b) for b in body)
     return "\n".join(out)

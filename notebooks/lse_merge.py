@@ -1,0 +1,155 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # LSE merge: why split-KV attention is exact
+#
+# Attention of one query row over a key set is a softmax-weighted average. Decode kernels cut a
+# long key set into splits, attend to each split in parallel, and merge the partial results.
+# This notebook shows why the merge is exact when every partial carries its **log-sum-exp**
+# (LSE), what the online softmax inside a kernel does, and what goes wrong when the LSE is
+# stored in bf16 or mixed up with base 2. Ops come from `golden/lse_merge.py` and
+# `triton_impl/lse_merge.py` (papers.md#lse-merge).
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import torch
+
+import triton_impl  # noqa: F401  (selects the Triton interpreter on a CPU-only machine)
+from golden.lse_merge import attention_state, lse_base2_to_e, merge_states, split_states
+from triton_impl.lse_merge import merge_splits
+
+torch.manual_seed(0)
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# %% [markdown]
+# ## 1. The attention state `(o, lse)`
+#
+# For scores `s_j` and values `v_j`, the state over a key set `K` is
+# `o = sum_j exp(s_j - lse) v_j` and `lse = ln sum_j exp(s_j)`. The LSE is exactly the
+# normalizer, so `exp(lse_A - lse_AB)` is the share of the softmax mass that part `A` holds.
+# Merging two parts is therefore a weighted average with weights `exp(lse_i - M)`, `M` the max.
+
+# %%
+d, dv, keys = 64, 32, 1000
+q = torch.randn(4, d, dtype=torch.float64)
+k = torch.randn(keys, d, dtype=torch.float64)
+v = torch.randn(keys, dv, dtype=torch.float64)
+scale = d**-0.5
+
+full_o, full_lse = attention_state(q, k, v, scale)
+for num_splits in (1, 2, 7, 64):
+    parts = list(torch.arange(keys).tensor_split(num_splits))
+    part_o, part_lse = split_states(q, k, v, scale, parts)
+    o, lse = merge_states(part_o, part_lse)
+    print(
+        f"{num_splits:3d} splits: max |o - full| = {(o - full_o).abs().max():.1e}, "
+        f"max |lse - full| = {(lse - full_lse).abs().max():.1e}"
+    )
+
+# %% [markdown]
+# In float64 the merged result equals the unsplit one to ~1e-16: the split-KV identity is an
+# algebraic fact, not an approximation. `tests/test_lse_merge.py::test_split_kv_identity`
+# checks it on random partitions, including empty parts.
+#
+# ## 2. The online softmax inside a kernel
+#
+# A kernel streams key tiles and keeps a running max `m`, a running sum `l` and an
+# unnormalized accumulator `acc`. When a tile raises the max, the old sum and accumulator are
+# rescaled by `exp(m_old - m_new)`. This is the same merge, applied tile by tile.
+
+
+# %%
+def online_softmax(q_row, k, v, scale, tile):
+    m, l_sum, acc = -math.inf, 0.0, torch.zeros(v.shape[1], dtype=torch.float64)
+    history = []
+    for start in range(0, k.shape[0], tile):
+        s = scale * (k[start : start + tile] @ q_row)
+        m_new = max(m, float(s.max()))
+        correction = math.exp(m - m_new)
+        p = torch.exp(s - m_new)
+        l_sum = l_sum * correction + float(p.sum())
+        acc = acc * correction + p @ v[start : start + tile]
+        m = m_new
+        history.append((start + tile, m, m + math.log(l_sum)))
+    return acc / l_sum, m + math.log(l_sum), history
+
+
+o_online, lse_online, history = online_softmax(q[0], k, v, scale, tile=64)
+print("online vs full:", float((o_online - full_o[0]).abs().max()), abs(lse_online - float(full_lse[0])))
+
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.plot([h[0] for h in history], [h[1] for h in history], label="running max m")
+ax.plot([h[0] for h in history], [h[2] for h in history], label="running lse")
+ax.axhline(float(full_lse[0]), color="gray", ls=":", label="final lse")
+ax.set_xlabel("keys seen")
+ax.legend()
+ax.set_title("Online softmax: the running LSE only grows")
+plt.show()
+
+# %% [markdown]
+# ## 3. The Triton stage-2 kernel
+#
+# Split-KV kernels write each split's normalized output and LSE into a scratch tensor
+# `[rows, H, S, D+1]`; `merge_splits` reduces it. An empty split (a short request, or a row
+# whose causal limit ends before the split) is written as `(0, -inf)` and contributes nothing.
+
+# %%
+rows, heads, splits, dim = 4, 2, 8, 32
+parts = list(torch.arange(keys).tensor_split(splits))
+part_o, part_lse = split_states(q, k, v[:, :dim], scale, parts)
+partials = torch.cat([part_o, part_lse.unsqueeze(-1)], dim=-1).float()  # [4, S, D+1]
+partials = partials.unsqueeze(1).expand(rows, heads, splits, dim + 1).contiguous()
+partials[:, 1, 5:, dim] = float("-inf")  # head 1: the last three splits are empty
+partials[:, 1, 5:, :dim] = float("nan")  # ... and their scratch holds garbage that is never read
+o = torch.full((rows, heads, dim), float("nan"), device=device)
+lse = torch.full((rows, heads), float("nan"), device=device)
+merge_splits(partials.to(device), o, lse)
+ref_o, ref_lse = merge_states(partials[..., :dim].double(), partials[..., dim].double())
+print("Triton vs golden, max |o| error:", float((o.cpu().double() - ref_o).abs().max()))
+print("head 0 equals the unsplit attention:", float((o[:, 0].cpu().double() - full_o[:, :dim]).abs().max()))
+
+# %% [markdown]
+# ## 4. What goes wrong: LSE in bf16, and base 2 taken for base e
+#
+# Serving sometimes stores the LSE in the model dtype (bf16). A bf16 LSE of magnitude 20 is off
+# by up to `20 * 2^-9 = 0.04`, so the merge weights `exp(lse_i - M)` are off by up to 4%. And
+# FlashInfer reports base-2 LSEs: merging them as if they were natural logs raises every weight
+# to the power `1/ln 2 = 1.44`, silently over-weighting the dominant split.
+
+# %%
+split_lse_scale = torch.linspace(0, 30, 16)
+errors_bf16, errors_base = [], []
+for shift in split_lse_scale:
+    lse_true = part_lse + shift  # same relative weights, larger magnitude
+    exact_o, _ = merge_states(part_o, lse_true)
+    bf16_o, _ = merge_states(part_o, lse_true.to(torch.bfloat16).double())
+    base2_as_e, _ = merge_states(part_o, lse_true / math.log(2.0))  # forgot lse_base2_to_e
+    errors_bf16.append(float((bf16_o - exact_o).abs().max()))
+    errors_base.append(float((base2_as_e - exact_o).abs().max()))
+fixed_o, _ = merge_states(part_o, lse_base2_to_e((part_lse + 30) / math.log(2.0)))
+print("after lse_base2_to_e the error is", float((fixed_o - merge_states(part_o, part_lse + 30)[0]).abs().max()))
+
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.semilogy(split_lse_scale, errors_bf16, "o-", label="LSE stored in bf16")
+ax.semilogy(split_lse_scale, errors_base, "s-", label="base-2 LSE merged as base e")
+ax.set_xlabel("LSE magnitude (shift added to every split)")
+ax.set_ylabel("max |o - exact|")
+ax.legend()
+ax.set_title("Merge error from a lossy or mis-based LSE")
+plt.show()
+
+# %% [markdown]
+# The bf16 error grows with the LSE's magnitude (its ulp does), while the base mix-up is wrong at
+# any magnitude. Both stay invisible to a test that only checks finiteness; the package's
+# tolerance table (`tests/TOLERANCES.md`) is tight enough that
+# `test_negative_control_unrescaled_merge_fails` catches a merge that skips the rescale.
