@@ -280,3 +280,37 @@ def expand_decode_rows(
         t = torch.arange(query_len, device=seq_lens.device, dtype=seq_lens.dtype)
         lens = (lens - (query_len - 1) + t[None, :]).clamp(min=0)
     return rows_table, rearrange(lens, "b q -> (b q)")
+
+
+def dcp_local_positions(
+    seq_len: int, world_size: int, rank: int, layout: str = "striped", interleave: int = 1
+) -> torch.Tensor:
+    """The keys of one request that rank ``rank`` holds under decode context parallelism (DCP).
+
+    ``"striped"``: key ``j`` lives on rank ``(j // I) % N`` (``I = interleave``; SGLang stripes
+    single tokens, ``I = 1``; vLLM's ``cp_kv_cache_interleave_size`` is ``I``). ``"sliced"``: rank
+    ``k`` holds the contiguous range ``[k*c, min((k+1)*c, L))``, ``c = cdiv(L, N)``. Either way the
+    ranks' key sets partition ``[0, L)``, so merging their attention states
+    (``golden.lse_merge.merge_states``) gives the single-process result.
+
+    Args:
+        seq_len: ``L``, keys of the request. world_size: ``N``. rank: ``k in [0, N)``.
+        layout: ``"striped"`` or ``"sliced"``. interleave: ``I >= 1`` (striped only).
+
+    Returns:
+        ``[L_k]`` int64, the global positions this rank holds, ascending (its local key ``i`` is
+        global key ``positions[i]``).
+
+    Traffic: none (index arithmetic).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
+    if interleave < 1:
+        raise ValueError(f"interleave: expected a positive int, got {interleave}")
+    j = torch.arange(max(seq_len, 0))
+    if layout == "striped":
+        return j[(j // interleave) % world_size == rank]
+    if layout == "sliced":
+        chunk = (max(seq_len, 0) + world_size - 1) // world_size
+        return j[(j >= rank * chunk) & (j < (rank + 1) * chunk)]
+    raise ValueError(f"layout: expected 'striped' or 'sliced', got {layout!r}")

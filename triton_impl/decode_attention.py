@@ -19,6 +19,7 @@ decode context parallelism over ``torch.distributed`` (:func:`decode_attention_d
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
@@ -443,3 +444,70 @@ def decode_attention_fwd(
     )  # fmt: skip
     if not single:
         _launch_merge_splits(attn_logits, o, lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode context parallelism over torch.distributed.
+# ----------------------------------------------------------------------------------------------
+
+
+def decode_attention_dcp(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    req_to_token: torch.Tensor,
+    b_seq_len: torch.Tensor,
+    attn_logits: torch.Tensor | None,
+    num_kv_splits: int,
+    sm_scale: float,
+    page_size: int,
+    group: dist.ProcessGroup | None = None,
+    logit_cap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    is_mla: bool = False,
+) -> None:
+    """Decode attention with each request's keys spread over the ranks of a process group (DCP).
+
+    Every rank holds the full query ``q`` and a disjoint part of each row's keys (striped or sliced:
+    ``golden.decode_attention.dcp_local_positions``) in its own paged cache, addressed by its own
+    ``req_to_token`` and local extents ``b_seq_len``. Each rank computes its partial state
+    ``(o_k, lse_k)`` with :func:`decode_attention_fwd` into one packed fp32 buffer
+    ``[R, H, Lv+1]`` (output, then natural-log LSE), the ranks exchange the packed states with one
+    ``all_gather`` and every rank merges the ``N`` states exactly with the split merge
+    (``merge_splits``: ``o = sum_k e^(lse_k - M) o_k / sum_k e^(lse_k - M)``,
+    ``lse = M + ln sum_k e^(lse_k - M)``). A rank holding no key of a row contributes ``(0, -inf)``.
+    All-gather rather than LSE all-gather + reduce-scatter (vLLM's ``cp_lse_ag_out_rs``): one
+    collective, every rank ends with every head, and the merge is the tested stage-2 kernel.
+
+    Args:
+        q, k_buffer, v_buffer, req_to_token, attn_logits, num_kv_splits, sm_scale, page_size,
+            logit_cap, k_scale, v_scale, is_mla: as :func:`decode_attention_fwd`, for this rank's
+            keys (``b_seq_len`` holds the local extents). No sliding window: a window over global
+            positions is not a window over a rank's local keys (vLLM asserts the same).
+        o: ``[R, H, Lv]`` fp32/fp16/bf16, written with the merged output on every rank.
+        lse: ``[R, H]`` fp32/fp16/bf16, written with the merged natural-log LSE on every rank.
+        group: the DCP process group (default: the world). Backend gloo (CPU) or NCCL (GPU).
+
+    Traffic: this rank's local decode (see :func:`decode_attention_fwd`), plus an all-gather that
+    sends ``R*H*(Lv+1)`` fp32 and receives ``N`` times that, and the merge of ``N`` states.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("group: torch.distributed is not initialized (call init_process_group first)")
+    check_tensor("o", o, ndim=3, dtypes=_OUT_DTYPES)
+    num_rows, num_heads, value_width = o.shape
+    world_size = dist.get_world_size(group)
+    packed = torch.empty(num_rows, num_heads, value_width + 1, dtype=torch.float32, device=o.device)
+    decode_attention_fwd(
+        q, k_buffer, v_buffer, packed[..., :value_width], packed[..., value_width], req_to_token, b_seq_len,
+        attn_logits, num_kv_splits, sm_scale, page_size, logit_cap=logit_cap, k_scale=k_scale, v_scale=v_scale,
+        is_mla=is_mla,
+    )  # fmt: skip
+    check_tensor("lse", lse, shape=(num_rows, num_heads), dtypes=_OUT_DTYPES, device=o.device, unit_last_stride=False)
+    gathered = torch.empty(world_size, num_rows, num_heads, value_width + 1, dtype=torch.float32, device=o.device)
+    # all_gather into views of one buffer: the portable form (gloo rejects the stacked
+    # all_gather_into_tensor layout, and torch 2.13 deprecates that function).
+    dist.all_gather(list(gathered.unbind(0)), packed, group=group)
+    _launch_merge_splits(gathered.permute(1, 2, 0, 3), o, lse)

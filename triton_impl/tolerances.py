@@ -43,6 +43,26 @@ TOLERANCES: dict[tuple[str, str, str], Tolerance] = {
     ("lse_merge", "lse", "bfloat16"): Tolerance(
         0.0, 4e-3, "LSE stored in the model dtype as serving passes it: one bf16 rounding, 2^-9 relative"
     ),
+    # decode_attention: "o" is keyed by the query (model) dtype, which is also the output dtype in
+    # serving; "lse" by the LSE's own dtype (fp32, or the model dtype as forward_mqa passes it).
+    ("decode_attention", "o", "float32"): Tolerance(
+        2e-5, 2e-5, "fp32 query and cache, IEEE fp32 dots, exp2 softmax, fp32 split merge: fp32 ulps of O(1) values"
+    ),
+    ("decode_attention", "o", "bfloat16"): Tolerance(
+        1e-2, 8e-3, "output rounded to bf16 (2^-9 relative); compiled, probabilities enter the PV dot as bf16 (2^-9)"
+    ),
+    ("decode_attention", "o", "float16"): Tolerance(
+        2e-3, 2e-3, "output rounded to fp16 (2^-11 relative); compiled, probabilities enter the PV dot as fp16 (2^-11)"
+    ),
+    ("decode_attention", "lse", "float32"): Tolerance(
+        2e-5, 1e-5, "scores from exact 16-bit/FP8 products (FP8 scale applied to fp32 scores), fp32 sums, exp2/log2"
+    ),
+    ("decode_attention", "lse", "bfloat16"): Tolerance(
+        1e-5, 4e-3, "LSE stored in bf16 as serving passes it: one rounding, 2^-9 relative, of an fp32-accurate value"
+    ),
+    ("decode_attention", "lse", "float16"): Tolerance(
+        1e-5, 1e-3, "LSE stored in fp16: one rounding, 2^-11 relative, of an fp32-accurate value"
+    ),
 }
 
 
