@@ -63,11 +63,12 @@ def f32_to_bf16_rne(x):
 
 @triton.jit
 def f32_to_e4m3_bits(x, FNUZ: tl.constexpr):
-    """fp32 -> fp8 e4m3 code (uint8), round to nearest even, torch's overflow rules.
+    """fp32 -> fp8 e4m3 code (uint8), round to nearest even; equal to torch's cast in range.
 
-    OCP ``float8_e4m3fn`` (bias 7, max 448): out-of-range values and +-inf saturate to +-448,
-    NaN -> 0x7F with its sign, -0 keeps its sign. FNUZ ``float8_e4m3fnuz`` (bias 8, max 240):
-    anything that rounds past 240, +-inf and NaN -> 0x80 (the only NaN), and -0 -> 0.
+    OCP ``float8_e4m3fn`` (bias 7, max 448): out-of-range values and +-inf saturate to +-448
+    (satfinite, as compiled Triton and CUDA do; torch 2.13 agrees, torch 2.11 gives NaN), NaN ->
+    0x7F with its sign, -0 keeps its sign. FNUZ ``float8_e4m3fnuz`` (bias 8, max 240): anything
+    that rounds past 240, +-inf and NaN -> 0x80 (the only NaN), and -0 -> 0.
 
     Integer arithmetic only, so it is exact compiled and interpreted. The significand is
     shifted down to the target ulp (which is 2^(e-3) for normals and 2^(1-bias-3) for
