@@ -1,4 +1,4 @@
-"""Command line: ``attnref parity`` (the main job), ``attnref tolerances``.
+"""Command line: ``attnref parity`` (the main job), ``attnref bench`` (GPU), ``attnref tolerances``.
 
 ``python -m triton_impl ...`` is the same command.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -24,8 +25,17 @@ def main(argv: list[str] | None = None) -> int:
     parity = sub.add_parser("parity", help="run every Triton op against its golden twin and print a table")
     parity.add_argument("--op", action="append", help="only this op (repeatable)")
     parity.add_argument("--no-progress", action="store_true")
+    bench = sub.add_parser("bench", help="on a GPU: check, then time every op against the measured roofline")
+    bench.add_argument("--op", action="append", help="only this op (repeatable)")
+    bench.add_argument("--out", type=Path, default=Path("notebooks/results"), help="where the table, JSON and plot go")
+    bench.add_argument("--no-baselines", action="store_true", help="skip the eager / torch.compile golden baselines")
     sub.add_parser("tolerances", help="print the tolerance table as markdown")
     args = parser.parse_args(argv)
+
+    if args.command == "bench":
+        from triton_impl.bench import main as bench_main
+
+        return bench_main(args.op, args.out, baselines=not args.no_baselines)
 
     if args.command == "tolerances":
         from triton_impl.tolerances import markdown_table

@@ -64,3 +64,74 @@ def cases() -> list[Case]:
         _splits(rows, 16, 8, 512, torch.bfloat16),  # DeepSeek MLA decode stage 2
         _splits(rows, 32, 16, 128, torch.float16),  # GQA decode stage 2
     ]
+
+
+def bench_cases() -> list:
+    from triton_impl.bench import Bench, BenchCase
+
+    def two_state(tokens: int, heads: int, head_dim: int) -> BenchCase:
+        def setup(device: torch.device) -> Bench:
+            dtype = torch.bfloat16
+            p_out = torch.randn(tokens, heads, head_dim, device=device, dtype=dtype)
+            s_out = torch.randn(tokens, heads, head_dim, device=device, dtype=dtype)
+            p_lse = torch.randn(heads, tokens, device=device) * 8
+            s_lse = torch.randn(heads, tokens, device=device) * 8
+            out = torch.empty_like(p_out)
+            out_lse = torch.empty_like(p_lse)
+            run = lambda: merge_attn_states(out, p_out, p_lse, s_out, s_lse, out_lse)
+            rows = slice(0, 256)  # golden in float64 on a slice of the tokens
+
+            def check() -> list[Check]:
+                ref_o, ref_lse = merge_two(
+                    p_out[rows].double().transpose(0, 1), p_lse[:, rows].double(),
+                    s_out[rows].double().transpose(0, 1), s_lse[:, rows].double(),
+                )  # fmt: skip
+                return [
+                    Check("o", out[rows].transpose(0, 1), ref_o, tolerance("lse_merge", "o", "bfloat16")),
+                    Check("lse", out_lse[:, rows], ref_lse, tolerance("lse_merge", "lse", "float32")),
+                ]
+
+            golden = lambda: merge_two(p_out.transpose(0, 1), p_lse, s_out.transpose(0, 1), s_lse)
+            compiled = torch.compile(merge_two)
+            nbytes = tokens * heads * (3 * head_dim * 2 + 3 * 4)
+            return Bench(
+                run, check, nbytes, 0.0,
+                {"golden eager": golden,
+                 "golden compiled": lambda: compiled(p_out.transpose(0, 1), p_lse, s_out.transpose(0, 1), s_lse)},
+            )  # fmt: skip
+
+        return BenchCase("lse_merge", f"merge_attn_states T={tokens} H={heads} D={head_dim} bf16", setup)
+
+    def splits(rows: int, heads: int, num_splits: int, head_dim: int) -> BenchCase:
+        def setup(device: torch.device) -> Bench:
+            partials = torch.randn(rows, heads, num_splits, head_dim + 1, device=device)
+            o = torch.empty(rows, heads, head_dim, device=device, dtype=torch.bfloat16)
+            lse = torch.empty(rows, heads, device=device)
+            run = lambda: merge_splits(partials, o, lse)
+
+            def check() -> list[Check]:
+                ref_o, ref_lse = merge_states(
+                    partials[:8, ..., :head_dim].double(), partials[:8, ..., head_dim].double()
+                )
+                return [
+                    Check("o", o[:8], ref_o, tolerance("lse_merge", "o", "bfloat16")),
+                    Check("lse", lse[:8], ref_lse, tolerance("lse_merge", "lse", "float32")),
+                ]
+
+            golden = lambda: merge_states(partials[..., :head_dim], partials[..., head_dim])
+            compiled = torch.compile(merge_states)
+            nbytes = rows * heads * (num_splits * (head_dim + 1) * 4 + head_dim * 2 + 4)
+            return Bench(
+                run, check, nbytes, 0.0,
+                {"golden eager": golden,
+                 "golden compiled": lambda: compiled(partials[..., :head_dim], partials[..., head_dim])},
+            )  # fmt: skip
+
+        return BenchCase("lse_merge", f"merge_splits R={rows} H={heads} S={num_splits} D={head_dim}", setup)
+
+    return [
+        two_state(32768, 32, 128),
+        two_state(16384, 128, 128),
+        splits(1024, 128, 8, 512),
+        splits(4096, 32, 16, 128),
+    ]

@@ -1,0 +1,253 @@
+"""Benchmarks on a GPU: correctness first, then time against the measured roofline (``attnref bench``).
+
+Each op may define ``bench_cases() -> list[BenchCase]`` in ``triton_impl/parity/<op>.py`` beside
+its parity cases. A case builds its inputs once and returns a :class:`Bench`: the kernel launch,
+a check against golden (run before any timing: a wrong kernel is never timed), the bytes and
+FLOPs it must move and do (from the op's ``Traffic:`` docstring line), and baselines timed in the
+same run. Ceilings are measured in the same run: device-to-device copy bandwidth (bytes read +
+written) and a bf16 8192^3 matmul on random data.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import pkgutil
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from triton_impl.parity import Check, exact
+from triton_impl.tolerances import compare
+
+
+@dataclass
+class Bench:
+    run: Callable[[], object]
+    check: Callable[[], Sequence[Check]]
+    bytes: float
+    flops: float
+    baselines: dict[str, Callable[[], object]] = field(default_factory=dict)
+    kernels: Sequence[str] = ()  # Triton kernel names whose SASS should show HGMMA
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    op: str
+    name: str
+    setup: Callable[[torch.device], Bench]
+
+
+@dataclass
+class Result:
+    op: str
+    case: str
+    ms: float
+    gbps: float
+    tflops: float
+    bound: str
+    roofline_ms: float
+    pct_roofline: float
+    baselines_ms: dict[str, float]
+    hgmma: str
+    correct: bool
+    detail: str = ""
+
+
+def registered_bench_cases(ops: Sequence[str] | None = None) -> list[BenchCase]:
+    from triton_impl import parity
+
+    found: list[BenchCase] = []
+    for m in sorted(pkgutil.iter_modules(parity.__path__), key=lambda m: m.name):
+        if m.name.startswith("_") or (ops and m.name not in ops):
+            continue
+        module = importlib.import_module(f"triton_impl.parity.{m.name}")
+        if hasattr(module, "bench_cases"):
+            found.extend(module.bench_cases())
+    return found
+
+
+def measure_ceilings() -> dict[str, float]:
+    """Copy bandwidth (GB/s, read + write) and bf16 matmul rate (TFLOP/s), measured now."""
+    import triton.testing
+
+    n = 1 << 30  # 1 GiB each way
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    src = dst = None
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return {"copy_gbps": 2 * n / copy_ms / 1e6, "matmul_tflops": 2 * 8192**3 / mm_ms / 1e9}
+
+
+def _time(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    if ms < 0.05:  # launch-bound: replay a CUDA graph to drop the launch gaps
+        ms = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return ms
+
+
+def _hgmma_report(cache_dir: Path, kernels: Sequence[str]) -> str:
+    """Count HGMMA instructions in the SASS of the named kernels' cached cubins."""
+    if not kernels:
+        return "-"
+    counts = []
+    for name in kernels:
+        cubins = sorted(cache_dir.rglob(f"{name}.cubin"), key=lambda p: p.stat().st_mtime)
+        if not cubins:
+            counts.append(f"{name}: no cubin")
+            continue
+        try:
+            sass = subprocess.run(
+                ["cuobjdump", "--dump-sass", str(cubins[-1])], capture_output=True, text=True, timeout=120
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired) as err:
+            counts.append(f"{name}: cuobjdump failed ({err.__class__.__name__})")
+            continue
+        counts.append(f"{name}: {sass.count('HGMMA')} HGMMA, {sass.count('HMMA')} HMMA")
+    return "; ".join(counts)
+
+
+def run_bench(cases: Sequence[BenchCase], ceilings: dict[str, float], baselines: bool = True) -> list[Result]:
+    cache_dir = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    peak_bw = ceilings["copy_gbps"] * 1e9
+    peak_flops = ceilings["matmul_tflops"] * 1e12
+    results = []
+    for case in cases:
+        print(f"  {case.op}: {case.name}", flush=True)
+        bench = case.setup(torch.device("cuda"))
+        bench.run()
+        torch.cuda.synchronize()
+        detail, correct = "", True
+        for check in bench.check():
+            cmp = (
+                exact(check.actual, check.expected)
+                if check.tol is None
+                else compare(check.actual, check.expected, check.tol)
+            )
+            if not cmp.ok:
+                correct, detail = False, f"{check.output}: {cmp.detail} (max abs {cmp.max_abs:.3g})"
+        if not correct:
+            results.append(Result(case.op, case.name, math.nan, 0, 0, "-", 0, 0, {}, "-", False, detail))
+            continue
+        ms = _time(bench.run)
+        t_bytes, t_flops = bench.bytes / peak_bw * 1e3, bench.flops / peak_flops * 1e3
+        roofline_ms = max(t_bytes, t_flops)
+        base_ms = {}
+        for name, fn in bench.baselines.items() if baselines else ():
+            try:
+                fn()
+                base_ms[name] = _time(fn)
+            except torch.cuda.OutOfMemoryError:
+                base_ms[name] = math.nan
+                torch.cuda.empty_cache()
+        results.append(
+            Result(
+                case.op, case.name, ms, bench.bytes / ms / 1e6, bench.flops / ms / 1e9,
+                "memory" if t_bytes >= t_flops else "compute", roofline_ms, 100 * roofline_ms / ms, base_ms,
+                _hgmma_report(cache_dir, bench.kernels), True,
+            )
+        )  # fmt: skip
+        del bench
+        torch.cuda.empty_cache()
+    return results
+
+
+def _geomean(values: Sequence[float]) -> float:
+    values = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else math.nan
+
+
+def write_report(results: Sequence[Result], ceilings: dict[str, float], out_dir: Path) -> Path:
+    import triton
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    commit = os.environ.get("ATTNREF_COMMIT") or _git_commit()
+    header = (
+        f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+        f"commit {commit} | {time.strftime('%Y-%m-%d')}"
+    )
+    lines = [
+        "# Benchmarks",
+        "",
+        header,
+        "",
+        f"Measured ceilings (same run): copy {ceilings['copy_gbps']:.0f} GB/s (read + write), "
+        f"bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s. "
+        "Roofline = max(bytes / copy BW, FLOPs / matmul rate).",
+        "Times are medians of `triton.testing.do_bench` (CUDA graphs below 50 us); baselines timed in the same run.",
+        "",
+        "| op | case | ms | GB/s | TFLOP/s | bound | roofline ms | % of roofline | baselines (ms) | SASS |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        if not r.correct:
+            lines.append(f"| {r.op} | {r.case} | WRONG: not timed | | | | | | | {r.detail} |")
+            continue
+        base = ", ".join(f"{k} {v:.3f} ({v / r.ms:.1f}x)" for k, v in r.baselines_ms.items()) or "-"
+        lines.append(
+            f"| {r.op} | {r.case} | {r.ms:.4f} | {r.gbps:.0f} | {r.tflops:.1f} | {r.bound} | {r.roofline_ms:.4f} | "
+            f"{r.pct_roofline:.1f}% | {base} | {r.hgmma} |"
+        )
+    lines += ["", "Geomean % of roofline per op:", ""]
+    for op in sorted({r.op for r in results}):
+        lines.append(f"- {op}: {_geomean([r.pct_roofline for r in results if r.op == op and r.correct]):.1f}%")
+    table = out_dir / "bench_h200.md"
+    table.write_text("\n".join(lines) + "\n")
+    (out_dir / "bench_h200.json").write_text(
+        json.dumps({"header": header, "ceilings": ceilings, "results": [asdict(r) for r in results]}, indent=1)
+    )
+    _plot(results, ceilings, out_dir / "roofline_h200.png")
+    return table
+
+
+def _plot(results: Sequence[Result], ceilings: dict[str, float], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    bw, peak = ceilings["copy_gbps"] * 1e9, ceilings["matmul_tflops"] * 1e12
+    xs = [2.0**i for i in range(-4, 12)]
+    ax.loglog(xs, [min(peak, bw * x) / 1e12 for x in xs], "k-", lw=1, label="measured roofline")
+    for op in sorted({r.op for r in results}):
+        pts = [(r.tflops * 1e12 / (r.gbps * 1e9), r.tflops) for r in results if r.op == op and r.correct and r.gbps > 0]
+        if pts:
+            ax.loglog(*zip(*pts), "o", label=op)
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("TFLOP/s")
+    ax.legend(fontsize=8)
+    ax.set_title(f"Roofline on {torch.cuda.get_device_name()}")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main(ops: Sequence[str] | None, out_dir: Path, baselines: bool) -> int:
+    if not torch.cuda.is_available():
+        print("bench: needs a CUDA GPU (timings on the interpreter mean nothing)")
+        return 2
+    ceilings = measure_ceilings()
+    print(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
+    results = run_bench(registered_bench_cases(ops), ceilings, baselines)
+    table = write_report(results, ceilings, out_dir)
+    print(table.read_text())
+    return 0 if all(r.correct for r in results) else 1
