@@ -1,0 +1,418 @@
+"""DeepSeek-V4 UE8M0 FP8 paged K cache: insert (quantize) and gather (dequantize), vLLM's signatures.
+
+Twin of ``golden/ue8m0_cache.py`` (SPEC section 5); the module docstring there draws the byte
+layout. Both kernels are bit-exact against the golden model, compiled and interpreted, because
+every step that could round differently is done in integers:
+
+- the scale exponent ``ceil(log2(amax / fp8_max))`` comes from the bf16 bits of ``amax``
+  (``amax = m * 2^E`` and ``fp8_max = M * 2^F`` give ``e = E - F + (m > M)``), not from ``log2``;
+- ``x * 2^-e`` multiplies by a power of two built from bits (exact);
+- fp32 -> e4m3 goes through ``f32_to_e4m3_bits`` (software round-to-nearest-even, OCP or FNUZ);
+- e4m3 -> fp32 is decoded from the byte here (:func:`_e4m3_bits_to_f32`), so FNUZ caches work on
+  every GPU, not only where Triton has ``float8e4b8``;
+- bf16 is moved as int16 bits (RoPE is copied bit for bit) and the gathered NoPE value is
+  rounded by ``cast_for_store`` (round-to-nearest-even in both modes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from golden.ue8m0_cache import (
+    AMAX_FLOOR,
+    GROUP_SIZE,
+    HEAD_DIM,
+    NOPE_DIM,
+    NUM_GROUPS,
+    RECORD_BYTES,
+    SCALE_BYTES,
+    TOKEN_DATA_BYTES,
+    fp8_max,
+    ue8m0_exponent,
+)
+from triton_impl.interpreter import INTERPRET, cast_for_store, f32_to_e4m3_bits
+from triton_impl.validation import check_positive, check_tensor, content_checks_enabled
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+# The record layout, as kernel constants (values and meaning in golden/ue8m0_cache.py).
+_NOPE: tl.constexpr = tl.constexpr(NOPE_DIM)  # 448 fp8 bytes, then the RoPE bytes
+_GROUP: tl.constexpr = tl.constexpr(GROUP_SIZE)  # 64
+_GROUPS: tl.constexpr = tl.constexpr(NUM_GROUPS)  # 7; the [8, 64] tiles' row 7 is the RoPE part
+_DATA: tl.constexpr = tl.constexpr(TOKEN_DATA_BYTES)  # 576 bytes of token data
+_SCALES: tl.constexpr = tl.constexpr(SCALE_BYTES)  # 8 scale bytes per token
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    tokens_per_program: int  # tokens in one tile of ``8 * tokens`` rows (power of two)
+    gather_workers: int  # programs per request along grid axis 1; fixed, so CUDA graphs can replay it
+    num_warps: int
+
+
+# Launch configs as data, keyed by GPU architecture ("sm90", ...). Both kernels are memory-bound
+# and move 584 + 1024 bytes per token. Not tuned here: "default" is upstream's launch (one token
+# per program and 4 warps; 128 gather workers per request); the 1M-token benchmark (issue 7)
+# measures Hopper. The interpreter runs programs one after another in Python at ~20 ms each, so
+# it gets 16-token tiles and 2 workers (results do not depend on the config; a test checks it).
+LAUNCH_CONFIGS: dict[str, LaunchConfig] = {
+    "default": LaunchConfig(tokens_per_program=1, gather_workers=128, num_warps=4),
+}
+INTERPRETER_CONFIG = LaunchConfig(tokens_per_program=16, gather_workers=2, num_warps=1)
+
+
+def select_launch_config(device: torch.device) -> LaunchConfig:
+    if bool(INTERPRET) or device.type != "cuda":
+        return INTERPRETER_CONFIG
+    major, minor = torch.cuda.get_device_capability(device)
+    return LAUNCH_CONFIGS.get(f"sm{major}{minor}", LAUNCH_CONFIGS["default"])
+
+
+def _bf16_fields(value: float) -> tuple[int, int]:
+    """(exponent field, mantissa field) of ``value`` as bf16; 448 -> (135, 0x60), 224 -> (134, 0x60)."""
+    bits = int(torch.tensor(value, dtype=torch.bfloat16).view(torch.int16)) & 0x7FFF
+    return bits >> 7, bits & 0x7F
+
+
+def _block_view(k_cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``k_cache`` as ``[num_blocks, block bytes]``; each block's bytes must be contiguous."""
+    check_tensor("k_cache", k_cache, dtypes=(torch.uint8,), unit_last_stride=False)
+    if k_cache.dim() < 2:
+        raise ValueError(f"k_cache: expected [num_blocks, ...] uint8 of rank >= 2, got shape {list(k_cache.shape)}")
+    try:
+        blocks = k_cache.view(k_cache.shape[0], -1)
+    except RuntimeError:
+        blocks = None
+    if blocks is None or (blocks.shape[1] > 1 and blocks.stride(1) != 1):
+        raise ValueError(
+            f"k_cache: the bytes of a block must be contiguous (only stride(0) may be padded), "
+            f"got shape {list(k_cache.shape)} strides {k_cache.stride()}"
+        )
+    if blocks.shape[1] < block_size * RECORD_BYTES:
+        raise ValueError(
+            f"k_cache: a block of block_size={block_size} tokens needs {block_size * RECORD_BYTES} bytes, "
+            f"got {blocks.shape[1]}"
+        )
+    return blocks
+
+
+# ----------------------------------------------------------------------------------------------
+# Insert: quantize bf16 K to UE8M0 FP8 records and write them at their slots.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_and_insert_k_kernel(
+    k_ptr, k_row_stride,
+    slot_mapping_ptr, num_tokens,
+    cache_ptr, block_stride,
+    BLOCK_SIZE: tl.constexpr,
+    TOKENS: tl.constexpr,
+    FNUZ: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MAX_EXP_FIELD: tl.constexpr,
+    MAX_MANTISSA: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(cdiv(N, TOKENS),)``: a program owns ``TOKENS`` consecutive tokens.
+
+    Its tile has ``8 * TOKENS`` rows of 64 values, row ``8t + g`` being group ``g`` of token ``t``:
+    groups 0..6 are NoPE, group 7 is the RoPE part, so one load brings each token's 512 bf16
+    values in (as int16 bits) and rows of a token with a negative slot are masked off. Per row it
+    takes ``amax`` as the largest magnitude bit pattern (non-negative floats order like their
+    bits, and inf/NaN patterns sort above every finite one, so no float max and its NaN rules are
+    involved), derives the UE8M0 exponent from those bits, scales by the exact ``2^-e`` and
+    encodes e4m3 in software. It writes the fp8 bytes (groups 0..6), one scale byte per row
+    (the pad byte for group 7) and the RoPE bits as bytes (so any block stride works, odd too).
+    """
+    row = tl.arange(0, 8 * TOKENS)
+    dim = tl.arange(0, _GROUP)
+    token = tl.program_id(0) * TOKENS + row // 8
+    group = row % 8
+    slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
+    live = slot >= 0
+    # int64: block * block_stride passes 2^31 from ~57K blocks of 37440 bytes.
+    block_ptr = cache_ptr + (slot // BLOCK_SIZE) * block_stride
+    data_ptr = block_ptr + (slot % BLOCK_SIZE) * _DATA
+    scale_ptr = block_ptr + BLOCK_SIZE * _DATA + (slot % BLOCK_SIZE) * _SCALES
+
+    values_ptr = k_ptr + token.to(tl.int64)[:, None] * k_row_stride + group[:, None] * _GROUP + dim[None, :]
+    bits = tl.load(values_ptr, mask=live[:, None], other=0).to(tl.int32) & 0xFFFF
+    amax_bits = tl.max(bits & 0x7FFF, axis=1)
+    finite = (amax_bits >> 7) != 0xFF
+    # amax = m * 2^E, fp8_max = M * 2^F with m, M in [1, 2): ceil(log2(amax / fp8_max)) = E - F + (m > M).
+    # Zero and subnormal amax give a very small e that the 1e-4 floor's exponent replaces.
+    exponent = (amax_bits >> 7) - MAX_EXP_FIELD + ((amax_bits & 0x7F) > MAX_MANTISSA).to(tl.int32)
+    exponent = tl.where(finite, tl.maximum(exponent, MIN_EXPONENT), 0)
+    code = tl.where(finite, exponent + 127, 255)
+    tl.store(scale_ptr + group, tl.where(group < _GROUPS, code, 0).to(tl.uint8), mask=live)
+
+    inv_scale = ((127 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact for e in [-126, 127]
+    x = (bits << 16).to(tl.float32, bitcast=True)
+    y = x * inv_scale[:, None]
+    # A no-op for finite groups (the scale rounds up); clamps inf of a non-finite group. NaN passes.
+    y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
+    fp8 = f32_to_e4m3_bits(y, FNUZ)
+    is_nope = live[:, None] & (group[:, None] < _GROUPS)
+    tl.store(data_ptr[:, None] + group[:, None] * _GROUP + dim[None, :], fp8, mask=is_nope)
+
+    is_rope = live[:, None] & (group[:, None] == _GROUPS)
+    rope_ptr = data_ptr[:, None] + _NOPE + 2 * dim[None, :]
+    tl.store(rope_ptr, (bits & 0xFF).to(tl.uint8), mask=is_rope)
+    tl.store(rope_ptr + 1, (bits >> 8).to(tl.uint8), mask=is_rope)
+
+
+def quantize_and_insert_k_cache(
+    k: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int = 64,
+    is_ue8m0: bool = True,
+    use_fnuz: bool = False,
+) -> None:
+    """Quantize ``k[:N]`` to UE8M0 FP8 records and write them into the paged cache (vLLM's signature).
+
+    Per group of 64 NoPE values: ``e = ceil(log2(max(amax, 1e-4) / fp8_max))``, e4m3 bytes of
+    ``x * 2^-e`` (round to nearest even), code ``e + 127``; RoPE copied bit for bit; layout and
+    edge cases as in ``golden.ue8m0_cache`` (twin: ``insert_k_cache``). ``N = slot_mapping.shape[0]``
+    (``k`` may have DP-padding rows past it); a negative slot is skipped (upstream skips only -1).
+
+    Args:
+        k: ``[N', 512]`` bf16, ``N' >= N``, unit last stride (any row stride).
+        k_cache: uint8 ``[num_blocks, ...]`` (``[nb, bs, 584]`` or ``[nb, block_bytes]``); each
+            block's bytes contiguous, only ``stride(0)`` is used; written in place.
+        slot_mapping: ``[N]`` int64 (or int32); distinct non-negative slots ``< num_blocks * bs``.
+        block_size: tokens per block.
+        is_ue8m0: must be True (the only scale format of this cache).
+        use_fnuz: write e4m3fnuz bytes with ``fp8_max = 224`` (vLLM's FNUZ bound); works on every
+            GPU, the encoder being software.
+
+    Traffic: reads ``1024*N + 8*N`` bytes; writes ``584*N``.
+    """
+    if not is_ue8m0:
+        raise ValueError("is_ue8m0: only UE8M0 (power-of-two) scales are supported, got False")
+    check_positive("block_size", block_size)
+    check_tensor("k", k, ndim=2, dtypes=(torch.bfloat16,))
+    if k.shape[1] != HEAD_DIM:
+        raise ValueError(f"k: expected [N, {HEAD_DIM}] (448 NoPE + 64 RoPE), got {list(k.shape)}")
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=_INDEX_DTYPES, device=k.device)
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens > k.shape[0]:
+        raise ValueError(f"slot_mapping: {num_tokens} slots but k has only {k.shape[0]} rows")
+    if k_cache.device != k.device:
+        raise ValueError(f"k_cache: expected device {k.device}, got {k_cache.device}")
+    blocks = _block_view(k_cache, block_size)
+    if content_checks_enabled() and num_tokens:
+        slots = slot_mapping[slot_mapping >= 0].to(torch.int64)
+        capacity = blocks.shape[0] * block_size
+        if slots.numel() and int(slots.max()) >= capacity:
+            raise ValueError(f"slot_mapping: slot {int(slots.max())} is past the cache's {capacity} slots")
+        if slots.numel() != torch.unique(slots).numel():
+            raise ValueError("slot_mapping: non-negative slots must be distinct (two tokens would race for one record)")
+    if num_tokens == 0:
+        return
+    max_exp_field, max_mantissa = _bf16_fields(fp8_max(use_fnuz))
+    min_exponent = int(ue8m0_exponent(torch.tensor(AMAX_FLOOR), fp8_max(use_fnuz)))
+    config = select_launch_config(k.device)
+    _quantize_and_insert_k_kernel[(triton.cdiv(num_tokens, config.tokens_per_program),)](
+        k.view(torch.int16), k.stride(0),
+        slot_mapping, num_tokens,
+        blocks, blocks.stride(0),
+        BLOCK_SIZE=block_size,
+        TOKENS=config.tokens_per_program,
+        FNUZ=use_fnuz,
+        FP8_MAX=fp8_max(use_fnuz),
+        MAX_EXP_FIELD=max_exp_field,
+        MAX_MANTISSA=max_mantissa,
+        MIN_EXPONENT=min_exponent,
+        num_warps=config.num_warps,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Gather: dequantize each request's last gather_len tokens into a dense bf16 workspace.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _e4m3_bits_to_f32(code, FNUZ: tl.constexpr):
+    """e4m3 byte -> fp32, exactly: ``(8 + mantissa) * 2^(exponent - bias - 3)`` (subnormal:
+    ``mantissa * 2^(1 - bias - 3)``), the sign put back as a bit (so OCP 0x80 is -0). NaN: OCP
+    ``S.1111.111``; FNUZ 0x80, which is also why FNUZ has no -0. Bias 7 (OCP) or 8 (FNUZ)."""
+    BIAS: tl.constexpr = 8 if FNUZ else 7
+    c = code.to(tl.int32)
+    exp_field = (c >> 3) & 0xF
+    mantissa = c & 0x7
+    significand = tl.where(exp_field > 0, mantissa + 8, mantissa)
+    pow2 = ((tl.maximum(exp_field, 1) - BIAS - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    magnitude = significand.to(tl.float32) * pow2  # <= 4 significant bits times a power of two: exact
+    f32 = magnitude.to(tl.int32, bitcast=True) | ((c >> 7) << 31)
+    is_nan = (c == 0x80) if FNUZ else ((c & 0x7F) == 0x7F)
+    return tl.where(is_nan, 0x7FC00000, f32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequantize_and_gather_k_kernel(
+    out_ptr, out_stride_r, out_stride_t,
+    cache_ptr, block_stride,
+    seq_lens_ptr, gather_lens_ptr,
+    block_table_ptr, block_table_stride,
+    offset,
+    HAS_GATHER_LENS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TOKENS: tl.constexpr,
+    FNUZ: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(R, workers)``: worker ``w`` of request ``r`` owns the tiles of ``TOKENS`` gather
+    tokens starting at ``(w + k * workers) * TOKENS``.
+
+    A fixed worker count (not one derived from the lengths) keeps the launch the same for any
+    batch, so it can be captured in a CUDA graph. A tile has ``8 * TOKENS`` rows, row ``8t + g``
+    being group ``g`` of token ``t`` (group 7: RoPE). Per token it reads the block-table entry
+    once, then the token's 448 fp8 bytes, 7 codes and 128 RoPE bytes, and writes its 512 bf16
+    values as int16 bits: rows of groups 0..6 dequantized, group 7 the RoPE bits.
+    """
+    req = tl.program_id(0).to(tl.int64)
+    worker = tl.program_id(1)
+    num_workers = tl.num_programs(1)
+    seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
+    if HAS_GATHER_LENS:
+        gather_len = tl.load(gather_lens_ptr + req).to(tl.int32)
+    else:
+        gather_len = seq_len
+    first = seq_len - gather_len
+
+    row = tl.arange(0, 8 * TOKENS)
+    dim = tl.arange(0, _GROUP)
+    group = row % 8
+    for start in range(worker * TOKENS, gather_len, num_workers * TOKENS):
+        i = start + row // 8
+        live = i < gather_len
+        pos = first + i
+        block = tl.load(block_table_ptr + req * block_table_stride + pos // BLOCK_SIZE, mask=live, other=0)
+        # int64: block * block_stride passes 2^31 from ~57K blocks of 37440 bytes.
+        block_ptr = cache_ptr + block.to(tl.int64) * block_stride
+        data_ptr = block_ptr + (pos % BLOCK_SIZE) * _DATA
+        scale_ptr = block_ptr + BLOCK_SIZE * _DATA + (pos % BLOCK_SIZE) * _SCALES
+        is_nope = live & (group < _GROUPS)
+        is_rope = live & (group == _GROUPS)
+
+        fp8 = tl.load(data_ptr[:, None] + group[:, None] * _GROUP + dim[None, :], mask=is_nope[:, None], other=0)
+        code = tl.load(scale_ptr + group, mask=is_nope, other=127).to(tl.int32)
+        # 2^(code - 127) from bits: for code 1..254 the code is the fp32 exponent field; code 0 is
+        # the subnormal 2^-127; code 255 is E8M0's NaN.
+        scale_bits = tl.where(code == 0, 0x00400000, code << 23)
+        scale = tl.where(code == 255, 0x7FC00000, scale_bits).to(tl.float32, bitcast=True)
+        nope = _e4m3_bits_to_f32(fp8, FNUZ) * scale[:, None]
+        nope_bits = cast_for_store(nope, tl.bfloat16).to(tl.int16, bitcast=True)
+
+        rope_ptr = data_ptr[:, None] + _NOPE + 2 * dim[None, :]
+        rope_lo = tl.load(rope_ptr, mask=is_rope[:, None], other=0).to(tl.int32)
+        rope_hi = tl.load(rope_ptr + 1, mask=is_rope[:, None], other=0).to(tl.int32)
+        rope_bits = (rope_lo | (rope_hi << 8)).to(tl.int16)
+
+        values = tl.where(is_rope[:, None], rope_bits, nope_bits)
+        out_row = out_ptr + req * out_stride_r + (offset + i).to(tl.int64) * out_stride_t
+        tl.store(out_row[:, None] + group[:, None] * _GROUP + dim[None, :], values, mask=live[:, None])
+
+
+def dequantize_and_gather_k_cache(
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    gather_lens: torch.Tensor | None,
+    block_table: torch.Tensor,
+    block_size: int,
+    offset: int,
+    use_fnuz: bool = False,
+) -> None:
+    """Dequantize request ``r``'s last ``gl`` tokens into ``out[r, offset : offset + gl]`` (vLLM's signature).
+
+    ``gl = gather_lens[r]`` (``seq_lens[r]`` when None); gather token ``i`` is position
+    ``seq_lens[r] - gl + i`` at block ``block_table[r, pos // bs]``. NoPE = ``e4m3 * 2^(code - 127)``
+    rounded to bf16 (exact except overflow; code 255 gives NaN), RoPE copied bit for bit. Other
+    rows of ``out`` are untouched. Twin: ``golden.ue8m0_cache.gather_k_cache``.
+
+    Args:
+        out: ``[R, T, 512]`` bf16, unit last stride (any other strides), written in place.
+        k_cache: uint8 ``[num_blocks, ...]`` as for :func:`quantize_and_insert_k_cache`.
+        seq_lens: ``[R]`` int32 (or int64).
+        gather_lens: ``[R]`` int32 (or int64), ``0 <= gl <= seq_len``, or None.
+        block_table: ``[R', Bmax]`` int32 (or int64), ``R' >= R``; any row stride (a column slice
+            of a wider table works); only the entries covering the gathered positions are read.
+        block_size: tokens per block.
+        offset: first row of ``out`` to write; ``offset + gl <= T``.
+        use_fnuz: the cache holds e4m3fnuz bytes (must match the encoder that wrote it).
+
+    Traffic: reads ``584*G + 4*G/bs`` bytes (``G = sum gl``); writes ``1024*G``.
+    """
+    check_positive("block_size", block_size)
+    check_tensor("out", out, ndim=3, dtypes=(torch.bfloat16,))
+    if out.shape[2] != HEAD_DIM:
+        raise ValueError(f"out: expected [R, T, {HEAD_DIM}], got {list(out.shape)}")
+    num_reqs = out.shape[0]
+    check_tensor("seq_lens", seq_lens, shape=(num_reqs,), dtypes=_INDEX_DTYPES, device=out.device)
+    if gather_lens is not None:
+        check_tensor("gather_lens", gather_lens, shape=(num_reqs,), dtypes=_INDEX_DTYPES, device=out.device)
+    check_tensor("block_table", block_table, ndim=2, dtypes=_INDEX_DTYPES, device=out.device)
+    if block_table.shape[0] < num_reqs:
+        raise ValueError(f"block_table: expected >= {num_reqs} rows (one per request), got {block_table.shape[0]}")
+    if not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"offset: expected a non-negative int, got {offset!r}")
+    if k_cache.device != out.device:
+        raise ValueError(f"k_cache: expected device {out.device}, got {k_cache.device}")
+    blocks = _block_view(k_cache, block_size)
+    if content_checks_enabled() and num_reqs:
+        _check_gather_contents(out, blocks.shape[0], seq_lens, gather_lens, block_table, block_size, offset)
+    if num_reqs == 0:
+        return
+    config = select_launch_config(out.device)
+    _dequantize_and_gather_k_kernel[(num_reqs, config.gather_workers)](
+        out.view(torch.int16), out.stride(0), out.stride(1),
+        blocks, blocks.stride(0),
+        seq_lens, seq_lens if gather_lens is None else gather_lens,
+        block_table, block_table.stride(0),
+        offset,
+        HAS_GATHER_LENS=gather_lens is not None,
+        BLOCK_SIZE=block_size,
+        TOKENS=config.tokens_per_program,
+        FNUZ=use_fnuz,
+        num_warps=config.num_warps,
+    )  # fmt: skip
+
+
+def _check_gather_contents(
+    out: torch.Tensor,
+    num_blocks: int,
+    seq_lens: torch.Tensor,
+    gather_lens: torch.Tensor | None,
+    block_table: torch.Tensor,
+    block_size: int,
+    offset: int,
+) -> None:
+    """Lengths in range, and the block-table entries that cover gathered positions address a block."""
+    seq = seq_lens.to(torch.int64).cpu()
+    lens = seq if gather_lens is None else gather_lens.to(torch.int64).cpu()
+    if bool((seq < 0).any()):
+        raise ValueError(f"seq_lens: expected >= 0, got {seq.tolist()}")
+    if bool(((lens < 0) | (lens > seq)).any()):
+        raise ValueError(f"gather_lens: expected 0 <= gather_len <= seq_len, got {lens.tolist()} for {seq.tolist()}")
+    if int(lens.max()) + offset > out.shape[1]:
+        raise ValueError(f"out: offset {offset} + gather_len {int(lens.max())} is past its {out.shape[1]} rows")
+    table = block_table[: seq.shape[0]].to(torch.int64).cpu()
+    cols = torch.arange(table.shape[1])
+    first_col = (seq - lens) // block_size
+    end_col = (seq + block_size - 1) // block_size
+    if int(end_col.max()) > table.shape[1]:
+        raise ValueError(f"block_table: a request needs {int(end_col.max())} blocks but the table has {table.shape[1]}")
+    read = (cols >= first_col[:, None]) & (cols < end_col[:, None]) & (lens[:, None] > 0)
+    bad = read & ((table < 0) | (table >= num_blocks))
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table: entry [{row}, {col}] = {int(table[row, col])} is outside the cache's {num_blocks} blocks"
+        )
