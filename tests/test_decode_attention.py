@@ -1,0 +1,466 @@
+"""Split-KV decode attention: Triton == golden, invariances, serving flatten, negative controls (SPEC 3)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from golden.decode_attention import (
+    decode_attention,
+    decode_attention_splits,
+    split_bounds,
+    window_start,
+)
+from golden.decode_attention import expand_decode_rows as golden_expand_decode_rows
+from golden.lse_merge import merge_states
+from tests.support import assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled, paged_cache
+from triton_impl.decode_attention import (
+    _compute_num_kv_splits,
+    decode_attention_fwd,
+    expand_decode_rows,
+)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+NEG_INF = float("-inf")
+# MLA (Lv, rope width P) and GQA (Lk, Lv) widths: small, with non-powers of two for GQA.
+MLA_WIDTHS = [(16, 0), (16, 16), (32, 16)]
+GQA_WIDTHS = [(16, 16), (24, 40), (64, 32), (48, 48)]
+
+
+@dataclass
+class Decode:
+    """One decode problem: inputs of ``decode_attention_fwd`` and the float64 golden result."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    table: torch.Tensor
+    lens: torch.Tensor
+    sm_scale: float
+    page_size: int
+    is_mla: bool
+    window: int | None = None
+    cap: float = 0.0
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def kwargs(self) -> dict:
+        return dict(
+            logit_cap=self.cap, k_scale=self.k_scale, v_scale=self.v_scale, is_mla=self.is_mla,
+            sliding_window=self.window,
+        )  # fmt: skip
+
+    def golden(self, **override) -> tuple[torch.Tensor, torch.Tensor]:
+        kw = self.kwargs() | override
+        return decode_attention(
+            self.q, self.k, self.v, self.table, self.lens, self.sm_scale, self.page_size, dtype=torch.float64, **kw
+        )
+
+    def run(
+        self, splits: int, lse_dtype: torch.dtype = torch.float32, **override
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The kernel's ``(o, lse, attn_logits)``, every output pre-filled with NaN."""
+        rows, heads = self.q.shape[:2]
+        device = self.q.device
+        o = nan_filled((rows, heads, self.v.shape[-1]), self.q.dtype, device)
+        lse = nan_filled((rows, heads), lse_dtype, device)
+        logits = nan_filled((rows, heads, splits, self.v.shape[-1] + 1), torch.float32, device) if splits > 1 else None
+        decode_attention_fwd(
+            self.q, self.k, self.v, o, lse, self.table, self.lens, logits, splits, self.sm_scale, self.page_size,
+            **(self.kwargs() | override),
+        )  # fmt: skip
+        return o, lse, logits
+
+
+def make_decode(
+    device: torch.device,
+    seed: int,
+    lens: list[int],
+    *,
+    is_mla: bool,
+    num_heads: int,
+    num_kv_heads: int = 1,
+    widths: tuple[int, int],
+    page_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    fp8: bool = False,
+    layout: str = "4d",
+    index_dtype: torch.dtype = torch.int32,
+    window: int | None = None,
+    cap: float = 0.0,
+) -> Decode:
+    """Build a paged cache (shuffled pages, NaN moat) and queries. ``widths`` is ``(Lv, P)`` for MLA
+    and ``(Lk, Lv)`` for GQA; GQA's K and V are the two column ranges of one cache (as views) or,
+    for the "4d" layout, separate contiguous copies of them."""
+    gen = generator(seed)
+    key_width, value_width = (widths[0] + widths[1], widths[0]) if is_mla else widths
+    cache_width = key_width if is_mla else key_width + value_width
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    pc = paged_cache(lens, page_size, num_kv_heads, cache_width, cache_dtype, device, gen, layout=layout)
+    if is_mla:
+        k, v = pc.cache, pc.cache[..., :value_width]
+    else:
+        k, v = pc.cache[..., :key_width], pc.cache[..., key_width:]
+        if layout == "4d":
+            k, v = k.contiguous(), v.contiguous()
+    q_gen = generator(seed + 1)  # independent of how many values the cache layout drew
+    q = (torch.randn(len(lens), num_heads, key_width, generator=q_gen) * 0.7).to(dtype).to(device)
+    scales = {}
+    if fp8:
+        scales = {"k_scale": torch.tensor(0.37, device=device), "v_scale": torch.tensor(1.9, device=device)}
+    return Decode(
+        q, k, v, pc.block_table.to(index_dtype), pc.seq_lens.to(index_dtype), key_width**-0.5, page_size, is_mla,
+        window, cap, **scales,
+    )  # fmt: skip
+
+
+def _extent(kind: str, window: int | None) -> int:
+    w = window or 8
+    return {"0": 0, "1": 1, "<W": max(1, w - 1), "=W": w, ">W": w + 3, "long": 37}[kind]
+
+
+# -- Triton == golden ------------------------------------------------------------------------
+
+
+@given(
+    is_mla=st.booleans(),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3, 4]),
+    width_index=st.integers(0, 3),
+    page_size=st.sampled_from([1, 4, 16]),
+    extents=st.lists(st.sampled_from(["0", "1", "<W", "=W", ">W", "long"]), min_size=1, max_size=3),
+    window=st.sampled_from([None, 0, 1, 5, 16]),
+    cap=st.sampled_from([0.0, 1.5, 30.0]),
+    splits=st.sampled_from([1, 2, 3, 5]),
+    dtype=st.sampled_from(list(DTYPES)),
+    fp8=st.booleans(),
+    lse_in_model_dtype=st.booleans(),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    layout=st.sampled_from(["4d", "3d", "cross_layer"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(is_mla=True, kv_heads=1, group=4, width_index=1, page_size=4, extents=["0", "=W", ">W"], window=5, cap=0.0,
+         splits=3, dtype="bfloat16", fp8=False, lse_in_model_dtype=False, index_dtype=torch.int32, layout="4d",
+         seed=0)  # fmt: skip
+@example(is_mla=False, kv_heads=2, group=3, width_index=1, page_size=1, extents=["1", "long"], window=None, cap=1.5,
+         splits=5, dtype="float16", fp8=True, lse_in_model_dtype=True, index_dtype=torch.int64, layout="cross_layer",
+         seed=1)  # fmt: skip
+def test_matches_golden(
+    device, is_mla, kv_heads, group, width_index, page_size, extents, window, cap, splits, dtype, fp8,
+    lse_in_model_dtype, index_dtype, layout, seed,
+) -> None:  # fmt: skip
+    """Output, LSE and (with S > 1) every stage-1 split slot against the float64 golden model."""
+    widths = MLA_WIDTHS[width_index % len(MLA_WIDTHS)] if is_mla else GQA_WIDTHS[width_index]
+    kv_heads = 1 if is_mla else kv_heads
+    d = make_decode(
+        device, seed, [_extent(e, window) for e in extents], is_mla=is_mla, num_heads=kv_heads * group,
+        num_kv_heads=kv_heads, widths=widths, page_size=page_size, dtype=DTYPES[dtype], fp8=fp8, layout=layout,
+        index_dtype=index_dtype, window=window, cap=cap,
+    )  # fmt: skip
+    lse_dtype = DTYPES[dtype] if lse_in_model_dtype else torch.float32
+    o, lse, logits = d.run(splits, lse_dtype)
+    ref_o, ref_lse = d.golden()
+    assert_close(o, ref_o, ("decode_attention", "o", dtype))
+    assert_close(lse, ref_lse, ("decode_attention", "lse", lse_dtype))
+    if splits > 1:
+        part_o, part_lse = decode_attention_splits(
+            d.q, d.k, d.v, d.table, d.lens, splits, d.sm_scale, d.page_size, dtype=torch.float64, **d.kwargs()
+        )
+        value_width = d.v.shape[-1]
+        assert_close(logits[..., :value_width], part_o, ("decode_attention", "o", dtype))
+        assert_close(logits[..., value_width], part_lse, ("decode_attention", "lse", "float32"))
+
+
+def test_deepseek_mla_dims(device) -> None:
+    """DeepSeek's latent cache (Lk 576 = 512 + 64), 16 heads, bf16 and FP8 with a scale, 2 splits."""
+    for fp8 in (False, True):
+        d = make_decode(device, 5, [3, 0, 21], is_mla=True, num_heads=16, widths=(512, 64), page_size=16, fp8=fp8)
+        d.sm_scale = 192**-0.5  # serving passes the prefill scale (qk_nope 128 + rope 64)
+        o, lse, _ = d.run(2)
+        ref_o, ref_lse = d.golden()
+        assert_close(o, ref_o, ("decode_attention", "o", "bfloat16"))
+        assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
+
+
+def test_empty_rows_are_neutral(device) -> None:
+    """Extents 0 and negative: o = 0 and lse = -inf exactly, in both the one- and multi-split paths."""
+    d = make_decode(device, 3, [0, 0], is_mla=False, num_heads=2, num_kv_heads=1, widths=(16, 16), page_size=4)
+    d.lens = torch.tensor([0, -3], dtype=torch.int32, device=device)
+    for splits in (1, 4):
+        o, lse, logits = d.run(splits)
+        assert torch.equal(o, torch.zeros_like(o))
+        assert bool(torch.isneginf(lse).all())
+        if logits is not None:
+            assert bool(torch.isneginf(logits[..., -1]).all())
+            assert torch.equal(logits[..., :-1], torch.zeros_like(logits[..., :-1]))
+
+
+# -- invariances -----------------------------------------------------------------------------
+
+
+def _paginate(tokens: list[torch.Tensor], page_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lay dense per-row keys ``[n, HKV, D]`` out in shuffled pages; NaN in every unused slot."""
+    pages_per_row = [math.ceil(t.shape[0] / page_size) for t in tokens]
+    num_pages = sum(pages_per_row) + 1
+    order = torch.randperm(num_pages, generator=gen)
+    cache = torch.full((num_pages, page_size, *tokens[0].shape[1:]), float("nan"), dtype=tokens[0].dtype)
+    table = torch.full((len(tokens), max(pages_per_row) + 1), 2**30, dtype=torch.int32)
+    used = 0
+    for r, t in enumerate(tokens):
+        ids = order[used : used + pages_per_row[r]]
+        used += pages_per_row[r]
+        table[r, : len(ids)] = ids.to(torch.int32)
+        j = torch.arange(t.shape[0])
+        cache[ids[j // page_size], j % page_size] = t
+    return cache, table
+
+
+def test_page_size_invariance_is_bit_exact_and_split_count_within_tolerance(device) -> None:
+    """The same keys in pages of 1, 5 and 16 give the same bits (tiles do not follow pages); split
+    counts 1, 2 and 7 agree with golden (the summation order changes, so within tolerance)."""
+    gen = generator(11)
+    lens = [29, 6, 0]
+    keys = [torch.randn(n, 2, 40, generator=gen) for n in lens]
+    q = torch.randn(len(lens), 4, 24, generator=gen).to(device)
+    results = {}
+    for page_size, splits in [(1, 1), (5, 1), (16, 1), (5, 2), (16, 7)]:
+        cache, table = _paginate(keys, page_size, generator(page_size))
+        cache, table = cache.to(device), table.to(device)
+        d = Decode(q, cache[..., :24], cache[..., 24:], table, torch.tensor(lens, device=device), 0.3, page_size,
+                   is_mla=False, window=20)  # fmt: skip
+        results[(page_size, splits)] = d.run(splits)[:2]
+        ref_o, ref_lse = d.golden()
+        assert_close(results[(page_size, splits)][0], ref_o, ("decode_attention", "o", "float32"))
+        assert_close(results[(page_size, splits)][1], ref_lse, ("decode_attention", "lse", "float32"))
+    for page_size in (5, 16):
+        assert_bits_equal(results[(page_size, 1)][0], results[(1, 1)][0])
+        assert_bits_equal(results[(page_size, 1)][1], results[(1, 1)][1])
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads(device) -> None:
+    """H = 6 query heads on HKV = 2 KV heads == MHA on the KV heads repeated 3 times."""
+    d = make_decode(device, 2, [13, 4], is_mla=False, num_heads=6, num_kv_heads=2, widths=(24, 16), page_size=4,
+                    dtype=torch.float32, window=9, cap=4.0)  # fmt: skip
+    o_gqa, lse_gqa, _ = d.run(2)
+    mha = Decode(**{**d.__dict__, "k": d.k.repeat_interleave(3, dim=-2), "v": d.v.repeat_interleave(3, dim=-2)})
+    o_mha, lse_mha, _ = mha.run(2)
+    assert_close(o_gqa, o_mha.double(), ("decode_attention", "o", "float32"))
+    assert_close(lse_gqa, lse_mha.double(), ("decode_attention", "lse", "float32"))
+
+
+def test_batch_invariance_with_one_split(device) -> None:
+    """With S = 1 a row's bits do not depend on the rest of the batch: each row alone, and the
+    batch reversed, give exactly the bits of the full batch."""
+    d = make_decode(device, 8, [17, 0, 40, 3], is_mla=True, num_heads=4, widths=(32, 16), page_size=4, window=24)
+    o, lse, _ = d.run(1)
+    for order in ([0], [2], [3, 2, 1, 0]):
+        sub = Decode(**{**d.__dict__, "q": d.q[order], "table": d.table[order], "lens": d.lens[order]})
+        o_sub, lse_sub, _ = sub.run(1)
+        assert_bits_equal(o_sub, o[order])
+        assert_bits_equal(lse_sub, lse[order])
+
+
+def test_cache_layouts_are_bit_exact(device) -> None:
+    """A 3-D token-major cache and a per-layer view into a cross-layer cache (page stride 3x) give
+    the bits of the 4-D cache."""
+    results = []
+    for layout in ("4d", "3d", "cross_layer"):
+        d = make_decode(device, 4, [9, 22], is_mla=True, num_heads=4, widths=(16, 16), page_size=4, layout=layout)
+        results.append(d.run(2)[:2])
+    for o, lse in results[1:]:
+        assert_bits_equal(o, results[0][0])
+        assert_bits_equal(lse, results[0][1])
+
+
+# -- the serving flatten and the split count ---------------------------------------------------
+
+CONTEXT_LENS = [0, 1, 37, 512]
+
+
+@pytest.mark.parametrize("query_len", [2, 3, 4, 5, 8])
+def test_expand_decode_rows_hand_computed(query_len: int) -> None:
+    """vLLM's forward_mqa flatten: context lengths 0, 1, 37, 512 plus a padding request (L = 0)."""
+    seq_lens = torch.tensor([c + query_len for c in CONTEXT_LENS] + [0], dtype=torch.int32)
+    table = torch.arange(len(seq_lens) * 64, dtype=torch.int32).reshape(len(seq_lens), 64)
+    for causal in (True, False):
+        rows_table, rows_lens = expand_decode_rows(table, seq_lens, query_len, causal)
+        want_lens = []
+        for b, length in enumerate(seq_lens.tolist()):
+            assert torch.equal(rows_table[b * query_len : (b + 1) * query_len], table[b].expand(query_len, -1))
+            if causal:  # row t sees the prefix plus block tokens 0..t
+                want_lens += [max(length - (query_len - 1) + t, 0) for t in range(query_len)]
+            else:
+                want_lens += [length] * query_len
+        assert rows_lens.tolist() == want_lens
+        assert rows_lens.dtype == seq_lens.dtype and rows_table.dtype == table.dtype
+        golden_table, golden_lens = golden_expand_decode_rows(table, seq_lens, query_len, causal)
+        assert torch.equal(golden_table, rows_table) and torch.equal(golden_lens, rows_lens)
+    causal_lens = expand_decode_rows(table, seq_lens, query_len, True)[1].reshape(-1, query_len)
+    assert bool((causal_lens[:-1].diff(dim=1) == 1).all()) and causal_lens[:-1, -1].tolist() == seq_lens[:-1].tolist()
+    assert causal_lens[-1].tolist() == [0] * query_len  # the padding request's rows are empty
+
+
+def test_single_token_decode_is_untouched() -> None:
+    seq_lens = torch.tensor([5, 0, 9])
+    table = torch.arange(6).reshape(3, 2)
+    for causal in (True, False):
+        rows_table, rows_lens = expand_decode_rows(table, seq_lens, 1, causal)
+        assert torch.equal(rows_table, table) and torch.equal(rows_lens, seq_lens)
+
+
+def test_flattened_multi_token_decode_is_causal_attention(device) -> None:
+    """Kernel on the flattened rows == per-token golden rows built by hand: request b's token t sees
+    keys [0, L_b - Q + 1 + t) (context lengths 1 and 6, Q = 3, plus a padding request)."""
+    query_len = 3
+    d = make_decode(device, 6, [1 + query_len, 6 + query_len, 0], is_mla=True, num_heads=4, widths=(16, 16),
+                    page_size=4)  # fmt: skip
+    table, lens = expand_decode_rows(d.table, d.lens, query_len, causal=True)
+    q = torch.randn(len(lens), 4, 32, generator=generator(7)).to(d.q.dtype).to(device)
+    flat = Decode(**{**d.__dict__, "q": q, "table": table, "lens": lens})
+    o, lse, _ = flat.run(2)
+    hand_lens = torch.tensor([max(L - query_len + 1 + t, 0) for L in d.lens.tolist() for t in range(query_len)])
+    ref = Decode(**{**flat.__dict__, "table": d.table.repeat_interleave(query_len, 0), "lens": hand_lens.to(device)})
+    ref_o, ref_lse = ref.golden()
+    assert_close(o, ref_o, ("decode_attention", "o", "bfloat16"))
+    assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
+
+
+def test_compute_num_kv_splits() -> None:
+    """``min(next_pow2(max(1, L // 512)), 2 * sm_count)`` with L clamped to the window first."""
+    assert [_compute_num_kv_splits(n, 132) for n in (0, 1, 511, 1023, 1024, 5000, 131072)] == [1, 1, 1, 1, 2, 16, 256]
+    assert _compute_num_kv_splits(131072, 66) == 132  # capped at 2 * sm_count, not a power of two
+    assert _compute_num_kv_splits(5000, 132, sliding_window=1024) == 2
+    assert _compute_num_kv_splits(5000, 132, sliding_window=0) == 16
+    assert _compute_num_kv_splits(600, 132, sliding_window=4096) == 1
+
+
+# -- negative controls -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_window_off_by_one_fails_every_tolerance(device, dtype: str) -> None:
+    """The kernel passes against the golden window W and fails against W - 1 and W + 1 (one key
+    too few or too many), for o and for the LSE stored in the model dtype: a negative control for
+    every decode_attention tolerance entry (the fp32 LSE entry is checked in the bf16 case)."""
+    window = 4
+    d = make_decode(device, 9, [window + 6, window + 1], is_mla=False, num_heads=2, num_kv_heads=1,
+                    widths=(16, 16), page_size=4, dtype=DTYPES[dtype], window=window)  # fmt: skip
+    lse_dtypes = [DTYPES[dtype]] + ([torch.float32] if dtype == "bfloat16" else [])
+    for lse_dtype in lse_dtypes:
+        o, lse, _ = d.run(2, lse_dtype)
+        ref_o, ref_lse = d.golden()
+        assert_close(o, ref_o, ("decode_attention", "o", dtype))
+        assert_close(lse, ref_lse, ("decode_attention", "lse", lse_dtype))
+        for wrong in (window - 1, window + 1):
+            bad_o, bad_lse = d.golden(sliding_window=wrong)
+            assert fails_tolerance(o, bad_o, ("decode_attention", "o", dtype))
+            assert fails_tolerance(lse, bad_lse, ("decode_attention", "lse", lse_dtype))
+
+
+def _window_unaware_stage2(part_o, part_lse, seq_lens, splits):
+    """Upstream's stage 2 before vLLM PR #47188: it recomputed split boundaries without the window
+    (``c = cdiv(n, S)``; split s non-empty iff ``s*c < n``) and merged only those slots."""
+    n = seq_lens.to(torch.int64).clamp(min=0)
+    chunk = (n + splits - 1) // splits
+    believed = torch.arange(splits)[None, :] * chunk[:, None] < n[:, None]
+    return merge_states(part_o, torch.where(believed[:, None, :], part_lse, NEG_INF))
+
+
+def test_window_unaware_stage2_fails(device) -> None:
+    """Stage-1 partials are window-aware. A stage 2 that recomputes window-unaware boundaries
+    (a) drops a non-empty split (n = 5, W = 4, S = 4: split 3 holds key 4, the row's last), and
+    (b) with stage 1 skipping empty splits (upstream), reads unwritten scratch as a live split
+    (n = 10, W = 2, S = 4: splits 2, 3 are empty, but cdiv(10, 4) = 3 says all four are live)."""
+    splits = 4
+    d = make_decode(device, 12, [5], is_mla=True, num_heads=2, widths=(16, 16), page_size=4, dtype=torch.float32,
+                    window=4)  # fmt: skip
+    o, _, logits = d.run(splits)
+    ref_o, _ = d.golden()
+    assert_close(o, ref_o, ("decode_attention", "o", "float32"))
+    lv = d.v.shape[-1]
+    bad_o, _ = _window_unaware_stage2(logits[..., :lv].cpu(), logits[..., lv].cpu(), d.lens.cpu(), splits)
+    assert fails_tolerance(bad_o, ref_o.cpu(), ("decode_attention", "o", "float32"))
+
+    d = make_decode(device, 13, [10], is_mla=True, num_heads=2, widths=(16, 16), page_size=4, dtype=torch.float32,
+                    window=2)  # fmt: skip
+    o, _, logits = d.run(splits)
+    ref_o, _ = d.golden()
+    assert_close(o, ref_o, ("decode_attention", "o", "float32"))
+    start, end = split_bounds(d.lens.cpu(), splits, 2)
+    assert (end - start).tolist() == [[1, 1, 0, 0]]
+    stale = logits.cpu().clone()
+    stale[:, :, (end <= start)[0]] = float("nan")  # what a stage 1 that skips empty splits leaves
+    bad_o, bad_lse = _window_unaware_stage2(stale[..., :lv], stale[..., lv], d.lens.cpu(), splits)
+    assert bool(torch.isnan(bad_lse).all())
+    assert fails_tolerance(bad_o, ref_o.cpu(), ("decode_attention", "o", "float32"))
+    assert window_start(d.lens, 2).tolist() == [8]
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def _bad_input_cases(device):
+    d = make_decode(device, 0, [5, 3], is_mla=False, num_heads=4, num_kv_heads=2, widths=(16, 16), page_size=4)
+    rows, heads, lv = 2, 4, 16
+    o = torch.empty(rows, heads, lv, dtype=d.q.dtype, device=device)
+    lse = torch.empty(rows, heads, device=device)
+    logits = torch.empty(rows, heads, 2, lv + 1, device=device)
+    base = dict(q=d.q, k_buffer=d.k, v_buffer=d.v, o=o, lse=lse, req_to_token=d.table, b_seq_len=d.lens,
+                attn_logits=logits, num_kv_splits=2, sm_scale=0.25, page_size=4)  # fmt: skip
+    bad_table = d.table.clone()
+    bad_table[1, 0] = 10**6
+    return base, [
+        ({"q": d.q[0]}, ValueError, "q: expected rank 3"),
+        ({"q": d.q.to(torch.float64)}, TypeError, "q: expected dtype"),
+        ({"q": d.q[:, :3]}, ValueError, "3 query heads is not a multiple"),
+        ({"k_buffer": d.k.to(torch.float16)}, TypeError, "k_buffer: expected dtype"),
+        ({"v_buffer": d.v[..., :1, :]}, ValueError, "v_buffer: expected shape"),
+        ({"o": o[:, :, :8]}, ValueError, r"o: expected shape \[2, 4, 16\]"),
+        ({"lse": lse[:1]}, ValueError, r"lse: expected shape \[2, 4\]"),
+        ({"attn_logits": None}, TypeError, "attn_logits: expected a torch.Tensor"),
+        ({"attn_logits": logits[:, :, :1]}, ValueError, r"attn_logits: expected shape \[2, 4, 2, 17\]"),
+        ({"b_seq_len": d.lens.float()}, TypeError, "b_seq_len: expected dtype"),
+        ({"req_to_token": d.table[:1]}, ValueError, "req_to_token: expected 2 rows"),
+        ({"req_to_token": bad_table}, ValueError, r"req_to_token: entry \[1, 0\] = 1000000 is outside"),
+        ({"b_seq_len": d.lens * 10}, ValueError, "req_to_token: a row needs"),
+        ({"page_size": 3}, ValueError, "k_buffer: expected \\[num_pages, 3, HKV, D\\]"),
+        ({"num_kv_splits": 0}, ValueError, "num_kv_splits: expected a positive int"),
+        ({"logit_cap": -1.0}, ValueError, "logit_cap: expected a float >= 0"),
+        ({"sliding_window": -2}, ValueError, "sliding_window: expected None, 0 or a positive int"),
+        ({"k_scale": 0.5}, TypeError, "k_scale: expected a one-element float tensor"),
+        ({"is_mla": True}, ValueError, "k_buffer: MLA expects one latent KV head, got 2"),
+    ]
+
+
+def test_bad_input_raises_named_errors(device) -> None:
+    base, cases = _bad_input_cases(device)
+    for override, error, message in cases:
+        with pytest.raises(error, match=message):
+            decode_attention_fwd(**(base | override))
+
+
+def test_mla_widths_must_be_powers_of_two(device) -> None:
+    d = make_decode(device, 0, [4], is_mla=True, num_heads=2, widths=(16, 16), page_size=4)
+    o = torch.empty(1, 2, 12, dtype=d.q.dtype, device=device)
+    lse = torch.empty(1, 2, device=device)
+    with pytest.raises(ValueError, match=r"v_buffer width \(MLA Lv\): expected a power of two, got 12"):
+        decode_attention_fwd(d.q, d.k, d.k[..., :12], o, lse, d.table, d.lens, None, 1, 0.2, 4, is_mla=True)
+    o = torch.empty(1, 2, 8, dtype=d.q.dtype, device=device)
+    with pytest.raises(ValueError, match=r"rope width \(MLA Lk - Lv\): expected a power of two or 0, got 24"):
+        decode_attention_fwd(d.q, d.k, d.k[..., :8], o, lse, d.table, d.lens, None, 1, 0.2, 4, is_mla=True)
+
+
+def test_helpers_reject_bad_input() -> None:
+    with pytest.raises(ValueError, match="query_len: expected a positive int"):
+        expand_decode_rows(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 0, True)
+    with pytest.raises(ValueError, match=r"seq_lens: expected shape \[2\]"):
+        expand_decode_rows(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), 2, True)
+    with pytest.raises(ValueError, match="sm_count: expected a positive int"):
+        _compute_num_kv_splits(100, 0)
+    with pytest.raises(ValueError, match="num_kv_splits: expected a positive int"):
+        split_bounds(torch.tensor([3]), 0)
