@@ -51,3 +51,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def device() -> torch.device:
     """cuda when present (compiled kernels), else cpu (kernels under the Triton interpreter)."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+_launches = {"count": 0}
+
+
+def _count_launch(*_args, **_kwargs) -> None:
+    _launches["count"] += 1
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With ATTNREF_COUNT_LAUNCHES=1 (compiled runs, e.g. under compute-sanitizer), count launches."""
+    if os.environ.get("ATTNREF_COUNT_LAUNCHES") != "1":
+        return
+    from triton import knobs
+
+    hook = knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):  # Triton >= 3.7: a chain of hooks
+        hook.add(_count_launch)
+    else:  # Triton 3.6: a single hook
+        knobs.runtime.launch_enter_hook = _count_launch
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if os.environ.get("ATTNREF_COUNT_LAUNCHES") == "1":
+        terminalreporter.write_line(f"Triton kernel launches: {_launches['count']}")
