@@ -1,0 +1,764 @@
+"""TurboQuant KV cache: rotate, Lloyd-Max-quantize, pack into vLLM's SoA block, decode (SPEC section 4).
+
+TurboQuant (papers.md#turboquant) stores a key ``k`` as its norm ``n = ||k||`` and the codes of
+its rotated direction ``y = (k / n) Pi^T``: after a random rotation every coordinate of a unit
+vector follows one known distribution (``(y_d + 1) / 2 ~ Beta((D-1)/2, (D-1)/2)``, close to
+``N(0, 1/D)``), so one scalar Lloyd-Max codebook quantizes every coordinate near-optimally.
+Decode never un-rotates a key: it rotates the query once, ``<q, k> = n <q Pi^T, y>``, and scores
+it against centroids. vLLM's variant (this module) uses a Sylvester-Hadamard rotation, the Gaussian
+codebook, optional norm correction, uniform min-max values and a structure-of-arrays cache block.
+
+Codes are a function of the inputs alone. A code flips when ``y_d`` crosses a boundary, so the
+fp32 arithmetic that produces ``y`` is part of the definition: every division and square root is
+correctly rounded fp32, and every sum (``||k||^2``, each coordinate of ``k_hat Pi^T``,
+``||c[idx]||^2``) is a fixed-point integer sum (:func:`fixed_point_sum`). Integer addition is
+associative, so the result does not depend on summation order: this module on a CPU, the Triton
+kernel under the interpreter and compiled on any GPU write the same bytes. The fixed-point sum
+differs from the real sum by less than ``D * 2^-46`` for a rotated coordinate (fp32 carries
+about ``2^-30`` at the typical ``|y_d| ~ 0.1``).
+
+Everything here is float32 (the stored quantities) or float64 (the decode oracle).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+
+import numpy as np
+import torch
+from einops import einsum, rearrange
+
+from golden._paged import gather_tokens, masked_softmax_state
+from golden.lse_merge import split_states
+
+FP16_MAX = 65504.0
+KEY_NORM_EPS = 1e-8  # k_hat = k / (n + eps), as upstream
+NORM_CORRECTION_EPS = 1e-16  # stored norm = n / sqrt(||c[idx]||^2 + eps), as upstream
+MIN_VALUE_SCALE = 1e-8  # a constant value vector gets this scale instead of 0
+MAX_HEAD_DIM = 1024  # keeps every fixed-point sum below 2^53 (exact in float64)
+
+# Fractional bits of the fixed-point sums. Terms are scaled by 2^F and truncated to int64.
+# Rotation: |term| <= 1 and |y_d| <= sqrt(D) <= 32 (PiT entries are <= 1), so the sum stays below
+# 2^51. Squared norm: terms are pre-scaled into [0, 4), sum < 4D * 2^40 <= 2^52. Centroid norm:
+# |c| <= 1, sum < D * 2^40 <= 2^50.
+ROTATION_FRAC_BITS = 46
+NORM_FRAC_BITS = 40
+
+# preset -> (key bits (8 = FP8 keys), value bits, norm correction); vLLM's TQ_PRESETS.
+PRESETS: dict[str, tuple[int, int, bool]] = {
+    "turboquant_k8v4": (8, 4, False),
+    "turboquant_4bit_nc": (4, 4, True),
+    "turboquant_k3v4_nc": (3, 4, True),
+    "turboquant_3bit_nc": (3, 3, True),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets and the SoA block layout.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TurboQuantConfig:
+    """One preset at one head size, and every size the cache layout derives from it.
+
+    Layout of one cache block (uint8 ``[block_size, HKV, padded_slot]``, only its byte offset
+    ``block * stride(0)`` matters): a data region, position-major then head, of
+    ``data_bytes_per_slot = key_data_bytes + value_data_bytes`` per (position, head), then at byte
+    ``meta_region_offset(block_size, HKV)`` an fp16 region ``[HKV][fields][block_size]`` with
+    fields ``(k_norm, v_scale, v_zero)`` for MSE keys or ``(v_scale, v_zero)`` for FP8 keys.
+    """
+
+    name: str
+    head_dim: int
+    key_quant_bits: int  # 8 for FP8 keys, else the MSE code width (3 or 4)
+    value_quant_bits: int
+    norm_correction: bool
+
+    @classmethod
+    def from_cache_dtype(cls, name: str, head_dim: int) -> TurboQuantConfig:
+        """The config of a ``--kv-cache-dtype`` preset name; unknown names raise ``ValueError``."""
+        if name not in PRESETS:
+            raise ValueError(f"Unknown TurboQuant cache dtype: {name!r}; expected one of {sorted(PRESETS)}")
+        check_head_dim(head_dim)
+        key_bits, value_bits, norm_correction = PRESETS[name]
+        return cls(name, head_dim, key_bits, value_bits, norm_correction)
+
+    @property
+    def key_fp8(self) -> bool:
+        return self.key_quant_bits == 8
+
+    @property
+    def key_mse_bits(self) -> int:
+        """The key code width, 0 for FP8 keys (the ``mse_bits`` argument of the kernels)."""
+        return 0 if self.key_fp8 else self.key_quant_bits
+
+    @property
+    def centroid_bits(self) -> int:
+        """Bits of the codebook vLLM builds (value bits for FP8 keys, where it goes unused)."""
+        return self.value_quant_bits if self.key_fp8 else self.key_quant_bits
+
+    @property
+    def n_centroids(self) -> int:
+        return 2**self.centroid_bits
+
+    @property
+    def key_data_bytes(self) -> int:
+        return self.head_dim if self.key_fp8 else math.ceil(self.head_dim * self.key_quant_bits / 8)
+
+    @property
+    def value_data_bytes(self) -> int:
+        return math.ceil(self.head_dim * self.value_quant_bits / 8)
+
+    @property
+    def key_packed_size(self) -> int:
+        """Key bytes per (token, head): codes plus the fp16 norm, or ``D`` FP8 bytes."""
+        return self.head_dim if self.key_fp8 else self.key_data_bytes + 2
+
+    @property
+    def value_packed_size(self) -> int:
+        """Value bytes per (token, head): codes plus fp16 scale and zero."""
+        return self.value_data_bytes + 4
+
+    @property
+    def slot_size(self) -> int:
+        return self.key_packed_size + self.value_packed_size
+
+    @property
+    def slot_size_aligned(self) -> int:
+        """The cache's last dimension (``padded_slot``): the slot size rounded up to even."""
+        return self.slot_size + self.slot_size % 2
+
+    @property
+    def data_bytes_per_slot(self) -> int:
+        return self.key_data_bytes + self.value_data_bytes
+
+    @property
+    def num_meta_fields(self) -> int:
+        return 2 if self.key_fp8 else 3
+
+    def meta_region_offset(self, block_size: int, num_kv_heads: int) -> int:
+        """Byte offset of the fp16 metadata region inside a block."""
+        return block_size * num_kv_heads * self.data_bytes_per_slot
+
+
+def check_head_dim(head_dim: int) -> None:
+    """Head sizes the layout supports: a multiple of 16 up to 1024.
+
+    Codes are packed in groups of 8 coordinates (3-bit codes: 8 per 3 bytes), and with ``D % 16
+    == 0`` every data slot has an even size, so the fp16 metadata region is 2-byte aligned.
+    """
+    if not isinstance(head_dim, int) or head_dim < 16 or head_dim % 16 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim: expected a multiple of 16 in [16, {MAX_HEAD_DIM}], got {head_dim!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotations.
+# ----------------------------------------------------------------------------------------------
+
+
+def hadamard_rotation(d: int, seed: int | None = None) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard rotation ``Pi = H_d / sqrt(d)``, optionally sign-randomized.
+
+    ``H_1 = [1]``, ``H_2m = [[H_m, H_m], [H_m, -H_m]]``. With a seed, ``Pi = H_d diag(s) / sqrt(d)``
+    with signs ``s`` from ``torch.randint(0, 2)`` on a CPU generator seeded with ``seed`` (vLLM's
+    earlier ``generate_wht_signs``; its ``PiT = s[:, None] * H``). Serving uses ``seed=None``, where
+    ``Pi`` is symmetric and ``Pi = Pi^T``. Paper: papers.md#turboquant.
+
+    Args:
+        d: a power of two (upstream silently builds a non-orthonormal matrix otherwise).
+        seed: None for the plain Hadamard matrix.
+
+    Returns:
+        ``Pi [d, d]`` float32; rows are keys' rotated coordinates' weights: ``y = x @ Pi^T``.
+
+    Traffic: none (host construction).
+    """
+    if not isinstance(d, int) or d < 1 or d & (d - 1):
+        raise ValueError(f"d: the Hadamard rotation needs a power of two, got {d!r}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
+    h = h / math.sqrt(d)
+    if seed is not None:
+        signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed)).to(torch.float64) * 2 - 1
+        h = h * signs[None, :]
+    return h.to(torch.float32)
+
+
+def haar_rotation(d: int, seed: int) -> torch.Tensor:
+    """A seeded Haar-random orthogonal matrix: QR of a Gaussian matrix with the sign fix.
+
+    ``G ~ N(0, 1)^{d x d}`` (float64, CPU generator seeded with ``seed``), ``G = QR``,
+    ``Pi = Q diag(sign(diag R))`` (without the fix, QR's sign convention biases the distribution).
+    This is the random rotation of the TurboQuant paper. Paper: papers.md#turboquant.
+
+    Args:
+        d: any positive size.
+        seed: the generator seed.
+
+    Returns:
+        ``Pi [d, d]`` float32, orthogonal.
+
+    Traffic: none (host construction).
+    """
+    if not isinstance(d, int) or d < 1:
+        raise ValueError(f"d: expected a positive int, got {d!r}")
+    g = torch.randn(d, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    q, r = torch.linalg.qr(g)
+    return (q * torch.sign(torch.diagonal(r))[None, :]).to(torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Lloyd-Max codebooks.
+# ----------------------------------------------------------------------------------------------
+
+MODELS = ("gaussian", "beta")
+_GL_NODES, _GL_WEIGHTS = np.polynomial.legendre.leggauss(256)
+_LLOYD_TOL = 1e-13  # on centroids * sqrt(d): converged to ~ float64 resolution
+_LLOYD_MAX_ITER = 20_000
+
+
+def _std_normal_pdf(z: np.ndarray) -> np.ndarray:
+    """The standard normal density, 0 at +-inf."""
+    finite = np.isfinite(z)
+    z = np.where(finite, z, 0.0)
+    return np.where(finite, np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi), 0.0)
+
+
+def _gaussian_cell_moments(d: int, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``int_lo^hi x^k f(x) dx`` for ``k = 0, 1, 2`` under ``N(0, 1/d)``, in closed form.
+
+    With ``a = lo / sigma``, ``b = hi / sigma``: mass ``Q(a) - Q(b)`` (``Q`` the upper tail
+    ``erfc(z / sqrt 2) / 2``, which keeps the outer cells' small masses exact to relative
+    precision), first moment ``sigma (phi(a) - phi(b))``, second moment ``sigma^2 (mass +
+    a phi(a) - b phi(b))``.
+    """
+    sigma = 1.0 / math.sqrt(d)
+    a, b = lo / sigma, hi / sigma
+    upper_tail = np.vectorize(lambda z: 0.5 * math.erfc(z / math.sqrt(2.0)))
+    pdf_a, pdf_b = _std_normal_pdf(a), _std_normal_pdf(b)
+    a_pdf_a = np.where(np.isfinite(a), a, 0.0) * pdf_a
+    b_pdf_b = np.where(np.isfinite(b), b, 0.0) * pdf_b
+    mass = upper_tail(a) - upper_tail(b)
+    return mass, sigma * (pdf_a - pdf_b), sigma**2 * (mass + a_pdf_a - b_pdf_b)
+
+
+def _beta_cell_moments(d: int, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The same moments for the exact marginal ``f(x) = C_d (1 - x^2)^((d-3)/2)`` on ``[-1, 1]``.
+
+    With ``x = sin(t)`` the integrand becomes ``C_d cos(t)^(d-2)``, smooth for every ``d >= 2``,
+    so 256-point Gauss-Legendre in ``t`` is accurate to ~1e-13 (the tests compare the masses with
+    ``scipy.special.betainc``). ``C_d = Gamma(d/2) / (sqrt(pi) Gamma((d-1)/2))``.
+    """
+    log_c = math.lgamma(d / 2) - 0.5 * math.log(math.pi) - math.lgamma((d - 1) / 2)
+    t_lo, t_hi = np.arcsin(lo), np.arcsin(hi)
+    half = (t_hi - t_lo) / 2
+    t = (t_lo + t_hi)[:, None] / 2 + half[:, None] * _GL_NODES[None, :]
+    w = half[:, None] * _GL_WEIGHTS[None, :] * np.exp(log_c + (d - 2) * np.log(np.cos(t)))
+    x = np.sin(t)
+    return w.sum(1), (w * x).sum(1), (w * x * x).sum(1)
+
+
+def _cell_moments(model: str, d: int, edges: np.ndarray) -> tuple[np.ndarray, ...]:
+    lo, hi = edges[:-1], edges[1:]
+    return _gaussian_cell_moments(d, lo, hi) if model == "gaussian" else _beta_cell_moments(d, lo, hi)
+
+
+def _cell_edges(model: str, centroids: np.ndarray) -> np.ndarray:
+    outer = math.inf if model == "gaussian" else 1.0
+    return np.concatenate([[-outer], (centroids[:-1] + centroids[1:]) / 2, [outer]])
+
+
+def _check_codebook_args(d: int, bits: int, model: str) -> None:
+    if model not in MODELS:
+        raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
+    if not isinstance(d, int) or d < 2:
+        raise ValueError(f"d: expected an int >= 2, got {d!r}")
+    if not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"bits: expected an int in [1, 8], got {bits!r}")
+
+
+@functools.lru_cache(maxsize=64)
+def _lloyd_max_float64(d: int, bits: int, model: str) -> tuple[float, ...]:
+    """Lloyd's iteration to its fixed point in float64 (cached by value: d, bits, model)."""
+    n = 2**bits
+    sigma = 1.0 / math.sqrt(d)
+    # Start at the Gaussian quantiles of the cell centres: close to the answer for every model.
+    c = np.array([NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)]) * sigma
+    for _ in range(_LLOYD_MAX_ITER):
+        m0, m1, _m2 = _cell_moments(model, d, _cell_edges(model, c))
+        updated = m1 / m0  # each centroid moves to the conditional mean of its cell
+        step = float(np.max(np.abs(updated - c))) / sigma
+        c = updated
+        if step < _LLOYD_TOL:
+            return tuple(float(x) for x in c)
+    raise RuntimeError(f"Lloyd-Max did not converge: d={d}, bits={bits}, model={model}")
+
+
+def solve_lloyd_max(d: int, bits: int, model: str = "gaussian") -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``bits``-bit Lloyd-Max codebook of one coordinate of a random unit vector in ``R^d``.
+
+    Lloyd's conditions: each centroid is the conditional mean of its cell, each boundary is the
+    midpoint of its two centroids; iterated from the Gaussian quantiles until the centroids move
+    less than ``1e-13 / sqrt(d)`` (float64, closed-form Gaussian moments, quadrature for Beta).
+
+    ``model="gaussian"``: ``N(0, 1/d)``, the large-``d`` limit vLLM serves with (``c * sqrt(d)``
+    is the same for every ``d``; unit-variance MSE 0.36338, 0.11748, 0.034548, 0.0095010 for
+    1..4 bits). ``model="beta"``: the exact marginal ``(x+1)/2 ~ Beta((d-1)/2, (d-1)/2)``
+    (TurboQuant's Lemma 1). Paper: papers.md#turboquant.
+
+    Args:
+        d: the dimension (>= 2).
+        bits: code width, 1..8.
+        model: "gaussian" (default, vLLM) or "beta".
+
+    Returns:
+        ``(centroids [2^bits], boundaries [2^bits - 1])`` float32, ascending, symmetric about 0;
+        ``boundaries`` are the midpoints of the float32 centroids (``(c_i + c_{i+1}) / 2`` in
+        float32 is exact up to one rounding). A value exactly on a boundary belongs to the upper
+        cell (see :func:`quantize_keys`).
+
+    Traffic: none (host computation, cached).
+    """
+    _check_codebook_args(d, bits, model)
+    centroids = torch.tensor(_lloyd_max_float64(d, bits, model), dtype=torch.float32)
+    return centroids, (centroids[:-1] + centroids[1:]) / 2
+
+
+def codebook_distortion(centroids: torch.Tensor, d: int, model: str = "gaussian") -> float:
+    """``D_mse = d * E[(X - c(X))^2]`` of a scalar codebook, exactly (no sampling).
+
+    ``X`` is one coordinate of a random unit vector under ``model`` and ``c(X)`` its nearest
+    centroid; ``d`` times the per-coordinate error is TurboQuant's ``E ||x - x~||^2`` for unit
+    ``x`` (Theorem 1), and for the Gaussian model the unit-variance MSE. Paper:
+    papers.md#turboquant.
+
+    Args:
+        centroids: ``[N]`` ascending (any float dtype; evaluated in float64).
+        d: the dimension; model: "gaussian" or "beta".
+
+    Returns:
+        The distortion as a Python float.
+
+    Traffic: none (host computation).
+    """
+    _check_codebook_args(d, 1, model)
+    c = centroids.detach().to("cpu", torch.float64).numpy()
+    m0, m1, m2 = _cell_moments(model, d, _cell_edges(model, c))
+    return float(d * np.sum(m2 - 2 * c * m1 + c * c * m0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Order-independent fp32 arithmetic of the store.
+# ----------------------------------------------------------------------------------------------
+
+
+def fixed_point_sum(terms: torch.Tensor, dim: int, frac_bits: int) -> torch.Tensor:
+    """``sum(terms)`` computed as ``RNE_fp32(sum_i trunc(terms_i * 2^F)) * 2^-F``.
+
+    The int64 sum is exact, hence independent of order; callers keep it below ``2^53`` so that
+    the float64 detour before the fp32 rounding is exact too (one rounding, as ``int64 -> fp32``
+    in a kernel). Each term loses less than ``2^-F`` to truncation.
+
+    Args:
+        terms: float32 or float64 tensor; dim: the summed axis; frac_bits: ``F``.
+
+    Returns:
+        float32 tensor without ``dim``.
+    """
+    fixed = (terms * 2.0**frac_bits).to(torch.int64).sum(dim)
+    return fixed.to(torch.float64).to(torch.float32) * 2.0**-frac_bits
+
+
+def _div_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 ``a / b`` (via float64, which is exact to one final rounding)."""
+    return (a.to(torch.float64) / b.to(torch.float64)).to(torch.float32)
+
+
+def _sqrt_f32(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root (torch's CPU fp32 ``sqrt`` is not: about 1 in 6 is 1 ulp off)."""
+    return torch.sqrt(x.to(torch.float64)).to(torch.float32)
+
+
+def _pow2_f64(e: torch.Tensor) -> torch.Tensor:
+    """``2^e`` for int ``e`` in [-1022, 1023], built from its bits (exact)."""
+    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def key_norm(key: torch.Tensor) -> torch.Tensor:
+    """``||k||_2`` per vector as fp32, with an order-independent sum.
+
+    ``e = exponent(max_d |k_d|)`` (from the fp32 bits; -126 for 0 and subnormals), ``x = k 2^-e``
+    in float64 (exact, ``|x| < 2``, ``x_d^2`` exact), ``s = fixed_point_sum(x^2, F=40)``, ``n =
+    fp32(sqrt_rn(s) * 2^e)``: within about 1 ulp of the true norm, for any key magnitude.
+
+    Args:
+        key: ``[..., D]`` float16/bfloat16/float32.
+
+    Returns:
+        ``[...]`` float32.
+    """
+    k = key.to(torch.float32)
+    exp_field = (k.abs().amax(dim=-1).view(torch.int32) >> 23) & 0xFF
+    e = exp_field.clamp(min=1) - 127
+    x = k.to(torch.float64) * _pow2_f64(-e)[..., None]
+    root = _sqrt_f32(fixed_point_sum(x * x, dim=-1, frac_bits=NORM_FRAC_BITS))
+    return (root.to(torch.float64) * _pow2_f64(e)).to(torch.float32)
+
+
+def rotate_keys(key: torch.Tensor, PiT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norm and rotated direction of each key: ``n = ||k||``, ``y = (k / (n + 1e-8)) @ Pi^T``.
+
+    ``k_hat_d`` is a correctly rounded fp32 division; ``y_j = fixed_point_sum_d(fp32(k_hat_d *
+    PiT[d, j]), F=46)``. Paper: papers.md#turboquant.
+
+    Args:
+        key: ``[T, HKV, D]`` float16/bfloat16/float32.
+        PiT: ``[D, D]`` float32, entries in ``[-1, 1]`` (any orthogonal matrix).
+
+    Returns:
+        ``(n [T, HKV], y [T, HKV, D])`` float32.
+    """
+    n = key_norm(key)
+    k_hat = _div_f32(key.to(torch.float32), (n + KEY_NORM_EPS)[..., None])
+    products = k_hat[..., :, None] * PiT.to(torch.float32)  # [T, HKV, D (summed), D]
+    return n, fixed_point_sum(products, dim=-2, frac_bits=ROTATION_FRAC_BITS)
+
+
+def _fp16_saturated(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> fp16 with values clamped to +-65504 first (no inf; upstream overflows)."""
+    return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+
+
+def quantize_keys(
+    key: torch.Tensor,
+    PiT: torch.Tensor,
+    boundaries: torch.Tensor,
+    centroids: torch.Tensor,
+    norm_correction: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TurboQuant_mse: codes of the rotated direction and the norm that rescales them.
+
+    ``idx_d = #{m : boundary_m <= y_d}`` (a value on a boundary goes up). The stored norm is
+    ``n``, or with norm correction ``n / sqrt(||c[idx]||^2 + 1e-16)`` so that the reconstruction
+    ``stored * c[idx]`` has norm ``n`` (vLLM's SoA store folds the correction in here;
+    ``||c[idx]||^2`` is a fixed-point sum, F=40). Stored as fp16, clamped to +-65504.
+    Paper: papers.md#turboquant.
+
+    Args:
+        key: ``[T, HKV, D]`` float16/bfloat16/float32.
+        PiT: ``[D, D]`` float32; boundaries: ``[N-1]`` float32; centroids: ``[N]`` float32,
+            ``|c| <= 1``.
+        norm_correction: fold ``1 / ||c[idx]||`` into the stored norm.
+
+    Returns:
+        ``(codes [T, HKV, D] int64 in [0, N), stored_norm [T, HKV] float16)``.
+    """
+    n, y = rotate_keys(key, PiT)
+    codes = (y[..., None] >= boundaries.to(torch.float32)).sum(dim=-1)
+    stored = n
+    if norm_correction:
+        c = centroids.to(torch.float32)[codes]
+        c_norm = _sqrt_f32(fixed_point_sum(c * c, dim=-1, frac_bits=NORM_FRAC_BITS) + NORM_CORRECTION_EPS)
+        stored = _div_f32(n, c_norm)
+    return codes, _fp16_saturated(stored)
+
+
+def quantize_values(value: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-vector asymmetric min-max quantization of values (not rotated).
+
+    ``vmin, vmax`` clamped to +-65504 first, ``scale = max((vmax - vmin) / (2^b - 1), 1e-8)``,
+    ``q = clamp(floor((v - vmin) / scale + 0.5), 0, 2^b - 1)`` (fp32, correctly rounded division),
+    ``zero = vmin``; ``scale`` and ``zero`` are stored as fp16 (reconstruction ``q * scale +
+    zero`` uses the fp16 ones). The clamp keeps an outlier beyond fp16's range from turning the
+    scale into inf and the whole vector into NaN (upstream issue #53334). Paper:
+    papers.md#turboquant.
+
+    Args:
+        value: ``[..., D]`` float16/bfloat16/float32.
+        bits: 3 or 4.
+
+    Returns:
+        ``(codes [..., D] int64, scale [...] float16, zero [...] float16)``.
+    """
+    levels = 2**bits - 1
+    v = value.to(torch.float32)
+    vmin = v.amin(dim=-1).clamp(-FP16_MAX, FP16_MAX)
+    vmax = v.amax(dim=-1).clamp(-FP16_MAX, FP16_MAX)
+    scale = _div_f32(vmax - vmin, torch.full_like(vmax, levels)).clamp(min=MIN_VALUE_SCALE)
+    q = torch.floor(_div_f32(v - vmin[..., None], scale[..., None].expand_as(v)) + 0.5)
+    return q.clamp(0, levels).to(torch.int64), _fp16_saturated(scale), _fp16_saturated(vmin)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing and the SoA block.
+# ----------------------------------------------------------------------------------------------
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes -> an LSB-first bit stream: coordinate ``d`` occupies bits ``[b*d, b*d + b)``.
+
+    4-bit: byte ``j = idx[2j] | idx[2j+1] << 4``; 3-bit: 8 codes per 3 bytes. Written per group
+    of 8 codes (``8*b`` bits = ``b`` bytes), so ``D % 8 == 0``.
+
+    Args:
+        codes: ``[..., D]`` int in ``[0, 2^bits)``; bits: 1..8.
+
+    Returns:
+        ``[..., D * bits / 8]`` uint8.
+    """
+    groups = rearrange(codes.to(torch.int64), "... (g p) -> ... g p", p=8)
+    word = (groups << (bits * torch.arange(8, device=codes.device))).sum(dim=-1)  # disjoint fields
+    packed = (word[..., None] >> (8 * torch.arange(bits, device=codes.device))) & 0xFF
+    return rearrange(packed, "... g i -> ... (g i)").to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of :func:`pack_codes`: ``[..., D * bits / 8]`` uint8 -> ``[..., D]`` int64."""
+    groups = rearrange(packed.to(torch.int64), "... (g i) -> ... g i", i=bits)
+    word = (groups << (8 * torch.arange(bits, device=packed.device))).sum(dim=-1)
+    codes = (word[..., None] >> (bits * torch.arange(8, device=packed.device))) & (2**bits - 1)
+    return rearrange(codes, "... g p -> ... (g p)")
+
+
+def check_cache(kv_cache: torch.Tensor, config: TurboQuantConfig) -> None:
+    """A cache the layout fits: uint8 ``[blocks, block_size, HKV, padded_slot]``, inner dims dense."""
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4:
+        raise ValueError(f"kv_cache: expected uint8 [blocks, block_size, HKV, slot], got {kv_cache.dtype} "
+                         f"{list(kv_cache.shape)}")  # fmt: skip
+    num_kv_heads, padded_slot = kv_cache.shape[2:]
+    if padded_slot < config.slot_size or padded_slot % 2:
+        raise ValueError(f"kv_cache: last dim {padded_slot} must be even and >= the slot size {config.slot_size}")
+    if kv_cache.stride()[1:] != (num_kv_heads * padded_slot, padded_slot, 1):
+        raise ValueError(f"kv_cache: a block's interior must be contiguous, got strides {kv_cache.stride()}")
+
+
+def cache_regions(kv_cache: torch.Tensor, config: TurboQuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the two regions of every block (writing through them writes ``kv_cache``).
+
+    Returns:
+        ``(data [blocks, block_size, HKV, data_bytes_per_slot] uint8,
+        meta [blocks, HKV, fields, block_size, 2] uint8)`` where ``meta[..., :]`` are the two
+        little-endian bytes of an fp16 (see :func:`read_meta`).
+    """
+    check_cache(kv_cache, config)
+    _, block_size, num_kv_heads, _ = kv_cache.shape
+    blocks = kv_cache.flatten(1)
+    data_end = config.meta_region_offset(block_size, num_kv_heads)
+    meta_end = data_end + num_kv_heads * config.num_meta_fields * block_size * 2
+    data = blocks[:, :data_end].unflatten(1, (block_size, num_kv_heads, config.data_bytes_per_slot))
+    meta = blocks[:, data_end:meta_end].unflatten(1, (num_kv_heads, config.num_meta_fields, block_size, 2))
+    return data, meta
+
+
+def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).contiguous().view(torch.uint8).unflatten(-1, (-1, 2))
+
+
+def read_meta(meta: torch.Tensor) -> torch.Tensor:
+    """``[..., 2]`` little-endian byte pairs -> ``[...]`` float16."""
+    return meta.contiguous().view(torch.float16).squeeze(-1)
+
+
+def turboquant_store(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    PiT: torch.Tensor,
+    boundaries: torch.Tensor,
+    centroids: torch.Tensor,
+    config: TurboQuantConfig,
+) -> torch.Tensor:
+    """Quantize tokens into their cache slots; the cache with those slots written (pure).
+
+    Token ``t`` goes to block ``slot // block_size``, position ``slot % block_size``; a negative
+    slot is skipped. Per (token, head): MSE keys -> packed codes (:func:`quantize_keys`) and an
+    fp16 norm; FP8 keys -> ``k`` as e4m3 bytes (round to nearest even, saturating at +-448; no
+    rotation, no scale); values -> packed min-max codes, fp16 scale and zero
+    (:func:`quantize_values`). Layout: :class:`TurboQuantConfig`. Paper: papers.md#turboquant.
+
+    Args:
+        kv_cache: uint8 ``[blocks, block_size, HKV, padded_slot]``.
+        key, value: ``[T, HKV, D]`` float16/bfloat16/float32.
+        slot_mapping: ``[T]`` int.
+        PiT: ``[D, D]`` float32; boundaries: ``[N-1]``; centroids: ``[N]`` float32 (MSE keys).
+        config: the preset at this ``D``.
+
+    Returns:
+        A new uint8 cache, equal to ``kv_cache`` outside the written slots.
+
+    Traffic: reads ``T*HKV*D`` keys and values (plus ``D*D*4`` bytes of ``PiT``); writes
+    ``T*HKV*slot_size`` bytes.
+    """
+    out = kv_cache.clone()
+    data, meta = cache_regions(out, config)
+    block_size = kv_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].to(torch.int64)
+    key, value = key[keep], value[keep]
+    blk, pos = slots // block_size, slots % block_size
+
+    v_codes, v_scale, v_zero = quantize_values(value, config.value_quant_bits)
+    if config.key_fp8:
+        key_bytes = key.to(torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
+        fields = [v_scale, v_zero]
+    else:
+        codes, norm = quantize_keys(key, PiT, boundaries, centroids, config.norm_correction)
+        key_bytes = pack_codes(codes, config.key_quant_bits)
+        fields = [norm, v_scale, v_zero]
+    data[blk, pos] = torch.cat([key_bytes, pack_codes(v_codes, config.value_quant_bits)], dim=-1)
+    meta_bytes = _fp16_bytes(torch.stack(fields, dim=-1))  # [T', HKV, fields, 2]
+    meta[blk, :, :, pos] = meta_bytes
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the cache and decode attention.
+# ----------------------------------------------------------------------------------------------
+
+
+def e4m3_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """OCP e4m3fn byte codes -> float64 values (0x7F/0xFF are NaN)."""
+    return codes.view(torch.float8_e4m3fn).to(torch.float64)
+
+
+def read_tokens(
+    kv_cache: torch.Tensor, block_table_row: torch.Tensor, num_tokens: int, config: TurboQuantConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens ``0 .. num_tokens-1`` of one request: key bytes, dequantized values and meta fields.
+
+    Key ``j`` lives at block ``block_table_row[j // block_size]``, position ``j % block_size``.
+    Values are ``q * scale + zero`` with the fp16 scale and zero.
+
+    Returns:
+        ``(key_bytes [L, HKV, key_data_bytes] uint8, values [L, HKV, D] float64,
+        fields [L, HKV, fields] float64)``: the stored norm is field 0 for MSE keys.
+    """
+    data, meta = cache_regions(kv_cache, config)
+    block_size = kv_cache.shape[1]
+    records = gather_tokens(data, block_table_row, num_tokens, block_size)  # [L, HKV, bytes]
+    meta_by_position = rearrange(meta, "n h f p two -> n p h (f two)")
+    meta_bytes = gather_tokens(meta_by_position, block_table_row, num_tokens, block_size)
+    fields = read_meta(meta_bytes.unflatten(-1, (-1, 2))).to(torch.float64)
+    key_bytes, value_bytes = records[..., : config.key_data_bytes], records[..., config.key_data_bytes :]
+    v_codes = unpack_codes(value_bytes, config.value_quant_bits).to(torch.float64)
+    values = v_codes * fields[..., -2, None] + fields[..., -1, None]
+    return key_bytes, values, fields
+
+
+def dequantize_keys(
+    key_bytes: torch.Tensor, stored_norm: torch.Tensor, centroids: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """MSE keys in the rotated basis: ``stored_norm * c[idx]`` (float64)."""
+    codes = unpack_codes(key_bytes, bits)
+    return stored_norm[..., None] * centroids.to(torch.float64)[codes]
+
+
+def _request_keys_values(
+    kv_cache: torch.Tensor, block_table_row: torch.Tensor, num_tokens: int, centroids: torch.Tensor,
+    config: TurboQuantConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Keys in the basis the query is scored in (rotated for MSE keys) and values, float64."""
+    key_bytes, values, fields = read_tokens(kv_cache, block_table_row, num_tokens, config)
+    if config.key_fp8:
+        return e4m3_to_float(key_bytes), values
+    return dequantize_keys(key_bytes, fields[..., 0], centroids, config.key_quant_bits), values
+
+
+def _query_basis(query: torch.Tensor, PiT: torch.Tensor, config: TurboQuantConfig) -> torch.Tensor:
+    """The query in the keys' basis: ``q @ Pi^T`` for MSE keys, ``q`` for FP8 keys (float64)."""
+    q = query.to(torch.float64)
+    return q if config.key_fp8 else q @ PiT.to(torch.float64)
+
+
+def turboquant_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    PiT: torch.Tensor,
+    centroids: torch.Tensor,
+    scale: float,
+    config: TurboQuantConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-token decode attention over a TurboQuant cache, as the paper's equations.
+
+    ``q~ = q Pi^T`` once per query; MSE keys ``s_j = scale * n_j <q~, c[idx_j]>`` (``n_j`` the
+    stored, possibly norm-corrected norm; ``<q, k> = <q Pi^T, k Pi^T>`` for orthogonal ``Pi``);
+    FP8 keys ``s_j = scale * <q, k_j>``. ``p = softmax(s)`` over ``j < seq_lens[b]``, ``out =
+    sum_j p_j (q_j * v_scale_j + v_zero_j)``. GQA: query head ``h`` reads KV head ``h // (H /
+    HKV)``. ``lse = ln sum_j exp(s_j)``; an empty request gives ``out = 0``, ``lse = -inf``.
+    Paper: papers.md#turboquant.
+
+    Args:
+        query: ``[B, H, D]`` float16/bfloat16/float32.
+        kv_cache: uint8 ``[blocks, block_size, HKV, padded_slot]`` written by :func:`turboquant_store`.
+        block_table: ``[B, max_blocks]`` int; seq_lens: ``[B]`` int.
+        PiT: ``[D, D]`` float32 (unused for FP8 keys); centroids: ``[N]`` float32.
+        scale: the softmax scale.
+        config: the preset at this ``D``.
+
+    Returns:
+        ``(out [B, H, D], lse [B, H])`` float64.
+
+    Traffic: reads ``sum_b L_b * HKV * (data_bytes_per_slot + 2 * fields)`` cache bytes plus the
+    query and block table; writes ``B*H*D`` outputs and ``B*H`` LSEs.
+    """
+    num_kv_heads = kv_cache.shape[2]
+    q = rearrange(_query_basis(query, PiT, config), "b (hkv g) d -> b hkv g d", hkv=num_kv_heads)
+    outs, lses = [], []
+    for b in range(query.shape[0]):
+        keys, values = _request_keys_values(kv_cache, block_table[b], int(seq_lens[b]), centroids, config)
+        scores = scale * einsum(q[b], keys, "hkv g d, l hkv d -> hkv g l")
+        p, lse = masked_softmax_state(scores, torch.ones_like(scores, dtype=torch.bool))
+        outs.append(einsum(p, values, "hkv g l, l hkv d -> hkv g d"))
+        lses.append(lse)
+    out = rearrange(torch.stack(outs), "b hkv g d -> b (hkv g) d")
+    return out, rearrange(torch.stack(lses), "b hkv g -> b (hkv g)")
+
+
+def split_ranges(seq_len: int, num_splits: int) -> list[tuple[int, int]]:
+    """The kernel's split-KV partition: ``c = cdiv(L, S)``, split ``s`` covers ``[s*c, min((s+1)*c, L))``.
+
+    Splits past the end are empty (``lo == hi``); every split has a slot in the stage-1 buffer.
+    """
+    chunk = -(-seq_len // num_splits)
+    return [(min(s * chunk, seq_len), min((s + 1) * chunk, seq_len)) for s in range(num_splits)]
+
+
+def turboquant_decode_split_states(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    PiT: torch.Tensor,
+    centroids: torch.Tensor,
+    scale: float,
+    config: TurboQuantConfig,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 of the split-KV decode: each split's attention state (:func:`split_ranges`).
+
+    ``merge_states`` of these equals :func:`turboquant_decode_attention`. An empty split is the
+    neutral state ``(0, -inf)``.
+
+    Returns:
+        ``(o [B, H, S, D], lse [B, H, S])`` float64.
+    """
+    num_kv_heads = kv_cache.shape[2]
+    q = rearrange(_query_basis(query, PiT, config), "b (hkv g) d -> b hkv g d", hkv=num_kv_heads)
+    outs, lses = [], []
+    for b in range(query.shape[0]):
+        seq_len = int(seq_lens[b])
+        keys, values = _request_keys_values(kv_cache, block_table[b], seq_len, centroids, config)
+        parts = [torch.arange(lo, hi) for lo, hi in split_ranges(seq_len, num_splits)]
+        states = [split_states(q[b, h], keys[:, h], values[:, h], scale, parts) for h in range(num_kv_heads)]
+        outs.append(torch.stack([o for o, _ in states]))  # [HKV, G, S, D]
+        lses.append(torch.stack([lse for _, lse in states]))
+    o = rearrange(torch.stack(outs), "b hkv g s d -> b (hkv g) s d")
+    return o, rearrange(torch.stack(lses), "b hkv g s -> b (hkv g) s")

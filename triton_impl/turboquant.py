@@ -1,0 +1,674 @@
+"""TurboQuant KV cache kernels: the SoA store and the pair-LUT split-KV decode (SPEC section 4).
+
+Twin of ``golden/turboquant.py``, with the signatures of vLLM's ``turboquant_soa`` modules
+(``triton_turboquant_store``, ``triton_turboquant_decode_attention_v2``, ``build_pair_lut``).
+
+Store: one program per (token, KV head) quantizes the key (norm, rotation, bucketize, optional norm
+correction; or FP8) and the value (min-max) and writes the slot's data bytes and fp16 metadata.
+Unlike upstream, the rotation runs inside the kernel, and every sum in it is a fixed-point int64
+sum, so the codes do not depend on summation order: the kernel writes the same bytes as the golden
+model on a CPU, under the interpreter and on any GPU (see ``golden/turboquant.py``).
+
+Decode: stage 1 (:func:`_decode_stage1_kernel`) gives each (request, KV head, split) one program
+that serves the KV head's whole query group, so each key/value byte is read once for ``H / HKV``
+query heads. It writes every split slot of ``[B, H, S, D+1]`` (an empty split as ``(0, -inf)``);
+stage 2 is ``triton_impl.lse_merge.merge_splits``. 4-bit keys are decoded through the pair LUT
+(FLUTE section 3.2): one 8-byte gather per packed byte returns the centroids of both its codes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_impl.interpreter import INTERPRET, dot_dtype, f32_to_e4m3_bits
+from triton_impl.lse_merge import merge_splits
+from triton_impl.validation import check_block_table, check_tensor, content_checks_enabled
+
+_KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_QUERY_DTYPES = (torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LOG2E = tl.constexpr(1.4426950408889634)  # softmax in base 2: exp(x) = exp2(x * log2 e)
+_LN2 = tl.constexpr(0.6931471805599453)  # the stored LSE is natural-log: ln(x) = log2(x) * ln 2
+_FP16_MAX = tl.constexpr(65504.0)
+_KEY_NORM_EPS = tl.constexpr(1e-8)
+_NORM_CORRECTION_EPS = tl.constexpr(1e-16)
+_MIN_VALUE_SCALE = tl.constexpr(1e-8)
+# Fixed-point sums (golden/turboquant.py explains the bounds): terms * 2^F truncated to int64.
+_ROTATION_SCALE = tl.constexpr(2.0**46)
+_ROTATION_UNIT = tl.constexpr(2.0**-46)
+_NORM_SCALE = tl.constexpr(2.0**40)
+_NORM_UNIT = tl.constexpr(2.0**-40)
+_MAX_HEAD_DIM = 1024
+
+# Launch configs as data, keyed by where the kernel runs. Store: D_CHUNK rows of PiT per step of
+# the rotation ([D_CHUNK, D] int64 partial sums live in registers); the result is the same for
+# every D_CHUNK (integer sums). Under the interpreter every op costs ~0.1 ms of Python whatever
+# its size, so one [D, D] step halves the store's CPU time. Decode: BLOCK_N tokens per tile, as
+# upstream's v2 kernel (TILE_SIZE 16, 4 warps, 2 stages on CUDA), in every mode, so CPU tests
+# run the GPU's tiling. The Hopper entries start from the defaults until the H200 sweep (issue
+# 7) replaces them. No config depends on the batch.
+STORE_CONFIGS: dict[str, dict[str, int]] = {
+    "default": {"D_CHUNK": 16, "num_warps": 4},
+    "sm90": {"D_CHUNK": 16, "num_warps": 4},
+    "interpreter": {"D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4},
+}
+DECODE_CONFIGS: dict[str, dict[str, int]] = {
+    "default": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
+    "sm90": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
+    "interpreter": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
+}
+
+
+def _config_key(device: torch.device, configs: dict[str, dict[str, int]]) -> str:
+    """"interpreter", the GPU architecture ("sm90") when it has an entry, else "default"."""
+    if bool(INTERPRET):
+        return "interpreter"
+    if device.type != "cuda":
+        return "default"
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = f"sm{major}{minor}"
+    return arch if arch in configs else "default"
+
+
+def select_store_config(device: torch.device) -> dict[str, int]:
+    return dict(STORE_CONFIGS[_config_key(device, STORE_CONFIGS)])
+
+
+def select_decode_config(device: torch.device) -> dict[str, int]:
+    return dict(DECODE_CONFIGS[_config_key(device, DECODE_CONFIGS)])
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout and argument checks shared by both launchers.
+# ----------------------------------------------------------------------------------------------
+
+
+def _soa_layout(head_dim: int, mse_bits: int, value_quant_bits: int, key_fp8: bool) -> dict[str, int]:
+    """Byte sizes of one slot (vLLM's ``_get_layout`` plus the SoA constants)."""
+    key_data_bytes = head_dim if key_fp8 else head_dim * mse_bits // 8
+    value_data_bytes = head_dim * value_quant_bits // 8
+    return {
+        "key_data_bytes": key_data_bytes,
+        "value_data_bytes": value_data_bytes,
+        "data_bytes_per_slot": key_data_bytes + value_data_bytes,
+        "key_packed_size": head_dim if key_fp8 else key_data_bytes + 2,
+        "value_packed_size": value_data_bytes + 4,
+        "num_fields": 2 if key_fp8 else 3,
+    }
+
+
+def _check_quant_args(
+    head_dim: int, mse_bits: int, key_packed_size: int, value_quant_bits: int, key_fp8: bool
+) -> dict[str, int]:
+    if head_dim < 16 or head_dim % 16 or head_dim > _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim: expected a multiple of 16 in [16, {_MAX_HEAD_DIM}], got {head_dim}")
+    if key_fp8 and mse_bits != 0:
+        raise ValueError(f"mse_bits: expected 0 with key_fp8=True, got {mse_bits}")
+    if not key_fp8 and mse_bits not in (3, 4):
+        raise ValueError(f"mse_bits: expected 3 or 4 for MSE keys, got {mse_bits}")
+    if value_quant_bits not in (3, 4):
+        raise ValueError(f"value_quant_bits: expected 3 or 4, got {value_quant_bits}")
+    layout = _soa_layout(head_dim, mse_bits, value_quant_bits, key_fp8)
+    if key_packed_size != layout["key_packed_size"]:
+        raise ValueError(f"key_packed_size: expected {layout['key_packed_size']} for D={head_dim}, "
+                         f"mse_bits={mse_bits}, key_fp8={key_fp8}, got {key_packed_size}")  # fmt: skip
+    return layout
+
+
+def _check_cache(kv_cache: torch.Tensor, num_kv_heads: int, layout: dict[str, int]) -> None:
+    check_tensor("kv_cache", kv_cache, ndim=4, dtypes=(torch.uint8,))
+    if kv_cache.shape[2] != num_kv_heads:
+        raise ValueError(f"kv_cache: expected {num_kv_heads} KV heads in dim 2, got shape {list(kv_cache.shape)}")
+    padded_slot = kv_cache.shape[3]
+    slot_size = layout["key_packed_size"] + layout["value_packed_size"]
+    if padded_slot < slot_size or padded_slot % 2:
+        raise ValueError(f"kv_cache: last dim must be even and >= the slot size {slot_size}, got {padded_slot}")
+    if kv_cache.stride()[1:] != (num_kv_heads * padded_slot, padded_slot, 1) or kv_cache.stride(0) % 2:
+        raise ValueError(f"kv_cache: a block must be dense with an even block stride, got strides {kv_cache.stride()}")
+
+
+def _check_codebook(name: str, t: torch.Tensor, size: int, device: torch.device) -> None:
+    check_tensor(name, t, shape=(size,), dtypes=(torch.float32,), device=device)
+    if content_checks_enabled() and not bool((t.abs() <= 1).all()):
+        raise ValueError(f"{name}: expected finite entries in [-1, 1] (coordinates of unit vectors)")
+
+
+def _check_rotation(name: str, t: torch.Tensor, head_dim: int, device: torch.device) -> None:
+    check_tensor(name, t, shape=(head_dim, head_dim), dtypes=(torch.float32,), device=device)
+    # |entries| <= 1 (true of every orthogonal matrix) bounds the fixed-point rotation sums.
+    if content_checks_enabled() and not bool((t.abs() <= 1).all()):
+        raise ValueError(f"{name}: expected finite entries in [-1, 1] (an orthogonal matrix)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Store.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _exact_norm(k):
+    """``||k||`` of an fp32 vector (zeros in padding lanes), independent of summation order.
+
+    ``e = exponent(max |k|)``, ``x = k 2^-e`` in fp64 (exact, ``x^2`` exact), ``s = sum of
+    trunc(x^2 2^40)`` in int64, ``n = fp32(sqrt_rn(fp32(s) 2^-40) 2^e)``; as golden ``key_norm``.
+    The powers of two are built from their fp64 bits (exact; ``exp2`` is approximate compiled).
+    """
+    amax = tl.max(tl.abs(k), axis=0)
+    exp_field = ((amax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int64)
+    e = tl.maximum(exp_field, 1) - 127
+    pow2_minus_e = ((1023 - e) << 52).to(tl.float64, bitcast=True)
+    pow2_e = ((1023 + e) << 52).to(tl.float64, bitcast=True)
+    x = k.to(tl.float64) * pow2_minus_e
+    squares = tl.sum((x * x * _NORM_SCALE).to(tl.int64), axis=0)
+    root = tl.sqrt_rn(squares.to(tl.float32) * _NORM_UNIT)
+    return (root.to(tl.float64) * pow2_e).to(tl.float32)
+
+
+@triton.jit
+def _fp16_bits(x):
+    """fp32 -> fp16 (round to nearest even) clamped to +-65504, as the uint16 to store."""
+    return tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX).to(tl.float16).to(tl.uint16, bitcast=True)
+
+
+@triton.jit
+def _store_packed(codes, dst, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Write ``codes [BLOCK_D]`` as an LSB-first bit stream at ``dst`` (code d at bits [BITS*d, BITS*d + BITS)).
+
+    Per group of 8 codes: ``word = sum_p code_p << (BITS*p)`` (disjoint fields: the sum is an OR),
+    then its ``BITS`` bytes. Lanes ``d >= HEAD_DIM`` fill whole groups (``HEAD_DIM % 8 == 0``) and
+    are not stored.
+    """
+    groups = tl.reshape(codes.to(tl.int64), [BLOCK_D // 8, 8])
+    words = tl.sum(groups << (tl.arange(0, 8).to(tl.int64) * BITS)[None, :], axis=1)
+    g = tl.arange(0, BLOCK_D // 8)
+    i = tl.arange(0, 4)  # at most 4 bytes per group (BITS <= 4)
+    packed = (words[:, None] >> (8 * i[None, :]).to(tl.int64)) & 0xFF
+    mask = (g[:, None] < HEAD_DIM // 8) & (i[None, :] < BITS)
+    tl.store(dst + g[:, None] * BITS + i[None, :], packed.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _store_kernel(
+    key_ptr, value_ptr, cache_ptr, cache_u16_ptr, slot_ptr, pit_ptr, midpoint_ptr, centroid_ptr,
+    num_kv_heads, block_size, stride_block, data_bytes_per_slot, meta_offset,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    HEAD_DIM: tl.constexpr,
+    KEY_BITS: tl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
+    VALUE_BITS: tl.constexpr,
+    NORM_CORRECTION: tl.constexpr,
+    KEY_DATA_BYTES: tl.constexpr,
+    NUM_FIELDS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_CODES: tl.constexpr,
+    D_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(T * HKV,)``: a program owns one (token, KV head) slot and writes all of its bytes.
+
+    It reads the key row once into registers for the norm, then streams ``PiT`` through in
+    ``[D_CHUNK, D]`` tiles (re-reading ``D_CHUNK`` key entries per tile, from L1) accumulating
+    int64 fixed-point dot products, so the rotation's result is bit-exact whatever the reduction
+    order. Divisions and square roots are ``div_rn``/``sqrt_rn``: IEEE-exact compiled too.
+    """
+    token = (tl.program_id(0) // num_kv_heads).to(tl.int64)
+    head = tl.program_id(0) % num_kv_heads
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block_base = (slot // block_size) * stride_block
+    position = slot % block_size
+    data = cache_ptr + block_base + (position * num_kv_heads + head) * data_bytes_per_slot
+    meta = cache_u16_ptr + (block_base + meta_offset) // 2 + head * NUM_FIELDS * block_size + position
+
+    dims = tl.arange(0, BLOCK_D)
+    in_dim = dims < HEAD_DIM
+    key_row = key_ptr + token * stride_kt + head * stride_kh
+    k = tl.load(key_row + dims, mask=in_dim, other=0.0).to(tl.float32)
+    if KEY_BITS == 8:
+        tl.store(data + dims, f32_to_e4m3_bits(k, False), mask=in_dim)
+    else:
+        norm = _exact_norm(k)
+        denom = norm + _KEY_NORM_EPS
+        # acc[i, j] sums rows d = i (mod D_CHUNK) of column j; one reduction at the end.
+        acc = tl.zeros([D_CHUNK, BLOCK_D], dtype=tl.int64)
+        for d0 in range(0, HEAD_DIM, D_CHUNK):
+            rows = d0 + tl.arange(0, D_CHUNK)
+            in_rows = rows < HEAD_DIM
+            k_hat = tl.div_rn(tl.load(key_row + rows, mask=in_rows, other=0.0).to(tl.float32), denom)
+            pit = tl.load(pit_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
+                          mask=in_rows[:, None] & in_dim[None, :], other=0.0)  # fmt: skip
+            acc += (k_hat[:, None] * pit * _ROTATION_SCALE).to(tl.int64)
+        y = tl.sum(acc, axis=0).to(tl.float32) * _ROTATION_UNIT
+        # idx_d = #{m : midpoint_m <= y_d}; padding midpoints are +inf and never count.
+        m = tl.arange(0, BLOCK_CODES)
+        midpoints = tl.load(midpoint_ptr + m, mask=m < (1 << KEY_BITS) - 1, other=float("inf"))
+        codes = tl.sum((y[:, None] >= midpoints[None, :]).to(tl.int32), axis=1)
+        _store_packed(codes, data, KEY_BITS, HEAD_DIM, BLOCK_D)
+        stored_norm = norm
+        if NORM_CORRECTION:
+            c = tl.load(centroid_ptr + codes, mask=in_dim, other=0.0)
+            c_squared = tl.sum((c * c * _NORM_SCALE).to(tl.int64), axis=0).to(tl.float32) * _NORM_UNIT
+            stored_norm = tl.div_rn(norm, tl.sqrt_rn(c_squared + _NORM_CORRECTION_EPS))
+        tl.store(meta, _fp16_bits(stored_norm))
+
+    # Values: min-max over the valid lanes, both ends clamped to fp16's range before the scale.
+    LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
+    v = tl.load(value_ptr + token * stride_vt + head * stride_vh + dims, mask=in_dim, other=0.0).to(tl.float32)
+    v_min = tl.min(tl.where(in_dim, v, float("inf")), axis=0)
+    v_max = tl.max(tl.where(in_dim, v, float("-inf")), axis=0)
+    v_min = tl.minimum(tl.maximum(v_min, -_FP16_MAX), _FP16_MAX)
+    v_max = tl.minimum(tl.maximum(v_max, -_FP16_MAX), _FP16_MAX)
+    scale = tl.maximum(tl.div_rn(v_max - v_min, tl.full([], LEVELS, tl.float32)), _MIN_VALUE_SCALE)
+    q = tl.floor(tl.div_rn(v - v_min, tl.full([BLOCK_D], 1.0, tl.float32) * scale) + 0.5)
+    v_codes = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
+    _store_packed(v_codes, data + KEY_DATA_BYTES, VALUE_BITS, HEAD_DIM, BLOCK_D)
+    tl.store(meta + (NUM_FIELDS - 2) * block_size, _fp16_bits(scale))
+    tl.store(meta + (NUM_FIELDS - 1) * block_size, _fp16_bits(v_min))
+
+
+def triton_turboquant_store(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    PiT: torch.Tensor,
+    midpoints: torch.Tensor,
+    mse_bits: int,
+    key_packed_size: int,
+    value_quant_bits: int,
+    key_fp8: bool = False,
+    centroids: torch.Tensor | None = None,
+    norm_correction: bool = False,
+) -> None:
+    """Quantize ``T`` tokens into their SoA cache slots (vLLM's ``triton_turboquant_store``).
+
+    Same bytes as ``golden.turboquant.turboquant_store``, bit for bit, on any device. A negative
+    slot is skipped. FP8 keys (``key_fp8=True``, ``mse_bits=0``) ignore ``PiT``/``midpoints``.
+
+    Args:
+        key, value: ``[T, HKV, D]`` float16/bfloat16/float32 (unit last stride).
+        kv_cache: uint8 ``[blocks, block_size, HKV, padded_slot]``, written.
+        slot_mapping: ``[T]`` int32/int64.
+        PiT: ``[D, D]`` float32 (``y = k_hat @ PiT``); midpoints: ``[2^mse_bits - 1]`` float32.
+        mse_bits: 3 or 4 (0 for FP8 keys); key_packed_size: as the preset gives it.
+        value_quant_bits: 3 or 4.
+        centroids: ``[2^mse_bits]`` float32, needed with ``norm_correction``.
+
+    Traffic: reads ``T*HKV*D`` keys and values and ``D*D*4`` bytes of ``PiT`` (from cache after
+    the first programs); writes ``T*HKV*slot_size`` bytes.
+    """
+    check_tensor("key", key, ndim=3, dtypes=_KEY_DTYPES)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    device = key.device
+    check_tensor("value", value, shape=(num_tokens, num_kv_heads, head_dim), dtypes=_KEY_DTYPES, device=device)
+    check_tensor("slot_mapping", slot_mapping, shape=(num_tokens,), dtypes=_INDEX_DTYPES, device=device,
+                 unit_last_stride=False)  # fmt: skip
+    layout = _check_quant_args(head_dim, mse_bits, key_packed_size, value_quant_bits, key_fp8)
+    _check_cache(kv_cache, num_kv_heads, layout)
+    check_tensor("kv_cache", kv_cache, device=device)
+    if not key_fp8:
+        _check_rotation("PiT", PiT, head_dim, device)
+        check_tensor("midpoints", midpoints, shape=(2**mse_bits - 1,), dtypes=(torch.float32,), device=device)
+        if norm_correction:
+            if centroids is None:
+                raise ValueError("centroids: required with norm_correction=True and MSE keys, got None")
+            _check_codebook("centroids", centroids, 2**mse_bits, device)
+    num_blocks, block_size = kv_cache.shape[:2]
+    if content_checks_enabled() and num_tokens:
+        _check_slots(slot_mapping, num_blocks * block_size)
+    if num_tokens * num_kv_heads == 0:
+        return
+
+    key_bits = 8 if key_fp8 else mse_bits
+    unused = kv_cache  # FP8 keys never read PiT, midpoints or centroids; any pointer will do
+    config = select_store_config(device)
+    block_d = triton.next_power_of_2(head_dim)
+    _store_kernel[(num_tokens * num_kv_heads,)](
+        key, value, kv_cache, kv_cache.view(torch.uint16), slot_mapping,
+        unused if key_fp8 else PiT, unused if key_fp8 else midpoints,
+        centroids if (norm_correction and not key_fp8) else unused,
+        num_kv_heads, block_size, kv_cache.stride(0), layout["data_bytes_per_slot"],
+        block_size * num_kv_heads * layout["data_bytes_per_slot"],
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        HEAD_DIM=head_dim,
+        KEY_BITS=key_bits,
+        VALUE_BITS=value_quant_bits,
+        NORM_CORRECTION=bool(norm_correction) and not key_fp8,
+        KEY_DATA_BYTES=layout["key_data_bytes"],
+        NUM_FIELDS=layout["num_fields"],
+        BLOCK_D=block_d,
+        BLOCK_CODES=16,
+        D_CHUNK=min(config["D_CHUNK"], block_d),
+        num_warps=config["num_warps"],
+        enable_fp_fusion=False,  # defensive: no contraction anywhere in the quantizer's arithmetic
+    )  # fmt: skip
+
+
+def _check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    slots = slot_mapping.to(torch.int64)
+    live = slots[slots >= 0]
+    if live.numel() and int(live.max()) >= num_slots:
+        raise ValueError(f"slot_mapping: slot {int(live.max())} is outside the cache's {num_slots} slots")
+    if live.numel() != live.unique().numel():
+        raise ValueError("slot_mapping: a slot appears twice (two tokens would race for it)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode.
+# ----------------------------------------------------------------------------------------------
+
+
+def build_pair_lut(centroids: torch.Tensor) -> torch.Tensor:
+    """The pair lookup table of a codebook: ``lut[i*N + j] = (c_i, c_j)`` (FLUTE section 3.2).
+
+    A packed 4-bit byte holds two codes ``(lo, hi)``; one 8-byte gather at ``lo*N + hi`` returns
+    both centroids. Built fresh on each call (2 KiB for N = 16): a cache keyed by
+    ``centroids.data_ptr()`` would return a stale table when the allocator reuses the address or
+    the tensor is updated in place.
+
+    Args:
+        centroids: ``[N]`` float.
+
+    Returns:
+        ``[N*N, 2]`` float32, contiguous.
+
+    Traffic: reads ``N`` floats; writes ``2*N*N``.
+    """
+    check_tensor("centroids", centroids, ndim=1)
+    c = centroids.to(torch.float32)
+    pairs = torch.stack(torch.broadcast_tensors(c[:, None], c[None, :]), dim=-1)
+    return pairs.reshape(-1, 2).contiguous()
+
+
+@triton.jit
+def _e4m3_to_f32(code):
+    """OCP e4m3fn byte -> fp32 in integer arithmetic (the interpreter's fp8 cast reads 0x7F as 480)."""
+    c = code.to(tl.int32)
+    sign = (c >> 7) & 1
+    exponent = (c >> 3) & 15
+    mantissa = c & 7
+    normal = ((sign << 31) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    subnormal = mantissa.to(tl.float32) * 0.001953125  # mantissa * 2^-9
+    value = tl.where(exponent == 0, tl.where(sign == 1, -subnormal, subnormal), normal)
+    return tl.where((c & 0x7F) == 0x7F, float("nan"), value)
+
+
+@triton.jit
+def _load_codes(slot, dims, live, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``[BLOCK_N, BLOCK_D]`` codes of each token's bit stream at ``slot`` (code d at bit BITS*d).
+
+    A code straddling two bytes (3-bit) reads the next byte too; one that does not never does, so
+    no read leaves the field.
+    """
+    bit = dims * BITS
+    byte = bit // 8
+    shift = bit % 8
+    ok = live[:, None] & (dims < HEAD_DIM)[None, :]
+    lo = tl.load(slot[:, None] + byte[None, :], mask=ok, other=0).to(tl.int32)
+    straddles = (shift + BITS > 8)[None, :]
+    hi = tl.load(slot[:, None] + byte[None, :] + 1, mask=ok & straddles, other=0).to(tl.int32)
+    return ((lo | (hi << 8)) >> shift[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _load_fp16(ptr, live):
+    return tl.load(ptr, mask=live, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    q_ptr, cache_ptr, cache_u16_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, pair_lut_ptr, partials_ptr,
+    sm_scale, num_kv_heads, block_size, stride_block, data_bytes_per_slot, meta_offset,
+    stride_qb, stride_qh, stride_bt, stride_pb, stride_ph, stride_ps,
+    KV_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KEY_BITS: tl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
+    VALUE_BITS: tl.constexpr,
+    KEY_DATA_BYTES: tl.constexpr,
+    NUM_FIELDS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_PAIR_LUT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(B, HKV, S)``: a program owns one split of one request for one KV head.
+
+    It loads the group's ``KV_GROUP`` rotated queries once (``BLOCK_M >= 16`` rows for
+    ``tl.dot``; 4-bit keys split them into even and odd coordinates, the two halves of a packed
+    byte) and streams ``BLOCK_N``-token tiles of its split: codes -> centroids (pair LUT or
+    gathers) -> ``q.c`` -> times the stored norm; values enter as ``(p * scale) @ codes + p @
+    zero``, so the dot multiplies exact small integers and no dequantized value can overflow the
+    16-bit dot operands. Online softmax in base 2; writes ``(o, lse)`` or ``(0, -inf)``.
+    """
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, BLOCK_M)
+    heads = kv_head * KV_GROUP + rows
+    head_ok = rows < KV_GROUP
+    dims = tl.arange(0, BLOCK_D)
+    in_dim = dims < HEAD_DIM
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    if KEY_BITS == 4:
+        half = tl.arange(0, BLOCK_HALF)
+        in_half = half < HEAD_DIM // 2
+        q_mask = head_ok[:, None] & in_half[None, :]
+        q_even = tl.load(q_rows + 2 * half[None, :], mask=q_mask, other=0.0).to(DOT_DTYPE)
+        q_odd = tl.load(q_rows + 2 * half[None, :] + 1, mask=q_mask, other=0.0).to(DOT_DTYPE)
+    else:
+        q = tl.load(q_rows + dims[None, :], mask=head_ok[:, None] & in_dim[None, :], other=0.0).to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    block_row = block_table_ptr + b.to(tl.int64) * stride_bt
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        live = tokens < end
+        page = tl.load(block_row + tokens // block_size, mask=live, other=0).to(tl.int64)
+        position = tokens % block_size
+        block_base = page * stride_block
+        slot = cache_ptr + block_base + (position * num_kv_heads + kv_head) * data_bytes_per_slot
+        meta = cache_u16_ptr + (block_base + meta_offset) // 2 + kv_head * NUM_FIELDS * block_size + position
+
+        if KEY_BITS == 4:
+            packed = tl.load(slot[:, None] + half[None, :], mask=live[:, None] & in_half[None, :], other=0)
+            lo = (packed & 0xF).to(tl.int32)  # coordinate 2i
+            hi = (packed >> 4).to(tl.int32)  # coordinate 2i + 1
+            if USE_PAIR_LUT:
+                pair = tl.load(pair_lut_ptr + lo * 16 + hi)  # one 8-byte gather: (c_lo, c_hi)
+                c_even = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+                c_odd = ((pair >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+            else:
+                c_even = tl.load(centroid_ptr + lo)
+                c_odd = tl.load(centroid_ptr + hi)
+            qk = tl.dot(q_even, tl.trans(c_even.to(DOT_DTYPE)))
+            qk += tl.dot(q_odd, tl.trans(c_odd.to(DOT_DTYPE)))
+        elif KEY_BITS == 3:
+            c = tl.load(centroid_ptr + _load_codes(slot, dims, live, 3, HEAD_DIM))
+            qk = tl.dot(q, tl.trans(c.to(DOT_DTYPE)))
+        else:
+            fp8 = tl.load(slot[:, None] + dims[None, :], mask=live[:, None] & in_dim[None, :], other=0)
+            qk = tl.dot(q, tl.trans(_e4m3_to_f32(fp8).to(DOT_DTYPE)))  # e4m3 is exact in fp16/bf16
+        if KEY_BITS != 8:
+            qk = qk * _load_fp16(meta, live)[None, :]  # the stored (norm-corrected) key norm
+        s = tl.where(live[None, :], qk * (sm_scale * _LOG2E), float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: a tile has at least one live token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        v_codes = _load_codes(slot + KEY_DATA_BYTES, dims, live, VALUE_BITS, HEAD_DIM)
+        v_scale = _load_fp16(meta + (NUM_FIELDS - 2) * block_size, live)
+        v_zero = _load_fp16(meta + (NUM_FIELDS - 1) * block_size, live)
+        pv = tl.dot((p * v_scale[None, :]).to(DOT_DTYPE), v_codes.to(DOT_DTYPE))
+        pv += tl.sum(p * v_zero[None, :], axis=1)[:, None]
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    has_keys = end > start
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = tl.where(has_keys, acc / l_safe[:, None], 0.0)
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
+    partial = partials_ptr + b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
+    tl.store(partial[:, None] + dims[None, :], out, mask=head_ok[:, None] & in_dim[None, :])
+    tl.store(partial + HEAD_DIM, lse, mask=head_ok)
+
+
+def _buffer(
+    given: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+    holder: Any, attr: str,
+) -> torch.Tensor:  # fmt: skip
+    """A given buffer's leading ``shape`` view (checked), or a new one parked on ``holder``."""
+    if given is None:
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        if holder is not None:
+            setattr(holder, attr, buf)
+        return buf
+    check_tensor(name, given, ndim=len(shape), dtypes=(dtype,), device=device)
+    if any(have < need for have, need in zip(given.shape, shape)):
+        raise ValueError(f"{name}: expected every dim >= {list(shape)}, got shape {list(given.shape)}")
+    return given[tuple(slice(0, n) for n in shape)]
+
+
+def triton_turboquant_decode_attention_v2(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    Pi: torch.Tensor | None,
+    centroids: torch.Tensor,
+    scale: float,
+    mse_bits: int,
+    key_packed_size: int,
+    value_quant_bits: int,
+    value_packed_size: int,
+    max_seq_len: int = 0,
+    key_fp8: bool = False,
+    norm_correction: bool = False,
+    PiT: torch.Tensor | None = None,
+    mid_o_buf: torch.Tensor | None = None,
+    output_buf: torch.Tensor | None = None,
+    lse_buf: torch.Tensor | None = None,
+    buf_holder: Any = None,
+    max_num_kv_splits: int = 32,
+    use_pair_lut: bool | None = None,
+) -> torch.Tensor:
+    """One-token decode attention over a TurboQuant SoA cache (vLLM's v2 launcher).
+
+    ``q~ = q @ PiT`` (``PiT = Pi.T`` when not given) in fp32 on the host; MSE keys score
+    ``scale * n_j <q~, c[idx_j]>``, FP8 keys ``scale * <q, k_j>``; softmax over ``j <
+    seq_lens[b]``; values ``q_j * scale_j + zero_j``. Golden:
+    ``golden.turboquant.turboquant_decode_attention``. An empty request gives ``out = 0``,
+    ``lse = -inf``. ``max_seq_len`` (ignored) and ``norm_correction`` (folded into the stored
+    norm by the store) are accepted for signature compatibility.
+
+    Split-KV with exactly ``max_num_kv_splits`` splits (fixed grid: CUDA-graph safe); split ``s``
+    of request ``b`` covers ``[s*c, min((s+1)*c, L_b))``, ``c = cdiv(L_b, S)``. Buffers are used
+    when given (their leading ``[B, H, S, D+1]`` / ``[B, H, D]`` / ``[B, H]`` part); missing ones
+    are allocated and parked on ``buf_holder`` as ``_tq_mid_o_buf`` / ``_tq_output_buf`` /
+    ``_tq_lse_buf``.
+
+    Args:
+        query: ``[B, H, D]`` float16/bfloat16.
+        kv_cache: uint8 ``[blocks, block_size, HKV, padded_slot]``; ``H % HKV == 0``.
+        block_table: ``[B, max_blocks]`` int32/int64; seq_lens: ``[B]`` int32/int64.
+        Pi / PiT: ``[D, D]`` float32 (one of them, MSE keys); centroids: ``[2^mse_bits]`` float32.
+        mse_bits: 3 or 4 (0 for FP8 keys); key_packed_size, value_packed_size: the preset's.
+        mid_o_buf: fp32 ``[>=B, >=H, >=S, >=D+1]``; output_buf: query dtype ``[>=B, >=H, >=D]``;
+        lse_buf: fp32 ``[>=B, >=H]``.
+        use_pair_lut: None (the seed's choice: 4-bit MSE keys), or force the pair LUT on/off
+            (4-bit keys only).
+
+    Returns:
+        ``[B, H, D]`` in the query dtype (a view of ``output_buf`` when given); the natural-log
+        LSE ``[B, H]`` fp32 goes to ``lse_buf``.
+
+    Traffic: reads ``sum_b L_b * HKV * (data_bytes_per_slot + 2 * fields)`` cache bytes, the
+    query and the block table; writes ``B*H*S*(D+1)`` fp32 partials, then ``B*H*D`` outputs and
+    ``B*H`` LSEs (stage 2 reads the partials back).
+    """
+    check_tensor("query", query, ndim=3, dtypes=_QUERY_DTYPES)
+    batch, num_heads, head_dim = query.shape
+    device = query.device
+    layout = _check_quant_args(head_dim, mse_bits, key_packed_size, value_quant_bits, key_fp8)
+    if value_packed_size != layout["value_packed_size"]:
+        raise ValueError(f"value_packed_size: expected {layout['value_packed_size']}, got {value_packed_size}")
+    check_tensor("kv_cache", kv_cache, ndim=4, dtypes=(torch.uint8,), device=device)
+    num_blocks, block_size, num_kv_heads = kv_cache.shape[:3]
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"query: {num_heads} heads is not a multiple of kv_cache's {num_kv_heads} KV heads")
+    _check_cache(kv_cache, num_kv_heads, layout)
+    check_tensor("block_table", block_table, ndim=2, dtypes=_INDEX_DTYPES, device=device)
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table: expected {batch} rows, got shape {list(block_table.shape)}")
+    check_tensor("seq_lens", seq_lens, shape=(batch,), dtypes=_INDEX_DTYPES, device=device, unit_last_stride=False)
+    if not isinstance(max_num_kv_splits, int) or max_num_kv_splits < 1:
+        raise ValueError(f"max_num_kv_splits: expected a positive int, got {max_num_kv_splits!r}")
+    if use_pair_lut and (key_fp8 or mse_bits != 4):
+        raise ValueError(f"use_pair_lut: the pair LUT serves 4-bit keys, got mse_bits={mse_bits}, key_fp8={key_fp8}")
+    if not key_fp8:
+        rotation = PiT if PiT is not None else Pi
+        if rotation is None:
+            raise ValueError("Pi, PiT: MSE keys need the rotation, got None for both")
+        check_tensor("PiT" if PiT is not None else "Pi", rotation, shape=(head_dim, head_dim),
+                     dtypes=(torch.float32,), device=device, unit_last_stride=False)  # fmt: skip
+        check_tensor("centroids", centroids, shape=(2**mse_bits,), dtypes=(torch.float32,), device=device)
+    if content_checks_enabled() and batch:
+        if int(seq_lens.min()) < 0:
+            raise ValueError(f"seq_lens: expected >= 0, got {int(seq_lens.min())}")
+        check_block_table("block_table", block_table, seq_lens, block_size, num_blocks)
+
+    num_splits = max_num_kv_splits
+    mid_o = _buffer(mid_o_buf, "mid_o_buf", (batch, num_heads, num_splits, head_dim + 1), torch.float32, device,
+                    buf_holder, "_tq_mid_o_buf")  # fmt: skip
+    output = _buffer(output_buf, "output_buf", (batch, num_heads, head_dim), query.dtype, device,
+                     buf_holder, "_tq_output_buf")  # fmt: skip
+    lse = _buffer(lse_buf, "lse_buf", (batch, num_heads), torch.float32, device, buf_holder, "_tq_lse_buf")
+    if batch * num_heads == 0:
+        return output
+
+    q_rot = query.float() if key_fp8 else query.float() @ (PiT if PiT is not None else Pi.T)
+    q_rot = q_rot.contiguous()
+    key_bits = 8 if key_fp8 else mse_bits
+    if use_pair_lut is None:
+        use_pair_lut = key_bits == 4
+    pair_lut = build_pair_lut(centroids).view(torch.int64) if use_pair_lut else q_rot  # q_rot: never read
+    group = num_heads // num_kv_heads
+    config = select_decode_config(device)
+    _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
+        q_rot, kv_cache, kv_cache.view(torch.uint16), block_table, seq_lens,
+        q_rot if key_fp8 else centroids, pair_lut, mid_o,
+        float(scale), num_kv_heads, block_size, kv_cache.stride(0), layout["data_bytes_per_slot"],
+        block_size * num_kv_heads * layout["data_bytes_per_slot"],
+        q_rot.stride(0), q_rot.stride(1), block_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        KV_GROUP=group,
+        HEAD_DIM=head_dim,
+        KEY_BITS=key_bits,
+        VALUE_BITS=value_quant_bits,
+        KEY_DATA_BYTES=layout["key_data_bytes"],
+        NUM_FIELDS=layout["num_fields"],
+        NUM_SPLITS=num_splits,
+        USE_PAIR_LUT=bool(use_pair_lut),
+        DOT_DTYPE=dot_dtype(query.dtype),
+        BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=config["BLOCK_N"],
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_HALF=max(16, triton.next_power_of_2(head_dim // 2)),
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )  # fmt: skip
+    merge_splits(mid_o, output, lse)
+    return output
