@@ -334,25 +334,29 @@ def test_rope_is_copied_bit_for_bit(device) -> None:
     assert torch.equal(out[0, 0, NOPE_DIM:].cpu().view(torch.int16), rope_bits)
 
 
-def test_nonfinite_group_gathers_nan_and_leaves_other_groups(device) -> None:
-    """inf in group 2 and NaN in group 5: code 255 (E8M0 NaN) there, NaN on gather there only."""
+@pytest.mark.parametrize("use_fnuz", [False, True])
+def test_nonfinite_group_gathers_nan_and_leaves_other_groups(device, use_fnuz) -> None:
+    """inf in group 2 and NaN in group 5: code 255 (E8M0 NaN) there and the unscaled values
+    clamped (inf -> fp8_max, where FNUZ's own cast would give NaN); NaN on gather there only."""
     gen = generator(5)
     k = _keys(2, gen)
     k[0, 64 * 2 + 3] = float("inf")
+    k[0, 64 * 2 + 4] = float("-inf")
     k[0, 64 * 5 + 60] = float("nan")
     cache = torch.zeros(1, block_bytes(16), dtype=torch.uint8, device=device)
-    quantize_and_insert_k_cache(k.to(device), cache, torch.tensor([0, 1], device=device), 16)
+    quantize_and_insert_k_cache(k.to(device), cache, torch.tensor([0, 1], device=device), 16, use_fnuz=use_fnuz)
     records = read_records(cache.cpu(), torch.tensor([0, 1]), 16)
-    assert_bits_equal(records, encode_records(k))
+    assert_bits_equal(records, encode_records(k, use_fnuz))
     assert records[0, TOKEN_DATA_BYTES + 2] == 255 and records[0, TOKEN_DATA_BYTES + 5] == 255
+    assert records[0, 64 * 2 + 3 : 64 * 2 + 5].tolist() == [0x7E, 0xFE]  # +-448 OCP, +-224 FNUZ
     out = torch.zeros(1, 2, 512, dtype=torch.bfloat16, device=device)
     dequantize_and_gather_k_cache(
         out, cache, torch.tensor([2], dtype=torch.int32, device=device), None,
-        torch.zeros(1, 1, dtype=torch.int32, device=device), 16, 0,
+        torch.zeros(1, 1, dtype=torch.int32, device=device), 16, 0, use_fnuz=use_fnuz,
     )  # fmt: skip
     nan_groups = torch.isnan(out[0, 0, :NOPE_DIM].cpu()).view(7, 64).all(dim=1)
     assert nan_groups.tolist() == [False, False, True, False, False, True, False]
-    _assert_same_bf16(out[0].cpu(), decode_records(encode_records(k)))
+    _assert_same_bf16(out[0].cpu(), decode_records(encode_records(k, use_fnuz), use_fnuz))
 
 
 # -- properties ---------------------------------------------------------------------------------
