@@ -1,0 +1,150 @@
+"""Parity cases for split-KV decode: DeepSeek MLA (bf16, FP8, windowed multi-token decode) and GQA.
+
+Realistic widths and heads everywhere; lengths and batch are short on a CPU (interpreter) and
+serving-sized on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from golden.decode_attention import decode_attention
+from triton_impl.decode_attention import _compute_num_kv_splits, decode_attention_fwd, expand_decode_rows
+from triton_impl.parity import Case, Check
+from triton_impl.tolerances import tolerance
+
+_H200_SMS = 132
+
+
+def _paged(lens: list[int], page_size: int, kv_heads: int, width: int, dtype: torch.dtype, gen: torch.Generator):
+    """A cache holding ``lens[b]`` random tokens per request in shuffled pages, and its block table."""
+    pages = [(n + page_size - 1) // page_size for n in lens]
+    num_pages = sum(pages) + 1
+    cache = torch.randn(num_pages, page_size, kv_heads, width, generator=gen).to(dtype)
+    order = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    table = torch.zeros(len(lens), max(pages) + 1, dtype=torch.int32)
+    used = 0
+    for b, n_pages in enumerate(pages):
+        table[b, :n_pages] = order[used : used + n_pages]
+        used += n_pages
+    return cache, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def _case(
+    name: str,
+    lens: list[int],
+    *,
+    is_mla: bool,
+    heads: int,
+    kv_heads: int,
+    key_width: int,
+    value_width: int,
+    page_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    fp8: bool = False,
+    window: int | None = None,
+    cap: float = 0.0,
+    query_len: int = 1,
+    lse_dtype: torch.dtype = torch.float32,
+    splits: int | None = None,
+) -> Case:
+    def run(device: torch.device) -> list[Check]:
+        gen = torch.Generator().manual_seed(len(name))
+        cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+        width = key_width if is_mla else key_width + value_width
+        cache, table, seq_lens = _paged(lens, page_size, kv_heads, width, cache_dtype, gen)
+        table, seq_lens = expand_decode_rows(table, seq_lens, query_len, causal=True)
+        cache, table, seq_lens = cache.to(device), table.to(device), seq_lens.to(device)
+        k, v = (cache, cache[..., :value_width]) if is_mla else (cache[..., :key_width], cache[..., key_width:])
+        rows = len(seq_lens)
+        q = (torch.randn(rows, heads, key_width, generator=gen) * 0.5).to(dtype).to(device)
+        num_splits = splits or _compute_num_kv_splits(max(lens), _H200_SMS, window)
+        o = torch.full((rows, heads, value_width), float("nan"), dtype=dtype, device=device)
+        lse = torch.full((rows, heads), float("nan"), dtype=lse_dtype, device=device)
+        logits = torch.empty(rows, heads, num_splits, value_width + 1, device=device) if num_splits > 1 else None
+        scales = {}
+        if fp8:
+            scales = {"k_scale": torch.tensor(0.05, device=device), "v_scale": torch.tensor(0.05, device=device)}
+        sm_scale = 192**-0.5 if is_mla else key_width**-0.5
+        decode_attention_fwd(
+            q, k, v, o, lse, table, seq_lens, logits, num_splits, sm_scale, page_size,
+            logit_cap=cap, is_mla=is_mla, sliding_window=window, **scales,
+        )  # fmt: skip
+        ref_o, ref_lse = decode_attention(
+            q, k, v, table, seq_lens, sm_scale, page_size, logit_cap=cap, is_mla=is_mla, sliding_window=window,
+            dtype=torch.float64, **scales,
+        )  # fmt: skip
+        return [
+            Check("o", o, ref_o, tolerance("decode_attention", "o", dtype)),
+            Check("lse", lse, ref_lse, tolerance("decode_attention", "lse", lse_dtype)),
+        ]
+
+    return Case("decode_attention", name, run)
+
+
+def _batch_invariance(lens: list[int]) -> Case:
+    """One split: each row computed alone has the bits it has inside the batch."""
+
+    def run(device: torch.device) -> list[Check]:
+        gen = torch.Generator().manual_seed(7)
+        cache, table, seq_lens = _paged(lens, 64, 1, 576, torch.bfloat16, gen)
+        cache, table, seq_lens = cache.to(device), table.to(device), seq_lens.to(device)
+        q = (torch.randn(len(lens), 16, 576, generator=gen) * 0.5).to(torch.bfloat16).to(device)
+
+        def decode(rows: list[int]) -> torch.Tensor:
+            o = torch.full((len(rows), 16, 512), float("nan"), dtype=torch.bfloat16, device=device)
+            lse = torch.full((len(rows), 16), float("nan"), device=device)
+            decode_attention_fwd(q[rows], cache, cache[..., :512], o, lse, table[rows], seq_lens[rows], None, 1,
+                                 192**-0.5, 64, is_mla=True)  # fmt: skip
+            return o
+
+        batch = decode(list(range(len(lens))))
+        alone = torch.cat([decode([r]) for r in range(len(lens))])
+        return [Check("o (row alone vs in batch)", alone, batch, None)]
+
+    return Case("decode_attention", f"batch invariance S=1 MLA 576/512 B={len(lens)}", run)
+
+
+def cases() -> list[Case]:
+    gpu = torch.cuda.is_available()
+    mla_lens = [1025, 4096, 77, 0, 2048, 300, 9000, 1] * 4 if gpu else [37, 0, 5]
+    gqa_lens = [1027, 4096, 513, 0, 8192, 3, 2000, 1500] * 4 if gpu else [37, 0, 5]
+    window = 1024 if gpu else 8
+    splits = None if gpu else 2  # GPU: vLLM's _compute_num_kv_splits for an H200 (132 SMs)
+    mla = dict(is_mla=True, heads=128 if gpu else 16, kv_heads=1, key_width=576, value_width=512, page_size=64)
+    gqa = dict(is_mla=False, page_size=16, splits=splits)
+    return [
+        _case(f"MLA 576/512 bf16 B={len(mla_lens)}", mla_lens, **mla, splits=splits),
+        _case(f"MLA 576/512 fp8 cache B={len(mla_lens)}", mla_lens, **mla, fp8=True, splits=splits),
+        _case(
+            f"MLA W={window} causal Q=4, bf16 LSE",
+            mla_lens[:8],
+            **mla,
+            window=window,
+            query_len=4,
+            lse_dtype=torch.bfloat16,
+            splits=splits,
+        ),
+        _case(
+            f"GQA H=32 HKV=8 D=128 W={window}",
+            gqa_lens,
+            heads=32,
+            kv_heads=8,
+            key_width=128,
+            value_width=128,
+            window=window,
+            **gqa,
+        ),
+        _case(
+            "GQA H=16 HKV=2 Dqk=192 Dv=128 fp16 cap=30",
+            gqa_lens,
+            heads=16,
+            kv_heads=2,
+            key_width=192,
+            value_width=128,
+            dtype=torch.float16,
+            cap=30.0,
+            **gqa,
+        ),
+        _batch_invariance([1025, 77, 4096, 0] if gpu else [37, 0, 5]),
+    ]
