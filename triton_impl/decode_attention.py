@@ -37,6 +37,7 @@ _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = tl.constexpr(1.4426950408889634)  # softmax in base 2: exp(x) = exp2(x * log2 e)
 _LN2 = tl.constexpr(0.6931471805599453)  # the stored LSE is natural-log: ln(x) = log2(x) * ln 2
+_NO_WINDOW = 2**31 - 1  # "no window" as a window no int32 extent reaches: lo = max(n - W, 0) = 0
 
 # vLLM serving constants of `_compute_num_kv_splits` (vllm/v1/attention/backends/mla/triton_mla.py).
 _MIN_WORK_PER_SPLIT = 512
@@ -146,7 +147,7 @@ def _tanh(x):
 @triton.jit
 def _decode_stage1_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-    sm_scale, logit_cap, sliding_window, num_kv_splits,
+    sm_scale, logit_cap, window, num_kv_splits,
     stride_q_r, stride_q_h,
     stride_k_page, stride_k_tok, stride_k_head,
     stride_v_page, stride_v_tok, stride_v_head,
@@ -170,6 +171,7 @@ def _decode_stage1_kernel(
     BLOCK_DPE: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(R, HKV * HEAD_BLOCKS, S)``: a program owns one split of one row for ``BLOCK_H`` of
     the ``GROUP`` query heads that share one KV head.
@@ -192,7 +194,7 @@ def _decode_stage1_kernel(
 
     # This row's split [start, end) of its visible keys [lo, n): golden.decode_attention.split_bounds.
     n = tl.maximum(tl.load(seq_lens_ptr + row * stride_sl).to(tl.int32), 0)
-    lo = tl.where(sliding_window > 0, tl.maximum(n - sliding_window, 0), 0)
+    lo = tl.maximum(n - window, 0)
     chunk = tl.cdiv(n - lo, num_kv_splits)
     start = tl.minimum(lo + split * chunk, n)
     end = tl.minimum(start + chunk, n)
@@ -233,11 +235,11 @@ def _decode_stage1_kernel(
         k_rows = k_ptr + page.to(tl.int64) * stride_k_page + slot * stride_k_tok + kv_head * stride_k_head
         k1 = tl.load(k_rows[:, None] + d1[None, :], mask=tok_ok[:, None] & d1_ok[None, :], other=0.0)
         k1 = k1.to(DOT_DTYPE)
-        qk = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+        qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
         if BLOCK_DPE > 0:
             k2 = tl.load(k_rows[:, None] + D_FIRST + dpe[None, :], mask=tok_ok[:, None] & dpe_ok[None, :], other=0.0)
             k2 = k2.to(DOT_DTYPE)
-            qk += tl.dot(q2, tl.trans(k2), input_precision="ieee")
+            qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
         qk = qk * qk_scale
         if HAS_CAP:
             qk = logit_cap * _tanh(qk / logit_cap) * _LOG2E
@@ -254,7 +256,7 @@ def _decode_stage1_kernel(
             v_rows = v_ptr + page.to(tl.int64) * stride_v_page + slot * stride_v_tok + kv_head * stride_v_head
             v = tl.load(v_rows[:, None] + dv[None, :], mask=tok_ok[:, None] & dv_ok[None, :], other=0.0)
             v = v.to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # An empty split is the neutral state (0, -inf): stage 2 then needs no boundaries.
@@ -415,7 +417,7 @@ def decode_attention_fwd(
     grid = (num_rows, num_kv_heads * head_blocks, num_kv_splits)
     _decode_stage1_kernel[grid](
         q, k_buffer, v_buffer, o, lse, part, req_to_token, b_seq_len, k_scale, v_scale,
-        float(sm_scale), float(logit_cap), int(sliding_window or 0), num_kv_splits,
+        float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,
         q.stride(0), q.stride(1),
         stride_k_page, stride_k_tok, stride_k_head,
         stride_v_page, stride_v_tok, stride_v_head,
@@ -439,6 +441,7 @@ def decode_attention_fwd(
         BLOCK_DPE=block_dpe,
         BLOCK_DV=block_dv,
         DOT_DTYPE=dot_dtype(q.dtype),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 queries: no TF32 truncation
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )  # fmt: skip
