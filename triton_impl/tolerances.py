@@ -49,7 +49,7 @@ TOLERANCES: dict[tuple[str, str, str], Tolerance] = {
         2e-5, 2e-5, "fp32 query and cache, IEEE fp32 dots, exp2 softmax, fp32 split merge: fp32 ulps of O(1) values"
     ),
     ("decode_attention", "o", "bfloat16"): Tolerance(
-        1e-2, 8e-3, "output rounded to bf16 (2^-9 relative); compiled, probabilities enter the PV dot as bf16 (2^-9)"
+        1e-2, 8e-3, "output rounded to bf16 (2^-8 relative); compiled, probabilities enter the PV dot as bf16 (2^-8)"
     ),
     ("decode_attention", "o", "float16"): Tolerance(
         2e-3, 2e-3, "output rounded to fp16 (2^-11 relative); compiled, probabilities enter the PV dot as fp16 (2^-11)"
@@ -58,10 +58,10 @@ TOLERANCES: dict[tuple[str, str, str], Tolerance] = {
         2e-5, 1e-5, "scores from exact 16-bit/FP8 products (FP8 scale applied to fp32 scores), fp32 sums, exp2/log2"
     ),
     ("decode_attention", "lse", "bfloat16"): Tolerance(
-        1e-5, 4e-3, "LSE stored in bf16 as serving passes it: one rounding, 2^-9 relative, of an fp32-accurate value"
+        1e-5, 4e-3, "LSE stored in bf16 as serving passes it: one rounding (<= 2^-8 relative) of an fp32-accurate value"
     ),
     ("decode_attention", "lse", "float16"): Tolerance(
-        1e-5, 1e-3, "LSE stored in fp16: one rounding, 2^-11 relative, of an fp32-accurate value"
+        1e-5, 1e-3, "LSE stored in fp16: one rounding (<= 2^-11 relative) of an fp32-accurate value"
     ),
 }
 
