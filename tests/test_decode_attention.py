@@ -93,6 +93,7 @@ def make_decode(
     index_dtype: torch.dtype = torch.int32,
     window: int | None = None,
     cap: float = 0.0,
+    fp8_scale: float = 0.37,
 ) -> Decode:
     """Build a paged cache (shuffled pages, NaN moat) and queries. ``widths`` is ``(Lv, P)`` for MLA
     and ``(Lk, Lv)`` for GQA; GQA's K and V are the two column ranges of one cache (as views) or,
@@ -112,7 +113,7 @@ def make_decode(
     q = (torch.randn(len(lens), num_heads, key_width, generator=q_gen) * 0.7).to(dtype).to(device)
     scales = {}
     if fp8:
-        scales = {"k_scale": torch.tensor(0.37, device=device), "v_scale": torch.tensor(1.9, device=device)}
+        scales = {"k_scale": torch.tensor(fp8_scale, device=device), "v_scale": torch.tensor(1.9, device=device)}
     return Decode(
         q, k, v, pc.block_table.to(index_dtype), pc.seq_lens.to(index_dtype), key_width**-0.5, page_size, is_mla,
         window, cap, **scales,
@@ -139,19 +140,20 @@ def _extent(kind: str, window: int | None) -> int:
     splits=st.sampled_from([1, 2, 3, 5]),
     dtype=st.sampled_from(list(DTYPES)),
     fp8=st.booleans(),
+    fp8_scale=st.sampled_from([0.02, 0.37, 3.0]),
     lse_in_model_dtype=st.booleans(),
     index_dtype=st.sampled_from([torch.int32, torch.int64]),
     layout=st.sampled_from(["4d", "3d", "cross_layer"]),
     seed=st.integers(0, 2**31 - 1),
 )
 @example(is_mla=True, kv_heads=1, group=4, width_index=1, page_size=4, extents=["0", "=W", ">W"], window=5, cap=0.0,
-         splits=3, dtype="bfloat16", fp8=False, lse_in_model_dtype=False, index_dtype=torch.int32, layout="4d",
-         seed=0)  # fmt: skip
+         splits=3, dtype="bfloat16", fp8=False, fp8_scale=0.37, lse_in_model_dtype=False, index_dtype=torch.int32,
+         layout="4d", seed=0)  # fmt: skip
 @example(is_mla=False, kv_heads=2, group=3, width_index=1, page_size=1, extents=["1", "long"], window=None, cap=1.5,
-         splits=5, dtype="float16", fp8=True, lse_in_model_dtype=True, index_dtype=torch.int64, layout="cross_layer",
-         seed=1)  # fmt: skip
+         splits=5, dtype="float16", fp8=True, fp8_scale=3.0, lse_in_model_dtype=True, index_dtype=torch.int64,
+         layout="cross_layer", seed=1)  # fmt: skip
 def test_matches_golden(
-    device, is_mla, kv_heads, group, width_index, page_size, extents, window, cap, splits, dtype, fp8,
+    device, is_mla, kv_heads, group, width_index, page_size, extents, window, cap, splits, dtype, fp8, fp8_scale,
     lse_in_model_dtype, index_dtype, layout, seed,
 ) -> None:  # fmt: skip
     """Output, LSE and (with S > 1) every stage-1 split slot against the float64 golden model."""
@@ -160,7 +162,7 @@ def test_matches_golden(
     d = make_decode(
         device, seed, [_extent(e, window) for e in extents], is_mla=is_mla, num_heads=kv_heads * group,
         num_kv_heads=kv_heads, widths=widths, page_size=page_size, dtype=DTYPES[dtype], fp8=fp8, layout=layout,
-        index_dtype=index_dtype, window=window, cap=cap,
+        index_dtype=index_dtype, window=window, cap=cap, fp8_scale=fp8_scale,
     )  # fmt: skip
     lse_dtype = DTYPES[dtype] if lse_in_model_dtype else torch.float32
     o, lse, logits = d.run(splits, lse_dtype)
@@ -198,6 +200,44 @@ def test_empty_rows_are_neutral(device) -> None:
         if logits is not None:
             assert bool(torch.isneginf(logits[..., -1]).all())
             assert torch.equal(logits[..., :-1], torch.zeros_like(logits[..., :-1]))
+
+
+def test_golden_split_bounds_hand_computed() -> None:
+    """Window-aware chunks: n = 10, W = 4 -> keys [6, 10) in chunks of cdiv(4, 3) = 2; n = 3 (< W)
+    -> [0, 3) in chunks of 1; n = 0 -> all empty; no window, n = 10 -> chunks of 4."""
+    start, end = split_bounds(torch.tensor([10, 3, 0]), 3, 4)
+    assert start.tolist() == [[6, 8, 10], [0, 1, 2], [0, 0, 0]]
+    assert end.tolist() == [[8, 10, 10], [1, 2, 3], [0, 0, 0]]
+    start, end = split_bounds(torch.tensor([10]), 3, None)
+    assert start.tolist() == [[0, 4, 8]] and end.tolist() == [[4, 8, 10]]
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_golden_splits_merge_to_the_whole(device, window) -> None:
+    """Golden only: merging the split states (any S) gives decode_attention, to float64 rounding."""
+    d = make_decode(device, 21, [0, 1, 6, 30], is_mla=False, num_heads=6, num_kv_heads=2, widths=(24, 40),
+                    page_size=4, dtype=torch.float32, window=window, cap=3.0)  # fmt: skip
+    whole_o, whole_lse = d.golden()
+    for splits in (1, 2, 7):
+        part_o, part_lse = decode_attention_splits(
+            d.q, d.k, d.v, d.table, d.lens, splits, d.sm_scale, d.page_size, dtype=torch.float64, **d.kwargs()
+        )
+        o, lse = merge_states(part_o, part_lse)
+        assert torch.allclose(o, whole_o, rtol=0, atol=1e-12)
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(whole_lse))
+        finite = torch.isfinite(whole_lse)
+        assert torch.allclose(lse[finite], whole_lse[finite], rtol=0, atol=1e-12)
+
+
+def test_deepseek_mla_fp8_window_bf16_lse(device) -> None:
+    """DeepSeek MLA at 32 heads, lengths up to 300, FP8 cache, 4 splits, window 128, bf16 LSE."""
+    d = make_decode(device, 31, [300, 129, 0, 7], is_mla=True, num_heads=32, widths=(512, 64), page_size=64,
+                    fp8=True, window=128)  # fmt: skip
+    d.sm_scale = 192**-0.5
+    o, lse, _ = d.run(4, torch.bfloat16)
+    ref_o, ref_lse = d.golden()
+    assert_close(o, ref_o, ("decode_attention", "o", "bfloat16"))
+    assert_close(lse, ref_lse, ("decode_attention", "lse", "bfloat16"))
 
 
 # -- invariances -----------------------------------------------------------------------------
