@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl.interpreter import INTERPRET, dot_dtype, f32_to_e4m3_bits
+from triton_impl.interpreter import INTERPRET, f32_to_e4m3_bits
 from triton_impl.lse_merge import merge_splits
 from triton_impl.validation import check_block_table, check_tensor, content_checks_enabled
 
@@ -37,6 +37,7 @@ _FP16_MAX = tl.constexpr(65504.0)
 _KEY_NORM_EPS = tl.constexpr(1e-8)
 _NORM_CORRECTION_EPS = tl.constexpr(1e-16)
 _MIN_VALUE_SCALE = tl.constexpr(1e-8)
+_CENTROID_SCALE = tl.constexpr(64.0)  # 2^6: keeps the low fp16 half of c * 64 (|c| ~ 1/sqrt(D)) normal
 # Fixed-point sums (golden/turboquant.py explains the bounds): terms * 2^F truncated to int64.
 _ROTATION_SCALE = tl.constexpr(2.0**46)
 _ROTATION_UNIT = tl.constexpr(2.0**-46)
@@ -419,6 +420,23 @@ def _load_fp16(ptr, live):
 
 
 @triton.jit
+def _split_f16(x):
+    """fp32 ``x = hi + lo`` (to ~2^-22 relative) with ``hi``, ``lo`` fp16: tensor-core operands."""
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _dot_split(a_hi, a_lo, b, acc):
+    """``acc + a @ b^T`` in three fp16 MMAs: ``a_hi b_hi + a_lo b_hi + a_hi b_lo`` (``a_lo b_lo`` < 2^-22)."""
+    b_hi, b_lo = _split_f16(b)
+    b_hi = tl.trans(b_hi)
+    acc = tl.dot(a_hi, b_hi, acc)
+    acc = tl.dot(a_lo, b_hi, acc)
+    return tl.dot(a_hi, tl.trans(b_lo), acc)
+
+
+@triton.jit
 def _decode_stage1_kernel(
     q_ptr, cache_ptr, cache_u16_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, pair_lut_ptr, partials_ptr,
     sm_scale, num_kv_heads, block_size, stride_block, data_bytes_per_slot, meta_offset,
@@ -431,7 +449,6 @@ def _decode_stage1_kernel(
     NUM_FIELDS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     USE_PAIR_LUT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -440,11 +457,16 @@ def _decode_stage1_kernel(
     """Grid ``(B, HKV, S)``: a program owns one split of one request for one KV head.
 
     It loads the group's ``KV_GROUP`` rotated queries once (``BLOCK_M >= 16`` rows for
-    ``tl.dot``; 4-bit keys split them into even and odd coordinates, the two halves of a packed
+    ``tl.dot``; 4-bit keys split them into even and odd coordinates, the two nibbles of a packed
     byte) and streams ``BLOCK_N``-token tiles of its split: codes -> centroids (pair LUT or
-    gathers) -> ``q.c`` -> times the stored norm; values enter as ``(p * scale) @ codes + p @
-    zero``, so the dot multiplies exact small integers and no dequantized value can overflow the
-    16-bit dot operands. Online softmax in base 2; writes ``(o, lse)`` or ``(0, -inf)``.
+    gathers) -> ``q.c`` -> times the stored norm. Values enter as ``(p * scale) @ codes + p @
+    zero``: the MMA multiplies exact small integers, and no dequantized value can overflow it.
+
+    Numerics, the same in every mode: MMA operands are fp16 pairs ``hi + lo`` (:func:`_dot_split`),
+    so products carry ~22 bits instead of fp16's 11 (or bf16's 8); upstream casts to fp16 once.
+    Centroids (~1/sqrt(D)) are scaled by 64 before the split so that ``lo`` stays a normal fp16;
+    queries must stay below 65504 (as upstream's fp16 cast assumes). Online softmax in base 2;
+    writes ``(o, lse)``, or ``(0, -inf)`` for an empty split.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -464,10 +486,12 @@ def _decode_stage1_kernel(
         half = tl.arange(0, BLOCK_HALF)
         in_half = half < HEAD_DIM // 2
         q_mask = head_ok[:, None] & in_half[None, :]
-        q_even = tl.load(q_rows + 2 * half[None, :], mask=q_mask, other=0.0).to(DOT_DTYPE)
-        q_odd = tl.load(q_rows + 2 * half[None, :] + 1, mask=q_mask, other=0.0).to(DOT_DTYPE)
+        q_even_hi, q_even_lo = _split_f16(tl.load(q_rows + 2 * half[None, :], mask=q_mask, other=0.0))
+        q_odd_hi, q_odd_lo = _split_f16(tl.load(q_rows + 2 * half[None, :] + 1, mask=q_mask, other=0.0))
     else:
-        q = tl.load(q_rows + dims[None, :], mask=head_ok[:, None] & in_dim[None, :], other=0.0).to(DOT_DTYPE)
+        q_hi, q_lo = _split_f16(tl.load(q_rows + dims[None, :], mask=head_ok[:, None] & in_dim[None, :], other=0.0))
+    # Scores in base 2; the 1/64 undoes the centroid scaling (both are powers of two: exact).
+    score_scale = sm_scale * _LOG2E if KEY_BITS == 8 else sm_scale * _LOG2E / _CENTROID_SCALE
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -482,6 +506,7 @@ def _decode_stage1_kernel(
         slot = cache_ptr + block_base + (position * num_kv_heads + kv_head) * data_bytes_per_slot
         meta = cache_u16_ptr + (block_base + meta_offset) // 2 + kv_head * NUM_FIELDS * block_size + position
 
+        qk = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if KEY_BITS == 4:
             packed = tl.load(slot[:, None] + half[None, :], mask=live[:, None] & in_half[None, :], other=0)
             lo = (packed & 0xF).to(tl.int32)  # coordinate 2i
@@ -493,25 +518,27 @@ def _decode_stage1_kernel(
             else:
                 c_even = tl.load(centroid_ptr + lo)
                 c_odd = tl.load(centroid_ptr + hi)
-            qk = tl.dot(q_even, tl.trans(c_even.to(DOT_DTYPE)))
-            qk += tl.dot(q_odd, tl.trans(c_odd.to(DOT_DTYPE)))
+            qk = _dot_split(q_even_hi, q_even_lo, c_even * _CENTROID_SCALE, qk)
+            qk = _dot_split(q_odd_hi, q_odd_lo, c_odd * _CENTROID_SCALE, qk)
         elif KEY_BITS == 3:
             c = tl.load(centroid_ptr + _load_codes(slot, dims, live, 3, HEAD_DIM))
-            qk = tl.dot(q, tl.trans(c.to(DOT_DTYPE)))
+            qk = _dot_split(q_hi, q_lo, c * _CENTROID_SCALE, qk)
         else:
             fp8 = tl.load(slot[:, None] + dims[None, :], mask=live[:, None] & in_dim[None, :], other=0)
-            qk = tl.dot(q, tl.trans(_e4m3_to_f32(fp8).to(DOT_DTYPE)))  # e4m3 is exact in fp16/bf16
+            k = tl.trans(_e4m3_to_f32(fp8).to(tl.float16))  # e4m3 values are exact in fp16
+            qk = tl.dot(q_lo, k, tl.dot(q_hi, k, qk))
         if KEY_BITS != 8:
             qk = qk * _load_fp16(meta, live)[None, :]  # the stored (norm-corrected) key norm
-        s = tl.where(live[None, :], qk * (sm_scale * _LOG2E), float("-inf"))
+        s = tl.where(live[None, :], qk * score_scale, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: a tile has at least one live token
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        v_codes = _load_codes(slot + KEY_DATA_BYTES, dims, live, VALUE_BITS, HEAD_DIM)
+        v_codes = _load_codes(slot + KEY_DATA_BYTES, dims, live, VALUE_BITS, HEAD_DIM).to(tl.float16)  # exact
         v_scale = _load_fp16(meta + (NUM_FIELDS - 2) * block_size, live)
         v_zero = _load_fp16(meta + (NUM_FIELDS - 1) * block_size, live)
-        pv = tl.dot((p * v_scale[None, :]).to(DOT_DTYPE), v_codes.to(DOT_DTYPE))
+        w_hi, w_lo = _split_f16(p * v_scale[None, :])
+        pv = tl.dot(w_lo, v_codes, tl.dot(w_hi, v_codes))
         pv += tl.sum(p * v_zero[None, :], axis=1)[:, None]
         acc = acc * alpha[:, None] + pv
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -662,7 +689,6 @@ def triton_turboquant_decode_attention_v2(
         NUM_FIELDS=layout["num_fields"],
         NUM_SPLITS=num_splits,
         USE_PAIR_LUT=bool(use_pair_lut),
-        DOT_DTYPE=dot_dtype(query.dtype),
         BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=config["BLOCK_N"],
         BLOCK_D=triton.next_power_of_2(head_dim),
