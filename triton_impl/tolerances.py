@@ -64,10 +64,10 @@ TOLERANCES: dict[tuple[str, str, str], Tolerance] = {
         1e-5, 1e-3, "LSE stored in fp16: one rounding (<= 2^-11 relative) of an fp32-accurate value"
     ),
     ("turboquant", "out", "float16"): Tolerance(
-        1e-4, 4.9e-4, "output rounded to fp16 (2^-11 relative); MMAs on fp16 hi+lo pairs (~2^-22), fp32 accumulation"
+        1e-4, 5e-4, "output rounded to fp16 (<= 2^-11 relative); MMAs on fp16 hi+lo pairs (~2^-22), fp32 sums"
     ),
     ("turboquant", "out", "bfloat16"): Tolerance(
-        1e-4, 3.9e-3, "output rounded to bf16 (2^-8 relative); MMAs on fp16 hi+lo pairs (~2^-22), fp32 accumulation"
+        1e-4, 4e-3, "output rounded to bf16 (<= 2^-8 relative); MMAs on fp16 hi+lo pairs (~2^-22), fp32 sums"
     ),
     ("turboquant", "split_o", "float32"): Tolerance(
         1e-4, 2e-5, "fp32 stage-1 partials: MMAs on fp16 hi+lo pairs (~2^-22 per product), fp32 sums of <= L terms"
