@@ -251,3 +251,19 @@ def main(ops: Sequence[str] | None, out_dir: Path, baselines: bool) -> int:
     table = write_report(results, ceilings, out_dir)
     print(table.read_text())
     return 0 if all(r.correct for r in results) else 1
+
+
+def device_paged_cache(
+    seq_lens: Sequence[int], page_size: int, kv_heads: int, width: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``[pages, page_size, kv_heads, width]`` cache of random values drawn on the device (fast at
+    GB sizes), pages handed out in a random order, and its ``[B, max_pages]`` int32 block table."""
+    pages = [(n + page_size - 1) // page_size for n in seq_lens]
+    cache = torch.randn(sum(pages), page_size, kv_heads, width, device=device).to(dtype)
+    order = torch.randperm(sum(pages), device=device, dtype=torch.int64).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device=device)
+    start = 0
+    for b, n_pages in enumerate(pages):
+        table[b, :n_pages] = order[start : start + n_pages]
+        start += n_pages
+    return cache, table

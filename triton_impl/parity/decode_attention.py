@@ -148,3 +148,65 @@ def cases() -> list[Case]:
         ),
         _batch_invariance([1025, 77, 4096, 0] if gpu else [37, 0, 5]),
     ]
+
+
+def bench_cases() -> list:
+    """DeepSeek MLA decode (Lk 576, Lv 512, page 64) and GQA decode (H 32, HKV 8, D 128, page 16)."""
+    from triton_impl.bench import Bench, BenchCase, device_paged_cache
+
+    def case(batch: int, heads: int, length: int, *, is_mla: bool, fp8: bool = False) -> BenchCase:
+        kv_heads, key_width, value_width, page = (1, 576, 512, 64) if is_mla else (8, 128, 128, 16)
+
+        def setup(device: torch.device) -> Bench:
+            cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+            lens = [length] * batch
+            width = key_width if is_mla else key_width + value_width
+            cache, table = device_paged_cache(lens, page, kv_heads, width, cache_dtype, device)
+            k, v = (cache, cache[..., :value_width]) if is_mla else (cache[..., :key_width], cache[..., key_width:])
+            seq_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+            q = (torch.randn(batch, heads, key_width, device=device) * 0.5).to(torch.bfloat16)
+            splits = _compute_num_kv_splits(length, torch.cuda.get_device_properties(device).multi_processor_count)
+            o = torch.empty(batch, heads, value_width, dtype=torch.bfloat16, device=device)
+            lse = torch.empty(batch, heads, device=device)
+            logits = torch.empty(batch, heads, splits, value_width + 1, device=device)
+            scales = {"k_scale": torch.tensor(0.05, device=device), "v_scale": torch.tensor(0.05, device=device)}
+            scales = scales if fp8 else {}
+            sm_scale = 192**-0.5 if is_mla else key_width**-0.5
+            args = (table, seq_lens, sm_scale, page)
+
+            def run() -> None:
+                decode_attention_fwd(q, k, v, o, lse, table, seq_lens, logits, splits, sm_scale, page,
+                                     is_mla=is_mla, **scales)  # fmt: skip
+
+            def check() -> list[Check]:
+                rows = slice(0, 2)  # the float64 golden on two rows
+                ref_o, ref_lse = decode_attention(q[rows], k, v, table[rows], seq_lens[rows], *args[2:], is_mla=is_mla,
+                                                  dtype=torch.float64, **scales)  # fmt: skip
+                return [
+                    Check("o", o[rows], ref_o, tolerance("decode_attention", "o", torch.bfloat16)),
+                    Check("lse", lse[rows], ref_lse, tolerance("decode_attention", "lse", torch.float32)),
+                ]
+
+            kv_bytes = batch * length * kv_heads * (width if is_mla else key_width + value_width) * cache.element_size()
+            nbytes = kv_bytes + q.numel() * 2 + o.numel() * 2 + lse.numel() * 4
+            flops = 2 * batch * heads * length * (key_width + value_width)
+            baselines = {}
+            if batch * heads * length <= 2**22:  # the golden materializes [rows, H, L] scores
+                baselines["golden eager"] = lambda: decode_attention(q, k, v, *args, is_mla=is_mla, **scales)
+            return Bench(run, check, nbytes, flops, baselines, kernels=("_decode_stage1_kernel",))
+
+        kind = "MLA 576/512" if is_mla else "GQA 32/8 D128"
+        return BenchCase("decode_attention", f"{kind} B={batch} H={heads} L={length} {'fp8' if fp8 else 'bf16'}", setup)
+
+    return [
+        case(32, 16, 32768, is_mla=True),
+        case(32, 128, 32768, is_mla=True),
+        case(128, 16, 8192, is_mla=True),
+        case(8, 128, 8192, is_mla=True),
+        case(1, 128, 32768, is_mla=True),
+        case(32, 128, 8192, is_mla=True, fp8=True),
+        case(128, 128, 1024, is_mla=True),
+        case(32, 32, 8192, is_mla=False),
+        case(32, 32, 32768, is_mla=False),
+        case(128, 32, 1024, is_mla=False),
+    ]
