@@ -1,0 +1,87 @@
+"""Parity cases for the UE8M0 FP8 K cache: serving layouts (SWA cache bs 64, compressed bs 16), OCP and FNUZ.
+
+Both outputs are bit-level: the cache bytes after insert, and the gathered bf16 (no NaN in these
+inputs, so bits compare exactly).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from golden.ue8m0_cache import block_bytes, gather_k_cache, insert_k_cache
+from triton_impl.parity import Case, Check
+from triton_impl.ue8m0_cache import dequantize_and_gather_k_cache, quantize_and_insert_k_cache
+
+
+def _keys(num_tokens: int, gen: torch.Generator) -> torch.Tensor:
+    """K rows as a model produces them: unit-scale NoPE with a few outlier channels, RoPE in [-1, 1]."""
+    k = torch.randn(num_tokens, 512, generator=gen)
+    k[:, torch.randint(0, 448, (8,), generator=gen)] *= 30.0
+    return k.to(torch.bfloat16)
+
+
+def _insert(num_tokens: int, block_size: int, padded: bool, use_fnuz: bool) -> Case:
+    def run(device: torch.device) -> list[Check]:
+        gen = torch.Generator().manual_seed(num_tokens + block_size)
+        num_blocks = 2 * -(-num_tokens // block_size) + 1
+        cache = torch.randint(0, 256, (num_blocks, block_bytes(block_size, padded)), generator=gen, dtype=torch.uint8)
+        k = _keys(num_tokens, gen)
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+        slots[::17] = -1  # padded tokens of the batch
+        expected = insert_k_cache(k, cache, slots, block_size, use_fnuz)
+        actual = cache.to(device)
+        quantize_and_insert_k_cache(k.to(device), actual, slots.to(device), block_size, use_fnuz=use_fnuz)
+        return [Check("cache bytes", actual.cpu(), expected, None)]
+
+    fmt = "fnuz" if use_fnuz else "ocp"
+    return Case("ue8m0_cache", f"insert N={num_tokens} bs={block_size} {'padded' if padded else 'unpadded'} {fmt}", run)
+
+
+def _gather(seq_lens: list[int], gather: int | None, block_size: int, use_fnuz: bool) -> Case:
+    """``gather`` tokens per request (the SWA tail, at offset N = 8) or the whole sequence (None)."""
+
+    def run(device: torch.device) -> list[Check]:
+        gen = torch.Generator().manual_seed(sum(seq_lens) + block_size)
+        blocks_per_req = [-(-n // block_size) for n in seq_lens]
+        num_blocks = sum(blocks_per_req)
+        order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+        table = torch.zeros(len(seq_lens), max(blocks_per_req), dtype=torch.int32)
+        slots, start = [], 0
+        for r, n in enumerate(seq_lens):
+            table[r, : blocks_per_req[r]] = order[start : start + blocks_per_req[r]]
+            start += blocks_per_req[r]
+            j = torch.arange(n)
+            slots.append(table[r, j // block_size].long() * block_size + j % block_size)
+        cache = torch.zeros(num_blocks, block_bytes(block_size), dtype=torch.uint8)
+        all_slots = torch.cat(slots)
+        cache = insert_k_cache(_keys(all_slots.numel(), gen), cache, all_slots, block_size, use_fnuz)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        gather_lens = None if gather is None else torch.minimum(lens, torch.tensor(gather, dtype=torch.int32))
+        offset = 0 if gather is None else 8
+        out = torch.zeros(len(seq_lens), offset + max(seq_lens), 512, dtype=torch.bfloat16)
+        expected = gather_k_cache(out, cache, lens, gather_lens, table, block_size, offset, use_fnuz)
+        actual = out.to(device)
+        dequantize_and_gather_k_cache(
+            actual, cache.to(device), lens.to(device), None if gather_lens is None else gather_lens.to(device),
+            table.to(device), block_size, offset, use_fnuz=use_fnuz,
+        )  # fmt: skip
+        return [Check("gathered bf16", actual.cpu(), expected, None)]
+
+    what = "all" if gather is None else f"last {gather}"
+    fmt = "fnuz" if use_fnuz else "ocp"
+    return Case("ue8m0_cache", f"gather R={len(seq_lens)} {what} bs={block_size} {fmt}", run)
+
+
+def cases() -> list[Case]:
+    gpu = torch.cuda.is_available()
+    tokens = 4096 if gpu else 48
+    seq_lens = [8192, 3000, 129, 1] if gpu else [70, 33, 1]
+    compressed_lens = [n // 4 for n in seq_lens]  # C4A compressed cache: seq_len // compress_ratio
+    return [
+        _insert(tokens, 64, padded=True, use_fnuz=False),  # SWA cache
+        _insert(tokens, 64, padded=True, use_fnuz=True),  # SWA cache on an FNUZ platform
+        _insert(tokens, 16, padded=False, use_fnuz=False),  # compressed cache, bs 64 / 4
+        _gather(seq_lens, 128 + 7 if gpu else 20, 64, use_fnuz=False),  # SWA tail: query + window - 1
+        _gather(seq_lens, 128 + 7 if gpu else 20, 64, use_fnuz=True),
+        _gather(compressed_lens, None, 16, use_fnuz=False),  # the whole compressed cache
+    ]
