@@ -1,0 +1,232 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # TurboQuant: a KV cache at 3-4 bits per coordinate
+#
+# TurboQuant (papers.md#turboquant) quantizes a key `k` as its norm `n = ||k||` plus codes for
+# its direction. A rotation `Pi` first makes the direction's coordinates follow one known
+# distribution, so one scalar Lloyd-Max codebook serves every coordinate. Decode never
+# un-rotates a key: `<q, k> = n <q Pi^T, c[idx]>`, so the query is rotated once and scored
+# against centroids. This notebook shows each step with the ops of `golden/turboquant.py` and
+# `triton_impl/turboquant.py`: the rotated coordinates against the Beta density, the codebooks,
+# distortion against the paper's bounds, attention error per preset, and the pair lookup table.
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import torch
+
+import triton_impl  # noqa: F401  (selects the Triton interpreter on a CPU-only machine)
+from golden import turboquant as tq
+from triton_impl.turboquant import build_pair_lut, triton_turboquant_decode_attention_v2, triton_turboquant_store
+
+torch.manual_seed(0)
+D = 128
+
+# %% [markdown]
+# ## 1. After a rotation, every coordinate has the same distribution
+#
+# A uniformly random unit vector in `R^d` has coordinates with density
+# `f(x) = Gamma(d/2) / (sqrt(pi) Gamma((d-1)/2)) (1 - x^2)^((d-3)/2)` on `[-1, 1]`, i.e.
+# `(x + 1)/2 ~ Beta((d-1)/2, (d-1)/2)`, close to `N(0, 1/d)` (the paper's Lemma 1). Real keys are
+# not uniform: below, synthetic keys with a few large "outlier" channels (as LLM keys have) are
+# normalized and rotated by the Sylvester-Hadamard matrix that vLLM uses. Before the rotation the
+# outlier channels dominate; after it every coordinate is spread like the Beta density.
+
+
+# %%
+def synthetic_keys(tokens: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    """Gaussian keys with a channel-wise mean and 4 outlier channels 8x larger."""
+    keys = torch.randn(tokens, d, generator=gen) + 0.5 * torch.randn(d, generator=gen)
+    keys[:, :4] *= 8
+    return keys
+
+
+gen = torch.Generator().manual_seed(1)
+keys = synthetic_keys(2048, D, gen)
+directions = keys / keys.norm(dim=-1, keepdim=True)
+pit = tq.hadamard_rotation(D).T.contiguous()
+_, rotated = tq.rotate_keys(keys[:, None, :], pit)
+rotated = rotated[:, 0]
+
+x = torch.linspace(-0.45, 0.45, 400, dtype=torch.float64)
+log_c = math.lgamma(D / 2) - 0.5 * math.log(math.pi) - math.lgamma((D - 1) / 2)
+beta_density = torch.exp(log_c + (D - 3) / 2 * torch.log1p(-(x**2)))
+gauss_density = torch.exp(-(x**2) * D / 2) * math.sqrt(D / (2 * math.pi))
+
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), sharey=True)
+for ax, data, title in [
+    (axes[0], directions, "k / ||k|| (before rotation)"),
+    (axes[1], rotated, "y = (k / ||k||) Pi^T"),
+]:
+    ax.hist(data.flatten().numpy(), bins=120, range=(-0.45, 0.45), density=True, alpha=0.6, label="coordinates")
+    ax.plot(x, beta_density, "k", lw=1.5, label=f"Beta marginal, d={D}")
+    ax.plot(x, gauss_density, "r--", lw=1, label="N(0, 1/d)")
+    ax.set_title(title)
+    ax.set_yscale("log")
+    ax.set_ylim(1e-3, 10)
+axes[0].legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+print(f"largest |coordinate|: before {directions.abs().max():.3f}, after {rotated.abs().max():.3f}")
+
+# %% [markdown]
+# ## 2. Lloyd-Max codebooks
+#
+# For a known density the best `b`-bit scalar quantizer satisfies Lloyd's two conditions: each
+# centroid is the mean of its cell, each boundary the midpoint of two centroids.
+# `solve_lloyd_max` iterates them to convergence in float64 for the Gaussian limit (what serving
+# uses; `c * sqrt(d)` is then the same for every `d`) or the exact Beta marginal.
+
+# %%
+fig, ax = plt.subplots(figsize=(10, 3))
+ax.plot(x * math.sqrt(D), beta_density / math.sqrt(D), "k", lw=1)
+for bits in (1, 2, 3, 4):
+    centroids, boundaries = tq.solve_lloyd_max(D, bits)
+    ax.scatter(centroids * math.sqrt(D), [0.45 - 0.08 * bits] * len(centroids), s=14, label=f"{bits} bits")
+    print(
+        f"{bits} bits: positive centroids * sqrt(d) =",
+        [round(v, 4) for v in (centroids * math.sqrt(D)).tolist()[2 ** (bits - 1) :]],
+    )
+ax.set_xlabel("x * sqrt(d)")
+ax.set_yticks([])
+ax.legend(fontsize=8, ncol=4)
+plt.show()
+
+# %% [markdown]
+# ## 3. Distortion against the paper's bounds
+#
+# For a unit vector, `D_mse = E ||x - x~||^2 = d * E(X - c(X))^2`. Theorem 1 bounds it by
+# `(sqrt(3) pi / 2) 4^-b`; Theorem 3 shows no quantizer beats `4^-b`. Below: the exact distortion
+# of the Gaussian and Beta codebooks at `d = 128` (`codebook_distortion`), and the one measured on
+# 1024 random unit vectors rotated and quantized by the golden store's own arithmetic.
+
+# %%
+unit = torch.randn(1024, 1, D, generator=gen)
+unit = unit / unit.norm(dim=-1, keepdim=True)
+_, y_unit = tq.rotate_keys(unit, pit)
+rows = []
+for bits in (1, 2, 3, 4):
+    gauss_c, gauss_b = tq.solve_lloyd_max(D, bits)
+    beta_c, _ = tq.solve_lloyd_max(D, bits, model="beta")
+    codes = (y_unit[..., None] >= gauss_b).sum(-1)
+    measured = float((y_unit.double() - gauss_c.double()[codes]).square().sum(-1).mean())
+    rows.append((bits, tq.codebook_distortion(gauss_c, D), tq.codebook_distortion(beta_c, D, "beta"), measured))
+    print(
+        f"b={bits}: Gaussian codebook {rows[-1][1]:.5f} (N(0,1/d)), Beta codebook {rows[-1][2]:.5f} (exact d=128), "
+        f"measured {measured:.5f}, bounds [{4.0**-bits:.5f}, {math.sqrt(3) * math.pi / 2 * 4.0**-bits:.5f}]"
+    )
+
+bits_axis = [r[0] for r in rows]
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.semilogy(bits_axis, [r[1] for r in rows], "o-", label="Lloyd-Max, Gaussian limit")
+ax.semilogy(bits_axis, [r[3] for r in rows], "x", ms=10, label="measured, d=128 unit vectors")
+ax.semilogy(bits_axis, [math.sqrt(3) * math.pi / 2 * 4.0**-b for b in bits_axis], "k--", label="upper bound (Thm 1)")
+ax.semilogy(bits_axis, [4.0**-b for b in bits_axis], "k:", label="lower bound (Thm 3)")
+ax.set_xlabel("bits per coordinate")
+ax.set_ylabel("E ||x - x~||^2")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# ## 4. Attention error per preset
+#
+# The presets trade bits for accuracy: FP8 keys (`k8v4`), 4-bit keys (`4bit_nc`) and 3-bit keys
+# (`k3v4_nc`, `3bit_nc`); values are min-max quantized to 4 or 3 bits, and `_nc` presets fold
+# `1 / ||c[idx]||` into the stored norm so reconstructed keys keep their length. Below, one
+# request of 256 synthetic keys (with outlier channels) and Gaussian values is stored (golden
+# store; the Triton store writes the same bytes, checked on the first 16 tokens), and 8 query
+# heads on 2 KV heads attend to it with the Triton decode kernel. The error is against float64
+# attention over the unquantized keys and values; "golden == triton" compares the kernel with the
+# golden decode on the same cache bytes.
+
+# %%
+tokens, kv_heads, heads, block_size = 256, 2, 8, 16
+key = torch.stack([synthetic_keys(tokens, D, gen) for _ in range(kv_heads)], dim=1).half()
+value = torch.randn(tokens, kv_heads, D, generator=gen).half()
+# Each query head looks for one key of its KV head (as retrieval heads do), so the softmax is peaked.
+targets = torch.randint(0, tokens, (heads,), generator=gen)
+query = 0.15 * key[targets, torch.arange(heads) // (heads // kv_heads)].float()
+query = (query + 0.5 * torch.randn(heads, D, generator=gen))[None].half()
+scale = D**-0.5
+block_table = torch.arange(tokens // block_size, dtype=torch.int32)[None]
+seq_lens = torch.tensor([tokens], dtype=torch.int32)
+
+group = heads // kv_heads
+k_rep = key.double().repeat_interleave(group, dim=1)  # [tokens, heads, D]
+v_rep = value.double().repeat_interleave(group, dim=1)
+p = torch.softmax(torch.einsum("hd,thd->ht", query[0].double(), k_rep) * scale, dim=-1)
+exact = torch.einsum("ht,thd->hd", p, v_rep)
+
+errors = {}
+for preset in sorted(tq.PRESETS):
+    config = tq.TurboQuantConfig.from_cache_dtype(preset, D)
+    centroids, midpoints = tq.solve_lloyd_max(D, config.centroid_bits)
+    empty = torch.zeros(tokens // block_size, block_size, kv_heads, config.slot_size_aligned, dtype=torch.uint8)
+    cache = tq.turboquant_store(empty, key, value, torch.arange(tokens), pit, midpoints, centroids, config)
+    first_block = empty[:1].clone()
+    triton_turboquant_store(key[:16], value[:16], first_block, torch.arange(16), pit, midpoints, config.key_mse_bits,
+                            config.key_packed_size, config.value_quant_bits, config.key_fp8, centroids,
+                            config.norm_correction)  # fmt: skip
+    assert torch.equal(first_block, cache[:1])
+    out = triton_turboquant_decode_attention_v2(
+        query, cache, block_table, seq_lens, pit.T.contiguous(), centroids, scale, config.key_mse_bits,
+        config.key_packed_size, config.value_quant_bits, config.value_packed_size, key_fp8=config.key_fp8,
+        max_num_kv_splits=4,
+    )  # fmt: skip
+    golden_out, _ = tq.turboquant_decode_attention(query, cache, block_table, seq_lens, pit, centroids, scale, config)
+    errors[preset] = float((out[0].double() - exact).norm() / exact.norm())
+    print(
+        f"{preset:20s} {8 * config.slot_size_aligned / (2 * D):.2f} bits/coordinate  "
+        f"relative error vs float64 {errors[preset]:.4f}  golden == triton to "
+        f"{(out[0].double() - golden_out[0]).abs().max():.1e}"
+    )
+
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.bar(range(len(errors)), list(errors.values()))
+ax.set_xticks(range(len(errors)), [p.removeprefix("turboquant_") for p in errors])
+ax.set_ylabel("||out - exact|| / ||exact||")
+plt.show()
+
+# %% [markdown]
+# ## 5. The pair lookup table: two lookups become one
+#
+# A 4-bit key stores two codes per byte: `lo = byte & 15` (coordinate `2i`) and `hi = byte >> 4`
+# (coordinate `2i+1`). Scoring needs `c[lo]` and `c[hi]`, two gathers from a 16-entry table. The
+# pair LUT (FLUTE section 3.2) precomputes every pair, `lut[i*16 + j] = (c_i, c_j)` (256 entries
+# of 8 bytes = 2 KiB), so one 8-byte gather at `lo*16 + hi` returns both. The decode kernel
+# splits the rotated query into even and odd coordinates, which meet the first and second halves
+# of each pair. The table is rebuilt on every call (a 2 KiB tensor): caching it by
+# `centroids.data_ptr()` returns a stale table when the allocator reuses an address.
+
+# %%
+centroids, _ = tq.solve_lloyd_max(D, 4)
+lut = build_pair_lut(centroids)
+byte = 0x3A
+lo, hi = byte & 0xF, byte >> 4
+print(f"byte 0x{byte:02X}: lo={lo}, hi={hi}; lut[{lo}*16 + {hi}] = {lut[lo * 16 + hi].tolist()}")
+print(f"centroids[lo], centroids[hi] = {[centroids[lo].item(), centroids[hi].item()]}")
+print(
+    f"table: {tuple(lut.shape)} float32 = {lut.numel() * 4} bytes; "
+    f"gathers per packed byte: 1 (pair LUT) vs 2 (centroids)"
+)
+
+fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
+ax[0].imshow(lut[:, 0].reshape(16, 16).numpy(), cmap="coolwarm")
+ax[0].set_title("lut[i*16 + j][0] = c_i")
+ax[1].imshow(lut[:, 1].reshape(16, 16).numpy(), cmap="coolwarm")
+ax[1].set_title("lut[i*16 + j][1] = c_j")
+for a in ax:
+    a.set_xlabel("j (hi nibble)")
+    a.set_ylabel("i (lo nibble)")
+plt.tight_layout()
+plt.show()
