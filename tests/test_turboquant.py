@@ -32,6 +32,7 @@ BETA_MSE = {  # exact finite-d d * C(f_X, b), B2.9 / B2.10 / B2.11
     512: {1: 0.36276, 2: 0.11711, 3: 0.03440, 4: 0.00945},
 }
 GARBAGE_PAGE = 2**30 + 7
+CPU = torch.device("cpu")
 
 
 @functools.cache
@@ -42,11 +43,14 @@ def _quantizer(preset: str, head_dim: int) -> tuple[tq.TurboQuantConfig, torch.T
     return config, tq.hadamard_rotation(head_dim).T.contiguous(), centroids, midpoints
 
 
-def _garbage_cache(num_blocks: int, block_size: int, num_kv_heads: int, config, gen, cross_layer=False):
-    """A cache full of random bytes (their fp16 metadata decodes to anything, NaN included)."""
+def _garbage_cache(num_blocks: int, block_size: int, num_kv_heads: int, config, gen, device, cross_layer=False):
+    """A cache on ``device`` full of random bytes (their fp16 metadata decodes to anything, NaN included).
+
+    ``cross_layer``: a per-layer view of a 3-layer cache, whose block stride is 3x the block size.
+    """
     layers = 3 if cross_layer else 1
     shape = (num_blocks, layers, block_size, num_kv_heads, config.slot_size_aligned)
-    full = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    full = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(device)
     return full[:, layers // 2]
 
 
@@ -56,12 +60,14 @@ def _store_triton(cache, key, value, slots, preset: str, head_dim: int, **overri
                 value_quant_bits=config.value_quant_bits, key_fp8=config.key_fp8, centroids=centroids,
                 norm_correction=config.norm_correction)  # fmt: skip
     args.update(overrides)
-    ttq.triton_turboquant_store(key, value, cache, slots, **args)
+    args = {k: v.to(cache.device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    ttq.triton_turboquant_store(key.to(cache.device), value.to(cache.device), cache, slots.to(cache.device), **args)
 
 
 def _store_golden(cache, key, value, slots, preset: str, head_dim: int) -> torch.Tensor:
+    """The golden store, always on the CPU (its bytes do not depend on the device)."""
     config, pit, centroids, midpoints = _quantizer(preset, head_dim)
-    return tq.turboquant_store(cache, key, value, slots, pit, midpoints, centroids, config)
+    return tq.turboquant_store(cache.cpu(), key.cpu(), value.cpu(), slots.cpu(), pit, midpoints, centroids, config)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,11 +335,11 @@ def test_pack_codes_is_an_lsb_first_bit_stream(seed: int, bits: int, groups: int
     cross_layer=False,
 )  # fp8 saturates past 448
 def test_store_bytes_equal_golden(seed, preset, head_dim, block_size, num_kv_heads, num_tokens, skip, dtype, scale,
-                                  cross_layer) -> None:  # fmt: skip
+                                  cross_layer, device) -> None:  # fmt: skip
     gen = generator(seed)
     config = _quantizer(preset, head_dim)[0]
     num_blocks = -(-num_tokens // block_size) + 1
-    cache = _garbage_cache(num_blocks, block_size, num_kv_heads, config, gen, cross_layer)
+    cache = _garbage_cache(num_blocks, block_size, num_kv_heads, config, gen, device, cross_layer)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     if skip == "first":
         slots[0] = -1
@@ -346,13 +352,15 @@ def test_store_bytes_equal_golden(seed, preset, head_dim, block_size, num_kv_hea
     assert_bits_equal(cache, expected)  # written slots and every untouched byte
 
 
-def test_store_with_the_gpu_rotation_tiling_writes_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_store_with_the_gpu_rotation_tiling_writes_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> None:
     """The interpreter config rotates in one [D, D] step; the GPU's 16-row steps give the same bytes."""
     monkeypatch.setitem(ttq.STORE_CONFIGS, "interpreter", dict(ttq.STORE_CONFIGS["sm90"]))
     gen = generator(3)
     for preset in ("turboquant_4bit_nc", "turboquant_k3v4_nc"):
         config = _quantizer(preset, 128)[0]
-        cache = _garbage_cache(2, 4, 2, config, gen)
+        cache = _garbage_cache(2, 4, 2, config, gen, device)
         key, value = torch.randn(2, 3, 2, 128, generator=gen).half()
         slots = torch.tensor([5, 0, 2])
         expected = _store_golden(cache, key, value, slots, preset, 128)
@@ -362,12 +370,12 @@ def test_store_with_the_gpu_rotation_tiling_writes_the_same_bytes(monkeypatch: p
 
 def _metadata(cache: torch.Tensor, config: tq.TurboQuantConfig, slots: torch.Tensor) -> torch.Tensor:
     """The fp16 fields of the given slots' records: [T, HKV, fields]."""
-    _, meta = tq.cache_regions(cache, config)
+    _, meta = tq.cache_regions(cache.cpu(), config)
     block_size = cache.shape[1]
     return tq.read_meta(meta[slots // block_size, :, :, slots % block_size])
 
 
-def test_fp16_metadata_rounds_to_nearest_even_in_the_kernel() -> None:
+def test_fp16_metadata_rounds_to_nearest_even_in_the_kernel(device: torch.device) -> None:
     """v_zero = vmin lands exactly halfway between fp16 neighbours: the kernel's cast must round to even."""
     config = _quantizer("turboquant_4bit_nc", 64)[0]
     ties = torch.tensor([1 + 2.0**-11, 1 + 3 * 2.0**-11, -(2 + 2.0**-10), 1000.25, 1000.75])
@@ -375,16 +383,16 @@ def test_fp16_metadata_rounds_to_nearest_even_in_the_kernel() -> None:
     value = (torch.linspace(0, 4, 64)[None, :] + ties[:, None])[:, None, :]  # vmin = the tie, exactly
     key = torch.randn(len(ties), 1, 64, generator=generator(4))
     slots = torch.arange(len(ties))
-    cache = _garbage_cache(1, 8, 1, config, generator(5))
+    cache = _garbage_cache(1, 8, 1, config, generator(5), device)
     expected = _store_golden(cache, key, value, slots, "turboquant_4bit_nc", 64)
     _store_triton(cache, key, value, slots, "turboquant_4bit_nc", 64)
     assert_bits_equal(cache, expected)
     assert torch.equal(_metadata(cache, config, slots)[:, 0, 2].float(), rounded)
 
 
-def test_store_skips_negative_slots_and_touches_nothing_else() -> None:
+def test_store_skips_negative_slots_and_touches_nothing_else(device: torch.device) -> None:
     config = _quantizer("turboquant_k3v4_nc", 64)[0]
-    cache = _garbage_cache(2, 4, 2, config, generator(6))
+    cache = _garbage_cache(2, 4, 2, config, generator(6), device)
     before = cache.clone()
     key, value = torch.randn(2, 3, 2, 64, generator=generator(7)).half()
     _store_triton(cache, key, value, torch.tensor([-1, -5, -1]), "turboquant_k3v4_nc", 64)
@@ -400,7 +408,7 @@ OUTLIERS = [(-125000.0, None), (-70000.0, None), (-42000.0, None), (-125000.0, 1
 
 
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
-def test_value_outliers_give_finite_metadata_and_bounded_error(preset: str) -> None:
+def test_value_outliers_give_finite_metadata_and_bounded_error(preset: str, device: torch.device) -> None:
     """upstream issue #53334: |v| > 65504 made scale or zero inf. Clamped, the body stays accurate."""
     config, head_dim = _quantizer(preset, 128)[0], 128
     value = torch.linspace(-1, 4, head_dim).repeat(len(OUTLIERS), 1, 1)
@@ -410,11 +418,11 @@ def test_value_outliers_give_finite_metadata_and_bounded_error(preset: str) -> N
             value[i, 0, 1] = high
     key = torch.randn(len(OUTLIERS), 1, head_dim, generator=generator(8))
     slots = torch.arange(len(OUTLIERS))
-    cache = _garbage_cache(1, 8, 1, config, generator(9))
+    cache = _garbage_cache(1, 8, 1, config, generator(9), device)
     expected = _store_golden(cache, key, value, slots, preset, head_dim)
     _store_triton(cache, key, value, slots, preset, head_dim)
     assert_bits_equal(cache, expected)
-    _, values, fields = tq.read_tokens(cache, torch.tensor([0]), len(OUTLIERS), config)
+    _, values, fields = tq.read_tokens(cache.cpu(), torch.tensor([0]), len(OUTLIERS), config)
     assert bool(fields.isfinite().all()) and bool(values.isfinite().all())
     clipped = value.double().clamp(-tq.FP16_MAX, tq.FP16_MAX)
     step = (clipped.amax(-1) - clipped.amin(-1)) / (2**config.value_quant_bits - 1)
@@ -435,7 +443,7 @@ def test_unclamped_fp16_metadata_is_inf_negative_control() -> None:
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 6e38 -> fp32 inf, on purpose
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k3v4_nc"])
-def test_large_key_norms_saturate_at_fp16_max(preset: str) -> None:
+def test_large_key_norms_saturate_at_fp16_max(preset: str, device: torch.device) -> None:
     """Norms 2e4 (kept), 2e5 and 6e38 (inf in fp32) are stored finite; upstream stores inf."""
     config, head_dim = _quantizer(preset, 64)[0], 64
     magnitudes = [1e4, 1e5, 1.0, 3e38]
@@ -444,7 +452,7 @@ def test_large_key_norms_saturate_at_fp16_max(preset: str) -> None:
         key[i, 0, :4] = m  # ||k|| = 2m
     value = torch.randn(len(magnitudes), 1, head_dim, generator=generator(10))
     slots = torch.arange(len(magnitudes))
-    cache = _garbage_cache(1, 4, 1, config, generator(11))
+    cache = _garbage_cache(1, 4, 1, config, generator(11), device)
     expected = _store_golden(cache, key, value, slots, preset, head_dim)
     _store_triton(cache, key, value, slots, preset, head_dim)
     assert_bits_equal(cache, expected)
@@ -457,7 +465,7 @@ def test_large_key_norms_saturate_at_fp16_max(preset: str) -> None:
         assert float(norms[i]) == pytest.approx(float(corrected[i]), rel=2.0**-11)
 
 
-def test_norm_correction_is_clamped_after_the_divide() -> None:
+def test_norm_correction_is_clamped_after_the_divide(device: torch.device) -> None:
     """n = 8000 fits fp16, but with ||c[idx]|| = 0.08 the corrected norm is 1e5: clamp after the divide."""
     head_dim = 64
     centroids = torch.full((16,), 0.01)
@@ -468,8 +476,8 @@ def test_norm_correction_is_clamped_after_the_divide() -> None:
     _, stored = tq.quantize_keys(key, pit, midpoints, centroids, norm_correction=True)
     assert float(stored) == tq.FP16_MAX
     config = _quantizer("turboquant_4bit_nc", head_dim)[0]
-    cache = _garbage_cache(1, 2, 1, config, generator(13))
-    expected = tq.turboquant_store(cache, key, key, torch.tensor([1]), pit, midpoints, centroids, config)
+    cache = _garbage_cache(1, 2, 1, config, generator(13), device)
+    expected = tq.turboquant_store(cache.cpu(), key, key, torch.tensor([1]), pit, midpoints, centroids, config)
     _store_triton(cache, key, key, torch.tensor([1]), "turboquant_4bit_nc", head_dim, PiT=pit, midpoints=midpoints,
                   centroids=centroids)  # fmt: skip
     assert_bits_equal(cache, expected)
@@ -492,12 +500,12 @@ def test_norm_correction_makes_reconstructed_keys_keep_the_norm(preset: str) -> 
 # ----------------------------------------------------------------------------------------------
 
 
-def _decode_setup(preset, head_dim, seq_lens, num_kv_heads, block_size, gen, value_scale=1.0, key_scale=1.0):
-    """A cache holding each request's tokens at shuffled pages (garbage elsewhere) and its block table."""
+def _decode_setup(preset, head_dim, seq_lens, num_kv_heads, block_size, gen, device, value_scale=1.0, key_scale=1.0):
+    """A cache on ``device`` holding each request's tokens at shuffled pages (garbage elsewhere), its block table."""
     config = _quantizer(preset, head_dim)[0]
     pages = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(pages) + 2
-    cache = _garbage_cache(num_blocks, block_size, num_kv_heads, config, gen)
+    cache = _garbage_cache(num_blocks, block_size, num_kv_heads, config, gen, device)
     order = torch.randperm(num_blocks, generator=gen)
     table = torch.full((len(seq_lens), max([*pages, 0]) + 1), GARBAGE_PAGE, dtype=torch.int32)
     slots, used = [], 0
@@ -509,22 +517,24 @@ def _decode_setup(preset, head_dim, seq_lens, num_kv_heads, block_size, gen, val
     key = torch.randn(total, num_kv_heads, head_dim, generator=gen) * key_scale
     value = torch.randn(total, num_kv_heads, head_dim, generator=gen) * value_scale
     cache = _store_golden(cache, key.half(), value.half(), torch.tensor(slots, dtype=torch.int64), preset, head_dim)
-    return cache, table, torch.tensor(seq_lens, dtype=torch.int32)
+    return cache.to(device), table.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device)
 
 
 def _decode_triton(query, cache, table, seq_lens, preset, head_dim, **kwargs):
     config, pit, centroids, _ = _quantizer(preset, head_dim)
+    device = cache.device
     return ttq.triton_turboquant_decode_attention_v2(
-        query, cache, table, seq_lens, pit.T.contiguous(), centroids, 1 / math.sqrt(head_dim), config.key_mse_bits,
-        config.key_packed_size, config.value_quant_bits, config.value_packed_size, key_fp8=config.key_fp8,
-        norm_correction=config.norm_correction, **kwargs,
+        query.to(device), cache, table, seq_lens, pit.T.contiguous().to(device), centroids.to(device),
+        1 / math.sqrt(head_dim), config.key_mse_bits, config.key_packed_size, config.value_quant_bits,
+        config.value_packed_size, key_fp8=config.key_fp8, norm_correction=config.norm_correction, **kwargs,
     )  # fmt: skip
 
 
 def _decode_golden(query, cache, table, seq_lens, preset, head_dim, centroids=None):
     config, pit, default_centroids, _ = _quantizer(preset, head_dim)
-    c = default_centroids if centroids is None else centroids
-    return tq.turboquant_decode_attention(query, cache, table, seq_lens, pit, c, 1 / math.sqrt(head_dim), config)
+    c = (default_centroids if centroids is None else centroids).cpu()
+    return tq.turboquant_decode_attention(query.cpu(), cache.cpu(), table.cpu(), seq_lens.cpu(), pit, c,
+                                          1 / math.sqrt(head_dim), config)  # fmt: skip
 
 
 @given(
@@ -552,14 +562,14 @@ def _decode_golden(query, cache, table, seq_lens, preset, head_dim, centroids=No
     dtype=torch.bfloat16,
 )  # an empty request and empty splits
 def test_decode_matches_golden_on_the_same_bytes(seed, preset, head_dim, seq_lens, num_kv_heads, group, num_splits,
-                                                 block_size, dtype) -> None:  # fmt: skip
+                                                 block_size, dtype, device) -> None:  # fmt: skip
     gen = generator(seed)
-    cache, table, lens = _decode_setup(preset, head_dim, seq_lens, num_kv_heads, block_size, gen)
+    cache, table, lens = _decode_setup(preset, head_dim, seq_lens, num_kv_heads, block_size, gen, device)
     batch, num_heads = len(seq_lens), num_kv_heads * group
     query = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
-    mid_o = nan_filled((batch, num_heads, num_splits, head_dim + 1), torch.float32, query.device)
-    output = nan_filled((batch, num_heads, head_dim), dtype, query.device)
-    lse = nan_filled((batch, num_heads), torch.float32, query.device)
+    mid_o = nan_filled((batch, num_heads, num_splits, head_dim + 1), torch.float32, device)
+    output = nan_filled((batch, num_heads, head_dim), dtype, device)
+    lse = nan_filled((batch, num_heads), torch.float32, device)
     out = _decode_triton(query, cache, table, lens, preset, head_dim, mid_o_buf=mid_o, output_buf=output,
                          lse_buf=lse, max_num_kv_splits=num_splits)  # fmt: skip
     expected, expected_lse = _decode_golden(query, cache, table, lens, preset, head_dim)
@@ -568,18 +578,18 @@ def test_decode_matches_golden_on_the_same_bytes(seed, preset, head_dim, seq_len
     assert_close(lse, expected_lse, ("turboquant", "lse", "float32"))
     # Stage 1 on its own: every split slot written, an empty split as (0, -inf).
     config, pit, centroids, _ = _quantizer(preset, head_dim)
-    split_o, split_lse = tq.turboquant_decode_split_states(query, cache, table, lens, pit, centroids,
+    split_o, split_lse = tq.turboquant_decode_split_states(query, cache.cpu(), table.cpu(), lens.cpu(), pit, centroids,
                                                            1 / math.sqrt(head_dim), config, num_splits)  # fmt: skip
     assert_close(mid_o[..., :head_dim], split_o, ("turboquant", "split_o", "float32"))
     assert_close(mid_o[..., head_dim], split_lse, ("turboquant", "lse", "float32"))
 
 
-def test_decode_tolerance_negative_controls() -> None:
+def test_decode_tolerance_negative_controls(device: torch.device) -> None:
     """Wrong variants fail the table: one token dropped, norm correction ignored, plain fp16 operands."""
     preset, head_dim, gen = "turboquant_k3v4_nc", 128, generator(15)
-    cache, table, lens = _decode_setup(preset, head_dim, [129], 1, 16, gen, key_scale=3.0)
+    cache, table, lens = _decode_setup(preset, head_dim, [129], 1, 16, gen, device, key_scale=3.0)
     query = torch.randn(1, 4, head_dim, generator=gen).half() * 3
-    lse = torch.empty(1, 4)
+    lse = torch.empty(1, 4, device=device)
     out = _decode_triton(query, cache, table, lens, preset, head_dim, lse_buf=lse, max_num_kv_splits=2)
     expected, _ = _decode_golden(query, cache, table, lens, preset, head_dim)
     assert_close(out, expected, ("turboquant", "out", torch.float16))
@@ -589,12 +599,12 @@ def test_decode_tolerance_negative_controls() -> None:
     assert fails_tolerance(out.bfloat16(), dropped, ("turboquant", "out", torch.bfloat16))
     assert fails_tolerance(lse, dropped_lse, ("turboquant", "lse", "float32"))
     config, pit, centroids, _ = _quantizer(preset, head_dim)
-    split_o, _ = tq.turboquant_decode_split_states(query, cache, table, lens - 1, pit, centroids,
+    split_o, _ = tq.turboquant_decode_split_states(query, cache.cpu(), table.cpu(), lens.cpu() - 1, pit, centroids,
                                                    1 / math.sqrt(head_dim), config, 1)  # fmt: skip
     assert fails_tolerance(out.float()[:, :, None], split_o, ("turboquant", "split_o", "float32"))
 
     # Norm correction ignored: decode with ||c[idx]|| multiplied back into the stored norm.
-    key_bytes, values, fields = tq.read_tokens(cache, table[0], 129, config)
+    key_bytes, values, fields = tq.read_tokens(cache.cpu(), table[0].cpu(), 129, config)
     keys = tq.dequantize_keys(key_bytes, fields[..., 0], centroids, 3)
     uncorrected = keys * keys.norm(dim=-1, keepdim=True) / fields[..., 0, None]
     q_rot = query.double() @ pit.double()
@@ -616,13 +626,13 @@ def test_pair_lut_layout() -> None:
             assert lut[i * 4 + j].tolist() == [centroids[i].item(), centroids[j].item()]
 
 
-def test_pair_lut_path_equals_the_centroid_path_bit_for_bit() -> None:
+def test_pair_lut_path_equals_the_centroid_path_bit_for_bit(device: torch.device) -> None:
     preset, head_dim, gen = "turboquant_4bit_nc", 64, generator(16)
-    cache, table, lens = _decode_setup(preset, head_dim, [17, 40], 2, 16, gen)
+    cache, table, lens = _decode_setup(preset, head_dim, [17, 40], 2, 16, gen, device)
     query = torch.randn(2, 4, head_dim, generator=gen).half()
     results = []
     for use_pair_lut in (True, False):
-        lse = torch.empty(2, 4)
+        lse = torch.empty(2, 4, device=device)
         out = _decode_triton(query, cache, table, lens, preset, head_dim, lse_buf=lse, max_num_kv_splits=2,
                              use_pair_lut=use_pair_lut)  # fmt: skip
         results.append((out, lse))
@@ -630,15 +640,15 @@ def test_pair_lut_path_equals_the_centroid_path_bit_for_bit() -> None:
     assert_bits_equal(results[0][1], results[1][1])
 
 
-def test_pair_lut_is_never_stale_when_centroids_change_in_place() -> None:
+def test_pair_lut_is_never_stale_when_centroids_change_in_place(device: torch.device) -> None:
     """Same tensor, same address, new values: a LUT cached by data_ptr would decode the old ones."""
     preset, head_dim, gen = "turboquant_4bit_nc", 64, generator(17)
-    cache, table, lens = _decode_setup(preset, head_dim, [20], 1, 16, gen)
+    cache, table, lens = _decode_setup(preset, head_dim, [20], 1, 16, gen, device)
     query = torch.randn(1, 2, head_dim, generator=gen).half()
     config, pit, centroids, _ = _quantizer(preset, head_dim)
-    mine = centroids.clone()
-    args = (query, cache, table, lens, pit.T.contiguous(), mine, 1 / math.sqrt(head_dim), 4, config.key_packed_size, 4,
-            config.value_packed_size)  # fmt: skip
+    mine = centroids.clone().to(device)
+    args = (query.to(device), cache, table, lens, pit.T.contiguous().to(device), mine, 1 / math.sqrt(head_dim), 4,
+            config.key_packed_size, 4, config.value_packed_size)  # fmt: skip
     first = ttq.triton_turboquant_decode_attention_v2(*args, max_num_kv_splits=1).clone()
     address = mine.data_ptr()
     mine.mul_(0.5)
@@ -648,11 +658,13 @@ def test_pair_lut_is_never_stale_when_centroids_change_in_place() -> None:
     assert_close(second, expected, ("turboquant", "out", torch.float16))
 
 
-def test_decode_with_saturated_metadata_is_finite() -> None:
+def test_decode_with_saturated_metadata_is_finite(device: torch.device) -> None:
     preset, head_dim, gen = "turboquant_k3v4_nc", 64, generator(18)
-    cache, table, lens = _decode_setup(preset, head_dim, [18], 1, 16, gen, value_scale=1e5 / 4, key_scale=1e5 / 8)
+    cache, table, lens = _decode_setup(
+        preset, head_dim, [18], 1, 16, gen, device, value_scale=1e5 / 4, key_scale=1e5 / 8
+    )
     query = torch.randn(1, 2, head_dim, generator=gen).half()
-    lse = torch.empty(1, 2)
+    lse = torch.empty(1, 2, device=device)
     out = _decode_triton(query, cache, table, lens, preset, head_dim, lse_buf=lse, max_num_kv_splits=2)
     expected, expected_lse = _decode_golden(query, cache, table, lens, preset, head_dim)
     assert bool(out.isfinite().all()) and bool(expected.isfinite().all()) and bool(lse.isfinite().all())
@@ -660,14 +672,14 @@ def test_decode_with_saturated_metadata_is_finite() -> None:
     assert_close(lse, expected_lse, ("turboquant", "lse", "float32"))
 
 
-def test_wrong_nibble_order_is_caught_negative_control() -> None:
+def test_wrong_nibble_order_is_caught_negative_control(device: torch.device) -> None:
     """Packing 4-bit codes high nibble first breaks the byte-exact store and the decode tolerance."""
     preset, head_dim, gen = "turboquant_4bit_nc", 64, generator(19)
     codes = torch.randint(0, 16, (2, head_dim), generator=gen)
     swapped_pack = (codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8)
     assert not torch.equal(swapped_pack, tq.pack_codes(codes, 4))
 
-    cache, table, lens = _decode_setup(preset, head_dim, [24], 1, 16, gen)
+    cache, table, lens = _decode_setup(preset, head_dim, [24], 1, 16, gen, device)
     config = _quantizer(preset, head_dim)[0]
     swapped = cache.clone()
     data, _ = tq.cache_regions(swapped, config)
@@ -679,13 +691,13 @@ def test_wrong_nibble_order_is_caught_negative_control() -> None:
     assert fails_tolerance(out, expected, ("turboquant", "out", torch.float16))
 
 
-def test_buffers_are_reused_and_missing_ones_parked_on_the_holder() -> None:
+def test_buffers_are_reused_and_missing_ones_parked_on_the_holder(device: torch.device) -> None:
     preset, head_dim, gen = "turboquant_3bit_nc", 64, generator(20)
-    cache, table, lens = _decode_setup(preset, head_dim, [5, 9], 1, 16, gen)
+    cache, table, lens = _decode_setup(preset, head_dim, [5, 9], 1, 16, gen, device)
     query = torch.randn(2, 2, head_dim, generator=gen).half()
-    mid_o = nan_filled((4, 3, 4, head_dim + 3), torch.float32, query.device)
-    output = nan_filled((3, 2, head_dim), torch.float16, query.device)
-    lse = nan_filled((5, 2), torch.float32, query.device)
+    mid_o = nan_filled((4, 3, 4, head_dim + 3), torch.float32, device)
+    output = nan_filled((3, 2, head_dim), torch.float16, device)
+    lse = nan_filled((5, 2), torch.float32, device)
     out = _decode_triton(query, cache, table, lens, preset, head_dim, mid_o_buf=mid_o, output_buf=output,
                          lse_buf=lse, max_num_kv_splits=3)  # fmt: skip
     assert out.data_ptr() == output.data_ptr() and bool(out.isfinite().all())
@@ -703,9 +715,9 @@ def test_buffers_are_reused_and_missing_ones_parked_on_the_holder() -> None:
     assert_bits_equal(again, out)
 
 
-def test_batch_invariance_and_gqa_equals_repeated_kv() -> None:
+def test_batch_invariance_and_gqa_equals_repeated_kv(device: torch.device) -> None:
     preset, head_dim, gen = "turboquant_4bit_nc", 64, generator(21)
-    cache, table, lens = _decode_setup(preset, head_dim, [17, 6], 1, 16, gen)
+    cache, table, lens = _decode_setup(preset, head_dim, [17, 6], 1, 16, gen, device)
     query = torch.randn(2, 4, head_dim, generator=gen).half()
     both = _decode_triton(query, cache, table, lens, preset, head_dim, max_num_kv_splits=2)
     alone = _decode_triton(query[:1], cache, table[:1], lens[:1], preset, head_dim, max_num_kv_splits=2)
@@ -724,18 +736,18 @@ def test_batch_invariance_and_gqa_equals_repeated_kv() -> None:
     assert_close(both, expected, ("turboquant", "out", torch.float16))
 
 
-def test_golden_decode_equals_attention_in_the_original_basis() -> None:
+def test_golden_decode_equals_attention_in_the_original_basis(device: torch.device) -> None:
     """<q Pi^T, c> scoring equals plain attention over the un-rotated reconstructed keys."""
     preset, head_dim, gen = "turboquant_4bit_nc", 64, generator(22)
-    cache, table, lens = _decode_setup(preset, head_dim, [30], 1, 16, gen)
+    cache, table, lens = _decode_setup(preset, head_dim, [30], 1, 16, gen, device)
     config, pit, centroids, _ = _quantizer(preset, head_dim)
     query = torch.randn(1, 2, head_dim, generator=gen).half()
-    key_bytes, values, fields = tq.read_tokens(cache, table[0], 30, config)
+    key_bytes, values, fields = tq.read_tokens(cache.cpu(), table[0].cpu(), 30, config)
     keys = tq.dequantize_keys(key_bytes, fields[..., 0], centroids, 4)[:, 0] @ pit.double().T  # back to k-space
     p = torch.softmax(query[0].double() @ keys.T / math.sqrt(head_dim), dim=-1)
     out, lse = _decode_golden(query, cache, table, lens, preset, head_dim)
     torch.testing.assert_close(out[0], p @ values[:, 0], atol=1e-10, rtol=0)
-    split_o, split_lse = tq.turboquant_decode_split_states(query, cache, table, lens, pit, centroids,
+    split_o, split_lse = tq.turboquant_decode_split_states(query, cache.cpu(), table.cpu(), lens.cpu(), pit, centroids,
                                                            1 / math.sqrt(head_dim), config, 4)  # fmt: skip
     merged, merged_lse = merge_states(split_o, split_lse)
     torch.testing.assert_close(merged, out, atol=1e-12, rtol=0)
@@ -748,10 +760,11 @@ def _decode_e4m3_kernel(codes_ptr, out_ptr):
     tl.store(out_ptr + offs, ttq._e4m3_to_f32(tl.load(codes_ptr + offs)))
 
 
-def test_e4m3_decoder_matches_torch_on_every_code() -> None:
+def test_e4m3_decoder_matches_torch_on_every_code(device: torch.device) -> None:
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    out = torch.empty(256)
-    _decode_e4m3_kernel[(1,)](codes, out)
+    out = torch.empty(256, device=device)
+    _decode_e4m3_kernel[(1,)](codes.to(device), out)
+    out = out.cpu()
     expected = codes.view(torch.float8_e4m3fn).float()
     assert torch.equal(out.isnan(), expected.isnan()) and int(out.isnan().sum()) == 2
     assert_bits_equal(out[~out.isnan()], expected[~expected.isnan()])  # -0 included
@@ -762,7 +775,7 @@ def test_e4m3_decoder_matches_torch_on_every_code() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _store_args(**overrides):
+def _store_args(device=CPU, **overrides):
     config, pit, centroids, midpoints = _quantizer("turboquant_4bit_nc", 64)
     key = torch.randn(2, 1, 64).half()
     args = dict(key=key, value=key.clone(), kv_cache=torch.zeros(2, 4, 1, config.slot_size_aligned, dtype=torch.uint8),
@@ -770,7 +783,7 @@ def _store_args(**overrides):
                 key_packed_size=config.key_packed_size, value_quant_bits=4, centroids=centroids,
                 norm_correction=True)  # fmt: skip
     args.update(overrides)
-    return args
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
 STORE_BAD = [
@@ -799,7 +812,7 @@ def test_store_rejects_bad_input(overrides, error, match) -> None:
         ttq.triton_turboquant_store(**_store_args(**overrides))
 
 
-def _decode_args(**overrides):
+def _decode_args(device=CPU, **overrides):
     config, pit, centroids, _ = _quantizer("turboquant_4bit_nc", 64)
     args = dict(query=torch.randn(2, 4, 64).half(),
                 kv_cache=torch.zeros(3, 16, 2, config.slot_size_aligned, dtype=torch.uint8),
@@ -808,7 +821,7 @@ def _decode_args(**overrides):
                 scale=0.125, mse_bits=4, key_packed_size=config.key_packed_size, value_quant_bits=4,
                 value_packed_size=config.value_packed_size, max_num_kv_splits=2)  # fmt: skip
     args.update(overrides)
-    return args
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
 DECODE_BAD = [
@@ -836,8 +849,8 @@ def test_decode_rejects_bad_input(overrides, error, match) -> None:
         ttq.triton_turboquant_decode_attention_v2(**_decode_args(**overrides))
 
 
-def test_valid_bad_input_baselines_run() -> None:
+def test_valid_bad_input_baselines_run(device: torch.device) -> None:
     """The baselines of the bad-input tables are valid, so each error above is the named one."""
-    ttq.triton_turboquant_store(**_store_args())
-    out = ttq.triton_turboquant_decode_attention_v2(**_decode_args())
+    ttq.triton_turboquant_store(**_store_args(device))
+    out = ttq.triton_turboquant_decode_attention_v2(**_decode_args(device))
     assert out.shape == (2, 4, 64) and bool(out.isfinite().all())

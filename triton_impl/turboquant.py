@@ -65,7 +65,7 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
 
 
 def _config_key(device: torch.device, configs: dict[str, dict[str, int]]) -> str:
-    """"interpreter", the GPU architecture ("sm90") when it has an entry, else "default"."""
+    """The config key: "interpreter", the GPU architecture ("sm90") when it has an entry, else "default"."""
     if bool(INTERPRET):
         return "interpreter"
     if device.type != "cuda":
