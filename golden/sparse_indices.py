@@ -130,7 +130,7 @@ def compute_global_topk_indices_and_lens(
     their order and move to the front; the rest of the row is -1; ``lens[t]`` counts them.
     A token with ``is_valid_token[t]`` false (CUDA-graph padding) gets ``lens = 0`` and a row of
     -1. (The seed left -1 holes in place and read the table out of bounds; this matches
-    upstream's later fix.)
+    upstream's later fix.) Paper: papers.md#sparse-indices.
 
     Args:
         topk_indices: ``[T, K]`` int32, request-local token positions or -1.
@@ -185,7 +185,7 @@ def combine_topk_swa_indices(
     row is written, so an ``out=`` buffer never keeps stale tails (upstream leaves them), and a
     negative top-k entry stays -1 (upstream adds ``M*b`` to it, which points into request
     ``b - 1``'s rows). Chunk rows past the last request are -1 / 0 when ``out`` is None and
-    untouched otherwise.
+    untouched otherwise. Paper: papers.md#sparse-indices.
 
     Args:
         topk_indices: ``[Tc, Kw]`` int32 chunk-local rows, compressed-workspace rows (``< N``) or -1.
@@ -290,6 +290,7 @@ def build_flashinfer_mixed_sparse_indices(
     through ``swa_block_table`` (-1 beyond); compressed column ``j < topk_len`` the slot of
     ``prefill_topk_indices[p, j]`` through the compressed table; ``lens = SWA_TOTAL + topk_len``.
     FlashInfer's lens count the whole SWA region, -1 entries included (the kernel skips them).
+    Paper: papers.md#sparse-indices.
 
     Args:
         decode_swa_indices: ``[Td, Wswa]`` int32 global SWA slots (``Wswa >= window_size``).

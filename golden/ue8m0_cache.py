@@ -99,6 +99,8 @@ def quantize_ue8m0(x: torch.Tensor, use_fnuz: bool = False) -> tuple[torch.Tenso
 
     Returns:
         ``(fp8 [..., 64*G] uint8, codes [..., G] uint8)``.
+
+    Paper: papers.md#ue8m0-cache. Traffic: reads ``2*64*G`` bytes (bf16); writes ``65*G``.
     """
     groups = rearrange(x.to(torch.float64), "... (g d) -> ... g d", d=GROUP_SIZE)
     amax = groups.abs().amax(dim=-1)
@@ -125,6 +127,8 @@ def quantize_mx(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns:
         ``(fp8 [..., 64*G] uint8, codes [..., G] uint8)``, codes ``e + 127``.
+
+    Paper: papers.md#ue8m0-cache. Traffic: reads ``2*64*G`` bytes (bf16); writes ``65*G``.
     """
     groups = rearrange(x.to(torch.float64), "... (g d) -> ... g d", d=GROUP_SIZE)
     amax = groups.abs().amax(dim=-1)
@@ -144,6 +148,8 @@ def dequantize_ue8m0(fp8: torch.Tensor, codes: torch.Tensor, use_fnuz: bool = Fa
 
     Returns:
         ``[..., 64*G]`` float64.
+
+    Traffic: reads ``65*G`` bytes; writes ``8*64*G``.
     """
     values = rearrange(fp8.view(fp8_dtype(use_fnuz)).to(torch.float64), "... (g d) -> ... g d", d=GROUP_SIZE)
     exponent = codes.to(torch.float64) - E8M0_BIAS
@@ -180,6 +186,8 @@ def decode_records(records: torch.Tensor, use_fnuz: bool = False) -> torch.Tenso
 
     Returns:
         ``[T, 512]`` bf16.
+
+    Traffic: reads ``584*T`` bytes; writes ``1024*T``.
     """
     fp8 = records[:, :NOPE_DIM]
     rope = records[:, NOPE_DIM:TOKEN_DATA_BYTES].contiguous().view(torch.bfloat16)
@@ -223,6 +231,8 @@ def insert_k_cache(
     Returns:
         A new cache tensor like ``k_cache``; bytes of other tokens (and the padding) unchanged.
 
+    Paper: papers.md#ue8m0-cache.
+
     Traffic: reads ``1024*N + 8*N`` bytes; writes ``584*N``.
     """
     slots = slot_mapping.to(torch.int64)
@@ -236,7 +246,10 @@ def insert_k_cache(
 
 
 def read_records(k_cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The 584-byte records at the given slots: ``[n, 584]`` uint8."""
+    """The 584-byte records at the given slots: ``[n, 584]`` uint8.
+
+    Traffic: reads ``584*n`` bytes; writes ``584*n``.
+    """
     slots = slots.to(torch.int64)
     blocks = _blocks(k_cache)
     return blocks[(slots // block_size).unsqueeze(1), _record_columns(slots % block_size, block_size)]
@@ -266,6 +279,8 @@ def gather_k_cache(
 
     Returns:
         A new tensor like ``out``.
+
+    Paper: papers.md#ue8m0-cache.
 
     Traffic: reads ``584*G + 4*G/bs`` bytes (``G = sum gl``); writes ``1024*G``.
     """

@@ -73,7 +73,7 @@ def _remap_block_span(values, block_size, block_span):
     return tl.where(is_slot, (safe // block_size) * block_span + safe % block_size, -1)
 
 
-def _launch_checks(name: str, value: int, minimum: int) -> None:
+def _check_int_at_least(name: str, value: int, minimum: int) -> None:
     if not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
 
@@ -142,6 +142,7 @@ def compute_global_topk_indices_and_lens(
     ``block_table[req, local // bs] * bs + local % bs``. Valid slots move to the left in their
     order, the rest is -1, ``lens`` counts them; ``is_valid_token[t]`` false gives ``lens = 0``
     and a row of -1. Twin: ``golden.sparse_indices.compute_global_topk_indices_and_lens``.
+    Paper: papers.md#sparse-indices.
 
     Args:
         topk_indices: ``[T, K]`` int32 (any row stride).
@@ -266,7 +267,7 @@ def combine_topk_swa_indices(
     tail at ``[N, N + gather_len)``); formulas in
     ``golden.sparse_indices.combine_topk_swa_indices`` (the twin). Every column of each request
     token's row is written: ``out=`` tails are reset to -1 (upstream leaves them stale), and a
-    negative top-k entry stays -1 (upstream adds ``M*b``).
+    negative top-k entry stays -1 (upstream adds ``M*b``). Paper: papers.md#sparse-indices.
 
     Args:
         topk_indices: ``[Tc, Kw]`` int32, chunk-local rows, ``Kw >= topk`` (any row stride).
@@ -287,14 +288,14 @@ def combine_topk_swa_indices(
     check_tensor("topk_indices", topk_indices, ndim=2, dtypes=_I32)
     num_tokens, topk_width = topk_indices.shape
     device = topk_indices.device
-    num_reqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else 0
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=_I32, device=device)
+    num_reqs = seq_lens.shape[0]
     check_tensor("query_start_loc", query_start_loc, shape=(num_reqs + 1,), dtypes=_I32, device=device)
     check_tensor("gather_lens", gather_lens, shape=(num_reqs,), dtypes=_I32, device=device)
-    _launch_checks("window_size", window_size, 1)
-    _launch_checks("compress_ratio", compress_ratio, 1)
-    _launch_checks("topk", topk, 0)
-    _launch_checks("max_image_tokens", max_image_tokens, 0)
+    _check_int_at_least("window_size", window_size, 1)
+    _check_int_at_least("compress_ratio", compress_ratio, 1)
+    _check_int_at_least("topk", topk, 0)
+    _check_int_at_least("max_image_tokens", max_image_tokens, 0)
     if topk > topk_width:
         raise ValueError(f"topk: expected <= topk_indices.shape[1] = {topk_width}, got {topk}")
     if (left_visible is None) != (right_visible is None):
@@ -526,6 +527,7 @@ def build_flashinfer_mixed_sparse_indices(
     twin): ``[Td + Tp, SWA_TOTAL + padded_topk]`` with ``SWA_TOTAL = Wswa + IMG`` and
     ``padded_topk = round_up(max(topk, Kd), 4)``; lens count the whole SWA region. Block-table
     reads are bounds-checked (out-of-range -> -1), which upstream does not do.
+    Paper: papers.md#sparse-indices.
 
     Args:
         decode_swa_indices: ``[Td, Wswa]`` int32 global SWA slots, ``Wswa >= window_size``.
@@ -568,10 +570,10 @@ def build_flashinfer_mixed_sparse_indices(
     compressed_span = compressed_block_size if compressed_block_span is None else compressed_block_span
     check_positive("swa_block_span", swa_span)
     check_positive("compressed_block_span", compressed_span)
-    _launch_checks("window_size", window_size, 1)
-    _launch_checks("compress_ratio", compress_ratio, 1)
-    _launch_checks("topk", topk, 0)
-    _launch_checks("max_image_tokens", max_image_tokens, 0)
+    _check_int_at_least("window_size", window_size, 1)
+    _check_int_at_least("compress_ratio", compress_ratio, 1)
+    _check_int_at_least("topk", topk, 0)
+    _check_int_at_least("max_image_tokens", max_image_tokens, 0)
     if swa_index_width < window_size:
         raise ValueError(f"decode_swa_indices: expected >= window_size = {window_size} columns, got {swa_index_width}")
     decode_topk = 0

@@ -16,6 +16,7 @@ every step that could round differently is done in integers:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -72,10 +73,15 @@ def select_launch_config(device: torch.device) -> LaunchConfig:
     return LAUNCH_CONFIGS.get(f"sm{major}{minor}", LAUNCH_CONFIGS["default"])
 
 
-def _bf16_fields(value: float) -> tuple[int, int]:
-    """(exponent field, mantissa field) of ``value`` as bf16; 448 -> (135, 0x60), 224 -> (134, 0x60)."""
-    bits = int(torch.tensor(value, dtype=torch.bfloat16).view(torch.int16)) & 0x7FFF
-    return bits >> 7, bits & 0x7F
+@functools.cache
+def _exponent_constants(use_fnuz: bool) -> tuple[int, int, int]:
+    """(bf16 exponent field of fp8_max, its mantissa field, the UE8M0 exponent of the 1e-4 floor).
+
+    448 -> (135, 0x60) and -22; 224 -> (134, 0x60) and -21.
+    """
+    bits = int(torch.tensor(fp8_max(use_fnuz), dtype=torch.bfloat16).view(torch.int16)) & 0x7FFF
+    floor_exponent = int(ue8m0_exponent(torch.tensor(AMAX_FLOOR), fp8_max(use_fnuz)))
+    return bits >> 7, bits & 0x7F, floor_exponent
 
 
 def _block_view(k_cache: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -180,6 +186,7 @@ def quantize_and_insert_k_cache(
     ``x * 2^-e`` (round to nearest even), code ``e + 127``; RoPE copied bit for bit; layout and
     edge cases as in ``golden.ue8m0_cache`` (twin: ``insert_k_cache``). ``N = slot_mapping.shape[0]``
     (``k`` may have DP-padding rows past it); a negative slot is skipped (upstream skips only -1).
+    Paper: papers.md#ue8m0-cache.
 
     Args:
         k: ``[N', 512]`` bf16, ``N' >= N``, unit last stride (any row stride).
@@ -215,8 +222,7 @@ def quantize_and_insert_k_cache(
             raise ValueError("slot_mapping: non-negative slots must be distinct (two tokens would race for one record)")
     if num_tokens == 0:
         return
-    max_exp_field, max_mantissa = _bf16_fields(fp8_max(use_fnuz))
-    min_exponent = int(ue8m0_exponent(torch.tensor(AMAX_FLOOR), fp8_max(use_fnuz)))
+    max_exp_field, max_mantissa, min_exponent = _exponent_constants(use_fnuz)
     config = select_launch_config(k.device)
     _quantize_and_insert_k_kernel[(triton.cdiv(num_tokens, config.tokens_per_program),)](
         k.view(torch.int16), k.stride(0),
@@ -335,7 +341,7 @@ def dequantize_and_gather_k_cache(
     ``gl = gather_lens[r]`` (``seq_lens[r]`` when None); gather token ``i`` is position
     ``seq_lens[r] - gl + i`` at block ``block_table[r, pos // bs]``. NoPE = ``e4m3 * 2^(code - 127)``
     rounded to bf16 (exact except overflow; code 255 gives NaN), RoPE copied bit for bit. Other
-    rows of ``out`` are untouched. Twin: ``golden.ue8m0_cache.gather_k_cache``.
+    rows of ``out`` are untouched. Twin: ``golden.ue8m0_cache.gather_k_cache``. Paper: papers.md#ue8m0-cache.
 
     Args:
         out: ``[R, T, 512]`` bf16, unit last stride (any other strides), written in place.
