@@ -1,0 +1,569 @@
+"""Causal MLA verify: Triton == golden (o, lse, stage-1 partials), invariances, edge cases, bad input.
+
+SPEC section 2. The kernel's outputs are pre-filled with NaN, its split scratch too, so a slot it
+should write and does not fails; pages and slots no request uses hold NaN (``tests.support``), so a
+read past a request's keys fails.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from golden.decode_attention import decode_attention, expand_decode_rows
+from golden.lse_merge import merge_states
+from golden.mla_verify import attend_rows, mla_verify, mla_verify_split_partials, row_limits, split_bounds
+from tests.support import FP8_DTYPES, assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled
+from tests.support import paged_cache as build_paged_cache
+from triton_impl import mla_verify as tv
+from triton_impl.mla_verify import (
+    VERIFY_CONFIGS,
+    VERIFY_DEFAULT_CONFIG,
+    _storage_view,
+    decode_attention_fwd_verify,
+    select_verify_config,
+    verify_arch,
+    verify_num_kv_splits,
+    verify_row_blocks,
+    warmup_decode_attention_fwd_verify,
+)
+from triton_impl.validation import CONTENT_CHECKS_ENV
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+WIDTHS = [(16, 0), (16, 8), (16, 16), (32, 16), (64, 0), (64, 16)]  # (Lv, P), small enough for the interpreter
+
+
+def _config(size: str) -> dict:
+    """The current architecture's small or large config (tests run both, whatever the row count)."""
+    return {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS[verify_arch()][size]}
+
+
+@dataclass
+class Problem:
+    q: torch.Tensor
+    cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    real_seq_lens: torch.Tensor | None
+    qlen: int
+    value_width: int
+    page_size: int
+    sm_scale: float
+    k_scale: torch.Tensor | None
+
+    def golden(self, **kw):
+        return mla_verify(
+            self.q, self.cache, self.block_table, self.seq_lens, self.real_seq_lens, self.qlen, self.value_width,
+            self.sm_scale, self.page_size, k_scale=self.k_scale, dtype=torch.float64, **kw,
+        )  # fmt: skip
+
+    def golden_partials(self, num_kv_splits: int, config: dict) -> torch.Tensor:
+        return mla_verify_split_partials(
+            self.q, self.cache, self.block_table, self.seq_lens, self.real_seq_lens, self.qlen, self.value_width,
+            self.sm_scale, self.page_size, num_kv_splits, config["SPLIT_ALIGN"], config["MIN_SPLIT_LEN"],
+            k_scale=self.k_scale, dtype=torch.float64,
+        )  # fmt: skip
+
+    def run(self, num_kv_splits: int, config: dict | None = None, o_dtype: torch.dtype | None = None):
+        """Triton's ``(o, lse, attn_logits)``, every output pre-filled with NaN."""
+        rows, heads = self.q.shape[:2]
+        device = self.q.device
+        o = nan_filled((rows, heads, self.value_width), o_dtype or self.q.dtype, device)
+        lse = nan_filled((rows, heads), torch.float32, device)
+        logits = nan_filled((rows, heads, num_kv_splits, self.value_width + 1), torch.float32, device)
+        decode_attention_fwd_verify(
+            self.q, self.cache, self.cache[..., : self.value_width], o, lse, self.block_table, self.seq_lens,
+            self.real_seq_lens, self.qlen, logits if num_kv_splits > 1 else None, num_kv_splits, self.sm_scale,
+            self.page_size, k_scale=self.k_scale, config=config,
+        )  # fmt: skip
+        return o, lse, logits
+
+
+def make_problem(
+    seq_lens: list[int],
+    qlen: int,
+    heads: int,
+    value_width: int,
+    rope_width: int,
+    page_size: int,
+    device: torch.device,
+    seed: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    cache_dtype: torch.dtype | None = None,
+    real_seq_lens: list[int] | None = None,
+    layout: str = "4d",
+    shuffle: bool = True,
+) -> Problem:
+    gen = generator(seed)
+    cache_dtype = cache_dtype or dtype
+    width = value_width + rope_width
+    k_scale, stored_scale = None, 1.0
+    if cache_dtype in FP8_DTYPES:  # a random k_scale; stored values 1/k_scale so keys dequantize to ~N(0, 1)
+        k_scale = torch.tensor(float(torch.empty(()).uniform_(0.1, 4.0, generator=gen)), device=device)
+        stored_scale = 1.0 / float(k_scale)
+    paged = build_paged_cache(
+        seq_lens, page_size, 1, width, cache_dtype, device, gen, layout=layout, shuffle=shuffle, scale=stored_scale
+    )
+    q = (torch.randn(len(seq_lens) * qlen, heads, width, generator=gen, dtype=torch.float64)).to(dtype).to(device)
+    real = None if real_seq_lens is None else torch.tensor(real_seq_lens, dtype=torch.int32, device=device)
+    # Scores of a few units: peaked enough that a wrong key weight shows, flat enough to mix many keys.
+    sm_scale = 2.0 / math.sqrt(width)
+    return Problem(q, paged.cache, paged.block_table, paged.seq_lens, real, qlen, value_width, page_size, sm_scale,
+                   k_scale)  # fmt: skip
+
+
+def _dtype_name(problem: Problem) -> str:
+    return str(problem.q.dtype).removeprefix("torch.")
+
+
+def check_against_golden(problem: Problem, num_kv_splits: int, config: dict | None = None) -> tuple:
+    o, lse, logits = problem.run(num_kv_splits, config)
+    ref_o, ref_lse = problem.golden()
+    name = _dtype_name(problem)
+    assert_close(o, ref_o, ("mla_verify", "o", name))
+    assert_close(lse, ref_lse, ("mla_verify", "lse", "float32"))
+    if num_kv_splits > 1:
+        rows, heads = problem.q.shape[:2]
+        cfg = config or select_verify_config(rows // problem.qlen, problem.qlen, heads)
+        ref = problem.golden_partials(num_kv_splits, cfg)
+        assert_close(logits[..., :-1], ref[..., :-1], ("mla_verify", "split_o", name))
+        assert_close(logits[..., -1], ref[..., -1], ("mla_verify", "lse", "float32"))
+    return o, lse, logits
+
+
+# -- Triton == golden ------------------------------------------------------------------------------
+
+
+# Lengths around the awkward values: empty, 1, below qlen, one past a key tile (16/32/64), ~100.
+SEQ_LENS = st.lists(
+    st.one_of(st.sampled_from([0, 1, 2, 3, 7, 16, 17, 33, 65]), st.integers(0, 99)), min_size=1, max_size=3
+)
+
+
+@given(
+    seq_lens=SEQ_LENS,
+    qlen=st.integers(1, 8),
+    heads=st.integers(1, 4),
+    widths=st.sampled_from(WIDTHS),
+    page_size=st.one_of(st.sampled_from([1, 16, 128]), st.integers(1, 40)),
+    num_kv_splits=st.one_of(st.just(1), st.integers(2, 16)),
+    dtype=st.sampled_from(list(DTYPES)),
+    fp8=st.booleans(),
+    layout=st.sampled_from(["4d", "3d", "cross_layer"]),
+    real_mode=st.sampled_from(["none", "equal", "below", "zero"]),
+    size=st.sampled_from(["small", "large"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(seq_lens=[1, 3, 0, 17], qlen=4, heads=2, widths=(16, 16), page_size=1, num_kv_splits=1, dtype="bfloat16",
+         fp8=False, layout="4d", real_mode="none", size="small", seed=0)  # fmt: skip
+@example(seq_lens=[33, 2], qlen=3, heads=3, widths=(16, 8), page_size=5, num_kv_splits=5, dtype="float16",
+         fp8=True, layout="3d", real_mode="below", size="large", seed=1)  # fmt: skip
+def test_verify_matches_golden(
+    device, seq_lens, qlen, heads, widths, page_size, num_kv_splits, dtype, fp8, layout, real_mode, size, seed
+) -> None:
+    gen = generator(seed + 1)
+    real = {
+        "none": None,
+        "equal": list(seq_lens),
+        "below": [int(torch.randint(0, n + 1, (), generator=gen)) for n in seq_lens],
+        "zero": [0] * len(seq_lens),
+    }[real_mode]
+    problem = make_problem(
+        seq_lens, qlen, heads, *widths, page_size, device, seed, dtype=DTYPES[dtype],
+        cache_dtype=torch.float8_e4m3fn if fp8 else None, real_seq_lens=real, layout=layout,
+    )  # fmt: skip
+    check_against_golden(problem, num_kv_splits, _config(size))
+
+
+@pytest.mark.parametrize(
+    ("qlen", "num_kv_splits", "size", "fp8"), [(1, 1, "small", False), (2, 3, "large", False), (4, 2, "small", True)]
+)
+def test_verify_deepseek_widths(device, qlen, num_kv_splits, size, fp8) -> None:
+    """The real latent widths (Lv 512, P 64, 16 heads) at short lengths, both configs, an FP8 cache."""
+    cache_dtype = torch.float8_e4m3fn if fp8 else None
+    problem = make_problem([qlen + 1, 0, 21], qlen, 16, 512, 64, 16, device, seed=qlen, cache_dtype=cache_dtype)
+    check_against_golden(problem, num_kv_splits, _config(size))
+
+
+def test_verify_writes_fp32_output(device) -> None:
+    """``o`` may be fp32 (a caller merging further): the same golden result, the fp32 LSE tolerance."""
+    problem = make_problem([20, 3], 3, 2, 32, 16, 8, device, seed=3)
+    o, _, _ = problem.run(2, _config("small"), o_dtype=torch.float32)
+    assert_close(o, problem.golden()[0], ("mla_verify", "split_o", "bfloat16"))
+
+
+# -- Invariances -----------------------------------------------------------------------------------
+
+
+def _repaged(problem: Problem, page_size: int, seed: int) -> Problem:
+    """The same keys of every request in a cache of another page size, pages in another order."""
+    gen = generator(seed)
+    lens = problem.seq_lens.tolist()
+    keys = [_request_keys(problem, b, n) for b, n in enumerate(lens)]
+    pages_per = [-(-n // page_size) for n in lens]
+    order = torch.randperm(sum(pages_per) + 1, generator=gen)
+    width = problem.cache.shape[-1]
+    cache = torch.full((sum(pages_per) + 1, page_size, 1, width), float("nan"), dtype=torch.float64)
+    table = torch.full((len(lens), max([*pages_per, 1])), 2**30, dtype=torch.int32)
+    nxt = 0
+    for b, n in enumerate(lens):
+        table[b, : pages_per[b]] = order[nxt : nxt + pages_per[b]].to(torch.int32)
+        nxt += pages_per[b]
+        j = torch.arange(n)
+        cache[table[b, j // page_size].long(), j % page_size, 0] = keys[b].double()
+    device = problem.q.device
+    return Problem(problem.q, cache.to(problem.cache.dtype).to(device), table.to(device), problem.seq_lens,
+                   problem.real_seq_lens, problem.qlen, problem.value_width, page_size, problem.sm_scale,
+                   problem.k_scale)  # fmt: skip
+
+
+def _request_keys(problem: Problem, b: int, n: int) -> torch.Tensor:
+    """Request ``b``'s first ``n`` keys as stored (no dequant), ``[n, Lk]`` on the CPU."""
+    pages = problem.cache.cpu()
+    if pages.dim() == 3:
+        pages = pages.unflatten(0, (-1, problem.page_size))
+    j = torch.arange(n)
+    return pages[problem.block_table[b].cpu().long()[j // problem.page_size], j % problem.page_size, 0]
+
+
+@given(
+    split_pairs=st.tuples(st.integers(1, 8), st.integers(1, 8)),
+    page_pairs=st.tuples(st.integers(1, 33), st.integers(1, 33)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_result_independent_of_splits_and_page_size(device, split_pairs, page_pairs, seed) -> None:
+    problem = make_problem([40, 5, 17], 3, 2, 16, 16, page_pairs[0], device, seed, dtype=torch.float16)
+    other = _repaged(problem, page_pairs[1], seed + 1)
+    cfg = _config("small")
+    o_a, lse_a, _ = problem.run(split_pairs[0], cfg)
+    o_b, lse_b, _ = other.run(split_pairs[1], cfg)
+    assert_close(o_b, o_a.double(), ("mla_verify", "o", "float16"))
+    assert_close(lse_b, lse_a.double(), ("mla_verify", "lse", "float32"))
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_page_order_and_layout_are_bit_exact(device, num_kv_splits) -> None:
+    """Page order, 3-D vs 4-D and a cross-layer view change only addresses: identical bits."""
+    cfg = _config("small")
+    problem = make_problem([45, 17, 2], 4, 3, 32, 16, 8, device, seed=5)
+    o, lse, _ = problem.run(num_kv_splits, cfg)
+    for variant in (
+        _repaged(problem, problem.page_size, seed=11),
+        _with_cache(problem, problem.cache.flatten(0, 1)),
+        _with_cache(problem, _cross_layer_view(problem.cache)),
+    ):
+        o_v, lse_v, _ = variant.run(num_kv_splits, cfg)
+        assert_bits_equal(o_v, o)
+        assert_bits_equal(lse_v, lse)
+
+
+def _with_cache(problem: Problem, cache: torch.Tensor) -> Problem:
+    return Problem(problem.q, cache, problem.block_table, problem.seq_lens, problem.real_seq_lens, problem.qlen,
+                   problem.value_width, problem.page_size, problem.sm_scale, problem.k_scale)  # fmt: skip
+
+
+def _cross_layer_view(cache: torch.Tensor, num_layers: int = 3, layer: int = 1) -> torch.Tensor:
+    """``cache`` as layer ``layer`` of a ``[pages, layers, page_size, 1, Lk]`` cache (neighbours NaN)."""
+    full = torch.full((cache.shape[0], num_layers, *cache.shape[1:]), float("nan"), dtype=torch.float32)
+    full = full.to(cache.dtype).to(cache.device)
+    full[:, layer] = cache
+    view = full[:, layer]
+    assert view.stride(0) == num_layers * cache[0].numel()
+    return view
+
+
+def test_one_split_result_independent_of_batch(device) -> None:
+    """With one split and a fixed config, a request's rows do not depend on the rest of the batch."""
+    cfg = _config("large")
+    problem = make_problem([40, 9, 66], 2, 4, 64, 16, 16, device, seed=2)
+    o, lse, _ = problem.run(1, cfg)
+    rows = slice(2 * problem.qlen, 3 * problem.qlen)
+    alone = Problem(problem.q[rows].contiguous(), problem.cache, problem.block_table[2:], problem.seq_lens[2:], None,
+                    problem.qlen, problem.value_width, problem.page_size, problem.sm_scale, None)  # fmt: skip
+    o_alone, lse_alone, _ = alone.run(1, cfg)
+    assert_bits_equal(o_alone, o[rows])
+    assert_bits_equal(lse_alone, lse[rows])
+
+
+def test_k_scale_is_ignored_for_a_16bit_cache(device) -> None:
+    problem = make_problem([30, 4], 2, 2, 16, 16, 4, device, seed=4)
+    o, lse, _ = problem.run(2)
+    problem.k_scale = torch.tensor(3.0, device=device)
+    o_scaled, lse_scaled, _ = problem.run(2)
+    assert_bits_equal(o_scaled, o)
+    assert_bits_equal(lse_scaled, lse)
+
+
+# -- Edge cases and golden-only properties ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_empty_rows_are_exactly_neutral(device, num_kv_splits) -> None:
+    """L == 0, L < qlen (first rows empty), R = 0 (padding): o == 0 and lse == -inf exactly; and
+    every split slot that is empty for its row holds exactly (0, -inf) in the scratch."""
+    qlen = 4
+    cfg = _config("small")
+    problem = make_problem([0, 2, 30, 40], qlen, 3, 16, 16, 8, device, seed=6, real_seq_lens=[5, 2, 0, 40])
+    o, lse, logits = problem.run(num_kv_splits, cfg)
+    empty = (row_limits(problem.seq_lens, problem.real_seq_lens, qlen) == 0).flatten().to(device)
+    assert 0 < int(empty.sum()) < empty.numel()
+    assert bool((o[empty] == 0).all()) and bool(torch.isneginf(lse[empty]).all())
+    assert bool(torch.isfinite(o).all()) and not bool(torch.isnan(lse).any())
+    if num_kv_splits > 1:
+        empty_slot = torch.isneginf(problem.golden_partials(num_kv_splits, cfg)[..., -1]).to(device)
+        assert bool(empty_slot.any()) and bool((~empty_slot).any())
+        assert bool((logits[..., :-1][empty_slot] == 0).all()) and bool(
+            torch.isneginf(logits[..., -1][empty_slot]).all()
+        )
+
+
+def test_row_limits_by_hand() -> None:
+    lens = torch.tensor([10, 2, 0, 7])
+    assert row_limits(lens, None, 3).tolist() == [[8, 9, 10], [0, 1, 2], [0, 0, 0], [5, 6, 7]]
+    real = torch.tensor([9, 1, 0, 0])
+    assert row_limits(lens, real, 3).tolist() == [[8, 9, 9], [0, 1, 1], [0, 0, 0], [0, 0, 0]]
+
+
+def test_last_row_sees_every_key(device) -> None:
+    """Row ``t = qlen - 1`` is plain attention over all ``L`` keys, computed densely in float64."""
+    qlen, lv = 3, 32
+    problem = make_problem([50, 3], qlen, 2, lv, 16, 8, device, seed=8)
+    o, lse, _ = problem.run(3, _config("small"))
+    for b, n in enumerate(problem.seq_lens.tolist()):
+        keys = _request_keys(problem, b, n).double()
+        q_last = problem.q[b * qlen + qlen - 1].cpu().double()
+        scores = problem.sm_scale * q_last @ keys.T
+        expected_o = torch.softmax(scores, -1) @ keys[:, :lv]
+        assert_close(o[b * qlen + qlen - 1], expected_o, ("mla_verify", "o", "bfloat16"))
+        assert_close(lse[b * qlen + qlen - 1], torch.logsumexp(scores, -1), ("mla_verify", "lse", "float32"))
+
+
+def test_golden_split_states_merge_to_golden(device) -> None:
+    """Golden stage 1 merged (``merge_states``) is golden verify, for any split parameters."""
+    problem = make_problem([77, 0, 13, 2], 3, 2, 16, 8, 5, device, seed=9, real_seq_lens=[70, 0, 13, 1])
+    ref_o, ref_lse = problem.golden()
+    for splits, align, min_len in [(1, 1, 1), (4, 16, 32), (16, 8, 8), (3, 5, 10)]:
+        part = problem.golden_partials(splits, {"SPLIT_ALIGN": align, "MIN_SPLIT_LEN": min_len})
+        o, lse = merge_states(part[..., :-1], part[..., -1])
+        assert torch.allclose(o, ref_o, rtol=0, atol=1e-12) and torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+        assert torch.allclose(lse[~torch.isinf(lse)], ref_lse[~torch.isinf(ref_lse)], rtol=1e-14, atol=0)
+
+
+def test_verify_equals_flattened_causal_decode(device) -> None:
+    """With ``real_seq_lens=None`` verify is the multi-token decode of SPEC section 3: the block
+    table repeated per row and per-row extents ``L - (qlen-1) + t`` (golden decode, float64)."""
+    for qlen in (1, 3, 5):
+        problem = make_problem([40, 2, 0, 17], qlen, 3, 32, 16, 8, device, seed=qlen)
+        table_rows, lens_rows = expand_decode_rows(problem.block_table, problem.seq_lens, qlen, causal=True)
+        ref_o, ref_lse = decode_attention(
+            problem.q, problem.cache, problem.cache[..., : problem.value_width], table_rows, lens_rows,
+            problem.sm_scale, problem.page_size, is_mla=True, dtype=torch.float64,
+        )  # fmt: skip
+        gold_o, gold_lse = problem.golden()
+        assert torch.allclose(gold_o, ref_o, rtol=0, atol=1e-12)
+        assert torch.equal(torch.isinf(gold_lse), torch.isinf(ref_lse))
+        o, lse, _ = problem.run(2, _config("small"))
+        assert_close(o, ref_o, ("mla_verify", "o", "bfloat16"))
+        assert_close(lse, ref_lse, ("mla_verify", "lse", "float32"))
+
+
+# -- Split heuristics and configs ------------------------------------------------------------------
+
+
+def test_split_bounds_by_hand() -> None:
+    start, end = split_bounds(torch.tensor([100, 10, 0, 64]), 4, 16, 32)
+    # L=100: cdiv(100, 4) = 25 -> 32: [0,32) [32,64) [64,96) [96,100).
+    assert start[0].tolist() == [0, 32, 64, 96] and end[0].tolist() == [32, 64, 96, 100]
+    # L=10: one chunk of MIN_SPLIT_LEN covers it; the other three splits are empty.
+    assert start[1].tolist() == [0, 10, 10, 10] and end[1].tolist() == [10, 10, 10, 10]
+    assert start[2].tolist() == [0, 0, 0, 0] and end[2].tolist() == [0, 0, 0, 0]
+    # L=64: cdiv(64, 4) = 16 -> 16, raised to MIN_SPLIT_LEN 32: two splits used.
+    assert end[3].tolist() == [32, 64, 64, 64]
+    with pytest.raises(ValueError, match="min_split_len"):
+        split_bounds(torch.tensor([5]), 2, 16, 24)
+
+
+def test_verify_num_kv_splits_by_hand() -> None:
+    # One request of 16 heads: 1 program per split fits 132 SMs; ideal = cdiv(4096, 64) = 64 caps it.
+    assert verify_num_kv_splits(4096, 1, 1, 16, 132, block_h=32) == 64
+    # 64 requests x cdiv(4*16, 32) = 128 programs <= 132 slots: 132 // 128 = 1 split.
+    assert verify_num_kv_splits(4096, 64, 4, 16, 132, block_h=32) == 1
+    # 100 x 2 = 200 programs > 132: rounds(n)/n = 2, 2, 1.67, 1.75, 1.6, 1.67, 1.57, 1.63 for n = 1..8;
+    # best 1.57 (n = 7); the fewest within 5% (<= 1.65) is n = 5.
+    assert verify_num_kv_splits(4096, 100, 4, 16, 132, block_h=32) == 5
+    # Short sequences: ideal = cdiv(100, 64) = 2; empty batch counts as one request.
+    assert verify_num_kv_splits(100, 1, 1, 16, 132, block_h=32) == 2
+    assert verify_num_kv_splits(0, 0, 1, 16, 132, block_h=32) == 1
+    # Twice the occupancy: 264 slots // 128 programs = 2.
+    assert verify_num_kv_splits(4096, 64, 4, 16, 132, block_h=32, occupancy=2.0) == 2
+    # The max_splits cap applies only when one round does not fit: 64 // 1 = 64 > 8 here.
+    assert verify_num_kv_splits(8192, 1, 1, 16, 32, block_h=32, max_splits=8) == 32
+
+
+def test_row_blocks_and_config_rule() -> None:
+    assert verify_row_blocks(4, 16, 32) == 2
+    assert verify_row_blocks(3, 5, 16) == 1
+    assert verify_row_blocks(8, 128, 64) == 16
+    small, large = _config("small"), _config("large")
+    assert select_verify_config(10, 4, 16) == small  # 640 rows: small
+    assert select_verify_config(641, 1, 1) == large
+    for arch in VERIFY_CONFIGS.values():
+        for cfg in arch.values():
+            full = {**VERIFY_DEFAULT_CONFIG, **cfg}
+            assert full["MIN_SPLIT_LEN"] % full["SPLIT_ALIGN"] == 0
+            assert full["BLOCK_H"] >= 16 and full["BLOCK_N"] >= 16  # tl.dot's minimum
+
+
+# -- Negative controls: the tolerances catch the classic bugs ---------------------------------------
+
+
+def test_negative_control_off_by_one_row_limit(device) -> None:
+    """A kernel that excluded the row's own token (limit - 1) must fail the o tolerance."""
+    problem = make_problem([6, 40], 4, 2, 32, 16, 8, device, seed=12)
+    o, lse, _ = problem.run(1)
+    limits = row_limits(problem.seq_lens, None, problem.qlen).to(device)
+    for wrong in (limits - 1, torch.minimum(limits + 1, problem.seq_lens[:, None].long())):
+        bad_o, bad_lse = attend_rows(
+            problem.q, problem.cache, problem.block_table, wrong.clamp(min=0), problem.value_width,
+            problem.sm_scale, problem.page_size, dtype=torch.float64,
+        )  # fmt: skip
+        assert fails_tolerance(o, bad_o[:, :, 0], ("mla_verify", "o", "bfloat16"))
+        assert fails_tolerance(lse, bad_lse[:, :, 0], ("mla_verify", "lse", "float32"))
+
+
+def test_negative_control_dropped_split(device) -> None:
+    """Merging the kernel's stage-1 partials without one non-empty split must fail."""
+    problem = make_problem([90, 50], 2, 2, 32, 16, 8, device, seed=13)
+    cfg = _config("small")
+    _, _, logits = problem.run(4, cfg)
+    ref_o, ref_lse = problem.golden()
+    o, lse = merge_states(logits[..., :-1].double(), logits[..., -1].double())
+    assert_close(o, ref_o, ("mla_verify", "o", "bfloat16"))  # the control itself passes
+    assert_close(lse, ref_lse, ("mla_verify", "lse", "float32"))
+    for dropped in range(2):
+        lse_dropped = logits[..., -1].double().clone()
+        lse_dropped[..., dropped] = float("-inf")
+        bad_o, bad_lse = merge_states(logits[..., :-1].double(), lse_dropped)
+        assert fails_tolerance(bad_o, ref_o, ("mla_verify", "o", "bfloat16"))
+        assert fails_tolerance(bad_lse, ref_lse, ("mla_verify", "lse", "float32"))
+
+
+# -- Bad input (SPEC section 8) ---------------------------------------------------------------------
+
+
+def _args(problem: Problem, num_kv_splits: int = 1) -> dict:
+    rows, heads = problem.q.shape[:2]
+    device = problem.q.device
+    return dict(
+        q=problem.q, k_buffer=problem.cache, v_buffer=problem.cache[..., : problem.value_width],
+        o=torch.empty(rows, heads, problem.value_width, dtype=problem.q.dtype, device=device),
+        lse=torch.empty(rows, heads, device=device), req_to_token=problem.block_table, seq_lens=problem.seq_lens,
+        real_seq_lens=None, qlen=problem.qlen,
+        attn_logits=torch.empty(rows, heads, num_kv_splits, problem.value_width + 1, device=device),
+        num_kv_splits=num_kv_splits, sm_scale=0.1, page_size=problem.page_size,
+    )  # fmt: skip
+
+
+def test_bad_input_raises_named_errors(device) -> None:
+    problem = make_problem([20, 7], 2, 2, 16, 16, 4, device, seed=14)
+    rows = problem.q.shape[0]
+
+    def raises(error, match, **changes):
+        args = _args(problem, changes.pop("num_kv_splits", 1))
+        args.update(changes)
+        with pytest.raises(error, match=match):
+            decode_attention_fwd_verify(**args)
+
+    raises(ValueError, "qlen", qlen=3)  # 4 rows is not a multiple of 3
+    raises(ValueError, "qlen", qlen=0)
+    odd = torch.zeros(8, 4, 1, 24, dtype=torch.bfloat16, device=device)  # Lv = 12: not a power of two
+    raises(ValueError, "Lv", q=torch.zeros(rows, 2, 24, dtype=torch.bfloat16, device=device), k_buffer=odd,
+           v_buffer=odd[..., :12], o=torch.empty(rows, 2, 12, dtype=torch.bfloat16, device=device))  # fmt: skip
+    rope12 = torch.zeros(8, 4, 1, 28, dtype=torch.bfloat16, device=device)  # P = 12
+    raises(ValueError, "rope width", q=torch.zeros(rows, 2, 28, dtype=torch.bfloat16, device=device),
+           k_buffer=rope12, v_buffer=rope12[..., :16])  # fmt: skip
+    past = problem.block_table.clone()
+    past[0, 0] = problem.cache.shape[0]  # one past the last page
+    raises(ValueError, "req_to_token", req_to_token=past)
+    raises(ValueError, "req_to_token", req_to_token=problem.block_table[:, :1])  # too few columns for L = 20
+    raises(ValueError, "attn_logits", num_kv_splits=2,
+           attn_logits=torch.empty(rows - 1, 2, 2, 17, device=device))  # fmt: skip
+    raises(ValueError, "attn_logits", num_kv_splits=4, attn_logits=torch.empty(rows, 2, 2, 17, device=device))
+    raises(TypeError, "attn_logits", num_kv_splits=2, attn_logits=None)
+    raises(TypeError, "lse", lse=torch.empty(rows, 2, dtype=torch.bfloat16, device=device))
+    raises(TypeError, "k_buffer", k_buffer=problem.cache.half(), v_buffer=problem.cache.half()[..., :16])
+    raises(TypeError, "q", q=problem.q.float())
+    raises(ValueError, "v_buffer", v_buffer=problem.cache[..., :16].clone())
+    raises(ValueError, "k_buffer", page_size=8)  # a 4-D cache of 4-token pages
+    two_heads = problem.cache.expand(-1, -1, 2, -1)
+    raises(ValueError, "k_buffer", k_buffer=two_heads, v_buffer=two_heads[..., :16])
+    raises(ValueError, "o", o=torch.empty(rows, 2, 32, dtype=torch.bfloat16, device=device))
+    raises(ValueError, "seq_lens", seq_lens=problem.seq_lens[:1])
+    raises(ValueError, "last dimension", q=torch.zeros(rows, 2, 64, dtype=torch.bfloat16, device=device)[..., ::2])
+
+
+def test_content_checks_can_be_switched_off(monkeypatch) -> None:
+    """Serving skips the device-to-host block-table check (ATTNREF_CHECK_CONTENTS=0); shapes are
+    still checked. The kernel is not run: a table pointing past the cache would read out of bounds."""
+    problem = make_problem([20], 1, 1, 16, 16, 4, torch.device("cpu"), seed=15)
+    args = _args(problem)
+    args["req_to_token"] = problem.block_table.clone().fill_(10**6)
+    args.pop("sm_scale")
+    monkeypatch.setenv(CONTENT_CHECKS_ENV, "0")
+    tv._check_verify_args(**args, k_scale=None)
+    monkeypatch.setenv(CONTENT_CHECKS_ENV, "1")
+    with pytest.raises(ValueError, match="req_to_token"):
+        tv._check_verify_args(**args, k_scale=None)
+
+
+# -- Warmup and workspace views ----------------------------------------------------------------------
+
+
+def test_storage_view_reuses_storage_or_allocates() -> None:
+    buf = torch.zeros(100)
+    view = _storage_view(buf, (3, 4, 5))
+    assert view.data_ptr() == buf.data_ptr() and view.is_contiguous() and view.shape == (3, 4, 5)
+    fresh = _storage_view(buf, (101,))
+    assert fresh.data_ptr() != buf.data_ptr() and fresh.shape == (101,)
+
+
+def test_warmup_runs_every_variant_and_leaves_outputs_alone(device, monkeypatch) -> None:
+    """Each qlen, both configs, one and two splits; the real outputs are untouched. On a CPU the
+    small/large threshold is lowered so the large-config batch stays small for the interpreter."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(tv, "_VERIFY_SMALL_MAX_ROWS", 8)
+    problem = make_problem([9], 1, 4, 16, 16, 4, device, seed=16)
+    args = _args(problem, 2)
+    args["o"].fill_(7)
+    args["lse"].fill_(7)
+    warmup_decode_attention_fwd_verify(
+        problem.q, problem.cache, args["o"], args["lse"], problem.block_table, True, [1, 2], args["attn_logits"],
+        0.1, problem.page_size,
+    )  # fmt: skip
+    assert bool((args["o"] == 7).all()) and bool((args["lse"] == 7).all())
+
+
+# -- GPU only ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_page_offsets_past_2_to_31_elements(device) -> None:
+    """Page ids whose element offset exceeds 2^31 (a 4.3 GiB cache): widened to 64 bits."""
+    lv, rope, page_size = 512, 64, 64
+    page_elems = page_size * (lv + rope)
+    far_page = 2**31 // page_elems + 10
+    cache = torch.empty(far_page + 1, page_size, 1, lv + rope, dtype=torch.bfloat16, device=device)
+    gen = generator(17)
+    near = torch.randn(2, page_size, 1, lv + rope, generator=gen).to(torch.bfloat16)
+    cache[0], cache[far_page] = near[0].to(device), near[1].to(device)
+    table = torch.tensor([[0, far_page]], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([2 * page_size], dtype=torch.int32, device=device)
+    q = torch.randn(2, 16, lv + rope, generator=gen).to(torch.bfloat16).to(device)
+    problem = Problem(q, cache, table, seq_lens, None, 2, lv, page_size, 0.06, None)
+    check_against_golden(problem, 2)

@@ -1,0 +1,576 @@
+"""Causal MLA verify attention: split-KV over a paged latent cache, one K/V load per request tile.
+
+Twin of ``golden/mla_verify.py`` (SPEC section 2), with the seed's signatures
+(``vllm.v1.attention.ops.triton_decode_attention``): ``decode_attention_fwd_verify``,
+``verify_row_blocks``, ``select_verify_config``, ``verify_num_kv_splits``,
+``warmup_decode_attention_fwd_verify`` and ``_storage_view``.
+
+Speculative decoding verifies ``Q`` tokens of every request at once, and all ``Q*H`` (token, head)
+rows of a request read the same latent keys. The per-row decode kernel loads every K/V tile once
+per row; here one program owns ``BLOCK_H`` (token, head) rows of one request and one split, so a
+tile is loaded once per row *block* and feeds two tensor-core products (``QK^T`` and ``PV``).
+Stage 2 is the package's split merge, ``triton_impl.lse_merge.merge_splits``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_impl.interpreter import INTERPRET, cast_for_store, dot_dtype
+from triton_impl.lse_merge import _launch_merge_splits
+from triton_impl.validation import check_block_table, check_positive, check_power_of_two, check_tensor
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_Q_DTYPES = (torch.bfloat16, torch.float16)
+_FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+# ----------------------------------------------------------------------------------------------
+# Launch configs: data, keyed by GPU architecture, chosen by select_verify_config.
+# ----------------------------------------------------------------------------------------------
+
+# B * qlen * H at or below this many rows takes the small config (the seed's rule).
+_VERIFY_SMALL_MAX_ROWS = 640
+
+# Keys every config has. BLOCK_H: (token, head) rows per program; BLOCK_N: keys per tile;
+# SPLIT_ALIGN / MIN_SPLIT_LEN: split chunks are multiples of SPLIT_ALIGN and at least MIN_SPLIT_LEN
+# keys (a multiple of SPLIT_ALIGN), so a split is never a sliver not worth its launch slot; QSPLIT:
+# hold the latent part of Q and the accumulator as two halves (bounds the live tile sizes).
+VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
+    "BLOCK_N": 32,
+    "BLOCK_H": 32,
+    "SPLIT_ALIGN": 64,
+    "MIN_SPLIT_LEN": 256,
+    "QSPLIT": False,
+    "num_warps": 4,
+    "num_stages": 2,
+}
+
+# Per architecture: overrides of VERIFY_DEFAULT_CONFIG for few rows ("small") and many ("large").
+# - "sm_90" (Hopper: H100/H200): PROVISIONAL until the lead's H200 sweep. Chosen from a first sweep
+#   on one H200 (Triton 3.6, bf16, Lk 576 / Lv 512, page 64, CUDA-graph timing, 15 configs x 5
+#   shapes), as % of max(FLOPs / 790 TFLOP/s, unique bytes / 4.3 TB/s):
+#     B=8  qlen=4 H=16  L=4096 ( 512 rows):  BH32 BN64 w4 QSPLIT  20.6% (S=8);  BH16 BN32 w4  13.8%
+#     B=64 qlen=2 H=16  L=4096 (2048 rows):  BH32 BN32 w4 QSPLIT  52.5% (S=4);  BH64 BN64 w8 QSPLIT 43.7%
+#     B=32 qlen=4 H=16  L=4096 (2048 rows):  BH64 BN64 w8 QSPLIT  37.3% (S=4);  BH32 BN32 w4 QSPLIT 27.9%
+#     B=8  qlen=4 H=128 L=4096 (4096 rows):  BH64 BN64 w8 QSPLIT  27.4% (S=2);  BH32 BN32 w4 QSPLIT 20.0%
+#     B=64 qlen=1 H=128 L=2048 (8192 rows):  BH64 BN64 w8 QSPLIT  29.6% (S=1, 3 stages; 28.7% with 2)
+#   QSPLIT won in every shape; BH64 without it ran out of shared memory at BN64 and was slower at
+#   BN32. Far from the 80% target: the lead's sweep and kernel work start here.
+# - "generic": any other GPU; the same shapes, untuned.
+# - "interpreter": TRITON_INTERPRET=1 on a CPU, where a tile's cost is NumPy work: small tiles
+#   and short splits keep tests fast and exercise many splits on short sequences.
+VERIFY_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
+    "sm_90": {
+        "small": {
+            "BLOCK_N": 64,
+            "BLOCK_H": 32,
+            "SPLIT_ALIGN": 64,
+            "MIN_SPLIT_LEN": 128,
+            "QSPLIT": True,
+            "num_warps": 4,
+            "num_stages": 2,
+        },
+        "large": {
+            "BLOCK_N": 64,
+            "BLOCK_H": 64,
+            "SPLIT_ALIGN": 64,
+            "MIN_SPLIT_LEN": 256,
+            "QSPLIT": True,
+            "num_warps": 8,
+            "num_stages": 2,
+        },
+    },
+    "generic": {
+        "small": {"QSPLIT": True},
+        "large": {"BLOCK_H": 64, "QSPLIT": True, "num_warps": 8},
+    },
+    "interpreter": {
+        "small": {"BLOCK_N": 16, "BLOCK_H": 16, "SPLIT_ALIGN": 16, "MIN_SPLIT_LEN": 16, "num_stages": 1},
+        "large": {
+            "BLOCK_N": 16,
+            "BLOCK_H": 32,
+            "SPLIT_ALIGN": 16,
+            "MIN_SPLIT_LEN": 32,
+            "QSPLIT": True,
+            "num_stages": 1,
+        },
+    },
+}
+
+
+@functools.cache
+def _arch_of(device_index: int | None) -> str:
+    if bool(INTERPRET) or not torch.cuda.is_available():
+        return "interpreter"
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return "sm_90" if (major, minor) == (9, 0) else "generic"
+
+
+def verify_arch() -> str:
+    """The ``VERIFY_CONFIGS`` key of the current device: ``interpreter``, ``sm_90`` or ``generic``."""
+    return _arch_of(torch.cuda.current_device() if torch.cuda.is_available() and not bool(INTERPRET) else None)
+
+
+def select_verify_config(batch: int, qlen: int, num_heads: int) -> dict[str, Any]:
+    """Launch config for this batch on the current architecture.
+
+    Few rows (``B * qlen * H <= 640``): 32-row tiles, so more programs (and KV splits) fill the
+    GPU. Otherwise 64-row tiles (Q split in two 256-wide halves) halve the K/V re-reads per
+    request. Configs are data: ``VERIFY_DEFAULT_CONFIG`` overlaid with ``VERIFY_CONFIGS[arch]``.
+    """
+    size = "small" if batch * qlen * num_heads <= _VERIFY_SMALL_MAX_ROWS else "large"
+    return {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS[verify_arch()][size]}
+
+
+def verify_row_blocks(qlen: int, num_heads: int, block_h: int) -> int:
+    """Programs per (request, split): ``cdiv(qlen * H, BLOCK_H)`` tiles of (token, head) rows."""
+    return triton.cdiv(qlen * num_heads, block_h)
+
+
+def verify_num_kv_splits(
+    max_seq_len: int,
+    batch: int,
+    qlen: int,
+    num_heads: int,
+    sm_count: int,
+    block_h: int = VERIFY_DEFAULT_CONFIG["BLOCK_H"],
+    occupancy: float = 1.0,
+    min_work_per_split: int = 64,
+    max_splits: int = 8,
+) -> int:
+    """Static upper bound on KV splits (safe to bake into a cudagraph); the seed's formula exactly.
+
+    The kernel splits each request's own length into ``max(cdiv(L, splits), MIN_SPLIT_LEN)``
+    chunks, so this only caps the split count. ``occupancy`` is the number of resident stage-1
+    programs per SM. If one split of every request fits in a single dispatch round, use as many
+    splits as fit in that round (``max_splits`` does not apply there); otherwise pick
+    ``n <= max_splits`` minimising ``rounds(n) / n`` (the idle tail of the last round), preferring
+    fewer splits within 5% of the best. Always ``<= cdiv(max_seq_len, min_work_per_split)`` and
+    ``<= 2 * sm_count``.
+    """
+    programs_per_split = max(1, batch) * verify_row_blocks(qlen, num_heads, block_h)
+    ideal = triton.cdiv(max(1, max_seq_len), max(1, min_work_per_split))
+    slots = max(1, int(occupancy * sm_count))
+    if programs_per_split <= slots:
+        n = slots // programs_per_split
+    else:
+        cost = [
+            (triton.cdiv(n * programs_per_split, slots) / n, n) for n in range(1, max(1, min(ideal, max_splits)) + 1)
+        ]
+        best = min(c for c, _ in cost)
+        n = min(n for c, n in cost if c <= best * 1.05)
+    return max(1, min(ideal, n, sm_count * 2))
+
+
+def _storage_view(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Contiguous ``shape`` over ``t``'s storage, or a new tensor if too small."""
+    if math.prod(shape) > t.untyped_storage().nbytes() // t.element_size():
+        return t.new_empty(shape)
+    strides = [1]
+    for size in reversed(shape[1:]):
+        strides.insert(0, strides[0] * size)
+    return torch.as_strided(t, shape, strides, 0)
+
+
+@functools.cache
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """The default ``k_scale`` (1.0), made once per device rather than on every launch."""
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def _page_stride(k_buffer: torch.Tensor, page_size: int) -> int:
+    """Elements between pages, read from the tensor (a cross-layer view's is larger than
+    ``page_size * token_stride``); a 3-D token-major buffer is viewed as pages first."""
+    if k_buffer.dim() == 3:
+        return page_size * k_buffer.stride(0)
+    return k_buffer.stride(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 1.
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mm(a, b, USE_DOT: tl.constexpr):
+    """``a [M, K] @ b [K, N]`` in fp32: ``tl.dot`` when every dim is >= 16 (its minimum), else a
+    broadcast multiply-add (rope or latent widths of 8 in small test shapes)."""
+    if USE_DOT:
+        return tl.dot(a, b)
+    return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
+def _fwd_verify_kernel_stage1(
+    Q, K_Buffer, sm_scale_log2, Req_to_tokens, Seq_lens, Real_seq_lens, Mid, Out, Lse, K_scale,
+    stride_req_b, stride_q_r, stride_q_h, stride_page, stride_tok,
+    stride_mid_r, stride_mid_h, stride_mid_s, stride_o_r, stride_o_h, stride_lse_r, stride_lse_h,
+    QLEN: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HAS_REAL: tl.constexpr,
+    BLOCK_DMODEL: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    Lv: tl.constexpr,
+    QSPLIT: tl.constexpr,
+    SINGLE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(B * S * cdiv(Q*H, BLOCK_H),)``; program ``pid = (b*S + s) * row_blocks + rb``.
+
+    A program owns ``BLOCK_H`` (token, head) rows ``i = rb*BLOCK_H + m`` of request ``b``
+    (``t = i // H``, ``h = i % H``: a tile is whole verify tokens when ``H >= BLOCK_H``, and its
+    queries are contiguous) and split ``s``. It keeps its queries in registers, walks the split's
+    keys in ``BLOCK_N`` tiles up to the largest row limit in the tile, and loads each K tile once
+    for all its rows: ``QK^T`` over the ``Lk`` columns and ``PV`` with ``V`` = the tile's first
+    ``Lv`` columns (no second load). Row blocks of one (request, split) are adjacent in ``pid`` so
+    they run together and share the tile through L2. Softmax is online in base 2
+    (``sm_scale * log2 e`` folded into one multiply; an FP8 cache's scalar ``k_scale`` folds into
+    the same multiply and into the output). Every row writes its split slot, an empty one as
+    ``(0, -inf)`` with a natural-log LSE, so stage 2 needs no boundaries; with one split the result
+    goes to ``o``/``lse`` directly.
+    """
+    ROWS: tl.constexpr = QLEN * NUM_HEADS
+    ROW_BLOCKS: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H
+    HALF: tl.constexpr = BLOCK_DMODEL // 2 if QSPLIT else BLOCK_DMODEL
+    DOT_QK: tl.constexpr = HALF >= 16
+    DOT_PE: tl.constexpr = BLOCK_DPE >= 16
+    DOT_PV: tl.constexpr = HALF >= 16
+
+    pid = tl.program_id(0)
+    rb = pid % ROW_BLOCKS
+    split = (pid // ROW_BLOCKS) % NUM_KV_SPLITS
+    b = (pid // (ROW_BLOCKS * NUM_KV_SPLITS)).to(tl.int64)
+
+    rows = rb * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < ROWS
+    t = rows // NUM_HEADS
+    h = rows % NUM_HEADS
+    r = b * QLEN + t
+
+    # Row limits n(b, t) and this split's keys [split_start, split_end) of the request.
+    seq_len = tl.maximum(tl.load(Seq_lens + b), 0)
+    limit = seq_len - QLEN + 1 + t
+    if HAS_REAL:
+        limit = tl.minimum(limit, tl.load(Real_seq_lens + b))
+    limit = tl.where(row_ok, tl.maximum(limit, 0), 0)
+    per_split = tl.cdiv(seq_len, NUM_KV_SPLITS)
+    chunk = tl.maximum(tl.cdiv(per_split, SPLIT_ALIGN) * SPLIT_ALIGN, MIN_SPLIT_LEN)
+    split_start = split * chunk
+    split_end = tl.minimum(split_start + chunk, seq_len)
+    row_end = tl.minimum(limit, split_end)
+    tile_end = tl.max(row_end, axis=0)
+
+    offs_d0 = tl.arange(0, HALF)
+    offs_d1 = HALF + tl.arange(0, HALF)
+    q_rows = Q + r * stride_q_r + h * stride_q_h
+    q0 = tl.load(q_rows[:, None] + offs_d0[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+    q1 = q0
+    if QSPLIT:
+        q1 = tl.load(q_rows[:, None] + offs_d1[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+    q_pe = q0
+    if BLOCK_DPE > 0:
+        offs_pe = BLOCK_DMODEL + tl.arange(0, BLOCK_DPE)
+        q_pe = tl.load(q_rows[:, None] + offs_pe[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+
+    qk_scale = sm_scale_log2
+    k_scale = 1.0
+    if IS_FP8:
+        k_scale = tl.load(K_scale).to(tl.float32)
+        qk_scale = qk_scale * k_scale
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    acc1 = acc0
+    table_row = Req_to_tokens + b * stride_req_b
+    for start_n in range(split_start, tile_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < tile_end
+        page = tl.load(table_row + offs_n // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+        k_rows = K_Buffer + page * stride_page + (offs_n % PAGE_SIZE) * stride_tok
+        k0 = tl.load(k_rows[:, None] + offs_d0[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
+        qk = _mm(q0, tl.trans(k0), DOT_QK)
+        k1 = k0
+        if QSPLIT:
+            k1 = tl.load(k_rows[:, None] + offs_d1[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
+            qk += _mm(q1, tl.trans(k1), DOT_QK)
+        if BLOCK_DPE > 0:
+            offs_pe = BLOCK_DMODEL + tl.arange(0, BLOCK_DPE)
+            k_pe = tl.load(k_rows[:, None] + offs_pe[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
+            qk += _mm(q_pe, tl.trans(k_pe), DOT_PE)
+        qk = tl.where(offs_n[None, :] < row_end[:, None], qk * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays (0, -inf)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p_dot = p.to(DOT_DTYPE)
+        acc0 = acc0 * alpha[:, None] + _mm(p_dot, k0, DOT_PV)
+        if QSPLIT:
+            acc1 = acc1 * alpha[:, None] + _mm(p_dot, k1, DOT_PV)
+        m_i = m_new
+
+    has_keys = l_i > 0
+    out_scale = tl.where(has_keys, k_scale / tl.where(has_keys, l_i, 1.0), 0.0)
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    if SINGLE:
+        o_rows = Out + r * stride_o_r + h * stride_o_h
+        out_ty = Out.dtype.element_ty
+        tl.store(
+            o_rows[:, None] + offs_d0[None, :], cast_for_store(acc0 * out_scale[:, None], out_ty), mask=row_ok[:, None]
+        )
+        if QSPLIT:
+            tl.store(
+                o_rows[:, None] + offs_d1[None, :],
+                cast_for_store(acc1 * out_scale[:, None], out_ty),
+                mask=row_ok[:, None],
+            )
+        tl.store(Lse + r * stride_lse_r + h * stride_lse_h, lse, mask=row_ok)
+    else:
+        mid_rows = Mid + r * stride_mid_r + h * stride_mid_h + split * stride_mid_s
+        tl.store(mid_rows[:, None] + offs_d0[None, :], acc0 * out_scale[:, None], mask=row_ok[:, None])
+        if QSPLIT:
+            tl.store(mid_rows[:, None] + offs_d1[None, :], acc1 * out_scale[:, None], mask=row_ok[:, None])
+        tl.store(mid_rows + Lv, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public wrapper.
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_verify_args(
+    q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq_lens, qlen, attn_logits,
+    num_kv_splits, page_size, k_scale,
+) -> tuple[int, int]:  # fmt: skip
+    """SPEC section 8 for ``decode_attention_fwd_verify``; returns ``(Lk, Lv)``."""
+    check_positive("qlen", qlen)
+    check_positive("num_kv_splits", num_kv_splits)
+    check_positive("page_size", page_size)
+    check_tensor("q", q, ndim=3, dtypes=_Q_DTYPES)
+    num_rows, num_heads, key_width = q.shape
+    if num_rows % qlen:
+        raise ValueError(f"q: expected a multiple of qlen={qlen} rows (B * qlen), got q.shape[0]={num_rows}")
+    if num_heads < 1:
+        raise ValueError(f"q: expected at least one head, got shape {list(q.shape)}")
+    batch, device = num_rows // qlen, q.device
+    check_tensor("k_buffer", k_buffer, ndim=(3, 4), dtypes=(q.dtype, *_FP8_CACHE_DTYPES), device=device)
+    if k_buffer.shape[-2] != 1 or k_buffer.shape[-1] != key_width:
+        raise ValueError(
+            f"k_buffer: expected [..., 1, {key_width}] (one latent KV head, q's width), got {list(k_buffer.shape)}"
+        )
+    if k_buffer.dim() == 4 and k_buffer.shape[1] != page_size:
+        raise ValueError(
+            f"k_buffer: expected [pages, {page_size}, 1, Lk] for page_size={page_size}, got {list(k_buffer.shape)}"
+        )
+    if k_buffer.dim() == 3 and k_buffer.shape[0] % page_size:
+        raise ValueError(f"k_buffer: {k_buffer.shape[0]} tokens is not a multiple of page_size={page_size}")
+    if not isinstance(v_buffer, torch.Tensor):
+        raise TypeError(f"v_buffer: expected a torch.Tensor, got {type(v_buffer).__name__}")
+    value_width = v_buffer.shape[-1]
+    if v_buffer.data_ptr() != k_buffer.data_ptr() or v_buffer.shape[:-1] != k_buffer.shape[:-1]:
+        raise ValueError("v_buffer: expected k_buffer[..., :Lv] (MLA reads V from K), got another tensor")
+    check_power_of_two("Lv (v_buffer.shape[-1])", value_width)
+    if value_width > key_width:
+        raise ValueError(f"v_buffer: value width {value_width} exceeds key width {key_width}")
+    check_power_of_two("P (Lk - Lv, the rope width)", key_width - value_width, allow_zero=True)
+    check_tensor("o", o, shape=(num_rows, num_heads, value_width), dtypes=_OUT_DTYPES, device=device)
+    check_tensor(
+        "lse", lse, shape=(num_rows, num_heads), dtypes=(torch.float32,), device=device, unit_last_stride=False
+    )
+    check_tensor("req_to_token", req_to_token, ndim=2, dtypes=_INDEX_DTYPES, device=device)
+    if req_to_token.shape[0] != batch:
+        raise ValueError(f"req_to_token: expected {batch} rows (one per request), got {list(req_to_token.shape)}")
+    check_tensor("seq_lens", seq_lens, shape=(batch,), dtypes=_INDEX_DTYPES, device=device)
+    if real_seq_lens is not None:
+        check_tensor("real_seq_lens", real_seq_lens, shape=(batch,), dtypes=_INDEX_DTYPES, device=device)
+    if num_kv_splits > 1:
+        check_tensor("attn_logits", attn_logits, ndim=4, dtypes=(torch.float32,), device=device)
+        want = (num_heads, num_kv_splits, value_width + 1)
+        if tuple(attn_logits.shape[1:]) != want or attn_logits.shape[0] < num_rows:
+            raise ValueError(
+                f"attn_logits: expected [>= {num_rows}, {', '.join(map(str, want))}] (rows, H, splits, Lv + 1), "
+                f"got {list(attn_logits.shape)}"
+            )
+    if k_buffer.dtype in _FP8_CACHE_DTYPES and k_scale is not None:
+        check_tensor("k_scale", k_scale, dtypes=(torch.float32,), device=device)
+        if k_scale.numel() != 1:
+            raise ValueError(f"k_scale: expected a scalar tensor, got shape {list(k_scale.shape)}")
+    num_pages = k_buffer.shape[0] if k_buffer.dim() == 4 else k_buffer.shape[0] // page_size
+    keys_read = seq_lens if real_seq_lens is None else torch.minimum(seq_lens, real_seq_lens)
+    check_block_table("req_to_token", req_to_token, keys_read, page_size, num_pages)
+    return key_width, value_width
+
+
+def decode_attention_fwd_verify(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    real_seq_lens: torch.Tensor | None,
+    qlen: int,
+    attn_logits: torch.Tensor | None,
+    num_kv_splits: int,
+    sm_scale: float,
+    page_size: int,
+    k_scale: torch.Tensor | None = None,
+    *,
+    config: dict[str, Any] | None = None,
+) -> None:
+    """Causal MLA verify over a per-request block table (seed signature; writes ``o`` and ``lse``).
+
+    Row ``r = b*qlen + t``, head ``h`` attends to keys ``[0, n)`` of request ``b`` with
+    ``n = max(min(L_b - qlen + 1 + t, R_b), 0)``; ``s_j = sm_scale * q[r, h] . K_j`` over all ``Lk``
+    columns, ``o = softmax(s) @ K[:, :Lv]``, ``lse = ln sum_j exp(s_j)``. Rows with no key get
+    ``(0, -inf)``. Golden: ``golden.mla_verify.mla_verify``.
+
+    Args:
+        q: ``[B * qlen, H, Lk]`` bf16/fp16, verify tokens of a request contiguous.
+        k_buffer: paged latent cache, ``[num_pages, page_size, 1, Lk]`` (any page stride, e.g. a
+            per-layer view of a cross-layer cache) or ``[num_pages * page_size, 1, Lk]``; q's dtype
+            or ``float8_e4m3fn``.
+        v_buffer: ``k_buffer[..., :Lv]`` (V is read from K; only its width is used).
+            ``Lv`` and ``P = Lk - Lv`` must be powers of two (``P = 0`` allowed).
+        o: ``[B * qlen, H, Lv]`` bf16/fp16/fp32 output.
+        lse: ``[B * qlen, H]`` fp32 natural-log LSE (-inf for rows with no key).
+        req_to_token: ``[B, max_pages]`` int32/int64 per-request block table (not repeated).
+        seq_lens: ``[B]`` int kernel KV lengths ``L``.
+        real_seq_lens: ``[B]`` int or None; row limit is ``max(min(L - qlen + 1 + t, L_real), 0)``.
+        qlen: verify tokens per request.
+        attn_logits: fp32 workspace ``[>= B * qlen, H, num_kv_splits, Lv + 1]``; unused, and may be
+            None, when ``num_kv_splits`` is 1.
+        num_kv_splits: static cap on KV splits per request (see :func:`verify_num_kv_splits`);
+            shorter requests use fewer, longer splits.
+        sm_scale: softmax scale.
+        page_size: tokens per KV cache page.
+        k_scale: scalar fp32 tensor dequantizing an FP8 cache (default 1); ignored for bf16/fp16.
+        config: launch config overriding :func:`select_verify_config` (tests cover every variant).
+
+    Traffic: reads ``B*qlen*H*Lk`` query elements and, per request, each key below
+    ``max_t n(b, t)`` once per row block (``cdiv(qlen*H, BLOCK_H)`` times, the repeats mostly from
+    L2); writes ``B*qlen*H*(Lv + 1)`` (plus ``S`` times that in fp32 partials when ``S > 1``).
+    """
+    key_width, value_width = _check_verify_args(
+        q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq_lens, qlen, attn_logits,
+        num_kv_splits, page_size, k_scale,
+    )  # fmt: skip
+    num_rows, num_heads = q.shape[0], q.shape[1]
+    batch = num_rows // qlen
+    if batch == 0:
+        return
+    cfg = config if config is not None else select_verify_config(batch, qlen, num_heads)
+    single = num_kv_splits == 1
+    if single:
+        mid, mid_strides = o, (0, 0, 0)  # stage 1 writes o / lse directly; o only stands in
+    else:
+        mid = attn_logits[:num_rows]
+        mid_strides = mid.stride()[:3]
+    is_fp8 = k_buffer.dtype in _FP8_CACHE_DTYPES
+    if k_scale is None or not is_fp8:
+        k_scale = _unit_scale(q.device)
+    has_real = real_seq_lens is not None
+    qsplit = bool(cfg["QSPLIT"]) and value_width >= 32
+    grid = (verify_row_blocks(qlen, num_heads, cfg["BLOCK_H"]) * batch * num_kv_splits,)
+    _fwd_verify_kernel_stage1[grid](
+        q, k_buffer, sm_scale * _LOG2E, req_to_token, seq_lens, real_seq_lens if has_real else seq_lens,
+        mid, o, lse, k_scale,
+        req_to_token.stride(0), q.stride(0), q.stride(1), _page_stride(k_buffer, page_size), k_buffer.stride(-3),
+        *mid_strides, o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
+        QLEN=qlen,
+        NUM_HEADS=num_heads,
+        HAS_REAL=has_real,
+        BLOCK_DMODEL=value_width,
+        BLOCK_DPE=key_width - value_width,
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_H=cfg["BLOCK_H"],
+        NUM_KV_SPLITS=num_kv_splits,
+        SPLIT_ALIGN=cfg["SPLIT_ALIGN"],
+        MIN_SPLIT_LEN=cfg["MIN_SPLIT_LEN"],
+        PAGE_SIZE=page_size,
+        Lv=value_width,
+        QSPLIT=qsplit,
+        SINGLE=single,
+        IS_FP8=is_fp8,
+        DOT_DTYPE=dot_dtype(q.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if not single:
+        _launch_merge_splits(mid, o, lse)
+
+
+def warmup_decode_attention_fwd_verify(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    req_to_token: torch.Tensor,
+    has_real: bool,
+    qlens: Iterable[int],
+    attn_logits: torch.Tensor | None,
+    sm_scale: float,
+    page_size: int,
+    k_scale: torch.Tensor | None = None,
+) -> None:
+    """Compile every launch variant serving can reach for these tensors.
+
+    A launch specializes on qlen, the row-count config and a single split, but graph capture and
+    profiling only run the full verify length. Each variant runs once on scratch tensors with the
+    strides of the real ones; the split scratch reuses ``attn_logits``' storage, whose size the
+    launch specializes on.
+    """
+    num_heads, value_width = q.shape[1], o.shape[-1]
+    if attn_logits is None:
+        attn_logits = q.new_empty(0, dtype=torch.float32)
+
+    def scratch(t: torch.Tensor, rows: int) -> torch.Tensor:
+        return torch.empty_strided((rows, *t.shape[1:]), t.stride(), dtype=t.dtype, device=t.device)
+
+    for qlen in qlens:
+        for batch in {1, _VERIFY_SMALL_MAX_ROWS // (qlen * num_heads) + 1}:
+            rows = batch * qlen
+            seq_lens = torch.full((batch,), qlen, dtype=torch.int32, device=q.device)
+            block_table = torch.empty_strided(
+                (batch, req_to_token.shape[1]), req_to_token.stride(), dtype=req_to_token.dtype,
+                device=req_to_token.device,
+            ).zero_()  # fmt: skip
+            for num_kv_splits in (1, 2):
+                decode_attention_fwd_verify(
+                    scratch(q, rows).zero_(),
+                    k_buffer,
+                    k_buffer[..., :value_width],
+                    scratch(o, rows),
+                    scratch(lse, rows),
+                    block_table,
+                    seq_lens,
+                    seq_lens if has_real else None,
+                    qlen,
+                    None
+                    if num_kv_splits == 1
+                    else _storage_view(attn_logits, (rows, num_heads, num_kv_splits, value_width + 1)),
+                    num_kv_splits,
+                    sm_scale,
+                    page_size,
+                    k_scale=k_scale,
+                )
