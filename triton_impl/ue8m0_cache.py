@@ -1,8 +1,8 @@
 """DeepSeek-V4 UE8M0 FP8 paged K cache: insert (quantize) and gather (dequantize), vLLM's signatures.
 
 Twin of ``golden/ue8m0_cache.py`` (SPEC section 5); the module docstring there draws the byte
-layout. Both kernels are bit-exact against the golden model, compiled and interpreted, because
-every step that could round differently is done in integers:
+layout. Both kernels produce the golden model's bytes and bf16 bits exactly; every step that
+could round differently between compiled and interpreted Triton is done in integers:
 
 - the scale exponent ``ceil(log2(amax / fp8_max))`` comes from the bf16 bits of ``amax``
   (``amax = m * 2^E`` and ``fp8_max = M * 2^F`` give ``e = E - F + (m > M)``), not from ``log2``;
@@ -43,7 +43,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 # The record layout, as kernel constants (values and meaning in golden/ue8m0_cache.py).
 _NOPE: tl.constexpr = tl.constexpr(NOPE_DIM)  # 448 fp8 bytes, then the RoPE bytes
 _GROUP: tl.constexpr = tl.constexpr(GROUP_SIZE)  # 64
-_GROUPS: tl.constexpr = tl.constexpr(NUM_GROUPS)  # 7; the [8, 64] tiles' row 7 is the RoPE part
+_GROUPS: tl.constexpr = tl.constexpr(NUM_GROUPS)  # 7 NoPE groups; a token's 8th tile row is its RoPE part
 _DATA: tl.constexpr = tl.constexpr(TOKEN_DATA_BYTES)  # 576 bytes of token data
 _SCALES: tl.constexpr = tl.constexpr(SCALE_BYTES)  # 8 scale bytes per token
 
