@@ -745,10 +745,15 @@ def turboquant_decode_split_states(
     """Stage 1 of the split-KV decode: each split's attention state (:func:`split_ranges`).
 
     ``merge_states`` of these equals :func:`turboquant_decode_attention`. An empty split is the
-    neutral state ``(0, -inf)``.
+    neutral state ``(0, -inf)``. Paper: papers.md#turboquant.
+
+    Args:
+        as :func:`turboquant_decode_attention`, plus num_splits: ``S``.
 
     Returns:
         ``(o [B, H, S, D], lse [B, H, S])`` float64.
+
+    Traffic: as :func:`turboquant_decode_attention`, writing ``B*H*S*(D+1)`` values.
     """
     num_kv_heads = kv_cache.shape[2]
     q = rearrange(_query_basis(query, PiT, config), "b (hkv g) d -> b hkv g d", hkv=num_kv_heads)

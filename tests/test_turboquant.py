@@ -366,6 +366,13 @@ def test_store_with_the_gpu_rotation_tiling_writes_the_same_bytes(
         expected = _store_golden(cache, key, value, slots, preset, 128)
         _store_triton(cache, key, value, slots, preset, 128)
         assert_bits_equal(cache, expected)
+        # PiT as a row-strided view (its row stride is read, not assumed to be D).
+        wide = torch.zeros(128, 256)
+        wide[:, :128] = _quantizer(preset, 128)[1]
+        cache = _garbage_cache(2, 4, 2, config, gen, device)
+        expected = _store_golden(cache, key, value, slots, preset, 128)
+        _store_triton(cache, key, value, slots, preset, 128, PiT=wide[:, :128])
+        assert_bits_equal(cache, expected)
 
 
 def _metadata(cache: torch.Tensor, config: tq.TurboQuantConfig, slots: torch.Tensor) -> torch.Tensor:

@@ -196,7 +196,7 @@ def _store_packed(codes, dst, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_
 def _store_kernel(
     key_ptr, value_ptr, cache_ptr, cache_u16_ptr, slot_ptr, pit_ptr, midpoint_ptr, centroid_ptr,
     num_kv_heads, block_size, stride_block, data_bytes_per_slot, meta_offset,
-    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_pit,
     HEAD_DIM: tl.constexpr,
     KEY_BITS: tl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
     VALUE_BITS: tl.constexpr,
@@ -239,7 +239,7 @@ def _store_kernel(
             rows = d0 + tl.arange(0, D_CHUNK)
             in_rows = rows < HEAD_DIM
             k_hat = tl.div_rn(tl.load(key_row + rows, mask=in_rows, other=0.0).to(tl.float32), denom)
-            pit = tl.load(pit_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
+            pit = tl.load(pit_ptr + rows[:, None] * stride_pit + dims[None, :],
                           mask=in_rows[:, None] & in_dim[None, :], other=0.0)  # fmt: skip
             acc += (k_hat[:, None] * pit * _ROTATION_SCALE).to(tl.int64)
         y = tl.sum(acc, axis=0).to(tl.float32) * _ROTATION_UNIT
@@ -263,7 +263,7 @@ def _store_kernel(
     v_min = tl.minimum(tl.maximum(v_min, -_FP16_MAX), _FP16_MAX)
     v_max = tl.minimum(tl.maximum(v_max, -_FP16_MAX), _FP16_MAX)
     scale = tl.maximum(tl.div_rn(v_max - v_min, tl.full([], LEVELS, tl.float32)), _MIN_VALUE_SCALE)
-    q = tl.floor(tl.div_rn(v - v_min, tl.full([BLOCK_D], 1.0, tl.float32) * scale) + 0.5)
+    q = tl.floor(tl.div_rn(v - v_min, scale) + 0.5)
     v_codes = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
     _store_packed(v_codes, data + KEY_DATA_BYTES, VALUE_BITS, HEAD_DIM, BLOCK_D)
     tl.store(meta + (NUM_FIELDS - 2) * block_size, _fp16_bits(scale))
@@ -305,8 +305,7 @@ def triton_turboquant_store(
     num_tokens, num_kv_heads, head_dim = key.shape
     device = key.device
     check_tensor("value", value, shape=(num_tokens, num_kv_heads, head_dim), dtypes=_KEY_DTYPES, device=device)
-    check_tensor("slot_mapping", slot_mapping, shape=(num_tokens,), dtypes=_INDEX_DTYPES, device=device,
-                 unit_last_stride=False)  # fmt: skip
+    check_tensor("slot_mapping", slot_mapping, shape=(num_tokens,), dtypes=_INDEX_DTYPES, device=device)
     layout = _check_quant_args(head_dim, mse_bits, key_packed_size, value_quant_bits, key_fp8)
     _check_cache(kv_cache, num_kv_heads, layout)
     check_tensor("kv_cache", kv_cache, device=device)
@@ -333,7 +332,7 @@ def triton_turboquant_store(
         centroids if (norm_correction and not key_fp8) else unused,
         num_kv_heads, block_size, kv_cache.stride(0), layout["data_bytes_per_slot"],
         block_size * num_kv_heads * layout["data_bytes_per_slot"],
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), 0 if key_fp8 else PiT.stride(0),
         HEAD_DIM=head_dim,
         KEY_BITS=key_bits,
         VALUE_BITS=value_quant_bits,
@@ -640,7 +639,7 @@ def triton_turboquant_decode_attention_v2(
     check_tensor("block_table", block_table, ndim=2, dtypes=_INDEX_DTYPES, device=device)
     if block_table.shape[0] != batch:
         raise ValueError(f"block_table: expected {batch} rows, got shape {list(block_table.shape)}")
-    check_tensor("seq_lens", seq_lens, shape=(batch,), dtypes=_INDEX_DTYPES, device=device, unit_last_stride=False)
+    check_tensor("seq_lens", seq_lens, shape=(batch,), dtypes=_INDEX_DTYPES, device=device)
     if not isinstance(max_num_kv_splits, int) or max_num_kv_splits < 1:
         raise ValueError(f"max_num_kv_splits: expected a positive int, got {max_num_kv_splits!r}")
     if use_pair_lut and (key_fp8 or mse_bits != 4):
