@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from triton_impl import interpreter
-from triton_impl.interpreter import cast_for_store, dot_dtype, f32_to_bf16_rne, f32_to_e4m3_bits
+from triton_impl.interpreter import cast_for_store, dot_dtype, e4m3_bits_to_f32, f32_to_bf16_rne, f32_to_e4m3_bits
 
 interpreted_only = pytest.mark.skipif(not bool(interpreter.INTERPRET), reason="defect of the interpreter only")
 
@@ -198,6 +198,38 @@ def test_e4m3_encoder_known_values(device: torch.device) -> None:
     }
     x = torch.tensor(list(cases))
     assert _encode_all(x, device)["fn"].tolist() == list(cases.values())
+
+
+# -- defect 6: e4m3 -> fp32 ----------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_e4m3_kernel(codes_ptr, soft_ptr, plain_ptr, FNUZ: tl.constexpr):
+    offs = tl.arange(0, 256)
+    codes = tl.load(codes_ptr + offs)
+    tl.store(soft_ptr + offs, e4m3_bits_to_f32(codes, FNUZ))
+    tl.store(plain_ptr + offs, tl.load(codes_ptr.to(tl.pointer_type(tl.float8e4nv)) + offs).to(tl.float32))
+
+
+def _decode_all(device: torch.device, fnuz: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device)
+    soft, plain = torch.empty(256, device=device), torch.empty(256, device=device)
+    _decode_e4m3_kernel[(1,)](codes, soft, plain, FNUZ=fnuz)
+    return soft.cpu(), plain.cpu()
+
+
+@interpreted_only
+def test_plain_fp8_decode_is_wrong_under_interpreter(device: torch.device) -> None:
+    _, plain = _decode_all(device, fnuz=False)
+    assert not torch.isnan(plain[0x7F]), "defect 6 is gone: the interpreter decodes 0x7F as NaN"
+
+
+@pytest.mark.parametrize(("fnuz", "dtype"), [(False, torch.float8_e4m3fn), (True, torch.float8_e4m3fnuz)])
+def test_e4m3_decoder_matches_torch_on_every_code(device: torch.device, fnuz: bool, dtype: torch.dtype) -> None:
+    soft, _ = _decode_all(device, fnuz)
+    expected = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    assert torch.equal(soft.isnan(), expected.isnan())
+    assert torch.equal(soft[~soft.isnan()].view(torch.int32), expected[~expected.isnan()].view(torch.int32))  # -0 too
 
 
 # -- defect 4: fp32 -> bf16 ---------------------------------------------------------------------

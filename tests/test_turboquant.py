@@ -761,22 +761,6 @@ def test_golden_decode_equals_attention_in_the_original_basis(device: torch.devi
     torch.testing.assert_close(merged_lse, lse, atol=1e-12, rtol=0)
 
 
-@triton.jit
-def _decode_e4m3_kernel(codes_ptr, out_ptr):
-    offs = tl.arange(0, 256)
-    tl.store(out_ptr + offs, ttq._e4m3_to_f32(tl.load(codes_ptr + offs)))
-
-
-def test_e4m3_decoder_matches_torch_on_every_code(device: torch.device) -> None:
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    out = torch.empty(256, device=device)
-    _decode_e4m3_kernel[(1,)](codes.to(device), out)
-    out = out.cpu()
-    expected = codes.view(torch.float8_e4m3fn).float()
-    assert torch.equal(out.isnan(), expected.isnan()) and int(out.isnan().sum()) == 2
-    assert_bits_equal(out[~out.isnan()], expected[~expected.isnan()])  # -0 included
-
-
 # ----------------------------------------------------------------------------------------------
 # Bad input.
 # ----------------------------------------------------------------------------------------------

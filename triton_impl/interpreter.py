@@ -13,6 +13,14 @@ does and is right in both modes, so a kernel calls it unconditionally:
    (#8322, #11897). :func:`f32_to_e4m3_bits` is a software round-to-nearest-even encoder.
 4. fp32 -> bf16 is not round-to-nearest-even. :func:`f32_to_bf16_rne` rounds in software, and
    :func:`cast_for_store` uses it for bf16 outputs under the interpreter only.
+6. e4m3 -> fp32 reads the NaN code 0x7F as 480. :func:`e4m3_bits_to_f32` decodes bytes in integer
+   arithmetic (OCP and FNUZ), so an fp8 cache is loaded as uint8 and decoded the same way in both
+   modes (and FNUZ bytes decode on GPUs without FNUZ support).
+7. A scalar bool ``&`` a block of bools gives an int32 block, which ``tl.load``/``tl.store`` reject
+   as a mask ("mask has unsupported dtype"): write ``tl.where(scalar, block, False)`` instead.
+
+(Defect 5, run-time loop bounds with Triton 3.6 and NumPy >= 2.4, is avoided by the CPU toolchain
+pin in ``.ci/run``.)
 
 ``tests/test_interpreter.py`` shows each defect (skipped when compiled) and checks each workaround
 against torch bit for bit.
@@ -108,3 +116,20 @@ def cast_for_store(x, OUT_DTYPE: tl.constexpr):
     if INTERPRET and tl.bfloat16 == OUT_DTYPE:
         return f32_to_bf16_rne(x)
     return x.to(OUT_DTYPE)
+
+
+@triton.jit
+def e4m3_bits_to_f32(code, FNUZ: tl.constexpr):
+    """e4m3 byte -> fp32, exactly: ``(8 + mantissa) * 2^(exponent - bias - 3)`` (subnormal:
+    ``mantissa * 2^(1 - bias - 3)``), the sign put back as a bit (so OCP 0x80 is -0). NaN: OCP
+    ``S.1111.111``; FNUZ 0x80, which is also why FNUZ has no -0. Bias 7 (OCP) or 8 (FNUZ)."""
+    BIAS: tl.constexpr = 8 if FNUZ else 7
+    c = code.to(tl.int32)
+    exp_field = (c >> 3) & 0xF
+    mantissa = c & 0x7
+    significand = tl.where(exp_field > 0, mantissa + 8, mantissa)
+    pow2 = ((tl.maximum(exp_field, 1) - BIAS - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    magnitude = significand.to(tl.float32) * pow2  # <= 4 significant bits times a power of two: exact
+    f32 = magnitude.to(tl.int32, bitcast=True) | ((c >> 7) << 31)
+    is_nan = (c == 0x80) if FNUZ else ((c & 0x7F) == 0x7F)
+    return tl.where(is_nan, 0x7FC00000, f32).to(tl.float32, bitcast=True)

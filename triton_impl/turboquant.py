@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl.interpreter import INTERPRET, f32_to_e4m3_bits
+from triton_impl.interpreter import INTERPRET, e4m3_bits_to_f32, f32_to_e4m3_bits
 from triton_impl.lse_merge import merge_splits
 from triton_impl.validation import check_block_table, check_tensor, content_checks_enabled
 
@@ -384,19 +384,6 @@ def build_pair_lut(centroids: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _e4m3_to_f32(code):
-    """OCP e4m3fn byte -> fp32 in integer arithmetic (the interpreter's fp8 cast reads 0x7F as 480)."""
-    c = code.to(tl.int32)
-    sign = (c >> 7) & 1
-    exponent = (c >> 3) & 15
-    mantissa = c & 7
-    normal = ((sign << 31) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-    subnormal = mantissa.to(tl.float32) * 0.001953125  # mantissa * 2^-9
-    value = tl.where(exponent == 0, tl.where(sign == 1, -subnormal, subnormal), normal)
-    return tl.where((c & 0x7F) == 0x7F, float("nan"), value)
-
-
-@triton.jit
 def _load_codes(slot, dims, live, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """``[BLOCK_N, BLOCK_D]`` codes of each token's bit stream at ``slot`` (code d at bit BITS*d).
 
@@ -524,7 +511,7 @@ def _decode_stage1_kernel(
             qk = _dot_split(q_hi, q_lo, c * _CENTROID_SCALE, qk)
         else:
             fp8 = tl.load(slot[:, None] + dims[None, :], mask=live[:, None] & in_dim[None, :], other=0)
-            k = tl.trans(_e4m3_to_f32(fp8).to(tl.float16))  # e4m3 values are exact in fp16
+            k = tl.trans(e4m3_bits_to_f32(fp8, False).to(tl.float16))  # e4m3 values are exact in fp16
             qk = tl.dot(q_lo, k, tl.dot(q_hi, k, qk))
         if KEY_BITS != 8:
             qk = qk * _load_fp16(meta, live)[None, :]  # the stored (norm-corrected) key norm

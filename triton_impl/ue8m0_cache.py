@@ -8,7 +8,7 @@ could round differently between compiled and interpreted Triton is done in integ
   (``amax = m * 2^E`` and ``fp8_max = M * 2^F`` give ``e = E - F + (m > M)``), not from ``log2``;
 - ``x * 2^-e`` multiplies by a power of two built from bits (exact);
 - fp32 -> e4m3 goes through ``f32_to_e4m3_bits`` (software round-to-nearest-even, OCP or FNUZ);
-- e4m3 -> fp32 is decoded from the byte here (:func:`_e4m3_bits_to_f32`), so FNUZ caches work on
+- e4m3 -> fp32 is decoded from the byte here (:func:`triton_impl.interpreter.e4m3_bits_to_f32`), so FNUZ caches work on
   every GPU, not only where Triton has ``float8e4b8``;
 - bf16 is moved as int16 bits (RoPE is copied bit for bit) and the gathered NoPE value is
   rounded by ``cast_for_store`` (round-to-nearest-even in both modes).
@@ -35,7 +35,7 @@ from golden.ue8m0_cache import (
     fp8_max,
     ue8m0_exponent,
 )
-from triton_impl.interpreter import INTERPRET, cast_for_store, f32_to_e4m3_bits
+from triton_impl.interpreter import INTERPRET, cast_for_store, e4m3_bits_to_f32, f32_to_e4m3_bits
 from triton_impl.validation import check_positive, check_tensor, content_checks_enabled
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -245,23 +245,6 @@ def quantize_and_insert_k_cache(
 
 
 @triton.jit
-def _e4m3_bits_to_f32(code, FNUZ: tl.constexpr):
-    """e4m3 byte -> fp32, exactly: ``(8 + mantissa) * 2^(exponent - bias - 3)`` (subnormal:
-    ``mantissa * 2^(1 - bias - 3)``), the sign put back as a bit (so OCP 0x80 is -0). NaN: OCP
-    ``S.1111.111``; FNUZ 0x80, which is also why FNUZ has no -0. Bias 7 (OCP) or 8 (FNUZ)."""
-    BIAS: tl.constexpr = 8 if FNUZ else 7
-    c = code.to(tl.int32)
-    exp_field = (c >> 3) & 0xF
-    mantissa = c & 0x7
-    significand = tl.where(exp_field > 0, mantissa + 8, mantissa)
-    pow2 = ((tl.maximum(exp_field, 1) - BIAS - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    magnitude = significand.to(tl.float32) * pow2  # <= 4 significant bits times a power of two: exact
-    f32 = magnitude.to(tl.int32, bitcast=True) | ((c >> 7) << 31)
-    is_nan = (c == 0x80) if FNUZ else ((c & 0x7F) == 0x7F)
-    return tl.where(is_nan, 0x7FC00000, f32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _dequantize_and_gather_k_kernel(
     out_ptr, out_stride_r, out_stride_t,
     cache_ptr, block_stride,
@@ -313,7 +296,7 @@ def _dequantize_and_gather_k_kernel(
         # the subnormal 2^-127; code 255 is E8M0's NaN.
         scale_bits = tl.where(code == 0, 0x00400000, code << 23)
         scale = tl.where(code == 255, 0x7FC00000, scale_bits).to(tl.float32, bitcast=True)
-        nope = _e4m3_bits_to_f32(fp8, FNUZ) * scale[:, None]
+        nope = e4m3_bits_to_f32(fp8, FNUZ) * scale[:, None]
         nope_bits = cast_for_store(nope, tl.bfloat16).to(tl.int16, bitcast=True)
 
         rope_ptr = data_ptr[:, None] + _NOPE + 2 * dim[None, :]

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from triton_impl.interpreter import INTERPRET
+
 CONTENT_CHECKS_ENV = "ATTNREF_CHECK_CONTENTS"
 
 
@@ -19,7 +21,9 @@ def content_checks_enabled() -> bool:
     """True unless ``ATTNREF_CHECK_CONTENTS=0`` or a CUDA graph is being captured."""
     if os.environ.get(CONTENT_CHECKS_ENV, "1") == "0":
         return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    # is_initialized first: a process that never touched CUDA (or a forked child) cannot be capturing,
+    # and asking would initialize CUDA there.
+    return not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
 
 
 def check_tensor(
@@ -31,17 +35,22 @@ def check_tensor(
     dtypes: Iterable[torch.dtype] | None = None,
     device: torch.device | None = None,
     unit_last_stride: bool = True,
+    kernel_arg: bool = True,
 ) -> torch.Tensor:
-    """Check one tensor argument; ``None`` entries in ``shape`` match any size."""
+    """Check one tensor argument; ``None`` entries in ``shape`` match any size.
+
+    ``kernel_arg``: the kernel reads it, so compiled Triton needs it on a CUDA device (under the
+    interpreter any device works: the interpreter copies to host).
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if kernel_arg and not bool(INTERPRET) and t.device.type != "cuda":
+        raise ValueError(f"{name}: expected a CUDA tensor (Triton runs compiled here), got device {t.device}")
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if t.dim() not in allowed:
             raise ValueError(f"{name}: expected rank {' or '.join(map(str, allowed))}, got shape {tuple(t.shape)}")
-    if shape is not None and (
-        t.dim() != len(shape) or any(e is not None and e != a for e, a in zip(shape, t.shape))
-    ):
+    if shape is not None and (t.dim() != len(shape) or any(e is not None and e != a for e, a in zip(shape, t.shape))):
         want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
         raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
     if dtypes is not None:
