@@ -15,6 +15,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from golden._paged import gather_tokens
 from golden.decode_attention import decode_attention, expand_decode_rows
 from golden.lse_merge import merge_states
 from golden.mla_verify import attend_rows, mla_verify, mla_verify_split_partials, row_limits, split_bounds
@@ -38,9 +39,14 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 WIDTHS = [(16, 0), (16, 8), (16, 16), (32, 16), (64, 0), (64, 16)]  # (Lv, P), small enough for the interpreter
 
 
-def _config(size: str) -> dict:
-    """The current architecture's small or large config (tests run both, whatever the row count)."""
-    return {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS[verify_arch()][size]}
+def _config(size: str, short_splits: bool = False) -> dict:
+    """The current architecture's small or large config (tests run both, whatever the row count).
+
+    ``short_splits``: 8-key split chunks instead of the config's (up to 256 on a GPU), so the short
+    test sequences really use many splits on every architecture.
+    """
+    cfg = {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS[verify_arch()][size]}
+    return {**cfg, "SPLIT_ALIGN": 8, "MIN_SPLIT_LEN": 8} if short_splits else cfg
 
 
 @dataclass
@@ -158,15 +164,17 @@ SEQ_LENS = st.lists(
     layout=st.sampled_from(["4d", "3d", "cross_layer"]),
     real_mode=st.sampled_from(["none", "equal", "below", "zero"]),
     size=st.sampled_from(["small", "large"]),
+    short_splits=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
 @example(seq_lens=[1, 3, 0, 17], qlen=4, heads=2, widths=(16, 16), page_size=1, num_kv_splits=1, dtype="bfloat16",
-         fp8=False, layout="4d", real_mode="none", size="small", seed=0)  # fmt: skip
+         fp8=False, layout="4d", real_mode="none", size="small", short_splits=False, seed=0)  # fmt: skip
 @example(seq_lens=[33, 2], qlen=3, heads=3, widths=(16, 8), page_size=5, num_kv_splits=5, dtype="float16",
-         fp8=True, layout="3d", real_mode="below", size="large", seed=1)  # fmt: skip
+         fp8=True, layout="3d", real_mode="below", size="large", short_splits=True, seed=1)  # fmt: skip
 def test_verify_matches_golden(
-    device, seq_lens, qlen, heads, widths, page_size, num_kv_splits, dtype, fp8, layout, real_mode, size, seed
-) -> None:
+    device, seq_lens, qlen, heads, widths, page_size, num_kv_splits, dtype, fp8, layout, real_mode, size,
+    short_splits, seed,
+) -> None:  # fmt: skip
     gen = generator(seed + 1)
     real = {
         "none": None,
@@ -178,7 +186,7 @@ def test_verify_matches_golden(
         seq_lens, qlen, heads, *widths, page_size, device, seed, dtype=DTYPES[dtype],
         cache_dtype=torch.float8_e4m3fn if fp8 else None, real_seq_lens=real, layout=layout,
     )  # fmt: skip
-    check_against_golden(problem, num_kv_splits, _config(size))
+    check_against_golden(problem, num_kv_splits, _config(size, short_splits))
 
 
 @pytest.mark.parametrize(
@@ -225,11 +233,7 @@ def _repaged(problem: Problem, page_size: int, seed: int) -> Problem:
 
 def _request_keys(problem: Problem, b: int, n: int) -> torch.Tensor:
     """Request ``b``'s first ``n`` keys as stored (no dequant), ``[n, Lk]`` on the CPU."""
-    pages = problem.cache.cpu()
-    if pages.dim() == 3:
-        pages = pages.unflatten(0, (-1, problem.page_size))
-    j = torch.arange(n)
-    return pages[problem.block_table[b].cpu().long()[j // problem.page_size], j % problem.page_size, 0]
+    return gather_tokens(problem.cache, problem.block_table[b], n, problem.page_size)[:, 0].cpu()
 
 
 @given(
@@ -240,7 +244,7 @@ def _request_keys(problem: Problem, b: int, n: int) -> torch.Tensor:
 def test_result_independent_of_splits_and_page_size(device, split_pairs, page_pairs, seed) -> None:
     problem = make_problem([40, 5, 17], 3, 2, 16, 16, page_pairs[0], device, seed, dtype=torch.float16)
     other = _repaged(problem, page_pairs[1], seed + 1)
-    cfg = _config("small")
+    cfg = _config("small", short_splits=True)
     o_a, lse_a, _ = problem.run(split_pairs[0], cfg)
     o_b, lse_b, _ = other.run(split_pairs[1], cfg)
     assert_close(o_b, o_a.double(), ("mla_verify", "o", "float16"))
@@ -250,7 +254,7 @@ def test_result_independent_of_splits_and_page_size(device, split_pairs, page_pa
 @pytest.mark.parametrize("num_kv_splits", [1, 3])
 def test_page_order_and_layout_are_bit_exact(device, num_kv_splits) -> None:
     """Page order, 3-D vs 4-D and a cross-layer view change only addresses: identical bits."""
-    cfg = _config("small")
+    cfg = _config("small", short_splits=True)
     problem = make_problem([45, 17, 2], 4, 3, 32, 16, 8, device, seed=5)
     o, lse, _ = problem.run(num_kv_splits, cfg)
     for variant in (
@@ -308,8 +312,8 @@ def test_empty_rows_are_exactly_neutral(device, num_kv_splits) -> None:
     """L == 0, L < qlen (first rows empty), R = 0 (padding): o == 0 and lse == -inf exactly; and
     every split slot that is empty for its row holds exactly (0, -inf) in the scratch."""
     qlen = 4
-    cfg = _config("small")
     problem = make_problem([0, 2, 30, 40], qlen, 3, 16, 16, 8, device, seed=6, real_seq_lens=[5, 2, 0, 40])
+    cfg = _config("small", short_splits=True)
     o, lse, logits = problem.run(num_kv_splits, cfg)
     empty = (row_limits(problem.seq_lens, problem.real_seq_lens, qlen) == 0).flatten().to(device)
     assert 0 < int(empty.sum()) < empty.numel()
@@ -334,7 +338,7 @@ def test_last_row_sees_every_key(device) -> None:
     """Row ``t = qlen - 1`` is plain attention over all ``L`` keys, computed densely in float64."""
     qlen, lv = 3, 32
     problem = make_problem([50, 3], qlen, 2, lv, 16, 8, device, seed=8)
-    o, lse, _ = problem.run(3, _config("small"))
+    o, lse, _ = problem.run(3, _config("small", short_splits=True))
     for b, n in enumerate(problem.seq_lens.tolist()):
         keys = _request_keys(problem, b, n).double()
         q_last = problem.q[b * qlen + qlen - 1].cpu().double()
@@ -368,7 +372,7 @@ def test_verify_equals_flattened_causal_decode(device) -> None:
         gold_o, gold_lse = problem.golden()
         assert torch.allclose(gold_o, ref_o, rtol=0, atol=1e-12)
         assert torch.equal(torch.isinf(gold_lse), torch.isinf(ref_lse))
-        o, lse, _ = problem.run(2, _config("small"))
+        o, lse, _ = problem.run(2, _config("small", short_splits=True))
         assert_close(o, ref_o, ("mla_verify", "o", "bfloat16"))
         assert_close(lse, ref_lse, ("mla_verify", "lse", "float32"))
 
@@ -440,8 +444,9 @@ def test_negative_control_off_by_one_row_limit(device) -> None:
 def test_negative_control_dropped_split(device) -> None:
     """Merging the kernel's stage-1 partials without one non-empty split must fail."""
     problem = make_problem([90, 50], 2, 2, 32, 16, 8, device, seed=13)
-    cfg = _config("small")
+    cfg = _config("small", short_splits=True)
     _, _, logits = problem.run(4, cfg)
+    assert bool(torch.isfinite(logits[..., :2, -1]).all()), "splits 0 and 1 hold keys for every row"
     ref_o, ref_lse = problem.golden()
     o, lse = merge_states(logits[..., :-1].double(), logits[..., -1].double())
     assert_close(o, ref_o, ("mla_verify", "o", "bfloat16"))  # the control itself passes
@@ -508,10 +513,10 @@ def test_bad_input_raises_named_errors(device) -> None:
     raises(ValueError, "last dimension", q=torch.zeros(rows, 2, 64, dtype=torch.bfloat16, device=device)[..., ::2])
 
 
-def test_content_checks_can_be_switched_off(monkeypatch) -> None:
+def test_content_checks_can_be_switched_off(device, monkeypatch) -> None:
     """Serving skips the device-to-host block-table check (ATTNREF_CHECK_CONTENTS=0); shapes are
     still checked. The kernel is not run: a table pointing past the cache would read out of bounds."""
-    problem = make_problem([20], 1, 1, 16, 16, 4, torch.device("cpu"), seed=15)
+    problem = make_problem([20], 1, 1, 16, 16, 4, device, seed=15)
     args = _args(problem)
     args["req_to_token"] = problem.block_table.clone().fill_(10**6)
     args.pop("sm_scale")

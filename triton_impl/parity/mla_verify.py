@@ -78,3 +78,75 @@ def cases() -> list[Case]:
         _case(f"H=16 qlen=3 fp16 L<={max(long)} S=4", long, 3, 16, dtype=torch.float16, splits=4),
         _case("H=16 qlen=4 bf16 real_seq_lens (padding R=0)", mid, 4, 16, real=[mid[0] - 2, 0, *mid[2:-1], 1]),
     ]
+
+
+def bench_cases() -> list:
+    """DeepSeek MLA verify (Lk 576, Lv 512, page 64): 16 and 128 heads, qlen 1..8, bf16 and FP8 caches.
+
+    Baseline: the per-row path serving used before this kernel, the flattened causal multi-token
+    decode (``expand_decode_rows`` + ``decode_attention_fwd``, one row per draft token).
+    """
+    from triton_impl.bench import Bench, BenchCase, device_paged_cache
+    from triton_impl.decode_attention import _compute_num_kv_splits, decode_attention_fwd, expand_decode_rows
+    from triton_impl.mla_verify import select_verify_config
+
+    def case(batch: int, heads: int, qlen: int, length: int, fp8: bool = False) -> BenchCase:
+        def setup(device: torch.device) -> Bench:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            lens = [length] * batch
+            cache, table = device_paged_cache(lens, _PAGE, 1, _LV + _ROPE, torch.bfloat16, device)
+            k_scale = torch.tensor(0.05, device=device) if fp8 else None
+            if fp8:
+                cache = (cache.float() / 0.05).to(torch.float8_e4m3fn)
+            seq_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+            rows = batch * qlen
+            q = (torch.randn(rows, heads, _LV + _ROPE, device=device) * 0.5).to(torch.bfloat16)
+            block_h = select_verify_config(batch, qlen, heads)["BLOCK_H"]
+            splits = verify_num_kv_splits(length, batch, qlen, heads, sms, block_h=block_h)
+            o = torch.empty(rows, heads, _LV, dtype=torch.bfloat16, device=device)
+            lse = torch.empty(rows, heads, device=device)
+            logits = torch.empty(rows, heads, splits, _LV + 1, device=device)
+            v = cache[..., :_LV]
+
+            def run() -> None:
+                decode_attention_fwd_verify(q, cache, v, o, lse, table, seq_lens, None, qlen,
+                                            logits, splits, _SM_SCALE, _PAGE, k_scale=k_scale)  # fmt: skip
+
+            def check() -> list[Check]:
+                first = slice(0, qlen)  # the float64 golden on the first request
+                ref_o, ref_lse = mla_verify(q[first], cache, table[:1], seq_lens[:1], None, qlen, _LV, _SM_SCALE,
+                                            _PAGE, k_scale=k_scale, dtype=torch.float64)  # fmt: skip
+                return [
+                    Check("o", o[first], ref_o, tolerance("mla_verify", "o", torch.bfloat16)),
+                    Check("lse", lse[first], ref_lse, tolerance("mla_verify", "lse", "float32")),
+                ]
+
+            row_table, row_lens = expand_decode_rows(table, seq_lens, qlen, causal=True)
+            decode_splits = _compute_num_kv_splits(length, sms)
+            decode_logits = torch.empty(rows, heads, decode_splits, _LV + 1, device=device)
+            scales = {"k_scale": k_scale, "v_scale": k_scale} if fp8 else {}
+
+            def per_row_decode() -> None:
+                decode_attention_fwd(q, cache, v, o, lse, row_table, row_lens, decode_logits, decode_splits,
+                                     _SM_SCALE, _PAGE, is_mla=True, **scales)  # fmt: skip
+
+            visible = sum(max(length - qlen + 1 + t, 0) for t in range(qlen))  # keys summed over a request's rows
+            nbytes = (
+                batch * length * (_LV + _ROPE) * cache.element_size() + q.numel() * 2 + o.numel() * 2 + lse.numel() * 4
+            )
+            flops = 2 * batch * heads * visible * (2 * _LV + _ROPE)
+            return Bench(run, check, nbytes, flops, {"per-row decode (flattened)": per_row_decode},
+                         kernels=("_fwd_verify_kernel_stage1",))  # fmt: skip
+
+        name = f"MLA verify B={batch} H={heads} qlen={qlen} L={length} {'fp8' if fp8 else 'bf16'}"
+        return BenchCase("mla_verify", name, setup)
+
+    return [
+        case(8, 16, 4, 4096),
+        case(32, 16, 4, 4096),
+        case(64, 16, 2, 4096),
+        case(8, 128, 4, 4096),
+        case(64, 128, 1, 2048),
+        case(16, 128, 8, 4096),
+        case(32, 128, 2, 8192, fp8=True),
+    ]
