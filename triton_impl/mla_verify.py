@@ -25,7 +25,13 @@ import triton.language as tl
 
 from triton_impl.interpreter import INTERPRET, cast_for_store, dot_dtype
 from triton_impl.lse_merge import _launch_merge_splits
-from triton_impl.validation import check_block_table, check_positive, check_power_of_two, check_tensor
+from triton_impl.validation import (
+    check_block_table,
+    check_positive,
+    check_power_of_two,
+    check_tensor,
+    content_checks_enabled,
+)
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -415,8 +421,9 @@ def _check_verify_args(
         if k_scale.numel() != 1:
             raise ValueError(f"k_scale: expected a scalar tensor, got shape {list(k_scale.shape)}")
     num_pages = k_buffer.shape[0] if k_buffer.dim() == 4 else k_buffer.shape[0] // page_size
-    keys_read = seq_lens if real_seq_lens is None else torch.minimum(seq_lens, real_seq_lens)
-    check_block_table("req_to_token", req_to_token, keys_read, page_size, num_pages)
+    if content_checks_enabled():  # the kernel reads table entries covering keys [0, min(L, R))
+        keys_read = seq_lens if real_seq_lens is None else torch.minimum(seq_lens, real_seq_lens)
+        check_block_table("req_to_token", req_to_token, keys_read, page_size, num_pages)
     return key_width, value_width
 
 
