@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl.interpreter import INTERPRET, cast_for_store, dot_dtype
+from triton_impl.interpreter import INTERPRET, cast_for_store, dot_dtype, e4m3_bits_to_f32
 from triton_impl.lse_merge import _launch_merge_splits
 from triton_impl.validation import (
     check_block_table,
@@ -319,7 +319,15 @@ def _fwd_verify_kernel_stage1(
             qk += _mm(q1, tl.trans(k1), DOT_QK)
         if BLOCK_DPE > 0:
             offs_pe = BLOCK_DMODEL + tl.arange(0, BLOCK_DPE)
-            k_pe = tl.load(k_rows[:, None] + offs_pe[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
+            pe_ptrs = k_rows[:, None] + offs_pe[None, :]
+            if IS_FP8 and not DOT_PE:
+                # An fp8 tile that skips tl.dot is decoded from its bytes: compiled Triton 3.6 gave
+                # wrong scores on the H200 for fp8 -> bf16 -> fp32 feeding the multiply-add fallback
+                # (test_verify_matches_golden, widths 16/8), while the tl.dot path is right.
+                pe_bytes = tl.load(pe_ptrs.to(tl.pointer_type(tl.uint8)), mask=key_ok[:, None], other=0)
+                k_pe = e4m3_bits_to_f32(pe_bytes, False)
+            else:
+                k_pe = tl.load(pe_ptrs, mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
             qk += _mm(q_pe, tl.trans(k_pe), DOT_PE)
         qk = tl.where(offs_n[None, :] < row_end[:, None], qk * qk_scale, float("-inf"))
 
