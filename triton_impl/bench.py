@@ -5,7 +5,8 @@ its parity cases. A case builds its inputs once and returns a :class:`Bench`: th
 a check against golden (run before any timing: a wrong kernel is never timed), the bytes and
 FLOPs it must move and do (from the op's ``Traffic:`` docstring line), and baselines timed in the
 same run. Ceilings are measured in the same run: device-to-device copy bandwidth (bytes read +
-written) and a bf16 8192^3 matmul on random data.
+written) and a bf16 8192^3 matmul on random data. Content checks (host reads of block tables) run
+for the correctness check and are off while timing, as in serving (``ATTNREF_CHECK_CONTENTS=0``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from triton_impl.parity import Check, exact
 from triton_impl.tolerances import compare
+from triton_impl.validation import CONTENT_CHECKS_ENV
 
 
 @dataclass
@@ -140,17 +142,21 @@ def run_bench(cases: Sequence[BenchCase], ceilings: dict[str, float], baselines:
         if not correct:
             results.append(Result(case.op, case.name, math.nan, 0, 0, "-", 0, 0, {}, "-", False, detail))
             continue
-        ms = _time(bench.run)
+        os.environ[CONTENT_CHECKS_ENV] = "0"  # time what serving runs: no host reads of the block table
+        try:
+            ms = _time(bench.run)
+            base_ms = {}
+            for name, fn in bench.baselines.items() if baselines else ():
+                try:
+                    fn()
+                    base_ms[name] = _time(fn)
+                except torch.cuda.OutOfMemoryError:
+                    base_ms[name] = math.nan
+                    torch.cuda.empty_cache()
+        finally:
+            os.environ.pop(CONTENT_CHECKS_ENV)
         t_bytes, t_flops = bench.bytes / peak_bw * 1e3, bench.flops / peak_flops * 1e3
         roofline_ms = max(t_bytes, t_flops)
-        base_ms = {}
-        for name, fn in bench.baselines.items() if baselines else ():
-            try:
-                fn()
-                base_ms[name] = _time(fn)
-            except torch.cuda.OutOfMemoryError:
-                base_ms[name] = math.nan
-                torch.cuda.empty_cache()
         results.append(
             Result(
                 case.op, case.name, ms, bench.bytes / ms / 1e6, bench.flops / ms / 1e9,
