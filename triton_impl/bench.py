@@ -247,13 +247,14 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def main(ops: Sequence[str] | None, out_dir: Path, baselines: bool) -> int:
+def main(ops: Sequence[str] | None, out_dir: Path, baselines: bool, case_filter: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench: needs a CUDA GPU (timings on the interpreter mean nothing)")
         return 2
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
-    results = run_bench(registered_bench_cases(ops), ceilings, baselines)
+    cases = [c for c in registered_bench_cases(ops) if not case_filter or any(f in c.name for f in case_filter)]
+    results = run_bench(cases, ceilings, baselines)
     table = write_report(results, ceilings, out_dir)
     print(table.read_text())
     return 0 if all(r.correct for r in results) else 1

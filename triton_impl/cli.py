@@ -29,13 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--op", action="append", help="only this op (repeatable)")
     bench.add_argument("--out", type=Path, default=Path("notebooks/results"), help="where the table, JSON and plot go")
     bench.add_argument("--no-baselines", action="store_true", help="skip the eager / torch.compile golden baselines")
+    bench.add_argument("--case", action="append", help="only cases whose name contains this (repeatable)")
     sub.add_parser("tolerances", help="print the tolerance table as markdown")
     args = parser.parse_args(argv)
 
     if args.command == "bench":
         from triton_impl.bench import main as bench_main
 
-        return bench_main(args.op, args.out, baselines=not args.no_baselines)
+        return bench_main(args.op, args.out, baselines=not args.no_baselines, case_filter=args.case)
 
     if args.command == "tolerances":
         from triton_impl.tolerances import markdown_table
