@@ -35,6 +35,7 @@ from golden._paged import gather_tokens, masked_softmax_state
 from golden.lse_merge import split_states
 
 FP16_MAX = 65504.0
+E4M3_MAX = 448.0  # FP8 keys saturate here (torch < 2.13 casts |x| >= 480 and inf to NaN instead)
 KEY_NORM_EPS = 1e-8  # k_hat = k / (n + eps), as upstream
 NORM_CORRECTION_EPS = 1e-16  # stored norm = n / sqrt(||c[idx]||^2 + eps), as upstream
 MIN_VALUE_SCALE = 1e-8  # a constant value vector gets this scale instead of 0
@@ -605,7 +606,8 @@ def turboquant_store(
 
     v_codes, v_scale, v_zero = quantize_values(value, config.value_quant_bits)
     if config.key_fp8:
-        key_bytes = key.to(torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
+        saturated = key.to(torch.float32).clamp(-E4M3_MAX, E4M3_MAX)  # NaN stays NaN
+        key_bytes = saturated.to(torch.float8_e4m3fn).view(torch.uint8)
         fields = [v_scale, v_zero]
     else:
         codes, norm = quantize_keys(key, PiT, boundaries, centroids, config.norm_correction)
@@ -761,7 +763,7 @@ def turboquant_decode_split_states(
     for b in range(query.shape[0]):
         seq_len = int(seq_lens[b])
         keys, values = _request_keys_values(kv_cache, block_table[b], seq_len, centroids, config)
-        parts = [torch.arange(lo, hi) for lo, hi in split_ranges(seq_len, num_splits)]
+        parts = [torch.arange(lo, hi, device=kv_cache.device) for lo, hi in split_ranges(seq_len, num_splits)]
         states = [split_states(q[b, h], keys[:, h], values[:, h], scale, parts) for h in range(num_kv_heads)]
         outs.append(torch.stack([o for o, _ in states]))  # [HKV, G, S, D]
         lses.append(torch.stack([lse for _, lse in states]))

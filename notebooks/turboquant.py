@@ -31,6 +31,7 @@ from triton_impl.turboquant import build_pair_lut, triton_turboquant_decode_atte
 
 torch.manual_seed(0)
 D = 128
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernels run compiled on a GPU
 
 # %% [markdown]
 # ## 1. After a rotation, every coordinate has the same distribution
@@ -173,16 +174,18 @@ for preset in sorted(tq.PRESETS):
     centroids, midpoints = tq.solve_lloyd_max(D, config.centroid_bits)
     empty = torch.zeros(tokens // block_size, block_size, kv_heads, config.slot_size_aligned, dtype=torch.uint8)
     cache = tq.turboquant_store(empty, key, value, torch.arange(tokens), pit, midpoints, centroids, config)
-    first_block = empty[:1].clone()
-    triton_turboquant_store(key[:16], value[:16], first_block, torch.arange(16), pit, midpoints, config.key_mse_bits,
-                            config.key_packed_size, config.value_quant_bits, config.key_fp8, centroids,
-                            config.norm_correction)  # fmt: skip
-    assert torch.equal(first_block, cache[:1])
+    first_block = empty[:1].clone().to(device)
+    key16, value16, pit_d, midpoints_d, centroids_d = (t.to(device) for t in (key[:16], value[:16], pit, midpoints,
+                                                                               centroids))  # fmt: skip
+    triton_turboquant_store(key16, value16, first_block, torch.arange(16, device=device), pit_d, midpoints_d,
+                            config.key_mse_bits, config.key_packed_size, config.value_quant_bits, config.key_fp8,
+                            centroids_d, config.norm_correction)  # fmt: skip
+    assert torch.equal(first_block.cpu(), cache[:1])
     out = triton_turboquant_decode_attention_v2(
-        query, cache, block_table, seq_lens, pit.T.contiguous(), centroids, scale, config.key_mse_bits,
-        config.key_packed_size, config.value_quant_bits, config.value_packed_size, key_fp8=config.key_fp8,
-        max_num_kv_splits=4,
-    )  # fmt: skip
+        query.to(device), cache.to(device), block_table.to(device), seq_lens.to(device), pit.T.contiguous().to(device),
+        centroids_d, scale, config.key_mse_bits, config.key_packed_size, config.value_quant_bits,
+        config.value_packed_size, key_fp8=config.key_fp8, max_num_kv_splits=4,
+    ).cpu()  # fmt: skip
     golden_out, _ = tq.turboquant_decode_attention(query, cache, block_table, seq_lens, pit, centroids, scale, config)
     errors[preset] = float((out[0].double() - exact).norm() / exact.norm())
     print(

@@ -12,8 +12,6 @@ import math
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -32,7 +30,6 @@ BETA_MSE = {  # exact finite-d d * C(f_X, b), B2.9 / B2.10 / B2.11
     512: {1: 0.36276, 2: 0.11711, 3: 0.03440, 4: 0.00945},
 }
 GARBAGE_PAGE = 2**30 + 7
-CPU = torch.device("cpu")
 
 
 @functools.cache
@@ -366,8 +363,9 @@ def test_store_with_the_gpu_rotation_tiling_writes_the_same_bytes(
         expected = _store_golden(cache, key, value, slots, preset, 128)
         _store_triton(cache, key, value, slots, preset, 128)
         assert_bits_equal(cache, expected)
-        # PiT as a row-strided view (its row stride is read, not assumed to be D).
-        wide = torch.zeros(128, 256)
+        # PiT as a row-strided view (its row stride is read, not assumed to be D); made on the device, since
+        # moving a non-dense view there would make it contiguous.
+        wide = torch.zeros(128, 256, device=device)
         wide[:, :128] = _quantizer(preset, 128)[1]
         cache = _garbage_cache(2, 4, 2, config, gen, device)
         expected = _store_golden(cache, key, value, slots, preset, 128)
@@ -766,7 +764,7 @@ def test_golden_decode_equals_attention_in_the_original_basis(device: torch.devi
 # ----------------------------------------------------------------------------------------------
 
 
-def _store_args(device=CPU, **overrides):
+def _store_args(device: torch.device, **overrides):
     config, pit, centroids, midpoints = _quantizer("turboquant_4bit_nc", 64)
     key = torch.randn(2, 1, 64).half()
     args = dict(key=key, value=key.clone(), kv_cache=torch.zeros(2, 4, 1, config.slot_size_aligned, dtype=torch.uint8),
@@ -798,12 +796,12 @@ STORE_BAD = [
 
 
 @pytest.mark.parametrize(("overrides", "error", "match"), STORE_BAD)
-def test_store_rejects_bad_input(overrides, error, match) -> None:
+def test_store_rejects_bad_input(overrides, error, match, device: torch.device) -> None:
     with pytest.raises(error, match=match):
-        ttq.triton_turboquant_store(**_store_args(**overrides))
+        ttq.triton_turboquant_store(**_store_args(device, **overrides))
 
 
-def _decode_args(device=CPU, **overrides):
+def _decode_args(device: torch.device, **overrides):
     config, pit, centroids, _ = _quantizer("turboquant_4bit_nc", 64)
     args = dict(query=torch.randn(2, 4, 64).half(),
                 kv_cache=torch.zeros(3, 16, 2, config.slot_size_aligned, dtype=torch.uint8),
@@ -835,9 +833,9 @@ DECODE_BAD = [
 
 
 @pytest.mark.parametrize(("overrides", "error", "match"), DECODE_BAD)
-def test_decode_rejects_bad_input(overrides, error, match) -> None:
+def test_decode_rejects_bad_input(overrides, error, match, device: torch.device) -> None:
     with pytest.raises(error, match=match):
-        ttq.triton_turboquant_decode_attention_v2(**_decode_args(**overrides))
+        ttq.triton_turboquant_decode_attention_v2(**_decode_args(device, **overrides))
 
 
 def test_valid_bad_input_baselines_run(device: torch.device) -> None:
@@ -845,3 +843,17 @@ def test_valid_bad_input_baselines_run(device: torch.device) -> None:
     ttq.triton_turboquant_store(**_store_args(device))
     out = ttq.triton_turboquant_decode_attention_v2(**_decode_args(device))
     assert out.shape == (2, 4, 64) and bool(out.isfinite().all())
+
+
+@pytest.mark.gpu
+def test_cpu_tensors_are_named_when_compiled(device: torch.device) -> None:
+    """Compiled Triton cannot read host memory: a CPU tensor among CUDA ones is rejected by name, never launched."""
+    args = _store_args(device)
+    args["slot_mapping"] = args["slot_mapping"].cpu()
+    with pytest.raises(ValueError, match="slot_mapping: expected a CUDA tensor"):
+        ttq.triton_turboquant_store(**args)
+    args = _decode_args(device)
+    args["centroids"] = args["centroids"].cpu()
+    with pytest.raises(ValueError, match="centroids: expected a CUDA tensor"):
+        ttq.triton_turboquant_decode_attention_v2(**args)
+    assert ttq.build_pair_lut(args["centroids"]).device == args["centroids"].device  # host code: any device

@@ -370,14 +370,14 @@ def build_pair_lut(centroids: torch.Tensor) -> torch.Tensor:
     the tensor is updated in place.
 
     Args:
-        centroids: ``[N]`` float.
+        centroids: ``[N]`` float, on any device.
 
     Returns:
-        ``[N*N, 2]`` float32, contiguous.
+        ``[N*N, 2]`` float32, contiguous, on the device of ``centroids``.
 
     Traffic: reads ``N`` floats; writes ``2*N*N``.
     """
-    check_tensor("centroids", centroids, ndim=1)
+    check_tensor("centroids", centroids, ndim=1, kernel_arg=False)  # host code: the table stays on its device
     c = centroids.to(torch.float32)
     pairs = torch.stack(torch.broadcast_tensors(c[:, None], c[None, :]), dim=-1)
     return pairs.reshape(-1, 2).contiguous()
