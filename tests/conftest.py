@@ -7,6 +7,7 @@ or ``HYPOTHESIS_PROFILE=gpu`` (many more examples, for a CUDA machine), ``dev`` 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -30,7 +31,8 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile("dev", max_examples=5, deadline=None, print_blob=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(_PROFILE)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -73,6 +75,25 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         knobs.runtime.launch_enter_hook = _count_launch
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    """Carry each property test's example count in the report (survives pytest-xdist)."""
+    outcome = yield
+    report = outcome.get_result()
+    stats = getattr(item, "hypothesis_statistics", None)
+    if report.when == "teardown" and stats:
+        examples = sum(int(n) for n in re.findall(r"- (\d+) passing", stats))
+        report.user_properties.append(("hypothesis_examples", examples))
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
+    examples = sum(
+        value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        for key, value in getattr(report, "user_properties", ())
+        if key == "hypothesis_examples"
+    )
+    terminalreporter.write_line(f"hypothesis examples run: {examples} (hypothesis profile {_PROFILE})")
     if os.environ.get("ATTNREF_COUNT_LAUNCHES") == "1":
         terminalreporter.write_line(f"Triton kernel launches: {_launches['count']}")
