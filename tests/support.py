@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from triton_impl.parity import block_table_for
 from triton_impl.tolerances import Tolerance, compare, tolerance
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -95,15 +96,12 @@ def paged_cache(
     """
     if layout not in ("4d", "3d", "cross_layer"):
         raise ValueError(f"layout: expected '4d', '3d' or 'cross_layer', got {layout!r}")
-    pages_per_req = [(n + page_size - 1) // page_size for n in seq_lens]
-    num_pages = sum(pages_per_req) + spare_pages
-    order = torch.randperm(num_pages, generator=gen) if shuffle else torch.arange(num_pages)
-    max_pages = max([*pages_per_req, 0]) + extra_columns
-    table = torch.full((len(seq_lens), max_pages), 2**30 + 7, dtype=torch.int32)
-    nxt = 0
-    for b, n_pages in enumerate(pages_per_req):
-        table[b, :n_pages] = order[nxt : nxt + n_pages].to(torch.int32)
-        nxt += n_pages
+    table, num_pages = block_table_for(
+        seq_lens, page_size, gen=gen, spare_pages=spare_pages, extra_columns=extra_columns, fill=2**30 + 7
+    )
+    if not shuffle:  # pages in order: request 0 first
+        used = table < num_pages
+        table[used] = torch.arange(int(used.sum()), dtype=torch.int32)
 
     store_dtype = torch.float32 if dtype in FP8_DTYPES else dtype
     values = torch.randn((num_pages, page_size, num_kv_heads, width), generator=gen, dtype=torch.float64) * scale

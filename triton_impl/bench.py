@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from triton_impl.parity import Check, exact
+from triton_impl.parity import Check, block_table_for, exact
 from triton_impl.tolerances import compare
 from triton_impl.validation import CONTENT_CHECKS_ENV
 
@@ -265,12 +265,5 @@ def device_paged_cache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A ``[pages, page_size, kv_heads, width]`` cache of random values drawn on the device (fast at
     GB sizes), pages handed out in a random order, and its ``[B, max_pages]`` int32 block table."""
-    pages = [(n + page_size - 1) // page_size for n in seq_lens]
-    cache = torch.randn(sum(pages), page_size, kv_heads, width, device=device).to(dtype)
-    order = torch.randperm(sum(pages), device=device, dtype=torch.int64).to(torch.int32)
-    table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device=device)
-    start = 0
-    for b, n_pages in enumerate(pages):
-        table[b, :n_pages] = order[start : start + n_pages]
-        start += n_pages
-    return cache, table
+    table, num_pages = block_table_for(seq_lens, page_size, device=device)
+    return torch.randn(num_pages, page_size, kv_heads, width, device=device).to(dtype), table

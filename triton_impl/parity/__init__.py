@@ -58,6 +58,34 @@ def exact(actual: torch.Tensor, expected: torch.Tensor) -> Comparison:
     return Comparison(float(mismatches), 0.0, mismatches == 0, f"{mismatches} elements differ" if mismatches else "")
 
 
+def block_table_for(
+    seq_lens: Sequence[int],
+    page_size: int,
+    *,
+    gen: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+    spare_pages: int = 0,
+    extra_columns: int = 0,
+    fill: int = 0,
+) -> tuple[torch.Tensor, int]:
+    """A block table giving request ``b`` its ``cdiv(seq_lens[b], page_size)`` pages in random order.
+
+    Pages are a random permutation of ``[0, num_pages)`` (drawn with ``gen`` on the CPU, or on
+    ``device`` without one), ``spare_pages`` of them unused; ``extra_columns`` unused columns and
+    every entry past a request's pages hold ``fill`` (serving pads with garbage; tests use an
+    out-of-range id). Returns ``(table [B, max_pages + extra_columns] int32, num_pages)``.
+    """
+    pages = [(n + page_size - 1) // page_size for n in seq_lens]
+    num_pages = sum(pages) + spare_pages
+    order = torch.randperm(num_pages, generator=gen) if gen is not None else torch.randperm(num_pages, device=device)
+    table = torch.full((len(seq_lens), max([*pages, 0]) + extra_columns), fill, dtype=torch.int32, device=order.device)
+    start = 0
+    for b, n_pages in enumerate(pages):
+        table[b, :n_pages] = order[start : start + n_pages].to(torch.int32)
+        start += n_pages
+    return table.to(device), num_pages
+
+
 def registered_cases(ops: Sequence[str] | None = None) -> list[Case]:
     """All cases of every ``triton_impl/parity/<op>.py``, or of the named ops only."""
     found: list[Case] = []

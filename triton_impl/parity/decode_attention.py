@@ -10,7 +10,7 @@ import torch
 
 from golden.decode_attention import decode_attention
 from triton_impl.decode_attention import _compute_num_kv_splits, decode_attention_fwd, expand_decode_rows
-from triton_impl.parity import Case, Check
+from triton_impl.parity import Case, Check, block_table_for
 from triton_impl.tolerances import tolerance
 
 _H200_SMS = 132
@@ -18,15 +18,8 @@ _H200_SMS = 132
 
 def _paged(lens: list[int], page_size: int, kv_heads: int, width: int, dtype: torch.dtype, gen: torch.Generator):
     """A cache holding ``lens[b]`` random tokens per request in shuffled pages, and its block table."""
-    pages = [(n + page_size - 1) // page_size for n in lens]
-    num_pages = sum(pages) + 1
+    table, num_pages = block_table_for(lens, page_size, gen=gen, spare_pages=1, extra_columns=1)
     cache = torch.randn(num_pages, page_size, kv_heads, width, generator=gen).to(dtype)
-    order = torch.randperm(num_pages, generator=gen).to(torch.int32)
-    table = torch.zeros(len(lens), max(pages) + 1, dtype=torch.int32)
-    used = 0
-    for b, n_pages in enumerate(pages):
-        table[b, :n_pages] = order[used : used + n_pages]
-        used += n_pages
     return cache, table, torch.tensor(lens, dtype=torch.int32)
 
 

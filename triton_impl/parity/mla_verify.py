@@ -10,7 +10,7 @@ import torch
 
 from golden.mla_verify import mla_verify
 from triton_impl.mla_verify import decode_attention_fwd_verify, verify_num_kv_splits
-from triton_impl.parity import Case, Check
+from triton_impl.parity import Case, Check, block_table_for
 from triton_impl.tolerances import tolerance
 
 _H200_SMS = 132
@@ -32,17 +32,9 @@ def _case(
     def run(device: torch.device) -> list[Check]:
         gen = torch.Generator().manual_seed(sum(lens) + qlen * heads)
         k_scale = torch.tensor(0.05, device=device) if fp8 else None
-        pages = [-(-n // _PAGE) for n in lens]
-        num_pages = sum(pages) + 1
+        table, num_pages = block_table_for(lens, _PAGE, gen=gen, device=device, spare_pages=1, extra_columns=1)
         values = torch.randn(num_pages, _PAGE, 1, _LV + _ROPE, generator=gen) / (0.05 if fp8 else 1.0)
         cache = values.to(torch.float8_e4m3fn if fp8 else dtype).to(device)
-        order = torch.randperm(num_pages, generator=gen).to(torch.int32)
-        table = torch.zeros(len(lens), max(pages) + 1, dtype=torch.int32)
-        used = 0
-        for b, n_pages in enumerate(pages):
-            table[b, :n_pages] = order[used : used + n_pages]
-            used += n_pages
-        table = table.to(device)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
         real_lens = None if real is None else torch.tensor(real, dtype=torch.int32, device=device)
         rows = len(lens) * qlen
