@@ -36,6 +36,20 @@ def _to(device, *tensors):
     return tuple(None if t is None else t.to(device) for t in tensors)
 
 
+def _on_device(device, args: dict) -> dict:
+    """``args`` with every tensor (also inside a tuple, like ``out=``) moved to ``device``: compiled
+    Triton reads no CPU tensor, and the wrappers would reject one before the check under test."""
+
+    def move(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        if isinstance(value, tuple):
+            return tuple(move(v) for v in value)
+        return value
+
+    return {name: move(value) for name, value in args.items()}
+
+
 def _assert_equal_pair(actual: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor]) -> None:
     assert_bits_equal(actual[0].cpu(), expected[0].cpu())
     assert_bits_equal(actual[1].cpu(), expected[1].cpu())
@@ -468,13 +482,13 @@ def test_flashinfer_matches_golden(
 # -- bad input ------------------------------------------------------------------------------------
 
 
-def _global_args(**change):
+def _global_args(device, **change):
     args = dict(
         topk_indices=_i32([[0, 1]]), token_to_req_indices=_i32([0]), block_table=_i32([[3]]), block_size=64,
         is_valid_token=torch.tensor([True]),
     )  # fmt: skip
     args.update(change)
-    return args
+    return _on_device(device, args)
 
 
 @pytest.mark.parametrize(
@@ -488,19 +502,19 @@ def _global_args(**change):
         ({"block_size": 0}, ValueError, r"block_size: expected a positive int"),
     ],
 )
-def test_global_topk_rejects_bad_input(change, error, match) -> None:
-    compute_global_topk_indices_and_lens(**_global_args())  # the unchanged arguments are fine
+def test_global_topk_rejects_bad_input(device, change, error, match) -> None:
+    compute_global_topk_indices_and_lens(**_global_args(device))  # the unchanged arguments are fine
     with pytest.raises(error, match=match):
-        compute_global_topk_indices_and_lens(**_global_args(**change))
+        compute_global_topk_indices_and_lens(**_global_args(device, **change))
 
 
-def _combine_args(**change):
+def _combine_args(device, **change):
     args = dict(
         topk_indices=torch.zeros(3, 4, dtype=I32), query_start_loc=_i32([0, 3]), seq_lens=_i32([10]),
         gather_lens=_i32([10]), window_size=8, compress_ratio=4, topk=4, M=30, N=10,
     )  # fmt: skip
     args.update(change)
-    return args
+    return _on_device(device, args)
 
 
 @pytest.mark.parametrize(
@@ -532,13 +546,13 @@ def _combine_args(**change):
         ({"left_visible": _i32([0, -1, 0]), "right_visible": _i32([0, 0, 0])}, ValueError, r"expected >= 0"),
     ],
 )
-def test_combine_rejects_bad_input(change, error, match) -> None:
-    combine_topk_swa_indices(**_combine_args())  # the unchanged arguments are fine
+def test_combine_rejects_bad_input(device, change, error, match) -> None:
+    combine_topk_swa_indices(**_combine_args(device))  # the unchanged arguments are fine
     with pytest.raises(error, match=match):
-        combine_topk_swa_indices(**_combine_args(**change))
+        combine_topk_swa_indices(**_combine_args(device, **change))
 
 
-def _flashinfer_args(**change):
+def _flashinfer_args(device, **change):
     args = dict(
         decode_swa_indices=_i32([[0, 1, 2, 3]]), decode_compressed_indices=_i32([[1, 2]]),
         decode_compressed_topk_lens=None, prefill_topk_indices=_i32([[0, 1], [2, 3]]),
@@ -547,7 +561,7 @@ def _flashinfer_args(**change):
         window_size=4, compress_ratio=4, topk=2,
     )  # fmt: skip
     args.update(change)
-    return args
+    return _on_device(device, args)
 
 
 @pytest.mark.parametrize(
@@ -583,7 +597,7 @@ def _flashinfer_args(**change):
         ({"swa_block_span": 0}, ValueError, r"swa_block_span: expected a positive int"),
     ],
 )
-def test_flashinfer_rejects_bad_input(change, error, match) -> None:
-    build_flashinfer_mixed_sparse_indices(**_flashinfer_args())  # the unchanged arguments are fine
+def test_flashinfer_rejects_bad_input(device, change, error, match) -> None:
+    build_flashinfer_mixed_sparse_indices(**_flashinfer_args(device))  # the unchanged arguments are fine
     with pytest.raises(error, match=match):
-        build_flashinfer_mixed_sparse_indices(**_flashinfer_args(**change))
+        build_flashinfer_mixed_sparse_indices(**_flashinfer_args(device, **change))

@@ -116,14 +116,16 @@ def test_insert_matches_golden_bytes(
     assert_bits_equal(actual, expected)
 
 
-def test_insert_layout_by_hand() -> None:
+def test_insert_layout_by_hand(device) -> None:
     """The byte positions of one token's record, checked against SPEC section 5 without the golden layout code."""
     block_size, pos, block = 16, 5, 2
     k = torch.zeros(1, 512, dtype=torch.bfloat16)
     k[0, 64 * 3] = 448.0 * 4  # group 3: e = 2, code 129, stored as 448
     k[0, NOPE_DIM] = 1.5  # first RoPE value: bf16 0x3FC0, little-endian bytes C0 3F
-    cache = torch.zeros(3, block_bytes(block_size), dtype=torch.uint8)
-    quantize_and_insert_k_cache(k, cache, torch.tensor([block * block_size + pos]), block_size)
+    cache = torch.zeros(3, block_bytes(block_size), dtype=torch.uint8, device=device)
+    slot = torch.tensor([block * block_size + pos], device=device)
+    quantize_and_insert_k_cache(k.to(device), cache, slot, block_size)
+    cache = cache.cpu()
 
     record = cache[block, pos * 576 : pos * 576 + 576]
     scales = cache[block, block_size * 576 + pos * 8 : block_size * 576 + pos * 8 + 8]
@@ -480,7 +482,13 @@ def test_negative_control_ocp_bytes_read_as_fnuz(device) -> None:
 # -- bad input ------------------------------------------------------------------------------------
 
 
-def _insert_args(**change):
+def _on_device(device, args: dict) -> dict:
+    """``args`` with every tensor moved to ``device`` (keeping its strides): compiled Triton reads no
+    CPU tensor, and the wrappers would reject one before the check under test."""
+    return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in args.items()}
+
+
+def _insert_args(device, **change):
     args = dict(
         k=torch.zeros(4, 512, dtype=torch.bfloat16),
         k_cache=torch.zeros(2, block_bytes(16), dtype=torch.uint8),
@@ -488,7 +496,7 @@ def _insert_args(**change):
         block_size=16,
     )
     args.update(change)
-    return args
+    return _on_device(device, args)
 
 
 @pytest.mark.parametrize(
@@ -515,13 +523,13 @@ def _insert_args(**change):
         ({"is_ue8m0": False}, ValueError, r"is_ue8m0: only UE8M0"),
     ],
 )
-def test_insert_rejects_bad_input(change, error, match) -> None:
-    quantize_and_insert_k_cache(**_insert_args())  # the unchanged arguments are fine
+def test_insert_rejects_bad_input(device, change, error, match) -> None:
+    quantize_and_insert_k_cache(**_insert_args(device))  # the unchanged arguments are fine
     with pytest.raises(error, match=match):
-        quantize_and_insert_k_cache(**_insert_args(**change))
+        quantize_and_insert_k_cache(**_insert_args(device, **change))
 
 
-def _gather_args(**change):
+def _gather_args(device, **change):
     args = dict(
         out=torch.zeros(2, 8, 512, dtype=torch.bfloat16),
         k_cache=torch.zeros(2, block_bytes(16), dtype=torch.uint8),
@@ -532,7 +540,7 @@ def _gather_args(**change):
         offset=2,
     )
     args.update(change)
-    return args
+    return _on_device(device, args)
 
 
 @pytest.mark.parametrize(
@@ -562,16 +570,16 @@ def _gather_args(**change):
         ({"block_table": torch.tensor([[0.0, 1.0], [1.0, 1.0]])}, TypeError, r"block_table: expected dtype"),
     ],
 )
-def test_gather_rejects_bad_input(change, error, match) -> None:
-    dequantize_and_gather_k_cache(**_gather_args())  # the unchanged arguments are fine
+def test_gather_rejects_bad_input(device, change, error, match) -> None:
+    dequantize_and_gather_k_cache(**_gather_args(device))  # the unchanged arguments are fine
     with pytest.raises(error, match=match):
-        dequantize_and_gather_k_cache(**_gather_args(**change))
+        dequantize_and_gather_k_cache(**_gather_args(device, **change))
 
 
-def test_content_checks_can_be_switched_off(monkeypatch) -> None:
+def test_content_checks_can_be_switched_off(device, monkeypatch) -> None:
     """ATTNREF_CHECK_CONTENTS=0 skips the device-to-host reads: a duplicate slot is then not looked for."""
     monkeypatch.setenv("ATTNREF_CHECK_CONTENTS", "0")
-    quantize_and_insert_k_cache(**_insert_args(slot_mapping=torch.tensor([3, 3])))
+    quantize_and_insert_k_cache(**_insert_args(device, slot_mapping=torch.tensor([3, 3])))
     monkeypatch.setenv("ATTNREF_CHECK_CONTENTS", "1")
     with pytest.raises(ValueError, match="distinct"):
-        quantize_and_insert_k_cache(**_insert_args(slot_mapping=torch.tensor([3, 3])))
+        quantize_and_insert_k_cache(**_insert_args(device, slot_mapping=torch.tensor([3, 3])))

@@ -394,6 +394,113 @@ def _check_visibility(
 
 
 @triton.jit
+def _flashinfer_decode_row(
+    out_row, lens_ptr, row, req,
+    decode_swa_ptr, decode_swa_stride,
+    decode_comp_ptr, decode_comp_stride,
+    decode_lens_ptr,
+    decode_valid_ptr,
+    swa_block_size, swa_block_span,
+    comp_table_ptr, comp_table_stride, comp_table_rows, comp_table_cols, comp_block_size, comp_block_span,
+    SWA_INDEX_WIDTH: tl.constexpr,
+    SWA_TOTAL: tl.constexpr,
+    DECODE_TOPK: tl.constexpr,
+    PADDED_TOPK: tl.constexpr,
+    DECODE_LOCAL: tl.constexpr,
+    HAS_DECODE_LENS: tl.constexpr,
+    SWA_TILE: tl.constexpr,
+    TOPK_TILE: tl.constexpr,
+):  # fmt: skip
+    """A decode row: its SWA slots copied, its compressed entries (local ones translated through
+    the compressed table and the valid ones counted), every column written."""
+    for tile in tl.static_range(0, SWA_TOTAL, SWA_TILE):
+        cols = tile + tl.arange(0, SWA_TILE)
+        slots = tl.load(decode_swa_ptr + row * decode_swa_stride + cols, mask=cols < SWA_INDEX_WIDTH, other=-1)
+        slots = _remap_block_span(slots, swa_block_size, swa_block_span)
+        tl.store(out_row + cols, slots, mask=cols < SWA_TOTAL)
+    counted = tl.zeros((), dtype=tl.int32)
+    for tile in tl.static_range(0, PADDED_TOPK, TOPK_TILE):
+        cols = tile + tl.arange(0, TOPK_TILE)
+        entries = tl.load(decode_comp_ptr + row * decode_comp_stride + cols, mask=cols < DECODE_TOPK, other=-1)
+        if DECODE_LOCAL:
+            entries, valid = _table_slots(
+                comp_table_ptr, comp_table_stride, comp_table_rows, comp_table_cols,
+                req, entries, cols < DECODE_TOPK, comp_block_size,
+            )  # fmt: skip
+            token_valid = tl.load(decode_valid_ptr + row) != 0
+            counted += tl.sum(tl.where(token_valid, valid, False).to(tl.int32), axis=0)
+        entries = _remap_block_span(entries, comp_block_size, comp_block_span)
+        tl.store(out_row + SWA_TOTAL + cols, entries, mask=cols < PADDED_TOPK)
+    # Constexpr branches: only the taken one is compiled, so `count` may differ in kind between them.
+    if DECODE_LOCAL:
+        count = counted
+    elif DECODE_TOPK == 0:
+        count = tl.zeros((), dtype=tl.int32)
+    elif HAS_DECODE_LENS:
+        count = tl.load(decode_lens_ptr + row)
+    else:
+        count = tl.full((), DECODE_TOPK, tl.int32)
+    tl.store(lens_ptr + row, SWA_TOTAL + count)
+
+
+@triton.jit
+def _flashinfer_prefill_row(
+    out_row, lens_ptr, row, req, token, num_decode,
+    prefill_topk_ptr, prefill_topk_stride, prefill_topk_width,
+    left_ptr, right_ptr,
+    query_start_loc_ptr, seq_lens_ptr, num_reqs,
+    swa_table_ptr, swa_table_stride, swa_table_cols, swa_block_size, swa_block_span,
+    comp_table_ptr, comp_table_stride, comp_table_rows, comp_table_cols, comp_block_size, comp_block_span,
+    WINDOW: tl.constexpr,
+    SWA_TOTAL: tl.constexpr,
+    PADDED_TOPK: tl.constexpr,
+    COMPRESS_RATIO: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HAS_IMAGE: tl.constexpr,
+    SWA_TILE: tl.constexpr,
+    TOPK_TILE: tl.constexpr,
+):  # fmt: skip
+    """A prefill row: its request's query range and length read once, then each SWA column's
+    position and each compressed column's local index derived from the column alone."""
+    # The request's loads are masked so that an out-of-range request (possible only with the
+    # content checks off) reads nothing; its columns then all come out -1.
+    req_ok = (req >= 0) & (req < num_reqs)
+    query_start = tl.load(query_start_loc_ptr + req, mask=req_ok, other=0)
+    query_len = tl.load(query_start_loc_ptr + req + 1, mask=req_ok, other=0) - query_start
+    seq_len = tl.load(seq_lens_ptr + req, mask=req_ok, other=0)
+    pos = seq_len - query_len + (token - query_start)
+    if HAS_IMAGE:
+        left = tl.load(left_ptr + row)
+        right = tl.load(right_ptr + row)
+    else:
+        left = 0
+        right = 0
+    swa_start = tl.maximum(pos - (WINDOW - 1) - tl.maximum(left - (WINDOW - 1), 0), 0)
+    swa_len = pos + right - swa_start + 1
+    topk_len = tl.minimum((pos + 1) // COMPRESS_RATIO, TOP_K)
+    for tile in tl.static_range(0, SWA_TOTAL, SWA_TILE):
+        cols = tile + tl.arange(0, SWA_TILE)
+        slots, _ = _table_slots(
+            swa_table_ptr, swa_table_stride, num_reqs, swa_table_cols,
+            req, swa_start + cols, cols < swa_len, swa_block_size,
+        )  # fmt: skip
+        slots = _remap_block_span(slots, swa_block_size, swa_block_span)
+        tl.store(out_row + cols, slots, mask=cols < SWA_TOTAL)
+    prefill_row = (token - num_decode).to(tl.int64)
+    for tile in tl.static_range(0, PADDED_TOPK, TOPK_TILE):
+        cols = tile + tl.arange(0, TOPK_TILE)
+        picked = (cols < prefill_topk_width) & (cols < topk_len)
+        local = tl.load(prefill_topk_ptr + prefill_row * prefill_topk_stride + cols, mask=picked, other=-1)
+        slots, _ = _table_slots(
+            comp_table_ptr, comp_table_stride, comp_table_rows, comp_table_cols,
+            req, local, picked, comp_block_size,
+        )  # fmt: skip
+        slots = _remap_block_span(slots, comp_block_size, comp_block_span)
+        tl.store(out_row + SWA_TOTAL + cols, slots, mask=cols < PADDED_TOPK)
+    tl.store(lens_ptr + row, SWA_TOTAL + topk_len)
+
+
+@triton.jit
 def _flashinfer_kernel(
     out_ptr, out_stride,
     lens_ptr,
@@ -427,75 +534,36 @@ def _flashinfer_kernel(
     compressed table and counting the valid ones); a prefill row reads its request's query range
     and length once, then derives each SWA column's position and each compressed column's local
     index from the column alone. Both write every column, in tiles of the next power of two.
+
+    The two kinds of row are two functions, so the run-time ``if`` below assigns no variable:
+    compiled Triton requires a name assigned in both branches to have one type and shape, and
+    the two kinds tile their columns differently.
     """
     token = tl.program_id(0)
     row = token.to(tl.int64)
     out_row = out_ptr + row * out_stride
     req = tl.load(token_to_req_ptr + row)
     if token < num_decode:
-        for tile in tl.static_range(0, SWA_TOTAL, SWA_TILE):
-            cols = tile + tl.arange(0, SWA_TILE)
-            slots = tl.load(decode_swa_ptr + row * decode_swa_stride + cols, mask=cols < SWA_INDEX_WIDTH, other=-1)
-            slots = _remap_block_span(slots, swa_block_size, swa_block_span)
-            tl.store(out_row + cols, slots, mask=cols < SWA_TOTAL)
-        count = tl.zeros((), dtype=tl.int32)
-        for tile in tl.static_range(0, PADDED_TOPK, TOPK_TILE):
-            cols = tile + tl.arange(0, TOPK_TILE)
-            entries = tl.load(decode_comp_ptr + row * decode_comp_stride + cols, mask=cols < DECODE_TOPK, other=-1)
-            if DECODE_LOCAL:
-                entries, valid = _table_slots(
-                    comp_table_ptr, comp_table_stride, comp_table_rows, comp_table_cols,
-                    req, entries, cols < DECODE_TOPK, comp_block_size,
-                )  # fmt: skip
-                token_valid = tl.load(decode_valid_ptr + row) != 0
-                count += tl.sum(tl.where(token_valid, valid, False).to(tl.int32), axis=0)
-            entries = _remap_block_span(entries, comp_block_size, comp_block_span)
-            tl.store(out_row + SWA_TOTAL + cols, entries, mask=cols < PADDED_TOPK)
-        if DECODE_TOPK == 0:
-            count = tl.zeros((), dtype=tl.int32)
-        elif not DECODE_LOCAL:
-            if HAS_DECODE_LENS:
-                count = tl.load(decode_lens_ptr + row)
-            else:
-                count = tl.full((), DECODE_TOPK, tl.int32)
-        tl.store(lens_ptr + row, SWA_TOTAL + count)
+        _flashinfer_decode_row(
+            out_row, lens_ptr, row, req,
+            decode_swa_ptr, decode_swa_stride,
+            decode_comp_ptr, decode_comp_stride,
+            decode_lens_ptr,
+            decode_valid_ptr,
+            swa_block_size, swa_block_span,
+            comp_table_ptr, comp_table_stride, comp_table_rows, comp_table_cols, comp_block_size, comp_block_span,
+            SWA_INDEX_WIDTH, SWA_TOTAL, DECODE_TOPK, PADDED_TOPK, DECODE_LOCAL, HAS_DECODE_LENS, SWA_TILE, TOPK_TILE,
+        )  # fmt: skip
     else:
-        # The request's loads are masked so that an out-of-range request (possible only with the
-        # content checks off) reads nothing; its columns then all come out -1.
-        req_ok = (req >= 0) & (req < num_reqs)
-        query_start = tl.load(query_start_loc_ptr + req, mask=req_ok, other=0)
-        query_len = tl.load(query_start_loc_ptr + req + 1, mask=req_ok, other=0) - query_start
-        seq_len = tl.load(seq_lens_ptr + req, mask=req_ok, other=0)
-        pos = seq_len - query_len + (token - query_start)
-        if HAS_IMAGE:
-            left = tl.load(left_ptr + row)
-            right = tl.load(right_ptr + row)
-        else:
-            left = 0
-            right = 0
-        swa_start = tl.maximum(pos - (WINDOW - 1) - tl.maximum(left - (WINDOW - 1), 0), 0)
-        swa_len = pos + right - swa_start + 1
-        topk_len = tl.minimum((pos + 1) // COMPRESS_RATIO, TOP_K)
-        for tile in tl.static_range(0, SWA_TOTAL, SWA_TILE):
-            cols = tile + tl.arange(0, SWA_TILE)
-            slots, _ = _table_slots(
-                swa_table_ptr, swa_table_stride, num_reqs, swa_table_cols,
-                req, swa_start + cols, cols < swa_len, swa_block_size,
-            )  # fmt: skip
-            slots = _remap_block_span(slots, swa_block_size, swa_block_span)
-            tl.store(out_row + cols, slots, mask=cols < SWA_TOTAL)
-        prefill_row = (token - num_decode).to(tl.int64)
-        for tile in tl.static_range(0, PADDED_TOPK, TOPK_TILE):
-            cols = tile + tl.arange(0, TOPK_TILE)
-            picked = (cols < prefill_topk_width) & (cols < topk_len)
-            local = tl.load(prefill_topk_ptr + prefill_row * prefill_topk_stride + cols, mask=picked, other=-1)
-            slots, _ = _table_slots(
-                comp_table_ptr, comp_table_stride, comp_table_rows, comp_table_cols,
-                req, local, picked, comp_block_size,
-            )  # fmt: skip
-            slots = _remap_block_span(slots, comp_block_size, comp_block_span)
-            tl.store(out_row + SWA_TOTAL + cols, slots, mask=cols < PADDED_TOPK)
-        tl.store(lens_ptr + row, SWA_TOTAL + topk_len)
+        _flashinfer_prefill_row(
+            out_row, lens_ptr, row, req, token, num_decode,
+            prefill_topk_ptr, prefill_topk_stride, prefill_topk_width,
+            left_ptr, right_ptr,
+            query_start_loc_ptr, seq_lens_ptr, num_reqs,
+            swa_table_ptr, swa_table_stride, swa_table_cols, swa_block_size, swa_block_span,
+            comp_table_ptr, comp_table_stride, comp_table_rows, comp_table_cols, comp_block_size, comp_block_span,
+            WINDOW, SWA_TOTAL, PADDED_TOPK, COMPRESS_RATIO, TOP_K, HAS_IMAGE, SWA_TILE, TOPK_TILE,
+        )  # fmt: skip
 
 
 def build_flashinfer_mixed_sparse_indices(

@@ -293,7 +293,11 @@ def _dequantize_and_gather_k_kernel(
         fp8 = tl.load(data_ptr[:, None] + group[:, None] * _GROUP + dim[None, :], mask=is_nope[:, None], other=0)
         code = tl.load(scale_ptr + group, mask=is_nope, other=127).to(tl.int32)
         # 2^(code - 127) from bits: for code 1..254 the code is the fp32 exponent field; code 0 is
-        # the subnormal 2^-127; code 255 is E8M0's NaN.
+        # the subnormal 2^-127; code 255 is E8M0's NaN. The product has <= 4 significant bits and is
+        # >= 2^-136, so fp32 holds it exactly; for codes < 10 it is subnormal. Compiled Triton on
+        # NVIDIA keeps subnormals in a plain fp32 multiply and in the bf16 conversion (its FTZ
+        # setting reaches only libdevice calls), so the bits equal the golden model's:
+        # tests/test_ue8m0_cache.py::test_gather_decodes_every_byte_at_every_code checks every pair.
         scale_bits = tl.where(code == 0, 0x00400000, code << 23)
         scale = tl.where(code == 255, 0x7FC00000, scale_bits).to(tl.float32, bitcast=True)
         nope = e4m3_bits_to_f32(fp8, FNUZ) * scale[:, None]
