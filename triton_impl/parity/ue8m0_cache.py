@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from golden.ue8m0_cache import block_bytes, gather_k_cache, insert_k_cache
+from golden.ue8m0_cache import block_bytes, gather_k_cache, insert_k_cache, read_records
 from triton_impl.parity import Case, Check
 from triton_impl.ue8m0_cache import dequantize_and_gather_k_cache, quantize_and_insert_k_cache
 
@@ -85,3 +85,52 @@ def cases() -> list[Case]:
         _gather(seq_lens, 128 + 7 if gpu else 20, 64, use_fnuz=True),
         _gather(compressed_lens, None, 16, use_fnuz=False),  # the whole compressed cache
     ]
+
+
+def bench_cases() -> list:
+    """Insert and gather of 1M tokens (DeepSeek-V4 K cache, block 64, padded block stride)."""
+    from triton_impl.bench import Bench, BenchCase
+
+    tokens, block_size = 1 << 20, 64
+
+    def insert(use_fnuz: bool) -> BenchCase:
+        def setup(device: torch.device) -> Bench:
+            num_blocks = tokens // block_size
+            k = torch.randn(tokens, 512, device=device).to(torch.bfloat16)
+            k_cache = torch.zeros(num_blocks, block_bytes(block_size), dtype=torch.uint8, device=device)
+            slots = torch.randperm(tokens, device=device)
+            run = lambda: quantize_and_insert_k_cache(k, k_cache, slots, block_size, use_fnuz=use_fnuz)
+
+            def check() -> list[Check]:
+                few = slots[:4096]
+                expected = insert_k_cache(k[:4096], torch.zeros_like(k_cache), few, block_size, use_fnuz)
+                return [Check("records", read_records(k_cache, few, block_size),
+                              read_records(expected, few, block_size), None)]  # fmt: skip
+
+            return Bench(run, check, tokens * (512 * 2 + 584 + 8), 0.0)
+
+        return BenchCase("ue8m0_cache", f"insert 1M tokens block 64 {'FNUZ' if use_fnuz else 'OCP'}", setup)
+
+    def gather() -> BenchCase:
+        def setup(device: torch.device) -> Bench:
+            requests = 64
+            per_request = tokens // requests
+            blocks = per_request // block_size
+            k = torch.randn(tokens, 512, device=device).to(torch.bfloat16)
+            k_cache = torch.zeros(tokens // block_size, block_bytes(block_size), dtype=torch.uint8, device=device)
+            quantize_and_insert_k_cache(k, k_cache, torch.randperm(tokens, device=device), block_size)
+            table = torch.randperm(tokens // block_size, device=device).to(torch.int32).view(requests, blocks)
+            seq_lens = torch.full((requests,), per_request, dtype=torch.int32, device=device)
+            out = torch.empty(requests, per_request, 512, dtype=torch.bfloat16, device=device)
+            run = lambda: dequantize_and_gather_k_cache(out, k_cache, seq_lens, None, table, block_size, 0)
+
+            def check() -> list[Check]:
+                expected = gather_k_cache(torch.zeros_like(out[:1]), k_cache, seq_lens[:1], None, table[:1],
+                                          block_size, 0)  # fmt: skip
+                return [Check("gathered", out[:1], expected, None)]
+
+            return Bench(run, check, tokens * (584 + 512 * 2) + table.numel() * 4, 0.0)
+
+        return BenchCase("ue8m0_cache", "gather 1M tokens (64 requests x 16K) block 64 OCP", setup)
+
+    return [insert(False), insert(True), gather()]
