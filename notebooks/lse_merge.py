@@ -121,8 +121,9 @@ print("head 0 equals the unsplit attention:", float((o[:, 0].cpu().double() - fu
 # %% [markdown]
 # ## 4. What goes wrong: LSE in bf16, and base 2 taken for base e
 #
-# Serving sometimes stores the LSE in the model dtype (bf16). A bf16 LSE of magnitude 20 is off
-# by up to `20 * 2^-9 = 0.04`, so the merge weights `exp(lse_i - M)` are off by up to 4%. And
+# Serving sometimes stores the LSE in the model dtype (bf16). A bf16 LSE of magnitude 20 (in
+# `[16, 32)`, where the bf16 spacing is `2^-3`) is off by up to half of that, `0.0625`, so a merge
+# weight `exp(lse_i - M)` can be off by up to `e^0.0625 - 1 = 6.4%`. And
 # FlashInfer reports base-2 LSEs: merging them as if they were natural logs raises every weight
 # to the power `1/ln 2 = 1.44`, silently over-weighting the dominant split.
 
