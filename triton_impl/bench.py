@@ -127,11 +127,18 @@ def run_bench(cases: Sequence[BenchCase], ceilings: dict[str, float], baselines:
     results = []
     for case in cases:
         print(f"  {case.op}: {case.name}", flush=True)
-        bench = case.setup(torch.device("cuda"))
-        bench.run()
-        torch.cuda.synchronize()
+        try:
+            bench = case.setup(torch.device("cuda"))
+            bench.run()
+            torch.cuda.synchronize()
+            checks = bench.check()
+        except Exception as err:  # a case that raises is reported, not timed; the others still run
+            detail = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"[:160]
+            results.append(Result(case.op, case.name, math.nan, 0, 0, "-", 0, 0, {}, "-", False, detail))
+            torch.cuda.empty_cache()
+            continue
         detail, correct = "", True
-        for check in bench.check():
+        for check in checks:
             cmp = (
                 exact(check.actual, check.expected)
                 if check.tol is None

@@ -8,6 +8,7 @@ float64 golden model on the same inputs and returns one :class:`Check` per outpu
 from __future__ import annotations
 
 import importlib
+import math
 import pkgutil
 import sys
 import time
@@ -109,7 +110,12 @@ def run_cases(cases: Sequence[Case], device: torch.device, progress: bool = True
             sys.stderr.write(f"\r[{'#' * done}{'.' * (30 - done)}] {i}/{len(cases)} {case.op}: {case.name:<40.40}")
             sys.stderr.flush()
         start = time.perf_counter()
-        checks = case.run(device)
+        try:
+            checks = case.run(device)
+        except Exception as err:  # a case that raises (e.g. does not compile) fails; the others still run
+            message = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"[:160]
+            rows.append(Row(case.op, case.name, "-", Comparison(math.nan, math.nan, False, message), None, 0.0))
+            continue
         seconds = time.perf_counter() - start
         for check in checks:
             cmp = (
