@@ -73,6 +73,20 @@ def _remap_block_span(values, block_size, block_span):
     return tl.where(is_slot, (safe // block_size) * block_span + safe % block_size, -1)
 
 
+@triton.jit
+def _swa_window(pos, left_ptr, right_ptr, token, WINDOW: tl.constexpr, HAS_IMAGE: tl.constexpr):
+    """The SWA keys of the token at position ``pos``: ``[start, start + len)`` with
+    ``start = max(pos - (W-1) - max(left - (W-1), 0), 0)`` and ``len = pos + right - start + 1``,
+    ``left``/``right`` being the token's image visibility (0 without images)."""
+    left = 0
+    right = 0
+    if HAS_IMAGE:
+        left = tl.load(left_ptr + token)
+        right = tl.load(right_ptr + token)
+    start = tl.maximum(pos - (WINDOW - 1) - tl.maximum(left - (WINDOW - 1), 0), 0)
+    return start, pos + right - start + 1
+
+
 def _check_int_at_least(name: str, value: int, minimum: int) -> None:
     if not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
@@ -227,14 +241,7 @@ def _combine_kernel(
     for token in range(query_start + worker, query_end, num_workers):
         pos = first_pos + (token - query_start)
         topk_len = tl.minimum((pos + 1) // COMPRESS_RATIO, TOP_K)
-        if HAS_IMAGE:
-            left = tl.load(left_ptr + token)
-            right = tl.load(right_ptr + token)
-        else:
-            left = 0
-            right = 0
-        swa_start = tl.maximum(pos - (WINDOW - 1) - tl.maximum(left - (WINDOW - 1), 0), 0)
-        swa_len = pos + right - swa_start + 1
+        swa_start, swa_len = _swa_window(pos, left_ptr, right_ptr, token, WINDOW, HAS_IMAGE)
         row = tl.cast(token, tl.int64)
         for tile in range(0, WIDTH, TILE):
             cols = tile + tl.arange(0, TILE)
@@ -469,14 +476,7 @@ def _flashinfer_prefill_row(
     query_len = tl.load(query_start_loc_ptr + req + 1, mask=req_ok, other=0) - query_start
     seq_len = tl.load(seq_lens_ptr + req, mask=req_ok, other=0)
     pos = seq_len - query_len + (token - query_start)
-    if HAS_IMAGE:
-        left = tl.load(left_ptr + row)
-        right = tl.load(right_ptr + row)
-    else:
-        left = 0
-        right = 0
-    swa_start = tl.maximum(pos - (WINDOW - 1) - tl.maximum(left - (WINDOW - 1), 0), 0)
-    swa_len = pos + right - swa_start + 1
+    swa_start, swa_len = _swa_window(pos, left_ptr, right_ptr, row, WINDOW, HAS_IMAGE)
     topk_len = tl.minimum((pos + 1) // COMPRESS_RATIO, TOP_K)
     for tile in tl.static_range(0, SWA_TOTAL, SWA_TILE):
         cols = tile + tl.arange(0, SWA_TILE)
