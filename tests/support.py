@@ -122,3 +122,19 @@ def paged_cache(
     if layout == "3d":
         cache = cache.flatten(0, 1)
     return PagedCache(cache, table.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), page_size)
+
+
+def paginate(tokens: list[torch.Tensor], page_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lay given dense per-row keys ``[n, HKV, D]`` out in shuffled pages; NaN in every unused slot.
+
+    Returns ``(cache [pages, page_size, HKV, D], block_table [R, max_pages + 1] int32)``; unused
+    table entries hold an out-of-range page id.
+    """
+    table, num_pages = block_table_for(
+        [t.shape[0] for t in tokens], page_size, gen=gen, spare_pages=1, extra_columns=1, fill=2**30
+    )
+    cache = torch.full((num_pages, page_size, *tokens[0].shape[1:]), float("nan"), dtype=tokens[0].dtype)
+    for r, t in enumerate(tokens):
+        j = torch.arange(t.shape[0])
+        cache[table[r, j // page_size].long(), j % page_size] = t
+    return cache, table

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import pytest
@@ -18,7 +17,7 @@ from golden.decode_attention import (
 )
 from golden.decode_attention import expand_decode_rows as golden_expand_decode_rows
 from golden.lse_merge import merge_states
-from tests.support import assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled, paged_cache
+from tests.support import assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled, paged_cache, paginate
 from triton_impl.decode_attention import (
     _compute_num_kv_splits,
     decode_attention_fwd,
@@ -243,23 +242,6 @@ def test_deepseek_mla_fp8_window_bf16_lse(device) -> None:
 # -- invariances -----------------------------------------------------------------------------
 
 
-def _paginate(tokens: list[torch.Tensor], page_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lay dense per-row keys ``[n, HKV, D]`` out in shuffled pages; NaN in every unused slot."""
-    pages_per_row = [math.ceil(t.shape[0] / page_size) for t in tokens]
-    num_pages = sum(pages_per_row) + 1
-    order = torch.randperm(num_pages, generator=gen)
-    cache = torch.full((num_pages, page_size, *tokens[0].shape[1:]), float("nan"), dtype=tokens[0].dtype)
-    table = torch.full((len(tokens), max(pages_per_row) + 1), 2**30, dtype=torch.int32)
-    used = 0
-    for r, t in enumerate(tokens):
-        ids = order[used : used + pages_per_row[r]]
-        used += pages_per_row[r]
-        table[r, : len(ids)] = ids.to(torch.int32)
-        j = torch.arange(t.shape[0])
-        cache[ids[j // page_size], j % page_size] = t
-    return cache, table
-
-
 def test_page_size_invariance_is_bit_exact_and_split_count_within_tolerance(device) -> None:
     """The same keys in pages of 1, 5 and 16 give the same bits (tiles do not follow pages); split
     counts 1, 2 and 7 agree with golden (the summation order changes, so within tolerance)."""
@@ -269,7 +251,7 @@ def test_page_size_invariance_is_bit_exact_and_split_count_within_tolerance(devi
     q = torch.randn(len(lens), 4, 24, generator=gen).to(device)
     results = {}
     for page_size, splits in [(1, 1), (5, 1), (16, 1), (5, 2), (16, 7)]:
-        cache, table = _paginate(keys, page_size, generator(page_size))
+        cache, table = paginate(keys, page_size, generator(page_size))
         cache, table = cache.to(device), table.to(device)
         d = Decode(q, cache[..., :24], cache[..., 24:], table, torch.tensor(lens, device=device), 0.3, page_size,
                    is_mla=False, window=20)  # fmt: skip

@@ -6,8 +6,6 @@ Triton, seconds per process). ``tests/dcp_nccl_check.py`` runs the same check wi
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +13,7 @@ import torch.multiprocessing as mp
 
 from golden.decode_attention import dcp_local_positions, decode_attention
 from golden.lse_merge import merge_states
-from tests.support import assert_close, fails_tolerance, generator, nan_filled
+from tests.support import assert_close, fails_tolerance, generator, nan_filled, paginate
 from triton_impl.decode_attention import decode_attention_dcp
 
 LAYOUTS = [("striped", 1), ("striped", 2), ("sliced", 1)]
@@ -23,19 +21,8 @@ CASES = [("mla", "striped", 1), ("gqa", "sliced", 1), ("gqa", "striped", 2)]
 
 
 def _paged(tokens: list[torch.Tensor], page_size: int, gen: torch.Generator, device: torch.device):
-    """Rows' dense keys ``[n, HKV, D]`` in shuffled pages (NaN in unused slots) and their table."""
-    pages_per_row = [math.ceil(t.shape[0] / page_size) for t in tokens]
-    num_pages = sum(pages_per_row) + 1
-    order = torch.randperm(num_pages, generator=gen)
-    cache = torch.full((num_pages, page_size, *tokens[0].shape[1:]), float("nan"), dtype=tokens[0].dtype)
-    table = torch.full((len(tokens), max(pages_per_row) + 1), 2**30, dtype=torch.int32)
-    used = 0
-    for r, t in enumerate(tokens):
-        ids = order[used : used + pages_per_row[r]]
-        used += len(ids)
-        table[r, : len(ids)] = ids.to(torch.int32)
-        j = torch.arange(t.shape[0])
-        cache[ids[j // page_size], j % page_size] = t
+    """Rows' dense keys in shuffled pages (``tests.support.paginate``), their table and lengths."""
+    cache, table = paginate(tokens, page_size, gen)
     lens = torch.tensor([t.shape[0] for t in tokens], dtype=torch.int32)
     return cache.to(device), table.to(device), lens.to(device)
 
