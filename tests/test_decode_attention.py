@@ -28,6 +28,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 NEG_INF = float("-inf")
 # MLA (Lv, rope width P) and GQA (Lk, Lv) widths: small, with non-powers of two for GQA.
 MLA_WIDTHS = [(16, 0), (16, 16), (32, 16)]
+SPLIT_LATENT_CONFIG = {"BLOCK_N": 32, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1}
 GQA_WIDTHS = [(16, 16), (24, 40), (64, 32), (48, 48)]
 
 
@@ -143,17 +144,18 @@ def _extent(kind: str, window: int | None) -> int:
     lse_in_model_dtype=st.booleans(),
     index_dtype=st.sampled_from([torch.int32, torch.int64]),
     layout=st.sampled_from(["4d", "3d", "cross_layer"]),
+    split_latent=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
 @example(is_mla=True, kv_heads=1, group=4, width_index=1, page_size=4, extents=["0", "=W", ">W"], window=5, cap=0.0,
          splits=3, dtype="bfloat16", fp8=False, fp8_scale=0.37, lse_in_model_dtype=False, index_dtype=torch.int32,
-         layout="4d", seed=0)  # fmt: skip
+         layout="4d", split_latent=False, seed=0)  # fmt: skip
 @example(is_mla=False, kv_heads=2, group=3, width_index=1, page_size=1, extents=["1", "long"], window=None, cap=1.5,
          splits=5, dtype="float16", fp8=True, fp8_scale=3.0, lse_in_model_dtype=True, index_dtype=torch.int64,
-         layout="cross_layer", seed=1)  # fmt: skip
+         layout="cross_layer", split_latent=False, seed=1)  # fmt: skip
 def test_matches_golden(
     device, is_mla, kv_heads, group, width_index, page_size, extents, window, cap, splits, dtype, fp8, fp8_scale,
-    lse_in_model_dtype, index_dtype, layout, seed,
+    lse_in_model_dtype, index_dtype, layout, split_latent, seed,
 ) -> None:  # fmt: skip
     """Output, LSE and (with S > 1) every stage-1 split slot against the float64 golden model."""
     widths = MLA_WIDTHS[width_index % len(MLA_WIDTHS)] if is_mla else GQA_WIDTHS[width_index]
@@ -164,7 +166,9 @@ def test_matches_golden(
         index_dtype=index_dtype, window=window, cap=cap, fp8_scale=fp8_scale,
     )  # fmt: skip
     lse_dtype = DTYPES[dtype] if lse_in_model_dtype else torch.float32
-    o, lse, logits = d.run(splits, lse_dtype)
+    # SPLIT_LATENT (MLA's two latent halves, Hopper's wide config) on the same shapes; ignored for GQA.
+    config = {**SPLIT_LATENT_CONFIG, "BLOCK_H": 16} if split_latent else None
+    o, lse, logits = d.run(splits, lse_dtype, config=config)
     ref_o, ref_lse = d.golden()
     assert_close(o, ref_o, ("decode_attention", "o", dtype))
     assert_close(lse, ref_lse, ("decode_attention", "lse", lse_dtype))
@@ -184,6 +188,18 @@ def test_deepseek_mla_dims(device) -> None:
         d.sm_scale = 192**-0.5  # serving passes the prefill scale (qk_nope 128 + rope 64)
         o, lse, _ = d.run(2)
         ref_o, ref_lse = d.golden()
+        assert_close(o, ref_o, ("decode_attention", "o", "bfloat16"))
+        assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
+
+
+def test_deepseek_mla_wide_config(device) -> None:
+    """128 heads in 64-head tiles with the latent in two halves (the sm90 ``mla_wide`` entry, on
+    any device) against golden, and against the 16-head-tile config to the same tolerance."""
+    d = make_decode(device, 6, [40, 1, 0], is_mla=True, num_heads=128, widths=(512, 64), page_size=16, fp8=True)
+    d.sm_scale = 192**-0.5
+    ref_o, ref_lse = d.golden()
+    for config in (SPLIT_LATENT_CONFIG, {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2}):
+        o, lse, _ = d.run(3, config=config)
         assert_close(o, ref_o, ("decode_attention", "o", "bfloat16"))
         assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
 

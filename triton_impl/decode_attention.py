@@ -47,8 +47,11 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # BLOCK_H query heads share one K/V tile (tl.dot needs M >= 16); BLOCK_N keys per tile. The
 # "default" numbers are upstream vLLM's CUDA choices for this kernel (BLOCK_N 32, BLOCK_H 16,
 # 4 warps, 2 stages; 1 stage when the latent tile is >= 1024 wide); the Hopper entry starts from
-# them until the H200 sweep (issue 7) replaces it. The config never depends on the batch, so
-# the summation order of a row does not either (batch invariance with one split).
+# them; "mla_wide" (64 or more heads per KV head) takes 64-head tiles with the latent in two
+# halves (SPLIT_LATENT), the smallest tile Hopper's wgmma runs, so one K/V tile serves 64 heads
+# instead of 16. The sm90 numbers come from notebooks/results/sweep_decode.py (results beside it).
+# The config never depends on the batch, so the summation order of a row does not either (batch
+# invariance with one split).
 DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "default": {
         "mla": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
@@ -56,6 +59,7 @@ DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     },
     "sm90": {
         "mla": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
+        "mla_wide": {"BLOCK_N": 32, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1},
         "gqa": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
     },
 }
@@ -69,9 +73,15 @@ def _gpu_arch(device: torch.device) -> str:
     return arch if arch in DECODE_CONFIGS else "default"
 
 
-def select_decode_config(device: torch.device, is_mla: bool, block_dv: int) -> dict[str, int]:
-    """The launch config for a cache kind on a device (never a function of the batch)."""
-    config = dict(DECODE_CONFIGS[_gpu_arch(device)]["mla" if is_mla else "gqa"])
+def select_decode_config(device: torch.device, is_mla: bool, block_dv: int, group: int = 1) -> dict[str, int]:
+    """The launch config for a cache kind, head group size and device (never a function of the batch).
+
+    ``group`` is the number of query heads per KV head (all ``H`` for MLA): 64 or more picks the
+    ``*_wide`` entry where the device has one.
+    """
+    entries = DECODE_CONFIGS[_gpu_arch(device)]
+    kind = "mla" if is_mla else "gqa"
+    config = dict(entries.get(f"{kind}_wide", entries[kind]) if group >= 64 else entries[kind])
     if block_dv >= 1024:
         config["num_stages"] = 1  # a second stage of 1024-wide tiles does not fit in shared memory
     return config
@@ -120,9 +130,10 @@ def expand_decode_rows(
 
     Traffic: reads ``B*(max_pages + 1)`` ints; writes ``Q`` times that.
     """
-    check_tensor("block_table", block_table, ndim=2, dtypes=_INDEX_DTYPES, unit_last_stride=False)
+    # Plain torch ops, no kernel: any device is fine (kernel_arg=False).
+    check_tensor("block_table", block_table, ndim=2, dtypes=_INDEX_DTYPES, unit_last_stride=False, kernel_arg=False)
     check_tensor("seq_lens", seq_lens, shape=(block_table.shape[0],), dtypes=_INDEX_DTYPES,
-                 device=block_table.device, unit_last_stride=False)  # fmt: skip
+                 device=block_table.device, unit_last_stride=False, kernel_arg=False)  # fmt: skip
     check_positive("query_len", query_len)
     if query_len == 1:
         return block_table, seq_lens
@@ -170,6 +181,7 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DPE: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    SPLIT_LATENT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -183,7 +195,13 @@ def _decode_stage1_kernel(
     are read as two pieces, ``[0, D_FIRST)`` and ``[D_FIRST, Lk)``: for MLA the first piece is the
     latent ``[0, Lv)`` that is also V and the second the rope part; for GQA the first piece is all
     of K. Online softmax in base 2 (``sm_scale * log2 e``); the stored LSE is natural-log.
+
+    ``SPLIT_LATENT`` (MLA): the latent tile, which is also V, is handled as two halves of
+    ``BLOCK_D // 2`` columns, each with its own ``[BLOCK_H, BLOCK_D // 2]`` accumulator, so that a
+    64-head tile (the smallest that Hopper's wgmma takes) keeps a 512-wide latent in registers.
     """
+    HALF: tl.constexpr = BLOCK_D // 2 if SPLIT_LATENT else BLOCK_D
+    ACC_W: tl.constexpr = BLOCK_DV // 2 if SPLIT_LATENT else BLOCK_DV
     row = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -199,12 +217,16 @@ def _decode_stage1_kernel(
     start = tl.minimum(lo + split * chunk, n)
     end = tl.minimum(start + chunk, n)
 
-    d1 = tl.arange(0, BLOCK_D)
+    d1 = tl.arange(0, HALF)
     d1_ok = d1 < D_FIRST
-    dv = tl.arange(0, BLOCK_DV)
+    dv = tl.arange(0, ACC_W)
     dv_ok = dv < LV
     q_rows = q_ptr + row * stride_q_r + heads[:, None].to(tl.int64) * stride_q_h
     q1 = tl.load(q_rows + d1[None, :], mask=head_ok[:, None] & d1_ok[None, :], other=0.0).to(DOT_DTYPE)
+    if SPLIT_LATENT:  # MLA: D_FIRST == LV, so the second half's masks serve the latent and V alike
+        d1b = HALF + tl.arange(0, HALF)
+        d1b_ok = d1b < D_FIRST
+        q1b = tl.load(q_rows + d1b[None, :], mask=head_ok[:, None] & d1b_ok[None, :], other=0.0).to(DOT_DTYPE)
     if BLOCK_DPE > 0:
         dpe = tl.arange(0, BLOCK_DPE)
         dpe_ok = dpe < LK - D_FIRST
@@ -226,7 +248,8 @@ def _decode_stage1_kernel(
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_DV), tl.float32)
+    acc = tl.zeros((BLOCK_H, ACC_W), tl.float32)
+    acc_b = acc
     for tile in range(start, end, BLOCK_N):
         toks = tile + tl.arange(0, BLOCK_N)
         tok_ok = toks < end
@@ -236,6 +259,10 @@ def _decode_stage1_kernel(
         k1 = tl.load(k_rows[:, None] + d1[None, :], mask=tok_ok[:, None] & d1_ok[None, :], other=0.0)
         k1 = k1.to(DOT_DTYPE)
         qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+        if SPLIT_LATENT:
+            k1b = tl.load(k_rows[:, None] + d1b[None, :], mask=tok_ok[:, None] & d1b_ok[None, :], other=0.0)
+            k1b = k1b.to(DOT_DTYPE)
+            qk += tl.dot(q1b, tl.trans(k1b), input_precision=DOT_PRECISION)
         if BLOCK_DPE > 0:
             k2 = tl.load(k_rows[:, None] + D_FIRST + dpe[None, :], mask=tok_ok[:, None] & dpe_ok[None, :], other=0.0)
             k2 = k2.to(DOT_DTYPE)
@@ -256,23 +283,34 @@ def _decode_stage1_kernel(
             v_rows = v_ptr + page.to(tl.int64) * stride_v_page + slot * stride_v_tok + kv_head * stride_v_head
             v = tl.load(v_rows[:, None] + dv[None, :], mask=tok_ok[:, None] & dv_ok[None, :], other=0.0)
             v = v.to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        p = p.to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        if SPLIT_LATENT:
+            acc_b = acc_b * alpha[:, None] + tl.dot(p, k1b, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # An empty split is the neutral state (0, -inf): stage 2 then needs no boundaries.
     empty = end <= start
-    out = tl.where(empty, 0.0, acc * (out_scale / tl.where(empty, 1.0, l_i))[:, None])
+    row_scale = tl.where(empty, 0.0, out_scale / tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * _LN2)
-    store_mask = head_ok[:, None] & dv_ok[None, :]
     head_offs = heads.to(tl.int64)
+    out = acc * row_scale[:, None]
+    out_mask = head_ok[:, None] & dv_ok[None, :]
+    if SPLIT_LATENT:
+        out_b = acc_b * row_scale[:, None]
+        out_b_mask = head_ok[:, None] & d1b_ok[None, :]
     if SINGLE_SPLIT:
         o_rows = o_ptr + row * stride_o_r + head_offs[:, None] * stride_o_h
-        tl.store(o_rows + dv[None, :], cast_for_store(out, o_ptr.dtype.element_ty), mask=store_mask)
+        tl.store(o_rows + dv[None, :], cast_for_store(out, o_ptr.dtype.element_ty), mask=out_mask)
+        if SPLIT_LATENT:
+            tl.store(o_rows + d1b[None, :], cast_for_store(out_b, o_ptr.dtype.element_ty), mask=out_b_mask)
         lse_out = lse_ptr + row * stride_lse_r + head_offs * stride_lse_h
         tl.store(lse_out, cast_for_store(lse, lse_ptr.dtype.element_ty), mask=head_ok)
     else:
         p_rows = part_ptr + row * stride_p_r + head_offs * stride_p_h + split * stride_p_s
-        tl.store(p_rows[:, None] + dv[None, :], out, mask=store_mask)
+        tl.store(p_rows[:, None] + dv[None, :], out, mask=out_mask)
+        if SPLIT_LATENT:
+            tl.store(p_rows[:, None] + d1b[None, :], out_b, mask=out_b_mask)
         tl.store(p_rows + LV, lse, mask=head_ok)
 
 
@@ -323,6 +361,8 @@ def decode_attention_fwd(
     v_scale: torch.Tensor | None = None,
     is_mla: bool = False,
     sliding_window: int | None = None,
+    *,
+    config: dict[str, int] | None = None,
 ) -> None:
     """Split-KV decode attention, one KV extent and block-table row per query row (vLLM signature).
 
@@ -353,6 +393,8 @@ def decode_attention_fwd(
         is_mla: one latent KV head, V = first ``Lv`` columns of K; ``Lv`` and ``Lk - Lv`` powers of
             two (``Lk - Lv = 0`` allowed).
         sliding_window: ``W > 0`` keys (the row's last key included) or ``None``/``0``.
+        config: launch config override (keys of ``DECODE_CONFIGS``' entries), for sweeps and tests;
+            default ``select_decode_config(device, is_mla, Lv, H // HKV)``.
 
     Traffic: reads ``R*H*Lk`` query elements and per row its ``n - lo`` visible keys once per KV
     head (``Lk`` cache elements each for MLA, ``Lk + Lv`` for GQA; MLA with ``H > BLOCK_H`` re-reads
@@ -408,10 +450,11 @@ def decode_attention_fwd(
     block_d = block_dv if is_mla else max(16, triton.next_power_of_2(key_width))
     rope_width = key_width - d_first
     block_dpe = max(16, triton.next_power_of_2(rope_width)) if rope_width else 0
-    config = select_decode_config(device, is_mla, block_dv)
     group = num_heads // num_kv_heads
+    config = config if config is not None else select_decode_config(device, is_mla, block_dv, group)
     block_h = min(config["BLOCK_H"], max(16, triton.next_power_of_2(group)))
     head_blocks = triton.cdiv(group, block_h)
+    split_latent = is_mla and bool(config.get("SPLIT_LATENT", 0)) and block_dv >= 32
     part = o if single else attn_logits  # a dummy pointer when stage 1 writes o directly
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]
     grid = (num_rows, num_kv_heads * head_blocks, num_kv_splits)
@@ -440,6 +483,7 @@ def decode_attention_fwd(
         BLOCK_D=block_d,
         BLOCK_DPE=block_dpe,
         BLOCK_DV=block_dv,
+        SPLIT_LATENT=split_latent,
         DOT_DTYPE=dot_dtype(q.dtype),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 queries: no TF32 truncation
         num_warps=config["num_warps"],

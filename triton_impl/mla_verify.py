@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl.interpreter import INTERPRET, cast_for_store, dot_dtype, e4m3_bits_to_f32
+from triton_impl.interpreter import INTERPRET, cast_for_store, dot_dtype
 from triton_impl.lse_merge import _launch_merge_splits
 from triton_impl.validation import (
     check_block_table,
@@ -208,15 +208,6 @@ def _page_stride(k_buffer: torch.Tensor, page_size: int) -> int:
 
 
 @triton.jit
-def _mm(a, b, USE_DOT: tl.constexpr):
-    """``a [M, K] @ b [K, N]`` in fp32: ``tl.dot`` when every dim is >= 16 (its minimum), else a
-    broadcast multiply-add (rope or latent widths of 8 in small test shapes)."""
-    if USE_DOT:
-        return tl.dot(a, b)
-    return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-
-
-@triton.jit
 def _fwd_verify_kernel_stage1(
     Q, K_Buffer, sm_scale_log2, Req_to_tokens, Seq_lens, Real_seq_lens, Mid, Out, Lse, K_scale,
     stride_req_b, stride_q_r, stride_q_h, stride_page, stride_tok,
@@ -255,9 +246,9 @@ def _fwd_verify_kernel_stage1(
     ROWS: tl.constexpr = QLEN * NUM_HEADS
     ROW_BLOCKS: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H
     HALF: tl.constexpr = BLOCK_DMODEL // 2 if QSPLIT else BLOCK_DMODEL
-    DOT_QK: tl.constexpr = HALF >= 16
-    DOT_PE: tl.constexpr = BLOCK_DPE >= 16
-    DOT_PV: tl.constexpr = HALF >= 16
+    # tl.dot needs every dim >= 16: a rope width below 16 (test shapes only) loads a 16-wide tile
+    # whose extra columns are masked to zero; the wrapper requires Lv >= 16.
+    PE_TILE: tl.constexpr = BLOCK_DPE if BLOCK_DPE >= 16 else 16
 
     pid = tl.program_id(0)
     rb = pid % ROW_BLOCKS
@@ -292,8 +283,10 @@ def _fwd_verify_kernel_stage1(
         q1 = tl.load(q_rows[:, None] + offs_d1[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
     q_pe = q0
     if BLOCK_DPE > 0:
-        offs_pe = BLOCK_DMODEL + tl.arange(0, BLOCK_DPE)
-        q_pe = tl.load(q_rows[:, None] + offs_pe[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+        offs_pe = BLOCK_DMODEL + tl.arange(0, PE_TILE)
+        pe_ok = offs_pe < BLOCK_DMODEL + BLOCK_DPE
+        q_pe = tl.load(q_rows[:, None] + offs_pe[None, :], mask=row_ok[:, None] & pe_ok[None, :], other=0.0)
+        q_pe = q_pe.to(DOT_DTYPE)
 
     qk_scale = sm_scale_log2
     k_scale = 1.0
@@ -312,23 +305,15 @@ def _fwd_verify_kernel_stage1(
         page = tl.load(table_row + offs_n // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
         k_rows = K_Buffer + page * stride_page + (offs_n % PAGE_SIZE) * stride_tok
         k0 = tl.load(k_rows[:, None] + offs_d0[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
-        qk = _mm(q0, tl.trans(k0), DOT_QK)
+        qk = tl.dot(q0, tl.trans(k0))
         k1 = k0
         if QSPLIT:
             k1 = tl.load(k_rows[:, None] + offs_d1[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
-            qk += _mm(q1, tl.trans(k1), DOT_QK)
+            qk += tl.dot(q1, tl.trans(k1))
         if BLOCK_DPE > 0:
-            offs_pe = BLOCK_DMODEL + tl.arange(0, BLOCK_DPE)
             pe_ptrs = k_rows[:, None] + offs_pe[None, :]
-            if IS_FP8 and not DOT_PE:
-                # An fp8 tile that skips tl.dot is decoded from its bytes: compiled Triton 3.6 gave
-                # wrong scores on the H200 for fp8 -> bf16 -> fp32 feeding the multiply-add fallback
-                # (test_verify_matches_golden, widths 16/8), while the tl.dot path is right.
-                pe_bytes = tl.load(pe_ptrs.to(tl.pointer_type(tl.uint8)), mask=key_ok[:, None], other=0)
-                k_pe = e4m3_bits_to_f32(pe_bytes, False)
-            else:
-                k_pe = tl.load(pe_ptrs, mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
-            qk += _mm(q_pe, tl.trans(k_pe), DOT_PE)
+            k_pe = tl.load(pe_ptrs, mask=key_ok[:, None] & pe_ok[None, :], other=0.0).to(DOT_DTYPE)
+            qk += tl.dot(q_pe, tl.trans(k_pe))
         qk = tl.where(offs_n[None, :] < row_end[:, None], qk * qk_scale, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -337,9 +322,9 @@ def _fwd_verify_kernel_stage1(
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         p_dot = p.to(DOT_DTYPE)
-        acc0 = acc0 * alpha[:, None] + _mm(p_dot, k0, DOT_PV)
+        acc0 = acc0 * alpha[:, None] + tl.dot(p_dot, k0)
         if QSPLIT:
-            acc1 = acc1 * alpha[:, None] + _mm(p_dot, k1, DOT_PV)
+            acc1 = acc1 * alpha[:, None] + tl.dot(p_dot, k1)
         m_i = m_new
 
     has_keys = l_i > 0
@@ -403,6 +388,8 @@ def _check_verify_args(
     if v_buffer.data_ptr() != k_buffer.data_ptr() or v_buffer.shape[:-1] != k_buffer.shape[:-1]:
         raise ValueError("v_buffer: expected k_buffer[..., :Lv] (MLA reads V from K), got another tensor")
     check_power_of_two("Lv (v_buffer.shape[-1])", value_width)
+    if value_width < 16:
+        raise ValueError(f"v_buffer: Lv must be >= 16 (tl.dot's smallest width), got {value_width}")
     if value_width > key_width:
         raise ValueError(f"v_buffer: value width {value_width} exceeds key width {key_width}")
     check_power_of_two("P (Lk - Lv, the rope width)", key_width - value_width, allow_zero=True)

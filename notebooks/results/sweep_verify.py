@@ -1,6 +1,8 @@
 """Sweep stage-1 launch configs of ``mla_verify`` on a GPU; results go in ``sweep_verify_h200.md``.
 
-Run from the repository root on the GPU machine: ``PYTHONPATH=. python3 notebooks/results/sweep_verify.py [seconds]``.
+Run from the repository root on the GPU machine:
+``PYTHONPATH=. python3 notebooks/results/sweep_verify.py [seconds] [headline]`` (``headline``: only issue 7's
+B=32, qlen 4, H=128, L=32K, over the 64-row grid).
 Each line: shape (B, qlen, H, L), split count, config, time (CUDA-graph replay), TFLOP/s and % of a
 roofline of max(FLOPs / 790 TFLOP/s, bytes / 4.3 TB/s) (the H200's measured rates, KINDS.md).
 """
@@ -25,6 +27,9 @@ SHAPES = [(8, 4, 16, 4096), (32, 4, 16, 4096), (8, 4, 128, 4096), (64, 1, 128, 2
 # (BLOCK_H, BLOCK_N, num_warps, num_stages, QSPLIT)
 GRID = [(16, 32, 4, 2, False), (32, 32, 4, 2, False), (32, 32, 4, 2, True), (32, 64, 4, 2, True),
         (64, 32, 8, 2, True), (64, 64, 8, 2, True), (64, 64, 8, 3, True)]  # fmt: skip
+HEADLINE_SHAPES = [(32, 4, 128, 32768)]
+HEADLINE_GRID = [(64, 32, 8, 2, True), (64, 32, 8, 3, True), (64, 16, 8, 2, True), (64, 16, 8, 3, True),
+                 (64, 32, 4, 2, True), (64, 64, 8, 2, True)]  # fmt: skip
 
 
 def problem(batch: int, qlen: int, heads: int, length: int, device: torch.device):
@@ -40,11 +45,11 @@ def problem(batch: int, qlen: int, heads: int, length: int, device: torch.device
     return (q, cache, table, seq_lens, o, lse), flops, nbytes
 
 
-def main(budget_s: float) -> None:
+def main(budget_s: float, shapes=SHAPES, grid=GRID) -> None:
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     start = time.time()
-    for (batch, qlen, heads, length), (bh, bn, warps, stages, qsplit) in itertools.product(SHAPES, GRID):
+    for (batch, qlen, heads, length), (bh, bn, warps, stages, qsplit) in itertools.product(shapes, grid):
         if time.time() - start > budget_s:
             break
         (q, cache, table, seq_lens, o, lse), flops, nbytes = problem(batch, qlen, heads, length, device)
@@ -71,4 +76,5 @@ def main(budget_s: float) -> None:
 
 
 if __name__ == "__main__":
-    main(float(sys.argv[1]) if len(sys.argv) > 1 else 400.0)
+    headline = sys.argv[2:] == ["headline"]
+    main(float(sys.argv[1]) if len(sys.argv) > 1 else 400.0, *((HEADLINE_SHAPES, HEADLINE_GRID) if headline else ()))

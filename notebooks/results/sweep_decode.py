@@ -1,0 +1,92 @@
+"""Sweep stage-1 launch configs of ``decode_attention``; results go in ``sweep_decode_h200.md``.
+
+Run from the repository root on the GPU machine:
+``PYTHONPATH=. python3 notebooks/results/sweep_decode.py [seconds]``. Each line: shape, split count
+(vLLM's ``_compute_num_kv_splits``), config, time (median CUDA-graph replay, stages 1 and 2), TFLOP/s,
+and % of the roofline max(FLOPs / 680 TFLOP/s, bytes / 4.24 TB/s), the H200 ceilings ``attnref bench``
+measured (bf16 matmul, device copy).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import triton
+import triton.testing
+
+from triton_impl.decode_attention import _compute_num_kv_splits, decode_attention_fwd
+
+os.environ["ATTNREF_CHECK_CONTENTS"] = "0"
+PEAK_FLOPS, PEAK_BW = 680e12, 4.24e12
+# (name, batch, heads, kv_heads, key width, value width, length, page)
+SHAPES = [
+    ("MLA", 32, 128, 1, 576, 512, 32768, 64),
+    ("MLA", 8, 128, 1, 576, 512, 8192, 64),
+    ("MLA", 32, 16, 1, 576, 512, 32768, 64),
+    ("GQA", 32, 32, 8, 128, 128, 32768, 16),
+]
+# (BLOCK_H, BLOCK_N, num_warps, num_stages, SPLIT_LATENT)
+MLA_GRID = [(16, 32, 4, 2, 0), (16, 32, 4, 2, 1), (32, 32, 4, 2, 1), (64, 32, 8, 2, 1), (64, 32, 4, 2, 1),
+            (64, 16, 8, 2, 1), (64, 64, 8, 2, 1), (64, 32, 8, 3, 1)]  # fmt: skip
+GQA_GRID = [(16, 32, 4, 2, 0), (16, 64, 4, 2, 0), (16, 64, 4, 3, 0), (16, 128, 4, 2, 0), (16, 128, 8, 3, 0),
+            (16, 64, 8, 2, 0)]  # fmt: skip
+
+
+def problem(name, batch, heads, kv_heads, key_width, value_width, length, page, device):
+    is_mla = name == "MLA"
+    pages = batch * triton.cdiv(length, page)
+    width = key_width if is_mla else key_width + value_width
+    cache = (torch.randn(pages, page, kv_heads, width, device=device) * 0.5).to(torch.bfloat16)
+    k, v = (cache, cache[..., :value_width]) if is_mla else (cache[..., :key_width], cache[..., key_width:])
+    table = torch.randperm(pages, device=device).view(batch, -1).to(torch.int32)
+    seq_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+    q = (torch.randn(batch, heads, key_width, device=device) * 0.5).to(torch.bfloat16)
+    o = torch.empty(batch, heads, value_width, device=device, dtype=torch.bfloat16)
+    lse = torch.empty(batch, heads, device=device)
+    flops = 2 * batch * heads * length * (key_width + value_width)
+    nbytes = batch * length * kv_heads * width * 2 + q.numel() * 2 + o.numel() * 2 + lse.numel() * 4
+    return (q, k, v, o, lse, table, seq_lens), is_mla, flops, nbytes
+
+
+def sweep_shape(shape: tuple, sms: int, deadline: float) -> None:
+    name, batch, heads, kv_heads, key_width, value_width, length, page = shape
+    device = torch.device("cuda")
+    (q, k, v, o, lse, table, seq_lens), is_mla, flops, nbytes = problem(*shape, device)
+    splits = _compute_num_kv_splits(length, sms)
+    logits = torch.empty(batch, heads, splits, value_width + 1, device=device)
+    sm_scale = 192**-0.5 if is_mla else key_width**-0.5
+    roofline_ms = max(flops / PEAK_FLOPS, nbytes / PEAK_BW) * 1e3
+    for bh, bn, warps, stages, split_latent in MLA_GRID if is_mla else GQA_GRID:
+        if time.time() > deadline:
+            return
+        cfg = {"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "SPLIT_LATENT": split_latent}
+
+        def run() -> None:
+            decode_attention_fwd(q, k, v, o, lse, table, seq_lens, logits, splits, sm_scale, page, is_mla=is_mla,
+                                 config=cfg)  # noqa: B023  # fmt: skip
+
+        label = (f"{name} B={batch} H={heads}/{kv_heads} L={length} S={splits:3d} "
+                 f"BH{bh} BN{bn} w{warps} s{stages} sl{split_latent}")  # fmt: skip
+        try:
+            run()
+            ms = triton.testing.do_bench_cudagraph(run, rep=50)
+        except Exception as err:  # a config that does not compile (shared memory) is a result too
+            print(f"{label}: {type(err).__name__}", flush=True)
+            continue
+        print(f"{label} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TF/s {nbytes / ms / 1e6:6.0f} GB/s "
+              f"roofline {100 * roofline_ms / ms:5.1f}%", flush=True)  # fmt: skip
+
+
+def main(budget_s: float) -> None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    deadline = time.time() + budget_s
+    for shape in SHAPES:
+        sweep_shape(shape, sms, deadline)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(float(sys.argv[1]) if len(sys.argv) > 1 else 300.0)
