@@ -166,7 +166,7 @@ def test_matches_golden(
         index_dtype=index_dtype, window=window, cap=cap, fp8_scale=fp8_scale,
     )  # fmt: skip
     lse_dtype = DTYPES[dtype] if lse_in_model_dtype else torch.float32
-    # SPLIT_LATENT (MLA's two latent halves, Hopper's wide config) on the same shapes; ignored for GQA.
+    # SPLIT_LATENT (MLA's two latent halves, as in the sm90 config) on the same shapes; ignored for GQA.
     config = {**SPLIT_LATENT_CONFIG, "BLOCK_H": 16} if split_latent else None
     o, lse, logits = d.run(splits, lse_dtype, config=config)
     ref_o, ref_lse = d.golden()
@@ -193,8 +193,8 @@ def test_deepseek_mla_dims(device) -> None:
 
 
 def test_deepseek_mla_wide_config(device) -> None:
-    """128 heads in 64-head tiles with the latent in two halves (the sm90 ``mla_wide`` entry, on
-    any device) against golden, and against the 16-head-tile config to the same tolerance."""
+    """128 heads in 64-head tiles with the latent in two halves (the sm90 entry's shape, on any
+    device), and in 16-head tiles without the split, both against golden."""
     d = make_decode(device, 6, [40, 1, 0], is_mla=True, num_heads=128, widths=(512, 64), page_size=16, fp8=True)
     d.sm_scale = 192**-0.5
     ref_o, ref_lse = d.golden()

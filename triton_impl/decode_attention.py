@@ -47,19 +47,19 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # BLOCK_H query heads share one K/V tile (tl.dot needs M >= 16); BLOCK_N keys per tile. The
 # "default" numbers are upstream vLLM's CUDA choices for this kernel (BLOCK_N 32, BLOCK_H 16,
 # 4 warps, 2 stages; 1 stage when the latent tile is >= 1024 wide); the Hopper entry starts from
-# them; "mla_wide" (64 or more heads per KV head) takes 64-head tiles with the latent in two
-# halves (SPLIT_LATENT), the smallest tile Hopper's wgmma runs, so one K/V tile serves 64 heads
-# instead of 16. The sm90 numbers come from notebooks/results/sweep_decode.py (results beside it).
-# The config never depends on the batch, so the summation order of a row does not either (batch
-# invariance with one split).
+# them. The sm90 MLA entry comes from notebooks/results/sweep_decode.py (sweep_decode_h200.md):
+# 64-head tiles (the smallest M Hopper's wgmma takes; H=16 clamps the tile to 16) with the latent
+# in two 256-wide halves (SPLIT_LATENT) and 64-key tiles: at B=32 L=32K, H=128 went from 3345 us
+# (BLOCK_H 16) to 1657 us and H=16 from 470 us to 385 us. GQA keeps the upstream entry: 99.7% of
+# the roofline at H=32/8 D=128 L=32K, the best of 6 configs. The config never depends on the
+# batch, so the summation order of a row does not either (batch invariance with one split).
 DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "default": {
         "mla": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
         "gqa": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
     },
     "sm90": {
-        "mla": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
-        "mla_wide": {"BLOCK_N": 32, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1},
+        "mla": {"BLOCK_N": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1},
         "gqa": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
     },
 }
@@ -73,15 +73,9 @@ def _gpu_arch(device: torch.device) -> str:
     return arch if arch in DECODE_CONFIGS else "default"
 
 
-def select_decode_config(device: torch.device, is_mla: bool, block_dv: int, group: int = 1) -> dict[str, int]:
-    """The launch config for a cache kind, head group size and device (never a function of the batch).
-
-    ``group`` is the number of query heads per KV head (all ``H`` for MLA): 64 or more picks the
-    ``*_wide`` entry where the device has one.
-    """
-    entries = DECODE_CONFIGS[_gpu_arch(device)]
-    kind = "mla" if is_mla else "gqa"
-    config = dict(entries.get(f"{kind}_wide", entries[kind]) if group >= 64 else entries[kind])
+def select_decode_config(device: torch.device, is_mla: bool, block_dv: int) -> dict[str, int]:
+    """The launch config for a cache kind on a device (never a function of the batch)."""
+    config = dict(DECODE_CONFIGS[_gpu_arch(device)]["mla" if is_mla else "gqa"])
     if block_dv >= 1024:
         config["num_stages"] = 1  # a second stage of 1024-wide tiles does not fit in shared memory
     return config
@@ -394,7 +388,7 @@ def decode_attention_fwd(
             two (``Lk - Lv = 0`` allowed).
         sliding_window: ``W > 0`` keys (the row's last key included) or ``None``/``0``.
         config: launch config override (keys of ``DECODE_CONFIGS``' entries), for sweeps and tests;
-            default ``select_decode_config(device, is_mla, Lv, H // HKV)``.
+            default ``select_decode_config(device, is_mla, Lv)``.
 
     Traffic: reads ``R*H*Lk`` query elements and per row its ``n - lo`` visible keys once per KV
     head (``Lk`` cache elements each for MLA, ``Lk + Lv`` for GQA; MLA with ``H > BLOCK_H`` re-reads
@@ -451,7 +445,7 @@ def decode_attention_fwd(
     rope_width = key_width - d_first
     block_dpe = max(16, triton.next_power_of_2(rope_width)) if rope_width else 0
     group = num_heads // num_kv_heads
-    config = config if config is not None else select_decode_config(device, is_mla, block_dv, group)
+    config = config if config is not None else select_decode_config(device, is_mla, block_dv)
     block_h = min(config["BLOCK_H"], max(16, triton.next_power_of_2(group)))
     head_blocks = triton.cdiv(group, block_h)
     split_latent = is_mla and bool(config.get("SPLIT_LATENT", 0)) and block_dv >= 32
