@@ -1,0 +1,68 @@
+"""Sweep the launch-config tables of the memory-bound kernels (TurboQuant decode, UE8M0 insert and
+gather) over their ``attnref bench`` cases; results go in ``sweep_memory_bound_h200.md``.
+
+Run from the repository root on the GPU machine:
+``PYTHONPATH=. python3 notebooks/results/sweep_memory_bound.py [seconds]``. Each line: case, config,
+median time (``triton.testing.do_bench``, content checks off), GB/s of the case's traffic formula
+and its % of 4221 GB/s (the device copy ``attnref bench`` measured). A case is built once and timed
+under every config; the config tables are patched in place, as a sweep of data should.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import triton.testing
+
+import triton_impl.turboquant as turboquant
+import triton_impl.ue8m0_cache as ue8m0
+from triton_impl.parity.turboquant import bench_cases as turboquant_cases
+from triton_impl.parity.ue8m0_cache import bench_cases as ue8m0_cases
+
+os.environ["ATTNREF_CHECK_CONTENTS"] = "0"
+COPY_GBPS = 4221.0
+# TurboQuant decode: (BLOCK_N, num_warps, num_stages); the first is the current sm90 entry.
+TURBOQUANT_GRID = [(16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 8, 2), (32, 4, 3), (64, 4, 3)]
+# UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps); the first is the default entry.
+UE8M0_GRID = [(1, 128, 4), (4, 128, 4), (8, 128, 4), (8, 128, 8), (16, 128, 8), (4, 512, 4), (8, 512, 8),
+              (16, 256, 8)]  # fmt: skip
+
+
+def set_turboquant(block_n: int, warps: int, stages: int) -> str:
+    turboquant.DECODE_CONFIGS["sm90"] = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+    return f"BN{block_n} w{warps} s{stages}"
+
+
+def set_ue8m0(tokens: int, workers: int, warps: int) -> str:
+    ue8m0.LAUNCH_CONFIGS["sm90"] = ue8m0.LaunchConfig(tokens, workers, warps)
+    return f"T{tokens} workers{workers} w{warps}"
+
+
+def main(budget_s: float) -> None:
+    device = torch.device("cuda")
+    deadline = time.time() + budget_s
+    cases = [(c, set_turboquant, TURBOQUANT_GRID) for c in turboquant_cases() if "L=8192" in c.name]
+    cases += [(c, set_ue8m0, UE8M0_GRID) for c in ue8m0_cases()]
+    for case, apply, grid in cases:
+        bench = case.setup(device)
+        for config in grid:
+            if time.time() > deadline:
+                return
+            label = apply(*config)
+            try:
+                bench.run()
+                ms = triton.testing.do_bench(bench.run, warmup=25, rep=100, return_mode="median")
+            except Exception as err:  # a config that does not compile is a result too
+                print(f"{case.name} | {label} | {type(err).__name__}", flush=True)
+                continue
+            gbps = bench.bytes / ms / 1e6
+            print(f"{case.name} | {label} | {ms:.4f} ms | {gbps:.0f} GB/s | {100 * gbps / COPY_GBPS:.1f}%", flush=True)
+        del bench
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(float(sys.argv[1]) if len(sys.argv) > 1 else 240.0)
