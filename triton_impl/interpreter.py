@@ -10,7 +10,8 @@ does and is right in both modes, so a kernel calls it unconditionally:
 2. ``tl.dot`` of bf16 operands multiplies the bit patterns (triton-lang/triton#11584).
    :func:`dot_dtype` gives the operand dtype: fp32 under the interpreter, the 16-bit type compiled.
 3. fp32 -> fp8 e4m3 drops the mantissa carry (31.6 -> 16) and rounds ties away from zero
-   (#8322, #11897). :func:`f32_to_e4m3_bits` is a software round-to-nearest-even encoder.
+   (#8322, #11897). :func:`f32_to_e4m3_bits` is a software round-to-nearest-even encoder under
+   the interpreter and for FNUZ; compiled OCP takes the (correct) hardware conversion.
 4. fp32 -> bf16 is not round-to-nearest-even. :func:`f32_to_bf16_rne` rounds in software, and
    :func:`cast_for_store` uses it for bf16 outputs under the interpreter only.
 6. e4m3 -> fp32 reads the NaN code 0x7F as 480. :func:`e4m3_bits_to_f32` decodes bytes in integer
@@ -78,11 +79,21 @@ def f32_to_e4m3_bits(x, FNUZ: tl.constexpr):
     0x7F with its sign, -0 keeps its sign. FNUZ ``float8_e4m3fnuz`` (bias 8, max 240): anything
     that rounds past 240, +-inf and NaN -> 0x80 (the only NaN), and -0 -> 0.
 
-    Integer arithmetic only, so it is exact compiled and interpreted. The significand is
+    Under the interpreter (and for FNUZ, which NVIDIA hardware lacks) it is integer arithmetic
+    only, exact in both modes; compiled OCP uses the hardware conversion, which
+    ``tests/test_interpreter.py`` holds to the same bits on the GPU. The significand is
     shifted down to the target ulp (which is 2^(e-3) for normals and 2^(1-bias-3) for
     subnormals) and rounded half to even; a carry out of the mantissa lands in the exponent field
     because the code is ``(biased_exponent - 1) * 8 + significand``.
     """
+    if not INTERPRET and not FNUZ:
+        # Compiled OCP: the hardware conversion (cvt.rn.satfinite.e4m3x2.f32 on sm_89+; one
+        # instruction per two values instead of ~35 integer ops) rounds to nearest even and
+        # saturates exactly as the integer path below; NaN is put back with its sign (0x7F | s).
+        nan_bits = x.to(tl.uint32, bitcast=True)
+        hw = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        is_nan_hw = (nan_bits & 0x7FFFFFFF) > 0x7F800000
+        return tl.where(is_nan_hw, (0x7F | ((nan_bits >> 24) & 0x80)).to(tl.uint8), hw)
     BIAS: tl.constexpr = 8 if FNUZ else 7
     bits = x.to(tl.uint32, bitcast=True)
     sign = (bits >> 31).to(tl.int32)

@@ -2,12 +2,13 @@
 
 Twin of ``golden/ue8m0_cache.py`` (SPEC section 5); the module docstring there draws the byte
 layout. Both kernels produce the golden model's bytes and bf16 bits exactly; every step that
-could round differently between compiled and interpreted Triton is done in integers:
+could round differently between compiled and interpreted Triton is done exactly in both modes:
 
 - the scale exponent ``ceil(log2(amax / fp8_max))`` comes from the bf16 bits of ``amax``
   (``amax = m * 2^E`` and ``fp8_max = M * 2^F`` give ``e = E - F + (m > M)``), not from ``log2``;
 - ``x * 2^-e`` multiplies by a power of two built from bits (exact);
-- fp32 -> e4m3 goes through ``f32_to_e4m3_bits`` (software round-to-nearest-even, OCP or FNUZ);
+- fp32 -> e4m3 goes through ``f32_to_e4m3_bits`` (round to nearest even: the hardware conversion
+  for compiled OCP, integer arithmetic under the interpreter and for FNUZ);
 - e4m3 -> fp32 is decoded from the byte here (:func:`triton_impl.interpreter.e4m3_bits_to_f32`), so FNUZ caches work on
   every GPU, not only where Triton has ``float8e4b8``;
 - bf16 is moved as int16 bits (RoPE is copied bit for bit) and the gathered NoPE value is
@@ -55,13 +56,16 @@ class LaunchConfig:
     num_warps: int
 
 
-# Launch configs as data, keyed by GPU architecture ("sm90", ...). Both kernels are memory-bound
-# and move 584 + 1024 bytes per token. Not tuned here: "default" is upstream's launch (one token
-# per program and 4 warps; 128 gather workers per request); the 1M-token benchmark (issue 7)
-# measures Hopper. The interpreter runs programs one after another in Python at ~20 ms each, so
-# it gets 16-token tiles and 2 workers (results do not depend on the config; a test checks it).
+# Launch configs as data, keyed by GPU architecture ("sm90", ...). Both kernels move 584 + 1024
+# bytes per token. "default" is upstream's launch (one token per program and 4 warps; 128 gather
+# workers per request). "sm90" is the best of 8 configs in notebooks/results/sweep_memory_bound.py
+# (sweep_memory_bound_h200.md, 1M tokens, block 64): 4-token tiles took insert from 1.934 to
+# 1.285 ms and gather (with 512 workers) from 1.048 to 0.995 ms. The interpreter runs programs one
+# after another in Python at ~20 ms each, so it gets 16-token tiles and 2 workers (results do not
+# depend on the config; a test checks it).
 LAUNCH_CONFIGS: dict[str, LaunchConfig] = {
     "default": LaunchConfig(tokens_per_program=1, gather_workers=128, num_warps=4),
+    "sm90": LaunchConfig(tokens_per_program=4, gather_workers=512, num_warps=4),
 }
 INTERPRETER_CONFIG = LaunchConfig(tokens_per_program=16, gather_workers=2, num_warps=1)
 

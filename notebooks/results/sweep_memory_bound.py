@@ -2,7 +2,7 @@
 gather) over their ``attnref bench`` cases; results go in ``sweep_memory_bound_h200.md``.
 
 Run from the repository root on the GPU machine:
-``PYTHONPATH=. python3 notebooks/results/sweep_memory_bound.py [seconds]``. Each line: case, config,
+``PYTHONPATH=. python3 notebooks/results/sweep_memory_bound.py [seconds] [turboquant|ue8m0]``. Each line: case, config,
 median time (``triton.testing.do_bench``, content checks off), GB/s of the case's traffic formula
 and its % of 4221 GB/s (the device copy ``attnref bench`` measured). A case is built once and timed
 under every config; the config tables are patched in place, as a sweep of data should.
@@ -41,11 +41,14 @@ def set_ue8m0(tokens: int, workers: int, warps: int) -> str:
     return f"T{tokens} workers{workers} w{warps}"
 
 
-def main(budget_s: float) -> None:
+def main(budget_s: float, only: str | None = None) -> None:
     device = torch.device("cuda")
     deadline = time.time() + budget_s
-    cases = [(c, set_turboquant, TURBOQUANT_GRID) for c in turboquant_cases() if "L=8192" in c.name]
-    cases += [(c, set_ue8m0, UE8M0_GRID) for c in ue8m0_cases()]
+    cases = []
+    if only in (None, "turboquant"):
+        cases += [(c, set_turboquant, TURBOQUANT_GRID) for c in turboquant_cases() if "L=8192" in c.name]
+    if only in (None, "ue8m0"):
+        cases += [(c, set_ue8m0, UE8M0_GRID) for c in ue8m0_cases()]
     for case, apply, grid in cases:
         bench = case.setup(device)
         for config in grid:
@@ -65,4 +68,4 @@ def main(budget_s: float) -> None:
 
 
 if __name__ == "__main__":
-    main(float(sys.argv[1]) if len(sys.argv) > 1 else 240.0)
+    main(float(sys.argv[1]) if len(sys.argv) > 1 else 240.0, sys.argv[2] if len(sys.argv) > 2 else None)
