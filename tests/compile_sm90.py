@@ -35,7 +35,8 @@ variant fails to compile. Triton here (CPU toolchain) may be newer than on the G
 error that only the GPU's Triton raises can be missed.
 
 Environment: ``ATTNREF_COMPILE_SM90_JOBS`` (worker processes, default 1),
-``ATTNREF_COMPILE_SM90_REPORT`` (a path: every variant and its outcome as JSON lines),
+``ATTNREF_COMPILE_SM90_REPORT`` (a path: every variant and its outcome as JSON lines, with the
+HGMMA and HMMA counts of its SASS),
 ``ATTNREF_COMPILE_SM90_TIMEOUT`` (seconds to wait for outstanding compiles at the end, default
 1800), ``ATTNREF_COMPILE_SM90_ERROR_LINES`` (lines of each error in the summary, default 12).
 Under pytest-xdist (``-n``, on by default in pyproject) every xdist worker checks its own launches
@@ -187,6 +188,10 @@ def _compile_request(req: dict[str, Any]) -> dict[str, Any]:
             kernel = triton_compile(src, target=GPUTarget(*req["target"]), options=options)
             shared = int(kernel.metadata.shared)
             result.update(shared=shared, stages=sorted(kernel.asm))
+            if os.environ.get(f"{ENV_FLAG}_REPORT"):  # the report also counts tensor-core MMAs in the SASS
+                from triton_impl.bench import sass_mma_counts
+
+                result["hgmma"], result["hmma"] = sass_mma_counts(kernel.asm["cubin"])
             if shared > req["max_shared"]:
                 result["error"] = (
                     f"OutOfResources: shared memory, Required: {shared}, Hardware limit: {req['max_shared']}"
@@ -420,6 +425,8 @@ class _Checker:
                     "ok": "error" not in result,
                     "seconds": round(result.get("seconds", 0.0), 3),
                     "shared": result.get("shared"),
+                    "hgmma": result.get("hgmma"),
+                    "hmma": result.get("hmma"),
                     "error": result.get("error"),
                 }
             )

@@ -11,12 +11,14 @@ for the correctness check and are off while timing, as in serving (``ATTNREF_CHE
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
 import os
 import pkgutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -99,29 +101,69 @@ def _time(fn: Callable[[], object]) -> float:
     return ms
 
 
-def _hgmma_report(cache_dir: Path, kernels: Sequence[str]) -> str:
-    """Count HGMMA instructions in the SASS of the named kernels' cached cubins."""
+def _cuobjdump() -> str:
+    """The cuobjdump in the Triton wheel (it ships one beside ptxas), else the one on PATH."""
+    import triton
+
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(bundled) if bundled.exists() else "cuobjdump"
+
+
+def sass_mma_counts(cubin: bytes) -> tuple[int, int]:
+    """``(HGMMA, HMMA)``: Hopper warpgroup MMAs and warp-level MMAs in a cubin's SASS."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run(
+            [_cuobjdump(), "--dump-sass", f.name], capture_output=True, text=True, timeout=120, check=True
+        ).stdout
+    return sass.count("HGMMA"), sass.count("HMMA")  # "HGMMA" does not contain "HMMA"
+
+
+@contextlib.contextmanager
+def capture_launches():
+    """Collect the compiled variants launched inside the block, keyed by ``id``.
+
+    ``JITFunction.run`` returns the ``CompiledKernel`` it launched (``kernel[grid](...)`` calls it),
+    so wrapping it names exactly the variant a case runs, cached or freshly compiled (the newest
+    cubin in the cache directory is not: a case that reuses a variant compiles nothing).
+    """
+    from triton.runtime.jit import JITFunction
+
+    launched: dict[int, object] = {}
+    original = JITFunction.run
+
+    def run(self, *args, **kwargs):
+        kernel = original(self, *args, **kwargs)
+        if kernel is not None:
+            launched.setdefault(id(kernel), kernel)
+        return kernel
+
+    JITFunction.run = run
+    try:
+        yield launched
+    finally:
+        JITFunction.run = original
+
+
+def _sass_report(launched: dict[int, object], kernels: Sequence[str]) -> str:
+    """``name: N HGMMA, M HMMA`` for each launched variant of the named kernels."""
     if not kernels:
         return "-"
     counts = []
-    for name in kernels:
-        cubins = sorted(cache_dir.rglob(f"{name}.cubin"), key=lambda p: p.stat().st_mtime)
-        if not cubins:
-            counts.append(f"{name}: no cubin")
+    for kernel in launched.values():
+        name = getattr(kernel, "name", "?")
+        if name not in kernels:
             continue
         try:
-            sass = subprocess.run(
-                ["cuobjdump", "--dump-sass", str(cubins[-1])], capture_output=True, text=True, timeout=120
-            ).stdout
-        except (OSError, subprocess.TimeoutExpired) as err:
-            counts.append(f"{name}: cuobjdump failed ({err.__class__.__name__})")
-            continue
-        counts.append(f"{name}: {sass.count('HGMMA')} HGMMA, {sass.count('HMMA')} HMMA")
-    return "; ".join(counts)
+            hgmma, hmma = sass_mma_counts(kernel.asm["cubin"])
+            counts.append(f"{name}: {hgmma} HGMMA, {hmma} HMMA")
+        except (AttributeError, KeyError, OSError, subprocess.SubprocessError) as err:
+            counts.append(f"{name}: SASS not read ({type(err).__name__})")
+    return "; ".join(dict.fromkeys(counts)) or "not captured"
 
 
 def run_bench(cases: Sequence[BenchCase], ceilings: dict[str, float], baselines: bool = True) -> list[Result]:
-    cache_dir = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
     peak_bw = ceilings["copy_gbps"] * 1e9
     peak_flops = ceilings["matmul_tflops"] * 1e12
     results = []
@@ -129,7 +171,8 @@ def run_bench(cases: Sequence[BenchCase], ceilings: dict[str, float], baselines:
         print(f"  {case.op}: {case.name}", flush=True)
         try:
             bench = case.setup(torch.device("cuda"))
-            bench.run()
+            with capture_launches() as launched:
+                bench.run()
             torch.cuda.synchronize()
             checks = bench.check()
         except Exception as err:  # a case that raises is reported, not timed; the others still run
@@ -168,7 +211,7 @@ def run_bench(cases: Sequence[BenchCase], ceilings: dict[str, float], baselines:
             Result(
                 case.op, case.name, ms, bench.bytes / ms / 1e6, bench.flops / ms / 1e9,
                 "memory" if t_bytes >= t_flops else "compute", roofline_ms, 100 * roofline_ms / ms, base_ms,
-                _hgmma_report(cache_dir, bench.kernels), True,
+                _sass_report(launched, bench.kernels), True,
             )
         )  # fmt: skip
         del bench

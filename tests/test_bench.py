@@ -1,0 +1,47 @@
+"""The benchmark's SASS column: MMA instructions counted in a real sm_90 cubin, compiled on this CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# Compiled (TRITON_INTERPRET=0) in a child process: here the kernels are interpreted. Triton
+# compiles for a GPUTarget without a GPU, down to a cubin, with the ptxas in its wheel.
+_COMPILE_AND_COUNT = """
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+@triton.jit
+def dot_kernel(a, b, c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    m, n, k = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+    x = tl.load(a + m[:, None] * K + k[None, :])
+    y = tl.load(b + k[:, None] * N + n[None, :])
+    tl.store(c + m[:, None] * N + n[None, :], tl.dot(x, y))
+
+
+from triton_impl.bench import sass_mma_counts
+
+signature = {"a": "*bf16", "b": "*bf16", "c": "*fp32", "M": "constexpr", "N": "constexpr", "K": "constexpr"}
+for rows in (64, 16):
+    src = ASTSource(dot_kernel, signature, {(3,): rows, (4,): 64, (5,): 64})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": True})
+    print(rows, *sass_mma_counts(kernel.asm["cubin"]))
+"""
+
+
+def test_sass_counts_tell_hgmma_from_hmma(tmp_path: Path) -> None:
+    """A 64-row bf16 tl.dot with 4 warps is a Hopper warpgroup MMA (HGMMA); 16 rows fall back to HMMA."""
+    script = tmp_path / "count_mma.py"  # a file: triton.jit reads the kernel's source
+    script.write_text(_COMPILE_AND_COUNT)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).parents[1])}
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600, check=True
+    ).stdout
+    counts = {int(rows): (int(hgmma), int(hmma)) for rows, hgmma, hmma in (line.split() for line in out.splitlines())}
+    assert counts[64][0] > 0 and counts[64][1] == 0, counts
+    assert counts[16][0] == 0 and counts[16][1] > 0, counts
