@@ -62,16 +62,19 @@ VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
 }
 
 # Per architecture: overrides of VERIFY_DEFAULT_CONFIG for few rows ("small") and many ("large").
-# - "sm_90" (Hopper: H100/H200): PROVISIONAL until the lead's H200 sweep. Chosen from a first sweep
-#   on one H200 (Triton 3.6, bf16, Lk 576 / Lv 512, page 64, CUDA-graph timing, 15 configs x 5
-#   shapes), as % of max(FLOPs / 790 TFLOP/s, unique bytes / 4.3 TB/s):
+# - "sm_90" (Hopper: H100/H200): from the sweeps in notebooks/results/sweep_verify_h200.md on one
+#   H200 (Triton 3.6, bf16, Lk 576 / Lv 512, page 64, CUDA-graph timing, 15 configs x 5 shapes),
+#   as % of max(FLOPs / 790 TFLOP/s, unique bytes / 4.3 TB/s):
 #     B=8  qlen=4 H=16  L=4096 ( 512 rows):  BH32 BN64 w4 QSPLIT  20.6% (S=8);  BH16 BN32 w4  13.8%
 #     B=64 qlen=2 H=16  L=4096 (2048 rows):  BH32 BN32 w4 QSPLIT  52.5% (S=4);  BH64 BN64 w8 QSPLIT 43.7%
 #     B=32 qlen=4 H=16  L=4096 (2048 rows):  BH64 BN64 w8 QSPLIT  37.3% (S=4);  BH32 BN32 w4 QSPLIT 27.9%
 #     B=8  qlen=4 H=128 L=4096 (4096 rows):  BH64 BN64 w8 QSPLIT  27.4% (S=2);  BH32 BN32 w4 QSPLIT 20.0%
 #     B=64 qlen=1 H=128 L=2048 (8192 rows):  BH64 BN64 w8 QSPLIT  29.6% (S=1, 3 stages; 28.7% with 2)
 #   QSPLIT won in every shape; BH64 without it ran out of shared memory at BN64 and was slower at
-#   BN32. Far from the 80% target: the lead's sweep and kernel work start here.
+#   BN32. At issue 7's headline (B=32 qlen=4 H=128 L=32K) the large config is the best of six:
+#   4.70 ms (BN32 6.51 ms; 3 stages 6.95 ms). SASS: large 80 HGMMA, small 272 HMMA
+#   (notebooks/results/sass_sm90.md). 27.8% of roofline (geomean, bench_h200.md) against the
+#   80% target: notebooks/results/perf_log.md says what bounds it.
 # - "generic": any other GPU; the same shapes, untuned.
 # - "interpreter": TRITON_INTERPRET=1 on a CPU, where a tile's cost is NumPy work: small tiles
 #   and short splits keep tests fast and exercise many splits on short sequences.
