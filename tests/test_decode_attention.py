@@ -470,6 +470,7 @@ def _bad_input_cases(device):
         ({"num_kv_splits": 0}, ValueError, "num_kv_splits: expected a positive int"),
         ({"logit_cap": -1.0}, ValueError, "logit_cap: expected a float >= 0"),
         ({"sliding_window": -2}, ValueError, "sliding_window: expected None, 0 or a positive int"),
+        ({"config": {"BLOCK_N": 32}}, ValueError, r"config: missing keys \['BLOCK_H', 'num_stages', 'num_warps'\]"),
         ({"k_scale": 0.5}, TypeError, "k_scale: expected a one-element float tensor"),
         ({"is_mla": True}, ValueError, "k_buffer: MLA expects one latent KV head, got 2"),
     ]

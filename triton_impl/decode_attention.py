@@ -53,6 +53,7 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # (BLOCK_H 16) to 1657 us and H=16 from 470 us to 385 us. GQA keeps the upstream entry: 99.7% of
 # the roofline at H=32/8 D=128 L=32K, the best of 6 configs. The config never depends on the
 # batch, so the summation order of a row does not either (batch invariance with one split).
+_CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})  # SPLIT_LATENT is optional (0)
 DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "default": {
         "mla": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
@@ -445,7 +446,10 @@ def decode_attention_fwd(
     rope_width = key_width - d_first
     block_dpe = max(16, triton.next_power_of_2(rope_width)) if rope_width else 0
     group = num_heads // num_kv_heads
-    config = config if config is not None else select_decode_config(device, is_mla, block_dv)
+    if config is None:
+        config = select_decode_config(device, is_mla, block_dv)
+    elif missing := _CONFIG_KEYS - set(config):
+        raise ValueError(f"config: missing keys {sorted(missing)} (expected those of DECODE_CONFIGS' entries)")
     block_h = min(config["BLOCK_H"], max(16, triton.next_power_of_2(group)))
     head_blocks = triton.cdiv(group, block_h)
     split_latent = is_mla and bool(config.get("SPLIT_LATENT", 0)) and block_dv >= 32
