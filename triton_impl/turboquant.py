@@ -50,8 +50,11 @@ _MAX_HEAD_DIM = 1024
 # every D_CHUNK (integer sums). Under the interpreter every op costs ~0.1 ms of Python whatever
 # its size, so one [D, D] step halves the store's CPU time. Decode: BLOCK_N tokens per tile, as
 # upstream's v2 kernel (TILE_SIZE 16, 4 warps, 2 stages on CUDA), in every mode, so CPU tests
-# run the GPU's tiling. The Hopper entries start from the defaults until the H200 sweep (issue
-# 7) replaces them. No config depends on the batch.
+# run the GPU's tiling. The sm90 decode entry is the best of 7 in
+# notebooks/results/sweep_memory_bound_h200.md (BLOCK_N 16-128, 4-8 warps, 2-3 stages): every
+# larger tile was slower (4-bit, L=8K: 2.34 ms at 16, 2.53-3.21 ms otherwise), so the per-key
+# decode work, not the tile overhead, bounds the kernel (notebooks/results/perf_log.md). The sm90
+# store entry is not swept. No config depends on the batch.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"D_CHUNK": 16, "num_warps": 4},
     "sm90": {"D_CHUNK": 16, "num_warps": 4},
