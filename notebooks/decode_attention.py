@@ -253,3 +253,34 @@ for layout in ("striped", "sliced"):
 # kernel to the last bits of its bf16 output.
 # `tests/test_decode_attention_dcp.py` runs the real thing over gloo with 2 and 3 processes, and
 # `tests/dcp_nccl_check.py` over NCCL on GPUs.
+
+# %% [markdown]
+# ## 5. Head tiles on Hopper: why 64 heads, and why the latent comes in two halves
+#
+# For MLA, every head reads the same 576-element latent per key. A program that owns `BLOCK_H`
+# heads loads each K tile once for all of them, so a request's keys are read `cdiv(H, BLOCK_H)`
+# times (from L2 after the first). Hopper's warpgroup MMA (wgmma) needs 64 rows per warpgroup, so
+# 16-head tiles can only use the older warp-level MMA. A 64-head tile, however, keeps a
+# `64 x 512` fp32 output accumulator: 128 KiB, or 128 registers per thread over 8 warps, next to
+# the queries and the softmax state. `SPLIT_LATENT` handles the latent as two 256-wide halves
+# with two accumulators, as the verify kernel's `QSPLIT` does: each product then fits one wgmma
+# (N <= 256), and in the verify sweep 64-row tiles without the split ran out of shared memory at
+# 64-key tiles. The count below is exact; the timings are the H200 sweep's
+# (`notebooks/results/sweep_decode_h200.md`, B=32, L=32K, CUDA graphs).
+
+# %%
+for heads in (16, 128):
+    for block_h in (16, 64):
+        tile = min(block_h, heads)
+        passes = -(-heads // tile)
+        acc_regs = tile * 512 // (8 * 32)  # fp32 accumulator words per thread, 8 warps of 32
+        mma = "wgmma" if tile >= 64 else "mma.sync"
+        print(f"H={heads:3d} BLOCK_H={block_h}: tile {tile:2d} heads, K/V tile loaded {passes} times per key, "
+              f"accumulator {acc_regs} registers/thread (8 warps), MMA {mma}")  # fmt: skip
+
+# %% [markdown]
+# On the H200 sweep, H=128 went from 3345 us with 16-head tiles to 2163 us with 64-head tiles
+# and halves, and to 1657 us with 64-key tiles: 25% of its compute roofline. H=16 (one 16-head
+# tile either way) went from 470 us to 385 us with 64-key tiles and 8 warps: 74% of its memory
+# roofline. At H=128 what is left is the overlap of softmax and MMA that FlashMLA gets from warp
+# specialization (`notebooks/results/perf_log.md`).

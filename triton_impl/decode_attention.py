@@ -192,8 +192,9 @@ def _decode_stage1_kernel(
     of K. Online softmax in base 2 (``sm_scale * log2 e``); the stored LSE is natural-log.
 
     ``SPLIT_LATENT`` (MLA): the latent tile, which is also V, is handled as two halves of
-    ``BLOCK_D // 2`` columns, each with its own ``[BLOCK_H, BLOCK_D // 2]`` accumulator, so that a
-    64-head tile (the smallest that Hopper's wgmma takes) keeps a 512-wide latent in registers.
+    ``BLOCK_D // 2`` columns, each with its own ``[BLOCK_H, BLOCK_D // 2]`` accumulator, as verify's
+    ``QSPLIT``: each product then fits one wgmma (N <= 256), and in the verify sweep 64-row tiles
+    without the split ran out of shared memory at 64-key tiles.
     """
     HALF: tl.constexpr = BLOCK_D // 2 if SPLIT_LATENT else BLOCK_D
     ACC_W: tl.constexpr = BLOCK_DV // 2 if SPLIT_LATENT else BLOCK_DV
