@@ -18,17 +18,21 @@ decode context parallelism over ``torch.distributed`` (:func:`decode_attention_d
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
 
 from triton_impl.interpreter import cast_for_store, dot_dtype
-from triton_impl.lse_merge import _launch_merge_splits
+from triton_impl.lse_merge import launch_merge_splits
 from triton_impl.validation import (
+    block_table_2d,
     check_block_table,
     check_positive,
     check_power_of_two,
+    check_scale,
     check_tensor,
 )
 
@@ -66,6 +70,7 @@ DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
 }
 
 
+@functools.cache
 def _gpu_arch(device: torch.device) -> str:
     if device.type != "cuda":
         return "default"
@@ -153,7 +158,7 @@ def _tanh(x):
 @triton.jit
 def _decode_stage1_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-    sm_scale, logit_cap, window, num_kv_splits,
+    sm_scale, logit_cap, window, num_kv_splits, num_pages, table_keys,
     stride_q_r, stride_q_h,
     stride_k_page, stride_k_tok, stride_k_head,
     stride_v_page, stride_v_tok, stride_v_head,
@@ -212,6 +217,12 @@ def _decode_stage1_kernel(
     chunk = tl.cdiv(n - lo, num_kv_splits)
     start = tl.minimum(lo + split * chunk, n)
     end = tl.minimum(start + chunk, n)
+    # Memory safety without host checks: a row whose keys need a table column past the table (``table_keys =
+    # columns * PAGE_SIZE``), or
+    # a page outside the cache, is poisoned (o = lse = NaN) and no such address is read. Every split
+    # of the row sees the first condition, so the merged row is NaN too; the loop stops at the table.
+    poisoned = n > table_keys
+    end = tl.minimum(end, table_keys).to(tl.int32)
 
     d1 = tl.arange(0, HALF)
     d1_ok = d1 < D_FIRST
@@ -250,6 +261,9 @@ def _decode_stage1_kernel(
         toks = tile + tl.arange(0, BLOCK_N)
         tok_ok = toks < end
         page = tl.load(table_ptr + row * stride_t_r + (toks // PAGE_SIZE) * stride_t_p, mask=tok_ok, other=0)
+        page_ok = (page >= 0) & (page < num_pages)
+        poisoned |= tl.max((tok_ok & ~page_ok).to(tl.int32), axis=0) > 0
+        tok_ok = tok_ok & page_ok
         slot = (toks % PAGE_SIZE).to(tl.int64)
         k_rows = k_ptr + page.to(tl.int64) * stride_k_page + slot * stride_k_tok + kv_head * stride_k_head
         k1 = tl.load(k_rows[:, None] + d1[None, :], mask=tok_ok[:, None] & d1_ok[None, :], other=0.0)
@@ -268,7 +282,8 @@ def _decode_stage1_kernel(
             qk = logit_cap * _tanh(qk / logit_cap) * _LOG2E
         qk = tl.where(tok_ok[None, :], qk, float("-inf"))
 
-        # Every tile holds at least one key of [start, end), so m_new is finite (finite data).
+        # Every tile holds at least one key of [start, end), so m_new is finite (finite data and
+        # unpoisoned: a poisoned tile's result is replaced by NaN below).
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -289,6 +304,8 @@ def _decode_stage1_kernel(
     empty = end <= start
     row_scale = tl.where(empty, 0.0, out_scale / tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * _LN2)
+    row_scale = tl.where(poisoned, float("nan"), row_scale)
+    lse = tl.where(poisoned, float("nan"), lse)
     head_offs = heads.to(tl.int64)
     out = acc * row_scale[:, None]
     out_mask = head_ok[:, None] & dv_ok[None, :]
@@ -330,16 +347,6 @@ def _paged_strides(name: str, buf: torch.Tensor, page_size: int) -> tuple[int, i
     return buf.shape[0] // page_size, buf.stride(0) * page_size, buf.stride(0), buf.stride(1)
 
 
-def _check_scale(name: str, scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    if scale is None:
-        return torch.ones((), dtype=torch.float32, device=device)
-    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or not scale.is_floating_point():
-        raise TypeError(f"{name}: expected a one-element float tensor or None, got {scale!r}")
-    if scale.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {scale.device}")
-    return scale
-
-
 def decode_attention_fwd(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -351,7 +358,7 @@ def decode_attention_fwd(
     attn_logits: torch.Tensor | None,
     num_kv_splits: int,
     sm_scale: float,
-    page_size: int,
+    page_size: int = 1,
     logit_cap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -376,13 +383,16 @@ def decode_attention_fwd(
             of which only the width is used (V is read from the K tile).
         o: ``[R, H, Lv]`` fp32/fp16/bf16, written.
         lse: ``[R, H]`` fp32 (or fp16/bf16 as serving passes it), written, natural-log.
-        req_to_token: ``[R, max_pages]`` int32/int64 block table (any strides); entries covering
-            ``[0, n)`` must address a page, the rest are never read.
-        b_seq_len: ``[R]`` int32/int64 extents (``<= 0``: empty row).
-        attn_logits: ``[R, H, S, Lv+1]`` fp32 split scratch, or None when ``S == 1``.
+        req_to_token: ``[>= R, max_pages]`` (or ``[>= R, max_pages, 1]``) int32/int64 block table,
+            any strides; row ``r`` serves query row ``r``. Entries covering ``[0, n)`` should
+            address a page: one that does not (or a row longer than the table) makes that row
+            ``o = lse = NaN`` and is never dereferenced. Entries past ``n`` are never read.
+        b_seq_len: ``[>= R]`` int32/int64 extents (``<= 0``: empty row).
+        attn_logits: ``[>= R, H, S, Lv+1]`` fp32 split scratch (a worst-case workspace works), or
+            None when ``S == 1``.
         num_kv_splits: ``S >= 1``; splits cover the visible window, so ``S`` past the window length
             only adds empty splits.
-        sm_scale: softmax scale. page_size: tokens per page.
+        sm_scale: softmax scale. page_size: tokens per page (default 1: a token-level table).
         logit_cap: ``0`` (none) or ``> 0``.
         k_scale, v_scale: one-element fp32 tensors dequantizing an FP8 cache, or None (1); ignored
             for a 16-bit cache; MLA's V uses ``k_scale`` (it is part of K).
@@ -391,6 +401,12 @@ def decode_attention_fwd(
         sliding_window: ``W > 0`` keys (the row's last key included) or ``None``/``0``.
         config: launch config override (keys of ``DECODE_CONFIGS``' entries), for sweeps and tests;
             default ``select_decode_config(device, is_mla, Lv)``.
+
+    Content checks (opt-in on CUDA, see ``triton_impl.validation``) look at the table entries on
+    the host; with them off the call never synchronizes. CUDA graphs: capture with the largest
+    ``R`` and ``S`` the graph serves and replay with new ``b_seq_len`` / ``req_to_token`` contents
+    written in place; the tensors (their addresses and shapes), ``num_kv_splits``, ``sm_scale``,
+    ``page_size``, ``logit_cap``, ``is_mla`` and ``sliding_window`` stay fixed across replays.
 
     Traffic: reads ``R*H*Lk`` query elements and per row its ``n - lo`` visible keys once per KV
     head (``Lk`` cache elements each for MLA, ``Lk + Lv`` for GQA; MLA with ``H > BLOCK_H`` re-reads
@@ -423,21 +439,27 @@ def decode_attention_fwd(
         check_power_of_two("rope width (MLA Lk - Lv)", key_width - value_width, allow_zero=True)
     check_tensor("o", o, shape=(num_rows, num_heads, value_width), dtypes=_OUT_DTYPES, device=device)
     check_tensor("lse", lse, shape=(num_rows, num_heads), dtypes=_OUT_DTYPES, device=device, unit_last_stride=False)
-    check_tensor("req_to_token", req_to_token, ndim=2, dtypes=_INDEX_DTYPES, device=device, unit_last_stride=False)
-    if req_to_token.shape[0] != num_rows:
-        raise ValueError(f"req_to_token: expected {num_rows} rows (q's), got {req_to_token.shape[0]}")
-    check_tensor("b_seq_len", b_seq_len, shape=(num_rows,), dtypes=_INDEX_DTYPES, device=device, unit_last_stride=False)
+    req_to_token = block_table_2d("req_to_token", req_to_token, min_rows=num_rows, device=device, dtypes=_INDEX_DTYPES)
+    check_tensor("b_seq_len", b_seq_len, ndim=1, dtypes=_INDEX_DTYPES, device=device, unit_last_stride=False)
+    if b_seq_len.shape[0] < num_rows:
+        raise ValueError(f"b_seq_len: expected >= {num_rows} entries (q's rows), got {b_seq_len.shape[0]}")
     single = num_kv_splits == 1
     if not single:
-        check_tensor("attn_logits", attn_logits, shape=(num_rows, num_heads, num_kv_splits, value_width + 1),
-                     dtypes=(torch.float32,), device=device)  # fmt: skip
+        check_tensor("attn_logits", attn_logits, ndim=4, dtypes=(torch.float32,), device=device)
+        want = (num_heads, num_kv_splits, value_width + 1)
+        if tuple(attn_logits.shape[1:]) != want or attn_logits.shape[0] < num_rows:
+            raise ValueError(
+                f"attn_logits: expected [>= {num_rows}, {', '.join(map(str, want))}] (rows, H, splits, Lv + 1), "
+                f"got {list(attn_logits.shape)}"
+            )
+        attn_logits = attn_logits[:num_rows]
     if not isinstance(logit_cap, (int, float)) or not logit_cap >= 0:
         raise ValueError(f"logit_cap: expected a float >= 0, got {logit_cap!r}")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 0):
         raise ValueError(f"sliding_window: expected None, 0 or a positive int, got {sliding_window!r}")
-    k_scale = _check_scale("k_scale", k_scale, device)
-    v_scale = _check_scale("v_scale", v_scale, device)
-    check_block_table("req_to_token", req_to_token, b_seq_len, page_size, num_pages)
+    k_scale = check_scale("k_scale", k_scale, device)
+    v_scale = check_scale("v_scale", v_scale, device)
+    check_block_table("req_to_token", req_to_token, b_seq_len[:num_rows], page_size, num_pages)
     if num_rows == 0 or num_heads == 0:
         return
 
@@ -460,6 +482,7 @@ def decode_attention_fwd(
     _decode_stage1_kernel[grid](
         q, k_buffer, v_buffer, o, lse, part, req_to_token, b_seq_len, k_scale, v_scale,
         float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,
+        num_pages, req_to_token.shape[1] * page_size,
         q.stride(0), q.stride(1),
         stride_k_page, stride_k_tok, stride_k_head,
         stride_v_page, stride_v_tok, stride_v_head,
@@ -489,7 +512,7 @@ def decode_attention_fwd(
         num_stages=config["num_stages"],
     )  # fmt: skip
     if not single:
-        _launch_merge_splits(attn_logits, o, lse)
+        launch_merge_splits(attn_logits, o, lse)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -556,4 +579,4 @@ def decode_attention_dcp(
     # all_gather into views of one buffer: the portable form (gloo rejects the stacked
     # all_gather_into_tensor layout, and torch 2.13 deprecates that function).
     dist.all_gather(list(gathered.unbind(0)), packed, group=group)
-    _launch_merge_splits(gathered.permute(1, 2, 0, 3), o, lse)
+    launch_merge_splits(gathered.permute(1, 2, 0, 3), o, lse)

@@ -173,6 +173,8 @@ def _merge_splits_kernel(
     Pass 1 reads the ``S`` LSEs (stored at column ``D`` of each split) and takes their max; pass 2
     streams ``BLOCK_S`` splits at a time, weighting each normalized partial by
     ``exp(lse_s - max)``. Splits with ``lse = -inf`` are empty: their outputs are never loaded.
+    A NaN LSE (stage 1 poisons a split that met a block-table entry outside the cache) makes the
+    whole (row, head) NaN, explicitly: a hardware max would drop the NaN.
     """
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -181,11 +183,14 @@ def _merge_splits_kernel(
     splits = tl.arange(0, BLOCK_S)
 
     m = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    poisoned = tl.zeros((BLOCK_S,), tl.int32)
     for start in range(0, num_splits, BLOCK_S):
         s = start + splits
         lse_s = tl.load(base + s * stride_p_s + head_dim, mask=s < num_splits, other=float("-inf"))
-        m = tl.maximum(m, tl.where(lse_s == float("inf"), float("-inf"), lse_s))
+        poisoned |= (lse_s != lse_s).to(tl.int32)
+        m = tl.maximum(m, tl.where((lse_s == float("inf")) | (lse_s != lse_s), float("-inf"), lse_s))
     m_all = tl.max(m, axis=0)
+    poison = tl.max(poisoned, axis=0) > 0
     empty = m_all == float("-inf")
     m_safe = tl.where(empty, 0.0, m_all)
 
@@ -194,7 +199,7 @@ def _merge_splits_kernel(
     for start in range(0, num_splits, BLOCK_S):
         s = start + splits
         lse_s = tl.load(base + s * stride_p_s + head_dim, mask=s < num_splits, other=float("-inf"))
-        w = tl.exp(tl.where(lse_s == float("inf"), float("-inf"), lse_s) - m_safe)
+        w = tl.exp(tl.where((lse_s == float("inf")) | (lse_s != lse_s), float("-inf"), lse_s) - m_safe)
         part = tl.load(
             base + s[:, None] * stride_p_s + dims[None, :],
             mask=(w[:, None] > 0) & (dims[None, :] < head_dim),
@@ -204,12 +209,14 @@ def _merge_splits_kernel(
         total += w
     w_sum = tl.sum(total, axis=0)
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, w_sum))
+    inv = tl.where(poison, float("nan"), inv)
     tl.store(
         o_ptr + row * stride_o_r + head * stride_o_h + dims,
         cast_for_store(acc * inv, o_ptr.dtype.element_ty),
         mask=dims < head_dim,
     )
     merged_lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, w_sum)))
+    merged_lse = tl.where(poison, float("nan"), merged_lse)
     tl.store(lse_ptr + row * stride_lse_r + head * stride_lse_h, cast_for_store(merged_lse, lse_ptr.dtype.element_ty))
 
 
@@ -237,11 +244,12 @@ def merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> 
     )
     if num_splits < 1:
         raise ValueError(f"partials: expected at least one split, got shape {list(partials.shape)}")
-    _launch_merge_splits(partials, o, lse)
+    launch_merge_splits(partials, o, lse)
 
 
-def _launch_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
-    """``merge_splits`` without the checks, for stage 2 of kernels that validated already."""
+def launch_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """:func:`merge_splits` without the argument checks: stage 2 of the split-KV kernels
+    (``decode_attention``, ``mla_verify``, ``turboquant``), whose wrappers validated the scratch."""
     rows, num_heads, num_splits, width = partials.shape
     if rows == 0 or num_heads == 0:
         return

@@ -24,11 +24,13 @@ import triton
 import triton.language as tl
 
 from triton_impl.interpreter import INTERPRET, cast_for_store, dot_dtype
-from triton_impl.lse_merge import _launch_merge_splits
+from triton_impl.lse_merge import launch_merge_splits
 from triton_impl.validation import (
+    block_table_2d,
     check_block_table,
     check_positive,
     check_power_of_two,
+    check_scale,
     check_tensor,
     content_checks_enabled,
 )
@@ -191,12 +193,6 @@ def _storage_view(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.as_strided(t, shape, strides, 0)
 
 
-@functools.cache
-def _unit_scale(device: torch.device) -> torch.Tensor:
-    """The default ``k_scale`` (1.0), made once per device rather than on every launch."""
-    return torch.ones((), dtype=torch.float32, device=device)
-
-
 def _page_stride(k_buffer: torch.Tensor, page_size: int) -> int:
     """Elements between pages, read from the tensor (a cross-layer view's is larger than
     ``page_size * token_stride``); a 3-D token-major buffer is viewed as pages first."""
@@ -213,7 +209,8 @@ def _page_stride(k_buffer: torch.Tensor, page_size: int) -> int:
 @triton.jit
 def _fwd_verify_kernel_stage1(
     Q, K_Buffer, sm_scale_log2, Req_to_tokens, Seq_lens, Real_seq_lens, Mid, Out, Lse, K_scale,
-    stride_req_b, stride_q_r, stride_q_h, stride_page, stride_tok,
+    num_pages, table_keys,
+    stride_req_b, stride_req_p, stride_q_r, stride_q_h, stride_page, stride_tok,
     stride_mid_r, stride_mid_h, stride_mid_s, stride_o_r, stride_o_h, stride_lse_r, stride_lse_h,
     QLEN: tl.constexpr,
     NUM_HEADS: tl.constexpr,
@@ -274,7 +271,11 @@ def _fwd_verify_kernel_stage1(
     chunk = tl.maximum(tl.cdiv(per_split, SPLIT_ALIGN) * SPLIT_ALIGN, MIN_SPLIT_LEN)
     split_start = split * chunk
     split_end = tl.minimum(split_start + chunk, seq_len)
-    row_end = tl.minimum(limit, split_end)
+    # Memory safety without host checks: a row whose keys need a table column past the table
+    # (``table_keys = columns * PAGE_SIZE``) or a page outside the cache is poisoned (o = lse =
+    # NaN), and no such address is read. Every split of the row sees the first condition.
+    row_poisoned = limit > table_keys
+    row_end = tl.minimum(tl.minimum(limit, split_end), table_keys).to(tl.int32)
     tile_end = tl.max(row_end, axis=0)
 
     offs_d0 = tl.arange(0, HALF)
@@ -305,7 +306,11 @@ def _fwd_verify_kernel_stage1(
     for start_n in range(split_start, tile_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_ok = offs_n < tile_end
-        page = tl.load(table_row + offs_n // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+        page = tl.load(table_row + (offs_n // PAGE_SIZE) * stride_req_p, mask=key_ok, other=0).to(tl.int64)
+        page_ok = (page >= 0) & (page < num_pages)
+        seen = offs_n[None, :] < row_end[:, None]
+        row_poisoned |= tl.max((seen & ~page_ok[None, :]).to(tl.int32), axis=1) > 0
+        key_ok = key_ok & page_ok
         k_rows = K_Buffer + page * stride_page + (offs_n % PAGE_SIZE) * stride_tok
         k0 = tl.load(k_rows[:, None] + offs_d0[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
         qk = tl.dot(q0, tl.trans(k0))
@@ -317,7 +322,7 @@ def _fwd_verify_kernel_stage1(
             pe_ptrs = k_rows[:, None] + offs_pe[None, :]
             k_pe = tl.load(pe_ptrs, mask=key_ok[:, None] & pe_ok[None, :], other=0.0).to(DOT_DTYPE)
             qk += tl.dot(q_pe, tl.trans(k_pe))
-        qk = tl.where(offs_n[None, :] < row_end[:, None], qk * qk_scale, float("-inf"))
+        qk = tl.where(seen, qk * qk_scale, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays (0, -inf)
@@ -333,6 +338,8 @@ def _fwd_verify_kernel_stage1(
     has_keys = l_i > 0
     out_scale = tl.where(has_keys, k_scale / tl.where(has_keys, l_i, 1.0), 0.0)
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    out_scale = tl.where(row_poisoned, float("nan"), out_scale)
+    lse = tl.where(row_poisoned, float("nan"), lse)
     if SINGLE:
         o_rows = Out + r * stride_o_r + h * stride_o_h
         out_ty = Out.dtype.element_ty
@@ -362,8 +369,9 @@ def _fwd_verify_kernel_stage1(
 def _check_verify_args(
     q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq_lens, qlen, attn_logits,
     num_kv_splits, page_size, k_scale,
-) -> tuple[int, int]:  # fmt: skip
-    """SPEC section 8 for ``decode_attention_fwd_verify``; returns ``(Lk, Lv)``."""
+) -> tuple[torch.Tensor, torch.Tensor, int]:  # fmt: skip
+    """Argument checks of ``decode_attention_fwd_verify``; returns the 2-D block table, the
+    ``k_scale`` to launch with (1.0 for a 16-bit cache) and the cache's page count."""
     check_positive("qlen", qlen)
     check_positive("num_kv_splits", num_kv_splits)
     check_positive("page_size", page_size)
@@ -400,12 +408,12 @@ def _check_verify_args(
     check_tensor(
         "lse", lse, shape=(num_rows, num_heads), dtypes=(torch.float32,), device=device, unit_last_stride=False
     )
-    check_tensor("req_to_token", req_to_token, ndim=2, dtypes=_INDEX_DTYPES, device=device)
-    if req_to_token.shape[0] != batch:
-        raise ValueError(f"req_to_token: expected {batch} rows (one per request), got {list(req_to_token.shape)}")
-    check_tensor("seq_lens", seq_lens, shape=(batch,), dtypes=_INDEX_DTYPES, device=device)
-    if real_seq_lens is not None:
-        check_tensor("real_seq_lens", real_seq_lens, shape=(batch,), dtypes=_INDEX_DTYPES, device=device)
+    block_table = block_table_2d("req_to_token", req_to_token, min_rows=batch, device=device, dtypes=_INDEX_DTYPES)
+    for name, lens in (("seq_lens", seq_lens), ("real_seq_lens", real_seq_lens)):
+        if lens is not None or name == "seq_lens":
+            check_tensor(name, lens, ndim=1, dtypes=_INDEX_DTYPES, device=device, unit_last_stride=False)
+            if lens.shape[0] < batch:
+                raise ValueError(f"{name}: expected >= {batch} entries (one per request), got {lens.shape[0]}")
     if num_kv_splits > 1:
         check_tensor("attn_logits", attn_logits, ndim=4, dtypes=(torch.float32,), device=device)
         want = (num_heads, num_kv_splits, value_width + 1)
@@ -414,15 +422,14 @@ def _check_verify_args(
                 f"attn_logits: expected [>= {num_rows}, {', '.join(map(str, want))}] (rows, H, splits, Lv + 1), "
                 f"got {list(attn_logits.shape)}"
             )
-    if k_buffer.dtype in _FP8_CACHE_DTYPES and k_scale is not None:
-        check_tensor("k_scale", k_scale, dtypes=(torch.float32,), device=device)
-        if k_scale.numel() != 1:
-            raise ValueError(f"k_scale: expected a scalar tensor, got shape {list(k_scale.shape)}")
+    k_scale = check_scale("k_scale", k_scale if k_buffer.dtype in _FP8_CACHE_DTYPES else None, device)
     num_pages = k_buffer.shape[0] if k_buffer.dim() == 4 else k_buffer.shape[0] // page_size
-    if content_checks_enabled():  # the kernel reads table entries covering keys [0, min(L, R))
-        keys_read = seq_lens if real_seq_lens is None else torch.minimum(seq_lens, real_seq_lens)
-        check_block_table("req_to_token", req_to_token, keys_read, page_size, num_pages)
-    return key_width, value_width
+    if content_checks_enabled(device):  # the kernel reads table entries covering keys [0, min(L, R))
+        keys_read = seq_lens[:batch]
+        if real_seq_lens is not None:
+            keys_read = torch.minimum(keys_read, real_seq_lens[:batch])
+        check_block_table("req_to_token", block_table, keys_read, page_size, num_pages)
+    return block_table, k_scale, num_pages
 
 
 def decode_attention_fwd_verify(
@@ -459,9 +466,12 @@ def decode_attention_fwd_verify(
             ``Lv`` and ``P = Lk - Lv`` must be powers of two (``P = 0`` allowed).
         o: ``[B * qlen, H, Lv]`` bf16/fp16/fp32 output.
         lse: ``[B * qlen, H]`` fp32 natural-log LSE (-inf for rows with no key).
-        req_to_token: ``[B, max_pages]`` int32/int64 per-request block table (not repeated).
-        seq_lens: ``[B]`` int kernel KV lengths ``L``.
-        real_seq_lens: ``[B]`` int or None; row limit is ``max(min(L - qlen + 1 + t, L_real), 0)``.
+        req_to_token: ``[>= B, max_pages]`` (or ``[>= B, max_pages, 1]``) int32/int64 per-request
+            block table (not repeated), any strides. Entries covering a row's keys should address
+            a page: one that does not (or a row longer than the table) makes that row
+            ``o = lse = NaN`` and is never dereferenced; entries past the keys are never read.
+        seq_lens: ``[>= B]`` int kernel KV lengths ``L``.
+        real_seq_lens: ``[>= B]`` int or None; row limit is ``max(min(L - qlen + 1 + t, L_real), 0)``.
         qlen: verify tokens per request.
         attn_logits: fp32 workspace ``[>= B * qlen, H, num_kv_splits, Lv + 1]``; unused, and may be
             None, when ``num_kv_splits`` is 1.
@@ -472,15 +482,22 @@ def decode_attention_fwd_verify(
         k_scale: scalar fp32 tensor dequantizing an FP8 cache (default 1); ignored for bf16/fp16.
         config: launch config overriding :func:`select_verify_config` (tests cover every variant).
 
+    Content checks (opt-in on CUDA, see ``triton_impl.validation``) look at the table on the host;
+    with them off the call never synchronizes. CUDA graphs: capture with the largest batch and
+    ``num_kv_splits`` the graph serves, then replay with new ``seq_lens`` / ``real_seq_lens`` /
+    ``req_to_token`` contents written in place; the tensors (addresses and shapes), ``qlen``,
+    ``num_kv_splits``, ``sm_scale``, ``page_size`` and ``config`` stay fixed across replays.
+
     Traffic: reads ``B*qlen*H*Lk`` query elements and, per request, each key below
     ``max_t n(b, t)`` once per row block (``cdiv(qlen*H, BLOCK_H)`` times, the repeats mostly from
     L2); writes ``B*qlen*H*(Lv + 1)`` (plus ``S`` times that in fp32 partials when ``S > 1``).
     """
-    key_width, value_width = _check_verify_args(
+    block_table, k_scale, num_pages = _check_verify_args(
         q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq_lens, qlen, attn_logits,
         num_kv_splits, page_size, k_scale,
     )  # fmt: skip
-    num_rows, num_heads = q.shape[0], q.shape[1]
+    num_rows, num_heads, key_width = q.shape
+    value_width = v_buffer.shape[-1]
     batch = num_rows // qlen
     if batch == 0:
         return
@@ -492,15 +509,14 @@ def decode_attention_fwd_verify(
         mid = attn_logits[:num_rows]
         mid_strides = mid.stride()[:3]
     is_fp8 = k_buffer.dtype in _FP8_CACHE_DTYPES
-    if k_scale is None or not is_fp8:
-        k_scale = _unit_scale(q.device)
     has_real = real_seq_lens is not None
     qsplit = bool(cfg["QSPLIT"]) and value_width >= 32
     grid = (verify_row_blocks(qlen, num_heads, cfg["BLOCK_H"]) * batch * num_kv_splits,)
     _fwd_verify_kernel_stage1[grid](
-        q, k_buffer, sm_scale * _LOG2E, req_to_token, seq_lens, real_seq_lens if has_real else seq_lens,
-        mid, o, lse, k_scale,
-        req_to_token.stride(0), q.stride(0), q.stride(1), _page_stride(k_buffer, page_size), k_buffer.stride(-3),
+        q, k_buffer, sm_scale * _LOG2E, block_table, seq_lens, real_seq_lens if has_real else seq_lens,
+        mid, o, lse, k_scale, num_pages, block_table.shape[1] * page_size,
+        block_table.stride(0), block_table.stride(1),
+        q.stride(0), q.stride(1), _page_stride(k_buffer, page_size), k_buffer.stride(-3),
         *mid_strides, o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
         QLEN=qlen,
         NUM_HEADS=num_heads,
@@ -522,7 +538,7 @@ def decode_attention_fwd_verify(
         num_stages=cfg["num_stages"],
     )  # fmt: skip
     if not single:
-        _launch_merge_splits(mid, o, lse)
+        launch_merge_splits(mid, o, lse)
 
 
 def warmup_decode_attention_fwd_verify(
@@ -546,6 +562,7 @@ def warmup_decode_attention_fwd_verify(
     launch specializes on.
     """
     num_heads, value_width = q.shape[1], o.shape[-1]
+    req_to_token = block_table_2d("req_to_token", req_to_token, min_rows=0, device=q.device, dtypes=_INDEX_DTYPES)
     if attn_logits is None:
         attn_logits = q.new_empty(0, dtype=torch.float32)
 

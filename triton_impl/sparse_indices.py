@@ -18,13 +18,35 @@ import torch
 import triton
 import triton.language as tl
 
-from golden.sparse_indices import combined_width, flashinfer_widths, swa_window
 from triton_impl.interpreter import INTERPRET
 from triton_impl.validation import check_positive, check_tensor, content_checks_enabled
 
 _I32 = (torch.int32,)
 _COLUMN_TILE = 128  # combine: columns per tile (the width is a multiple of 128)
 _TOPK_TILE = 1024  # global top-k: at most this many entries per tile, as upstream
+_COMBINE_ALIGNMENT = 128  # combine: the row width rounds up to a multiple of 128 (sparse prefill's tile)
+_FLASHINFER_TOPK_ALIGNMENT = 4  # FlashInfer: the top-k columns round up to a multiple of 4
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _combined_width(topk: int, window_size: int, max_image_tokens: int) -> int:
+    """Columns of a combined row: ``topk + W + IMG`` rounded up to 128."""
+    return _round_up(topk + window_size + max_image_tokens, _COMBINE_ALIGNMENT)
+
+
+def _flashinfer_widths(swa_index_width: int, topk: int, decode_topk: int, max_image_tokens: int) -> tuple[int, int]:
+    """``(swa_total, padded_topk)``: SWA columns ``Wswa + IMG``, then ``max(topk, Kd)`` rounded up to 4."""
+    return swa_index_width + max_image_tokens, _round_up(max(topk, decode_topk), _FLASHINFER_TOPK_ALIGNMENT)
+
+
+def _swa_lengths(pos: torch.Tensor, left: torch.Tensor, right: torch.Tensor, window_size: int) -> torch.Tensor:
+    """Host twin of :func:`_swa_window`'s length, for the content checks."""
+    pos, left, right = (t.to(torch.int64) for t in (pos, left, right))
+    start = (pos - (window_size - 1) - (left - (window_size - 1)).clamp(min=0)).clamp(min=0)
+    return pos + right - start + 1
 
 
 @dataclass(frozen=True)
@@ -210,7 +232,7 @@ def compute_global_topk_indices_and_lens(
 def _combine_kernel(
     out_ptr, out_stride,
     lens_ptr,
-    topk_ptr, topk_stride,
+    topk_ptr, topk_stride, num_tokens,
     query_start_loc_ptr, seq_lens_ptr, gather_lens_ptr,
     left_ptr, right_ptr,
     M, N,
@@ -226,7 +248,8 @@ def _combine_kernel(
     Per request it reads the query range, ``seq_len`` and ``gather_len`` once; per token it
     derives ``topk_len`` and the window, then writes the whole row in tiles of ``TILE`` columns,
     each column from its index alone (top-k entry, window row or -1), so no column keeps a stale
-    value and the window length needs no power-of-two tiling.
+    value and the window length needs no power-of-two tiling. Tokens outside ``[0, num_tokens)``
+    (possible only for a bad ``query_start_loc`` with the content checks off) are not touched.
     """
     req = tl.program_id(0)
     worker = tl.program_id(1)
@@ -238,7 +261,7 @@ def _combine_kernel(
     gather_start = seq_len - tl.load(gather_lens_ptr + req)
     first_pos = seq_len - (query_end - query_start)
     request_base = M * req
-    for token in range(query_start + worker, query_end, num_workers):
+    for token in range(tl.maximum(query_start, 0) + worker, tl.minimum(query_end, num_tokens), num_workers):
         pos = first_pos + (token - query_start)
         topk_len = tl.minimum((pos + 1) // COMPRESS_RATIO, TOP_K)
         swa_start, swa_len = _swa_window(pos, left_ptr, right_ptr, token, WINDOW, HAS_IMAGE)
@@ -314,7 +337,7 @@ def combine_topk_swa_indices(
             if t.shape[0] < num_tokens:
                 raise ValueError(f"{name}: expected >= {num_tokens} entries (one per chunk token), got {t.shape[0]}")
     image_width = max_image_tokens if has_image else 0
-    width = combined_width(topk, window_size, image_width)
+    width = _combined_width(topk, window_size, image_width)
     if out is None:
         combined = torch.full((num_tokens, width), -1, dtype=torch.int32, device=device)
         lens = torch.zeros(num_tokens, dtype=torch.int32, device=device)
@@ -326,7 +349,7 @@ def combine_topk_swa_indices(
             raise ValueError(f"out[0]: expected [>= {num_tokens}, {width}], got {list(combined.shape)}")
         if lens.shape[0] < num_tokens:
             raise ValueError(f"out[1]: expected >= {num_tokens} entries, got {lens.shape[0]}")
-    if content_checks_enabled() and num_reqs:
+    if content_checks_enabled(device) and num_reqs:
         _check_combine_contents(
             num_tokens, query_start_loc, seq_lens, window_size, left_visible, right_visible, image_width
         )
@@ -336,7 +359,7 @@ def combine_topk_swa_indices(
     _combine_kernel[(num_reqs, config.combine_workers)](
         combined, combined.stride(0),
         lens,
-        topk_indices, topk_indices.stride(0),
+        topk_indices, topk_indices.stride(0), num_tokens,
         query_start_loc, seq_lens, gather_lens,
         left_visible if has_image else seq_lens, right_visible if has_image else seq_lens,
         M, N,
@@ -386,7 +409,7 @@ def _check_visibility(
     """Visibility is non-negative and each token's window fits its ``columns`` SWA columns."""
     if bool((left < 0).any()) or bool((right < 0).any()):
         raise ValueError("left_visible, right_visible: expected >= 0")
-    _, length = swa_window(positions, left, right, window_size)
+    length = _swa_lengths(positions, left, right, window_size)
     if length.numel() and int(length.max()) > columns:
         worst = int(length.argmax())
         raise ValueError(
@@ -681,12 +704,12 @@ def build_flashinfer_mixed_sparse_indices(
             if t.shape[0] < num_tokens:
                 raise ValueError(f"{name}: expected >= {num_tokens} entries (one per batch row), got {t.shape[0]}")
     image_width = max_image_tokens if has_image else 0
-    swa_total, padded_topk = flashinfer_widths(swa_index_width, topk, decode_topk, image_width)
+    swa_total, padded_topk = _flashinfer_widths(swa_index_width, topk, decode_topk, image_width)
     indices = torch.empty((num_tokens, swa_total + padded_topk), dtype=torch.int32, device=device)
     lens = torch.empty(num_tokens, dtype=torch.int32, device=device)
     if num_tokens == 0:
         return indices, lens
-    if content_checks_enabled() and num_tokens > num_decode:
+    if content_checks_enabled(device) and num_tokens > num_decode:
         _check_flashinfer_contents(
             num_decode, num_tokens, query_start_loc, seq_lens, token_to_req_indices,
             window_size, prefill_left_visible, prefill_right_visible, swa_total,

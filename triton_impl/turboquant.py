@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from triton_impl.interpreter import INTERPRET, e4m3_bits_to_f32, f32_to_e4m3_bits
-from triton_impl.lse_merge import merge_splits
-from triton_impl.validation import check_block_table, check_tensor, content_checks_enabled
+from triton_impl.lse_merge import launch_merge_splits
+from triton_impl.validation import block_table_2d, check_block_table, check_tensor, content_checks_enabled
 
 _KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _QUERY_DTYPES = (torch.float16, torch.bfloat16)
@@ -137,14 +137,14 @@ def _check_cache(kv_cache: torch.Tensor, num_kv_heads: int, layout: dict[str, in
 
 def _check_codebook(name: str, t: torch.Tensor, size: int, device: torch.device) -> None:
     check_tensor(name, t, shape=(size,), dtypes=(torch.float32,), device=device)
-    if content_checks_enabled() and not bool((t.abs() <= 1).all()):
+    if content_checks_enabled(device) and not bool((t.abs() <= 1).all()):
         raise ValueError(f"{name}: expected finite entries in [-1, 1] (coordinates of unit vectors)")
 
 
 def _check_rotation(name: str, t: torch.Tensor, head_dim: int, device: torch.device) -> None:
     check_tensor(name, t, shape=(head_dim, head_dim), dtypes=(torch.float32,), device=device)
     # |entries| <= 1 (true of every orthogonal matrix) bounds the fixed-point rotation sums.
-    if content_checks_enabled() and not bool((t.abs() <= 1).all()):
+    if content_checks_enabled(device) and not bool((t.abs() <= 1).all()):
         raise ValueError(f"{name}: expected finite entries in [-1, 1] (an orthogonal matrix)")
 
 
@@ -198,7 +198,7 @@ def _store_packed(codes, dst, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_
 @triton.jit
 def _store_kernel(
     key_ptr, value_ptr, cache_ptr, cache_u16_ptr, slot_ptr, pit_ptr, midpoint_ptr, centroid_ptr,
-    num_kv_heads, block_size, stride_block, data_bytes_per_slot, meta_offset,
+    num_kv_heads, block_size, num_slots, stride_block, data_bytes_per_slot, meta_offset,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_pit,
     HEAD_DIM: tl.constexpr,
     KEY_BITS: tl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
@@ -220,7 +220,7 @@ def _store_kernel(
     token = (tl.program_id(0) // num_kv_heads).to(tl.int64)
     head = tl.program_id(0) % num_kv_heads
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot < 0:
+    if (slot < 0) | (slot >= num_slots):  # padding, or a slot outside the cache: nothing to write
         return
     block_base = (slot // block_size) * stride_block
     position = slot % block_size
@@ -290,7 +290,9 @@ def triton_turboquant_store(
     """Quantize ``T`` tokens into their SoA cache slots (vLLM's ``triton_turboquant_store``).
 
     Same bytes as ``golden.turboquant.turboquant_store``, bit for bit, on any device. A negative
-    slot is skipped. FP8 keys (``key_fp8=True``, ``mse_bits=0``) ignore ``PiT``/``midpoints``.
+    slot is skipped, and so is a slot outside the cache (checked on the device, whatever the
+    content checks say). CUDA graphs: the tensors stay fixed across replays; new slots and
+    keys are written into them in place. FP8 keys (``key_fp8=True``, ``mse_bits=0``) ignore ``PiT``/``midpoints``.
 
     Args:
         key, value: ``[T, HKV, D]`` float16/bfloat16/float32 (unit last stride).
@@ -320,7 +322,7 @@ def triton_turboquant_store(
                 raise ValueError("centroids: required with norm_correction=True and MSE keys, got None")
             _check_codebook("centroids", centroids, 2**mse_bits, device)
     num_blocks, block_size = kv_cache.shape[:2]
-    if content_checks_enabled() and num_tokens:
+    if content_checks_enabled(device) and num_tokens:
         _check_slots(slot_mapping, num_blocks * block_size)
     if num_tokens * num_kv_heads == 0:
         return
@@ -333,7 +335,7 @@ def triton_turboquant_store(
         key, value, kv_cache, kv_cache.view(torch.uint16), slot_mapping,
         unused if key_fp8 else PiT, unused if key_fp8 else midpoints,
         centroids if (norm_correction and not key_fp8) else unused,
-        num_kv_heads, block_size, kv_cache.stride(0), layout["data_bytes_per_slot"],
+        num_kv_heads, block_size, num_blocks * block_size, kv_cache.stride(0), layout["data_bytes_per_slot"],
         block_size * num_kv_heads * layout["data_bytes_per_slot"],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), 0 if key_fp8 else PiT.stride(0),
         HEAD_DIM=head_dim,
@@ -428,8 +430,8 @@ def _dot_split(a_hi, a_lo, b, acc):
 @triton.jit
 def _decode_stage1_kernel(
     q_ptr, cache_ptr, cache_u16_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, pair_lut_ptr, partials_ptr,
-    sm_scale, num_kv_heads, block_size, stride_block, data_bytes_per_slot, meta_offset,
-    stride_qb, stride_qh, stride_bt, stride_pb, stride_ph, stride_ps,
+    sm_scale, num_kv_heads, block_size, num_blocks, table_keys, stride_block, data_bytes_per_slot, meta_offset,
+    stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
     KV_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     KEY_BITS: tl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
@@ -460,10 +462,15 @@ def _decode_stage1_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    seq_len = tl.maximum(tl.load(seq_lens_ptr + b).to(tl.int32), 0)
     split_len = tl.cdiv(seq_len, NUM_SPLITS)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    # Memory safety without host checks: a request whose keys need a table column past the table
+    # (``table_keys = columns * block_size``) or a block outside the cache is poisoned (out = lse =
+    # NaN), and no such address is read. Every split of the request sees the first condition.
+    poisoned = seq_len > table_keys
+    end = tl.minimum(end, table_keys).to(tl.int32)
 
     rows = tl.arange(0, BLOCK_M)
     heads = kv_head * KV_GROUP + rows
@@ -489,7 +496,10 @@ def _decode_stage1_kernel(
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         live = tokens < end
-        page = tl.load(block_row + tokens // block_size, mask=live, other=0).to(tl.int64)
+        page = tl.load(block_row + (tokens // block_size) * stride_btc, mask=live, other=0).to(tl.int64)
+        page_ok = (page >= 0) & (page < num_blocks)
+        poisoned |= tl.max((live & ~page_ok).to(tl.int32), axis=0) > 0
+        live = live & page_ok
         position = tokens % block_size
         block_base = page * stride_block
         slot = cache_ptr + block_base + (position * num_kv_heads + kv_head) * data_bytes_per_slot
@@ -537,6 +547,8 @@ def _decode_stage1_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = tl.where(has_keys, acc / l_safe[:, None], 0.0)
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
+    out = tl.where(poisoned, float("nan"), out)
+    lse = tl.where(poisoned, float("nan"), lse)
     partial = partials_ptr + b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
     tl.store(partial[:, None] + dims[None, :], out, mask=head_ok[:, None] & in_dim[None, :])
     tl.store(partial + HEAD_DIM, lse, mask=head_ok)
@@ -599,7 +611,10 @@ def triton_turboquant_decode_attention_v2(
     Args:
         query: ``[B, H, D]`` float16/bfloat16.
         kv_cache: uint8 ``[blocks, block_size, HKV, padded_slot]``; ``H % HKV == 0``.
-        block_table: ``[B, max_blocks]`` int32/int64; seq_lens: ``[B]`` int32/int64.
+        block_table: ``[>= B, max_blocks]`` (or ``[>= B, max_blocks, 1]``) int32/int64, any
+            strides; an entry covering a request's keys outside the cache (or a request longer
+            than the table) makes that request's output and LSE NaN and is never dereferenced.
+        seq_lens: ``[>= B]`` int32/int64.
         Pi / PiT: ``[D, D]`` float32 (one of them, MSE keys); centroids: ``[2^mse_bits]`` float32.
         mse_bits: 3 or 4 (0 for FP8 keys); key_packed_size, value_packed_size: the preset's.
         mid_o_buf: fp32 ``[>=B, >=H, >=S, >=D+1]``; output_buf: query dtype ``[>=B, >=H, >=D]``;
@@ -626,10 +641,10 @@ def triton_turboquant_decode_attention_v2(
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"query: {num_heads} heads is not a multiple of kv_cache's {num_kv_heads} KV heads")
     _check_cache(kv_cache, num_kv_heads, layout)
-    check_tensor("block_table", block_table, ndim=2, dtypes=_INDEX_DTYPES, device=device)
-    if block_table.shape[0] != batch:
-        raise ValueError(f"block_table: expected {batch} rows, got shape {list(block_table.shape)}")
-    check_tensor("seq_lens", seq_lens, shape=(batch,), dtypes=_INDEX_DTYPES, device=device)
+    block_table = block_table_2d("block_table", block_table, min_rows=batch, device=device, dtypes=_INDEX_DTYPES)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=_INDEX_DTYPES, device=device, unit_last_stride=False)
+    if seq_lens.shape[0] < batch:
+        raise ValueError(f"seq_lens: expected >= {batch} entries (one per request), got {seq_lens.shape[0]}")
     if not isinstance(max_num_kv_splits, int) or max_num_kv_splits < 1:
         raise ValueError(f"max_num_kv_splits: expected a positive int, got {max_num_kv_splits!r}")
     if use_pair_lut and (key_fp8 or mse_bits != 4):
@@ -641,10 +656,10 @@ def triton_turboquant_decode_attention_v2(
         check_tensor("PiT" if PiT is not None else "Pi", rotation, shape=(head_dim, head_dim),
                      dtypes=(torch.float32,), device=device, unit_last_stride=False)  # fmt: skip
         check_tensor("centroids", centroids, shape=(2**mse_bits,), dtypes=(torch.float32,), device=device)
-    if content_checks_enabled() and batch:
-        if int(seq_lens.min()) < 0:
-            raise ValueError(f"seq_lens: expected >= 0, got {int(seq_lens.min())}")
-        check_block_table("block_table", block_table, seq_lens, block_size, num_blocks)
+    if content_checks_enabled(device) and batch:
+        if int(seq_lens[:batch].min()) < 0:
+            raise ValueError(f"seq_lens: expected >= 0, got {int(seq_lens[:batch].min())}")
+        check_block_table("block_table", block_table, seq_lens[:batch], block_size, num_blocks)
 
     num_splits = max_num_kv_splits
     mid_o = _buffer(mid_o_buf, "mid_o_buf", (batch, num_heads, num_splits, head_dim + 1), torch.float32, device,
@@ -666,9 +681,9 @@ def triton_turboquant_decode_attention_v2(
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
         q_rot, kv_cache, kv_cache.view(torch.uint16), block_table, seq_lens,
         q_rot if key_fp8 else centroids, pair_lut, mid_o,
-        float(scale), num_kv_heads, block_size, kv_cache.stride(0), layout["data_bytes_per_slot"],
-        block_size * num_kv_heads * layout["data_bytes_per_slot"],
-        q_rot.stride(0), q_rot.stride(1), block_table.stride(0),
+        float(scale), num_kv_heads, block_size, num_blocks, block_table.shape[1] * block_size,
+        kv_cache.stride(0), layout["data_bytes_per_slot"], block_size * num_kv_heads * layout["data_bytes_per_slot"],
+        q_rot.stride(0), q_rot.stride(1), block_table.stride(0), block_table.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         KV_GROUP=group,
         HEAD_DIM=head_dim,
@@ -685,5 +700,5 @@ def triton_turboquant_decode_attention_v2(
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )  # fmt: skip
-    merge_splits(mid_o, output, lse)
+    launch_merge_splits(mid_o, output, lse)
     return output

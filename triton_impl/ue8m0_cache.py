@@ -18,35 +18,33 @@ could round differently between compiled and interpreted Triton is done exactly 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from golden.ue8m0_cache import (
-    AMAX_FLOOR,
-    GROUP_SIZE,
-    HEAD_DIM,
-    NOPE_DIM,
-    NUM_GROUPS,
-    RECORD_BYTES,
-    SCALE_BYTES,
-    TOKEN_DATA_BYTES,
-    fp8_max,
-    ue8m0_exponent,
-)
 from triton_impl.interpreter import INTERPRET, cast_for_store, e4m3_bits_to_f32, f32_to_e4m3_bits
 from triton_impl.validation import check_positive, check_tensor, content_checks_enabled
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
-# The record layout, as kernel constants (values and meaning in golden/ue8m0_cache.py).
-_NOPE: tl.constexpr = tl.constexpr(NOPE_DIM)  # 448 fp8 bytes, then the RoPE bytes
-_GROUP: tl.constexpr = tl.constexpr(GROUP_SIZE)  # 64
-_GROUPS: tl.constexpr = tl.constexpr(NUM_GROUPS)  # 7 NoPE groups; a token's 8th tile row is its RoPE part
-_DATA: tl.constexpr = tl.constexpr(TOKEN_DATA_BYTES)  # 576 bytes of token data
-_SCALES: tl.constexpr = tl.constexpr(SCALE_BYTES)  # 8 scale bytes per token
+# The record layout (stated independently of golden/ue8m0_cache.py, which draws it: a kernel that
+# shared the golden's constants would hide a wrong constant from the kernel-vs-golden tests).
+HEAD_DIM = 512  # bf16 values per token: 448 NoPE + 64 RoPE
+RECORD_BYTES = 584  # 576 bytes of token data + 8 scale bytes
+_AMAX_FLOOR = 1e-4
+_NOPE: tl.constexpr = tl.constexpr(448)  # 448 fp8 bytes, then the RoPE bytes
+_GROUP: tl.constexpr = tl.constexpr(64)  # NoPE values per UE8M0 scale
+_GROUPS: tl.constexpr = tl.constexpr(7)  # 7 NoPE groups; a token's 8th tile row is its RoPE part
+_DATA: tl.constexpr = tl.constexpr(576)  # bytes of token data: 448 fp8 + 64 bf16
+_SCALES: tl.constexpr = tl.constexpr(8)  # scale bytes per token: 7 codes and a zero byte
+
+
+def _fp8_max(use_fnuz: bool) -> float:
+    """The e4m3 clamp bound: 448 for OCP ``e4m3fn``; 224 for ``e4m3fnuz``, as vLLM uses."""
+    return 224.0 if use_fnuz else 448.0
 
 
 @dataclass(frozen=True)
@@ -83,9 +81,9 @@ def _exponent_constants(use_fnuz: bool) -> tuple[int, int, int]:
 
     448 -> (135, 0x60) and -22; 224 -> (134, 0x60) and -21.
     """
-    bits = int(torch.tensor(fp8_max(use_fnuz), dtype=torch.bfloat16).view(torch.int16)) & 0x7FFF
-    floor_exponent = int(ue8m0_exponent(torch.tensor(AMAX_FLOOR), fp8_max(use_fnuz)))
-    return bits >> 7, bits & 0x7F, floor_exponent
+    bits = int(torch.tensor(_fp8_max(use_fnuz), dtype=torch.bfloat16).view(torch.int16)) & 0x7FFF
+    mantissa, exponent = math.frexp(_AMAX_FLOOR / _fp8_max(use_fnuz))  # ceil(log2(1e-4 / fp8_max))
+    return bits >> 7, bits & 0x7F, exponent - (mantissa == 0.5)
 
 
 def _block_view(k_cache: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -118,7 +116,7 @@ def _block_view(k_cache: torch.Tensor, block_size: int) -> torch.Tensor:
 @triton.jit
 def _quantize_and_insert_k_kernel(
     k_ptr, k_row_stride,
-    slot_mapping_ptr, num_tokens,
+    slot_mapping_ptr, num_tokens, num_slots,
     cache_ptr, block_stride,
     BLOCK_SIZE: tl.constexpr,
     TOKENS: tl.constexpr,
@@ -144,7 +142,7 @@ def _quantize_and_insert_k_kernel(
     token = tl.program_id(0) * TOKENS + row // 8
     group = row % 8
     slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
-    live = slot >= 0
+    live = (slot >= 0) & (slot < num_slots)  # padding, or a slot outside the cache: not written
     # int64: block * block_stride passes 2^31 from ~57K blocks of 37440 bytes.
     block_ptr = cache_ptr + (slot // BLOCK_SIZE) * block_stride
     data_ptr = block_ptr + (slot % BLOCK_SIZE) * _DATA
@@ -189,7 +187,8 @@ def quantize_and_insert_k_cache(
     Per group of 64 NoPE values: ``e = ceil(log2(max(amax, 1e-4) / fp8_max))``, e4m3 bytes of
     ``x * 2^-e`` (round to nearest even), code ``e + 127``; RoPE copied bit for bit; layout and
     edge cases as in ``golden.ue8m0_cache`` (twin: ``insert_k_cache``). ``N = slot_mapping.shape[0]``
-    (``k`` may have DP-padding rows past it); a negative slot is skipped (upstream skips only -1).
+    (``k`` may have DP-padding rows past it); a negative slot is skipped (upstream skips only -1),
+    and so is a slot outside the cache (checked on the device, whatever the content checks say).
     Paper: papers.md#ue8m0-cache.
 
     Args:
@@ -217,7 +216,7 @@ def quantize_and_insert_k_cache(
     if k_cache.device != k.device:
         raise ValueError(f"k_cache: expected device {k.device}, got {k_cache.device}")
     blocks = _block_view(k_cache, block_size)
-    if content_checks_enabled() and num_tokens:
+    if content_checks_enabled(k.device) and num_tokens:
         slots = slot_mapping[slot_mapping >= 0].to(torch.int64)
         capacity = blocks.shape[0] * block_size
         if slots.numel() and int(slots.max()) >= capacity:
@@ -230,12 +229,12 @@ def quantize_and_insert_k_cache(
     config = select_launch_config(k.device)
     _quantize_and_insert_k_kernel[(triton.cdiv(num_tokens, config.tokens_per_program),)](
         k.view(torch.int16), k.stride(0),
-        slot_mapping, num_tokens,
+        slot_mapping, num_tokens, blocks.shape[0] * block_size,
         blocks, blocks.stride(0),
         BLOCK_SIZE=block_size,
         TOKENS=config.tokens_per_program,
         FNUZ=use_fnuz,
-        FP8_MAX=fp8_max(use_fnuz),
+        FP8_MAX=_fp8_max(use_fnuz),
         MAX_EXP_FIELD=max_exp_field,
         MAX_MANTISSA=max_mantissa,
         MIN_EXPONENT=min_exponent,
@@ -250,10 +249,10 @@ def quantize_and_insert_k_cache(
 
 @triton.jit
 def _dequantize_and_gather_k_kernel(
-    out_ptr, out_stride_r, out_stride_t,
-    cache_ptr, block_stride,
+    out_ptr, out_stride_r, out_stride_t, out_rows,
+    cache_ptr, block_stride, num_blocks,
     seq_lens_ptr, gather_lens_ptr,
-    block_table_ptr, block_table_stride,
+    block_table_ptr, block_table_stride, block_table_cols,
     offset,
     HAS_GATHER_LENS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -268,6 +267,10 @@ def _dequantize_and_gather_k_kernel(
     being group ``g`` of token ``t`` (group 7: RoPE). Per token it reads the block-table entry
     once, then the token's 448 fp8 bytes, 7 codes and 128 RoPE bytes, and writes its 512 bf16
     values as int16 bits: rows of groups 0..6 dequantized, group 7 the RoPE bits.
+
+    Memory safety without host checks: only rows ``offset + i < out_rows`` are written, and a
+    token whose position has no table column (``pos < 0`` or past the table) or whose block lies
+    outside the cache is written as NaN (bf16 ``0x7FC0``) without reading the cache.
     """
     req = tl.program_id(0).to(tl.int64)
     worker = tl.program_id(1)
@@ -282,11 +285,15 @@ def _dequantize_and_gather_k_kernel(
     row = tl.arange(0, 8 * TOKENS)
     dim = tl.arange(0, _GROUP)
     group = row % 8
-    for start in range(worker * TOKENS, gather_len, num_workers * TOKENS):
+    gather_end = tl.minimum(gather_len, out_rows - offset)  # rows past the end of out are not written
+    for start in range(worker * TOKENS, gather_end, num_workers * TOKENS):
         i = start + row // 8
-        live = i < gather_len
+        in_out = i < gather_end
         pos = first + i
-        block = tl.load(block_table_ptr + req * block_table_stride + pos // BLOCK_SIZE, mask=live, other=0)
+        col = pos // BLOCK_SIZE
+        has_col = in_out & (pos >= 0) & (col < block_table_cols)
+        block = tl.load(block_table_ptr + req * block_table_stride + col, mask=has_col, other=-1)
+        live = has_col & (block >= 0) & (block < num_blocks)
         # int64: block * block_stride passes 2^31 from ~57K blocks of 37440 bytes.
         block_ptr = cache_ptr + block.to(tl.int64) * block_stride
         data_ptr = block_ptr + (pos % BLOCK_SIZE) * _DATA
@@ -313,8 +320,9 @@ def _dequantize_and_gather_k_kernel(
         rope_bits = (rope_lo | (rope_hi << 8)).to(tl.int16)
 
         values = tl.where(is_rope[:, None], rope_bits, nope_bits)
+        values = tl.where(live[:, None], values, tl.full([1, 1], 0x7FC0, tl.int16))  # NaN: no valid block
         out_row = out_ptr + req * out_stride_r + (offset + i).to(tl.int64) * out_stride_t
-        tl.store(out_row[:, None] + group[:, None] * _GROUP + dim[None, :], values, mask=live[:, None])
+        tl.store(out_row[:, None] + group[:, None] * _GROUP + dim[None, :], values, mask=in_out[:, None])
 
 
 def dequantize_and_gather_k_cache(
@@ -332,7 +340,10 @@ def dequantize_and_gather_k_cache(
     ``gl = gather_lens[r]`` (``seq_lens[r]`` when None); gather token ``i`` is position
     ``seq_lens[r] - gl + i`` at block ``block_table[r, pos // bs]``. NoPE = ``e4m3 * 2^(code - 127)``
     rounded to bf16 (exact except overflow; code 255 gives NaN), RoPE copied bit for bit. Other
-    rows of ``out`` are untouched. Twin: ``golden.ue8m0_cache.gather_k_cache``. Paper: papers.md#ue8m0-cache.
+    rows of ``out`` are untouched. Without the content checks, bad contents stay memory-safe: a
+    token with no valid block (a negative position, a column past the table, a block outside the
+    cache) is written as NaN, and rows past the end of ``out`` are not written.
+    Twin: ``golden.ue8m0_cache.gather_k_cache``. Paper: papers.md#ue8m0-cache.
 
     Args:
         out: ``[R, T, 512]`` bf16, unit last stride (any other strides), written in place.
@@ -363,16 +374,16 @@ def dequantize_and_gather_k_cache(
     if k_cache.device != out.device:
         raise ValueError(f"k_cache: expected device {out.device}, got {k_cache.device}")
     blocks = _block_view(k_cache, block_size)
-    if content_checks_enabled() and num_reqs:
+    if content_checks_enabled(out.device) and num_reqs:
         _check_gather_contents(out, blocks.shape[0], seq_lens, gather_lens, block_table, block_size, offset)
     if num_reqs == 0:
         return
     config = select_launch_config(out.device)
     _dequantize_and_gather_k_kernel[(num_reqs, config.gather_workers)](
-        out.view(torch.int16), out.stride(0), out.stride(1),
-        blocks, blocks.stride(0),
+        out.view(torch.int16), out.stride(0), out.stride(1), out.shape[1],
+        blocks, blocks.stride(0), blocks.shape[0],
         seq_lens, seq_lens if gather_lens is None else gather_lens,
-        block_table, block_table.stride(0),
+        block_table, block_table.stride(0), block_table.shape[1],
         offset,
         HAS_GATHER_LENS=gather_lens is not None,
         BLOCK_SIZE=block_size,

@@ -1,12 +1,20 @@
-"""Argument checks shared by every public wrapper (SPEC section 8).
+"""Argument checks shared by every public wrapper.
 
-Shape, dtype and stride checks are free and always run. Checks of tensor *contents* (block-table
-entries, slots) need a device-to-host read: they run by default, are skipped while a CUDA graph is
-being captured, and serving switches them off with ``ATTNREF_CHECK_CONTENTS=0``.
+Shape, dtype and stride checks read only metadata: they are free and always run. Checks of tensor
+*contents* (block-table entries, slots, lengths) need a device-to-host read, a synchronization that
+costs several times the kernel on the serving path. So they are opt-in on CUDA
+(``ATTNREF_CHECK_CONTENTS=1``) and on by default under the interpreter (``ATTNREF_CHECK_CONTENTS=0``
+turns them off); the variable is read at each call, and they are always skipped while a CUDA graph
+is being captured. The test suite turns them on.
+
+Memory safety never depends on them: every kernel bounds each table entry and slot it uses against
+the tensors it was given, on the device. A row whose keys would come from a page outside the cache
+gets ``o = NaN, lse = NaN``; a write to a slot outside the cache is skipped, like a ``-1`` slot.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Sequence
 
@@ -17,9 +25,14 @@ from triton_impl.interpreter import INTERPRET
 CONTENT_CHECKS_ENV = "ATTNREF_CHECK_CONTENTS"
 
 
-def content_checks_enabled() -> bool:
-    """True unless ``ATTNREF_CHECK_CONTENTS=0`` or a CUDA graph is being captured."""
-    if os.environ.get(CONTENT_CHECKS_ENV, "1") == "0":
+def content_checks_enabled(device: torch.device) -> bool:
+    """Whether this call may read tensor contents on the host (``device``: where they live).
+
+    ``ATTNREF_CHECK_CONTENTS=1`` or ``0`` decides; unset, they run only off CUDA (the interpreter),
+    where reading costs no synchronization. Never while a CUDA graph is being captured.
+    """
+    setting = os.environ.get(CONTENT_CHECKS_ENV)
+    if setting == "0" or (setting is None and device.type == "cuda"):
         return False
     # is_initialized first: a process that never touched CUDA (or a forked child) cannot be capturing,
     # and asking would initialize CUDA there.
@@ -64,6 +77,26 @@ def check_tensor(
     return t
 
 
+@functools.cache
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def check_scale(name: str, scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """A dequantization scale: a one-element float tensor on ``device``, or None for 1.0.
+
+    The 1.0 tensor is made once per device (no allocation or copy per call, none inside a CUDA
+    graph capture once a call has run eagerly).
+    """
+    if scale is None:
+        return _unit_scale(device)
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or not scale.is_floating_point():
+        raise TypeError(f"{name}: expected a one-element float tensor or None, got {scale!r}")
+    if scale.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {scale.device}")
+    return scale
+
+
 def check_power_of_two(name: str, value: int, *, allow_zero: bool = False) -> None:
     """Widths that the kernels tile without masking must be powers of two."""
     if value == 0 and allow_zero:
@@ -77,6 +110,23 @@ def check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
+def block_table_2d(
+    name: str, table: torch.Tensor, *, min_rows: int, device: torch.device, dtypes: Iterable[torch.dtype]
+) -> torch.Tensor:
+    """A block table as ``[rows, columns]``: ``[rows, columns]`` or ``[rows, columns, 1]`` (a trailing
+    unit dimension, as some callers build it; the kernels index it by its first two strides), at
+    least ``min_rows`` rows (a table sized for the largest batch serves a smaller one), any strides.
+    """
+    check_tensor(name, table, ndim=(2, 3), dtypes=dtypes, device=device, unit_last_stride=False)
+    if table.dim() == 3:
+        if table.shape[2] != 1:
+            raise ValueError(f"{name}: expected [rows, columns] or [rows, columns, 1], got {list(table.shape)}")
+        table = table[:, :, 0]
+    if table.shape[0] < min_rows:
+        raise ValueError(f"{name}: expected >= {min_rows} rows, got {list(table.shape)}")
+    return table
+
+
 def check_block_table(
     name: str,
     block_table: torch.Tensor,
@@ -86,10 +136,13 @@ def check_block_table(
 ) -> None:
     """Entries that cover keys ``[0, seq_lens[b])`` of row ``b`` must address a page of the cache.
 
-    Entries past a row's length are never read and may hold anything (serving pads with garbage).
+    A content check (see :func:`content_checks_enabled`). Entries past a row's length are never
+    read and may hold anything (serving pads with garbage). The kernels bound every entry they
+    read on the device whether or not this runs.
     """
-    if not content_checks_enabled() or block_table.numel() == 0:
+    if not content_checks_enabled(block_table.device) or block_table.numel() == 0 or seq_lens.numel() == 0:
         return
+    block_table = block_table[: seq_lens.shape[0]]
     used_pages = (seq_lens.to(torch.int64).clamp(min=0) + page_size - 1) // page_size
     if int(used_pages.max().item()) > block_table.shape[1]:
         raise ValueError(
