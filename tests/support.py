@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from triton_impl.parity import block_table_for
+from triton_impl.cases import block_table_for, exact
 from triton_impl.tolerances import Tolerance, compare, tolerance
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -49,8 +49,6 @@ def fails_tolerance(actual: torch.Tensor, expected: torch.Tensor, key: tuple[str
 
 def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Bit-exact comparison for codes, bytes, indices (and floats compared as bits)."""
-    from triton_impl.parity import exact
-
     cmp = exact(actual, expected)
     assert cmp.ok, cmp.detail
 

@@ -1,4 +1,5 @@
-"""The benchmark's SASS column: MMA instructions counted in a real sm_90 cubin, compiled on this CPU."""
+"""The benchmark: its cases are registered beside the parity cases, and its SASS column counts MMA
+instructions in a real sm_90 cubin, compiled on this CPU."""
 
 from __future__ import annotations
 
@@ -6,6 +7,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
+
+from triton_impl.cli import main
+from triton_impl.parity import registered_bench_cases
 
 # Compiled (TRITON_INTERPRET=0) in a child process: here the kernels are interpreted. Triton
 # compiles for a GPUTarget without a GPU, down to a cubin, with the ptxas in its wheel.
@@ -45,3 +52,19 @@ def test_sass_counts_tell_hgmma_from_hmma(tmp_path: Path) -> None:
     counts = {int(rows): (int(hgmma), int(hmma)) for rows, hgmma, hmma in (line.split() for line in out.splitlines())}
     assert counts[64][0] > 0 and counts[64][1] == 0, counts
     assert counts[16][0] == 0 and counts[16][1] > 0, counts
+
+
+def test_bench_cases_are_registered_per_op() -> None:
+    """Every op with a kernel worth timing has bench cases; sparse_indices keeps upstream's launch, untimed."""
+    cases = registered_bench_cases()
+    assert {c.op for c in cases} == {"decode_attention", "lse_merge", "mla_verify", "turboquant", "ue8m0_cache"}
+    assert len({(c.op, c.name) for c in cases}) == len(cases), "two bench cases share a name"
+    assert {c.op for c in registered_bench_cases(["lse_merge"])} == {"lse_merge"}
+    with pytest.raises(ValueError, match="ops: unknown"):
+        registered_bench_cases(["nope"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_refuses_to_time_the_interpreter(capsys) -> None:
+    assert main(["bench", "--op", "lse_merge"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out

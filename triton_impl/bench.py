@@ -1,22 +1,22 @@
 """Benchmarks on a GPU: correctness first, then time against the measured roofline (``attnref bench``).
 
 Each op may define ``bench_cases() -> list[BenchCase]`` in ``triton_impl/parity/<op>.py`` beside
-its parity cases. A case builds its inputs once and returns a :class:`Bench`: the kernel launch,
-a check against golden (run before any timing: a wrong kernel is never timed), the bytes and
-FLOPs it must move and do (from the op's ``Traffic:`` docstring line), and baselines timed in the
-same run. Ceilings are measured in the same run: device-to-device copy bandwidth (bytes read +
-written) and a bf16 8192^3 matmul on random data. Content checks (host reads of block tables) run
-for the correctness check and are off while timing, as in serving (``ATTNREF_CHECK_CONTENTS=0``).
+its parity cases (``triton_impl.parity.registered_bench_cases`` collects them; this runner imports
+nothing from the parity package, which sits above it). A case builds its inputs once and returns a
+:class:`Bench`: the kernel launch, a check against golden (run before any timing: a wrong kernel
+is never timed), the bytes and FLOPs it must move and do (from the op's ``Traffic:`` docstring
+line), and baselines timed in the same run. Ceilings are measured in the same run:
+device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3 matmul on random data.
+Content checks (host reads of block tables) run for the correctness check and are off while
+timing, as in serving (``ATTNREF_CHECK_CONTENTS=0``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import math
 import os
-import pkgutil
 import subprocess
 import tempfile
 import time
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from triton_impl.parity import Check, block_table_for, exact
-from triton_impl.tolerances import compare
+from triton_impl.cases import Check, compare_check
+from triton_impl.cases import device_paged_cache as device_paged_cache  # re-export for parity/turboquant.py
 from triton_impl.validation import CONTENT_CHECKS_ENV
 
 
@@ -62,19 +62,6 @@ class Result:
     hgmma: str
     correct: bool
     detail: str = ""
-
-
-def registered_bench_cases(ops: Sequence[str] | None = None) -> list[BenchCase]:
-    from triton_impl import parity
-
-    found: list[BenchCase] = []
-    for m in sorted(pkgutil.iter_modules(parity.__path__), key=lambda m: m.name):
-        if m.name.startswith("_") or (ops and m.name not in ops):
-            continue
-        module = importlib.import_module(f"triton_impl.parity.{m.name}")
-        if hasattr(module, "bench_cases"):
-            found.extend(module.bench_cases())
-    return found
 
 
 def measure_ceilings() -> dict[str, float]:
@@ -182,11 +169,7 @@ def run_bench(cases: Sequence[BenchCase], ceilings: dict[str, float], baselines:
             continue
         detail, correct = "", True
         for check in checks:
-            cmp = (
-                exact(check.actual, check.expected)
-                if check.tol is None
-                else compare(check.actual, check.expected, check.tol)
-            )
+            cmp = compare_check(check)
             if not cmp.ok:
                 correct, detail = False, f"{check.output}: {cmp.detail} (max abs {cmp.max_abs:.3g})"
         if not correct:
@@ -297,23 +280,13 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def main(ops: Sequence[str] | None, out_dir: Path, baselines: bool, case_filter: Sequence[str] | None = None) -> int:
+def main(cases: Sequence[BenchCase], out_dir: Path, baselines: bool) -> int:
     if not torch.cuda.is_available():
         print("bench: needs a CUDA GPU (timings on the interpreter mean nothing)")
         return 2
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
-    cases = [c for c in registered_bench_cases(ops) if not case_filter or any(f in c.name for f in case_filter)]
     results = run_bench(cases, ceilings, baselines)
     table = write_report(results, ceilings, out_dir)
     print(table.read_text())
     return 0 if all(r.correct for r in results) else 1
-
-
-def device_paged_cache(
-    seq_lens: Sequence[int], page_size: int, kv_heads: int, width: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A ``[pages, page_size, kv_heads, width]`` cache of random values drawn on the device (fast at
-    GB sizes), pages handed out in a random order, and its ``[B, max_pages]`` int32 block table."""
-    table, num_pages = block_table_for(seq_lens, page_size, device=device)
-    return torch.randn(num_pages, page_size, kv_heads, width, device=device).to(dtype), table

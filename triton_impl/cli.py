@@ -35,8 +35,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "bench":
         from triton_impl.bench import main as bench_main
+        from triton_impl.parity import registered_bench_cases
 
-        return bench_main(args.op, args.out, baselines=not args.no_baselines, case_filter=args.case)
+        cases = [c for c in registered_bench_cases(args.op) if not args.case or any(f in c.name for f in args.case)]
+        return bench_main(cases, args.out, baselines=not args.no_baselines)
 
     if args.command == "tolerances":
         from triton_impl.tolerances import markdown_table

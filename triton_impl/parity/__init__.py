@@ -1,8 +1,14 @@
 """The parity job: every Triton op against its golden twin on realistic default cases.
 
 Each op registers its cases in ``triton_impl/parity/<op>.py`` (same stem as the op) as a function
-``cases() -> list[Case]``; this module finds those files by itself. A case runs the kernel and the
-float64 golden model on the same inputs and returns one :class:`Check` per output.
+``cases() -> list[Case]``, and may register benchmark cases beside them as ``bench_cases() ->
+list[BenchCase]`` (``triton_impl/bench.py`` times them); this module finds those files by itself.
+A case runs the kernel and the float64 golden model on the same inputs and returns one
+:class:`Check` per output.
+
+Layers: ``triton_impl/cases.py`` (checks, paged-cache builders) is below both this package and
+``triton_impl/bench.py``; this package is above the bench runner (its op modules build
+``BenchCase``), and the bench runner imports nothing from here.
 """
 
 from __future__ import annotations
@@ -14,20 +20,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
-from triton_impl.tolerances import Comparison, Tolerance, compare
-
-
-@dataclass(frozen=True)
-class Check:
-    """One output of one case. ``tol=None`` means bit-exact (bytes, codes, indices)."""
-
-    output: str
-    actual: torch.Tensor
-    expected: torch.Tensor
-    tol: Tolerance | None
+from triton_impl.bench import BenchCase
+from triton_impl.cases import Check, compare_check
+from triton_impl.cases import block_table_for as block_table_for  # re-export for the op modules' callers
+from triton_impl.tolerances import Comparison, Tolerance
 
 
 @dataclass(frozen=True)
@@ -47,59 +47,23 @@ class Row:
     seconds: float
 
 
-def exact(actual: torch.Tensor, expected: torch.Tensor) -> Comparison:
-    """Bit-exact comparison (for floats: same bits, so -0 != +0 and NaN == same NaN)."""
-    if actual.shape != expected.shape or actual.dtype != expected.dtype:
-        return Comparison(float("inf"), float("inf"), False, "shape or dtype differs")
-    a, e = actual.detach().cpu(), expected.detach().cpu()
-    if a.is_floating_point():
-        int_type = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        a, e = a.view(int_type), e.view(int_type)
-    mismatches = int((a != e).sum())
-    return Comparison(float(mismatches), 0.0, mismatches == 0, f"{mismatches} elements differ" if mismatches else "")
-
-
-def block_table_for(
-    seq_lens: Sequence[int],
-    page_size: int,
-    *,
-    gen: torch.Generator | None = None,
-    device: torch.device | str = "cpu",
-    spare_pages: int = 0,
-    extra_columns: int = 0,
-    fill: int = 0,
-) -> tuple[torch.Tensor, int]:
-    """A block table giving request ``b`` its ``cdiv(seq_lens[b], page_size)`` pages in random order.
-
-    Pages are a random permutation of ``[0, num_pages)`` (drawn with ``gen`` on the CPU, or on
-    ``device`` without one), ``spare_pages`` of them unused; ``extra_columns`` unused columns and
-    every entry past a request's pages hold ``fill`` (serving pads with garbage; tests use an
-    out-of-range id). Returns ``(table [B, max_pages + extra_columns] int32, num_pages)``.
-    """
-    pages = [(n + page_size - 1) // page_size for n in seq_lens]
-    num_pages = sum(pages) + spare_pages
-    order = torch.randperm(num_pages, generator=gen) if gen is not None else torch.randperm(num_pages, device=device)
-    table = torch.full((len(seq_lens), max([*pages, 0]) + extra_columns), fill, dtype=torch.int32, device=order.device)
-    start = 0
-    for b, n_pages in enumerate(pages):
-        table[b, :n_pages] = order[start : start + n_pages].to(torch.int32)
-        start += n_pages
-    return table.to(device), num_pages
-
-
-def registered_cases(ops: Sequence[str] | None = None) -> list[Case]:
-    """All cases of every ``triton_impl/parity/<op>.py``, or of the named ops only."""
-    found: list[Case] = []
+def _op_modules(ops: Sequence[str] | None) -> list[ModuleType]:
+    """Every ``triton_impl/parity/<op>.py`` in name order, or the named ones; an unknown name raises."""
     names = sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
     unknown = set(ops or ()) - set(names)
     if unknown:
         raise ValueError(f"ops: unknown {sorted(unknown)}; registered: {names}")
-    for name in names:
-        if ops and name not in ops:
-            continue
-        module = importlib.import_module(f"{__name__}.{name}")
-        found.extend(module.cases())
-    return found
+    return [importlib.import_module(f"{__name__}.{name}") for name in names if not ops or name in ops]
+
+
+def registered_cases(ops: Sequence[str] | None = None) -> list[Case]:
+    """All parity cases of every ``triton_impl/parity/<op>.py``, or of the named ops only."""
+    return [case for module in _op_modules(ops) for case in module.cases()]
+
+
+def registered_bench_cases(ops: Sequence[str] | None = None) -> list[BenchCase]:
+    """All benchmark cases of the op modules that define ``bench_cases``, or of the named ops only."""
+    return [case for module in _op_modules(ops) if hasattr(module, "bench_cases") for case in module.bench_cases()]
 
 
 def run_cases(cases: Sequence[Case], device: torch.device, progress: bool = True) -> list[Row]:
@@ -118,12 +82,7 @@ def run_cases(cases: Sequence[Case], device: torch.device, progress: bool = True
             continue
         seconds = time.perf_counter() - start
         for check in checks:
-            cmp = (
-                exact(check.actual, check.expected)
-                if check.tol is None
-                else compare(check.actual, check.expected, check.tol)
-            )
-            rows.append(Row(case.op, case.name, check.output, cmp, check.tol, seconds))
+            rows.append(Row(case.op, case.name, check.output, compare_check(check), check.tol, seconds))
     if progress:
         sys.stderr.write(f"\r[{'#' * 30}] {len(cases)}/{len(cases)} done{' ' * 50}\n")
     return rows

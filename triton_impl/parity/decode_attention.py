@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 
 from golden.decode_attention import decode_attention
+from triton_impl.bench import Bench, BenchCase
+from triton_impl.cases import Check, block_table_for, device_paged_cache
 from triton_impl.decode_attention import _compute_num_kv_splits, decode_attention_fwd, expand_decode_rows
-from triton_impl.parity import Case, Check, block_table_for
+from triton_impl.parity import Case
 from triton_impl.tolerances import tolerance
 
 _H200_SMS = 132
@@ -143,9 +145,8 @@ def cases() -> list[Case]:
     ]
 
 
-def bench_cases() -> list:
+def bench_cases() -> list[BenchCase]:
     """DeepSeek MLA decode (Lk 576, Lv 512, page 64) and GQA decode (H 32, HKV 8, D 128, page 16)."""
-    from triton_impl.bench import Bench, BenchCase, device_paged_cache
 
     def case(batch: int, heads: int, length: int, *, is_mla: bool, fp8: bool = False) -> BenchCase:
         kv_heads, key_width, value_width, page = (1, 576, 512, 64) if is_mla else (8, 128, 128, 16)

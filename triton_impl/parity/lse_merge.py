@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from golden.lse_merge import merge_states, merge_two
+from triton_impl.bench import Bench, BenchCase
+from triton_impl.cases import Check
 from triton_impl.lse_merge import merge_attn_states, merge_splits
-from triton_impl.parity import Case, Check
+from triton_impl.parity import Case
 from triton_impl.tolerances import tolerance
 
 
@@ -66,9 +68,7 @@ def cases() -> list[Case]:
     ]
 
 
-def bench_cases() -> list:
-    from triton_impl.bench import Bench, BenchCase
-
+def bench_cases() -> list[BenchCase]:
     def two_state(tokens: int, heads: int, head_dim: int) -> BenchCase:
         def setup(device: torch.device) -> Bench:
             dtype = torch.bfloat16

@@ -9,8 +9,11 @@ from __future__ import annotations
 import torch
 
 from golden.mla_verify import mla_verify
-from triton_impl.mla_verify import decode_attention_fwd_verify, verify_num_kv_splits
-from triton_impl.parity import Case, Check, block_table_for
+from triton_impl.bench import Bench, BenchCase
+from triton_impl.cases import Check, block_table_for, device_paged_cache
+from triton_impl.decode_attention import _compute_num_kv_splits, decode_attention_fwd, expand_decode_rows
+from triton_impl.mla_verify import decode_attention_fwd_verify, select_verify_config, verify_num_kv_splits
+from triton_impl.parity import Case
 from triton_impl.tolerances import tolerance
 
 _H200_SMS = 132
@@ -72,15 +75,12 @@ def cases() -> list[Case]:
     ]
 
 
-def bench_cases() -> list:
+def bench_cases() -> list[BenchCase]:
     """DeepSeek MLA verify (Lk 576, Lv 512, page 64): 16 and 128 heads, qlen 1..8, bf16 and FP8 caches.
 
     Baseline: the per-row path serving used before this kernel, the flattened causal multi-token
     decode (``expand_decode_rows`` + ``decode_attention_fwd``, one row per draft token).
     """
-    from triton_impl.bench import Bench, BenchCase, device_paged_cache
-    from triton_impl.decode_attention import _compute_num_kv_splits, decode_attention_fwd, expand_decode_rows
-    from triton_impl.mla_verify import select_verify_config
 
     def case(batch: int, heads: int, qlen: int, length: int, fp8: bool = False) -> BenchCase:
         def setup(device: torch.device) -> Bench:

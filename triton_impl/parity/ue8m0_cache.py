@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 
 from golden.ue8m0_cache import block_bytes, gather_k_cache, insert_k_cache, read_records
-from triton_impl.parity import Case, Check
+from triton_impl.bench import Bench, BenchCase
+from triton_impl.cases import Check
+from triton_impl.parity import Case
 from triton_impl.ue8m0_cache import dequantize_and_gather_k_cache, quantize_and_insert_k_cache
 
 
@@ -87,10 +89,8 @@ def cases() -> list[Case]:
     ]
 
 
-def bench_cases() -> list:
+def bench_cases() -> list[BenchCase]:
     """Insert and gather of 1M tokens (DeepSeek-V4 K cache, block 64, padded block stride)."""
-    from triton_impl.bench import Bench, BenchCase
-
     tokens, block_size = 1 << 20, 64
 
     def insert(use_fnuz: bool) -> BenchCase:
