@@ -1,7 +1,7 @@
-"""Sweep stage-1 launch configs of ``decode_attention``; results go in ``sweep_decode_h200.md``.
+"""Sweep stage-1 launch configs of ``decode_attention``; results go in ``notebooks/results/sweep_decode_h200.md``.
 
 Run from the repository root on the GPU machine:
-``PYTHONPATH=. python3 notebooks/results/sweep_decode.py [seconds]``. Each line: shape, split count
+``PYTHONPATH=. python3 benchmarks/sweep_decode.py [seconds]``. Each line: shape, split count
 (vLLM's ``_compute_num_kv_splits``), config, time (median CUDA-graph replay, stages 1 and 2), TFLOP/s,
 and % of the roofline max(FLOPs / 680 TFLOP/s, bytes / 4.24 TB/s), the H200 ceilings ``attnref bench``
 measured (bf16 matmul, device copy).

@@ -1,10 +1,12 @@
-"""Sweep stage-1 launch configs of ``mla_verify`` on a GPU; results go in ``sweep_verify_h200.md``.
+"""Sweep stage-1 launch configs of ``mla_verify`` on a GPU; results go in ``notebooks/results/sweep_verify_h200.md``.
 
 Run from the repository root on the GPU machine:
-``PYTHONPATH=. python3 notebooks/results/sweep_verify.py [seconds] [headline]`` (``headline``: only issue 7's
-B=32, qlen 4, H=128, L=32K, over the 64-row grid).
+``PYTHONPATH=. python3 benchmarks/sweep_verify.py [seconds] [headline]`` (``headline``: only the verify target's
+shape in ``notebooks/results/perf_log.md``, B=32, qlen 4, H=128, L=32K, over the 64-row grid).
 Each line: shape (B, qlen, H, L), split count, config, time (CUDA-graph replay), TFLOP/s and % of a
-roofline of max(FLOPs / 790 TFLOP/s, bytes / 4.3 TB/s) (the H200's measured rates, KINDS.md).
+roofline of max(FLOPs / 790 TFLOP/s, bytes / 4.3 TB/s), an earlier H200 measurement of a bf16 8192^3 matmul
+on random data and of a device-to-device copy. ``attnref bench`` measures its own ceilings in every run (679-695
+TFLOP/s, 4221-4247 GB/s), so these percentages are lower than the bench table's.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ inputs; the plugin compiles each launched variant for sm_90 and, with a report p
 and HMMA in its SASS (``cuobjdump`` from the Triton wheel)::
 
     ATTNREF_COMPILE_SM90=1 ATTNREF_COMPILE_SM90_REPORT=/tmp/sass.jsonl PYTHONPATH=. \\
-        .venv/bin/python -m pytest -q -n 0 -p tests.compile_sm90 -p no:cacheprovider notebooks/results/sass_sm90.py
+        .venv/bin/python -m pytest -q -n 0 -p tests.compile_sm90 -p no:cacheprovider benchmarks/sass_sm90.py
 
-Results (Triton 3.9 on the CPU machine; the H200 runs 3.6) are in ``sass_sm90.md``.
+Results (Triton 3.9 on the CPU machine; the H200 runs 3.6) are in ``notebooks/results/sass_sm90.md``.
 """
 
 import torch

@@ -1,8 +1,8 @@
 """Sweep the launch-config tables of the memory-bound kernels (TurboQuant decode, UE8M0 insert and
-gather) over their ``attnref bench`` cases; results go in ``sweep_memory_bound_h200.md``.
+gather) over their ``attnref bench`` cases; results go in ``notebooks/results/sweep_memory_bound_h200.md``.
 
 Run from the repository root on the GPU machine:
-``PYTHONPATH=. python3 notebooks/results/sweep_memory_bound.py [seconds] [turboquant|ue8m0]``. Each line: case, config,
+``PYTHONPATH=. python3 benchmarks/sweep_memory_bound.py [seconds] [turboquant|ue8m0]``. Each line: case, config,
 median time (``triton.testing.do_bench``, content checks off), GB/s of the case's traffic formula
 and its % of 4221 GB/s (the device copy ``attnref bench`` measured). A case is built once and timed
 under every config; the config tables are patched in place, as a sweep of data should.
