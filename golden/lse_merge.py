@@ -1,9 +1,12 @@
-"""LSE merge: combining attention states computed over disjoint key sets (SPEC section 1).
+"""LSE merge: combining attention states computed over disjoint key sets.
 
 The attention state of a query row over a key set ``K`` is ``(o, lse)`` with
 ``o = sum_j softmax_j * v_j`` and ``lse = ln sum_j exp(s_j)``. Two states over disjoint key sets
 merge into the state over their union: that is what makes split-KV decoding (flash-decoding),
-cascade/prefix attention and decode context parallelism exact. Paper: papers.md#lse-merge.
+cascade/prefix attention and decode context parallelism exact. The empty key set has the neutral
+state ``(0, -inf)``, the identity of the merge; the merge is associative and commutative up to
+rounding. Kernels: ``triton_impl/lse_merge.py`` (vLLM's ``merge_attn_states`` and the split-KV
+stage 2 ``merge_splits``). Paper: papers.md#lse-merge.
 """
 
 from __future__ import annotations
@@ -61,6 +64,43 @@ def merge_two(
         ``(o [..., D], lse [...])`` as in :func:`merge_states`.
     """
     return merge_states(torch.stack([o_a, o_b], dim=-2), torch.stack([lse_a, lse_b], dim=-1))
+
+
+def merge_attn_states(
+    prefix_o: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_o: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    tokens_with_context: int | None = None,
+    output_scale: float | None = None,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's prefix/suffix merge, token-major: :func:`merge_two` for tokens ``t < P``, the
+    suffix state copied unchanged for ``t >= P`` (no prefix); then optional FP8 output quantization.
+
+    ``P = tokens_with_context`` (None: every token). With ``output_scale`` the output is
+    ``clamp(o * fp32(1 / scale), -M8, M8)`` rounded to nearest even into ``fp8_dtype``
+    (``M8`` = 448 for ``float8_e4m3fn``, 240 for ``float8_e4m3fnuz``), the multiply in fp32 as the
+    kernel's epilogue does it.
+
+    Args:
+        prefix_o, suffix_o: ``[T, H, D]`` float; prefix_lse, suffix_lse: ``[T, H]`` natural-log.
+        tokens_with_context: ``P`` or None. output_scale: the FP8 scale or None. fp8_dtype: the FP8 output type.
+
+    Returns:
+        ``(o [T, H, D], lse [T, H])``: float64/float32 as :func:`merge_states`, or ``o`` in
+        ``fp8_dtype`` with ``output_scale``.
+    """
+    o, lse = merge_two(prefix_o, prefix_lse, suffix_o, suffix_lse)
+    num_tokens = o.shape[0]
+    copied = torch.arange(num_tokens) >= (num_tokens if tokens_with_context is None else tokens_with_context)
+    o = torch.where(copied[:, None, None], suffix_o.to(o.dtype), o)
+    lse = torch.where(copied[:, None], suffix_lse.to(lse.dtype), lse)
+    if output_scale is None:
+        return o, lse
+    limit = 240.0 if fp8_dtype == torch.float8_e4m3fnuz else 448.0
+    inverse = torch.tensor(1.0, dtype=torch.float32) / output_scale
+    return (o.to(torch.float32) * inverse).clamp(-limit, limit).to(fp8_dtype), lse
 
 
 def attention_state(

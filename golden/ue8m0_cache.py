@@ -1,4 +1,4 @@
-"""DeepSeek-V4 ``fp8_ds_mla`` K cache: UE8M0-scaled FP8 token records in paged blocks (SPEC section 5).
+"""DeepSeek-V4 ``fp8_ds_mla`` K cache: UE8M0-scaled FP8 token records in paged blocks.
 
 A K vector has 512 bf16 values: 448 "NoPE" dimensions, quantized to FP8 e4m3 in 7 groups of 64
 that each share a power-of-two scale, and 64 RoPE dimensions kept as bf16. A scale ``2^e`` is

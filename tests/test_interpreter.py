@@ -1,4 +1,4 @@
-"""Each interpreter defect of SPEC section 7 is real, and each workaround is right in both modes.
+"""Each interpreter defect numbered in ``triton_impl/interpreter.py`` is real; each workaround is right in both modes.
 
 A "defect" test runs the plain Triton op and shows it is wrong under the interpreter (skipped when
 compiled, where the plain op is right). A "workaround" test checks the helper of

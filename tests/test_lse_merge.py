@@ -1,4 +1,4 @@
-"""LSE merge: Triton == golden, the merge's algebra, and the split-KV identity (SPEC section 1)."""
+"""LSE merge: Triton == golden, the merge's algebra, and the split-KV identity (``golden/lse_merge.py``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""UE8M0 FP8 K cache: Triton insert/gather == golden byte for byte, the format's edge cases by hand (SPEC section 5)."""
+"""UE8M0 FP8 K cache: Triton insert/gather == golden byte for byte, the format's edge cases by hand."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_insert_matches_golden_bytes(
 
 
 def test_insert_layout_by_hand(device) -> None:
-    """The byte positions of one token's record, checked against SPEC section 5 without the golden layout code."""
+    """One token's record at the byte positions drawn in ``golden/ue8m0_cache.py``'s docstring, without its code."""
     block_size, pos, block = 16, 5, 2
     k = torch.zeros(1, 512, dtype=torch.bfloat16)
     k[0, 64 * 3] = 448.0 * 4  # group 3: e = 2, code 129, stored as 448
@@ -218,7 +218,7 @@ def test_largest_bf16_gathers_as_inf(device) -> None:
 
 
 def test_amax_500_round_up_vs_mx_round_down() -> None:
-    """B5.5: amax = 500. UE8M0 (ceil): e = 1, 250 -> e4m3 256, gathers 512. OCP MX (floor): e = 0, clips to 448."""
+    """amax = 500 (papers.md#ue8m0-cache). UE8M0 (ceil): e = 1, 250 -> e4m3 256, gathers 512. MX: clips to 448."""
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
     x[0, 0] = 500.0
     fp8, codes = quantize_ue8m0(x)
