@@ -1,7 +1,17 @@
 """Test configuration shared by every op: hypothesis profiles, the device fixture, markers.
 
-Hypothesis profile: ``HYPOTHESIS_PROFILE=ci`` (default: derandomized, bounded, for 2 CPU cores)
-or ``HYPOTHESIS_PROFILE=gpu`` (many more examples, for a CUDA machine), ``dev`` (random, few).
+Hypothesis profiles (``HYPOTHESIS_PROFILE``):
+
+- ``ci`` (default): derandomized, 12 examples per property. The same examples every run, so CI
+  on 2 CPU cores is bounded and a red run is red again; it never explores beyond them.
+- ``gpu``: random, 300 examples per property, for a CUDA machine. ``.ci/gpu_job`` draws a seed,
+  prints it and passes it as ``--hypothesis-seed``, so every run explores new examples and any
+  run can be replayed: ``HYPOTHESIS_PROFILE=gpu python -m pytest --hypothesis-seed=SEED`` (or
+  ``HYPOTHESIS_SEED=SEED bash .ci/gpu_job tests``) draws the same examples for every test at the
+  same commit. A failure also prints its ``@reproduce_failure`` blob.
+- ``dev``: random, 5 examples, for a quick local run.
+
+The report header and the summary line name the profile and the seed.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ settings.register_profile(
 )
 settings.register_profile(
     "gpu",
+    derandomize=False,
     max_examples=300,
     deadline=None,
     print_blob=True,
@@ -38,6 +49,18 @@ settings.load_profile(_PROFILE)
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs CUDA (compiled Triton)")
     config.addinivalue_line("markers", "slow: long-running; excluded from the default run")
+
+
+def _seed_note(config: pytest.Config) -> str:
+    """How this run's examples were drawn, for the log: enough to replay a random run."""
+    if settings.default.derandomize:
+        return "derandomized"
+    seed = config.getoption("--hypothesis-seed")
+    return f"--hypothesis-seed={seed}" if seed is not None else "random seed per test, not replayable by seed"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"hypothesis profile {_PROFILE}: {_seed_note(config)}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -94,6 +117,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
         for key, value in getattr(report, "user_properties", ())
         if key == "hypothesis_examples"
     )
-    terminalreporter.write_line(f"hypothesis examples run: {examples} (hypothesis profile {_PROFILE})")
+    terminalreporter.write_line(
+        f"hypothesis examples run: {examples} (hypothesis profile {_PROFILE}, {_seed_note(terminalreporter.config)})"
+    )
     if os.environ.get("ATTNREF_COUNT_LAUNCHES") == "1":
         terminalreporter.write_line(f"Triton kernel launches: {_launches['count']}")
