@@ -12,10 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl.interpreter import cast_for_store
-from triton_impl.validation import check_tensor
+from triton_impl.interpreter import cast_for_store, f32_to_e4m3_bits
+from triton_impl.validation import check_scale, check_tensor
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FP8_OUT = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 # Launch configs as data. Both kernels are memory-bound: a program should move >= 4 KB so the
 # grid is not launch/tail-bound, and load 16 B per thread. Hopper numbers from the H200 sweep in
@@ -36,8 +37,8 @@ def _merge_config() -> dict[str, int]:
 
 @triton.jit
 def _merge_two_kernel(
-    out_ptr, out_lse_ptr, p_out_ptr, p_lse_ptr, s_out_ptr, s_lse_ptr,
-    num_heads, head_dim,
+    out_ptr, out_lse_ptr, p_out_ptr, p_lse_ptr, s_out_ptr, s_lse_ptr, out_scale_ptr,
+    num_heads, head_dim, tokens_with_context,
     stride_out_t, stride_out_h,
     stride_p_t, stride_p_h,
     stride_s_t, stride_s_h,
@@ -45,6 +46,10 @@ def _merge_two_kernel(
     stride_slse_h, stride_slse_t,
     stride_olse_h, stride_olse_t,
     HAS_OUT_LSE: tl.constexpr,
+    HAS_OUT_SCALE: tl.constexpr,
+    FP8_OUT: tl.constexpr,
+    FNUZ: tl.constexpr,
+    FP8_MAX: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -52,7 +57,10 @@ def _merge_two_kernel(
 
     It reads the two LSEs of each head once, turns them into two weights in [0, 1] that sum to
     1, and streams the ``[BLOCK_H, D]`` outputs through. A side of weight 0 is never multiplied
-    (its output may be NaN or garbage when its key set was empty).
+    (its output may be NaN or garbage when its key set was empty). A token at or past
+    ``tokens_with_context`` has no prefix: its suffix state is copied as it is. With an output
+    scale the result is ``clamp(o * (1 / scale), -FP8_MAX, FP8_MAX)``, stored as e4m3 codes for
+    an FP8 output (rounded to nearest even in both modes).
     """
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -62,6 +70,7 @@ def _merge_two_kernel(
 
     p_lse = tl.load(p_lse_ptr + heads * stride_plse_h + token * stride_plse_t, mask=head_ok, other=float("-inf"))
     s_lse = tl.load(s_lse_ptr + heads * stride_slse_h + token * stride_slse_t, mask=head_ok, other=float("-inf"))
+    s_lse_raw = s_lse
     # +inf marks an empty set for some backends (FlashAttention-2): treat it as -inf.
     p_lse = tl.where(p_lse == float("inf"), float("-inf"), p_lse)
     s_lse = tl.where(s_lse == float("inf"), float("-inf"), s_lse)
@@ -72,8 +81,9 @@ def _merge_two_kernel(
     s_w = tl.exp(s_lse - m_safe)
     total = p_w + s_w
     inv_total = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
-    p_scale = p_w * inv_total
-    s_scale = s_w * inv_total
+    no_prefix = token >= tokens_with_context
+    p_scale = tl.where(no_prefix, 0.0, p_w * inv_total)
+    s_scale = tl.where(no_prefix, 1.0, s_w * inv_total)
 
     p_out = tl.load(
         p_out_ptr + token * stride_p_t + heads[:, None] * stride_p_h + dims[None, :],
@@ -86,13 +96,17 @@ def _merge_two_kernel(
         other=0.0,
     ).to(tl.float32)
     merged = p_out * p_scale[:, None] + s_out * s_scale[:, None]
-    tl.store(
-        out_ptr + token * stride_out_t + heads[:, None] * stride_out_h + dims[None, :],
-        cast_for_store(merged, out_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    out_ptrs = out_ptr + token * stride_out_t + heads[:, None] * stride_out_h + dims[None, :]
+    if HAS_OUT_SCALE:
+        merged = merged * (1.0 / tl.load(out_scale_ptr).to(tl.float32))
+        merged = tl.minimum(tl.maximum(merged, -FP8_MAX), FP8_MAX)
+    if FP8_OUT:  # out_ptr holds the FP8 tensor's bytes
+        tl.store(out_ptrs, f32_to_e4m3_bits(merged, FNUZ), mask=mask)
+    else:
+        tl.store(out_ptrs, cast_for_store(merged, out_ptr.dtype.element_ty), mask=mask)
     if HAS_OUT_LSE:
         merged_lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
+        merged_lse = tl.where(no_prefix, s_lse_raw, merged_lse)
         tl.store(out_lse_ptr + heads * stride_olse_h + token * stride_olse_t, merged_lse, mask=head_ok)
 
 
@@ -103,25 +117,44 @@ def merge_attn_states(
     suffix_output: torch.Tensor,
     suffix_lse: torch.Tensor,
     output_lse: torch.Tensor | None = None,
+    prefill_tokens_with_context: int | None = None,
+    output_scale: torch.Tensor | None = None,
 ) -> None:
     """Merge two attention states per (token, head) into ``output`` (vLLM's signature).
 
     ``M = max(p, s)``; ``o = o_p * e^(p-M)/W + o_s * e^(s-M)/W`` with ``W = e^(p-M) + e^(s-M)``;
     ``lse = M + ln W``. ``+inf`` LSEs count as ``-inf``; both sides empty gives ``(0, -inf)``
-    (upstream's Triton kernel gives NaN there). Golden: ``golden.lse_merge.merge_two``.
+    (upstream's Triton kernel gives NaN there). Tokens ``t >= prefill_tokens_with_context`` have
+    no prefix: the suffix output and LSE are copied unchanged (as upstream). With ``output_scale``
+    the stored output is ``clamp(o * (1 / scale), -M8, M8)`` with ``M8`` the FP8 maximum (448 for
+    ``float8_e4m3fn`` and for a 16/32-bit output, 240 for ``float8_e4m3fnuz``), rounded to nearest
+    even. Golden: ``golden.lse_merge.merge_attn_states``.
 
     Args:
-        output: ``[T, H, D]`` fp32/fp16/bf16, written.
-        prefix_output, suffix_output: ``[T, H, D]``, same dtype as ``output``.
+        output: ``[T, H, D]`` fp32/fp16/bf16, or ``float8_e4m3fn``/``float8_e4m3fnuz`` with
+            ``output_scale``; written (any strides, unit last stride).
+        prefix_output, suffix_output: ``[T, H, D]``, one dtype: ``output``'s, or fp32/fp16/bf16 for
+            an FP8 output.
         prefix_lse, suffix_lse: ``[H, T]`` fp32 natural-log LSEs (head-major; strided views allowed).
         output_lse: ``[H, T]`` fp32 or None, written when given.
+        prefill_tokens_with_context: tokens ``[0, P)`` are merged, the rest copied from the suffix;
+            None merges every token.
+        output_scale: one-element float tensor (FP8 static quantization of the output), or None.
+
+    No host synchronization; CUDA graphs: every argument stays fixed across replays.
 
     Traffic: reads ``2*T*H*D`` outputs and ``2*T*H`` LSEs; writes ``T*H*D`` (+ ``T*H`` LSEs).
     """
-    check_tensor("output", output, ndim=3, dtypes=_OUT_DTYPES)
+    check_tensor("output", output, ndim=3, dtypes=(*_OUT_DTYPES, *_FP8_OUT))
     num_tokens, num_heads, head_dim = output.shape
-    for name, t in (("prefix_output", prefix_output), ("suffix_output", suffix_output)):
-        check_tensor(name, t, shape=(num_tokens, num_heads, head_dim), dtypes=(output.dtype,), device=output.device)
+    fp8_out = output.dtype in _FP8_OUT
+    if fp8_out and output_scale is None:
+        raise ValueError(f"output_scale: required for an FP8 output ({output.dtype}), got None")
+    input_dtypes = _OUT_DTYPES if fp8_out else (output.dtype,)
+    check_tensor("prefix_output", prefix_output, shape=(num_tokens, num_heads, head_dim), dtypes=input_dtypes,
+                 device=output.device)  # fmt: skip
+    check_tensor("suffix_output", suffix_output, shape=(num_tokens, num_heads, head_dim),
+                 dtypes=(prefix_output.dtype,), device=output.device)  # fmt: skip
     for name, t in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse), ("output_lse", output_lse)):
         if t is not None or name != "output_lse":
             check_tensor(
@@ -132,14 +165,23 @@ def merge_attn_states(
                 device=output.device,
                 unit_last_stride=False,
             )
+    if prefill_tokens_with_context is None:
+        prefill_tokens_with_context = num_tokens
+    elif not isinstance(prefill_tokens_with_context, int) or prefill_tokens_with_context < 0:
+        raise ValueError(
+            f"prefill_tokens_with_context: expected None or an int >= 0, got {prefill_tokens_with_context!r}"
+        )
+    if output_scale is not None:
+        output_scale = check_scale("output_scale", output_scale, output.device)
     if num_tokens == 0 or num_heads == 0:
         return
     block_d = triton.next_power_of_2(head_dim)
     block_h = max(1, min(triton.next_power_of_2(num_heads), _merge_config()["MAX_BLOCK_HEADS_D"] // block_d))
     lse_out = output_lse if output_lse is not None else prefix_lse  # dummy pointer when absent
     _merge_two_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        output, lse_out, prefix_output, prefix_lse, suffix_output, suffix_lse,
-        num_heads, head_dim,
+        output.view(torch.uint8) if fp8_out else output, lse_out, prefix_output, prefix_lse, suffix_output, suffix_lse,
+        prefix_lse if output_scale is None else output_scale,
+        num_heads, head_dim, prefill_tokens_with_context,
         output.stride(0), output.stride(1),
         prefix_output.stride(0), prefix_output.stride(1),
         suffix_output.stride(0), suffix_output.stride(1),
@@ -147,6 +189,10 @@ def merge_attn_states(
         suffix_lse.stride(0), suffix_lse.stride(1),
         lse_out.stride(0), lse_out.stride(1),
         HAS_OUT_LSE=output_lse is not None,
+        HAS_OUT_SCALE=output_scale is not None,
+        FP8_OUT=fp8_out,
+        FNUZ=output.dtype == torch.float8_e4m3fnuz,
+        FP8_MAX=240.0 if output.dtype == torch.float8_e4m3fnuz else 448.0,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         num_warps=_merge_config()["num_warps"],

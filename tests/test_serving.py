@@ -1,0 +1,603 @@
+"""The serving path, for every op: upstream's call forms, memory safety with the content checks off,
+no host synchronization, CUDA-graph replay, and host overhead.
+
+Memory safety does not depend on the host-side content checks. With them off, a corrupted block
+table or slot mapping must give exactly this: a query row whose keys would come from outside the
+cache is NaN (``o`` and ``lse``), every other row is bit for bit what a clean call gives, a write
+to a slot outside the cache is skipped, and no byte outside the tensors the call was given changes.
+Caches and outputs here are views into larger guard buffers, so a stray write shows and a stray
+read of a non-poisoned row would bring the guard's NaN into it. On the H200 the same tests run
+under ``compute-sanitizer --tool memcheck`` (``.ci/gpu_job``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import pytest
+import torch
+
+from golden import turboquant as tq
+from golden.lse_merge import merge_attn_states as golden_merge_attn_states
+from tests.support import generator, paged_cache, randn
+from triton_impl import decode_attention as dec
+from triton_impl import lse_merge, mla_verify, sparse_indices, turboquant, ue8m0_cache
+from triton_impl.cases import exact
+from triton_impl.validation import CONTENT_CHECKS_ENV, content_checks_enabled
+
+NAN_PAGE_GUARD = 3  # guard pages on each side of a cache
+
+
+@pytest.fixture
+def checks_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CONTENT_CHECKS_ENV, "0")
+
+
+def assert_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    cmp = exact(actual, expected)
+    assert cmp.ok, cmp.detail
+
+
+def guarded(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, fill: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(view, storage)``: a tensor of ``shape`` in the middle of ``storage``, which has
+    ``NAN_PAGE_GUARD`` extra entries of dim 0 on each side, everything filled with ``fill``."""
+    storage = torch.full((shape[0] + 2 * NAN_PAGE_GUARD, *shape[1:]), fill, dtype=dtype, device=device)
+    return storage[NAN_PAGE_GUARD : NAN_PAGE_GUARD + shape[0]], storage
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Upstream's signatures, defaults included.
+# ----------------------------------------------------------------------------------------------
+
+# The upstream call forms, parameter by parameter (name, default or inspect.Parameter.empty), as
+# vLLM defines them. Ours may add keyword-only or trailing defaulted parameters, nothing else.
+_E = inspect.Parameter.empty
+UPSTREAM_SIGNATURES = {
+    dec.decode_attention_fwd: [
+        ("q", _E), ("k_buffer", _E), ("v_buffer", _E), ("o", _E), ("lse", _E), ("req_to_token", _E),
+        ("b_seq_len", _E), ("attn_logits", _E), ("num_kv_splits", _E), ("sm_scale", _E), ("page_size", 1),
+        ("logit_cap", 0.0), ("k_scale", None), ("v_scale", None), ("is_mla", False), ("sliding_window", None),
+    ],
+    mla_verify.decode_attention_fwd_verify: [
+        ("q", _E), ("k_buffer", _E), ("v_buffer", _E), ("o", _E), ("lse", _E), ("req_to_token", _E),
+        ("seq_lens", _E), ("real_seq_lens", _E), ("qlen", _E), ("attn_logits", _E), ("num_kv_splits", _E),
+        ("sm_scale", _E), ("page_size", _E), ("k_scale", None),
+    ],
+    mla_verify.verify_num_kv_splits: [
+        ("max_seq_len", _E), ("batch", _E), ("qlen", _E), ("num_heads", _E), ("sm_count", _E),
+        ("block_h", mla_verify.VERIFY_DEFAULT_CONFIG["BLOCK_H"]), ("occupancy", 1.0),
+        ("min_work_per_split", 64), ("max_splits", 8),
+    ],
+    mla_verify.select_verify_config: [("batch", _E), ("qlen", _E), ("num_heads", _E)],
+    mla_verify.verify_row_blocks: [("qlen", _E), ("num_heads", _E), ("block_h", _E)],
+    dec._compute_num_kv_splits: [("max_seq_len", _E), ("sm_count", _E)],
+    lse_merge.merge_attn_states: [
+        ("output", _E), ("prefix_output", _E), ("prefix_lse", _E), ("suffix_output", _E), ("suffix_lse", _E),
+        ("output_lse", None), ("prefill_tokens_with_context", None), ("output_scale", None),
+    ],
+    turboquant.triton_turboquant_store: [
+        ("key", _E), ("value", _E), ("kv_cache", _E), ("slot_mapping", _E), ("PiT", _E), ("midpoints", _E),
+        ("mse_bits", _E), ("key_packed_size", _E), ("value_quant_bits", _E), ("key_fp8", False),
+        ("centroids", None), ("norm_correction", False),
+    ],
+    turboquant.triton_turboquant_decode_attention_v2: [
+        ("query", _E), ("kv_cache", _E), ("block_table", _E), ("seq_lens", _E), ("Pi", _E), ("centroids", _E),
+        ("scale", _E), ("mse_bits", _E), ("key_packed_size", _E), ("value_quant_bits", _E),
+        ("value_packed_size", _E), ("max_seq_len", 0), ("key_fp8", False), ("norm_correction", False),
+        ("PiT", None), ("mid_o_buf", None), ("output_buf", None), ("lse_buf", None), ("buf_holder", None),
+        ("max_num_kv_splits", 32),
+    ],
+    turboquant.build_pair_lut: [("centroids", _E)],
+    ue8m0_cache.quantize_and_insert_k_cache: [
+        ("k", _E), ("k_cache", _E), ("slot_mapping", _E), ("block_size", 64), ("is_ue8m0", True),
+        ("use_fnuz", False),
+    ],
+    ue8m0_cache.dequantize_and_gather_k_cache: [
+        ("out", _E), ("k_cache", _E), ("seq_lens", _E), ("gather_lens", _E), ("block_table", _E),
+        ("block_size", _E), ("offset", _E), ("use_fnuz", False),
+    ],
+    sparse_indices.compute_global_topk_indices_and_lens: [
+        ("topk_indices", _E), ("token_to_req_indices", _E), ("block_table", _E), ("block_size", _E),
+        ("is_valid_token", _E),
+    ],
+    sparse_indices.combine_topk_swa_indices: [
+        ("topk_indices", _E), ("query_start_loc", _E), ("seq_lens", _E), ("gather_lens", _E), ("window_size", _E),
+        ("compress_ratio", _E), ("topk", _E), ("M", _E), ("N", _E), ("out", None), ("left_visible", None),
+        ("right_visible", None), ("max_image_tokens", 0),
+    ],
+    sparse_indices.build_flashinfer_mixed_sparse_indices: [
+        ("decode_swa_indices", _E), ("decode_compressed_indices", _E), ("decode_compressed_topk_lens", _E),
+        ("prefill_topk_indices", _E), ("query_start_loc", _E), ("seq_lens", _E), ("token_to_req_indices", _E),
+        ("swa_block_table", _E), ("swa_block_size", _E), ("compressed_block_table", _E),
+        ("compressed_block_size", _E), ("window_size", _E), ("compress_ratio", _E), ("topk", _E),
+        ("decode_compressed_indices_are_local", False), ("decode_is_valid_token", None),
+        ("swa_block_span", None), ("compressed_block_span", None), ("prefill_left_visible", None),
+        ("prefill_right_visible", None), ("max_image_tokens", 0),
+    ],
+}
+
+
+@pytest.mark.parametrize("fn", list(UPSTREAM_SIGNATURES), ids=lambda f: f.__name__)
+def test_signature_accepts_every_upstream_call_form(fn) -> None:
+    """Same names, order and defaults as upstream; anything we add is keyword-only or defaulted after them."""
+    params = list(inspect.signature(fn).parameters.values())
+    upstream = UPSTREAM_SIGNATURES[fn]
+    ours = [(p.name, p.default) for p in params[: len(upstream)]]
+    assert ours == upstream
+    for extra in params[len(upstream) :]:
+        assert extra.kind is inspect.Parameter.KEYWORD_ONLY or extra.default is not _E, extra
+
+
+def _decode_case(device: torch.device, gen: torch.Generator, *, is_mla: bool, seq_lens: list[int], page_size: int,
+                 layout: str = "4d"):  # fmt: skip
+    """``(q, paged K cache, V buffer, Lv)``: MLA 16 heads, Lk 48 = 32 + 16; GQA 4/2 heads, D 32."""
+    heads, kv_heads, key_width, value_width = (16, 1, 48, 32) if is_mla else (4, 2, 32, 32)
+    cache = paged_cache(seq_lens, page_size, kv_heads, key_width, torch.float32, device, gen, layout=layout)
+    q = randn((len(seq_lens), heads, key_width), torch.float32, device, gen)
+    if is_mla:
+        v_buffer = cache.cache[..., :value_width]
+    else:  # V shares K's pages (one block table)
+        v_buffer = torch.randn((*cache.cache.shape[:-1], value_width), generator=gen).to(device)
+    return q, cache, v_buffer, value_width
+
+
+def _run_decode(q, k, v, table, seq_lens, num_kv_splits, page_size, value_width, is_mla, **kwargs):
+    rows, heads = q.shape[:2]
+    o = torch.full((rows, heads, value_width), float("nan"), device=q.device)
+    lse = torch.full((rows, heads), float("nan"), device=q.device)
+    logits = torch.empty(rows, heads, num_kv_splits, value_width + 1, device=q.device)
+    dec.decode_attention_fwd(q, k, v, o, lse, table, seq_lens, logits, num_kv_splits, 0.3, page_size,
+                             is_mla=is_mla, **kwargs)  # fmt: skip
+    return o, lse
+
+
+def test_decode_without_page_size_is_a_token_level_table(device: torch.device) -> None:
+    """Upstream's ``page_size=1`` default: a 3-D cache addressed by a token table, as vLLM's own tests call it."""
+    gen = generator(3)
+    q, cache, v, value_width = _decode_case(device, gen, is_mla=False, seq_lens=[5, 9, 0], page_size=1, layout="3d")
+    o1, lse1 = _run_decode(q, cache.cache, v, cache.block_table, cache.seq_lens, 2, 1, value_width, False)
+    rows, heads = q.shape[:2]
+    o2 = torch.full_like(o1, float("nan"))
+    lse2 = torch.full_like(lse1, float("nan"))
+    logits = torch.empty(rows, heads, 2, value_width + 1, device=device)
+    dec.decode_attention_fwd(q, cache.cache, v, o2, lse2, cache.block_table, cache.seq_lens, logits, 2, 0.3)
+    assert_bits(o2, o1)
+    assert_bits(lse2, lse1)
+
+
+@pytest.mark.parametrize("op", ["decode", "verify", "turboquant"])
+def test_block_table_with_a_trailing_unit_dim_and_spare_rows(op: str, device: torch.device) -> None:
+    """``[B, pages, 1]`` tables and tables/lengths/workspaces with rows to spare give the plain call's bits."""
+    gen = generator(4)
+    if op == "decode":
+        q, cache, v, width = _decode_case(device, gen, is_mla=True, seq_lens=[7, 12], page_size=4)
+        o1, lse1 = _run_decode(q, cache.cache, v, cache.block_table, cache.seq_lens, 2, 4, width, True)
+        spare_table = torch.cat([cache.block_table, cache.block_table])[..., None]
+        spare_lens = torch.cat([cache.seq_lens, cache.seq_lens])
+        o2 = torch.full_like(o1, float("nan"))
+        lse2 = torch.full_like(lse1, float("nan"))
+        logits = torch.empty(5, 16, 2, width + 1, device=device)  # a worst-case workspace, 5 rows
+        dec.decode_attention_fwd(q, cache.cache, v, o2, lse2, spare_table, spare_lens, logits, 2, 0.3, 4, is_mla=True)
+    elif op == "verify":
+        case = _verify_case(device, gen, seq_lens=[7, 12], qlen=2, page_size=4)
+        o1, lse1 = _run_verify(*case, num_kv_splits=2)
+        q, cache, qlen = case
+        o2, lse2 = _run_verify(q, cache, qlen, num_kv_splits=2,
+                               table=torch.cat([cache.block_table, cache.block_table])[..., None],
+                               seq_lens=torch.cat([cache.seq_lens, cache.seq_lens]))  # fmt: skip
+    else:
+        tq_case = _turboquant_case(device, gen, seq_lens=[7, 12])
+        o1, lse1 = _run_turboquant(tq_case)
+        o2, lse2 = _run_turboquant(tq_case, table=torch.cat([tq_case["table"], tq_case["table"]])[..., None],
+                                   seq_lens=torch.cat([tq_case["seq_lens"], tq_case["seq_lens"]]))  # fmt: skip
+    assert_bits(o2, o1)
+    assert_bits(lse2, lse1)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+def test_merge_attn_states_copies_context_free_tokens_and_quantizes(out_dtype, device: torch.device) -> None:
+    """``prefill_tokens_with_context`` and ``output_scale``, upstream's last two parameters."""
+    gen = generator(13)
+    tokens, heads, dim = 7, 3, 16
+    p_o, s_o = (randn((tokens, heads, dim), torch.float32, device, gen, 20.0) for _ in range(2))
+    p_lse, s_lse = (randn((tokens, heads), torch.float32, device, gen) for _ in range(2))
+    s_lse[6, 0] = float("inf")  # a copied token keeps even a +inf LSE, as upstream copies it
+    fp8 = out_dtype != torch.bfloat16
+    scale = torch.tensor(0.25, device=device) if fp8 else None
+    inputs = (p_o, p_lse, s_o, s_lse) if fp8 else (p_o.bfloat16(), p_lse, s_o.bfloat16(), s_lse)
+    out = torch.empty(tokens, heads, dim, dtype=out_dtype, device=device)
+    out_lse = torch.full((heads, tokens), float("nan"), device=device)
+    lse_merge.merge_attn_states(out, inputs[0], p_lse.T.contiguous(), inputs[2], s_lse.T.contiguous(), out_lse,
+                                prefill_tokens_with_context=4, output_scale=scale)  # fmt: skip
+    want_o, want_lse = golden_merge_attn_states(
+        inputs[0].cpu().double(), p_lse.cpu().double(), inputs[2].cpu().double(), s_lse.cpu().double(), 4,
+        None if scale is None else 0.25, out_dtype if fp8 else torch.float8_e4m3fn,
+    )  # fmt: skip
+    assert_bits(out_lse.T[4:].cpu(), s_lse[4:].cpu())
+    assert torch.allclose(out_lse.T[:4].cpu().double(), want_lse[:4], rtol=1e-6, atol=1e-6)
+    got = out.cpu().float()
+    assert_bits(got[4:], (want_o[4:].float() if fp8 else inputs[2][4:].cpu().float()))
+    ulp = 2.0**-3 if fp8 else 2.0**-8  # one unit of the output format, relative
+    assert torch.allclose(got[:4], want_o[:4].float(), rtol=ulp, atol=2.0**-9 if fp8 else 1e-6)
+    if fp8:
+        assert float(got.abs().max()) <= (240.0 if out_dtype == torch.float8_e4m3fnuz else 448.0)
+
+
+def test_merge_attn_states_fp8_output_needs_a_scale(device: torch.device) -> None:
+    x = torch.zeros(2, 1, 16, device=device)
+    lse = torch.zeros(1, 2, device=device)
+    with pytest.raises(ValueError, match="output_scale: required"):
+        lse_merge.merge_attn_states(torch.empty(2, 1, 16, dtype=torch.float8_e4m3fn, device=device), x, lse, x, lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Content checks: on by default under the interpreter, opt-in on CUDA.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_content_checks_default_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CONTENT_CHECKS_ENV, raising=False)
+    assert content_checks_enabled(torch.device("cpu"))
+    assert not content_checks_enabled(torch.device("cuda"))
+    monkeypatch.setenv(CONTENT_CHECKS_ENV, "0")
+    assert not content_checks_enabled(torch.device("cpu"))
+    monkeypatch.setenv(CONTENT_CHECKS_ENV, "1")
+    assert content_checks_enabled(torch.device("cpu"))
+    assert content_checks_enabled(torch.device("cuda")) == (
+        not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+    )
+
+
+def test_content_checks_name_the_bad_entry_when_on(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
+    monkeypatch.setenv(CONTENT_CHECKS_ENV, "1")
+    gen = generator(5)
+    q, cache, v, width = _decode_case(device, gen, is_mla=False, seq_lens=[5, 9], page_size=4)
+    table = cache.block_table.clone()
+    table[1, 1] = -1
+    with pytest.raises(ValueError, match=r"req_to_token: entry \[1, 1\] = -1"):
+        _run_decode(q, cache.cache, v, table, cache.seq_lens, 1, 4, width, False)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Memory safety with the checks off: poisoned rows NaN, the rest bit for bit, guards untouched.
+# ----------------------------------------------------------------------------------------------
+
+
+def _corrupt(table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_pages: int, bad_row: int,
+             long_row: int, bad_page: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Row ``bad_row`` gets ``bad_page`` in the column of its last key; row ``long_row`` a length
+    past the table's reach (its keys would need columns the table does not have)."""
+    table, seq_lens = table.clone(), seq_lens.clone()
+    table[bad_row, (int(seq_lens[bad_row]) - 1) // page_size] = bad_page
+    seq_lens[long_row] = table.shape[1] * page_size + 3
+    return table, seq_lens
+
+
+def _guarded_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    view, storage = guarded(tuple(cache.shape), cache.dtype, cache.device, float("nan"))
+    view.copy_(cache)
+    return view, storage
+
+
+@pytest.mark.parametrize("bad_page", [-1, "num_pages", 2**30])
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+@pytest.mark.parametrize("is_mla", [False, True])
+def test_decode_poisons_only_rows_with_bad_pages(checks_off, is_mla, num_kv_splits, bad_page, device) -> None:
+    gen = generator(6)
+    seq_lens, page_size = [5, 17, 0, 9, 11], 4
+    q, cache, v, width = _decode_case(device, gen, is_mla=is_mla, seq_lens=seq_lens, page_size=page_size)
+    k, _ = _guarded_cache(cache.cache)
+    v = k[..., :width] if is_mla else _guarded_cache(v)[0]
+    num_pages = k.shape[0]
+    bad = num_pages if bad_page == "num_pages" else bad_page
+    clean = _run_decode(q, k, v, cache.block_table, cache.seq_lens, num_kv_splits, page_size, width, is_mla)
+    table, lens = _corrupt(cache.block_table, cache.seq_lens, page_size, num_pages, bad_row=1, long_row=3,
+                           bad_page=bad)  # fmt: skip
+    o, lse = _run_decode(q, k, v, table, lens, num_kv_splits, page_size, width, is_mla)
+    for row in (1, 3):
+        assert bool(o[row].isnan().all()) and bool(lse[row].isnan().all()), f"row {row} is not poisoned"
+    for row in (0, 2, 4):
+        assert_bits(o[row], clean[0][row])
+        assert_bits(lse[row], clean[1][row])
+
+
+def _verify_case(device, gen, *, seq_lens, qlen, page_size):
+    cache = paged_cache(seq_lens, page_size, 1, 48, torch.float32, device, gen)
+    q = randn((len(seq_lens) * qlen, 8, 48), torch.bfloat16, device, gen)
+    return q, cache.__class__(cache.cache.to(torch.bfloat16), cache.block_table, cache.seq_lens, page_size), qlen
+
+
+def _run_verify(q, cache, qlen, *, num_kv_splits, table=None, seq_lens=None, k_buffer=None):
+    k = cache.cache if k_buffer is None else k_buffer
+    rows, heads = q.shape[:2]
+    o = torch.full((rows, heads, 32), float("nan"), dtype=torch.bfloat16, device=q.device)
+    lse = torch.full((rows, heads), float("nan"), device=q.device)
+    logits = torch.empty(rows, heads, num_kv_splits, 33, device=q.device)
+    mla_verify.decode_attention_fwd_verify(
+        q, k, k[..., :32], o, lse, cache.block_table if table is None else table,
+        cache.seq_lens if seq_lens is None else seq_lens, None, qlen, logits, num_kv_splits, 0.3, cache.page_size,
+    )  # fmt: skip
+    return o, lse
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 2])
+def test_verify_poisons_only_rows_that_see_a_bad_page(checks_off, num_kv_splits, device) -> None:
+    """Request 1's key 16 has a bad page: its token 0 (16 keys) stays clean, token 1 (17 keys) is
+    NaN. Request 2 is longer than the table: both its tokens are NaN."""
+    gen = generator(7)
+    q, cache, qlen = _verify_case(device, gen, seq_lens=[6, 17, 9], qlen=2, page_size=4)
+    k, _ = _guarded_cache(cache.cache)
+    clean = _run_verify(q, cache, qlen, num_kv_splits=num_kv_splits, k_buffer=k)
+    table, lens = _corrupt(cache.block_table, cache.seq_lens, 4, k.shape[0], bad_row=1, long_row=2,
+                           bad_page=k.shape[0])  # fmt: skip
+    o, lse = _run_verify(q, cache, qlen, num_kv_splits=num_kv_splits, table=table, seq_lens=lens, k_buffer=k)
+    for row in (3, 4, 5):  # (b=1, t=1), (b=2, t=0), (b=2, t=1)
+        assert bool(o[row].float().isnan().all()) and bool(lse[row].isnan().all()), f"row {row} is not poisoned"
+    for row in (0, 1, 2):
+        assert_bits(o[row], clean[0][row])
+        assert_bits(lse[row], clean[1][row])
+
+
+def _turboquant_case(device, gen, *, seq_lens, preset="turboquant_4bit_nc", head_dim=32, block_size=4, kv_heads=2):
+    config = tq.TurboQuantConfig.from_cache_dtype(preset, head_dim)
+    centroids, midpoints = tq.solve_lloyd_max(head_dim, config.centroid_bits)
+    pit = tq.hadamard_rotation(head_dim).T.contiguous()
+    table, num_blocks = _block_table(seq_lens, block_size, gen)
+    cache, storage = guarded((num_blocks, block_size, kv_heads, config.slot_size_aligned), torch.uint8, device, 0)
+    slots = torch.arange(num_blocks * block_size)
+    keys = torch.randn(slots.shape[0], kv_heads, head_dim, generator=gen).to(device)
+    values = torch.randn(slots.shape[0], kv_heads, head_dim, generator=gen).to(device)
+    turboquant.triton_turboquant_store(
+        keys, values, cache, slots.to(device), pit.to(device), midpoints.to(device), config.key_mse_bits,
+        config.key_packed_size, config.value_quant_bits, config.key_fp8, centroids.to(device), config.norm_correction,
+    )  # fmt: skip
+    query = randn((len(seq_lens), 4, head_dim), torch.float16, device, gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return {"config": config, "cache": cache, "storage": storage, "table": table.to(device), "query": query,
+            "seq_lens": lens, "pit": pit.to(device), "centroids": centroids.to(device),
+            "midpoints": midpoints.to(device), "keys": keys, "values": values}  # fmt: skip
+
+
+def _block_table(seq_lens: list[int], block_size: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    from triton_impl.cases import block_table_for
+
+    return block_table_for(seq_lens, block_size, gen=gen, spare_pages=1, extra_columns=1, fill=2**30 + 7)
+
+
+def _run_turboquant(case, *, table=None, seq_lens=None, splits=3, buffers=None):
+    config = case["config"]
+    q = case["query"]
+    if buffers is None:
+        buffers = {"lse_buf": torch.full(q.shape[:2], float("nan"), device=q.device)}
+    out = turboquant.triton_turboquant_decode_attention_v2(
+        q, case["cache"], case["table"] if table is None else table, case["seq_lens"] if seq_lens is None else seq_lens,
+        None, case["centroids"], 0.3, config.key_mse_bits, config.key_packed_size, config.value_quant_bits,
+        config.value_packed_size, key_fp8=config.key_fp8, PiT=case["pit"], max_num_kv_splits=splits, **buffers,
+    )  # fmt: skip
+    return out.clone(), buffers["lse_buf"][: q.shape[0]].clone()
+
+
+def test_turboquant_decode_poisons_only_requests_with_bad_blocks(checks_off, device) -> None:
+    gen = generator(8)
+    case = _turboquant_case(device, gen, seq_lens=[5, 11, 0, 7])
+    clean = _run_turboquant(case)
+    num_blocks = case["cache"].shape[0]
+    table, lens = _corrupt(case["table"], case["seq_lens"], 4, num_blocks, bad_row=1, long_row=3, bad_page=-1)
+    out, lse = _run_turboquant(case, table=table, seq_lens=lens)
+    for b in (1, 3):
+        assert bool(out[b].float().isnan().all()) and bool(lse[b].isnan().all()), f"request {b} is not poisoned"
+    for b in (0, 2):
+        assert_bits(out[b], clean[0][b])
+        assert_bits(lse[b], clean[1][b])
+
+
+def test_split_merge_propagates_a_poisoned_split(device: torch.device) -> None:
+    """A NaN LSE in one split makes the merged row NaN (a hardware max alone would drop it)."""
+    partials = torch.zeros(2, 1, 3, 5, device=device)
+    partials[..., 4] = torch.tensor([0.5, float("nan"), -1.0], device=device)
+    partials[1, 0, 1, 4] = float("-inf")  # row 1: an empty split instead
+    o = torch.empty(2, 1, 4, device=device)
+    lse = torch.empty(2, 1, device=device)
+    lse_merge.merge_splits(partials, o, lse)
+    assert bool(o[0].isnan().all()) and bool(lse[0].isnan().all())
+    assert not bool(o[1].isnan().any()) and not bool(lse[1].isnan().any())
+
+
+def test_turboquant_store_skips_slots_outside_the_cache(checks_off, device) -> None:
+    gen = generator(9)
+    case = _turboquant_case(device, gen, seq_lens=[4])
+    config, cache, storage = case["config"], case["cache"], case["storage"]
+    capacity = cache.shape[0] * cache.shape[1]
+    before = storage.clone()
+    keys, values = case["keys"][:4] * 3, case["values"][:4] * 3
+    args = (case["pit"], case["midpoints"], config.key_mse_bits, config.key_packed_size, config.value_quant_bits,
+            config.key_fp8, case["centroids"], config.norm_correction)  # fmt: skip
+    slots = torch.tensor([capacity, 2, 2**40, capacity + 1], device=device)
+    turboquant.triton_turboquant_store(keys, values, cache, slots, *args)
+    reference = before.clone()
+    ref_cache = reference[NAN_PAGE_GUARD : NAN_PAGE_GUARD + cache.shape[0]]
+    turboquant.triton_turboquant_store(keys, values, ref_cache, torch.tensor([-1, 2, -1, -1], device=device), *args)
+    assert_bits(storage, reference)
+
+
+def test_ue8m0_insert_skips_slots_outside_the_cache(checks_off, device) -> None:
+    gen = generator(10)
+    block_size, num_blocks = 4, 3
+    record = block_size * ue8m0_cache.RECORD_BYTES
+    cache, storage = guarded((num_blocks, record), torch.uint8, device, 0xAB)
+    k = randn((4, 512), torch.bfloat16, device, gen)
+    capacity = num_blocks * block_size
+    ue8m0_cache.quantize_and_insert_k_cache(k, cache, torch.tensor([capacity, 5, 2**40, -3], device=device),
+                                            block_size)  # fmt: skip
+    reference, _ = guarded((num_blocks, record), torch.uint8, device, 0xAB)
+    ue8m0_cache.quantize_and_insert_k_cache(k, reference, torch.tensor([-1, 5, -1, -1], device=device), block_size)
+    assert_bits(cache, reference)
+    assert bool((storage[:NAN_PAGE_GUARD] == 0xAB).all()) and bool((storage[-NAN_PAGE_GUARD:] == 0xAB).all())
+
+
+def test_ue8m0_gather_poisons_tokens_without_a_block_and_stays_inside_out(checks_off, device) -> None:
+    """Request 0 is clean; request 1 has a bad block; request 2 asks for more tokens than it has and
+    than ``out`` holds. Bad tokens are NaN, rows past ``out`` untouched, guards untouched."""
+    gen = generator(11)
+    block_size, num_blocks, rows = 4, 4, 6
+    cache = torch.zeros(num_blocks, block_size * ue8m0_cache.RECORD_BYTES, dtype=torch.uint8, device=device)
+    k = randn((num_blocks * block_size, 512), torch.bfloat16, device, gen)
+    ue8m0_cache.quantize_and_insert_k_cache(k, cache, torch.arange(num_blocks * block_size, device=device), block_size)
+    table = torch.tensor([[0, 1], [2, 7], [3, 0]], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([6, 7, 5], dtype=torch.int32, device=device)
+    gather_lens = torch.tensor([6, 7, 9], dtype=torch.int32, device=device)  # request 2: 9 > 5, and 1 + 9 > 6
+    out_storage = torch.full((3 + 2, rows, 512), -7.0, dtype=torch.bfloat16, device=device)
+    out = out_storage[1:4]
+    ue8m0_cache.dequantize_and_gather_k_cache(out, cache, seq_lens, gather_lens, table, block_size, 1)
+    clean = torch.full((3, rows + 8, 512), -7.0, dtype=torch.bfloat16, device=device)
+    table_ok = torch.tensor([[0, 1], [2, 3], [3, 0]], dtype=torch.int32, device=device)
+    ue8m0_cache.dequantize_and_gather_k_cache(clean, cache, seq_lens, seq_lens.clone(), table_ok, block_size, 1)
+    assert_bits(out[0], clean[0, :rows])  # request 0: clean
+    assert_bits(out[1, :5], clean[1, :5])  # request 1, positions 0..3 (block 2)
+    assert bool(out[1, 5:].float().isnan().all())  # request 1, position 4: block 7 is outside the cache
+    assert bool(out[2, 1:5].float().isnan().all())  # request 2: positions -4..-1 have no block
+    assert bool((out[:, 0] == -7.0).all())  # row 0 is below the offset: untouched
+    assert bool((out_storage[0] == -7.0).all()) and bool((out_storage[4] == -7.0).all())
+
+
+def test_combine_stays_inside_out_with_a_bad_query_start_loc(checks_off, device) -> None:
+    topk = torch.zeros(4, 8, dtype=torch.int32, device=device)
+    storage = torch.full((4 + 6, 128), 123, dtype=torch.int32, device=device)
+    lens_storage = torch.full((4 + 6,), 123, dtype=torch.int32, device=device)
+    combined, lens = storage[3:7], lens_storage[3:7]
+    qsl = torch.tensor([0, 2, 100], dtype=torch.int32, device=device)  # request 1 claims 98 tokens of 4
+    sparse_indices.combine_topk_swa_indices(
+        topk, qsl, torch.tensor([10, 200], dtype=torch.int32, device=device),
+        torch.tensor([10, 200], dtype=torch.int32, device=device), 16, 4, 8, 256, 64, out=(combined, lens),
+    )  # fmt: skip
+    assert bool((storage[:3] == 123).all()) and bool((storage[7:] == 123).all())
+    assert bool((lens_storage[:3] == 123).all()) and bool((lens_storage[7:] == 123).all())
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. On the GPU: no host sync, CUDA-graph replay, host overhead.
+# ----------------------------------------------------------------------------------------------
+
+
+def _serving_calls(device: torch.device) -> dict[str, object]:
+    """One closure per public op, each reading only tensors made here (fixed addresses), plus a
+    function that rewrites their contents in place for a new step."""
+    gen = generator(12)
+    calls = {}
+
+    q, cache, v, width = _decode_case(device, gen, is_mla=True, seq_lens=[40, 70, 0, 129], page_size=16)
+    o = torch.empty(4, 16, width, device=device)
+    lse = torch.empty(4, 16, device=device)
+    logits = torch.empty(4, 16, 4, width + 1, device=device)
+    table, lens = cache.block_table, cache.seq_lens
+    calls["decode_mla"] = (
+        lambda: dec.decode_attention_fwd(q, cache.cache, v, o, lse, table, lens, logits, 4, 0.3, 16, is_mla=True),
+        (o, lse), (table, lens), cache.cache.shape[0],
+    )
+    vq, vcache, vqlen = _verify_case(device, gen, seq_lens=[40, 70, 3, 129], qlen=2, page_size=16)
+    vo = torch.empty(8, 8, 32, dtype=torch.bfloat16, device=device)
+    vlse = torch.empty(8, 8, device=device)
+    vlogits = torch.empty(8, 8, 4, 33, device=device)
+    calls["verify"] = (
+        lambda: mla_verify.decode_attention_fwd_verify(
+            vq, vcache.cache, vcache.cache[..., :32], vo, vlse, vcache.block_table, vcache.seq_lens, None, vqlen,
+            vlogits, 4, 0.3, 16),
+        (vo, vlse), (vcache.block_table, vcache.seq_lens), vcache.cache.shape[0],
+    )  # fmt: skip
+    tq_case = _turboquant_case(device, gen, seq_lens=[40, 70, 0, 129], block_size=16)
+    buffers = {"mid_o_buf": torch.empty(4, 4, 8, 33, device=device),
+               "output_buf": torch.empty(4, 4, 32, dtype=torch.float16, device=device),
+               "lse_buf": torch.empty(4, 4, device=device)}  # fmt: skip
+    calls["turboquant_decode"] = (
+        lambda: _run_turboquant(tq_case, splits=8, buffers=buffers),
+        (buffers["output_buf"], buffers["lse_buf"]), (tq_case["table"], tq_case["seq_lens"]),
+        tq_case["cache"].shape[0],
+    )
+    return calls
+
+
+def _new_step(table: torch.Tensor, lens: torch.Tensor, num_pages: int, step: int) -> None:
+    """Serving's in-place update: new lengths (0 up to the table's reach) and reshuffled pages."""
+    g = torch.Generator(device="cpu").manual_seed(100 + step)
+    reach = table.shape[1] * 16
+    new_lens = torch.randint(0, reach + 1, lens.shape, generator=g)
+    new_lens[step % lens.shape[0]] = 0
+    new_lens[(step + 1) % lens.shape[0]] = reach
+    pages = torch.randperm(num_pages, generator=g)[: table.numel()] % num_pages
+    lens.copy_(new_lens.to(lens.dtype))
+    table.copy_(pages.view(table.shape).to(table.dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["decode_mla", "verify", "turboquant_decode"])
+def test_cuda_graph_replay_equals_eager_bit_for_bit(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Capture once, replay three times with new lengths (0 to the max) and pages written in place."""
+    monkeypatch.delenv(CONTENT_CHECKS_ENV, raising=False)
+    device = torch.device("cuda")
+    run, outputs, (table, lens), num_pages = _serving_calls(device)[name]
+    run()  # warm: compile, and make the per-device constants before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for step in range(3):
+        _new_step(table, lens, num_pages, step)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [t.clone() for t in outputs]
+        run()
+        torch.cuda.synchronize()
+        for got, want in zip(replayed, outputs):
+            assert_bits(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["decode_mla", "verify", "turboquant_decode"])
+def test_no_host_sync_with_default_checks(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CONTENT_CHECKS_ENV, raising=False)
+    run = _serving_calls(torch.device("cuda"))[name][0]
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+HOST_OVERHEAD_BUDGET_US = 25.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["decode_mla", "verify", "turboquant_decode"])
+def test_host_overhead_per_call(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager minus graph-replay time per call stays within the budget (the launches included)."""
+    monkeypatch.delenv(CONTENT_CHECKS_ENV, raising=False)
+    run = _serving_calls(torch.device("cuda"))[name][0]
+    eager_us, graph_us = host_overhead_us(run)
+    assert eager_us - graph_us <= HOST_OVERHEAD_BUDGET_US, (eager_us, graph_us)
+
+
+def host_overhead_us(run, iters: int = 200) -> tuple[float, float]:
+    """``(eager, graph)`` microseconds per call, each the median of 5 timed loops of ``iters`` calls."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+
+    def per_call(step) -> float:
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(iters):
+                step()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) / iters * 1e6)
+        return sorted(times)[2]
+
+    return per_call(run), per_call(graph.replay)
