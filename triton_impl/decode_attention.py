@@ -29,11 +29,13 @@ from triton_impl.interpreter import cast_for_store, dot_dtype
 from triton_impl.lse_merge import launch_merge_splits
 from triton_impl.validation import (
     block_table_2d,
+    cdiv,
     check_block_table,
     check_positive,
     check_power_of_two,
     check_scale,
     check_tensor,
+    next_pow2,
 )
 
 _Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -106,7 +108,7 @@ def _compute_num_kv_splits(max_seq_len: int, sm_count: int, sliding_window: int 
         raise ValueError(f"sliding_window: expected None, 0 or a positive int, got {sliding_window}")
     if sliding_window:
         max_seq_len = min(max_seq_len, sliding_window)
-    ideal = triton.next_power_of_2(max(1, max_seq_len // _MIN_WORK_PER_SPLIT))
+    ideal = next_pow2(max(1, max_seq_len // _MIN_WORK_PER_SPLIT))
     return min(ideal, _SPLIT_OCCUPANCY_MULTIPLIER * sm_count)
 
 
@@ -338,13 +340,14 @@ def _paged_strides(name: str, buf: torch.Tensor, page_size: int) -> tuple[int, i
     The page stride is read from the tensor: a per-layer view into a cross-layer cache has a
     larger one than ``page_size * token_stride``.
     """
-    if buf.dim() == 4:
-        if buf.shape[1] != page_size:
-            raise ValueError(f"{name}: expected [num_pages, {page_size}, HKV, D], got {list(buf.shape)}")
-        return buf.shape[0], buf.stride(0), buf.stride(1), buf.stride(2)
-    if buf.shape[0] % page_size:
-        raise ValueError(f"{name}: {buf.shape[0]} tokens is not a multiple of page_size={page_size}")
-    return buf.shape[0] // page_size, buf.stride(0) * page_size, buf.stride(0), buf.stride(1)
+    sizes, strides = buf.shape, buf.stride()
+    if len(sizes) == 4:
+        if sizes[1] != page_size:
+            raise ValueError(f"{name}: expected [num_pages, {page_size}, HKV, D], got {list(sizes)}")
+        return sizes[0], strides[0], strides[1], strides[2]
+    if sizes[0] % page_size:
+        raise ValueError(f"{name}: {sizes[0]} tokens is not a multiple of page_size={page_size}")
+    return sizes[0] // page_size, strides[0] * page_size, strides[0], strides[1]
 
 
 def decode_attention_fwd(
@@ -463,18 +466,18 @@ def decode_attention_fwd(
     if num_rows == 0 or num_heads == 0:
         return
 
-    block_dv = max(16, triton.next_power_of_2(value_width))
+    block_dv = max(16, next_pow2(value_width))
     d_first = value_width if is_mla else key_width
-    block_d = block_dv if is_mla else max(16, triton.next_power_of_2(key_width))
+    block_d = block_dv if is_mla else max(16, next_pow2(key_width))
     rope_width = key_width - d_first
-    block_dpe = max(16, triton.next_power_of_2(rope_width)) if rope_width else 0
+    block_dpe = max(16, next_pow2(rope_width)) if rope_width else 0
     group = num_heads // num_kv_heads
     if config is None:
         config = select_decode_config(device, is_mla, block_dv)
     elif missing := _CONFIG_KEYS - set(config):
         raise ValueError(f"config: missing keys {sorted(missing)} (expected those of DECODE_CONFIGS' entries)")
-    block_h = min(config["BLOCK_H"], max(16, triton.next_power_of_2(group)))
-    head_blocks = triton.cdiv(group, block_h)
+    block_h = min(config["BLOCK_H"], max(16, next_pow2(group)))
+    head_blocks = cdiv(group, block_h)
     split_latent = is_mla and bool(config.get("SPLIT_LATENT", 0)) and block_dv >= 32
     part = o if single else attn_logits  # a dummy pointer when stage 1 writes o directly
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]
@@ -483,13 +486,13 @@ def decode_attention_fwd(
         q, k_buffer, v_buffer, o, lse, part, req_to_token, b_seq_len, k_scale, v_scale,
         float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,
         num_pages, req_to_token.shape[1] * page_size,
-        q.stride(0), q.stride(1),
+        *q.stride()[:2],
         stride_k_page, stride_k_tok, stride_k_head,
         stride_v_page, stride_v_tok, stride_v_head,
-        o.stride(0), o.stride(1),
-        lse.stride(0), lse.stride(1),
+        *o.stride()[:2],
+        *lse.stride(),
         *part_strides,
-        req_to_token.stride(0), req_to_token.stride(1), b_seq_len.stride(0),
+        *req_to_token.stride(), b_seq_len.stride(0),
         GROUP=group,
         HEAD_BLOCKS=head_blocks,
         LK=key_width,
@@ -497,7 +500,7 @@ def decode_attention_fwd(
         D_FIRST=d_first,
         PAGE_SIZE=page_size,
         IS_MLA=is_mla,
-        IS_FP8=k_buffer.dtype == torch.float8_e4m3fn,
+        IS_FP8=cache_dtypes[0] != k_buffer.dtype,
         HAS_CAP=logit_cap > 0,
         SINGLE_SPLIT=single,
         BLOCK_H=block_h,
@@ -506,8 +509,8 @@ def decode_attention_fwd(
         BLOCK_DPE=block_dpe,
         BLOCK_DV=block_dv,
         SPLIT_LATENT=split_latent,
-        DOT_DTYPE=dot_dtype(q.dtype),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 queries: no TF32 truncation
+        DOT_DTYPE=dot_dtype(cache_dtypes[0]),
+        DOT_PRECISION="ieee" if cache_dtypes[0] == torch.float32 else "tf32",  # fp32 queries: no TF32 truncation
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )  # fmt: skip

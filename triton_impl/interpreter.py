@@ -37,7 +37,8 @@ import triton.language as tl
 
 # Decided once, at import: triton.jit reads TRITON_INTERPRET when a kernel is decorated, and
 # triton_impl/__init__.py sets it on a machine without CUDA before any kernel module is imported.
-INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+INTERPRETING: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"  # for host code: a plain bool is free to test
+INTERPRET: tl.constexpr = tl.constexpr(INTERPRETING)  # for kernels
 
 _DOT_DTYPES = {
     torch.bfloat16: tl.bfloat16,
@@ -52,7 +53,7 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     Compiled, bf16/fp16 operands feed the tensor cores (fp32 accumulation); an fp8 cache is
     dequantized to the query's 16-bit type first, as upstream does, so pass the query dtype.
     """
-    if bool(INTERPRET):
+    if INTERPRETING:
         return tl.float32
     if dtype not in _DOT_DTYPES:
         raise TypeError(f"dot operands: expected one of {list(_DOT_DTYPES)}, got {dtype}")

@@ -23,10 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl.interpreter import INTERPRET, cast_for_store, dot_dtype
+from triton_impl.interpreter import INTERPRETING, cast_for_store, dot_dtype
 from triton_impl.lse_merge import launch_merge_splits
 from triton_impl.validation import (
     block_table_2d,
+    cdiv,
     check_block_table,
     check_positive,
     check_power_of_two,
@@ -121,7 +122,7 @@ VERIFY_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
 
 @functools.cache
 def _arch_of(device_index: int | None) -> str:
-    if bool(INTERPRET) or not torch.cuda.is_available():
+    if INTERPRETING or not torch.cuda.is_available():
         return "interpreter"
     major, minor = torch.cuda.get_device_capability(device_index)
     return "sm_90" if (major, minor) == (9, 0) else "generic"
@@ -129,7 +130,7 @@ def _arch_of(device_index: int | None) -> str:
 
 def verify_arch() -> str:
     """The ``VERIFY_CONFIGS`` key of the current device: ``interpreter``, ``sm_90`` or ``generic``."""
-    return _arch_of(torch.cuda.current_device() if torch.cuda.is_available() and not bool(INTERPRET) else None)
+    return _arch_of(torch.cuda.current_device() if torch.cuda.is_available() and not INTERPRETING else None)
 
 
 def select_verify_config(batch: int, qlen: int, num_heads: int) -> dict[str, Any]:
@@ -145,7 +146,7 @@ def select_verify_config(batch: int, qlen: int, num_heads: int) -> dict[str, Any
 
 def verify_row_blocks(qlen: int, num_heads: int, block_h: int) -> int:
     """Programs per (request, split): ``cdiv(qlen * H, BLOCK_H)`` tiles of (token, head) rows."""
-    return triton.cdiv(qlen * num_heads, block_h)
+    return cdiv(qlen * num_heads, block_h)
 
 
 def verify_num_kv_splits(
@@ -170,13 +171,13 @@ def verify_num_kv_splits(
     ``<= 2 * sm_count``.
     """
     programs_per_split = max(1, batch) * verify_row_blocks(qlen, num_heads, block_h)
-    ideal = triton.cdiv(max(1, max_seq_len), max(1, min_work_per_split))
+    ideal = cdiv(max(1, max_seq_len), max(1, min_work_per_split))
     slots = max(1, int(occupancy * sm_count))
     if programs_per_split <= slots:
         n = slots // programs_per_split
     else:
         cost = [
-            (triton.cdiv(n * programs_per_split, slots) / n, n) for n in range(1, max(1, min(ideal, max_splits)) + 1)
+            (cdiv(n * programs_per_split, slots) / n, n) for n in range(1, max(1, min(ideal, max_splits)) + 1)
         ]
         best = min(c for c, _ in cost)
         n = min(n for c, n in cost if c <= best * 1.05)

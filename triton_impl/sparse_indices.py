@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl.interpreter import INTERPRET
-from triton_impl.validation import check_positive, check_tensor, content_checks_enabled
+from triton_impl.interpreter import INTERPRETING
+from triton_impl.validation import check_positive, check_tensor, content_checks_enabled, next_pow2
 
 _I32 = (torch.int32,)
 _COLUMN_TILE = 128  # combine: columns per tile (the width is a multiple of 128)
@@ -66,7 +66,7 @@ INTERPRETER_CONFIG = LaunchConfig(combine_workers=2, num_warps=1)
 
 
 def select_launch_config(device: torch.device) -> LaunchConfig:
-    if bool(INTERPRET) or device.type != "cuda":
+    if INTERPRETING or device.type != "cuda":
         return INTERPRETER_CONFIG
     major, minor = torch.cuda.get_device_capability(device)
     return LAUNCH_CONFIGS.get(f"sm{major}{minor}", LAUNCH_CONFIGS["default"])
@@ -217,7 +217,7 @@ def compute_global_topk_indices_and_lens(
         block_table, block_table.stride(0), block_table.shape[0], block_table.shape[1],
         is_valid_token,
         BLOCK_SIZE=block_size,
-        TILE=min(_TOPK_TILE, triton.next_power_of_2(max(topk, 1))),
+        TILE=min(_TOPK_TILE, next_pow2(max(topk, 1))),
         num_warps=select_launch_config(device).num_warps,
     )  # fmt: skip
     return out, lens
@@ -741,8 +741,8 @@ def build_flashinfer_mixed_sparse_indices(
         DECODE_LOCAL=local,
         HAS_DECODE_LENS=decode_compressed_topk_lens is not None,
         HAS_IMAGE=has_image,
-        SWA_TILE=triton.next_power_of_2(max(swa_total, 1)),
-        TOPK_TILE=triton.next_power_of_2(max(padded_topk, 1)),
+        SWA_TILE=next_pow2(max(swa_total, 1)),
+        TOPK_TILE=next_pow2(max(padded_topk, 1)),
         num_warps=select_launch_config(device).num_warps,
     )  # fmt: skip
     return indices, lens

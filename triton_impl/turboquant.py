@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl.interpreter import INTERPRET, e4m3_bits_to_f32, f32_to_e4m3_bits
+from triton_impl.interpreter import INTERPRETING, e4m3_bits_to_f32, f32_to_e4m3_bits
 from triton_impl.lse_merge import launch_merge_splits
-from triton_impl.validation import block_table_2d, check_block_table, check_tensor, content_checks_enabled
+from triton_impl.validation import block_table_2d, check_block_table, check_tensor, content_checks_enabled, next_pow2
 
 _KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _QUERY_DTYPES = (torch.float16, torch.bfloat16)
@@ -69,7 +69,7 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
 
 def _config_key(device: torch.device, configs: dict[str, dict[str, int]]) -> str:
     """The config key: "interpreter", the GPU architecture ("sm90") when it has an entry, else "default"."""
-    if bool(INTERPRET):
+    if INTERPRETING:
         return "interpreter"
     if device.type != "cuda":
         return "default"
@@ -330,7 +330,7 @@ def triton_turboquant_store(
     key_bits = 8 if key_fp8 else mse_bits
     unused = kv_cache  # FP8 keys never read PiT, midpoints or centroids; any pointer will do
     config = select_store_config(device)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_pow2(head_dim)
     _store_kernel[(num_tokens * num_kv_heads,)](
         key, value, kv_cache, kv_cache.view(torch.uint16), slot_mapping,
         unused if key_fp8 else PiT, unused if key_fp8 else midpoints,
@@ -693,10 +693,10 @@ def triton_turboquant_decode_attention_v2(
         NUM_FIELDS=layout["num_fields"],
         NUM_SPLITS=num_splits,
         USE_PAIR_LUT=bool(use_pair_lut),
-        BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_M=max(16, next_pow2(group)),
         BLOCK_N=config["BLOCK_N"],
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_HALF=max(16, triton.next_power_of_2(head_dim // 2)),
+        BLOCK_D=next_pow2(head_dim),
+        BLOCK_HALF=max(16, next_pow2(head_dim // 2)),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )  # fmt: skip

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl.interpreter import INTERPRET, cast_for_store, e4m3_bits_to_f32, f32_to_e4m3_bits
-from triton_impl.validation import check_positive, check_tensor, content_checks_enabled
+from triton_impl.interpreter import INTERPRETING, cast_for_store, e4m3_bits_to_f32, f32_to_e4m3_bits
+from triton_impl.validation import cdiv, check_positive, check_tensor, content_checks_enabled
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -69,7 +69,7 @@ INTERPRETER_CONFIG = LaunchConfig(tokens_per_program=16, gather_workers=2, num_w
 
 
 def select_launch_config(device: torch.device) -> LaunchConfig:
-    if bool(INTERPRET) or device.type != "cuda":
+    if INTERPRETING or device.type != "cuda":
         return INTERPRETER_CONFIG
     major, minor = torch.cuda.get_device_capability(device)
     return LAUNCH_CONFIGS.get(f"sm{major}{minor}", LAUNCH_CONFIGS["default"])
@@ -227,7 +227,7 @@ def quantize_and_insert_k_cache(
         return
     max_exp_field, max_mantissa, min_exponent = _exponent_constants(use_fnuz)
     config = select_launch_config(k.device)
-    _quantize_and_insert_k_kernel[(triton.cdiv(num_tokens, config.tokens_per_program),)](
+    _quantize_and_insert_k_kernel[(cdiv(num_tokens, config.tokens_per_program),)](
         k.view(torch.int16), k.stride(0),
         slot_mapping, num_tokens, blocks.shape[0] * block_size,
         blocks, blocks.stride(0),

@@ -20,9 +20,19 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from triton_impl.interpreter import INTERPRET
+from triton_impl.interpreter import INTERPRETING
 
 CONTENT_CHECKS_ENV = "ATTNREF_CHECK_CONTENTS"
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host code (``triton.cdiv`` is a constexpr function: microseconds a call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``), for host code."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def content_checks_enabled(device: torch.device) -> bool:
@@ -45,7 +55,7 @@ def check_tensor(
     *,
     ndim: int | Sequence[int] | None = None,
     shape: Sequence[int | None] | None = None,
-    dtypes: Iterable[torch.dtype] | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
     device: torch.device | None = None,
     unit_last_stride: bool = True,
     kernel_arg: bool = True,
@@ -55,24 +65,25 @@ def check_tensor(
     ``kernel_arg``: the kernel reads it, so compiled Triton needs it on a CUDA device (under the
     interpreter any device works: the interpreter copies to host).
     """
+    # On the serving path of every call: each tensor attribute is read once (a torch attribute
+    # read costs about a microsecond on the host).
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if kernel_arg and not bool(INTERPRET) and t.device.type != "cuda":
+    if kernel_arg and not INTERPRETING and not t.is_cuda:
         raise ValueError(f"{name}: expected a CUDA tensor (Triton runs compiled here), got device {t.device}")
-    if ndim is not None:
+    sizes = t.shape
+    rank = len(sizes)
+    if ndim is not None and rank != ndim and (isinstance(ndim, int) or rank not in ndim):
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
-        if t.dim() not in allowed:
-            raise ValueError(f"{name}: expected rank {' or '.join(map(str, allowed))}, got shape {tuple(t.shape)}")
-    if shape is not None and (t.dim() != len(shape) or any(e is not None and e != a for e, a in zip(shape, t.shape))):
+        raise ValueError(f"{name}: expected rank {' or '.join(map(str, allowed))}, got shape {tuple(sizes)}")
+    if shape is not None and (rank != len(shape) or any(e is not None and e != a for e, a in zip(shape, sizes))):
         want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
-        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
-    if dtypes is not None:
-        allowed_dtypes = tuple(dtypes)
-        if t.dtype not in allowed_dtypes:
-            raise TypeError(f"{name}: expected dtype in {[str(d) for d in allowed_dtypes]}, got {t.dtype}")
+        raise ValueError(f"{name}: expected shape {want}, got {list(sizes)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    if unit_last_stride and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+    if unit_last_stride and rank > 0 and sizes[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name}: the last dimension must have stride 1, got strides {t.stride()}")
     return t
 
