@@ -1,6 +1,6 @@
 """Split-KV decode attention over a paged KV cache: MLA and GQA/MHA, sliding window, logit cap, FP8.
 
-Twin of ``golden/decode_attention.py`` (SPEC section 3), with vLLM's ``decode_attention_fwd``
+Twin of ``golden/decode_attention.py``, with vLLM's ``decode_attention_fwd``
 signature. Every query row has its own extent ``b_seq_len[r]`` and block-table row
 ``req_to_token[r]``; multi-token decode is served by flattening (:func:`expand_decode_rows`).
 
@@ -53,7 +53,7 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # BLOCK_H query heads share one K/V tile (tl.dot needs M >= 16); BLOCK_N keys per tile. The
 # "default" numbers are upstream vLLM's CUDA choices for this kernel (BLOCK_N 32, BLOCK_H 16,
 # 4 warps, 2 stages; 1 stage when the latent tile is >= 1024 wide); the Hopper entry starts from
-# them. The sm90 MLA entry comes from notebooks/results/sweep_decode.py (sweep_decode_h200.md):
+# them. The sm90 MLA entry comes from benchmarks/sweep_decode.py (notebooks/results/sweep_decode_h200.md):
 # 64-head tiles (the smallest M Hopper's wgmma takes; H=16 clamps the tile to 16) with the latent
 # in two 256-wide halves (SPLIT_LATENT) and 64-key tiles: at B=32 L=32K, H=128 went from 3345 us
 # (BLOCK_H 16) to 1657 us and H=16 from 470 us to 385 us. GQA keeps the upstream entry: 99.7% of

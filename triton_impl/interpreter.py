@@ -1,7 +1,7 @@
 """Everything that differs between compiled Triton and ``TRITON_INTERPRET=1``, in one place.
 
 The interpreter (Triton 3.6 to 3.9 at least) runs kernels with NumPy and has defects that make a
-naive kernel silently wrong on a CPU (SPEC section 7). Each workaround below is named for what it
+naive kernel silently wrong on a CPU. Each workaround below is named for what it
 does and is right in both modes, so a kernel calls it unconditionally:
 
 1. bf16 is held as raw 16-bit patterns, so arithmetic, comparisons and reductions on bf16 values

@@ -1,6 +1,6 @@
 """Causal MLA verify attention: split-KV over a paged latent cache, one K/V load per request tile.
 
-Twin of ``golden/mla_verify.py`` (SPEC section 2), with the seed's signatures
+Twin of ``golden/mla_verify.py``, with vLLM's signatures
 (``vllm.v1.attention.ops.triton_decode_attention``): ``decode_attention_fwd_verify``,
 ``verify_row_blocks``, ``select_verify_config``, ``verify_num_kv_splits``,
 ``warmup_decode_attention_fwd_verify`` and ``_storage_view``.
@@ -74,7 +74,7 @@ VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
 #     B=8  qlen=4 H=128 L=4096 (4096 rows):  BH64 BN64 w8 QSPLIT  27.4% (S=2);  BH32 BN32 w4 QSPLIT 20.0%
 #     B=64 qlen=1 H=128 L=2048 (8192 rows):  BH64 BN64 w8 QSPLIT  29.6% (S=1, 3 stages; 28.7% with 2)
 #   QSPLIT won in every shape; BH64 without it ran out of shared memory at BN64 and was slower at
-#   BN32. At issue 7's headline (B=32 qlen=4 H=128 L=32K) the large config is the best of six:
+#   BN32. At the verify target's shape (B=32 qlen=4 H=128 L=32K) the large config is the best of six:
 #   4.70 ms (BN32 6.51 ms; 3 stages 6.95 ms). SASS: large 80 HGMMA, small 272 HMMA
 #   (notebooks/results/sass_sm90.md). 27.8% of roofline (geomean, bench_h200.md) against the
 #   80% target: notebooks/results/perf_log.md says what bounds it.

@@ -1,4 +1,4 @@
-"""DeepSeek sparse-attention index preparation kernels, vLLM's signatures (SPEC section 6).
+"""DeepSeek sparse-attention index preparation kernels, vLLM's signatures.
 
 Twin of ``golden/sparse_indices.py``, whose module docstring gives the formulas. The kernels are
 integer-only, so they equal the golden model exactly in both modes. Beyond the seed:
@@ -56,7 +56,7 @@ class LaunchConfig:
 
 
 # Launch configs as data, keyed by GPU architecture ("sm90", ...). These kernels move a few KB
-# per token; the benchmark (issue 7) has no case for them, so every GPU gets upstream's launch
+# per token; the benchmark has no case for them, so every GPU gets upstream's launch
 # (256 combine workers per request; 4 warps), not tuned; the interpreter runs programs one after another
 # in Python, so it gets 2 workers (results do not depend on the count; a test checks it).
 LAUNCH_CONFIGS: dict[str, LaunchConfig] = {

@@ -1,4 +1,4 @@
-"""The one tolerance table: (op, output, dtype) -> (atol, rtol, reason) (SPEC section 9).
+"""The one tolerance table: (op, output, dtype) -> (atol, rtol, reason).
 
 Tests and the parity command both read it; ``tests/TOLERANCES.md`` is generated from it by
 ``python -m triton_impl tolerances`` (a test checks the file is current).

@@ -1,4 +1,4 @@
-"""TurboQuant KV cache kernels: the SoA store and the pair-LUT split-KV decode (SPEC section 4).
+"""TurboQuant KV cache kernels: the SoA store and the pair-LUT split-KV decode.
 
 Twin of ``golden/turboquant.py``, with the signatures of vLLM's ``turboquant_soa`` modules
 (``triton_turboquant_store``, ``triton_turboquant_decode_attention_v2``, ``build_pair_lut``).

@@ -1,6 +1,6 @@
 """DeepSeek-V4 UE8M0 FP8 paged K cache: insert (quantize) and gather (dequantize), vLLM's signatures.
 
-Twin of ``golden/ue8m0_cache.py`` (SPEC section 5); the module docstring there draws the byte
+Twin of ``golden/ue8m0_cache.py``; the module docstring there draws the byte
 layout. Both kernels produce the golden model's bytes and bf16 bits exactly; every step that
 could round differently between compiled and interpreted Triton is done exactly in both modes:
 
@@ -56,7 +56,7 @@ class LaunchConfig:
 
 # Launch configs as data, keyed by GPU architecture ("sm90", ...). Both kernels move 584 + 1024
 # bytes per token. "default" is upstream's launch (one token per program and 4 warps; 128 gather
-# workers per request). "sm90" is the best of 8 configs in notebooks/results/sweep_memory_bound.py
+# workers per request). "sm90" is the best of 8 configs in benchmarks/sweep_memory_bound.py
 # (sweep_memory_bound_h200.md, 1M tokens, block 64): 4-token tiles took insert from 1.934 to
 # 1.285 ms and gather (with 512 workers) from 1.048 to 0.995 ms. The interpreter runs programs one
 # after another in Python at ~20 ms each, so it gets 16-token tiles and 2 workers (results do not
