@@ -11,7 +11,8 @@ Hypothesis profiles (``HYPOTHESIS_PROFILE``):
   same commit. A failure also prints its ``@reproduce_failure`` blob.
 - ``dev``: random, 5 examples, for a quick local run.
 
-The report header and the summary line name the profile and the seed.
+The report header and the summary line name the profile and the seed. The suite turns the
+host-side content checks on (``ATTNREF_CHECK_CONTENTS=1`` unless already set).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import triton_impl  # noqa: F401  (selects the interpreter before any kernel module is imported)
+from triton_impl.validation import CONTENT_CHECKS_ENV
+
+# The suite runs with the host-side content checks on everywhere (on CUDA they are opt-in for
+# serving); tests of the checks-off path set the variable themselves.
+os.environ.setdefault(CONTENT_CHECKS_ENV, "1")
 
 settings.register_profile(
     "ci",

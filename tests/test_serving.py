@@ -13,7 +13,6 @@ under ``compute-sanitizer --tool memcheck`` (``.ci/gpu_job``).
 from __future__ import annotations
 
 import inspect
-import time
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from golden.lse_merge import merge_attn_states as golden_merge_attn_states
 from tests.support import generator, paged_cache, randn
 from triton_impl import decode_attention as dec
 from triton_impl import lse_merge, mla_verify, sparse_indices, turboquant, ue8m0_cache
+from triton_impl.bench import eager_and_graph_us
 from triton_impl.cases import exact
 from triton_impl.validation import CONTENT_CHECKS_ENV, content_checks_enabled
 
@@ -577,27 +577,5 @@ def test_host_overhead_per_call(name: str, monkeypatch: pytest.MonkeyPatch) -> N
     """Eager minus graph-replay time per call stays within the budget (the launches included)."""
     monkeypatch.delenv(CONTENT_CHECKS_ENV, raising=False)
     run = _serving_calls(torch.device("cuda"))[name][0]
-    eager_us, graph_us = host_overhead_us(run)
+    eager_us, graph_us = eager_and_graph_us(run)
     assert eager_us - graph_us <= HOST_OVERHEAD_BUDGET_US, (eager_us, graph_us)
-
-
-def host_overhead_us(run, iters: int = 200) -> tuple[float, float]:
-    """``(eager, graph)`` microseconds per call, each the median of 5 timed loops of ``iters`` calls."""
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-
-    def per_call(step) -> float:
-        times = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(iters):
-                step()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - start) / iters * 1e6)
-        return sorted(times)[2]
-
-    return per_call(run), per_call(graph.replay)

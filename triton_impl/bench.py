@@ -88,6 +88,33 @@ def _time(fn: Callable[[], object]) -> float:
     return ms
 
 
+def eager_and_graph_us(run: Callable[[], object], iters: int = 200, repeats: int = 5) -> tuple[float, float]:
+    """``(eager, graph)``: microseconds per call of ``run`` back to back, called from Python and
+    replayed from one CUDA graph capture; each the median of ``repeats`` loops of ``iters`` calls.
+
+    Eager minus graph is the host time per call that the GPU does not hide (argument checks,
+    config look-ups, the launches themselves). ``run`` must be capturable (no host sync).
+    """
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+
+    def per_call(step: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(iters):
+                step()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) / iters * 1e6)
+        return sorted(times)[repeats // 2]
+
+    return per_call(run), per_call(graph.replay)
+
+
 def _cuobjdump() -> str:
     """The cuobjdump in the Triton wheel (it ships one beside ptxas), else the one on PATH."""
     import triton
