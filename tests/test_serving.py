@@ -71,6 +71,11 @@ UPSTREAM_SIGNATURES = {
         ("block_h", mla_verify.VERIFY_DEFAULT_CONFIG["BLOCK_H"]), ("occupancy", 1.0),
         ("min_work_per_split", 64), ("max_splits", 8),
     ],
+    mla_verify.warmup_decode_attention_fwd_verify: [
+        ("q", _E), ("k_buffer", _E), ("o", _E), ("lse", _E), ("req_to_token", _E), ("has_real", _E), ("qlens", _E),
+        ("attn_logits", _E), ("sm_scale", _E), ("page_size", _E), ("k_scale", None),
+    ],
+    mla_verify._storage_view: [("t", _E), ("shape", _E)],
     mla_verify.select_verify_config: [("batch", _E), ("qlen", _E), ("num_heads", _E)],
     mla_verify.verify_row_blocks: [("qlen", _E), ("num_heads", _E), ("block_h", _E)],
     dec._compute_num_kv_splits: [("max_seq_len", _E), ("sm_count", _E)],
