@@ -1,4 +1,4 @@
-"""DeepSeek sparse-attention index preparation: which KV rows each query token attends to (SPEC section 6).
+"""DeepSeek sparse-attention index preparation: which KV rows each query token attends to.
 
 DeepSeek-V4 attention layers combine a top-k branch over compressed KV entries (the lightning
 indexer picks ``topk`` of them; compress ratio 4 for CSA, 128 for HCA) with a sliding window of
@@ -11,16 +11,26 @@ the last ``window_size`` raw tokens. Three index layouts feed the kernels:
 - :func:`build_flashinfer_mixed_sparse_indices`: FlashInfer's decode-first matrix of SWA slots
   then compressed slots.
 
-A query token at absolute position ``pos`` sees ``topk_len = min((pos + 1) // compress_ratio, topk)``
-compressed entries and the window ``[swa_start, pos + right]`` with
-``swa_start = max(pos - (W - 1) - max(left - (W - 1), 0), 0)``, where ``left``/``right`` widen
-it inside an image span (bidirectional visibility; both 0 elsewhere). Every index is an integer
-and -1 marks an unused entry. Paper: papers.md#sparse-indices.
+What a query token at absolute position ``pos`` of a ``seq_len``-token request sees:
+
+- top-k branch: a compressed entry is complete once all ``compress_ratio`` raw tokens it covers
+  exist, so ``(pos + 1) // compress_ratio`` entries are, and the token keeps the first
+  ``topk_len = min((pos + 1) // compress_ratio, topk)`` of its indexer row;
+- SWA branch (:func:`visible_positions`): the raw positions ``p < seq_len`` in its causal window
+  ``pos - W < p <= pos`` or in its image neighbourhood ``pos - left <= p <= pos + right``
+  (bidirectional attention inside an image span, :func:`image_visibility`; ``left = right = 0``
+  elsewhere).
+
+Both windows contain ``pos``, so the SWA set is one interval; :func:`swa_window` gives its start
+and length in closed form. The layouts list these entries in ascending order, and every index is
+an integer with -1 marking an unused entry. Paper: papers.md#sparse-indices.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from einops import rearrange
 
 SPARSE_PREFILL_TOPK_ALIGNMENT = 128  # FlashMLA sparse prefill needs topk % B_TOPK == 0, B_TOPK in {64, 128}
 FLASHINFER_TOPK_ALIGNMENT = 4  # TRTLLM-gen sparse MLA loads index rows with 16-byte vector loads
@@ -35,11 +45,40 @@ def combined_width(topk: int, window_size: int, max_image_tokens: int = 0) -> in
     return round_up(topk + window_size + max_image_tokens, SPARSE_PREFILL_TOPK_ALIGNMENT)
 
 
+def visible_positions(
+    pos: torch.Tensor, left: torch.Tensor, right: torch.Tensor, seq_len: torch.Tensor, window_size: int
+) -> torch.Tensor:
+    """Which raw positions each query token sees through the SWA branch, as a mask over positions.
+
+    Token ``t`` sees position ``p`` when the key exists (``p < seq_len[t]``) and ``p`` lies in
+    its causal window or in its image neighbourhood::
+
+        sees[t, p] = (p < seq_len[t]) and (pos[t] - W < p <= pos[t]  or  pos[t] - left[t] <= p <= pos[t] + right[t])
+
+    Args:
+        pos: ``[T]`` int, absolute query positions.
+        left, right: ``[T]`` int, image visibility (>= 0; 0 outside images).
+        seq_len: ``[T]`` int (or a scalar tensor), the length of each token's request.
+        window_size: ``W >= 1``.
+
+    Returns:
+        ``sees [T, P]`` bool over positions ``0 .. P-1``, ``P = max(seq_len)``.
+    """
+    columns = torch.broadcast_tensors(*(t.to(torch.int64) for t in (pos, left, right, seq_len)))
+    pos, left, right, seq_len = (rearrange(t, "t -> t 1") for t in columns)
+    p = torch.arange(int(seq_len.max()) if seq_len.numel() else 0, device=pos.device)
+    causal = (p > pos - window_size) & (p <= pos)
+    image = (p >= pos - left) & (p <= pos + right)
+    return (causal | image) & (p < seq_len)
+
+
 def swa_window(
     pos: torch.Tensor, left: torch.Tensor, right: torch.Tensor, window_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The SWA window ``[start, start + length)`` of query positions ``pos``.
+    """The SWA window ``[start, start + length)`` of query positions ``pos``, in closed form.
 
+    The union of ``(pos - W, pos]`` and ``[pos - left, pos + right]`` clipped at 0 (the set of
+    :func:`visible_positions` while ``pos + right < seq_len``):
     ``start = max(pos - (W-1) - max(left - (W-1), 0), 0)``, ``length = pos + right - start + 1``;
     with ``left = right = 0`` it is the causal window ``min(pos + 1, W)`` long.
 
@@ -82,13 +121,23 @@ def image_visibility(
     return left.to(torch.int32), right.to(torch.int32)
 
 
-def _columns(indices: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """``indices[:, j]`` for each ``j`` in ``columns`` that the tensor has, -1 for the others (int64)."""
-    width = indices.shape[1]
-    if width == 0:
-        return torch.full((indices.shape[0], columns.numel()), -1, dtype=torch.int64, device=indices.device)
-    taken = indices.to(torch.int64)[:, columns.clamp(max=width - 1)]
-    return torch.where(columns < width, taken, -1)
+def _topk_len(pos: torch.Tensor, compress_ratio: int, topk: int) -> torch.Tensor:
+    """Top-k entries a token at ``pos`` keeps: the complete compressed entries, at most ``topk``."""
+    return torch.div(pos + 1, compress_ratio, rounding_mode="floor").clamp(max=topk)
+
+
+def _pack_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    """One output row per list entry: its values from column 0 on, then -1 up to ``width`` (int64)."""
+    packed = torch.full((len(rows), width), -1, dtype=torch.int64, device=device)
+    for t, values in enumerate(rows):
+        packed[t, : values.numel()] = values
+    return packed
+
+
+def _fit_columns(indices: torch.Tensor, width: int) -> torch.Tensor:
+    """Entry ``j`` of each row for ``j < width``, -1 where the tensor has no column ``j`` (int64)."""
+    kept = indices[:, :width].to(torch.int64)
+    return F.pad(kept, (0, width - kept.shape[1]), value=-1)
 
 
 def _table_slots(
@@ -100,19 +149,20 @@ def _table_slots(
     (the table's logical columns, not its row stride).
 
     Args:
-        block_table: ``[R, Bmax]`` int; req: ``[T, 1]`` or ``[T]`` int; local: ``[T, K]`` int.
+        block_table: ``[R, Bmax]`` int; req: ``[T]`` int; local: ``[T, K]`` int.
 
     Returns:
-        ``(slots [T, K] int64, valid [T, K] bool)``.
+        ``(slots [T, K] int64, exists [T, K] bool)``.
     """
     num_reqs, num_cols = block_table.shape
-    req = req.to(torch.int64).reshape(-1, 1).expand_as(local)
+    req = rearrange(req.to(torch.int64), "t -> t 1").expand_as(local)
     local = local.to(torch.int64)
     col = torch.div(local, block_size, rounding_mode="floor")
-    valid = (local >= 0) & (req >= 0) & (req < num_reqs) & (col < num_cols)
-    entries = block_table.to(torch.int64)[req.clamp(0, max(num_reqs - 1, 0)), col.clamp(0, max(num_cols - 1, 0))]
-    slots = torch.where(valid, entries * block_size + local % block_size, -1)
-    return slots, valid
+    exists = (local >= 0) & (req >= 0) & (req < num_reqs) & (col < num_cols)
+    slots = torch.full_like(local, -1)
+    pages = block_table.to(torch.int64)[req[exists], col[exists]]
+    slots[exists] = pages * block_size + local[exists] % block_size
+    return slots, exists
 
 
 def compute_global_topk_indices_and_lens(
@@ -126,8 +176,8 @@ def compute_global_topk_indices_and_lens(
 
     An entry ``local = topk_indices[t, j]`` is valid when ``local >= 0``, the token's request
     ``req = token_to_req_indices[t]`` is a row of the table and ``local // bs`` one of its
-    columns; its slot is ``block_table[req, local // bs] * bs + local % bs``. Valid slots keep
-    their order and move to the front; the rest of the row is -1; ``lens[t]`` counts them.
+    columns; its slot is ``block_table[req, local // bs] * bs + local % bs``. Row ``t`` lists the
+    slots of its valid entries in their original order, then -1; ``lens[t]`` counts them.
     A token with ``is_valid_token[t]`` false (CUDA-graph padding) gets ``lens = 0`` and a row of
     -1. (The seed left -1 holes in place and read the table out of bounds; this matches
     upstream's later fix.) Paper: papers.md#sparse-indices.
@@ -144,14 +194,11 @@ def compute_global_topk_indices_and_lens(
 
     Traffic: reads ``4*T*K`` index bytes and up to ``4*T*K`` table bytes; writes ``4*T*K + 4*T``.
     """
-    slots, valid = _table_slots(block_table, token_to_req_indices, topk_indices, block_size)
-    valid = valid & is_valid_token.to(torch.bool).unsqueeze(1)
-    lens = valid.sum(dim=1)
-    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid first, original order
-    compacted = slots.gather(1, order)
-    columns = torch.arange(topk_indices.shape[1], device=topk_indices.device)
-    compacted = torch.where(columns < lens.unsqueeze(1), compacted, -1)
-    return compacted.to(topk_indices.dtype), lens.to(torch.int32)
+    slots, exists = _table_slots(block_table, token_to_req_indices, topk_indices, block_size)
+    valid = exists & rearrange(is_valid_token.to(torch.bool), "t -> t 1")
+    rows = [row_slots[row_valid] for row_slots, row_valid in zip(slots, valid)]
+    packed = _pack_rows(rows, topk_indices.shape[1], topk_indices.device)
+    return packed.to(topk_indices.dtype), valid.sum(dim=1).to(torch.int32)
 
 
 def combine_topk_swa_indices(
@@ -172,20 +219,20 @@ def combine_topk_swa_indices(
     """Sparse-prefill indices into a per-request workspace: top-k rows, then the SWA window's rows.
 
     Request ``b`` owns workspace rows ``[M*b, M*b + M)``: compressed K at ``[0, N)``, its last
-    ``gather_len`` raw tokens at ``[N, N + gather_len)``. For its query token ``i`` (chunk row
-    ``t = query_start_loc[b] - query_start_loc[0] + i``) at ``pos = seq_len - query_len + i``::
+    ``gather_len`` raw tokens at ``[N, N + gather_len)``, so raw position ``p`` is row
+    ``M*b + N + p - (seq_len - gather_len)``. Its query token ``i`` (chunk row ``t =
+    query_start_loc[b] - query_start_loc[0] + i``) at ``pos = seq_len - query_len + i`` lists::
 
-        combined[t, j]            = topk_indices[t, j] + M*b        j < topk_len (-1 stays -1)
-        combined[t, topk_len + j] = M*b + N + swa_start + j - (seq_len - gather_len)   j < swa_len
-        combined[t, rest]         = -1
-        lens[t]                   = topk_len + swa_len
+        [topk_indices[t, j] + M*b  for j < topk_len]  (a -1 entry stays -1, in place)
+        + [workspace row of p  for p in its SWA positions, ascending]
+        + [-1, ...]  up to the width;   lens[t] = topk_len + number of SWA positions
 
-    with ``topk_len``, ``swa_start``, ``swa_len`` as in the module docstring (``left``/``right``
-    from ``left_visible``/``right_visible`` when given). Every column of every request token's
-    row is written, so an ``out=`` buffer never keeps stale tails (upstream leaves them), and a
-    negative top-k entry stays -1 (upstream adds ``M*b`` to it, which points into request
-    ``b - 1``'s rows). Chunk rows past the last request are -1 / 0 when ``out`` is None and
-    untouched otherwise. Paper: papers.md#sparse-indices.
+    with ``topk_len`` and the SWA positions as in the module docstring (``left``/``right`` from
+    ``left_visible``/``right_visible`` when given). Every column of every request token's row is
+    written, so an ``out=`` buffer never keeps stale tails (upstream leaves them), and a negative
+    top-k entry stays -1 (upstream adds ``M*b`` to it, which points into request ``b - 1``'s
+    rows). Chunk rows past the last request are -1 / 0 when ``out`` is None and untouched
+    otherwise. Paper: papers.md#sparse-indices.
 
     Args:
         topk_indices: ``[Tc, Kw]`` int32 chunk-local rows, compressed-workspace rows (``< N``) or -1.
@@ -211,7 +258,6 @@ def combine_topk_swa_indices(
     else:
         combined, lens = out[0].clone(), out[1].clone()
     qsl = query_start_loc.to(torch.int64) - int(query_start_loc[0])
-    columns = torch.arange(width, device=device)
     for b in range(seq_lens.shape[0]):
         rows = torch.arange(int(qsl[b]), int(qsl[b + 1]), device=device)
         seq_len, gather_len = int(seq_lens[b]), int(gather_lens[b])
@@ -220,14 +266,16 @@ def combine_topk_swa_indices(
             left = right = torch.zeros_like(pos)
         else:
             left, right = left_visible[rows], right_visible[rows]
-        topk_len = torch.div(pos + 1, compress_ratio, rounding_mode="floor").clamp(max=topk).unsqueeze(1)
-        swa_start, swa_len = (t.unsqueeze(1) for t in swa_window(pos, left, right, window_size))
-        topk_cols = _columns(topk_indices[rows], columns)
-        topk_part = torch.where(topk_cols >= 0, topk_cols + M * b, -1)
-        swa_part = M * b + N + swa_start + (columns - topk_len) - (seq_len - gather_len)
-        values = torch.where(columns < topk_len, topk_part, torch.where(columns < topk_len + swa_len, swa_part, -1))
-        combined[rows] = values.to(torch.int32)
-        lens[rows] = (topk_len + swa_len).squeeze(1).to(torch.int32)
+        sees = visible_positions(pos, left, right, torch.tensor(seq_len, device=device), window_size)
+        workspace_row = M * b + N + torch.arange(sees.shape[1], device=device) - (seq_len - gather_len)
+        selected = topk_indices[rows].to(torch.int64)
+        topk_rows = torch.where(selected >= 0, selected + M * b, -1)
+        entries = [
+            torch.cat([topk_rows[i, :kept], workspace_row[sees[i]]])
+            for i, kept in enumerate(_topk_len(pos, compress_ratio, topk).tolist())
+        ]
+        combined[rows] = _pack_rows(entries, width, device).to(torch.int32)
+        lens[rows] = torch.tensor([e.numel() for e in entries], dtype=torch.int32, device=device)
     return combined, lens
 
 
@@ -239,8 +287,9 @@ def flashinfer_widths(swa_index_width: int, topk: int, decode_topk: int, max_ima
 def remap_block_span(values: torch.Tensor, block_size: int, block_span: int) -> torch.Tensor:
     """Slot ``v = blk * bs + off`` -> ``blk * span + off``; -1 stays.
 
-    FlashInfer's DSv4 kernel addresses KV by token stride, so packed pages (vLLM #44577) need
-    the block span; with ``span == bs`` this is the identity.
+    FlashInfer's DSv4 kernel addresses KV by token stride, so a cache whose pages lie further
+    apart than ``bs`` tokens (packed pages) needs the block span; with ``span == bs`` this is the
+    identity.
     """
     v = values.to(torch.int64)
     remapped = torch.div(v, block_size, rounding_mode="floor") * block_span + v % block_size
@@ -286,9 +335,10 @@ def build_flashinfer_mixed_sparse_indices(
     when local; else ``decode_compressed_topk_lens[t]`` if given; else ``Kd``.
 
     Prefill row (request ``req = token_to_req_indices[t]``, ``pos = seq_len - query_len + t -
-    query_start_loc[req]``): SWA column ``j < swa_len`` is the slot of position ``swa_start + j``
-    through ``swa_block_table`` (-1 beyond); compressed column ``j < topk_len`` the slot of
-    ``prefill_topk_indices[p, j]`` through the compressed table; ``lens = SWA_TOTAL + topk_len``.
+    query_start_loc[req]``): the SWA columns list the slots of its SWA positions (module
+    docstring), ascending, through ``swa_block_table``, then -1; compressed column ``j <
+    topk_len`` is the slot of ``prefill_topk_indices[p, j]`` through the compressed table (-1
+    where that entry is invalid, in place), -1 beyond; ``lens = SWA_TOTAL + topk_len``.
     FlashInfer's lens count the whole SWA region, -1 entries included (the kernel skips them).
     Paper: papers.md#sparse-indices.
 
@@ -317,22 +367,20 @@ def build_flashinfer_mixed_sparse_indices(
     swa_span = swa_block_size if swa_block_span is None else swa_block_span
     compressed_span = compressed_block_size if compressed_block_span is None else compressed_block_span
     device = decode_swa_indices.device
-    swa_cols = torch.arange(swa_total, device=device)
-    topk_cols = torch.arange(padded_topk, device=device)
 
-    # Decode rows.
-    decode_swa = remap_block_span(_columns(decode_swa_indices, swa_cols), swa_block_size, swa_span)
+    # Decode rows: the given slots, in their columns.
+    decode_swa = remap_block_span(_fit_columns(decode_swa_indices, swa_total), swa_block_size, swa_span)
     if decode_compressed_indices is None:
         decode_comp = torch.full((num_decode, padded_topk), -1, dtype=torch.int64, device=device)
     else:
-        decode_comp = _columns(decode_compressed_indices, topk_cols)
+        decode_comp = _fit_columns(decode_compressed_indices, padded_topk)
     if decode_topk == 0:
         counts = torch.zeros(num_decode, dtype=torch.int64, device=device)
     elif decode_compressed_indices_are_local:
-        decode_comp, valid = _table_slots(
+        decode_comp, exists = _table_slots(
             compressed_table, token_to_req_indices[:num_decode], decode_comp, compressed_block_size
         )
-        counts = (valid & decode_is_valid_token[:num_decode].to(torch.bool).unsqueeze(1)).sum(dim=1)
+        counts = (exists & rearrange(decode_is_valid_token[:num_decode].to(torch.bool), "t -> t 1")).sum(dim=1)
     elif decode_compressed_topk_lens is not None:
         counts = decode_compressed_topk_lens[:num_decode].to(torch.int64)
     else:
@@ -341,7 +389,7 @@ def build_flashinfer_mixed_sparse_indices(
     decode_rows = torch.cat([decode_swa, decode_comp], dim=1)
     decode_lens = swa_total + counts
 
-    # Prefill rows.
+    # Prefill rows: the visible positions' slots, then the kept top-k entries' slots.
     t = torch.arange(num_decode, num_tokens, device=device)
     req = token_to_req_indices[num_decode:num_tokens].to(torch.int64)
     qsl = query_start_loc.to(torch.int64)
@@ -351,16 +399,21 @@ def build_flashinfer_mixed_sparse_indices(
         left, right = prefill_left_visible[num_decode:num_tokens], prefill_right_visible[num_decode:num_tokens]
     else:
         left = right = torch.zeros_like(pos)
-    swa_start, swa_len = swa_window(pos, left, right, window_size)
-    topk_len = torch.div(pos + 1, compress_ratio, rounding_mode="floor").clamp(max=topk)
-    window_pos = swa_start.unsqueeze(1) + swa_cols
-    in_window = swa_cols < swa_len.unsqueeze(1)
-    swa_slots, _ = _table_slots(swa_block_table, req, torch.where(in_window, window_pos, -1), swa_block_size)
-    local = _columns(prefill_topk_indices, topk_cols)
-    local = torch.where(topk_cols < topk_len.unsqueeze(1), local, -1)
+    sees = visible_positions(pos, left, right, seq_len, window_size)
+    positions = torch.arange(sees.shape[1], device=device)
+    window = _pack_rows([positions[row] for row in sees], swa_total, device)  # ascending, then -1
+    swa_slots, _ = _table_slots(swa_block_table, req, window, swa_block_size)
+    topk_len = _topk_len(pos, compress_ratio, topk)
+    kept = torch.arange(padded_topk, device=device) < rearrange(topk_len, "t -> t 1")
+    local = torch.where(kept, _fit_columns(prefill_topk_indices, padded_topk), -1)  # entry j in column j
     comp_slots, _ = _table_slots(compressed_table, req, local, compressed_block_size)
-    prefill_swa = remap_block_span(swa_slots, swa_block_size, swa_span)
-    prefill_rows = torch.cat([prefill_swa, remap_block_span(comp_slots, compressed_block_size, compressed_span)], dim=1)
+    prefill_rows = torch.cat(
+        [
+            remap_block_span(swa_slots, swa_block_size, swa_span),
+            remap_block_span(comp_slots, compressed_block_size, compressed_span),
+        ],
+        dim=1,
+    )
     prefill_lens = swa_total + topk_len
 
     indices = torch.cat([decode_rows, prefill_rows], dim=0).to(torch.int32)

@@ -1,4 +1,4 @@
-"""TurboQuant KV cache: rotate, Lloyd-Max-quantize, pack into vLLM's SoA block, decode (SPEC section 4).
+"""TurboQuant KV cache: rotate, Lloyd-Max-quantize, pack into vLLM's SoA block, decode.
 
 TurboQuant (papers.md#turboquant) stores a key ``k`` as its norm ``n = ||k||`` and the codes of
 its rotated direction ``y = (k / n) Pi^T``: after a random rotation every coordinate of a unit
@@ -11,26 +11,29 @@ codebook, optional norm correction, uniform min-max values and a structure-of-ar
 Codes are a function of the inputs alone. A code flips when ``y_d`` crosses a boundary, so the
 fp32 arithmetic that produces ``y`` is part of the definition: every division and square root is
 correctly rounded fp32, and every sum (``||k||^2``, each coordinate of ``k_hat Pi^T``,
-``||c[idx]||^2``) is a fixed-point integer sum (:func:`fixed_point_sum`). Integer addition is
+``||c[idx]||^2``) is a fixed-point integer sum (``golden._fixed_point``). Integer addition is
 associative, so the result does not depend on summation order: this module on a CPU, the Triton
 kernel under the interpreter and compiled on any GPU write the same bytes. The fixed-point sum
 differs from the real sum by less than ``D * 2^-46`` for a rotated coordinate (fp32 carries
 about ``2^-30`` at the typical ``|y_d| ~ 0.1``).
 
-Everything here is float32 (the stored quantities) or float64 (the decode oracle).
+Everything here is float32 (the stored quantities) or float64 (the decode oracle). The codebook
+solver (``golden._lloyd_max``) and the exact arithmetic (``golden._fixed_point``) live in helper
+modules; ``solve_lloyd_max`` and ``codebook_distortion`` are re-exported here, where TurboQuant's
+callers look for them.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
-from statistics import NormalDist
 
-import numpy as np
 import torch
 from einops import einsum, rearrange
 
+from golden._fixed_point import div_f32, fixed_point_sum, pow2_f64, sqrt_f32
+from golden._lloyd_max import codebook_distortion as codebook_distortion
+from golden._lloyd_max import solve_lloyd_max as solve_lloyd_max
 from golden._paged import gather_tokens, masked_softmax_state
 from golden.lse_merge import split_states
 
@@ -214,180 +217,8 @@ def haar_rotation(d: int, seed: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Lloyd-Max codebooks.
-# ----------------------------------------------------------------------------------------------
-
-MODELS = ("gaussian", "beta")
-_GL_NODES, _GL_WEIGHTS = np.polynomial.legendre.leggauss(256)
-_LLOYD_TOL = 1e-13  # on centroids * sqrt(d): converged to ~ float64 resolution
-_LLOYD_MAX_ITER = 20_000
-
-
-def _std_normal_pdf(z: np.ndarray) -> np.ndarray:
-    """The standard normal density, 0 at +-inf."""
-    finite = np.isfinite(z)
-    z = np.where(finite, z, 0.0)
-    return np.where(finite, np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi), 0.0)
-
-
-def _gaussian_cell_moments(d: int, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``int_lo^hi x^k f(x) dx`` for ``k = 0, 1, 2`` under ``N(0, 1/d)``, in closed form.
-
-    With ``a = lo / sigma``, ``b = hi / sigma``: mass ``Q(a) - Q(b)`` (``Q`` the upper tail
-    ``erfc(z / sqrt 2) / 2``, which keeps the outer cells' small masses exact to relative
-    precision), first moment ``sigma (phi(a) - phi(b))``, second moment ``sigma^2 (mass +
-    a phi(a) - b phi(b))``.
-    """
-    sigma = 1.0 / math.sqrt(d)
-    a, b = lo / sigma, hi / sigma
-    upper_tail = np.vectorize(lambda z: 0.5 * math.erfc(z / math.sqrt(2.0)))
-    pdf_a, pdf_b = _std_normal_pdf(a), _std_normal_pdf(b)
-    a_pdf_a = np.where(np.isfinite(a), a, 0.0) * pdf_a
-    b_pdf_b = np.where(np.isfinite(b), b, 0.0) * pdf_b
-    mass = upper_tail(a) - upper_tail(b)
-    return mass, sigma * (pdf_a - pdf_b), sigma**2 * (mass + a_pdf_a - b_pdf_b)
-
-
-def _beta_cell_moments(d: int, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The same moments for the exact marginal ``f(x) = C_d (1 - x^2)^((d-3)/2)`` on ``[-1, 1]``.
-
-    With ``x = sin(t)`` the integrand becomes ``C_d cos(t)^(d-2)``, smooth for every ``d >= 2``,
-    so 256-point Gauss-Legendre in ``t`` is accurate to ~1e-13 (the tests compare the masses with
-    ``scipy.special.betainc``). ``C_d = Gamma(d/2) / (sqrt(pi) Gamma((d-1)/2))``.
-    """
-    log_c = math.lgamma(d / 2) - 0.5 * math.log(math.pi) - math.lgamma((d - 1) / 2)
-    t_lo, t_hi = np.arcsin(lo), np.arcsin(hi)
-    half = (t_hi - t_lo) / 2
-    t = (t_lo + t_hi)[:, None] / 2 + half[:, None] * _GL_NODES[None, :]
-    w = half[:, None] * _GL_WEIGHTS[None, :] * np.exp(log_c + (d - 2) * np.log(np.cos(t)))
-    x = np.sin(t)
-    return w.sum(1), (w * x).sum(1), (w * x * x).sum(1)
-
-
-def _cell_moments(model: str, d: int, edges: np.ndarray) -> tuple[np.ndarray, ...]:
-    lo, hi = edges[:-1], edges[1:]
-    return _gaussian_cell_moments(d, lo, hi) if model == "gaussian" else _beta_cell_moments(d, lo, hi)
-
-
-def _cell_edges(model: str, centroids: np.ndarray) -> np.ndarray:
-    outer = math.inf if model == "gaussian" else 1.0
-    return np.concatenate([[-outer], (centroids[:-1] + centroids[1:]) / 2, [outer]])
-
-
-def _check_codebook_args(d: int, bits: int, model: str) -> None:
-    if model not in MODELS:
-        raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
-    if not isinstance(d, int) or d < 2:
-        raise ValueError(f"d: expected an int >= 2, got {d!r}")
-    if not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"bits: expected an int in [1, 8], got {bits!r}")
-
-
-@functools.lru_cache(maxsize=64)
-def _lloyd_max_float64(d: int, bits: int, model: str) -> tuple[float, ...]:
-    """Lloyd's iteration to its fixed point in float64 (cached by value: d, bits, model)."""
-    n = 2**bits
-    sigma = 1.0 / math.sqrt(d)
-    # Start at the Gaussian quantiles of the cell centres: close to the answer for every model.
-    c = np.array([NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)]) * sigma
-    for _ in range(_LLOYD_MAX_ITER):
-        m0, m1, _m2 = _cell_moments(model, d, _cell_edges(model, c))
-        updated = m1 / m0  # each centroid moves to the conditional mean of its cell
-        step = float(np.max(np.abs(updated - c))) / sigma
-        c = updated
-        if step < _LLOYD_TOL:
-            return tuple(float(x) for x in c)
-    raise RuntimeError(f"Lloyd-Max did not converge: d={d}, bits={bits}, model={model}")
-
-
-def solve_lloyd_max(d: int, bits: int, model: str = "gaussian") -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``bits``-bit Lloyd-Max codebook of one coordinate of a random unit vector in ``R^d``.
-
-    Lloyd's conditions: each centroid is the conditional mean of its cell, each boundary is the
-    midpoint of its two centroids; iterated from the Gaussian quantiles until the centroids move
-    less than ``1e-13 / sqrt(d)`` (float64, closed-form Gaussian moments, quadrature for Beta).
-
-    ``model="gaussian"``: ``N(0, 1/d)``, the large-``d`` limit vLLM serves with (``c * sqrt(d)``
-    is the same for every ``d``; unit-variance MSE 0.36338, 0.11748, 0.034548, 0.0095010 for
-    1..4 bits). ``model="beta"``: the exact marginal ``(x+1)/2 ~ Beta((d-1)/2, (d-1)/2)``
-    (TurboQuant's Lemma 1). Paper: papers.md#turboquant.
-
-    Args:
-        d: the dimension (>= 2).
-        bits: code width, 1..8.
-        model: "gaussian" (default, vLLM) or "beta".
-
-    Returns:
-        ``(centroids [2^bits], boundaries [2^bits - 1])`` float32, ascending, symmetric about 0;
-        ``boundaries`` are the midpoints of the float32 centroids (``(c_i + c_{i+1}) / 2`` in
-        float32 is exact up to one rounding). A value exactly on a boundary belongs to the upper
-        cell (see :func:`quantize_keys`).
-
-    Traffic: none (host computation, cached).
-    """
-    _check_codebook_args(d, bits, model)
-    centroids = torch.tensor(_lloyd_max_float64(d, bits, model), dtype=torch.float32)
-    return centroids, (centroids[:-1] + centroids[1:]) / 2
-
-
-def codebook_distortion(centroids: torch.Tensor, d: int, model: str = "gaussian") -> float:
-    """``D_mse = d * E[(X - c(X))^2]`` of a scalar codebook, exactly (no sampling).
-
-    ``X`` is one coordinate of a random unit vector under ``model`` and ``c(X)`` its nearest
-    centroid; ``d`` times the per-coordinate error is TurboQuant's ``E ||x - x~||^2`` for unit
-    ``x`` (Theorem 1), and for the Gaussian model the unit-variance MSE. Paper:
-    papers.md#turboquant.
-
-    Args:
-        centroids: ``[N]`` ascending (any float dtype; evaluated in float64).
-        d: the dimension; model: "gaussian" or "beta".
-
-    Returns:
-        The distortion as a Python float.
-
-    Traffic: none (host computation).
-    """
-    _check_codebook_args(d, 1, model)
-    c = centroids.detach().to("cpu", torch.float64).numpy()
-    m0, m1, m2 = _cell_moments(model, d, _cell_edges(model, c))
-    return float(d * np.sum(m2 - 2 * c * m1 + c * c * m0))
-
-
-# ----------------------------------------------------------------------------------------------
 # Order-independent fp32 arithmetic of the store.
 # ----------------------------------------------------------------------------------------------
-
-
-def fixed_point_sum(terms: torch.Tensor, dim: int, frac_bits: int) -> torch.Tensor:
-    """``sum(terms)`` computed as ``RNE_fp32(sum_i trunc(terms_i * 2^F)) * 2^-F``.
-
-    The int64 sum is exact, hence independent of order; callers keep it below ``2^53`` so that
-    the float64 detour before the fp32 rounding is exact too (one rounding, as ``int64 -> fp32``
-    in a kernel). Each term loses less than ``2^-F`` to truncation.
-
-    Args:
-        terms: float32 or float64 tensor; dim: the summed axis; frac_bits: ``F``.
-
-    Returns:
-        float32 tensor without ``dim``.
-    """
-    fixed = (terms * 2.0**frac_bits).to(torch.int64).sum(dim)
-    return fixed.to(torch.float64).to(torch.float32) * 2.0**-frac_bits
-
-
-def _div_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded fp32 ``a / b`` (via float64, which is exact to one final rounding)."""
-    return (a.to(torch.float64) / b.to(torch.float64)).to(torch.float32)
-
-
-def _sqrt_f32(x: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded fp32 square root (torch's CPU fp32 ``sqrt`` is not: about 1 in 6 is 1 ulp off)."""
-    return torch.sqrt(x.to(torch.float64)).to(torch.float32)
-
-
-def _pow2_f64(e: torch.Tensor) -> torch.Tensor:
-    """``2^e`` for int ``e`` in [-1022, 1023], built from its bits (exact)."""
-    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
 def key_norm(key: torch.Tensor) -> torch.Tensor:
@@ -406,9 +237,9 @@ def key_norm(key: torch.Tensor) -> torch.Tensor:
     k = key.to(torch.float32)
     exp_field = (k.abs().amax(dim=-1).view(torch.int32) >> 23) & 0xFF
     e = exp_field.clamp(min=1) - 127
-    x = k.to(torch.float64) * _pow2_f64(-e)[..., None]
-    root = _sqrt_f32(fixed_point_sum(x * x, dim=-1, frac_bits=NORM_FRAC_BITS))
-    return (root.to(torch.float64) * _pow2_f64(e)).to(torch.float32)
+    x = k.to(torch.float64) * pow2_f64(-e)[..., None]
+    root = sqrt_f32(fixed_point_sum(x * x, dim=-1, frac_bits=NORM_FRAC_BITS))
+    return (root.to(torch.float64) * pow2_f64(e)).to(torch.float32)
 
 
 def rotate_keys(key: torch.Tensor, PiT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,7 +256,7 @@ def rotate_keys(key: torch.Tensor, PiT: torch.Tensor) -> tuple[torch.Tensor, tor
         ``(n [T, HKV], y [T, HKV, D])`` float32.
     """
     n = key_norm(key)
-    k_hat = _div_f32(key.to(torch.float32), (n + KEY_NORM_EPS)[..., None])
+    k_hat = div_f32(key.to(torch.float32), (n + KEY_NORM_EPS)[..., None])
     products = k_hat[..., :, None] * PiT.to(torch.float32)  # [T, HKV, D (summed), D]
     return n, fixed_point_sum(products, dim=-2, frac_bits=ROTATION_FRAC_BITS)
 
@@ -464,8 +295,8 @@ def quantize_keys(
     stored = n
     if norm_correction:
         c = centroids.to(torch.float32)[codes]
-        c_norm = _sqrt_f32(fixed_point_sum(c * c, dim=-1, frac_bits=NORM_FRAC_BITS) + NORM_CORRECTION_EPS)
-        stored = _div_f32(n, c_norm)
+        c_norm = sqrt_f32(fixed_point_sum(c * c, dim=-1, frac_bits=NORM_FRAC_BITS) + NORM_CORRECTION_EPS)
+        stored = div_f32(n, c_norm)
     return codes, _fp16_saturated(stored)
 
 
@@ -476,7 +307,7 @@ def quantize_values(value: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch
     ``q = clamp(floor((v - vmin) / scale + 0.5), 0, 2^b - 1)`` (fp32, correctly rounded division),
     ``zero = vmin``; ``scale`` and ``zero`` are stored as fp16 (reconstruction ``q * scale +
     zero`` uses the fp16 ones). The clamp keeps an outlier beyond fp16's range from turning the
-    scale into inf and the whole vector into NaN (upstream issue #53334). Paper:
+    scale into inf and the whole vector into NaN, as upstream's unclamped store does. Paper:
     papers.md#turboquant.
 
     Args:
@@ -490,8 +321,8 @@ def quantize_values(value: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch
     v = value.to(torch.float32)
     vmin = v.amin(dim=-1).clamp(-FP16_MAX, FP16_MAX)
     vmax = v.amax(dim=-1).clamp(-FP16_MAX, FP16_MAX)
-    scale = _div_f32(vmax - vmin, torch.full_like(vmax, levels)).clamp(min=MIN_VALUE_SCALE)
-    q = torch.floor(_div_f32(v - vmin[..., None], scale[..., None].expand_as(v)) + 0.5)
+    scale = div_f32(vmax - vmin, torch.full_like(vmax, levels)).clamp(min=MIN_VALUE_SCALE)
+    q = torch.floor(div_f32(v - vmin[..., None], scale[..., None].expand_as(v)) + 0.5)
     return q.clamp(0, levels).to(torch.int64), _fp16_saturated(scale), _fp16_saturated(vmin)
 
 
@@ -653,10 +484,21 @@ def read_tokens(
     return key_bytes, values, fields
 
 
-def dequantize_keys(
+def reconstruct_rotated_keys(
     key_bytes: torch.Tensor, stored_norm: torch.Tensor, centroids: torch.Tensor, bits: int
 ) -> torch.Tensor:
-    """MSE keys in the rotated basis: ``stored_norm * c[idx]`` (float64)."""
+    """MSE keys rebuilt from their codes and stored norms, in the rotated basis: ``n * c[idx]``.
+
+    ``k~ = n c[idx]`` approximates ``k Pi^T``; multiply by ``Pi`` (``@ PiT.T``) for the key itself.
+    Decode scores the rotated query against ``k~`` and never un-rotates.
+
+    Args:
+        key_bytes: ``[..., key_data_bytes]`` uint8 packed codes; stored_norm: ``[...]`` (fp16 read
+            as float64); centroids: ``[2^bits]`` float32; bits: 3 or 4.
+
+    Returns:
+        ``[..., D]`` float64.
+    """
     codes = unpack_codes(key_bytes, bits)
     return stored_norm[..., None] * centroids.to(torch.float64)[codes]
 
@@ -669,7 +511,7 @@ def _request_keys_values(
     key_bytes, values, fields = read_tokens(kv_cache, block_table_row, num_tokens, config)
     if config.key_fp8:
         return e4m3_to_float(key_bytes), values
-    return dequantize_keys(key_bytes, fields[..., 0], centroids, config.key_quant_bits), values
+    return reconstruct_rotated_keys(key_bytes, fields[..., 0], centroids, config.key_quant_bits), values
 
 
 def _query_basis(query: torch.Tensor, PiT: torch.Tensor, config: TurboQuantConfig) -> torch.Tensor:
