@@ -14,29 +14,48 @@
 # `decode_attention_fwd` (vLLM's Triton MLA/GQA decode) gives every query row its own KV extent
 # and block-table row. This notebook shows what that buys and costs: multi-token decode served by
 # flattening against the dedicated verify kernel (same answer, different traffic), sliding
-# windows and how splits follow them, what batch invariance (one split) costs in parallelism, and
-# decode context parallelism (DCP) with two simulated ranks. Ops come from
-# `golden/decode_attention.py` and `triton_impl/decode_attention.py` (papers.md#decode-attention).
+# windows and how splits follow them, one stage-1 program stepped through in plain PyTorch, what
+# batch invariance (one split) costs in parallelism, decode context parallelism (DCP) with two
+# simulated ranks, and the Hopper head tiles. Ops come from `golden/decode_attention.py` and
+# `triton_impl/decode_attention.py` (papers.md#decode-attention). Every claim below is checked by
+# an `assert` in the cell that shows it.
 
 # %%
 import math
+import re
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 
 import triton_impl  # noqa: F401  (selects the Triton interpreter on a CPU-only machine)
-from golden.decode_attention import dcp_local_positions, decode_attention, split_bounds, window_start
+from golden.decode_attention import (
+    dcp_local_positions,
+    decode_attention,
+    decode_attention_splits,
+    split_bounds,
+    window_start,
+)
 from triton_impl.decode_attention import (
     DECODE_CONFIGS,
     _compute_num_kv_splits,
     decode_attention_fwd,
     expand_decode_rows,
 )
+from triton_impl.interpreter import INTERPRETING
 from triton_impl.lse_merge import merge_splits
-from triton_impl.mla_verify import decode_attention_fwd_verify
+from triton_impl.mla_verify import (
+    _VERIFY_SMALL_MAX_ROWS,
+    VERIFY_CONFIGS,
+    VERIFY_DEFAULT_CONFIG,
+    decode_attention_fwd_verify,
+    verify_row_blocks,
+)
+from triton_impl.tolerances import compare, tolerance
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 gen = torch.Generator().manual_seed(0)
+RESULTS = Path("notebooks/results")  # measured on an H200; the notebook runs from the repository root
 
 
 def paged(tokens: list[torch.Tensor], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,6 +83,21 @@ def run_decode(q, k, v, table, lens, splits, sm_scale, page_size, out_dtype=None
     return o, lse
 
 
+def next_power_of_2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()  # triton.next_power_of_2 (importing triton here would precede triton_impl)
+
+
+def decode_head_tile(config: dict[str, int], group: int) -> int:
+    """Heads per stage-1 program: ``BLOCK_H`` clamped to the group, as ``decode_attention_fwd`` does."""
+    return min(config["BLOCK_H"], max(16, next_power_of_2(group)))
+
+
+def verify_config_sm90(batch: int, qlen: int, heads: int) -> dict:
+    """The verify kernel's Hopper config for a batch (``select_verify_config`` on an sm_90 GPU)."""
+    size = "small" if batch * qlen * heads <= _VERIFY_SMALL_MAX_ROWS else "large"
+    return {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS["sm_90"][size]}
+
+
 # %% [markdown]
 # ## 1. Multi-token decode vs verify: same answer, different traffic
 #
@@ -71,7 +105,9 @@ def run_decode(q, k, v, table, lens, splits, sm_scale, page_size, out_dtype=None
 # serves it with the decode kernel by **flattening**: request `b` becomes `Q` rows that share its
 # block-table row, row `t` with extent `L_b - (Q-1) + t` (the prefix plus draft tokens `0..t`).
 # The verify kernel (`triton_impl.mla_verify.decode_attention_fwd_verify`) takes the per-request
-# table instead and lets one K tile serve all `Q` rows. Both compute the same attention.
+# table instead and lets one K tile serve several of the `Q` rows. Both compute the same
+# attention: each is checked against the float64 golden model with the package's tolerance table
+# (`tests/TOLERANCES.md`), and their empty rows (the CUDA-graph padding request) agree.
 
 # %%
 Q, heads, lv, rope = 4, 16, 64, 16  # a small MLA: one latent head, Lk = 64 + 16
@@ -83,37 +119,60 @@ sm_scale = (lv + rope) ** -0.5
 
 rows_table, rows_lens = expand_decode_rows(table, lens.to(device), Q, causal=True)
 print("flattened extents per row:", rows_lens.tolist())
-o_flat, lse_flat = run_decode(q, cache, cache[..., :lv], rows_table, rows_lens, 2, sm_scale, 16, is_mla=True)
+o_flat, lse_flat = run_decode(q, cache, cache[..., :lv], rows_table, rows_lens, 1, sm_scale, 16, is_mla=True)
 
 o_verify = torch.empty_like(o_flat)
 lse_verify = torch.empty_like(lse_flat)
-logits = torch.empty(q.shape[0], heads, 2, lv + 1, device=device)
-decode_attention_fwd_verify(
-    q, cache, cache[..., :lv], o_verify, lse_verify, table, lens.to(device), None, Q, logits, 2, sm_scale, 16
-)
+decode_attention_fwd_verify(q, cache, cache[..., :lv], o_verify, lse_verify, table, lens.to(device), None, Q, None, 1,
+                            sm_scale, 16)  # fmt: skip
+ref_o, ref_lse = decode_attention(q, cache, cache[..., :lv], rows_table, rows_lens, sm_scale, 16, is_mla=True,
+                                  dtype=torch.float64)  # fmt: skip
+for name, o_k, lse_k in (("flattened decode", o_flat, lse_flat), ("verify", o_verify, lse_verify)):
+    o_cmp = compare(o_k, ref_o, tolerance("decode_attention", "o", q.dtype))
+    lse_cmp = compare(lse_k, ref_lse, tolerance("decode_attention", "lse", lse_k.dtype))
+    print(f"{name:16s} vs golden: max |o| error {o_cmp.max_abs:.1e}, max |lse| error {lse_cmp.max_abs:.1e}")
+    assert o_cmp.ok and lse_cmp.ok
 finite = torch.isfinite(lse_flat)
 print(f"max |o_flat - o_verify| = {(o_flat.float() - o_verify.float()).abs().max():.2e} (bf16 outputs)")
 print(f"max |lse_flat - lse_verify| = {(lse_flat - lse_verify)[finite].abs().max():.2e}")
-print("empty rows agree:", torch.equal(torch.isneginf(lse_flat), torch.isneginf(lse_verify)))
+empty_agree = torch.equal(torch.isneginf(lse_flat), torch.isneginf(lse_verify))
+print("empty rows agree:", empty_agree)
+assert empty_agree and bool(torch.isneginf(lse_flat[-Q:]).all())
 
 # %% [markdown]
-# The traffic differs. The flattened rows each stream their own extent from the cache; the verify
-# kernel streams a request's keys once for all its `Q` rows (when `Q * H` fits one row block).
-# Cache bytes read for a serving-sized step, DeepSeek's 576-wide bf16 latent cache:
+# The traffic differs. Each flattened row streams its own extent from the cache, once per decode
+# head tile; the verify kernel streams a request's keys once per row tile of `BLOCK_H`
+# (token, head) rows, each tile up to the largest causal limit among its rows, so the draft tokens
+# that share a tile share every fetch. Counted exactly below for DeepSeek's 576-wide bf16 latent,
+# 16 heads per GPU (its 128 at tensor parallelism 8), with both kernels' Hopper launch configs
+# (`DECODE_CONFIGS["sm90"]["mla"]`; verify picks `VERIFY_CONFIGS["sm_90"]` small or large by the
+# batch's row count):
 
 # %%
-bytes_per_key = 576 * 2
+bytes_per_key, heads_per_gpu = 576 * 2, 16
+decode_cfg = DECODE_CONFIGS["sm90"]["mla"]
+decode_passes = math.ceil(heads_per_gpu / decode_head_tile(decode_cfg, heads_per_gpu))
+print(f"decode: {decode_head_tile(decode_cfg, heads_per_gpu)}-head tiles, each key fetched {decode_passes}x per row")
 for batch, context, qlen in [(32, 4096, 2), (32, 4096, 4), (8, 32768, 8)]:
-    flat = batch * sum(context + 1 + t for t in range(qlen)) * bytes_per_key
-    verify = batch * (context + qlen) * bytes_per_key
+    extents = torch.tensor([context + 1 + t for t in range(qlen)])  # flattened row t: prefix + drafts 0..t
+    flat = batch * int(extents.sum()) * decode_passes * bytes_per_key
+    block_h = verify_config_sm90(batch, qlen, heads_per_gpu)["BLOCK_H"]
+    tiles = extents.repeat_interleave(heads_per_gpu).split(block_h)  # verify rows i = t * H + h, BLOCK_H per tile
+    assert len(tiles) == verify_row_blocks(qlen, heads_per_gpu, block_h)
+    verify = batch * sum(int(tile.max()) for tile in tiles) * bytes_per_key
+    tokens_per_tile = min(qlen, block_h // heads_per_gpu)
     print(
-        f"B={batch:3d} L={context:6d} Q={qlen}: flattened {flat / 2**20:8.1f} MiB, "
-        f"verify {verify / 2**20:7.1f} MiB, ratio {flat / verify:.2f}"
+        f"B={batch:3d} L={context:6d} Q={qlen}: flattened {flat / 2**20:8.1f} MiB, verify {verify / 2**20:7.1f} MiB "
+        f"(BLOCK_H {block_h}: {tokens_per_tile} draft tokens per tile), ratio {flat / verify:.2f}"
     )
+    assert abs(flat / verify / tokens_per_tile - 1) < 1e-2
 
 # %% [markdown]
-# The ratio approaches `Q`: a memory-bound decode step over the flattened rows reads the cache
-# `Q` times. (In practice the repeats partly hit L2; the verify kernel removes them by design.)
+# The ratio is the number of draft tokens that share a verify tile: all `Q` while `Q * H` rows
+# fit in one tile, `BLOCK_H / H` beyond (the last case). The flattened rows' repeated fetches may
+# partly hit L2; the verify kernel does not issue those within a tile. With 128 heads a Hopper
+# verify tile holds less than one draft token and the two kernels fetch the same:
+# `notebooks/mla_verify.py` counts it.
 #
 # ## 2. Sliding windows and window-aware splits
 #
@@ -121,7 +180,7 @@ for batch, context, qlen in [(32, 4096, 2), (32, 4096, 4), (8, 32768, 8)]:
 # included. The split-KV partition must follow the window: the kernel cuts `[lo, n)` into `S`
 # chunks, so a windowed row keeps all `S` splits busy however long its prefix is. Below: the
 # flattened causal rows of one request (context 20, `Q = 4`) with `W = 8`, each visible key
-# colored by the split (of `S = 3`) that computes it.
+# colored by the split (of `S = 3`) that computes it; every split of every row holds keys.
 
 # %%
 W, S, qlen, context = 8, 3, 4, 20
@@ -139,21 +198,24 @@ plt.title(f"visible keys per flattened row (W={W}), colored by split (S={S})")
 plt.colorbar(ticks=range(S))
 plt.show()
 print("window starts:", window_start(row_lens, W).tolist(), "extents:", row_lens.tolist())
+assert bool((end > start).all()) and torch.equal(start[:, 0], window_start(row_lens, W))
 
 # %% [markdown]
 # vLLM's split count clamps the length to the window before choosing `S`
-# (`min(next_pow2(max(1, L // 512)), 2 * sm_count)`; 132 SMs on an H200):
+# (`min(next_pow2(max(1, L // 512)), 2 * sm_count)`), here for an H200's SM count:
 
 # %%
+H200_SMS = 132
 for max_len in (1000, 8192, 131072):
-    print(
-        f"max_seq_len {max_len:6d}: S = {_compute_num_kv_splits(max_len, 132):3d} without a window, "
-        f"{_compute_num_kv_splits(max_len, 132, sliding_window=1024)} with W = 1024"
-    )
+    s_plain, s_window = _compute_num_kv_splits(max_len, H200_SMS), _compute_num_kv_splits(max_len, H200_SMS, 1024)
+    print(f"max_seq_len {max_len:6d}: S = {s_plain:3d} without a window, {s_window} with W = 1024")
+    assert s_window == _compute_num_kv_splits(min(max_len, 1024), H200_SMS)
+    assert s_plain == min(next_power_of_2(max(1, max_len // 512)), 2 * H200_SMS)
 
 # %% [markdown]
 # A window off by one key is a real bug (sglang once stored `W - 1` as a radius and attended
-# `W + 1` keys). The kernel with `W` against the golden model with `W - 1`, `W` and `W + 1`:
+# `W + 1` keys). The kernel with `W` against the golden model with `W - 1`, `W` and `W + 1`: only
+# `W` is within the fp32 tolerance.
 
 # %%
 lens2 = torch.tensor([30, 12], dtype=torch.int32)
@@ -163,47 +225,228 @@ q2 = (torch.randn(2, 8, 32, generator=gen) * 0.5).to(device)
 k2, v2 = cache2[..., :32], cache2[..., 32:]
 o_w, lse_w = run_decode(q2, k2, v2, table2, lens2.to(device), 3, 32**-0.5, 4, sliding_window=W)
 for golden_w in (W - 1, W, W + 1):
-    ref_o, _ = decode_attention(q2, k2, v2, table2, lens2.to(device), 32**-0.5, 4, sliding_window=golden_w)
-    print(f"golden W={golden_w:2d}: max |o_kernel - o_golden| = {(o_w - ref_o).abs().max():.1e}")
+    ref_o, _ = decode_attention(q2, k2, v2, table2, lens2.to(device), 32**-0.5, 4, sliding_window=golden_w,
+                                dtype=torch.float64)  # fmt: skip
+    result = compare(o_w, ref_o, tolerance("decode_attention", "o", q2.dtype))
+    print(f"golden W={golden_w:2d}: max |o_kernel - o_golden| = {result.max_abs:.1e}, within tolerance: {result.ok}")
+    assert result.ok == (golden_w == W)
 
 # %% [markdown]
-# ## 3. What batch invariance costs
+# ## 3. One stage-1 program, step by step
+#
+# Stage 1 (`_decode_stage1_kernel`) runs on a grid `(R, HKV * HEAD_BLOCKS, S)`: program
+# `(row, pid_h, split)` computes the attention state of one split of one row for `BLOCK_H` query
+# heads that share a KV head, and writes it to `attn_logits[row, heads, split]` (`Lv` outputs,
+# then the LSE). Below, the kernel's steps in plain PyTorch, with its names, on a tiny MLA cache
+# (`Lv = 64`, rope 16, pages of 16 keys in shuffled order): two rows of 150 keys and 1 key,
+# 16 heads, `S = 2`. The launch config is the `"default"` entry of `DECODE_CONFIGS` (what a GPU
+# without a tuned entry gets), passed explicitly so that a GPU run walks the same tiles. First
+# the real kernel, with its split scratch filled with NaN: afterwards no NaN is left, because
+# every slot is written, an empty split too.
+
+# %%
+cfg = DECODE_CONFIGS["default"]["mla"]
+BLOCK_N, BLOCK_H = cfg["BLOCK_N"], cfg["BLOCK_H"]
+LV, LK, PAGE_SIZE, num_kv_splits = 64, 80, 16, 2
+D_FIRST = LV  # MLA: the first column piece of a key is the latent (also its value), the rest is rope
+b_seq_len = torch.tensor([150, 1], dtype=torch.int32)
+k_buffer, req_to_token = paged([torch.randn(int(n), 1, LK, generator=gen).to(torch.bfloat16) for n in b_seq_len],
+                               PAGE_SIZE)  # fmt: skip
+q_w = (torch.randn(len(b_seq_len), 16, LK, generator=gen) * 0.5).to(torch.bfloat16).to(device)
+sm_scale_w = LK**-0.5
+
+attn_logits = torch.full((len(b_seq_len), 16, num_kv_splits, LV + 1), float("nan"), device=device)
+o_w = torch.empty(len(b_seq_len), 16, LV, dtype=torch.bfloat16, device=device)
+lse_out = torch.empty(len(b_seq_len), 16, device=device)
+decode_attention_fwd(q_w, k_buffer, k_buffer[..., :LV], o_w, lse_out, req_to_token, b_seq_len.to(device),
+                     attn_logits, num_kv_splits, sm_scale_w, PAGE_SIZE, is_mla=True, config=cfg)  # fmt: skip
+print("config:", cfg)
+print("block table (page ids):", req_to_token.tolist())
+print("attn_logits:", tuple(attn_logits.shape), "= [R, H, S, Lv + 1]; NaN left:", bool(attn_logits.isnan().any()))
+assert not attn_logits.isnan().any()
+
+# %% [markdown]
+# The walk. Each step is a line or two of the kernel:
+#
+# 1. **Which work.** `pid_h` picks the KV head and the block of `BLOCK_H` heads in its group.
+# 2. **Which keys.** The row sees `[lo, n)` (`lo = max(n - window, 0)`; no window here, so 0),
+#    cut into `S` chunks of `chunk = cdiv(n - lo, S)` keys; this split is `[start, end)`.
+# 3. **Queries once.** The `[BLOCK_H, Lk]` query tile is loaded once, as two pieces: `q1`, the
+#    first `D_FIRST` columns (the latent), and `q2`, the rope columns.
+# 4. **Base 2.** `exp(x) = exp2(x * log2 e)`, so the kernel folds `log2 e` into the score scale
+#    once (`qk_scale`) and calls `exp2` (one hardware instruction) everywhere.
+# 5. **Key tiles.** For each tile of `BLOCK_N` positions `toks`, the block table gives each key's
+#    `page` (`toks // PAGE_SIZE`) and `slot` (`toks % PAGE_SIZE`); keys at or past `end` are
+#    masked: their page is never read, their K is 0, their score `-inf`. `tl.dot` takes operands
+#    in `DOT_DTYPE` (fp32 under the interpreter, bf16 compiled) and sums in fp32. The kernel also
+#    checks each page id against the cache size and the row's extent against the table width (a
+#    row that fails becomes NaN, and no such address is read); with a valid table that never
+#    fires, and the walk leaves it out.
+# 6. **Online softmax.** `m_i` is the running max of the scaled scores, `l_i` the running sum of
+#    `exp2(score - m_i)`, `acc` the running unnormalized output. A tile that raises the max
+#    rescales the old sum and output by `alpha = exp2(m_i - m_new)` (`m_i` starts at `-inf`, so
+#    the first tile's `alpha` is 0). For MLA the value tile is the latent part of the key tile
+#    already loaded (`v = k1`).
+# 7. **Finish.** `out = acc / l_i` and `lse = (m_i + log2 l_i) * ln 2`: stage 2 expects
+#    natural-log LSEs. An empty split (`end <= start`) stores the neutral state `(0, -inf)`.
+#
+# The Hopper entry (`SPLIT_LATENT`) keeps the latent as two halves with two accumulators; the
+# arithmetic per column is the same.
+
+# %%
+LOG2E, LN2 = math.log2(math.e), math.log(2.0)
+DOT_DTYPE = torch.float32 if INTERPRETING else q_w.dtype  # triton_impl.interpreter.dot_dtype(q.dtype)
+
+
+def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """tl.dot: operands in DOT_DTYPE, products summed in fp32."""
+    return a.to(DOT_DTYPE).float() @ b.to(DOT_DTYPE).float()
+
+
+def stage1_program(row: int, pid_h: int, split: int, show: bool = False):
+    q, table, cache = q_w.cpu(), req_to_token.cpu(), k_buffer.cpu()
+    GROUP = q.shape[1] // cache.shape[-2]  # query heads per KV head
+    HEAD_BLOCKS = math.ceil(GROUP / BLOCK_H)
+    # 1. which heads
+    kv_head = pid_h // HEAD_BLOCKS
+    in_group = (pid_h % HEAD_BLOCKS) * BLOCK_H + torch.arange(BLOCK_H)
+    heads = kv_head * GROUP + in_group
+    assert bool((in_group < GROUP).all())  # head_ok: 16 heads fill the tile here
+    # 2. which keys
+    n = max(int(b_seq_len[row]), 0)
+    lo = 0  # max(n - window, 0) without a window
+    chunk = math.ceil((n - lo) / num_kv_splits)
+    start = min(lo + split * chunk, n)
+    end = min(start + chunk, n)
+    # 3. the query tile, once
+    q1, q2 = q[row, heads, :D_FIRST], q[row, heads, D_FIRST:]
+    # 4. softmax in base 2
+    qk_scale = sm_scale_w * LOG2E
+    m_i = torch.full((BLOCK_H,), float("-inf"))
+    l_i = torch.zeros(BLOCK_H)
+    acc = torch.zeros(BLOCK_H, LV)
+    if show:
+        print(f"program (row={row}, pid_h={pid_h}, split={split}): heads {heads[0]}..{heads[-1]}, "
+              f"n={n}, chunk={chunk}, keys [{start}, {end}); q1 {tuple(q1.shape)}, q2 {tuple(q2.shape)}")  # fmt: skip
+    # 5./6. key tiles through the block table, online softmax
+    for tile in range(start, end, BLOCK_N):
+        toks = tile + torch.arange(BLOCK_N)
+        tok_ok = toks < end
+        page = torch.zeros(BLOCK_N, dtype=torch.int64)  # a masked load: other=0
+        page[tok_ok] = table[row, toks[tok_ok] // PAGE_SIZE].long()
+        slot = toks % PAGE_SIZE
+        k_rows = cache[page, slot, kv_head] * tok_ok[:, None]  # [BLOCK_N, Lk], masked keys are 0
+        k1, k2 = k_rows[:, :D_FIRST], k_rows[:, D_FIRST:]
+        qk = dot(q1, k1.T) + dot(q2, k2.T)  # [BLOCK_H, BLOCK_N]
+        qk = qk * qk_scale
+        qk = torch.where(tok_ok[None, :], qk, float("-inf"))
+        m_new = torch.maximum(m_i, qk.max(dim=1).values)
+        alpha = torch.exp2(m_i - m_new)
+        p = torch.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + p.sum(dim=1)
+        v = k1  # MLA: the latent tile is V
+        acc = acc * alpha[:, None] + dot(p, v)
+        m_i = m_new
+        if show:
+            print(f"  tile {tile:3d}: {int(tok_ok.sum()):2d} keys on pages {sorted(set(page[tok_ok].tolist()))}, "
+                  f"k1 {tuple(k1.shape)}, qk {tuple(qk.shape)}; head 0: alpha {alpha[0]:.3f}, "
+                  f"m_i {m_i[0]:.3f}, l_i {l_i[0]:.3f}")  # fmt: skip
+    # 7. normalize; natural-log LSE; an empty split is (0, -inf)
+    empty = end <= start
+    row_scale = torch.zeros(BLOCK_H) if empty else 1.0 / l_i
+    lse = torch.full((BLOCK_H,), float("-inf")) if empty else (m_i + torch.log2(l_i)) * LN2
+    out = acc * row_scale[:, None]
+    if show:
+        print(f"  -> out {tuple(out.shape)}, head 0: lse {lse[0]:.4f}, out[0, :3] {out[0, :3].numpy().round(4)}")
+    return heads, out, lse
+
+
+_ = stage1_program(row=0, pid_h=0, split=1, show=True)
+_ = stage1_program(row=1, pid_h=0, split=1, show=True)
+
+# %% [markdown]
+# The walk against the kernel's `attn_logits` and against the float64 golden stage 1
+# (`decode_attention_splits`), for every program of the grid. Under the interpreter the walk
+# does the kernel's fp32 operations in another summation order, so it matches to fp32 rounding;
+# compiled, `exp2` and the bf16 rounding of `p` may differ in the last bit, so there it is held to
+# the package's tolerance. The empty split is `(0, -inf)` in all three, bit for bit.
+
+# %%
+golden_o, golden_lse = decode_attention_splits(q_w, k_buffer, k_buffer[..., :LV], req_to_token, b_seq_len.to(device),
+                                               num_kv_splits, sm_scale_w, PAGE_SIZE, is_mla=True,
+                                               dtype=torch.float64)  # fmt: skip
+kernel_part = attn_logits.cpu()
+worst, worst_golden = 0.0, 0.0
+for row in range(len(b_seq_len)):
+    for split in range(num_kv_splits):
+        heads, out, lse = stage1_program(row, 0, split)
+        k_out, k_lse = kernel_part[row, heads, split, :LV], kernel_part[row, heads, split, LV]
+        if torch.isneginf(lse).all():  # an empty split
+            print(f"row {row} split {split}: empty; kernel slot (0, -inf):", bool((k_out == 0).all() and
+                  torch.isneginf(k_lse).all()))  # fmt: skip
+            assert torch.equal(out, k_out) and torch.equal(lse, k_lse)
+            assert torch.equal(golden_o[row, heads, split].float().cpu(), out)
+            assert torch.equal(golden_lse[row, heads, split].float().cpu(), lse)
+            continue
+        if INTERPRETING:
+            worst = max(worst, float((out - k_out).abs().max()), float((lse - k_lse).abs().max()))
+            assert torch.allclose(out, k_out, rtol=1e-5, atol=1e-6) and torch.allclose(lse, k_lse, rtol=1e-6, atol=1e-6)
+        assert compare(k_out, out.double(), tolerance("decode_attention", "o", q_w.dtype)).ok
+        assert compare(out, golden_o[row, heads, split].cpu(), tolerance("decode_attention", "o", q_w.dtype)).ok
+        assert compare(lse, golden_lse[row, heads, split].cpu(), tolerance("decode_attention", "lse", "float32")).ok
+        worst_golden = max(worst_golden, float((out - golden_o[row, heads, split].cpu()).abs().max()))
+print(f"walk vs float64 golden, every non-empty slot: max |o difference| {worst_golden:.1e}")
+if INTERPRETING:
+    print(f"walk vs kernel, every non-empty slot: max |difference| {worst:.1e}")
+
+# %% [markdown]
+# ## 4. What batch invariance costs
 #
 # With one split the kernel reduces each row's keys in a fixed order that depends on nothing but
 # the row (the launch config never depends on the batch): a row's bits are the same alone or in
 # any batch. With `S > 1` the result changes in the last bits when `S` does (and vLLM picks `S`
-# from the batch's longest row, so a row's neighbours change its bits).
+# from the batch's longest row, so a row's neighbours change its bits); both results stay within
+# the fp32 tolerance of each other.
 
 # %%
 o_all, _ = run_decode(q2, k2, v2, table2, lens2.to(device), 1, 32**-0.5, 4)
 o_alone, _ = run_decode(q2[:1], k2, v2, table2[:1], lens2[:1].to(device), 1, 32**-0.5, 4)
-print("S=1, row 0 alone vs in the batch, bit-equal:", torch.equal(o_alone, o_all[:1]))
+alone_equal = torch.equal(o_alone, o_all[:1])
+print("S=1, row 0 alone vs in the batch, bit-equal:", alone_equal)
 o_s4, _ = run_decode(q2, k2, v2, table2, lens2.to(device), 4, 32**-0.5, 4)
-print(
-    f"S=1 vs S=4: bit-equal {torch.equal(o_all, o_s4)}, max difference {(o_all - o_s4).abs().max():.1e} (fp32 rounding)"
-)
+split_equal = torch.equal(o_all, o_s4)
+print(f"S=1 vs S=4: bit-equal {split_equal}, max difference {(o_all - o_s4).abs().max():.1e} (fp32 rounding)")
+assert alone_equal and not split_equal
+assert compare(o_s4, o_all.double(), tolerance("decode_attention", "o", q2.dtype)).ok
 
 # %% [markdown]
-# The cost is parallelism. A stage-1 program owns one split of one row for `BLOCK_H` heads, so
-# the grid has `R * ceil(H / BLOCK_H) * S` programs. For DeepSeek MLA (`H = 16` heads per GPU at
-# TP 8, one program per row and split) on an H200's 132 SMs:
+# The cost is parallelism. A stage-1 program owns one split of one row for a tile of heads, so
+# the grid has `R * cdiv(H, tile) * S` programs. For DeepSeek MLA (`H = 16` heads per GPU at
+# TP 8) with the Hopper config, the head tile covers all 16 heads: one program per row and split.
+# On an H200's SMs (`H200_SMS` above):
 
 # %%
-block_h = DECODE_CONFIGS["sm90"]["mla"]["BLOCK_H"]
+mla_tile = decode_head_tile(DECODE_CONFIGS["sm90"]["mla"], 16)
+assert math.ceil(16 / mla_tile) == 1
 print(f"{'rows':>5} {'max L':>7} {'S':>4} {'programs S=1':>13} {'programs S':>11} {'scratch MiB':>12}")
+grids = {}
 for rows in (1, 8, 64):
     for max_len in (4096, 32768):
-        splits = _compute_num_kv_splits(max_len, 132)
-        programs = rows * math.ceil(16 / block_h)
+        splits = _compute_num_kv_splits(max_len, H200_SMS)
+        programs = rows * math.ceil(16 / mla_tile)
         scratch = rows * 16 * splits * (512 + 1) * 4 / 2**20
+        grids[(rows, max_len)] = (programs, programs * splits)
         print(f"{rows:5d} {max_len:7d} {splits:4d} {programs:13d} {programs * splits:11d} {scratch:12.2f}")
+assert grids[(1, 32768)][0] == 1 and grids[(1, 32768)][1] < H200_SMS  # one request: most SMs idle either way
+assert all(p1 == rows for (rows, _), (p1, _) in grids.items())
 
 # %% [markdown]
-# A single request at 32k keys runs 1 program on 132 SMs with one split, 64 with vLLM's split
-# count: batch invariance leaves most of the GPU idle for small batches and long contexts. At 64
-# rows the one-split grid already has 64 programs; splitting buys less and costs fp32 scratch.
+# A single request at 32k keys runs one program on the H200 with one split and `S` (the table's
+# second line) with vLLM's split count, still fewer than the SMs: batch invariance leaves most of
+# the GPU idle for small batches and long contexts. At 64 rows the one-split grid already has a
+# program per row; splitting buys less and costs fp32 scratch.
 #
-# ## 4. Decode context parallelism with two simulated ranks
+# ## 5. Decode context parallelism with two simulated ranks
 #
 # Under DCP each rank stores part of every request's keys: striped (key `j` on rank `j % N`, or
 # groups of `I` keys with an interleave) or sliced (contiguous chunks). Each rank attends to its
@@ -212,7 +455,18 @@ for rows in (1, 8, 64):
 # `torch.distributed` (one all-gather of the packed states, then `merge_splits`); here two ranks
 # are simulated in one process with the same two calls.
 
+
 # %%
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between two bf16 tensors in units in the last place (bit patterns as ordered ints)."""
+
+    def ordered(x: torch.Tensor) -> torch.Tensor:
+        bits = x.contiguous().view(torch.int16).int()
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return int((ordered(a) - ordered(b)).abs().max())
+
+
 lens3 = [50, 1]
 kv3 = [torch.randn(n, 1, 48, generator=gen).to(torch.bfloat16) for n in lens3]  # MLA: Lv 32, rope 16
 q3 = (torch.randn(2, 4, 48, generator=gen) * 0.5).to(torch.bfloat16).to(device)
@@ -233,54 +487,125 @@ for layout in ("striped", "sliced"):
     merged_o = torch.empty_like(full_o)
     merged_lse = torch.empty_like(full_lse)
     merge_splits(gathered, merged_o, merged_lse)
-    share = torch.exp(gathered[..., 32] - merged_lse[..., None])[:, 0]
+    share = torch.exp(gathered[..., 32] - merged_lse[..., None])  # [R, H, ranks]
     naive = gathered[..., :32].mean(dim=2)
     print(f"{layout}: request 0's keys on rank 0: {dcp_local_positions(50, 2, 0, layout).tolist()}")
     print(
-        f"  rank shares of the softmax mass, head 0, per request: {[[round(x, 3) for x in r] for r in share.tolist()]}"
+        "  rank shares of the softmax mass, head 0, per request: "
+        f"{[[round(x, 3) for x in r] for r in share[:, 0].tolist()]}"
     )
     print(
-        f"  merged vs single process: max |o| diff {(merged_o.float() - full_o.float()).abs().max():.1e}, "
-        f"max |lse| diff {(merged_lse - full_lse).abs().max():.1e}; "
+        f"  merged vs single process: max |o| diff {(merged_o.float() - full_o.float()).abs().max():.1e} "
+        f"({bf16_ulps(merged_o, full_o)} bf16 ulps), max |lse| diff {(merged_lse - full_lse).abs().max():.1e}; "
         f"plain average of the ranks' outputs: {(naive - full_o.float()).abs().max():.1e}"
     )
+    assert torch.allclose(share.sum(-1), torch.ones(()), atol=1e-5)  # the shares sum to 1
+    assert bool(torch.isneginf(gathered[1, :, 1, 32]).all()) and not gathered[1, :, 1, :32].any()  # rank 1: (0, -inf)
+    assert not share[1, :, 1].any()
+    assert bf16_ulps(merged_o, full_o) <= 1
+    assert compare(merged_lse, full_lse.double(), tolerance("decode_attention", "lse", "float32")).ok
+    assert not compare(naive, full_o.double(), tolerance("decode_attention", "o", q3.dtype)).ok
 
 # %% [markdown]
 # Each rank's share is the fraction of the row's softmax mass among its keys; the shares sum to 1.
 # Request 1 has a single key, so rank 1 holds none of it and contributes the neutral state
 # `(0, -inf)` with share 0 in both layouts. The plain average of the ranks' outputs ignores the
-# shares and is off by the printed amount; the LSE-weighted merge matches the single-process
-# kernel to the last bits of its bf16 output.
+# shares and is far outside the tolerance; the LSE-weighted merge matches the single-process
+# kernel to the last bit of its bf16 output (at most one ulp apart).
 # `tests/test_decode_attention_dcp.py` runs the real thing over gloo with 2 and 3 processes, and
 # `tests/dcp_nccl_check.py` over NCCL on GPUs.
 
 # %% [markdown]
-# ## 5. Head tiles on Hopper: why 64 heads, and why the latent comes in two halves
+# ## 6. Head tiles on Hopper: why 64 heads, and why the latent comes in two halves
 #
-# For MLA, every head reads the same 576-element latent per key. A program that owns `BLOCK_H`
-# heads loads each K tile once for all of them, so a request's keys are read `cdiv(H, BLOCK_H)`
+# For MLA, every head reads the same 576-element latent per key. A program that owns a tile of
+# heads loads each K tile once for all of them, so a request's keys are read `cdiv(H, tile)`
 # times (from L2 after the first). Hopper's warpgroup MMA (wgmma) needs 64 rows per warpgroup, so
-# 16-head tiles can only use the older warp-level MMA. A 64-head tile, however, keeps a
-# `64 x 512` fp32 output accumulator: 128 KiB, or 128 registers per thread over 8 warps, next to
-# the queries and the softmax state. `SPLIT_LATENT` handles the latent as two 256-wide halves
-# with two accumulators, as the verify kernel's `QSPLIT` does: each product then fits one wgmma
-# (N <= 256), and in the verify sweep 64-row tiles without the split ran out of shared memory at
-# 64-key tiles. The count below is exact; the timings are the H200 sweep's
-# (`notebooks/results/sweep_decode_h200.md`, B=32, L=32K, CUDA graphs).
+# 16-head tiles can only use the older warp-level MMA: the SASS counts below (`sass_sm90.md`,
+# each config compiled for sm_90) show wgmma (HGMMA) exactly for the 64-head tile. A 64-head tile,
+# however, keeps a `64 x 512` fp32 output accumulator, printed below in bytes and in registers
+# per thread, next to the queries and the softmax state. `SPLIT_LATENT` handles the latent as two
+# halves with two accumulators, as the verify kernel's `QSPLIT` does: each product then fits one
+# wgmma (N <= 256). The config table, the launch clamp and the SASS file give every number:
 
 # %%
+LV_DEEPSEEK, sm90 = 512, DECODE_CONFIGS["sm90"]["mla"]
+sass = {}
+for line in (RESULTS / "sass_sm90.md").read_text().splitlines():
+    m = re.match(r"\| _decode_stage1_kernel \| ([^|]*) \| (\d+) \| (\d+) \|", line)
+    if m:
+        variant = dict(kv.split("=") for kv in m[1].split())
+        assert variant["BLOCK_N"] == str(sm90["BLOCK_N"]) and variant["num_warps"] == str(sm90["num_warps"])
+        sass[(int(variant["GROUP"]), int(variant["BLOCK_H"]))] = (int(m[2]), int(m[3]))
 for heads in (16, 128):
-    for block_h in (16, 64):
-        tile = min(block_h, heads)
-        passes = -(-heads // tile)
-        acc_regs = tile * 512 // (8 * 32)  # fp32 accumulator words per thread, 8 warps of 32
-        mma = "wgmma" if tile >= 64 else "mma.sync"
-        print(f"H={heads:3d} BLOCK_H={block_h}: tile {tile:2d} heads, K/V tile loaded {passes} times per key, "
-              f"accumulator {acc_regs} registers/thread (8 warps), MMA {mma}")  # fmt: skip
+    for arch in ("default", "sm90"):
+        c = DECODE_CONFIGS[arch]["mla"]
+        tile = decode_head_tile(c, heads)
+        acc_bytes = tile * LV_DEEPSEEK * 4
+        regs = acc_bytes // 4 // (c["num_warps"] * 32)
+        mma = ""
+        if arch == "sm90":
+            hgmma, hmma = sass[(heads, tile)]
+            mma = f"; sm_90 SASS: {hgmma} HGMMA, {hmma} HMMA"
+            assert (hgmma > 0) == (tile >= 64) and (hmma > 0) == (tile < 64)
+        print(f"H={heads:3d} {arch:7s} (BLOCK_H {c['BLOCK_H']:2d}): tile {tile:2d} heads, K tile loaded "
+              f"{math.ceil(heads / tile)}x per key, accumulator {acc_bytes // 1024:3d} KiB = {regs:3d} fp32 "
+              f"registers/thread over {c['num_warps']} warps{mma}")  # fmt: skip
+half = LV_DEEPSEEK // 2 if sm90.get("SPLIT_LATENT") else LV_DEEPSEEK
+print(f"SPLIT_LATENT={sm90.get('SPLIT_LATENT', 0)}: latent products of N = {half} columns each")
+assert half <= 256
 
 # %% [markdown]
-# On the H200 sweep, H=128 went from 3345 us with 16-head tiles to 2163 us with 64-head tiles
-# and halves, and to 1657 us with 64-key tiles: 25% of its compute roofline. H=16 (one 16-head
-# tile either way) went from 470 us to 385 us with 64-key tiles and 8 warps: 74% of its memory
-# roofline. At H=128 what is left is the overlap of softmax and MMA that FlashMLA gets from warp
-# specialization (`notebooks/results/perf_log.md`).
+# Without the halves, 64-row tiles did not compile at 64-key tiles in the verify sweep
+# (`sweep_verify_h200.md`: every failed config there is a 64-row tile with 64-key tiles and no
+# `QSPLIT`, and with `QSPLIT` the same tiles ran). The decode sweep (`sweep_decode_h200.md`,
+# B=32, L=32K, CUDA graphs) timed the configs; below its rows for the upstream config, the
+# 64-head tile with halves at 32-key tiles, and the committed Hopper config, with each row's bound
+# from the sweep's own ceilings:
+
+# %%
+verify_sweep = (RESULTS / "sweep_verify_h200.md").read_text()
+failed = re.findall(r"BH(\d+) BN(\d+) w\d+ s\d+ qs(\d): FAIL", verify_sweep)
+ran = re.findall(r"BH(\d+) BN(\d+) w\d+ s\d+ qs(\d)\s+[\d.]+ us", verify_sweep)
+print(f"verify sweep: {len(failed)} failed configs, all {set(failed)}; BH64 BN64 with QSPLIT ran "
+      f"{ran.count(('64', '64', '1'))} times")  # fmt: skip
+assert failed and set(failed) == {("64", "64", "0")} and ("64", "64", "0") not in ran and ("64", "64", "1") in ran
+
+text = (RESULTS / "sweep_decode_h200.md").read_text()
+tflops_ceiling, tbps_ceiling = map(float, re.search(r"FLOPs / ([\d.]+) TFLOP/s, bytes / ([\d.]+) TB/s", text).groups())
+row_re = (r"MLA B=(\d+) H=(\d+)/1 L=(\d+) S=\s*\d+ BH(\d+) BN(\d+) w(\d+) s(\d+) sl(\d)\s+([\d.]+) us\s+"
+          r"([\d.]+) TF/s\s+([\d.]+) GB/s roofline\s+([\d.]+)%")  # fmt: skip
+sweep: dict[tuple, dict[tuple, tuple]] = {}
+for m in re.finditer(row_re, text):
+    shape, key = tuple(map(int, m.groups()[:3])), tuple(map(int, m.groups()[3:8]))
+    sweep.setdefault(shape, {})[key] = tuple(map(float, m.groups()[8:]))
+
+
+def sweep_key(c: dict) -> tuple:
+    return c["BLOCK_H"], c["BLOCK_N"], c["num_warps"], c["num_stages"], c.get("SPLIT_LATENT", 0)
+
+
+upstream, halves_bn32 = sweep_key(DECODE_CONFIGS["default"]["mla"]), (64, 32, 8, 2, 1)
+for rows in sweep.values():
+    assert min(rows, key=lambda k: rows[k][0]) == sweep_key(sm90)  # the committed config is the fastest
+for heads in (128, 16):
+    rows = sweep[(32, heads, 32768)]
+    for name, key in (("upstream", upstream), ("64-head, halves, BN32", halves_bn32), ("sm90 config", sweep_key(sm90))):
+        us, tf, gb, pct = rows[key]
+        bound = "compute" if tf / tflops_ceiling > gb / (tbps_ceiling * 1000) else "memory"
+        print(f"H={heads:3d} {name:22s} {key}: {us:7.1f} us, {pct:4.1f}% of the roofline ({bound}-bound)")
+    assert rows[upstream][0] > rows[sweep_key(sm90)][0]
+big = sweep[(32, 128, 32768)]
+assert big[upstream][0] > big[halves_bn32][0] > big[sweep_key(sm90)][0]
+assert big[sweep_key(sm90)][1] / tflops_ceiling > big[sweep_key(sm90)][2] / (tbps_ceiling * 1000)  # compute-bound
+assert sweep[(32, 16, 32768)][halves_bn32][0] > sweep[(32, 16, 32768)][upstream][0]
+small = sweep[(32, 16, 32768)][sweep_key(sm90)]
+assert small[1] / tflops_ceiling < small[2] / (tbps_ceiling * 1000)  # memory-bound
+
+# %% [markdown]
+# At H=128 the 64-head tiles with halves cut the time, and 64-key tiles cut it again; the kernel
+# is then compute-bound at the printed fraction of its roofline. H=16 keeps one 16-head tile in
+# every config, so the tile is not what changed there: of the printed configs only the committed
+# one, with 64-key tiles, beats upstream, and it is memory-bound. The committed config is the
+# fastest of the sweep at every MLA shape. At H=128 what is left is the overlap of softmax and MMA
+# that FlashMLA gets from warp specialization (`notebooks/results/perf_log.md`).

@@ -24,6 +24,14 @@ import torch
 
 import triton_impl  # noqa: F401  (selects the Triton interpreter on a CPU-only machine)
 from golden.ue8m0_cache import (
+    GROUP_SIZE,
+    NOPE_DIM,
+    NUM_GROUPS,
+    PAGE_ALIGNMENT,
+    RECORD_BYTES,
+    ROPE_DIM,
+    SCALE_BYTES,
+    TOKEN_DATA_BYTES,
     block_bytes,
     decode_records,
     dequantize_ue8m0,
@@ -66,6 +74,17 @@ normal = ocp[:-1] >= 2.0**-6
 print(
     f"relative step between normal neighbours: {relative_step[normal].min():.4f} .. {relative_step[normal].max():.4f}"
 )
+all_values = {
+    fnuz: torch.arange(256, dtype=torch.uint8).view(fp8_dtype(fnuz)).float().unique() for fnuz in (False, True)
+}  # every distinct value of each format
+for fnuz, count, top in ((False, 126, 448), (True, 127, 240)):
+    positive = all_values[fnuz][torch.isfinite(all_values[fnuz]) & (all_values[fnuz] > 0)]
+    assert positive.numel() == count and positive.max() == top
+assert fp8_max(True) == 224  # the FNUZ clamp serving uses
+per_binade = torch.floor(torch.log2(ocp[ocp >= 2.0**-6])).unique(return_counts=True)[1]
+assert bool((per_binade[:-1] == 8).all())  # 8 values per binade (the top one stops at 448)
+assert relative_step[normal].min() == 1 / 15 and relative_step[normal].max() == 1 / 8
+print(f"largest rounding error of a normal value: half the largest step, {relative_step[normal].max() / 2:.2%}")
 
 fig, ax = plt.subplots(figsize=(9, 2.2))
 ax.vlines(ocp, 0, 1, linewidth=0.6)
@@ -86,9 +105,13 @@ plt.show()
 # %%
 amax = torch.tensor([448.0, 3584.0, 3600.0, 3568.0, 500.0, 1e-4, 0.0])
 print("amax:        ", amax.tolist())
-print("e (OCP, 448):", ue8m0_exponent(amax.clamp(min=1e-4), fp8_max(False)).tolist())
+exponents = ue8m0_exponent(amax.clamp(min=1e-4), fp8_max(False))
+print("e (OCP, 448):", exponents.tolist())
+above = (torch.tensor(3584.0, dtype=torch.bfloat16).view(torch.int16) + 1).view(torch.bfloat16)  # 448 * 2^3, one ulp up
+assert float(above) == 3600.0 and exponents[1] == 3 and exponents[2] == 4
 ratio = torch.linspace(1.0, 4.0, 601)
 headroom = ratio / torch.exp2(ue8m0_exponent(ratio * 448.0, 448.0).double())
+assert bool(((448 * headroom > 224) & (448 * headroom <= 448)).all())
 plt.figure(figsize=(7, 2.8))
 plt.plot(ratio, 448 * headroom)
 plt.xlabel("amax / 448")
@@ -99,7 +122,7 @@ plt.show()
 # %% [markdown]
 # Because e4m3 is itself a floating-point grid, its relative rounding error hardly depends on
 # where the scale puts the values: the RMS error of a Gaussian group with a UE8M0 scale stays
-# close to that with an exact fp32 scale `amax / 448` (the ratio is printed below). What the
+# within 25% of that with an exact fp32 scale `amax / 448` (the ratio is printed below). What the
 # power-of-two scale costs is range: the top binade may go unused, so small values of the group
 # sit up to one binade closer to the subnormals and to zero.
 
@@ -121,6 +144,7 @@ plt.xlabel("amax / 448")
 plt.ylabel("RMS error, UE8M0 / exact scale")
 plt.show()
 print(f"RMS error ratio: min {min(rms_ratio):.2f}, max {max(rms_ratio):.2f}")
+assert min(rms_ratio) > 0.75 and max(rms_ratio) < 1.25
 
 # %% [markdown]
 # ## Rounding the exponent up (DeepSeek) or down (OCP MX)
@@ -132,25 +156,40 @@ print(f"RMS error ratio: min {min(rms_ratio):.2f}, max {max(rms_ratio):.2f}")
 # %%
 x = torch.zeros(1, 64)
 x[0, 0] = 500.0
+gathered = {}
 for name, quantize in (("UE8M0 (ceil)", quantize_ue8m0), ("OCP MX (floor)", quantize_mx)):
     fp8, codes = quantize(x)
     back = dequantize_ue8m0(fp8, codes)[0, 0].item()
-    print(f"{name:15s} e = {int(codes[0, 0]) - 127:+d}, stored byte 0x{int(fp8[0, 0]):02X}, gathers {back:g}")
+    gathered[name] = (int(codes[0, 0]) - 127, back)
+    print(f"{name:15s} e = {int(codes[0, 0]) - 127:+d}, stored byte 0x{int(fp8[0, 0]):02X}, gathers {back:g} "
+          f"({(back - 500) / 500:+.1%})")  # fmt: skip
+assert gathered == {"UE8M0 (ceil)": (1, 512.0), "OCP MX (floor)": (0, 448.0)}
+assert torch.tensor(250.0).to(torch.float8_e4m3fn).float() == 256  # 500 / 2^1 rounds to 256 in e4m3
 
 # %% [markdown]
-# Over many groups the two rules agree whenever `amax / 2^floor` is at most 448; otherwise MX
-# clips the largest values (errors up to 64 units of the scale, the gap between 448 and 512),
-# while round-up keeps every value within half an ulp at the cost of a coarser grid.
+# Over many groups the two rules agree (the same bytes) whenever MX's `amax / 2^e` is at most
+# 448; otherwise MX clips the largest values (errors up to 64 units of the scale, the gap
+# between 448 and 512), while round-up keeps every value within half an ulp of e4m3 at the cost
+# of a coarser grid.
 
 # %%
 heavy = torch.distributions.StudentT(3.0).sample((4000, 64)).double()  # heavy tails: outliers near amax
-results = {}
+results, quantized, scaled = {}, {}, {}
 for name, quantize in (("UE8M0 (ceil)", quantize_ue8m0), ("OCP MX (floor)", quantize_mx)):
     fp8, codes = quantize(heavy)
+    quantized[name] = (fp8, codes)
     scale = torch.exp2(codes.double() - 127).repeat_interleave(64, dim=-1)
+    scaled[name] = heavy / scale
     results[name] = ((dequantize_ue8m0(fp8, codes) - heavy) / scale).flatten()
-clipped = (heavy.abs().amax(-1) / torch.exp2(torch.floor(torch.log2(heavy.abs().amax(-1)))) * 256 > 448).float().mean()
-print(f"groups that MX saturates: {100 * clipped:.1f}%")
+saturates = heavy.abs().amax(-1) / torch.exp2(torch.floor(torch.log2(heavy.abs().amax(-1)))) * 256 > 448
+print(f"groups that MX saturates: {100 * saturates.float().mean():.1f}%")
+(ds_fp8, ds_codes), (mx_fp8, mx_codes) = quantized["UE8M0 (ceil)"], quantized["OCP MX (floor)"]
+assert torch.equal(ds_codes[~saturates], mx_codes[~saturates]) and torch.equal(ds_fp8[~saturates], mx_fp8[~saturates])
+mx_error = results["OCP MX (floor)"].abs()
+assert 16 < mx_error.max() <= 64  # beyond half an ulp of the top binade, at most the 448..512 gap
+y = scaled["UE8M0 (ceil)"].abs().flatten()
+half_ulp = torch.exp2(torch.floor(torch.log2(y.clamp(min=2.0**-6))) - 3) / 2  # e4m3: 3 mantissa bits, subnormals below
+assert bool((results["UE8M0 (ceil)"].abs() <= half_ulp).all())
 fig, axes = plt.subplots(1, 2, figsize=(10, 3), sharey=True)
 for ax, (name, err) in zip(axes, results.items()):
     ax.hist(err.numpy(), bins=120, log=True)
@@ -179,6 +218,11 @@ ax.set_xlabel("byte offset in the block")
 ax.set_title(f"block of {bs} tokens: fp8 NoPE (blue), bf16 RoPE (orange), UE8M0 codes (green), padding (grey)")
 plt.show()
 print({b: (block_bytes(b, padded=False), block_bytes(b)) for b in (16, 64, 256)})
+assert (NOPE_DIM, ROPE_DIM, GROUP_SIZE, NUM_GROUPS) == (448, 64, 64, 7)
+assert TOKEN_DATA_BYTES == NOPE_DIM + 2 * ROPE_DIM == 576 and SCALE_BYTES == NUM_GROUPS + 1 == 8
+assert RECORD_BYTES == TOKEN_DATA_BYTES + SCALE_BYTES == 584 and PAGE_ALIGNMENT == 576
+for b in (bs, 16, 64, 256):
+    assert block_bytes(b, padded=False) == b * 584 and block_bytes(b) % 576 == 0 and block_bytes(b) - b * 584 < 576
 
 # %% [markdown]
 # The Triton kernels write and read exactly these bytes: insert three tokens, compare the records
@@ -192,6 +236,11 @@ quantize_and_insert_k_cache(k.to(device), cache, slots, block_size=16)
 records = read_records(cache.cpu(), slots.cpu(), 16)
 assert torch.equal(records, encode_records(k))
 print("scale codes of the three tokens:", records[:, 576:583].tolist())
+block, p = divmod(17, 16)  # slot 17: block 1, position 1; the record's two places in the block's bytes
+raw = cache[block].cpu()
+assert torch.equal(raw[p * 576 : p * 576 + 576], records[0, :576]) and raw[16 * 576 + p * 8 + 7] == 0
+assert torch.equal(raw[16 * 576 + p * 8 : 16 * 576 + p * 8 + 8], records[0, 576:])
+assert torch.equal(raw[p * 576 + 448 : p * 576 + 576].view(torch.bfloat16), k[0, 448:])  # RoPE as bf16 bytes
 
 out = torch.zeros(1, 1, 512, dtype=torch.bfloat16, device=device)
 table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
@@ -201,3 +250,4 @@ assert torch.equal(out[0, 0].cpu().view(torch.int16), decode_records(encode_reco
 error = (out[0, 0, :448].cpu().float() - k[1, :448].float()).abs().max().item()
 rope_identical = torch.equal(out[0, 0, 448:].cpu(), k[1, 448:])
 print(f"token at slot 3 gathered back; max NoPE error {error:.4f}, RoPE identical: {rope_identical}")
+assert rope_identical
