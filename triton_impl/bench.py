@@ -139,25 +139,33 @@ def capture_launches():
     """Collect the compiled variants launched inside the block, keyed by ``id``.
 
     ``JITFunction.run`` returns the ``CompiledKernel`` it launched (``kernel[grid](...)`` calls it),
-    so wrapping it names exactly the variant a case runs, cached or freshly compiled (the newest
-    cubin in the cache directory is not: a case that reuses a variant compiles nothing).
+    so wrapping it (and ``triton_impl.launch.on_launch``, for launches that skip it) names exactly
+    the variant a case runs, cached or freshly compiled (the newest cubin in the cache directory is
+    not: a case that reuses a variant compiles nothing).
     """
     from triton.runtime.jit import JITFunction
+
+    from triton_impl import launch
 
     launched: dict[int, object] = {}
     original = JITFunction.run
 
+    def record(kernel: object) -> None:
+        launched.setdefault(id(kernel), kernel)
+
     def run(self, *args, **kwargs):
         kernel = original(self, *args, **kwargs)
         if kernel is not None:
-            launched.setdefault(id(kernel), kernel)
+            record(kernel)
         return kernel
 
     JITFunction.run = run
+    launch.on_launch = record  # launches that skip JITFunction.run (triton_impl.launch's cache)
     try:
         yield launched
     finally:
         JITFunction.run = original
+        launch.on_launch = None
 
 
 def _sass_report(launched: dict[int, object], kernels: Sequence[str]) -> str:

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.interpreter import cast_for_store, dot_dtype
+from triton_impl.launch import launch
 from triton_impl.lse_merge import launch_merge_splits
 from triton_impl.validation import (
     block_table_2d,
@@ -223,7 +224,8 @@ def _decode_stage1_kernel(
     # columns * PAGE_SIZE``), or
     # a page outside the cache, is poisoned (o = lse = NaN) and no such address is read. Every split
     # of the row sees the first condition, so the merged row is NaN too; the loop stops at the table.
-    poisoned = n > table_keys
+    too_long = n > table_keys
+    bad_keys = tl.zeros((BLOCK_N,), tl.int1)  # lanes that met a bad page; reduced once, after the loop
     end = tl.minimum(end, table_keys).to(tl.int32)
 
     d1 = tl.arange(0, HALF)
@@ -264,7 +266,7 @@ def _decode_stage1_kernel(
         tok_ok = toks < end
         page = tl.load(table_ptr + row * stride_t_r + (toks // PAGE_SIZE) * stride_t_p, mask=tok_ok, other=0)
         page_ok = (page >= 0) & (page < num_pages)
-        poisoned |= tl.max((tok_ok & ~page_ok).to(tl.int32), axis=0) > 0
+        bad_keys |= tok_ok & ~page_ok
         tok_ok = tok_ok & page_ok
         slot = (toks % PAGE_SIZE).to(tl.int64)
         k_rows = k_ptr + page.to(tl.int64) * stride_k_page + slot * stride_k_tok + kv_head * stride_k_head
@@ -306,6 +308,7 @@ def _decode_stage1_kernel(
     empty = end <= start
     row_scale = tl.where(empty, 0.0, out_scale / tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * _LN2)
+    poisoned = too_long | (tl.max(bad_keys.to(tl.int32), axis=0) > 0)
     row_scale = tl.where(poisoned, float("nan"), row_scale)
     lse = tl.where(poisoned, float("nan"), lse)
     head_offs = heads.to(tl.int64)
@@ -482,7 +485,7 @@ def decode_attention_fwd(
     part = o if single else attn_logits  # a dummy pointer when stage 1 writes o directly
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]
     grid = (num_rows, num_kv_heads * head_blocks, num_kv_splits)
-    _decode_stage1_kernel[grid](
+    launch(_decode_stage1_kernel, grid,
         q, k_buffer, v_buffer, o, lse, part, req_to_token, b_seq_len, k_scale, v_scale,
         float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,
         num_pages, req_to_token.shape[1] * page_size,

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.interpreter import cast_for_store, f32_to_e4m3_bits
+from triton_impl.launch import launch
 from triton_impl.validation import cdiv, check_scale, check_tensor, next_pow2
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -179,7 +180,7 @@ def merge_attn_states(
     block_d = next_pow2(head_dim)
     block_h = max(1, min(next_pow2(num_heads), _merge_config()["MAX_BLOCK_HEADS_D"] // block_d))
     lse_out = output_lse if output_lse is not None else prefix_lse  # dummy pointer when absent
-    _merge_two_kernel[(num_tokens, cdiv(num_heads, block_h))](
+    launch(_merge_two_kernel, (num_tokens, cdiv(num_heads, block_h)),
         output.view(torch.uint8) if fp8_out else output, lse_out, prefix_output, prefix_lse, suffix_output, suffix_lse,
         prefix_lse if output_scale is None else output_scale,
         num_heads, head_dim, prefill_tokens_with_context,
@@ -302,7 +303,7 @@ def launch_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tens
         return
     block_d = next_pow2(width - 1)
     block_s = max(1, min(next_pow2(num_splits), _merge_config()["MAX_BLOCK_HEADS_D"] // block_d))
-    _merge_splits_kernel[(rows, num_heads)](
+    launch(_merge_splits_kernel, (rows, num_heads),
         partials, o, lse,
         num_heads, num_splits, width - 1,
         partials.stride(0), partials.stride(1), partials.stride(2),

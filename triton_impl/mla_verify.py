@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.interpreter import INTERPRETING, cast_for_store, dot_dtype
+from triton_impl.launch import launch
 from triton_impl.lse_merge import launch_merge_splits
 from triton_impl.validation import (
     block_table_2d,
@@ -275,7 +276,10 @@ def _fwd_verify_kernel_stage1(
     # Memory safety without host checks: a row whose keys need a table column past the table
     # (``table_keys = columns * PAGE_SIZE``) or a page outside the cache is poisoned (o = lse =
     # NaN), and no such address is read. Every split of the row sees the first condition.
-    row_poisoned = limit > table_keys
+    too_long = limit > table_keys
+    # Per key lane, the first key position whose page is bad (2^31 - 1: none yet); a row is
+    # poisoned when that position is below its end. Reduced once, after the loop.
+    first_bad = tl.full((BLOCK_N,), 2147483647, tl.int32)
     row_end = tl.minimum(tl.minimum(limit, split_end), table_keys).to(tl.int32)
     tile_end = tl.max(row_end, axis=0)
 
@@ -310,7 +314,7 @@ def _fwd_verify_kernel_stage1(
         page = tl.load(table_row + (offs_n // PAGE_SIZE) * stride_req_p, mask=key_ok, other=0).to(tl.int64)
         page_ok = (page >= 0) & (page < num_pages)
         seen = offs_n[None, :] < row_end[:, None]
-        row_poisoned |= tl.max((seen & ~page_ok[None, :]).to(tl.int32), axis=1) > 0
+        first_bad = tl.minimum(first_bad, tl.where(key_ok & ~page_ok, offs_n, 2147483647))
         key_ok = key_ok & page_ok
         k_rows = K_Buffer + page * stride_page + (offs_n % PAGE_SIZE) * stride_tok
         k0 = tl.load(k_rows[:, None] + offs_d0[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
@@ -339,6 +343,7 @@ def _fwd_verify_kernel_stage1(
     has_keys = l_i > 0
     out_scale = tl.where(has_keys, k_scale / tl.where(has_keys, l_i, 1.0), 0.0)
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    row_poisoned = too_long | (tl.min(first_bad, axis=0) < row_end)
     out_scale = tl.where(row_poisoned, float("nan"), out_scale)
     lse = tl.where(row_poisoned, float("nan"), lse)
     if SINGLE:
@@ -513,7 +518,7 @@ def decode_attention_fwd_verify(
     has_real = real_seq_lens is not None
     qsplit = bool(cfg["QSPLIT"]) and value_width >= 32
     grid = (verify_row_blocks(qlen, num_heads, cfg["BLOCK_H"]) * batch * num_kv_splits,)
-    _fwd_verify_kernel_stage1[grid](
+    launch(_fwd_verify_kernel_stage1, grid,
         q, k_buffer, sm_scale * _LOG2E, block_table, seq_lens, real_seq_lens if has_real else seq_lens,
         mid, o, lse, k_scale, num_pages, block_table.shape[1] * page_size,
         block_table.stride(0), block_table.stride(1),

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.interpreter import INTERPRETING
+from triton_impl.launch import launch
 from triton_impl.validation import check_positive, check_tensor, content_checks_enabled, next_pow2
 
 _I32 = (torch.int32,)
@@ -209,7 +210,7 @@ def compute_global_topk_indices_and_lens(
     lens = torch.empty(num_tokens, dtype=torch.int32, device=device)
     if num_tokens == 0:
         return out, lens
-    _global_topk_kernel[(num_tokens,)](
+    launch(_global_topk_kernel, (num_tokens,),
         out, out.stride(0),
         lens,
         topk_indices, topk_indices.stride(0), topk,
@@ -356,7 +357,7 @@ def combine_topk_swa_indices(
     if num_reqs == 0 or num_tokens == 0:
         return combined, lens
     config = select_launch_config(device)
-    _combine_kernel[(num_reqs, config.combine_workers)](
+    launch(_combine_kernel, (num_reqs, config.combine_workers),
         combined, combined.stride(0),
         lens,
         topk_indices, topk_indices.stride(0), num_tokens,
@@ -715,7 +716,7 @@ def build_flashinfer_mixed_sparse_indices(
             window_size, prefill_left_visible, prefill_right_visible, swa_total,
         )  # fmt: skip
     dummy = token_to_req_indices  # pointer for absent optional tensors; never read
-    _flashinfer_kernel[(num_tokens,)](
+    launch(_flashinfer_kernel, (num_tokens,),
         indices, indices.stride(0),
         lens,
         decode_swa_indices, decode_swa_indices.stride(0),

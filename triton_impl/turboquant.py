@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.interpreter import INTERPRETING, e4m3_bits_to_f32, f32_to_e4m3_bits
+from triton_impl.launch import launch
 from triton_impl.lse_merge import launch_merge_splits
 from triton_impl.validation import block_table_2d, check_block_table, check_tensor, content_checks_enabled, next_pow2
 
@@ -331,7 +332,7 @@ def triton_turboquant_store(
     unused = kv_cache  # FP8 keys never read PiT, midpoints or centroids; any pointer will do
     config = select_store_config(device)
     block_d = next_pow2(head_dim)
-    _store_kernel[(num_tokens * num_kv_heads,)](
+    launch(_store_kernel, (num_tokens * num_kv_heads,),
         key, value, kv_cache, kv_cache.view(torch.uint16), slot_mapping,
         unused if key_fp8 else PiT, unused if key_fp8 else midpoints,
         centroids if (norm_correction and not key_fp8) else unused,
@@ -469,7 +470,8 @@ def _decode_stage1_kernel(
     # Memory safety without host checks: a request whose keys need a table column past the table
     # (``table_keys = columns * block_size``) or a block outside the cache is poisoned (out = lse =
     # NaN), and no such address is read. Every split of the request sees the first condition.
-    poisoned = seq_len > table_keys
+    too_long = seq_len > table_keys
+    bad_keys = tl.zeros((BLOCK_N,), tl.int1)  # lanes that met a bad block; reduced once, after the loop
     end = tl.minimum(end, table_keys).to(tl.int32)
 
     rows = tl.arange(0, BLOCK_M)
@@ -498,7 +500,7 @@ def _decode_stage1_kernel(
         live = tokens < end
         page = tl.load(block_row + (tokens // block_size) * stride_btc, mask=live, other=0).to(tl.int64)
         page_ok = (page >= 0) & (page < num_blocks)
-        poisoned |= tl.max((live & ~page_ok).to(tl.int32), axis=0) > 0
+        bad_keys |= live & ~page_ok
         live = live & page_ok
         position = tokens % block_size
         block_base = page * stride_block
@@ -547,6 +549,7 @@ def _decode_stage1_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = tl.where(has_keys, acc / l_safe[:, None], 0.0)
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
+    poisoned = too_long | (tl.max(bad_keys.to(tl.int32), axis=0) > 0)
     out = tl.where(poisoned, float("nan"), out)
     lse = tl.where(poisoned, float("nan"), lse)
     partial = partials_ptr + b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
@@ -678,7 +681,7 @@ def triton_turboquant_decode_attention_v2(
     pair_lut = build_pair_lut(centroids).view(torch.int64) if use_pair_lut else q_rot  # q_rot: never read
     group = num_heads // num_kv_heads
     config = select_decode_config(device)
-    _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
+    launch(_decode_stage1_kernel, (batch, num_kv_heads, num_splits),
         q_rot, kv_cache, kv_cache.view(torch.uint16), block_table, seq_lens,
         q_rot if key_fp8 else centroids, pair_lut, mid_o,
         float(scale), num_kv_heads, block_size, num_blocks, block_table.shape[1] * block_size,

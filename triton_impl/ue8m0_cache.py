@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.interpreter import INTERPRETING, cast_for_store, e4m3_bits_to_f32, f32_to_e4m3_bits
+from triton_impl.launch import launch
 from triton_impl.validation import cdiv, check_positive, check_tensor, content_checks_enabled
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -227,7 +228,7 @@ def quantize_and_insert_k_cache(
         return
     max_exp_field, max_mantissa, min_exponent = _exponent_constants(use_fnuz)
     config = select_launch_config(k.device)
-    _quantize_and_insert_k_kernel[(cdiv(num_tokens, config.tokens_per_program),)](
+    launch(_quantize_and_insert_k_kernel, (cdiv(num_tokens, config.tokens_per_program),),
         k.view(torch.int16), k.stride(0),
         slot_mapping, num_tokens, blocks.shape[0] * block_size,
         blocks, blocks.stride(0),
@@ -379,7 +380,7 @@ def dequantize_and_gather_k_cache(
     if num_reqs == 0:
         return
     config = select_launch_config(out.device)
-    _dequantize_and_gather_k_kernel[(num_reqs, config.gather_workers)](
+    launch(_dequantize_and_gather_k_kernel, (num_reqs, config.gather_workers),
         out.view(torch.int16), out.stride(0), out.stride(1), out.shape[1],
         blocks, blocks.stride(0), blocks.shape[0],
         seq_lens, seq_lens if gather_lens is None else gather_lens,

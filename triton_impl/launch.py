@@ -1,0 +1,67 @@
+"""Kernel launches without Triton's per-call binding, once a variant has been compiled.
+
+``kernel[grid](*args, **constexprs)`` re-derives on every call what it needs to find the compiled
+variant: it binds the arguments, specializes each one (dtype, 16-byte alignment of pointers,
+divisibility of integers by 16, integers equal to 1), builds a string cache key, checks the
+globals the kernel used and asks the driver for the current stream. On the H200's host that is
+tens of microseconds per launch, more than many decode kernels take on the GPU
+(``notebooks/results/serving_h200.md``).
+
+:func:`launch` does the first call for each key the usual way and keeps the ``CompiledKernel``
+it returns. The key holds, per tensor argument, its dtype and whether its address is a multiple of
+16 (what Triton specializes a pointer on), every other runtime argument by its exact value (finer
+than Triton's facts about an integer: equal to 1, a multiple of 16, fits 32 bits), and the
+constexpr parameters and launch options. Later calls with the same key go straight to the
+compiled launcher on the current stream. A call whose facts differ (a misaligned view, another
+stride) makes a new key, so it never runs a variant compiled for other facts. The key costs about
+3 us for a 47-argument kernel on a 2-core CPU, against the binding, specialization, string key and
+driver queries of a plain launch. Under the interpreter :func:`launch` is ``kernel[grid](...)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from triton import knobs
+
+from triton_impl.interpreter import INTERPRETING
+
+_MAX_ENTRIES = 4096  # variants kept; a serving process uses a few dozen
+
+# ``(id(kernel), device, key) -> (CompiledKernel, names of the constexpr parameters in signature order)``.
+_COMPILED: dict[tuple, tuple[Any, tuple[str, ...]]] = {}
+
+# Called with each CompiledKernel launched through :func:`launch` (for ``bench.capture_launches``).
+on_launch: Callable[[Any], None] | None = None
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
+    """``kernel[grid](*args, **constexprs)``, with the runtime arguments positional and every
+    constexpr parameter and launch option (``num_warps``, ...) by keyword."""
+    if INTERPRETING:
+        kernel[grid](*args, **constexprs)
+        return
+    facts = [(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args]
+    key = (id(kernel), torch.cuda.current_device(), *facts, *constexprs.items())
+    entry = _COMPILED.get(key)
+    if entry is None:
+        compiled = kernel[grid](*args, **constexprs)
+        names = tuple(kernel.arg_names[len(args) :])
+        if compiled is not None and all(name in constexprs for name in names):
+            if len(_COMPILED) >= _MAX_ENTRIES:
+                _COMPILED.clear()
+            _COMPILED[key] = (compiled, names)
+        if on_launch is not None and compiled is not None:
+            on_launch(compiled)
+        return
+    compiled, names = entry
+    stream = torch.cuda.current_stream().cuda_stream
+    grid3 = (*grid, 1, 1)[:3]
+    params = (*args, *(constexprs[name] for name in names))
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    metadata = compiled.launch_metadata(grid3, stream, *params) if enter is not None else None
+    compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *params)
+    if on_launch is not None:
+        on_launch(compiled)
