@@ -388,16 +388,15 @@ for row in range(len(b_seq_len)):
             assert torch.equal(golden_o[row, heads, split].float().cpu(), out)
             assert torch.equal(golden_lse[row, heads, split].float().cpu(), lse)
             continue
+        worst = max(worst, float((out - k_out).abs().max()), float((lse - k_lse).abs().max()))
         if INTERPRETING:
-            worst = max(worst, float((out - k_out).abs().max()), float((lse - k_lse).abs().max()))
             assert torch.allclose(out, k_out, rtol=1e-5, atol=1e-6) and torch.allclose(lse, k_lse, rtol=1e-6, atol=1e-6)
         assert compare(k_out, out.double(), tolerance("decode_attention", "o", q_w.dtype)).ok
         assert compare(out, golden_o[row, heads, split].cpu(), tolerance("decode_attention", "o", q_w.dtype)).ok
         assert compare(lse, golden_lse[row, heads, split].cpu(), tolerance("decode_attention", "lse", "float32")).ok
         worst_golden = max(worst_golden, float((out - golden_o[row, heads, split].cpu()).abs().max()))
 print(f"walk vs float64 golden, every non-empty slot: max |o difference| {worst_golden:.1e}")
-if INTERPRETING:
-    print(f"walk vs kernel, every non-empty slot: max |difference| {worst:.1e}")
+print(f"walk vs kernel, every non-empty slot: max |difference| {worst:.1e}")
 
 # %% [markdown]
 # ## 4. What batch invariance costs
@@ -494,15 +493,18 @@ for layout in ("striped", "sliced"):
         "  rank shares of the softmax mass, head 0, per request: "
         f"{[[round(x, 3) for x in r] for r in share[:, 0].tolist()]}"
     )
+    ulps = f" ({bf16_ulps(merged_o, full_o)} bf16 ulps)" if INTERPRETING else ""
     print(
-        f"  merged vs single process: max |o| diff {(merged_o.float() - full_o.float()).abs().max():.1e} "
-        f"({bf16_ulps(merged_o, full_o)} bf16 ulps), max |lse| diff {(merged_lse - full_lse).abs().max():.1e}; "
+        f"  merged vs single process: max |o| diff {(merged_o.float() - full_o.float()).abs().max():.1e}{ulps}, "
+        f"max |lse| diff {(merged_lse - full_lse).abs().max():.1e}; "
         f"plain average of the ranks' outputs: {(naive - full_o.float()).abs().max():.1e}"
     )
     assert torch.allclose(share.sum(-1), torch.ones(()), atol=1e-5)  # the shares sum to 1
     assert bool(torch.isneginf(gathered[1, :, 1, 32]).all()) and not gathered[1, :, 1, :32].any()  # rank 1: (0, -inf)
     assert not share[1, :, 1].any()
-    assert bf16_ulps(merged_o, full_o) <= 1
+    assert compare(merged_o, full_o.double(), tolerance("decode_attention", "o", q3.dtype)).ok
+    if INTERPRETING:
+        assert bf16_ulps(merged_o, full_o) <= 1
     assert compare(merged_lse, full_lse.double(), tolerance("decode_attention", "lse", "float32")).ok
     assert not compare(naive, full_o.double(), tolerance("decode_attention", "o", q3.dtype)).ok
 
@@ -511,7 +513,9 @@ for layout in ("striped", "sliced"):
 # Request 1 has a single key, so rank 1 holds none of it and contributes the neutral state
 # `(0, -inf)` with share 0 in both layouts. The plain average of the ranks' outputs ignores the
 # shares and is far outside the tolerance; the LSE-weighted merge matches the single-process
-# kernel to the last bit of its bf16 output (at most one ulp apart).
+# kernel within the bf16 tolerance, and under the interpreter to the last bit of its bf16 output
+# (at most one ulp apart). Compiled, the single-process kernel feeds its probabilities to the PV
+# product in bf16 while the ranks' fp32 states are merged in fp32, so the two differ by more.
 # `tests/test_decode_attention_dcp.py` runs the real thing over gloo with 2 and 3 processes, and
 # `tests/dcp_nccl_check.py` over NCCL on GPUs.
 
