@@ -1,7 +1,10 @@
 """Golden models: the readable definitions the Triton kernels are tested against.
 
 Each ``golden/<op>.py`` is the textbook version of ``triton_impl/<op>.py``: PyTorch + einops,
-float32 or float64 math, pure functions. Golden code never calls Triton.
+float32 or float64 math, pure functions. Golden code never calls Triton. ``golden/_paged.py`` holds
+what the attention goldens share: reading keys through a block table (``gather_positions``), the
+one FP8 cache dequantization (``dequantize_keys``) and the attention state of a query row's heads
+over a key set (``attend``), with a row that sees no key as ``o = 0, lse = -inf``.
 
 Axis glossary (used in einops patterns, docstrings and tests across the package):
 

@@ -1,4 +1,4 @@
-"""Split-KV decode attention over a paged KV cache, one KV extent per query row (SPEC section 3).
+"""Decode attention over a paged KV cache, one KV extent per query row, and its split-KV view.
 
 Every query row ``r`` has its own block-table row ``req_to_token[r]`` and its own extent
 ``n_r = seq_lens[r]``; it attends to the keys ``[lo_r, n_r)`` of that row, where
@@ -11,19 +11,18 @@ kinds share the definition:
   values come from ``v_buffer``.
 
 Multi-token decode is served by flattening a request's ``Q`` query tokens into ``Q`` rows
-(:func:`expand_decode_rows`). The split view (:func:`split_bounds`, :func:`decode_attention_splits`)
-is what the kernel's stage 1 computes; merging its states (``golden.lse_merge.merge_states``) gives
-:func:`decode_attention`. Paper: papers.md#decode-attention.
+(:func:`expand_decode_rows`). :func:`decode_attention` is the definition, computed directly per
+row. The split view (:func:`split_bounds`, :func:`decode_attention_splits`) is what the kernel's
+stage 1 computes; merging its states (``golden.lse_merge.merge_states``) gives
+:func:`decode_attention` (the tests check it). Paper: papers.md#decode-attention.
 """
 
 from __future__ import annotations
 
 import torch
-from einops import einsum, rearrange, repeat
+from einops import rearrange, repeat
 
-from golden._paged import as_pages, gather_tokens, masked_softmax_state
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+from golden._paged import as_block_table, as_pages, attend, dequantize_keys, gather_positions
 
 
 def window_start(seq_lens: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -74,14 +73,14 @@ def split_bounds(
     return start, end
 
 
-def _dequant(x: torch.Tensor, scale: torch.Tensor | float | None, dtype: torch.dtype) -> torch.Tensor:
-    """Cache values in ``dtype``; an FP8 cache is multiplied by its scale (ignored otherwise)."""
-    if x.dtype in FP8_DTYPES:
-        return x.to(dtype) * (1.0 if scale is None else float(scale))
-    return x.to(dtype)
-
-
-def _check_shapes(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, is_mla: bool) -> None:
+def _check_inputs(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    is_mla: bool,
+) -> None:
     if q.dim() != 3:
         raise ValueError(f"q: expected [R, H, Lk], got {list(q.shape)}")
     if k_buffer.shape[-1] != q.shape[-1]:
@@ -95,35 +94,32 @@ def _check_shapes(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
         raise ValueError(f"v_buffer: MLA value width {v_buffer.shape[-1]} exceeds key width {k_buffer.shape[-1]}")
     if not is_mla and v_buffer.shape[-2] != num_kv_heads:
         raise ValueError(f"v_buffer: {v_buffer.shape[-2]} KV heads != k_buffer's {num_kv_heads}")
+    as_pages(k_buffer, page_size)
+    if seq_lens.shape != (q.shape[0],):
+        raise ValueError(f"seq_lens: expected [{q.shape[0]}] (q's rows), got {list(seq_lens.shape)}")
 
 
-def _row_keys_values(
-    r: int,
+def _keys_values(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    n: int,
+    block_table_row: torch.Tensor,
+    start: int,
+    end: int,
     page_size: int,
+    *,
     is_mla: bool,
     k_scale: torch.Tensor | float | None,
     v_scale: torch.Tensor | float | None,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys ``[n, HKV, Lk]`` and values ``[n, HKV, Lv]`` ``0 .. n-1`` of row ``r``, dequantized."""
-    k = _dequant(gather_tokens(k_buffer, req_to_token[r], n, page_size), k_scale, dtype)
+    """Keys ``[J, HKV, Lk]`` and values ``[J, HKV, Lv]`` at positions ``[start, end)`` of one row,
+    read through its block-table row and dequantized (MLA: V is the first ``Lv`` key columns)."""
+    positions = torch.arange(start, end)
+    keys = dequantize_keys(gather_positions(k_buffer, block_table_row, positions, page_size), k_scale, dtype)
     if is_mla:
-        return k, k[..., : v_buffer.shape[-1]]
-    v = _dequant(gather_tokens(v_buffer, req_to_token[r], n, page_size), v_scale, dtype)
-    return k, v
-
-
-def _scores(q_row: torch.Tensor, k: torch.Tensor, sm_scale: float, logit_cap: float) -> torch.Tensor:
-    """``[HKV, G, J]`` logits ``sm_scale * q . k`` (soft-capped) of one row, heads grouped by KV head."""
-    q_grouped = rearrange(q_row, "(hkv g) d -> hkv g d", hkv=k.shape[1])
-    s = sm_scale * einsum(q_grouped, k, "hkv g d, j hkv d -> hkv g j")
-    if logit_cap > 0:
-        s = logit_cap * torch.tanh(s / logit_cap)
-    return s
+        return keys, keys[..., : v_buffer.shape[-1]]
+    values = dequantize_keys(gather_positions(v_buffer, block_table_row, positions, page_size), v_scale, dtype)
+    return keys, values
 
 
 def decode_attention(
@@ -156,15 +152,17 @@ def decode_attention(
     Key ``j`` of row ``r`` lives at page ``req_to_token[r, j // page_size]``, slot
     ``j % page_size``. FP8 caches (``float8_e4m3fn``/``fnuz``) dequantize as ``K = fp8 * k_scale``
     and ``V = fp8 * v_scale``; for MLA ``V = K[:, :Lv]`` so only ``k_scale`` applies. Scales are
-    ignored for a 16-bit cache. Rows with no visible key get ``o = 0, lse = -inf``.
+    ignored for a 16-bit cache. Rows with no visible key get ``o = 0, lse = -inf`` (never NaN).
+    Computed directly: per row, its visible keys are gathered through the block table and the
+    formula is applied in ``dtype`` (no splits, no masks).
 
     Args:
         q: ``[R, H, Lk]`` float (bf16/fp16/fp32/fp64), query rows.
         k_buffer: ``[num_pages, page_size, HKV, Lk]`` or ``[num_pages * page_size, HKV, Lk]``,
             float or fp8; MLA has ``HKV = 1``.
         v_buffer: ``[..., HKV, Lv]`` like ``k_buffer``; for MLA only its width ``Lv`` is used.
-        req_to_token: ``[R, max_pages]`` int, block-table row of each query row; entries past
-            ``cdiv(n, page_size)`` are never read.
+        req_to_token: ``[>= R, max_pages]`` (or ``[>= R, max_pages, 1]``) int, block-table row of
+            each query row; entries past ``cdiv(n, page_size)`` and rows past ``R`` are never read.
         seq_lens: ``[R]`` int, extents ``n`` (``<= 0`` means an empty row).
         sm_scale: softmax scale (applied before the cap).
         page_size: tokens per page.
@@ -180,12 +178,19 @@ def decode_attention(
     Traffic: reads ``R*H*Lk`` query elements and, per row, its ``n - lo`` visible keys: ``HKV*Lk``
     cache elements each for MLA, ``HKV*(Lk + Lv)`` for GQA; writes ``R*H*Lv`` + ``R*H`` elements.
     """
-    o, lse = decode_attention_splits(
-        q, k_buffer, v_buffer, req_to_token, seq_lens, 1, sm_scale, page_size,
-        logit_cap=logit_cap, k_scale=k_scale, v_scale=v_scale, is_mla=is_mla,
-        sliding_window=sliding_window, dtype=dtype,
-    )  # fmt: skip
-    return o[:, :, 0], lse[:, :, 0]
+    _check_inputs(q, k_buffer, v_buffer, seq_lens, page_size, is_mla)
+    num_rows, num_heads = q.shape[:2]
+    req_to_token = as_block_table(req_to_token, num_rows)
+    o = torch.zeros(num_rows, num_heads, v_buffer.shape[-1], dtype=dtype, device=q.device)
+    lse = torch.full((num_rows, num_heads), float("-inf"), dtype=dtype, device=q.device)
+    lo, n = window_start(seq_lens, sliding_window), seq_lens.to(torch.int64).clamp(min=0)
+    for r in range(num_rows):
+        keys, values = _keys_values(
+            k_buffer, v_buffer, req_to_token[r], int(lo[r]), int(n[r]), page_size,
+            is_mla=is_mla, k_scale=k_scale, v_scale=v_scale, dtype=dtype,
+        )  # fmt: skip
+        o[r], lse[r] = attend(q[r].to(dtype), keys, values, sm_scale, logit_cap)
+    return o, lse
 
 
 def decode_attention_splits(
@@ -220,29 +225,19 @@ def decode_attention_splits(
 
     Traffic: as :func:`decode_attention`, plus ``R*H*S*(Lv + 1)`` fp32 partials written.
     """
-    _check_shapes(q, k_buffer, v_buffer, is_mla)
-    as_pages(k_buffer, page_size)
-    num_rows, num_heads = q.shape[0], q.shape[1]
-    if seq_lens.shape != (num_rows,) or req_to_token.shape[0] != num_rows:
-        raise ValueError(
-            f"seq_lens/req_to_token: expected {num_rows} rows, got {list(seq_lens.shape)} / {list(req_to_token.shape)}"
-        )
-    value_width = v_buffer.shape[-1]
+    _check_inputs(q, k_buffer, v_buffer, seq_lens, page_size, is_mla)
+    num_rows, num_heads = q.shape[:2]
+    req_to_token = as_block_table(req_to_token, num_rows)
     start, end = split_bounds(seq_lens, num_kv_splits, sliding_window)
-    o = torch.zeros(num_rows, num_heads, num_kv_splits, value_width, dtype=dtype, device=q.device)
+    o = torch.zeros(num_rows, num_heads, num_kv_splits, v_buffer.shape[-1], dtype=dtype, device=q.device)
     lse = torch.full((num_rows, num_heads, num_kv_splits), float("-inf"), dtype=dtype, device=q.device)
     for r in range(num_rows):
-        n = int(end[r].max())
-        if n == 0:
-            continue
-        k, v = _row_keys_values(r, k_buffer, v_buffer, req_to_token, n, page_size, is_mla, k_scale, v_scale, dtype)
-        scores = _scores(q[r].to(dtype), k, sm_scale, logit_cap)
-        j = torch.arange(n, device=q.device)
-        visible = (j[None, :] >= start[r, :, None]) & (j[None, :] < end[r, :, None])  # [S, J]
-        p, row_lse = masked_softmax_state(scores[:, :, None, :], visible)  # [HKV, G, S, J]
-        row_o = einsum(p, v, "hkv g s j, j hkv e -> hkv g s e")
-        o[r] = rearrange(row_o, "hkv g s e -> (hkv g) s e")
-        lse[r] = rearrange(row_lse, "hkv g s -> (hkv g) s")
+        for s in range(num_kv_splits):
+            keys, values = _keys_values(
+                k_buffer, v_buffer, req_to_token[r], int(start[r, s]), int(end[r, s]), page_size,
+                is_mla=is_mla, k_scale=k_scale, v_scale=v_scale, dtype=dtype,
+            )  # fmt: skip
+            o[r, :, s], lse[r, :, s] = attend(q[r].to(dtype), keys, values, sm_scale, logit_cap)
     return o, lse
 
 

@@ -1,4 +1,4 @@
-"""Causal MLA verify attention over a paged latent KV cache (SPEC section 2).
+"""Causal MLA verify attention over a paged latent KV cache, and its split-KV view.
 
 Speculative decoding verifies ``Q`` draft tokens of every request in one pass. Row ``t`` of
 request ``b`` (flattened row ``r = b*Q + t``) sees the committed prefix plus the block tokens
@@ -7,19 +7,18 @@ request ``b`` (flattened row ``r = b*Q + t``) sees the committed prefix plus the
     n(b, t) = max(min(L_b - Q + 1 + t, R_b), 0)          keys j in [0, n(b, t))
 
 MLA's decode runs in latent space (the "absorbed" MQA form): one KV head, each key the ``Lk``-wide
-``[c_kv | k_pe]`` and its value the first ``Lv`` columns of the same key. The split view
-(:func:`split_bounds`, :func:`mla_verify_split_partials`) is the kernel's stage 1; merging its
-states with ``golden.lse_merge.merge_states`` gives :func:`mla_verify`. Paper: papers.md#mla-verify.
+``[c_kv | k_pe]`` and its value the first ``Lv`` columns of the same key. :func:`mla_verify` is
+the definition, computed directly per row. The split view (:func:`split_bounds`,
+:func:`mla_verify_split_partials`) is the kernel's stage 1; merging its states with
+``golden.lse_merge.merge_states`` gives :func:`mla_verify` (the tests check it).
+Paper: papers.md#mla-verify.
 """
 
 from __future__ import annotations
 
 import torch
-from einops import einsum, rearrange
 
-from golden._paged import as_pages, gather_tokens, masked_softmax_state
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+from golden._paged import as_block_table, as_pages, attend, dequantize_keys, gather_positions
 
 
 def row_limits(seq_lens: torch.Tensor, real_seq_lens: torch.Tensor | None, qlen: int) -> torch.Tensor:
@@ -79,11 +78,35 @@ def split_bounds(
     return start, end
 
 
-def dequantize_keys(keys: torch.Tensor, k_scale: torch.Tensor | float | None, dtype: torch.dtype) -> torch.Tensor:
-    """Cache values in ``dtype``: ``fp8 * k_scale`` for an FP8 cache; a 16-bit cache ignores the scale."""
-    if keys.dtype in FP8_DTYPES:
-        return keys.to(dtype) * (1.0 if k_scale is None else float(k_scale))
-    return keys.to(dtype)
+def _checked_block_table(
+    q: torch.Tensor, k_buffer: torch.Tensor, req_to_token: torch.Tensor, limits: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Checks the shapes; returns the block table as ``[>= B, max_pages]``."""
+    batch, qlen = limits.shape
+    if q.dim() != 3 or q.shape[0] != batch * qlen:
+        raise ValueError(f"q: expected [{batch} * {qlen}, H, Lk], got {list(q.shape)}")
+    if k_buffer.shape[-2] != 1 or k_buffer.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k_buffer: expected [..., 1, {q.shape[-1]}] (one latent KV head), got {list(k_buffer.shape)}")
+    as_pages(k_buffer, page_size)
+    return as_block_table(req_to_token, batch)
+
+
+def _state(
+    q_row: torch.Tensor,
+    k_buffer: torch.Tensor,
+    block_table_row: torch.Tensor,
+    start: int,
+    end: int,
+    value_width: int,
+    sm_scale: float,
+    page_size: int,
+    k_scale: torch.Tensor | float | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o [H, Lv], lse [H])`` of one verify row over its request's keys ``[start, end)``."""
+    keys = gather_positions(k_buffer, block_table_row, torch.arange(start, end), page_size)  # [J, 1, Lk]
+    keys = dequantize_keys(keys, k_scale, dtype)
+    return attend(q_row.to(dtype), keys, keys[..., :value_width], sm_scale)
 
 
 def attend_rows(
@@ -102,39 +125,39 @@ def attend_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention state of every verify row over its keys ``[0, limits[b, t])``, optionally per split.
 
-    The body of :func:`mla_verify` with the row limits given (tests pass deliberately wrong ones as
-    negative controls). With ``split_starts``/``split_ends`` (``[B, S]``) the state of each split
-    ``s`` covers keys ``[start_s, min(end_s, limit))``; without them one state covers all keys.
+    With ``split_starts``/``split_ends`` (``[B, S]``) the state of split ``s`` of row ``(b, t)``
+    covers keys ``[start_s, min(end_s, limit))`` (empty: ``(0, -inf)``); without them one state
+    covers all the row's keys, which is :func:`mla_verify` with the limits given.
+
+    Args:
+        q, k_buffer, req_to_token, value_width, sm_scale, page_size, k_scale, dtype: as
+            :func:`mla_verify`.
+        limits: ``[B, Q]`` int, keys each row sees (:func:`row_limits`).
+        split_starts, split_ends: ``[B, S]`` int (:func:`split_bounds`), or None for one split.
 
     Returns:
         ``(o [R, H, S, Lv], lse [R, H, S])`` in ``dtype`` (``S = 1`` without splits).
+
+    Traffic: as :func:`mla_verify`.
     """
-    num_rows, num_heads, key_width = q.shape
+    req_to_token = _checked_block_table(q, k_buffer, req_to_token, limits, page_size)
     batch, qlen = limits.shape
-    if num_rows != batch * qlen:
-        raise ValueError(f"q: expected {batch} * {qlen} rows, got {num_rows}")
-    if k_buffer.shape[-2] != 1 or k_buffer.shape[-1] != key_width:
-        raise ValueError(f"k_buffer: expected [..., 1, {key_width}] (one latent KV head), got {list(k_buffer.shape)}")
-    as_pages(k_buffer, page_size)
     if split_starts is None or split_ends is None:
-        split_starts = torch.zeros(batch, 1, dtype=torch.int64, device=limits.device)
+        split_starts = torch.zeros(batch, 1, dtype=torch.int64)
         split_ends = limits.max(dim=1, keepdim=True).values
     num_splits = split_starts.shape[1]
-    o = torch.zeros(batch, qlen, num_heads, num_splits, value_width, dtype=dtype, device=q.device)
-    lse = torch.full((batch, qlen, num_heads, num_splits), float("-inf"), dtype=dtype, device=q.device)
-    queries = rearrange(q.to(dtype), "(b t) h d -> b t h d", t=qlen)
+    o = torch.zeros(batch * qlen, q.shape[1], num_splits, value_width, dtype=dtype, device=q.device)
+    lse = torch.full((batch * qlen, q.shape[1], num_splits), float("-inf"), dtype=dtype, device=q.device)
     for b in range(batch):
-        n_keys = int(limits[b].max())
-        if n_keys == 0:
-            continue
-        keys = dequantize_keys(gather_tokens(k_buffer, req_to_token[b], n_keys, page_size)[:, 0], k_scale, dtype)
-        scores = sm_scale * einsum(queries[b], keys, "t h d, j d -> t h j")
-        j = torch.arange(n_keys, device=q.device)
-        ends = torch.minimum(split_ends[b][None, :], limits[b][:, None])  # [Q, S]
-        visible = (j >= split_starts[b][None, :, None]) & (j < ends[:, :, None])  # [Q, S, J]
-        p, lse[b] = masked_softmax_state(scores[:, :, None, :], visible[:, None])  # p: [Q, H, S, J]
-        o[b] = einsum(p, keys[:, :value_width], "t h s j, j e -> t h s e")
-    return rearrange(o, "b t h s e -> (b t) h s e"), rearrange(lse, "b t h s -> (b t) h s")
+        for t in range(qlen):
+            r = b * qlen + t
+            for s in range(num_splits):
+                start = int(split_starts[b, s])
+                end = max(start, min(int(split_ends[b, s]), int(limits[b, t])))  # a split past the row: empty
+                o[r, :, s], lse[r, :, s] = _state(
+                    q[r], k_buffer, req_to_token[b], start, end, value_width, sm_scale, page_size, k_scale, dtype
+                )
+    return o, lse
 
 
 def mla_verify(
@@ -160,14 +183,17 @@ def mla_verify(
         o[r, h]   = sum_{j < n} softmax(s)_j * K_j[:Lv]                     (V = first Lv columns)
         lse[r, h] = ln sum_{j < n} exp(s_j)
 
-    Rows with ``n = 0`` get the neutral state ``o = 0, lse = -inf`` (never NaN).
+    Rows with ``n = 0`` get the neutral state ``o = 0, lse = -inf`` (never NaN). Computed
+    directly: per row, its keys are gathered through the block table and the formula is applied in
+    ``dtype`` (no splits, no masks).
 
     Args:
         q: ``[R, H, Lk]`` float, ``R = B*Q``, the verify tokens of a request adjacent.
         k_buffer: ``[num_pages, page_size, 1, Lk]`` or ``[num_pages * page_size, 1, Lk]``, float or
             FP8 (``float8_e4m3fn``); any page stride (a per-layer view of a cross-layer cache).
-        req_to_token: ``[B, max_pages]`` int, one block-table row per request (not per row);
-            entries past ``cdiv(max_t n(b, t), page_size)`` are never read.
+        req_to_token: ``[>= B, max_pages]`` (or ``[>= B, max_pages, 1]``) int, one block-table row
+            per request (not per row); entries past ``cdiv(max_t n(b, t), page_size)`` and rows past
+            ``B`` are never read.
         seq_lens: ``[B]`` int, ``L_b``.
         real_seq_lens: ``[B]`` int ``R_b`` or None.
         qlen: ``Q``, verify tokens per request.
@@ -184,10 +210,16 @@ def mla_verify(
     cache elements once (every verify token and head shares them); writes ``R*H*Lv`` + ``R*H``.
     """
     limits = row_limits(seq_lens, real_seq_lens, qlen)
-    o, lse = attend_rows(
-        q, k_buffer, req_to_token, limits, value_width, sm_scale, page_size, k_scale=k_scale, dtype=dtype
-    )
-    return o[:, :, 0], lse[:, :, 0]
+    req_to_token = _checked_block_table(q, k_buffer, req_to_token, limits, page_size)
+    o = torch.zeros(q.shape[0], q.shape[1], value_width, dtype=dtype, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=dtype, device=q.device)
+    for b in range(limits.shape[0]):
+        for t in range(qlen):
+            r = b * qlen + t
+            o[r], lse[r] = _state(
+                q[r], k_buffer, req_to_token[b], 0, int(limits[b, t]), value_width, sm_scale, page_size, k_scale, dtype
+            )
+    return o, lse
 
 
 def mla_verify_split_partials(

@@ -1,4 +1,5 @@
-"""Split-KV decode attention: Triton == golden, invariances, serving flatten, negative controls (SPEC 3)."""
+"""Split-KV decode attention: Triton == golden, the golden's split view, invariances, serving flatten,
+negative controls on the kernel's path, bad input."""
 
 from __future__ import annotations
 
@@ -9,27 +10,41 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from golden.decode_attention import (
-    decode_attention,
-    decode_attention_splits,
-    split_bounds,
-    window_start,
-)
+from golden.decode_attention import decode_attention, decode_attention_splits, split_bounds, window_start
 from golden.decode_attention import expand_decode_rows as golden_expand_decode_rows
 from golden.lse_merge import merge_states
 from tests.support import assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled, paged_cache, paginate
 from triton_impl.decode_attention import (
+    DECODE_CONFIGS,
     _compute_num_kv_splits,
     decode_attention_fwd,
     expand_decode_rows,
 )
+from triton_impl.lse_merge import merge_splits
+from triton_impl.validation import CONTENT_CHECKS_ENV
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-NEG_INF = float("-inf")
-# MLA (Lv, rope width P) and GQA (Lk, Lv) widths: small, with non-powers of two for GQA.
-MLA_WIDTHS = [(16, 0), (16, 16), (32, 16)]
-SPLIT_LATENT_CONFIG = {"BLOCK_N": 32, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1}
+# MLA (Lv, rope width P) and GQA (Lk, Lv) widths: small, with non-powers of two for GQA. MLA widths
+# with Lv >= 32 reach SPLIT_LATENT (the latent in two halves) under the sm90 config.
+MLA_WIDTHS = [(16, 0), (16, 16), (32, 16), (32, 0)]
 GQA_WIDTHS = [(16, 16), (24, 40), (64, 32), (48, 48)]
+# Every launch config a GPU selects, by architecture; the kernel takes any of them on any device.
+ARCHS = sorted(DECODE_CONFIGS)
+# Lengths up to 300 keys, plus one past each key-tile size the configs use (16, 32, 64, 128), and
+# extents at a window's edge ("W-1", "W", "W+1" keys).
+LENGTHS = st.one_of(st.sampled_from([0, 1, 17, 33, 65, 129]), st.integers(0, 300), st.sampled_from(["W-1", "W", "W+1"]))
+# Pages of one token, a common 16, DeepSeek's 64, and sizes that do not divide any tile.
+PAGE_SIZES = st.one_of(st.sampled_from([1, 16, 64]), st.integers(1, 40))
+
+
+@st.composite
+def head_layouts(draw: st.DrawFn) -> tuple[bool, int, int]:
+    """``(is_mla, HKV, G)``: MLA has one KV head and 1 to 40 query heads (40 fill one sm90 64-head
+    tile, 24 rows masked; fewer clamp the tile to 16); GQA 1 or 2 KV heads of 1, 3 or 4 query heads
+    (every GQA entry tiles 16 heads, so wider groups only add interpreter time)."""
+    if draw(st.booleans()):
+        return True, 1, draw(st.sampled_from([1, 3, 16, 40]))
+    return False, draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3, 4]))
 
 
 @dataclass
@@ -55,25 +70,27 @@ class Decode:
             sliding_window=self.window,
         )  # fmt: skip
 
-    def golden(self, **override) -> tuple[torch.Tensor, torch.Tensor]:
-        kw = self.kwargs() | override
+    def golden(self) -> tuple[torch.Tensor, torch.Tensor]:
         return decode_attention(
-            self.q, self.k, self.v, self.table, self.lens, self.sm_scale, self.page_size, dtype=torch.float64, **kw
-        )
+            self.q, self.k, self.v, self.table, self.lens, self.sm_scale, self.page_size, dtype=torch.float64,
+            **self.kwargs(),
+        )  # fmt: skip
 
     def run(
         self, splits: int, lse_dtype: torch.dtype = torch.float32, **override
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The kernel's ``(o, lse, attn_logits)``, every output pre-filled with NaN."""
+        """The kernel's ``(o, lse, attn_logits)``, every output pre-filled with NaN; ``override``
+        replaces any argument of ``decode_attention_fwd`` (negative controls plant bugs with it)."""
         rows, heads = self.q.shape[:2]
         device = self.q.device
         o = nan_filled((rows, heads, self.v.shape[-1]), self.q.dtype, device)
         lse = nan_filled((rows, heads), lse_dtype, device)
         logits = nan_filled((rows, heads, splits, self.v.shape[-1] + 1), torch.float32, device) if splits > 1 else None
-        decode_attention_fwd(
-            self.q, self.k, self.v, o, lse, self.table, self.lens, logits, splits, self.sm_scale, self.page_size,
-            **(self.kwargs() | override),
+        args = dict(
+            q=self.q, k_buffer=self.k, v_buffer=self.v, o=o, lse=lse, req_to_token=self.table, b_seq_len=self.lens,
+            attn_logits=logits, num_kv_splits=splits, sm_scale=self.sm_scale, page_size=self.page_size,
         )  # fmt: skip
+        decode_attention_fwd(**(args | self.kwargs() | override))
         return o, lse, logits
 
 
@@ -120,55 +137,68 @@ def make_decode(
     )  # fmt: skip
 
 
-def _extent(kind: str, window: int | None) -> int:
-    w = window or 8
-    return {"0": 0, "1": 1, "<W": max(1, w - 1), "=W": w, ">W": w + 3, "long": 37}[kind]
+def _extent(length: int | str, window: int | None) -> int:
+    """A drawn length: keys, or an offset from the window (8 keys when there is none)."""
+    if isinstance(length, int):
+        return length
+    return max(0, (window or 8) + {"W-1": -1, "W": 0, "W+1": 1}[length])
+
+
+def _config(arch: str, is_mla: bool) -> dict[str, int]:
+    """The launch config a GPU of ``arch`` selects for this cache kind."""
+    return DECODE_CONFIGS[arch]["mla" if is_mla else "gqa"]
 
 
 # -- Triton == golden ------------------------------------------------------------------------
 
 
 @given(
-    is_mla=st.booleans(),
-    kv_heads=st.sampled_from([1, 2]),
-    group=st.sampled_from([1, 3, 4]),
+    heads=head_layouts(),
     width_index=st.integers(0, 3),
-    page_size=st.sampled_from([1, 4, 16]),
-    extents=st.lists(st.sampled_from(["0", "1", "<W", "=W", ">W", "long"]), min_size=1, max_size=3),
-    window=st.sampled_from([None, 0, 1, 5, 16]),
+    page_size=PAGE_SIZES,
+    lengths=st.lists(LENGTHS, min_size=1, max_size=3),
+    window=st.one_of(st.sampled_from([None, 0, 1, 16, 64]), st.integers(1, 300)),
     cap=st.sampled_from([0.0, 1.5, 30.0]),
-    splits=st.sampled_from([1, 2, 3, 5]),
+    splits=st.sampled_from([1, 2, 3, 5, 8]),
     dtype=st.sampled_from(list(DTYPES)),
     fp8=st.booleans(),
     fp8_scale=st.sampled_from([0.02, 0.37, 3.0]),
     lse_in_model_dtype=st.booleans(),
     index_dtype=st.sampled_from([torch.int32, torch.int64]),
     layout=st.sampled_from(["4d", "3d", "cross_layer"]),
-    split_latent=st.booleans(),
+    arch=st.sampled_from(ARCHS),
     seed=st.integers(0, 2**31 - 1),
 )
-@example(is_mla=True, kv_heads=1, group=4, width_index=1, page_size=4, extents=["0", "=W", ">W"], window=5, cap=0.0,
+@example(heads=(True, 1, 4), width_index=1, page_size=4, lengths=[0, "W", "W+1"], window=5, cap=0.0,
          splits=3, dtype="bfloat16", fp8=False, fp8_scale=0.37, lse_in_model_dtype=False, index_dtype=torch.int32,
-         layout="4d", split_latent=False, seed=0)  # fmt: skip
-@example(is_mla=False, kv_heads=2, group=3, width_index=1, page_size=1, extents=["1", "long"], window=None, cap=1.5,
+         layout="4d", arch="default", seed=0)  # fmt: skip
+@example(heads=(False, 2, 3), width_index=1, page_size=1, lengths=[1, 37], window=None, cap=1.5,
          splits=5, dtype="float16", fp8=True, fp8_scale=3.0, lse_in_model_dtype=True, index_dtype=torch.int64,
-         layout="cross_layer", split_latent=False, seed=1)  # fmt: skip
+         layout="cross_layer", arch="sm90", seed=1)  # fmt: skip
+# The Hopper MLA entry at full strength: 40 heads in one 64-head tile (24 rows masked), the latent in
+# two halves, pages of 64, a split of 65 keys crossing into a second 64-key tile, a window.
+@example(heads=(True, 1, 40), width_index=2, page_size=64, lengths=[129, 65, 0], window=100, cap=0.0,
+         splits=2, dtype="bfloat16", fp8=True, fp8_scale=0.37, lse_in_model_dtype=False, index_dtype=torch.int32,
+         layout="4d", arch="sm90", seed=2)  # fmt: skip
+# The default MLA entry past its 32-key tiles, odd pages, more splits than a short row has keys.
+@example(heads=(True, 1, 3), width_index=3, page_size=7, lengths=[300, 2, 33], window=None, cap=30.0,
+         splits=8, dtype="float32", fp8=False, fp8_scale=0.37, lse_in_model_dtype=False, index_dtype=torch.int64,
+         layout="3d", arch="default", seed=3)  # fmt: skip
 def test_matches_golden(
-    device, is_mla, kv_heads, group, width_index, page_size, extents, window, cap, splits, dtype, fp8, fp8_scale,
-    lse_in_model_dtype, index_dtype, layout, split_latent, seed,
+    device, heads, width_index, page_size, lengths, window, cap, splits, dtype, fp8, fp8_scale,
+    lse_in_model_dtype, index_dtype, layout, arch, seed,
 ) -> None:  # fmt: skip
-    """Output, LSE and (with S > 1) every stage-1 split slot against the float64 golden model."""
-    widths = MLA_WIDTHS[width_index % len(MLA_WIDTHS)] if is_mla else GQA_WIDTHS[width_index]
-    kv_heads = 1 if is_mla else kv_heads
+    """Output, LSE and (with S > 1) every stage-1 split slot against the float64 golden model, under
+    the launch config a GPU of ``arch`` selects."""
+    is_mla, kv_heads, group = heads
+    widths = MLA_WIDTHS[width_index] if is_mla else GQA_WIDTHS[width_index]
     d = make_decode(
-        device, seed, [_extent(e, window) for e in extents], is_mla=is_mla, num_heads=kv_heads * group,
+        device, seed, [_extent(n, window) for n in lengths], is_mla=is_mla, num_heads=kv_heads * group,
         num_kv_heads=kv_heads, widths=widths, page_size=page_size, dtype=DTYPES[dtype], fp8=fp8, layout=layout,
         index_dtype=index_dtype, window=window, cap=cap, fp8_scale=fp8_scale,
     )  # fmt: skip
     lse_dtype = DTYPES[dtype] if lse_in_model_dtype else torch.float32
-    # SPLIT_LATENT (MLA's two latent halves, as in the sm90 config) on the same shapes; ignored for GQA.
-    config = {**SPLIT_LATENT_CONFIG, "BLOCK_H": 16} if split_latent else None
-    o, lse, logits = d.run(splits, lse_dtype, config=config)
+    o, lse, logits = d.run(splits, lse_dtype, config=_config(arch, is_mla))
     ref_o, ref_lse = d.golden()
     assert_close(o, ref_o, ("decode_attention", "o", dtype))
     assert_close(lse, ref_lse, ("decode_attention", "lse", lse_dtype))
@@ -181,27 +211,30 @@ def test_matches_golden(
         assert_close(logits[..., value_width], part_lse, ("decode_attention", "lse", "float32"))
 
 
-def test_deepseek_mla_dims(device) -> None:
-    """DeepSeek's latent cache (Lk 576 = 512 + 64), 16 heads, bf16 and FP8 with a scale, 2 splits."""
-    for fp8 in (False, True):
-        d = make_decode(device, 5, [3, 0, 21], is_mla=True, num_heads=16, widths=(512, 64), page_size=16, fp8=fp8)
-        d.sm_scale = 192**-0.5  # serving passes the prefill scale (qk_nope 128 + rope 64)
-        o, lse, _ = d.run(2)
-        ref_o, ref_lse = d.golden()
-        assert_close(o, ref_o, ("decode_attention", "o", "bfloat16"))
-        assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
-
-
-def test_deepseek_mla_wide_config(device) -> None:
-    """128 heads in 64-head tiles with the latent in two halves (the sm90 entry's shape, on any
-    device), and in 16-head tiles without the split, both against golden."""
-    d = make_decode(device, 6, [40, 1, 0], is_mla=True, num_heads=128, widths=(512, 64), page_size=16, fp8=True)
-    d.sm_scale = 192**-0.5
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("fp8", "splits"), [(False, 1), (True, 2)])
+def test_deepseek_mla_dims(device, arch, fp8, splits) -> None:
+    """DeepSeek's latent cache (Lk 576 = 512 + 64), 16 heads, pages of 64, bf16 and FP8 with a
+    scale, each architecture's MLA config; the 70-key row crosses a 64-key tile in one split."""
+    d = make_decode(device, 5, [3, 0, 70], is_mla=True, num_heads=16, widths=(512, 64), page_size=64, fp8=fp8)
+    d.sm_scale = 192**-0.5  # serving passes the prefill scale (qk_nope 128 + rope 64)
+    o, lse, _ = d.run(splits, config=_config(arch, True))
     ref_o, ref_lse = d.golden()
-    for config in (SPLIT_LATENT_CONFIG, {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2}):
-        o, lse, _ = d.run(3, config=config)
-        assert_close(o, ref_o, ("decode_attention", "o", "bfloat16"))
-        assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
+    assert_close(o, ref_o, ("decode_attention", "o", "bfloat16"))
+    assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deepseek_mla_wide_config(device, arch) -> None:
+    """128 heads at DeepSeek's widths under each architecture's MLA config: on sm90 two 64-head
+    tiles with the latent in two halves, by default eight 16-head tiles; FP8, one split, so the
+    70-key row runs into a second 64-key tile."""
+    d = make_decode(device, 6, [70, 1, 0], is_mla=True, num_heads=128, widths=(512, 64), page_size=64, fp8=True)
+    d.sm_scale = 192**-0.5
+    o, lse, _ = d.run(1, config=_config(arch, True))
+    ref_o, ref_lse = d.golden()
+    assert_close(o, ref_o, ("decode_attention", "o", "bfloat16"))
+    assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
 
 
 def test_empty_rows_are_neutral(device) -> None:
@@ -227,29 +260,52 @@ def test_golden_split_bounds_hand_computed() -> None:
     assert start.tolist() == [[0, 4, 8]] and end.tolist() == [[4, 8, 10]]
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_golden_splits_merge_to_the_whole(device, window) -> None:
-    """Golden only: merging the split states (any S) gives decode_attention, to float64 rounding."""
-    d = make_decode(device, 21, [0, 1, 6, 30], is_mla=False, num_heads=6, num_kv_heads=2, widths=(24, 40),
-                    page_size=4, dtype=torch.float32, window=window, cap=3.0)  # fmt: skip
+@given(
+    is_mla=st.booleans(),
+    lengths=st.lists(st.one_of(st.integers(-2, 40), st.sampled_from(["W-1", "W", "W+1"])), min_size=1, max_size=4),
+    window=st.sampled_from([None, 0, 1, 3, 6, 64]),
+    splits=st.sampled_from([1, 2, 7, 40]),
+    cap=st.sampled_from([0.0, 3.0]),
+    fp8=st.booleans(),
+    page_size=st.integers(1, 6),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(is_mla=False, lengths=[0, -2, 1, 30], window=3, splits=40, cap=3.0, fp8=True, page_size=4, seed=0)
+def test_golden_splits_merge_to_the_direct_definition(
+    is_mla, lengths, window, splits, cap, fp8, page_size, seed
+) -> None:  # fmt: skip
+    """Golden only, float64: the split view's ranges partition each row's visible keys [lo, n), and
+    merging its states (``merge_states``) gives the direct definition to rounding, for empty and
+    negative extents, windows shorter and longer than the row, and more splits than visible keys."""
+    lens = [_extent(n, window) if isinstance(n, str) else n for n in lengths]
+    d = make_decode(torch.device("cpu"), seed, [max(n, 0) for n in lens], is_mla=is_mla, num_heads=6,
+                    num_kv_heads=1 if is_mla else 2, widths=(16, 8) if is_mla else (24, 40), page_size=page_size,
+                    dtype=torch.float32, fp8=fp8, window=window, cap=cap)  # fmt: skip
+    d.lens = torch.tensor(lens, dtype=torch.int32)
+    start, end = split_bounds(d.lens, splits, window)
+    n = d.lens.to(torch.int64).clamp(min=0)
+    assert torch.equal(start[:, 0], window_start(d.lens, window)) and torch.equal(end[:, -1], n)
+    assert torch.equal(start[:, 1:], end[:, :-1]) and bool((end >= start).all())
     whole_o, whole_lse = d.golden()
-    for splits in (1, 2, 7):
-        part_o, part_lse = decode_attention_splits(
-            d.q, d.k, d.v, d.table, d.lens, splits, d.sm_scale, d.page_size, dtype=torch.float64, **d.kwargs()
-        )
-        o, lse = merge_states(part_o, part_lse)
-        assert torch.allclose(o, whole_o, rtol=0, atol=1e-12)
-        assert torch.equal(torch.isneginf(lse), torch.isneginf(whole_lse))
-        finite = torch.isfinite(whole_lse)
-        assert torch.allclose(lse[finite], whole_lse[finite], rtol=0, atol=1e-12)
+    part_o, part_lse = decode_attention_splits(
+        d.q, d.k, d.v, d.table, d.lens, splits, d.sm_scale, d.page_size, dtype=torch.float64, **d.kwargs()
+    )
+    o, lse = merge_states(part_o, part_lse)
+    assert torch.allclose(o, whole_o, rtol=0, atol=1e-12)
+    empty = n == window_start(d.lens, window)
+    assert bool((whole_o[empty] == 0).all()) and bool(torch.isneginf(whole_lse[empty]).all())
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(whole_lse)) and not bool(torch.isnan(lse).any())
+    finite = torch.isfinite(whole_lse)
+    assert torch.allclose(lse[finite], whole_lse[finite], rtol=0, atol=1e-12)
 
 
 def test_deepseek_mla_fp8_window_bf16_lse(device) -> None:
-    """DeepSeek MLA at 32 heads, lengths up to 300, FP8 cache, 4 splits, window 128, bf16 LSE."""
+    """DeepSeek MLA at 32 heads, lengths up to 300, FP8 cache, 4 splits, window 128, bf16 LSE, under
+    the Hopper config (a 32-head tile, the latent in two halves)."""
     d = make_decode(device, 31, [300, 129, 0, 7], is_mla=True, num_heads=32, widths=(512, 64), page_size=64,
                     fp8=True, window=128)  # fmt: skip
     d.sm_scale = 192**-0.5
-    o, lse, _ = d.run(4, torch.bfloat16)
+    o, lse, _ = d.run(4, torch.bfloat16, config=_config("sm90", True))
     ref_o, ref_lse = d.golden()
     assert_close(o, ref_o, ("decode_attention", "o", "bfloat16"))
     assert_close(lse, ref_lse, ("decode_attention", "lse", "bfloat16"))
@@ -315,6 +371,22 @@ def test_cache_layouts_are_bit_exact(device) -> None:
         assert_bits_equal(lse, results[0][1])
 
 
+def test_block_table_with_spare_rows_or_a_unit_dimension(device) -> None:
+    """A block table sized for a larger batch (``[R + 2, pages]``, the extra rows garbage) or with a
+    trailing unit dimension (``[R, pages, 1]``) gives the bits of the plain table, in the kernel and
+    in the golden model."""
+    d = make_decode(device, 14, [9, 22], is_mla=False, num_heads=4, num_kv_heads=2, widths=(16, 24), page_size=4)
+    o, lse, _ = d.run(2)
+    ref_o, ref_lse = d.golden()
+    spare = torch.cat([d.table, torch.full_like(d.table, 2**30 + 7)])
+    for table in (spare, d.table[:, :, None]):
+        o_t, lse_t, _ = d.run(2, req_to_token=table)
+        assert_bits_equal(o_t, o)
+        assert_bits_equal(lse_t, lse)
+        ref_o_t, ref_lse_t = Decode(**{**d.__dict__, "table": table}).golden()
+        assert torch.equal(ref_o_t, ref_o) and torch.equal(ref_lse_t, ref_lse)
+
+
 # -- the serving flatten and the split count ---------------------------------------------------
 
 CONTEXT_LENS = [0, 1, 37, 512]
@@ -377,66 +449,69 @@ def test_compute_num_kv_splits() -> None:
     assert _compute_num_kv_splits(600, 132, sliding_window=4096) == 1
 
 
-# -- negative controls -------------------------------------------------------------------------
+# -- negative controls: bugs planted on the kernel's path fail the tolerances ---------------------
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_window_off_by_one_fails_every_tolerance(device, dtype: str) -> None:
-    """The kernel passes against the golden window W and fails against W - 1 and W + 1 (one key
-    too few or too many), for o and for the LSE stored in the model dtype: a negative control for
-    every decode_attention tolerance entry (the fp32 LSE entry is checked in the bf16 case)."""
+    """The kernel launched with the window off by one (W - 1 or W + 1: one key too few or too many)
+    fails against the golden window W, for o and for the LSE stored in the model dtype, while the
+    right window passes: a negative control for every decode_attention tolerance entry (the fp32
+    LSE entry is checked in the bf16 case)."""
     window = 4
     d = make_decode(device, 9, [window + 6, window + 1], is_mla=False, num_heads=2, num_kv_heads=1,
                     widths=(16, 16), page_size=4, dtype=DTYPES[dtype], window=window)  # fmt: skip
+    ref_o, ref_lse = d.golden()
     lse_dtypes = [DTYPES[dtype]] + ([torch.float32] if dtype == "bfloat16" else [])
     for lse_dtype in lse_dtypes:
         o, lse, _ = d.run(2, lse_dtype)
-        ref_o, ref_lse = d.golden()
         assert_close(o, ref_o, ("decode_attention", "o", dtype))
         assert_close(lse, ref_lse, ("decode_attention", "lse", lse_dtype))
         for wrong in (window - 1, window + 1):
-            bad_o, bad_lse = d.golden(sliding_window=wrong)
-            assert fails_tolerance(o, bad_o, ("decode_attention", "o", dtype))
-            assert fails_tolerance(lse, bad_lse, ("decode_attention", "lse", lse_dtype))
+            bad_o, bad_lse, _ = d.run(2, lse_dtype, sliding_window=wrong)
+            assert fails_tolerance(bad_o, ref_o, ("decode_attention", "o", dtype))
+            assert fails_tolerance(bad_lse, ref_lse, ("decode_attention", "lse", lse_dtype))
 
 
-def _window_unaware_stage2(part_o, part_lse, seq_lens, splits):
-    """Upstream's stage 2 before vLLM PR #47188: it recomputed split boundaries without the window
-    (``c = cdiv(n, S)``; split s non-empty iff ``s*c < n``) and merged only those slots."""
-    n = seq_lens.to(torch.int64).clamp(min=0)
-    chunk = (n + splits - 1) // splits
-    believed = torch.arange(splits)[None, :] * chunk[:, None] < n[:, None]
-    return merge_states(part_o, torch.where(believed[:, None, :], part_lse, NEG_INF))
+def _drop_one_split(d: Decode, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 as launched, then the real stage-2 merge with split 1's slot marked empty (a stage 1
+    that skipped a live split, or a stage 2 that believed it empty)."""
+    _, _, logits = d.run(splits)
+    logits[:, :, 1, -1] = float("-inf")
+    rows, heads, _, width = logits.shape
+    o = nan_filled((rows, heads, width - 1), d.q.dtype, d.q.device)
+    lse = nan_filled((rows, heads), torch.float32, d.q.device)
+    merge_splits(logits, o, lse)
+    return o, lse
 
 
-def test_window_unaware_stage2_fails(device) -> None:
-    """Stage-1 partials are window-aware. A stage 2 that recomputes window-unaware boundaries
-    (a) drops a non-empty split (n = 5, W = 4, S = 4: split 3 holds key 4, the row's last), and
-    (b) with stage 1 skipping empty splits (upstream), reads unwritten scratch as a live split
-    (n = 10, W = 2, S = 4: splits 2, 3 are empty, but cdiv(10, 4) = 3 says all four are live)."""
-    splits = 4
-    d = make_decode(device, 12, [5], is_mla=True, num_heads=2, widths=(16, 16), page_size=4, dtype=torch.float32,
-                    window=4)  # fmt: skip
-    o, _, logits = d.run(splits)
-    ref_o, _ = d.golden()
-    assert_close(o, ref_o, ("decode_attention", "o", "float32"))
-    lv = d.v.shape[-1]
-    bad_o, _ = _window_unaware_stage2(logits[..., :lv].cpu(), logits[..., lv].cpu(), d.lens.cpu(), splits)
-    assert fails_tolerance(bad_o, ref_o.cpu(), ("decode_attention", "o", "float32"))
+PLANTED_BUGS = {
+    # The caller forgets to count the token being decoded: every extent one short.
+    "extent one short": lambda d: d.run(4, b_seq_len=d.lens - 1)[:2],
+    # Scale from the value width (Lv = 40) instead of the key width (Lk = 24).
+    "sm_scale from Lv": lambda d: d.run(4, sm_scale=d.v.shape[-1] ** -0.5)[:2],
+    # V dequantized with K's scale.
+    "v_scale := k_scale": lambda d: d.run(4, v_scale=d.k_scale)[:2],
+    # Two rows of equal length read each other's pages.
+    "block-table rows swapped": lambda d: d.run(4, req_to_token=d.table[[1, 0, 2]])[:2],
+    "one split dropped from the merge": lambda d: _drop_one_split(d, 4),
+}
 
-    d = make_decode(device, 13, [10], is_mla=True, num_heads=2, widths=(16, 16), page_size=4, dtype=torch.float32,
-                    window=2)  # fmt: skip
-    o, _, logits = d.run(splits)
-    ref_o, _ = d.golden()
-    assert_close(o, ref_o, ("decode_attention", "o", "float32"))
-    start, end = split_bounds(d.lens.cpu(), splits, 2)
-    assert (end - start).tolist() == [[1, 1, 0, 0]]
-    stale = logits.cpu().clone()
-    stale[:, :, (end <= start)[0]] = float("nan")  # what a stage 1 that skips empty splits leaves
-    bad_o, bad_lse = _window_unaware_stage2(stale[..., :lv], stale[..., lv], d.lens.cpu(), splits)
-    assert bool(torch.isnan(bad_lse).all())
-    assert fails_tolerance(bad_o, ref_o.cpu(), ("decode_attention", "o", "float32"))
-    assert window_start(d.lens, 2).tolist() == [8]
+
+def test_planted_bugs_fail_the_tolerance(device) -> None:
+    """The kernel (stage 1 and the stage-2 merge kernel) with one careless argument or one lost
+    split fails the o tolerance against the golden model; launched correctly it passes. GQA with
+    Lk != Lv, an FP8 cache with distinct K and V scales, rows long enough that all 4 splits hold keys."""
+    d = make_decode(device, 10, [21, 21, 9], is_mla=False, num_heads=2, num_kv_heads=1, widths=(24, 40),
+                    page_size=4, fp8=True)  # fmt: skip
+    d.sm_scale = 24**-0.5
+    ref_o, ref_lse = d.golden()
+    o, lse, _ = d.run(4)
+    assert_close(o, ref_o, ("decode_attention", "o", "bfloat16"))
+    assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
+    for bug, launch in PLANTED_BUGS.items():
+        bad_o, _ = launch(d)
+        assert fails_tolerance(bad_o, ref_o, ("decode_attention", "o", "bfloat16")), bug
 
 
 # -- bad input ---------------------------------------------------------------------------------
@@ -461,9 +536,9 @@ def _bad_input_cases(device):
         ({"o": o[:, :, :8]}, ValueError, r"o: expected shape \[2, 4, 16\]"),
         ({"lse": lse[:1]}, ValueError, r"lse: expected shape \[2, 4\]"),
         ({"attn_logits": None}, TypeError, "attn_logits: expected a torch.Tensor"),
-        ({"attn_logits": logits[:, :, :1]}, ValueError, r"attn_logits: expected shape \[2, 4, 2, 17\]"),
+        ({"attn_logits": logits[:, :, :1]}, ValueError, r"attn_logits: expected \[>= 2, 4, 2, 17\]"),
         ({"b_seq_len": d.lens.float()}, TypeError, "b_seq_len: expected dtype"),
-        ({"req_to_token": d.table[:1]}, ValueError, "req_to_token: expected 2 rows"),
+        ({"req_to_token": d.table[:1]}, ValueError, "req_to_token: expected >= 2 rows"),
         ({"req_to_token": bad_table}, ValueError, r"req_to_token: entry \[1, 0\] = 1000000 is outside"),
         ({"b_seq_len": d.lens * 10}, ValueError, "req_to_token: a row needs"),
         ({"page_size": 3}, ValueError, "k_buffer: expected \\[num_pages, 3, HKV, D\\]"),
@@ -476,7 +551,10 @@ def _bad_input_cases(device):
     ]
 
 
-def test_bad_input_raises_named_errors(device) -> None:
+def test_bad_input_raises_named_errors(device, monkeypatch) -> None:
+    """Named errors, block-table contents included (their host check is on for this test; serving on
+    CUDA leaves it off)."""
+    monkeypatch.setenv(CONTENT_CHECKS_ENV, "1")
     base, cases = _bad_input_cases(device)
     for override, error, message in cases:
         with pytest.raises(error, match=message):

@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from golden.decode_attention import dcp_local_positions, decode_attention
-from golden.lse_merge import merge_states
 from tests.support import assert_close, fails_tolerance, generator, nan_filled, paginate
-from triton_impl.decode_attention import decode_attention_dcp
+from triton_impl.decode_attention import decode_attention_dcp, decode_attention_fwd
+from triton_impl.lse_merge import merge_splits
 
 LAYOUTS = [("striped", 1), ("striped", 2), ("sliced", 1)]
 CASES = [("mla", "striped", 1), ("gqa", "sliced", 1), ("gqa", "striped", 2)]
@@ -111,27 +111,48 @@ def test_dcp_positions_partition_the_keys(layout: str, interleave: int) -> None:
             assert torch.equal(torch.cat(parts).sort().values, torch.arange(seq_len))
 
 
-def test_dcp_merge_needs_lse_weights() -> None:
-    """Golden level: the ranks' states merge to the full result with LSE weights; averaging the
-    ranks' outputs (a merge that ignores how much mass each rank holds) fails the tolerance."""
-    lens, world_size, page_size = [23, 9], 2, 4
-    q, keys, values, _ = _problem("gqa", lens)
-    kv = [torch.cat([k, v], dim=-1) for k, v in zip(keys, values)]
-    cpu = torch.device("cpu")
+@pytest.mark.parametrize("kind", ["mla", "gqa"])
+def test_dcp_states_merged_in_one_process_and_a_layout_mismatch_fails(device, kind: str) -> None:
+    """The DCP data path without the collective: each rank's ``decode_attention_fwd`` over its striped
+    keys, packed as ``decode_attention_dcp`` packs them, merged by the stage-2 kernel
+    (``merge_splits``), equals the golden model over all keys. Negative control: one rank lays its
+    cache out with interleave 2 while the other uses 1 (mismatched interleave sizes), so some keys
+    are held twice and others by no rank, and the merged result fails the tolerance."""
+    lens, world_size, page_size = [0, 1, 23], 2, 4
+    q, keys, values, cap = _problem(kind, lens)
+    is_mla = kind == "mla"
+    key_width, value_width = keys[0].shape[-1], values[0].shape[-1]
+    kv = keys if is_mla else [torch.cat([k, v], dim=-1) for k, v in zip(keys, values)]
+    widths = (is_mla, key_width, value_width)
+    q = q.to(device)
+    cache, table, seq_lens = _paged(kv, page_size, generator(0), device)
+    ref_o, ref_lse = decode_attention(
+        q, *_split_kv(cache, *widths), table, seq_lens, 0.2, page_size, logit_cap=cap, is_mla=is_mla,
+        dtype=torch.float64,
+    )  # fmt: skip
+    rows, heads = q.shape[:2]
 
-    def state(tokens):
-        cache, table, seq_lens = _paged(tokens, page_size, generator(1), cpu)
-        k, v = cache[..., :24], cache[..., 24:]
-        return decode_attention(q, k, v, table, seq_lens, 0.2, page_size, dtype=torch.float64)
+    def merged(interleaves: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        packed = nan_filled((world_size, rows, heads, value_width + 1), torch.float32, device)
+        for rank, interleave in enumerate(interleaves):
+            local = [t[dcp_local_positions(t.shape[0], world_size, rank, "striped", interleave)] for t in kv]
+            local_cache, local_table, local_lens = _paged(local, page_size, generator(100 + rank), device)
+            decode_attention_fwd(
+                q, *_split_kv(local_cache, *widths), packed[rank, ..., :value_width], packed[rank, ..., value_width],
+                local_table, local_lens, None, 1, 0.2, page_size, logit_cap=cap, is_mla=is_mla,
+            )  # fmt: skip
+        o = nan_filled((rows, heads, value_width), q.dtype, device)
+        lse = nan_filled((rows, heads), torch.float32, device)
+        merge_splits(packed.permute(1, 2, 0, 3), o, lse)
+        return o, lse
 
-    ref_o, ref_lse = state(kv)
-    parts = [state([t[dcp_local_positions(t.shape[0], world_size, r, "sliced")] for t in kv]) for r in range(2)]
-    o = torch.stack([p[0] for p in parts], dim=-2)
-    lse = torch.stack([p[1] for p in parts], dim=-1)
-    merged_o, merged_lse = merge_states(o, lse)
-    assert_close(merged_o, ref_o, ("decode_attention", "o", "float32"))
-    assert_close(merged_lse, ref_lse, ("decode_attention", "lse", "float32"))
-    assert fails_tolerance(o.mean(dim=-2), ref_o, ("decode_attention", "o", "float32"))
+    dtype = str(q.dtype).removeprefix("torch.")
+    o, lse = merged([1, 1])
+    assert_close(o, ref_o, ("decode_attention", "o", dtype))
+    assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
+    bad_o, bad_lse = merged([1, 2])
+    assert fails_tolerance(bad_o, ref_o, ("decode_attention", "o", dtype))
+    assert fails_tolerance(bad_lse, ref_lse, ("decode_attention", "lse", "float32"))
 
 
 def test_dcp_requires_an_initialized_group() -> None:

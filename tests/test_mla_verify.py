@@ -1,14 +1,15 @@
-"""Causal MLA verify: Triton == golden (o, lse, stage-1 partials), invariances, edge cases, bad input.
+"""Causal MLA verify: Triton == golden (o, lse, stage-1 partials), the golden's split view,
+invariances, edge cases, negative controls on the kernel's path, bad input.
 
-SPEC section 2. The kernel's outputs are pre-filled with NaN, its split scratch too, so a slot it
-should write and does not fails; pages and slots no request uses hold NaN (``tests.support``), so a
-read past a request's keys fails.
+The kernel's outputs are pre-filled with NaN, its split scratch too, so a slot it should write and
+does not fails; pages and slots no request uses hold NaN (``tests.support``), so a read past a
+request's keys fails.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -18,10 +19,11 @@ from hypothesis import strategies as st
 from golden._paged import gather_tokens
 from golden.decode_attention import decode_attention, expand_decode_rows
 from golden.lse_merge import merge_states
-from golden.mla_verify import attend_rows, mla_verify, mla_verify_split_partials, row_limits, split_bounds
+from golden.mla_verify import mla_verify, mla_verify_split_partials, row_limits, split_bounds
 from tests.support import FP8_DTYPES, assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled
 from tests.support import paged_cache as build_paged_cache
 from triton_impl import mla_verify as tv
+from triton_impl.lse_merge import merge_splits
 from triton_impl.mla_verify import (
     VERIFY_CONFIGS,
     VERIFY_DEFAULT_CONFIG,
@@ -39,13 +41,14 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 WIDTHS = [(16, 0), (16, 8), (16, 16), (32, 16), (64, 0), (64, 16)]  # (Lv, P), small enough for the interpreter
 
 
-def _config(size: str, short_splits: bool = False) -> dict:
-    """The current architecture's small or large config (tests run both, whatever the row count).
+def _config(size: str, short_splits: bool = False, arch: str | None = None) -> dict:
+    """An architecture's small or large config (tests run both, whatever the row count); by default
+    the current architecture's, and any of ``VERIFY_CONFIGS`` runs on any device.
 
     ``short_splits``: 8-key split chunks instead of the config's (up to 256 on a GPU), so the short
     test sequences really use many splits on every architecture.
     """
-    cfg = {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS[verify_arch()][size]}
+    cfg = {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS[arch or verify_arch()][size]}
     return {**cfg, "SPLIT_ALIGN": 8, "MIN_SPLIT_LEN": 8} if short_splits else cfg
 
 
@@ -75,18 +78,21 @@ class Problem:
             k_scale=self.k_scale, dtype=torch.float64,
         )  # fmt: skip
 
-    def run(self, num_kv_splits: int, config: dict | None = None, o_dtype: torch.dtype | None = None):
-        """Triton's ``(o, lse, attn_logits)``, every output pre-filled with NaN."""
+    def run(self, num_kv_splits: int, config: dict | None = None, o_dtype: torch.dtype | None = None, **override):
+        """Triton's ``(o, lse, attn_logits)``, every output pre-filled with NaN; ``override``
+        replaces any argument of ``decode_attention_fwd_verify`` (negative controls plant bugs with it)."""
         rows, heads = self.q.shape[:2]
         device = self.q.device
         o = nan_filled((rows, heads, self.value_width), o_dtype or self.q.dtype, device)
         lse = nan_filled((rows, heads), torch.float32, device)
         logits = nan_filled((rows, heads, num_kv_splits, self.value_width + 1), torch.float32, device)
-        decode_attention_fwd_verify(
-            self.q, self.cache, self.cache[..., : self.value_width], o, lse, self.block_table, self.seq_lens,
-            self.real_seq_lens, self.qlen, logits if num_kv_splits > 1 else None, num_kv_splits, self.sm_scale,
-            self.page_size, k_scale=self.k_scale, config=config,
+        args = dict(
+            q=self.q, k_buffer=self.cache, v_buffer=self.cache[..., : self.value_width], o=o, lse=lse,
+            req_to_token=self.block_table, seq_lens=self.seq_lens, real_seq_lens=self.real_seq_lens, qlen=self.qlen,
+            attn_logits=logits if num_kv_splits > 1 else None, num_kv_splits=num_kv_splits, sm_scale=self.sm_scale,
+            page_size=self.page_size, k_scale=self.k_scale, config=config,
         )  # fmt: skip
+        decode_attention_fwd_verify(**(args | override))
         return o, lse, logits
 
 
@@ -146,9 +152,9 @@ def check_against_golden(problem: Problem, num_kv_splits: int, config: dict | No
 # -- Triton == golden ------------------------------------------------------------------------------
 
 
-# Lengths around the awkward values: empty, 1, below qlen, one past a key tile (16/32/64), ~100.
+# Lengths around the awkward values: empty, 1, below qlen, one past a key tile (16/32/64/128), up to 300.
 SEQ_LENS = st.lists(
-    st.one_of(st.sampled_from([0, 1, 2, 3, 7, 16, 17, 33, 65]), st.integers(0, 99)), min_size=1, max_size=3
+    st.one_of(st.sampled_from([0, 1, 2, 3, 7, 16, 17, 33, 65, 129]), st.integers(0, 300)), min_size=1, max_size=3
 )
 
 
@@ -164,21 +170,29 @@ SEQ_LENS = st.lists(
     layout=st.sampled_from(["4d", "3d", "cross_layer"]),
     real_mode=st.sampled_from(["none", "equal", "below", "zero"]),
     size=st.sampled_from(["small", "large"]),
+    arch=st.sampled_from([None, *sorted(VERIFY_CONFIGS)]),
     short_splits=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
 @example(seq_lens=[1, 3, 0, 17], qlen=4, heads=2, widths=(16, 16), page_size=1, num_kv_splits=1, dtype="bfloat16",
-         fp8=False, layout="4d", real_mode="none", size="small", short_splits=False, seed=0)  # fmt: skip
+         fp8=False, layout="4d", real_mode="none", size="small", arch=None, short_splits=False, seed=0)  # fmt: skip
 @example(seq_lens=[33, 2], qlen=3, heads=3, widths=(16, 8), page_size=5, num_kv_splits=5, dtype="float16",
-         fp8=True, layout="3d", real_mode="below", size="large", short_splits=True, seed=1)  # fmt: skip
+         fp8=True, layout="3d", real_mode="below", size="large", arch=None, short_splits=True, seed=1)  # fmt: skip
+# Hopper's large config: 64-row head tiles split in two, a 129-key request crossing two 64-key tiles in
+# one split (MIN_SPLIT_LEN 256), pages of 64.
+@example(seq_lens=[129, 65, 0], qlen=4, heads=4, widths=(32, 16), page_size=64, num_kv_splits=3, dtype="bfloat16",
+         fp8=True, layout="4d", real_mode="none", size="large", arch="sm_90", short_splits=False, seed=2)  # fmt: skip
 # Failed compiled on the H200 (Triton 3.6) with a multiply-add fallback for rope widths below 16 (LSE off 6.5%);
 # the kernel now pads such a tile to 16 masked columns and always uses tl.dot.
 @example(seq_lens=[1], qlen=1, heads=1, widths=(16, 8), page_size=1, num_kv_splits=1, dtype="bfloat16",
-         fp8=True, layout="4d", real_mode="none", size="small", short_splits=False, seed=0)  # fmt: skip
+         fp8=True, layout="4d", real_mode="none", size="small", arch=None, short_splits=False, seed=0)  # fmt: skip
 def test_verify_matches_golden(
-    device, seq_lens, qlen, heads, widths, page_size, num_kv_splits, dtype, fp8, layout, real_mode, size,
+    device, seq_lens, qlen, heads, widths, page_size, num_kv_splits, dtype, fp8, layout, real_mode, size, arch,
     short_splits, seed,
 ) -> None:  # fmt: skip
+    """Output, LSE and stage-1 partials against the float64 golden model, under the small or large
+    config of this device (``arch=None``) or of any architecture (Hopper's 64-key tiles and 64-row
+    head tiles run on the interpreter too)."""
     gen = generator(seed + 1)
     real = {
         "none": None,
@@ -190,7 +204,7 @@ def test_verify_matches_golden(
         seq_lens, qlen, heads, *widths, page_size, device, seed, dtype=DTYPES[dtype],
         cache_dtype=torch.float8_e4m3fn if fp8 else None, real_seq_lens=real, layout=layout,
     )  # fmt: skip
-    check_against_golden(problem, num_kv_splits, _config(size, short_splits))
+    check_against_golden(problem, num_kv_splits, _config(size, short_splits, arch))
 
 
 @pytest.mark.parametrize(
@@ -286,6 +300,23 @@ def _cross_layer_view(cache: torch.Tensor, num_layers: int = 3, layer: int = 1) 
     return view
 
 
+def test_block_table_with_spare_rows_or_a_unit_dimension(device) -> None:
+    """A block table sized for a larger batch (``[B + 2, pages]``, the extra rows garbage) or with a
+    trailing unit dimension (``[B, pages, 1]``) gives the bits of the plain table, in the kernel and
+    in the golden model."""
+    problem = make_problem([21, 6], 3, 2, 16, 16, 4, device, seed=18)
+    cfg = _config("small", short_splits=True)
+    o, lse, _ = problem.run(2, cfg)
+    ref_o, ref_lse = problem.golden()
+    table = problem.block_table
+    for variant in (torch.cat([table, torch.full_like(table, 2**30 + 7)]), table[:, :, None]):
+        o_t, lse_t, _ = problem.run(2, cfg, req_to_token=variant)
+        assert_bits_equal(o_t, o)
+        assert_bits_equal(lse_t, lse)
+        ref_o_t, ref_lse_t = replace(problem, block_table=variant).golden()
+        assert torch.equal(ref_o_t, ref_o) and torch.equal(ref_lse_t, ref_lse)
+
+
 def test_one_split_result_independent_of_batch(device) -> None:
     """With one split and a fixed config, a request's rows do not depend on the rest of the batch."""
     cfg = _config("large")
@@ -352,20 +383,57 @@ def test_last_row_sees_every_key(device) -> None:
         assert_close(lse[b * qlen + qlen - 1], torch.logsumexp(scores, -1), ("mla_verify", "lse", "float32"))
 
 
-def test_golden_split_states_merge_to_golden(device) -> None:
-    """Golden stage 1 merged (``merge_states``) is golden verify, for any split parameters."""
-    problem = make_problem([77, 0, 13, 2], 3, 2, 16, 8, 5, device, seed=9, real_seq_lens=[70, 0, 13, 1])
+# (SPLIT_ALIGN, MIN_SPLIT_LEN) of every config, plus single-key and odd alignments.
+SPLIT_RULES = sorted(
+    {(1, 1), (5, 10), (8, 8)}
+    | {
+        (cfg["SPLIT_ALIGN"], cfg["MIN_SPLIT_LEN"])
+        for arch in VERIFY_CONFIGS.values()
+        for cfg in ({**VERIFY_DEFAULT_CONFIG, **entry} for entry in arch.values())
+    }
+)
+
+
+@given(
+    seq_lens=st.lists(st.integers(0, 80), min_size=1, max_size=3),
+    qlen=st.integers(1, 5),
+    real_mode=st.sampled_from(["none", "below", "zero"]),
+    splits=st.sampled_from([1, 3, 16]),
+    split_rule=st.sampled_from(SPLIT_RULES),
+    fp8=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(seq_lens=[77, 0, 13, 2], qlen=3, real_mode="below", splits=16, split_rule=(1, 1), fp8=False, seed=9)
+def test_golden_split_states_merge_to_golden(seq_lens, qlen, real_mode, splits, split_rule, fp8, seed) -> None:
+    """Golden only, float64: each request's split ranges partition ``[0, L)``, and merging a row's
+    split states (``merge_states``) gives the direct definition to rounding, for empty rows
+    (``L < qlen``, ``R = 0``), more splits than keys, and every config's split rule."""
+    gen = generator(seed + 1)
+    real = {
+        "none": None,
+        "below": [int(torch.randint(0, n + 1, (), generator=gen)) for n in seq_lens],
+        "zero": [0] * len(seq_lens),
+    }[real_mode]
+    problem = make_problem(seq_lens, qlen, 2, 16, 8, 5, torch.device("cpu"), seed, real_seq_lens=real,
+                           cache_dtype=torch.float8_e4m3fn if fp8 else None)  # fmt: skip
+    align, min_len = split_rule
+    starts, ends = split_bounds(problem.seq_lens, splits, align, min_len)
+    assert bool((starts[:, 0] == 0).all()) and torch.equal(ends[:, -1], problem.seq_lens.long())
+    assert torch.equal(starts[:, 1:], ends[:, :-1]) and bool((ends >= starts).all())
     ref_o, ref_lse = problem.golden()
-    for splits, align, min_len in [(1, 1, 1), (4, 16, 32), (16, 8, 8), (3, 5, 10)]:
-        part = problem.golden_partials(splits, {"SPLIT_ALIGN": align, "MIN_SPLIT_LEN": min_len})
-        o, lse = merge_states(part[..., :-1], part[..., -1])
-        assert torch.allclose(o, ref_o, rtol=0, atol=1e-12) and torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
-        assert torch.allclose(lse[~torch.isinf(lse)], ref_lse[~torch.isinf(ref_lse)], rtol=1e-14, atol=0)
+    part = problem.golden_partials(splits, {"SPLIT_ALIGN": align, "MIN_SPLIT_LEN": min_len})
+    o, lse = merge_states(part[..., :-1], part[..., -1])
+    assert torch.allclose(o, ref_o, rtol=0, atol=1e-12)
+    empty = (row_limits(problem.seq_lens, problem.real_seq_lens, qlen) == 0).flatten()
+    assert bool((ref_o[empty] == 0).all()) and bool(torch.isneginf(ref_lse[empty]).all())
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)) and not bool(torch.isnan(lse).any())
+    finite = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[finite], ref_lse[finite], rtol=0, atol=1e-12)
 
 
 def test_verify_equals_flattened_causal_decode(device) -> None:
-    """With ``real_seq_lens=None`` verify is the multi-token decode of SPEC section 3: the block
-    table repeated per row and per-row extents ``L - (qlen-1) + t`` (golden decode, float64)."""
+    """With ``real_seq_lens=None`` verify is multi-token decode: the block table repeated per row
+    and per-row extents ``L - (qlen-1) + t`` (golden decode, float64)."""
     for qlen in (1, 3, 5):
         problem = make_problem([40, 2, 0, 17], qlen, 3, 32, 16, 8, device, seed=qlen)
         table_rows, lens_rows = expand_decode_rows(problem.block_table, problem.seq_lens, qlen, causal=True)
@@ -428,42 +496,53 @@ def test_row_blocks_and_config_rule() -> None:
             assert full["BLOCK_H"] >= 16 and full["BLOCK_N"] >= 16  # tl.dot's minimum
 
 
-# -- Negative controls: the tolerances catch the classic bugs ---------------------------------------
+# -- Negative controls: bugs planted on the kernel's path fail the tolerances -----------------------
 
 
-def test_negative_control_off_by_one_row_limit(device) -> None:
-    """A kernel that excluded the row's own token (limit - 1) must fail the o tolerance."""
+def test_negative_control_row_limits_off_by_one(device) -> None:
+    """Launched with every row's limit one short (``seq_lens - 1``: the row's own token excluded), or
+    with ``real_seq_lens`` one short (the last row loses its last key), the kernel fails the o and
+    lse tolerances; launched right it passes."""
     problem = make_problem([6, 40], 4, 2, 32, 16, 8, device, seed=12)
-    o, lse, _ = problem.run(1)
-    limits = row_limits(problem.seq_lens, None, problem.qlen).to(device)
-    for wrong in (limits - 1, torch.minimum(limits + 1, problem.seq_lens[:, None].long())):
-        bad_o, bad_lse = attend_rows(
-            problem.q, problem.cache, problem.block_table, wrong.clamp(min=0), problem.value_width,
-            problem.sm_scale, problem.page_size, dtype=torch.float64,
-        )  # fmt: skip
-        assert fails_tolerance(o, bad_o[:, :, 0], ("mla_verify", "o", "bfloat16"))
-        assert fails_tolerance(lse, bad_lse[:, :, 0], ("mla_verify", "lse", "float32"))
+    cfg = _config("small")
+    ref_o, ref_lse = problem.golden()
+    o, lse, _ = problem.run(1, cfg)
+    assert_close(o, ref_o, ("mla_verify", "o", "bfloat16"))
+    assert_close(lse, ref_lse, ("mla_verify", "lse", "float32"))
+    for changes in ({"seq_lens": problem.seq_lens - 1}, {"real_seq_lens": problem.seq_lens - 1}):
+        bad_o, bad_lse, _ = problem.run(1, cfg, **changes)
+        assert fails_tolerance(bad_o, ref_o, ("mla_verify", "o", "bfloat16"))
+        assert fails_tolerance(bad_lse, ref_lse, ("mla_verify", "lse", "float32"))
 
 
 def test_negative_control_dropped_split(device) -> None:
-    """Merging the kernel's stage-1 partials without one non-empty split must fail."""
+    """The kernel's stage-1 partials merged by the stage-2 merge kernel (``merge_splits``) give the
+    golden result; with one live split's slot marked empty (a stage 1 that skipped it, or a stage 2
+    that believed it empty) they fail."""
     problem = make_problem([90, 50], 2, 2, 32, 16, 8, device, seed=13)
     cfg = _config("small", short_splits=True)
     _, _, logits = problem.run(4, cfg)
     assert bool(torch.isfinite(logits[..., :2, -1]).all()), "splits 0 and 1 hold keys for every row"
     ref_o, ref_lse = problem.golden()
-    o, lse = merge_states(logits[..., :-1].double(), logits[..., -1].double())
+
+    def merged(partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o = nan_filled((*partials.shape[:2], problem.value_width), problem.q.dtype, device)
+        lse = nan_filled(partials.shape[:2], torch.float32, device)
+        merge_splits(partials, o, lse)
+        return o, lse
+
+    o, lse = merged(logits)
     assert_close(o, ref_o, ("mla_verify", "o", "bfloat16"))  # the control itself passes
     assert_close(lse, ref_lse, ("mla_verify", "lse", "float32"))
     for dropped in range(2):
-        lse_dropped = logits[..., -1].double().clone()
-        lse_dropped[..., dropped] = float("-inf")
-        bad_o, bad_lse = merge_states(logits[..., :-1].double(), lse_dropped)
+        partials = logits.clone()
+        partials[..., dropped, -1] = float("-inf")
+        bad_o, bad_lse = merged(partials)
         assert fails_tolerance(bad_o, ref_o, ("mla_verify", "o", "bfloat16"))
         assert fails_tolerance(bad_lse, ref_lse, ("mla_verify", "lse", "float32"))
 
 
-# -- Bad input (SPEC section 8) ---------------------------------------------------------------------
+# -- Bad input ---------------------------------------------------------------------------------------
 
 
 def _args(problem: Problem, num_kv_splits: int = 1) -> dict:
@@ -479,7 +558,10 @@ def _args(problem: Problem, num_kv_splits: int = 1) -> dict:
     )  # fmt: skip
 
 
-def test_bad_input_raises_named_errors(device) -> None:
+def test_bad_input_raises_named_errors(device, monkeypatch) -> None:
+    """Named errors, block-table contents included (their host check is on for this test; serving on
+    CUDA leaves it off)."""
+    monkeypatch.setenv(CONTENT_CHECKS_ENV, "1")
     problem = make_problem([20, 7], 2, 2, 16, 16, 4, device, seed=14)
     rows = problem.q.shape[0]
 
