@@ -267,7 +267,10 @@ def _decode_stage1_kernel(
         page = tl.load(table_ptr + row * stride_t_r + (toks // PAGE_SIZE) * stride_t_p, mask=tok_ok, other=0)
         page_ok = (page >= 0) & (page < num_pages)
         bad_keys |= tok_ok & ~page_ok
-        tok_ok = tok_ok & page_ok
+        # A bad entry reads page 0 instead (in bounds: the wrapper rejects a cache without pages;
+        # the row is NaN anyway). Clamping the index rather than masking the K/V loads keeps their
+        # masks those of the unchecked kernel (notebooks/results/perf_log.md has the measurement).
+        page = tl.where(page_ok, page, 0)
         slot = (toks % PAGE_SIZE).to(tl.int64)
         k_rows = k_ptr + page.to(tl.int64) * stride_k_page + slot * stride_k_tok + kv_head * stride_k_head
         k1 = tl.load(k_rows[:, None] + d1[None, :], mask=tok_ok[:, None] & d1_ok[None, :], other=0.0)
@@ -468,6 +471,8 @@ def decode_attention_fwd(
     check_block_table("req_to_token", req_to_token, b_seq_len[:num_rows], page_size, num_pages)
     if num_rows == 0 or num_heads == 0:
         return
+    if num_pages == 0:  # the kernels read page 0 in place of a bad entry
+        raise ValueError(f"k_buffer: expected at least one page, got shape {list(k_buffer.shape)}")
 
     block_dv = max(16, next_pow2(value_width))
     d_first = value_width if is_mla else key_width

@@ -315,7 +315,7 @@ def _fwd_verify_kernel_stage1(
         page_ok = (page >= 0) & (page < num_pages)
         seen = offs_n[None, :] < row_end[:, None]
         first_bad = tl.minimum(first_bad, tl.where(key_ok & ~page_ok, offs_n, 2147483647))
-        key_ok = key_ok & page_ok
+        page = tl.where(page_ok, page, 0)  # in bounds; rows that see it are NaN (see decode_attention)
         k_rows = K_Buffer + page * stride_page + (offs_n % PAGE_SIZE) * stride_tok
         k0 = tl.load(k_rows[:, None] + offs_d0[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
         qk = tl.dot(q0, tl.trans(k0))
@@ -507,6 +507,8 @@ def decode_attention_fwd_verify(
     batch = num_rows // qlen
     if batch == 0:
         return
+    if num_pages == 0:  # the kernel reads page 0 in place of a bad entry
+        raise ValueError(f"k_buffer: expected at least one page, got shape {list(k_buffer.shape)}")
     cfg = config if config is not None else select_verify_config(batch, qlen, num_heads)
     single = num_kv_splits == 1
     if single:

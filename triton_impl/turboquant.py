@@ -501,7 +501,7 @@ def _decode_stage1_kernel(
         page = tl.load(block_row + (tokens // block_size) * stride_btc, mask=live, other=0).to(tl.int64)
         page_ok = (page >= 0) & (page < num_blocks)
         bad_keys |= live & ~page_ok
-        live = live & page_ok
+        page = tl.where(page_ok, page, 0)  # in bounds; the request is NaN anyway (see decode_attention)
         position = tokens % block_size
         block_base = page * stride_block
         slot = cache_ptr + block_base + (position * num_kv_heads + kv_head) * data_bytes_per_slot
@@ -672,6 +672,8 @@ def triton_turboquant_decode_attention_v2(
     lse = _buffer(lse_buf, "lse_buf", (batch, num_heads), torch.float32, device, buf_holder, "_tq_lse_buf")
     if batch * num_heads == 0:
         return output
+    if num_blocks == 0:  # the kernel reads block 0 in place of a bad entry
+        raise ValueError(f"kv_cache: expected at least one block, got shape {list(kv_cache.shape)}")
 
     q_rot = query.float() if key_fp8 else query.float() @ (PiT if PiT is not None else Pi.T)
     q_rot = q_rot.contiguous()
