@@ -220,12 +220,11 @@ def _decode_stage1_kernel(
     chunk = tl.cdiv(n - lo, num_kv_splits)
     start = tl.minimum(lo + split * chunk, n)
     end = tl.minimum(start + chunk, n)
-    # Memory safety without host checks: a row whose keys need a table column past the table (``table_keys =
-    # columns * PAGE_SIZE``), or
-    # a page outside the cache, is poisoned (o = lse = NaN) and no such address is read. Every split
-    # of the row sees the first condition, so the merged row is NaN too; the loop stops at the table.
+    # Memory safety without host checks: a row whose keys need a table column past the table
+    # (``table_keys = columns * PAGE_SIZE``) is NaN in every split (flag below), and the loop stops
+    # at the table; a key on a page outside the cache gets a NaN score, which makes the row's sums,
+    # and so o and lse, NaN. No such address is read.
     too_long = n > table_keys
-    bad_keys = tl.zeros((BLOCK_N,), tl.int1)  # lanes that met a bad page; reduced once, after the loop
     end = tl.minimum(end, table_keys).to(tl.int32)
 
     d1 = tl.arange(0, HALF)
@@ -266,10 +265,10 @@ def _decode_stage1_kernel(
         tok_ok = toks < end
         page = tl.load(table_ptr + row * stride_t_r + (toks // PAGE_SIZE) * stride_t_p, mask=tok_ok, other=0)
         page_ok = (page >= 0) & (page < num_pages)
-        bad_keys |= tok_ok & ~page_ok
-        # A bad entry reads page 0 instead (in bounds: the wrapper rejects a cache without pages;
-        # the row is NaN anyway). Clamping the index rather than masking the K/V loads keeps their
-        # masks those of the unchecked kernel (notebooks/results/perf_log.md has the measurement).
+        # A bad entry reads page 0 instead (in bounds: the wrapper rejects a cache without pages).
+        # Clamping the index and poisoning the score keep the K/V loads and the loop-carried state
+        # those of the unchecked kernel: a loop-carried flag reduced after the loop cost 37% at
+        # B=32 H=16 L=32K on the H200 (notebooks/results/perf_log.md).
         page = tl.where(page_ok, page, 0)
         slot = (toks % PAGE_SIZE).to(tl.int64)
         k_rows = k_ptr + page.to(tl.int64) * stride_k_page + slot * stride_k_tok + kv_head * stride_k_head
@@ -287,7 +286,7 @@ def _decode_stage1_kernel(
         qk = qk * qk_scale
         if HAS_CAP:
             qk = logit_cap * _tanh(qk / logit_cap) * _LOG2E
-        qk = tl.where(tok_ok[None, :], qk, float("-inf"))
+        qk = tl.where(tok_ok[None, :], tl.where(page_ok[None, :], qk, float("nan")), float("-inf"))
 
         # Every tile holds at least one key of [start, end), so m_new is finite (finite data and
         # unpoisoned: a poisoned tile's result is replaced by NaN below).
@@ -311,9 +310,8 @@ def _decode_stage1_kernel(
     empty = end <= start
     row_scale = tl.where(empty, 0.0, out_scale / tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * _LN2)
-    poisoned = too_long | (tl.max(bad_keys.to(tl.int32), axis=0) > 0)
-    row_scale = tl.where(poisoned, float("nan"), row_scale)
-    lse = tl.where(poisoned, float("nan"), lse)
+    row_scale = tl.where(too_long, float("nan"), row_scale)
+    lse = tl.where(too_long, float("nan"), lse)
     head_offs = heads.to(tl.int64)
     out = acc * row_scale[:, None]
     out_mask = head_ok[:, None] & dv_ok[None, :]

@@ -277,9 +277,6 @@ def _fwd_verify_kernel_stage1(
     # (``table_keys = columns * PAGE_SIZE``) or a page outside the cache is poisoned (o = lse =
     # NaN), and no such address is read. Every split of the row sees the first condition.
     too_long = limit > table_keys
-    # Per key lane, the first key position whose page is bad (2^31 - 1: none yet); a row is
-    # poisoned when that position is below its end. Reduced once, after the loop.
-    first_bad = tl.full((BLOCK_N,), 2147483647, tl.int32)
     row_end = tl.minimum(tl.minimum(limit, split_end), table_keys).to(tl.int32)
     tile_end = tl.max(row_end, axis=0)
 
@@ -314,8 +311,7 @@ def _fwd_verify_kernel_stage1(
         page = tl.load(table_row + (offs_n // PAGE_SIZE) * stride_req_p, mask=key_ok, other=0).to(tl.int64)
         page_ok = (page >= 0) & (page < num_pages)
         seen = offs_n[None, :] < row_end[:, None]
-        first_bad = tl.minimum(first_bad, tl.where(key_ok & ~page_ok, offs_n, 2147483647))
-        page = tl.where(page_ok, page, 0)  # in bounds; rows that see it are NaN (see decode_attention)
+        page = tl.where(page_ok, page, 0)  # in bounds; rows that see it get a NaN score (see decode_attention)
         k_rows = K_Buffer + page * stride_page + (offs_n % PAGE_SIZE) * stride_tok
         k0 = tl.load(k_rows[:, None] + offs_d0[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
         qk = tl.dot(q0, tl.trans(k0))
@@ -327,7 +323,7 @@ def _fwd_verify_kernel_stage1(
             pe_ptrs = k_rows[:, None] + offs_pe[None, :]
             k_pe = tl.load(pe_ptrs, mask=key_ok[:, None] & pe_ok[None, :], other=0.0).to(DOT_DTYPE)
             qk += tl.dot(q_pe, tl.trans(k_pe))
-        qk = tl.where(seen, qk * qk_scale, float("-inf"))
+        qk = tl.where(seen, tl.where(page_ok[None, :], qk * qk_scale, float("nan")), float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays (0, -inf)
@@ -340,12 +336,11 @@ def _fwd_verify_kernel_stage1(
             acc1 = acc1 * alpha[:, None] + tl.dot(p_dot, k1)
         m_i = m_new
 
-    has_keys = l_i > 0
+    has_keys = ~(l_i <= 0)  # l_i > 0, or NaN (a bad page), which must reach o and lse
     out_scale = tl.where(has_keys, k_scale / tl.where(has_keys, l_i, 1.0), 0.0)
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    row_poisoned = too_long | (tl.min(first_bad, axis=0) < row_end)
-    out_scale = tl.where(row_poisoned, float("nan"), out_scale)
-    lse = tl.where(row_poisoned, float("nan"), lse)
+    out_scale = tl.where(too_long, float("nan"), out_scale)
+    lse = tl.where(too_long, float("nan"), lse)
     if SINGLE:
         o_rows = Out + r * stride_o_r + h * stride_o_h
         out_ty = Out.dtype.element_ty

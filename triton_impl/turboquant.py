@@ -471,7 +471,6 @@ def _decode_stage1_kernel(
     # (``table_keys = columns * block_size``) or a block outside the cache is poisoned (out = lse =
     # NaN), and no such address is read. Every split of the request sees the first condition.
     too_long = seq_len > table_keys
-    bad_keys = tl.zeros((BLOCK_N,), tl.int1)  # lanes that met a bad block; reduced once, after the loop
     end = tl.minimum(end, table_keys).to(tl.int32)
 
     rows = tl.arange(0, BLOCK_M)
@@ -500,8 +499,7 @@ def _decode_stage1_kernel(
         live = tokens < end
         page = tl.load(block_row + (tokens // block_size) * stride_btc, mask=live, other=0).to(tl.int64)
         page_ok = (page >= 0) & (page < num_blocks)
-        bad_keys |= live & ~page_ok
-        page = tl.where(page_ok, page, 0)  # in bounds; the request is NaN anyway (see decode_attention)
+        page = tl.where(page_ok, page, 0)  # in bounds; its keys' scores are NaN below (see decode_attention)
         position = tokens % block_size
         block_base = page * stride_block
         slot = cache_ptr + block_base + (position * num_kv_heads + kv_head) * data_bytes_per_slot
@@ -530,7 +528,7 @@ def _decode_stage1_kernel(
             qk = tl.dot(q_lo, k, tl.dot(q_hi, k, qk))
         if KEY_BITS != 8:
             qk = qk * _load_fp16(meta, live)[None, :]  # the stored (norm-corrected) key norm
-        s = tl.where(live[None, :], qk * score_scale, float("-inf"))
+        s = tl.where(live[None, :], tl.where(page_ok[None, :], qk * score_scale, float("nan")), float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: a tile has at least one live token
         alpha = tl.exp2(m_i - m_new)
@@ -546,12 +544,11 @@ def _decode_stage1_kernel(
         m_i = m_new
 
     has_keys = end > start
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    l_safe = tl.where(l_i == 0, 1.0, l_i)  # NaN (a bad block) passes through
     out = tl.where(has_keys, acc / l_safe[:, None], 0.0)
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
-    poisoned = too_long | (tl.max(bad_keys.to(tl.int32), axis=0) > 0)
-    out = tl.where(poisoned, float("nan"), out)
-    lse = tl.where(poisoned, float("nan"), lse)
+    out = tl.where(too_long, float("nan"), out)
+    lse = tl.where(too_long, float("nan"), lse)
     partial = partials_ptr + b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
     tl.store(partial[:, None] + dims[None, :], out, mask=head_ok[:, None] & in_dim[None, :])
     tl.store(partial + HEAD_DIM, lse, mask=head_ok)
