@@ -23,7 +23,7 @@ def test_mla_configs_sm90() -> None:
     table = torch.tensor([[0], [1]], dtype=torch.int32)
     lens = torch.tensor([20, 9], dtype=torch.int32)
     for size in ("large", "small"):
-        cfg = {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS["sm_90"][size]}
+        cfg = {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS["sm90"][size]}
         q = torch.randn(2 * qlen, heads, 576).to(torch.bfloat16)
         o = torch.empty(2 * qlen, heads, 512, dtype=torch.bfloat16)
         lse = torch.empty(2 * qlen, heads)

@@ -95,7 +95,7 @@ def decode_head_tile(config: dict[str, int], group: int) -> int:
 def verify_config_sm90(batch: int, qlen: int, heads: int) -> dict:
     """The verify kernel's Hopper config for a batch (``select_verify_config`` on an sm_90 GPU)."""
     size = "small" if batch * qlen * heads <= _VERIFY_SMALL_MAX_ROWS else "large"
-    return {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS["sm_90"][size]}
+    return {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS["sm90"][size]}
 
 
 # %% [markdown]
@@ -145,7 +145,7 @@ assert empty_agree and bool(torch.isneginf(lse_flat[-Q:]).all())
 # (token, head) rows, each tile up to the largest causal limit among its rows, so the draft tokens
 # that share a tile share every fetch. Counted exactly below for DeepSeek's 576-wide bf16 latent,
 # 16 heads per GPU (its 128 at tensor parallelism 8), with both kernels' Hopper launch configs
-# (`DECODE_CONFIGS["sm90"]["mla"]`; verify picks `VERIFY_CONFIGS["sm_90"]` small or large by the
+# (`DECODE_CONFIGS["sm90"]["mla"]`; verify picks `VERIFY_CONFIGS["sm90"]` small or large by the
 # batch's row count):
 
 # %%

@@ -375,7 +375,7 @@ assert min(fp8_over_bf16) >= 5
 # key once) is the same for both. Counted exactly for DeepSeek widths (576 bf16 elements per key),
 # per request of `L = 4096` keys in a serving batch of 32 requests, with both kernels' Hopper
 # configs (decode: `DECODE_CONFIGS["sm90"]["mla"]`, its head tile clamped as the launch does;
-# verify: `VERIFY_CONFIGS["sm_90"]`, small or large by the batch's row count):
+# verify: `VERIFY_CONFIGS["sm90"]`, small or large by the batch's row count):
 
 # %%
 key_bytes, L, batch = 576 * 2, 4096, 32
@@ -389,7 +389,7 @@ def decode_tile(num_heads: int) -> int:
 
 def verify_block_h(q_len: int, num_heads: int) -> int:
     size = "small" if batch * q_len * num_heads <= _VERIFY_SMALL_MAX_ROWS else "large"
-    return {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS["sm_90"][size]}["BLOCK_H"]
+    return {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS["sm90"][size]}["BLOCK_H"]
 
 
 def decode_fetches(q_len: int, num_heads: int) -> int:

@@ -181,7 +181,7 @@ SEQ_LENS = st.lists(
 # Hopper's large config: 64-row head tiles split in two, a 129-key request crossing two 64-key tiles in
 # one split (MIN_SPLIT_LEN 256), pages of 64.
 @example(seq_lens=[129, 65, 0], qlen=4, heads=4, widths=(32, 16), page_size=64, num_kv_splits=3, dtype="bfloat16",
-         fp8=True, layout="4d", real_mode="none", size="large", arch="sm_90", short_splits=False, seed=2)  # fmt: skip
+         fp8=True, layout="4d", real_mode="none", size="large", arch="sm90", short_splits=False, seed=2)  # fmt: skip
 # Failed compiled on the H200 (Triton 3.6) with a multiply-add fallback for rope widths below 16 (LSE off 6.5%);
 # the kernel now pads such a tile to 16 masked columns and always uses tl.dot.
 @example(seq_lens=[1], qlen=1, heads=1, widths=(16, 8), page_size=1, num_kv_splits=1, dtype="bfloat16",

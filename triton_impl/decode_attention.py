@@ -18,15 +18,13 @@ decode context parallelism over ``torch.distributed`` (:func:`decode_attention_d
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
 
 from triton_impl.interpreter import cast_for_store, dot_dtype
-from triton_impl.launch import launch
+from triton_impl.launch import launch, select_config
 from triton_impl.lse_merge import launch_merge_splits
 from triton_impl.validation import (
     block_table_2d,
@@ -73,18 +71,9 @@ DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
 }
 
 
-@functools.cache
-def _gpu_arch(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "default"
-    major, minor = torch.cuda.get_device_capability(device)
-    arch = f"sm{major}{minor}"
-    return arch if arch in DECODE_CONFIGS else "default"
-
-
 def select_decode_config(device: torch.device, is_mla: bool, block_dv: int) -> dict[str, int]:
     """The launch config for a cache kind on a device (never a function of the batch)."""
-    config = dict(DECODE_CONFIGS[_gpu_arch(device)]["mla" if is_mla else "gqa"])
+    config = dict(select_config(DECODE_CONFIGS, device)["mla" if is_mla else "gqa"])
     if block_dv >= 1024:
         config["num_stages"] = 1  # a second stage of 1024-wide tiles does not fit in shared memory
     return config
@@ -202,7 +191,8 @@ def _decode_stage1_kernel(
     ``SPLIT_LATENT`` (MLA): the latent tile, which is also V, is handled as two halves of
     ``BLOCK_D // 2`` columns, each with its own ``[BLOCK_H, BLOCK_D // 2]`` accumulator, as verify's
     ``QSPLIT``: each product then fits one wgmma (N <= 256), and in the verify sweep 64-row tiles
-    without the split ran out of shared memory at 64-key tiles.
+    without the split failed to compile at 64-key tiles (``sweep_verify_h200.md`` records a
+    CompilationError for each such config and no cause).
     """
     HALF: tl.constexpr = BLOCK_D // 2 if SPLIT_LATENT else BLOCK_D
     ACC_W: tl.constexpr = BLOCK_DV // 2 if SPLIT_LATENT else BLOCK_DV

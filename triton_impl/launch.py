@@ -1,4 +1,5 @@
-"""Kernel launches without Triton's per-call binding, once a variant has been compiled.
+"""How kernels are launched: the launch-config table entry for a device, and launches without
+Triton's per-call binding once a variant has been compiled.
 
 ``kernel[grid](*args, **constexprs)`` re-derives on every call what it needs to find the compiled
 variant: it binds the arguments, specializes each one (dtype, 16-byte alignment of pointers,
@@ -20,13 +21,43 @@ driver queries of a plain launch. Under the interpreter :func:`launch` is ``kern
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import torch
 from triton import knobs
 
 from triton_impl.interpreter import INTERPRETING
+
+Config = TypeVar("Config")
+
+
+@functools.cache
+def _cuda_arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def device_arch(device: torch.device) -> str:
+    """The key launch-config tables use for ``device``: ``"interpreter"`` under
+    ``TRITON_INTERPRET=1``, ``"sm<major><minor>"`` for a CUDA device (``"sm90"``: H100/H200),
+    ``"default"`` otherwise."""
+    if INTERPRETING:
+        return "interpreter"
+    if device.type != "cuda":
+        return "default"
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def select_config(configs: Mapping[str, Config], device: torch.device) -> Config:
+    """``configs[device_arch(device)]``, or ``configs["default"]`` when the table has no entry for it.
+
+    Every op's launch configs are such a table: data keyed by where the kernel runs, each entry
+    with the measurement that chose it written beside it. The choice never depends on the batch.
+    """
+    return configs.get(device_arch(device), configs["default"])
+
 
 _MAX_ENTRIES = 4096  # variants kept; a serving process uses a few dozen
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.interpreter import cast_for_store, f32_to_e4m3_bits
-from triton_impl.launch import launch
+from triton_impl.launch import launch, select_config
 from triton_impl.validation import cdiv, check_scale, check_tensor, next_pow2
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -26,10 +26,6 @@ _FP8_OUT = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 MERGE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"MAX_BLOCK_HEADS_D": 4096, "num_warps": 4},
 }
-
-
-def _merge_config() -> dict[str, int]:
-    return MERGE_CONFIGS["default"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,8 +173,9 @@ def merge_attn_states(
         output_scale = check_scale("output_scale", output_scale, output.device)
     if num_tokens == 0 or num_heads == 0:
         return
+    config = select_config(MERGE_CONFIGS, output.device)
     block_d = next_pow2(head_dim)
-    block_h = max(1, min(next_pow2(num_heads), _merge_config()["MAX_BLOCK_HEADS_D"] // block_d))
+    block_h = max(1, min(next_pow2(num_heads), config["MAX_BLOCK_HEADS_D"] // block_d))
     lse_out = output_lse if output_lse is not None else prefix_lse  # dummy pointer when absent
     launch(_merge_two_kernel, (num_tokens, cdiv(num_heads, block_h)),
         output.view(torch.uint8) if fp8_out else output, lse_out, prefix_output, prefix_lse, suffix_output, suffix_lse,
@@ -197,7 +194,7 @@ def merge_attn_states(
         FP8_MAX=240.0 if output.dtype == torch.float8_e4m3fnuz else 448.0,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
-        num_warps=_merge_config()["num_warps"],
+        num_warps=config["num_warps"],
     )  # fmt: skip
 
 
@@ -302,7 +299,8 @@ def launch_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tens
     if rows == 0 or num_heads == 0:
         return
     block_d = next_pow2(width - 1)
-    block_s = max(1, min(next_pow2(num_splits), _merge_config()["MAX_BLOCK_HEADS_D"] // block_d))
+    config = select_config(MERGE_CONFIGS, partials.device)
+    block_s = max(1, min(next_pow2(num_splits), config["MAX_BLOCK_HEADS_D"] // block_d))
     launch(_merge_splits_kernel, (rows, num_heads),
         partials, o, lse,
         num_heads, num_splits, width - 1,
@@ -311,5 +309,5 @@ def launch_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tens
         lse.stride(0), lse.stride(1),
         BLOCK_S=block_s,
         BLOCK_D=block_d,
-        num_warps=_merge_config()["num_warps"],
+        num_warps=config["num_warps"],
     )  # fmt: skip

@@ -14,7 +14,6 @@ Stage 2 is the package's split merge, ``triton_impl.lse_merge.merge_splits``.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -24,7 +23,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.interpreter import INTERPRETING, cast_for_store, dot_dtype
-from triton_impl.launch import launch
+from triton_impl.launch import device_arch, launch
 from triton_impl.lse_merge import launch_merge_splits
 from triton_impl.validation import (
     block_table_2d,
@@ -66,7 +65,7 @@ VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
 }
 
 # Per architecture: overrides of VERIFY_DEFAULT_CONFIG for few rows ("small") and many ("large").
-# - "sm_90" (Hopper: H100/H200): from the sweeps in notebooks/results/sweep_verify_h200.md on one
+# - "sm90" (Hopper: H100/H200): from the sweeps in notebooks/results/sweep_verify_h200.md on one
 #   H200 (Triton 3.6, bf16, Lk 576 / Lv 512, page 64, CUDA-graph timing, 15 configs x 5 shapes),
 #   as % of max(FLOPs / 790 TFLOP/s, unique bytes / 4.3 TB/s):
 #     B=8  qlen=4 H=16  L=4096 ( 512 rows):  BH32 BN64 w4 QSPLIT  20.6% (S=8);  BH16 BN32 w4  13.8%
@@ -74,16 +73,17 @@ VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
 #     B=32 qlen=4 H=16  L=4096 (2048 rows):  BH64 BN64 w8 QSPLIT  37.3% (S=4);  BH32 BN32 w4 QSPLIT 27.9%
 #     B=8  qlen=4 H=128 L=4096 (4096 rows):  BH64 BN64 w8 QSPLIT  27.4% (S=2);  BH32 BN32 w4 QSPLIT 20.0%
 #     B=64 qlen=1 H=128 L=2048 (8192 rows):  BH64 BN64 w8 QSPLIT  29.6% (S=1, 3 stages; 28.7% with 2)
-#   QSPLIT won in every shape; BH64 without it ran out of shared memory at BN64 and was slower at
-#   BN32. At the verify target's shape (B=32 qlen=4 H=128 L=32K) the large config is the best of six:
+#   QSPLIT won in every shape; BH64 without it failed to compile at BN64 (the sweep file records a
+#   CompilationError for each such config, no cause) and was slower at BN32. At the verify target's
+#   shape (B=32 qlen=4 H=128 L=32K) the large config is the best of six:
 #   4.70 ms (BN32 6.51 ms; 3 stages 6.95 ms). SASS: large 80 HGMMA, small 272 HMMA
 #   (notebooks/results/sass_sm90.md). 27.8% of roofline (geomean, bench_h200.md) against the
 #   80% target: notebooks/results/perf_log.md says what bounds it.
-# - "generic": any other GPU; the same shapes, untuned.
+# - "default": any other GPU; the same shapes, untuned.
 # - "interpreter": TRITON_INTERPRET=1 on a CPU, where a tile's cost is NumPy work: small tiles
 #   and short splits keep tests fast and exercise many splits on short sequences.
 VERIFY_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
-    "sm_90": {
+    "sm90": {
         "small": {
             "BLOCK_N": 64,
             "BLOCK_H": 32,
@@ -103,7 +103,7 @@ VERIFY_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
             "num_stages": 2,
         },
     },
-    "generic": {
+    "default": {
         "small": {"QSPLIT": True},
         "large": {"BLOCK_H": 64, "QSPLIT": True, "num_warps": 8},
     },
@@ -121,28 +121,22 @@ VERIFY_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-@functools.cache
-def _arch_of(device_index: int | None) -> str:
-    if INTERPRETING or not torch.cuda.is_available():
-        return "interpreter"
-    major, minor = torch.cuda.get_device_capability(device_index)
-    return "sm_90" if (major, minor) == (9, 0) else "generic"
-
-
 def verify_arch() -> str:
-    """The ``VERIFY_CONFIGS`` key of the current device: ``interpreter``, ``sm_90`` or ``generic``."""
-    return _arch_of(torch.cuda.current_device() if torch.cuda.is_available() and not INTERPRETING else None)
+    """The ``VERIFY_CONFIGS`` key of the current device: ``"interpreter"``, ``"sm90"`` or ``"default"``."""
+    device = torch.device("cuda") if not INTERPRETING and torch.cuda.is_available() else torch.device("cpu")
+    arch = device_arch(device)
+    return arch if arch in VERIFY_CONFIGS else "default"
 
 
-def select_verify_config(batch: int, qlen: int, num_heads: int) -> dict[str, Any]:
-    """Launch config for this batch on the current architecture.
+def select_verify_config(batch: int, qlen: int, num_heads: int, *, arch: str | None = None) -> dict[str, Any]:
+    """Launch config for this batch on the current architecture (or on ``arch``, a ``VERIFY_CONFIGS`` key).
 
     Few rows (``B * qlen * H <= 640``): 32-row tiles, so more programs (and KV splits) fill the
-    GPU. Otherwise 64-row tiles (Q split in two 256-wide halves) halve the K/V re-reads per
+    GPU. Otherwise 64-row tiles (the latent in two 256-wide halves) halve the K/V re-reads per
     request. Configs are data: ``VERIFY_DEFAULT_CONFIG`` overlaid with ``VERIFY_CONFIGS[arch]``.
     """
     size = "small" if batch * qlen * num_heads <= _VERIFY_SMALL_MAX_ROWS else "large"
-    return {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS[verify_arch()][size]}
+    return {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS[arch or verify_arch()][size]}
 
 
 def verify_row_blocks(qlen: int, num_heads: int, block_h: int) -> int:

@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl.interpreter import INTERPRETING
-from triton_impl.launch import launch
+from triton_impl.launch import launch, select_config
 from triton_impl.validation import check_positive, check_tensor, content_checks_enabled, next_pow2
 
 _I32 = (torch.int32,)
@@ -62,15 +61,12 @@ class LaunchConfig:
 # in Python, so it gets 2 workers (results do not depend on the count; a test checks it).
 LAUNCH_CONFIGS: dict[str, LaunchConfig] = {
     "default": LaunchConfig(combine_workers=256, num_warps=4),
+    "interpreter": LaunchConfig(combine_workers=2, num_warps=1),
 }
-INTERPRETER_CONFIG = LaunchConfig(combine_workers=2, num_warps=1)
 
 
 def select_launch_config(device: torch.device) -> LaunchConfig:
-    if INTERPRETING or device.type != "cuda":
-        return INTERPRETER_CONFIG
-    major, minor = torch.cuda.get_device_capability(device)
-    return LAUNCH_CONFIGS.get(f"sm{major}{minor}", LAUNCH_CONFIGS["default"])
+    return select_config(LAUNCH_CONFIGS, device)
 
 
 @triton.jit

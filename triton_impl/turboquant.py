@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl.interpreter import INTERPRETING, e4m3_bits_to_f32, f32_to_e4m3_bits
-from triton_impl.launch import launch
+from triton_impl.interpreter import e4m3_bits_to_f32, f32_to_e4m3_bits
+from triton_impl.launch import launch, select_config
 from triton_impl.lse_merge import launch_merge_splits
 from triton_impl.validation import block_table_2d, check_block_table, check_tensor, content_checks_enabled, next_pow2
 
@@ -68,23 +68,12 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
 }
 
 
-def _config_key(device: torch.device, configs: dict[str, dict[str, int]]) -> str:
-    """The config key: "interpreter", the GPU architecture ("sm90") when it has an entry, else "default"."""
-    if INTERPRETING:
-        return "interpreter"
-    if device.type != "cuda":
-        return "default"
-    major, minor = torch.cuda.get_device_capability(device)
-    arch = f"sm{major}{minor}"
-    return arch if arch in configs else "default"
-
-
 def select_store_config(device: torch.device) -> dict[str, int]:
-    return dict(STORE_CONFIGS[_config_key(device, STORE_CONFIGS)])
+    return dict(select_config(STORE_CONFIGS, device))
 
 
 def select_decode_config(device: torch.device) -> dict[str, int]:
-    return dict(DECODE_CONFIGS[_config_key(device, DECODE_CONFIGS)])
+    return dict(select_config(DECODE_CONFIGS, device))
 
 
 # ----------------------------------------------------------------------------------------------

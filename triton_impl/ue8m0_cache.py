@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl.interpreter import INTERPRETING, cast_for_store, e4m3_bits_to_f32, f32_to_e4m3_bits
-from triton_impl.launch import launch
+from triton_impl.interpreter import cast_for_store, e4m3_bits_to_f32, f32_to_e4m3_bits
+from triton_impl.launch import launch, select_config
 from triton_impl.validation import cdiv, check_positive, check_tensor, content_checks_enabled
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -65,15 +65,12 @@ class LaunchConfig:
 LAUNCH_CONFIGS: dict[str, LaunchConfig] = {
     "default": LaunchConfig(tokens_per_program=1, gather_workers=128, num_warps=4),
     "sm90": LaunchConfig(tokens_per_program=4, gather_workers=512, num_warps=4),
+    "interpreter": LaunchConfig(tokens_per_program=16, gather_workers=2, num_warps=1),
 }
-INTERPRETER_CONFIG = LaunchConfig(tokens_per_program=16, gather_workers=2, num_warps=1)
 
 
 def select_launch_config(device: torch.device) -> LaunchConfig:
-    if INTERPRETING or device.type != "cuda":
-        return INTERPRETER_CONFIG
-    major, minor = torch.cuda.get_device_capability(device)
-    return LAUNCH_CONFIGS.get(f"sm{major}{minor}", LAUNCH_CONFIGS["default"])
+    return select_config(LAUNCH_CONFIGS, device)
 
 
 @functools.cache
