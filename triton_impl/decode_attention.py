@@ -33,6 +33,7 @@ from triton_impl.validation import (
     check_positive,
     check_power_of_two,
     check_scale,
+    check_split_workspace,
     check_tensor,
     next_pow2,
 )
@@ -442,14 +443,7 @@ def decode_attention_fwd(
         raise ValueError(f"b_seq_len: expected >= {num_rows} entries (q's rows), got {b_seq_len.shape[0]}")
     single = num_kv_splits == 1
     if not single:
-        check_tensor("attn_logits", attn_logits, ndim=4, dtypes=(torch.float32,), device=device)
-        want = (num_heads, num_kv_splits, value_width + 1)
-        if tuple(attn_logits.shape[1:]) != want or attn_logits.shape[0] < num_rows:
-            raise ValueError(
-                f"attn_logits: expected [>= {num_rows}, {', '.join(map(str, want))}] (rows, H, splits, Lv + 1), "
-                f"got {list(attn_logits.shape)}"
-            )
-        attn_logits = attn_logits[:num_rows]
+        attn_logits = check_split_workspace(attn_logits, num_rows, num_heads, num_kv_splits, value_width, device)
     if not isinstance(logit_cap, (int, float)) or not logit_cap >= 0:
         raise ValueError(f"logit_cap: expected a float >= 0, got {logit_cap!r}")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 0):

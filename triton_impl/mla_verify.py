@@ -32,6 +32,7 @@ from triton_impl.validation import (
     check_positive,
     check_power_of_two,
     check_scale,
+    check_split_workspace,
     check_tensor,
     content_checks_enabled,
 )
@@ -410,13 +411,7 @@ def _check_verify_args(
             if lens.shape[0] < batch:
                 raise ValueError(f"{name}: expected >= {batch} entries (one per request), got {lens.shape[0]}")
     if num_kv_splits > 1:
-        check_tensor("attn_logits", attn_logits, ndim=4, dtypes=(torch.float32,), device=device)
-        want = (num_heads, num_kv_splits, value_width + 1)
-        if tuple(attn_logits.shape[1:]) != want or attn_logits.shape[0] < num_rows:
-            raise ValueError(
-                f"attn_logits: expected [>= {num_rows}, {', '.join(map(str, want))}] (rows, H, splits, Lv + 1), "
-                f"got {list(attn_logits.shape)}"
-            )
+        check_split_workspace(attn_logits, num_rows, num_heads, num_kv_splits, value_width, device)
     k_scale = check_scale("k_scale", k_scale if k_buffer.dtype in _FP8_CACHE_DTYPES else None, device)
     num_pages = k_buffer.shape[0] if k_buffer.dim() == 4 else k_buffer.shape[0] // page_size
     if content_checks_enabled(device):  # the kernel reads table entries covering keys [0, min(L, R))

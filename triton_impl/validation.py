@@ -108,6 +108,21 @@ def check_scale(name: str, scale: torch.Tensor | None, device: torch.device) -> 
     return scale
 
 
+def check_split_workspace(
+    t: torch.Tensor | None, rows: int, num_heads: int, num_splits: int, value_width: int, device: torch.device
+) -> torch.Tensor:
+    """``attn_logits``, the split-KV scratch ``[>= rows, H, S, Lv + 1]`` fp32 (a worst-case
+    workspace serves a smaller batch); returns its first ``rows`` rows."""
+    check_tensor("attn_logits", t, ndim=4, dtypes=(torch.float32,), device=device)
+    want = (num_heads, num_splits, value_width + 1)
+    if tuple(t.shape[1:]) != want or t.shape[0] < rows:
+        raise ValueError(
+            f"attn_logits: expected [>= {rows}, {', '.join(map(str, want))}] (rows, H, splits, Lv + 1), "
+            f"got {list(t.shape)}"
+        )
+    return t[:rows]
+
+
 def check_power_of_two(name: str, value: int, *, allow_zero: bool = False) -> None:
     """Widths that the kernels tile without masking must be powers of two."""
     if value == 0 and allow_zero:
