@@ -13,6 +13,8 @@ under ``compute-sanitizer --tool memcheck`` (``.ci/gpu_job``).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -137,10 +139,11 @@ def test_signature_accepts_every_upstream_call_form(fn) -> None:
 
 
 def _decode_case(device: torch.device, gen: torch.Generator, *, is_mla: bool, seq_lens: list[int], page_size: int,
-                 layout: str = "4d"):  # fmt: skip
-    """``(q, paged K cache, V buffer, Lv)``: MLA 16 heads, Lk 48 = 32 + 16; GQA 4/2 heads, D 32."""
+                 layout: str = "4d", moat: bool = True):  # fmt: skip
+    """``(q, paged K cache, V buffer, Lv)``: MLA 16 heads, Lk 48 = 32 + 16; GQA 4/2 heads, D 32.
+    ``moat``: unused slots hold NaN (off for steps that reshuffle pages)."""
     heads, kv_heads, key_width, value_width = (16, 1, 48, 32) if is_mla else (4, 2, 32, 32)
-    cache = paged_cache(seq_lens, page_size, kv_heads, key_width, torch.float32, device, gen, layout=layout)
+    cache = paged_cache(seq_lens, page_size, kv_heads, key_width, torch.float32, device, gen, layout=layout, moat=moat)
     q = randn((len(seq_lens), heads, key_width), torch.float32, device, gen)
     if is_mla:
         v_buffer = cache.cache[..., :value_width]
@@ -309,8 +312,8 @@ def test_decode_poisons_only_rows_with_bad_pages(checks_off, is_mla, num_kv_spli
         assert_bits(lse[row], clean[1][row])
 
 
-def _verify_case(device, gen, *, seq_lens, qlen, page_size):
-    cache = paged_cache(seq_lens, page_size, 1, 48, torch.float32, device, gen)
+def _verify_case(device, gen, *, seq_lens, qlen, page_size, moat=True):
+    cache = paged_cache(seq_lens, page_size, 1, 48, torch.float32, device, gen, moat=moat)
     q = randn((len(seq_lens) * qlen, 8, 48), torch.bfloat16, device, gen)
     return q, cache.__class__(cache.cache.to(torch.bfloat16), cache.block_table, cache.seq_lens, page_size), qlen
 
@@ -487,47 +490,24 @@ def test_combine_stays_inside_out_with_a_bad_query_start_loc(checks_off, device)
 # ----------------------------------------------------------------------------------------------
 
 
-def _serving_calls(device: torch.device) -> dict[str, object]:
-    """One closure per public op, each reading only tensors made here (fixed addresses), plus a
-    function that rewrites their contents in place for a new step."""
-    gen = generator(12)
-    calls = {}
+@dataclass
+class ServingCall:
+    """One op as serving runs it: every tensor made once (fixed addresses), ``run`` launches it,
+    ``outputs()`` gives what it wrote, ``new_step(i)`` rewrites the inputs in place for step ``i``."""
 
-    q, cache, v, width = _decode_case(device, gen, is_mla=True, seq_lens=[40, 70, 0, 129], page_size=16)
-    o = torch.empty(4, 16, width, device=device)
-    lse = torch.empty(4, 16, device=device)
-    logits = torch.empty(4, 16, 4, width + 1, device=device)
-    table, lens = cache.block_table, cache.seq_lens
-    calls["decode_mla"] = (
-        lambda: dec.decode_attention_fwd(q, cache.cache, v, o, lse, table, lens, logits, 4, 0.3, 16, is_mla=True),
-        (o, lse), (table, lens), cache.cache.shape[0],
-    )
-    vq, vcache, vqlen = _verify_case(device, gen, seq_lens=[40, 70, 3, 129], qlen=2, page_size=16)
-    vo = torch.empty(8, 8, 32, dtype=torch.bfloat16, device=device)
-    vlse = torch.empty(8, 8, device=device)
-    vlogits = torch.empty(8, 8, 4, 33, device=device)
-    calls["verify"] = (
-        lambda: mla_verify.decode_attention_fwd_verify(
-            vq, vcache.cache, vcache.cache[..., :32], vo, vlse, vcache.block_table, vcache.seq_lens, None, vqlen,
-            vlogits, 4, 0.3, 16),
-        (vo, vlse), (vcache.block_table, vcache.seq_lens), vcache.cache.shape[0],
-    )  # fmt: skip
-    tq_case = _turboquant_case(device, gen, seq_lens=[40, 70, 0, 129], block_size=16)
-    buffers = {"mid_o_buf": torch.empty(4, 4, 8, 33, device=device),
-               "output_buf": torch.empty(4, 4, 32, dtype=torch.float16, device=device),
-               "lse_buf": torch.empty(4, 4, device=device)}  # fmt: skip
-    calls["turboquant_decode"] = (
-        lambda: _run_turboquant(tq_case, splits=8, buffers=buffers),
-        (buffers["output_buf"], buffers["lse_buf"]), (tq_case["table"], tq_case["seq_lens"]),
-        tq_case["cache"].shape[0],
-    )
-    return calls
+    run: Callable[[], object]
+    outputs: Callable[[], list[torch.Tensor]]
+    new_step: Callable[[int], None]
 
 
-def _new_step(table: torch.Tensor, lens: torch.Tensor, num_pages: int, step: int) -> None:
+def _step_generator(step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(100 + step)
+
+
+def _new_lengths_and_pages(table: torch.Tensor, lens: torch.Tensor, num_pages: int, page: int, step: int) -> None:
     """Serving's in-place update: new lengths (0 up to the table's reach) and reshuffled pages."""
-    g = torch.Generator(device="cpu").manual_seed(100 + step)
-    reach = table.shape[1] * 16
+    g = _step_generator(step)
+    reach = table.shape[1] * page
     new_lens = torch.randint(0, reach + 1, lens.shape, generator=g)
     new_lens[step % lens.shape[0]] = 0
     new_lens[(step + 1) % lens.shape[0]] = reach
@@ -535,39 +515,177 @@ def _new_step(table: torch.Tensor, lens: torch.Tensor, num_pages: int, step: int
     table.copy_(torch.randint(0, num_pages, table.shape, generator=g).to(table.dtype))
 
 
+def _refill(step: int, *tensors: torch.Tensor, empty_lse: torch.Tensor | None = None) -> None:
+    """New normal values in place; a quarter of ``empty_lse`` becomes -inf (empty states)."""
+    g = _step_generator(step)
+    for t in tensors:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    if empty_lse is not None:
+        empty = torch.rand(empty_lse.shape, generator=g) < 0.25
+        empty_lse.copy_(torch.where(empty.to(empty_lse.device), float("-inf"), empty_lse))
+
+
+def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
+    gen = generator(12)
+    calls: dict[str, ServingCall] = {}
+
+    q, cache, v, width = _decode_case(device, gen, is_mla=True, seq_lens=[40, 70, 0, 129], page_size=16, moat=False)
+    o, lse = torch.empty(4, 16, width, device=device), torch.empty(4, 16, device=device)
+    logits = torch.empty(4, 16, 4, width + 1, device=device)
+    table, lens, pages = cache.block_table, cache.seq_lens, cache.cache.shape[0]
+    calls["decode_mla"] = ServingCall(
+        lambda: dec.decode_attention_fwd(q, cache.cache, v, o, lse, table, lens, logits, 4, 0.3, 16, is_mla=True),
+        lambda: [o, lse], lambda i: _new_lengths_and_pages(table, lens, pages, 16, i),
+    )
+
+    vq, vcache, vqlen = _verify_case(device, gen, seq_lens=[40, 70, 3, 129], qlen=2, page_size=16, moat=False)
+    vo, vlse = torch.empty(8, 8, 32, dtype=torch.bfloat16, device=device), torch.empty(8, 8, device=device)
+    vlogits = torch.empty(8, 8, 4, 33, device=device)
+    calls["verify"] = ServingCall(
+        lambda: mla_verify.decode_attention_fwd_verify(
+            vq, vcache.cache, vcache.cache[..., :32], vo, vlse, vcache.block_table, vcache.seq_lens, None, vqlen,
+            vlogits, 4, 0.3, 16),
+        lambda: [vo, vlse],
+        lambda i: _new_lengths_and_pages(vcache.block_table, vcache.seq_lens, vcache.cache.shape[0], 16, i),
+    )  # fmt: skip
+
+    tq_case = _turboquant_case(device, gen, seq_lens=[40, 70, 0, 129], block_size=16)
+    buffers = {"mid_o_buf": torch.empty(4, 4, 8, 33, device=device),
+               "output_buf": torch.empty(4, 4, 32, dtype=torch.float16, device=device),
+               "lse_buf": torch.empty(4, 4, device=device)}  # fmt: skip
+    calls["turboquant_decode"] = ServingCall(
+        lambda: _run_turboquant(tq_case, splits=8, buffers=buffers),
+        lambda: [buffers["output_buf"], buffers["lse_buf"]],
+        lambda i: _new_lengths_and_pages(tq_case["table"], tq_case["seq_lens"], tq_case["cache"].shape[0], 16, i),
+    )
+
+    config = tq_case["config"]
+    keys, values = torch.empty(8, 2, 32, device=device), torch.empty(8, 2, 32, device=device)
+    slots = torch.zeros(8, dtype=torch.int64, device=device)
+    capacity = tq_case["cache"].shape[0] * tq_case["cache"].shape[1]
+
+    def store_step(i: int) -> None:
+        _refill(i, keys, values)
+        chosen = torch.randperm(capacity, generator=_step_generator(i))[:8]
+        chosen[i % 8] = -1
+        slots.copy_(chosen)
+
+    calls["turboquant_store"] = ServingCall(
+        lambda: turboquant.triton_turboquant_store(
+            keys, values, tq_case["cache"], slots, tq_case["pit"], tq_case["midpoints"], config.key_mse_bits,
+            config.key_packed_size, config.value_quant_bits, config.key_fp8, tq_case["centroids"],
+            config.norm_correction),
+        lambda: [tq_case["cache"]], store_step,
+    )  # fmt: skip
+
+    p_o, s_o, m_o = (torch.empty(64, 4, 32, dtype=torch.bfloat16, device=device) for _ in range(3))
+    p_lse, s_lse, m_lse = (torch.empty(4, 64, device=device) for _ in range(3))
+    calls["merge_attn_states"] = ServingCall(
+        lambda: lse_merge.merge_attn_states(m_o, p_o, p_lse, s_o, s_lse, m_lse),
+        lambda: [m_o, m_lse], lambda i: (_refill(i, p_o, s_o, p_lse, s_lse, empty_lse=p_lse)),
+    )
+    partials = torch.empty(8, 4, 5, 33, device=device)
+    split_o, split_lse = torch.empty(8, 4, 32, device=device), torch.empty(8, 4, device=device)
+    calls["merge_splits"] = ServingCall(
+        lambda: lse_merge.merge_splits(partials, split_o, split_lse),
+        lambda: [split_o, split_lse], lambda i: _refill(i, partials, empty_lse=partials[..., 32]),
+    )
+
+    block_size, num_blocks = 4, 6
+    k_cache = torch.zeros(num_blocks, block_size * ue8m0_cache.RECORD_BYTES, dtype=torch.uint8, device=device)
+    k_new = torch.empty(8, 512, dtype=torch.bfloat16, device=device)
+    k_slots = torch.zeros(8, dtype=torch.int64, device=device)
+
+    def insert_step(i: int) -> None:
+        _refill(i, k_new)
+        chosen = torch.randperm(num_blocks * block_size, generator=_step_generator(i))[:8]
+        chosen[i % 8] = -1
+        k_slots.copy_(chosen)
+
+    calls["ue8m0_insert"] = ServingCall(
+        lambda: ue8m0_cache.quantize_and_insert_k_cache(k_new, k_cache, k_slots, block_size),
+        lambda: [k_cache], insert_step,
+    )
+    gathered = torch.zeros(3, 12, 512, dtype=torch.bfloat16, device=device)
+    g_seq, g_len = torch.zeros(3, dtype=torch.int32, device=device), torch.zeros(3, dtype=torch.int32, device=device)
+    g_table = torch.zeros(3, 5, dtype=torch.int32, device=device)
+
+    def gather_step(i: int) -> None:
+        insert_step(i)
+        ue8m0_cache.quantize_and_insert_k_cache(k_new, k_cache, k_slots, block_size)
+        g = _step_generator(i)
+        seq = torch.randint(0, 5 * block_size + 1, (3,), generator=g)
+        g_seq.copy_(seq)
+        g_len.copy_(torch.minimum(seq, torch.randint(0, 12, (3,), generator=g)))
+        g_table.copy_(torch.randint(0, num_blocks, (3, 5), generator=g))
+
+    calls["ue8m0_gather"] = ServingCall(
+        lambda: ue8m0_cache.dequantize_and_gather_k_cache(gathered, k_cache, g_seq, g_len, g_table, block_size, 0),
+        lambda: [gathered], gather_step,
+    )
+
+    topk = torch.zeros(16, 8, dtype=torch.int32, device=device)
+    qsl = torch.zeros(3, dtype=torch.int32, device=device)
+    c_seq, c_gather = torch.zeros(2, dtype=torch.int32, device=device), torch.zeros(2, dtype=torch.int32, device=device)
+    combined = torch.empty(16, 128, dtype=torch.int32, device=device)
+    combined_lens = torch.empty(16, dtype=torch.int32, device=device)
+
+    def combine_step(i: int) -> None:
+        g = _step_generator(i)
+        topk.copy_(torch.randint(-1, 200, topk.shape, generator=g))
+        split = int(torch.randint(0, 17, (), generator=g))
+        qsl.copy_(torch.tensor([0, split, 16]))
+        seq = torch.tensor([split, 16 - split]) + torch.randint(0, 100, (2,), generator=g)
+        c_seq.copy_(seq)
+        c_gather.copy_(torch.minimum(seq, torch.full((2,), 40)))
+
+    calls["combine_topk_swa_indices"] = ServingCall(
+        lambda: sparse_indices.combine_topk_swa_indices(topk, qsl, c_seq, c_gather, 16, 4, 8, 256, 64,
+                                                        out=(combined, combined_lens)),
+        lambda: [combined, combined_lens], combine_step,
+    )  # fmt: skip
+    return calls
+
+
+SERVING_OPS = ["decode_mla", "verify", "turboquant_decode", "turboquant_store", "merge_attn_states", "merge_splits",
+               "ue8m0_insert", "ue8m0_gather", "combine_topk_swa_indices"]  # fmt: skip
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["decode_mla", "verify", "turboquant_decode"])
+@pytest.mark.parametrize("name", SERVING_OPS)
 def test_cuda_graph_replay_equals_eager_bit_for_bit(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Capture once, replay three times with new lengths (0 to the max) and pages written in place."""
+    """Capture once, replay three times with new contents written in place (lengths from 0 to the
+    table's reach, reshuffled pages, new slots and values), each replay bit for bit an eager call."""
     monkeypatch.delenv(CONTENT_CHECKS_ENV, raising=False)
-    device = torch.device("cuda")
-    run, outputs, (table, lens), num_pages = _serving_calls(device)[name]
-    run()  # warm: compile, and make the per-device constants before capture
+    call = _serving_calls(torch.device("cuda"))[name]
+    call.new_step(99)
+    call.run()  # warm: compile, and make the per-device constants before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run()
+        call.run()
     for step in range(3):
-        _new_step(table, lens, num_pages, step)
+        call.new_step(step)
         graph.replay()
         torch.cuda.synchronize()
-        replayed = [t.clone() for t in outputs]
-        run()
+        replayed = [t.clone() for t in call.outputs()]
+        call.run()
         torch.cuda.synchronize()
-        for got, want in zip(replayed, outputs):
+        for got, want in zip(replayed, call.outputs()):
             assert_bits(got, want)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["decode_mla", "verify", "turboquant_decode"])
+@pytest.mark.parametrize("name", SERVING_OPS)
 def test_no_host_sync_with_default_checks(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(CONTENT_CHECKS_ENV, raising=False)
-    run = _serving_calls(torch.device("cuda"))[name][0]
-    run()
+    call = _serving_calls(torch.device("cuda"))[name]
+    call.new_step(0)
+    call.run()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        run()
+        call.run()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -585,6 +703,7 @@ HOST_OVERHEAD_BUDGET_US = 25.0
 def test_host_overhead_per_call(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Eager minus graph-replay time per call stays within the budget (the launches included)."""
     monkeypatch.delenv(CONTENT_CHECKS_ENV, raising=False)
-    run = _serving_calls(torch.device("cuda"))[name][0]
-    eager_us, graph_us = eager_and_graph_us(run)
+    call = _serving_calls(torch.device("cuda"))[name]
+    call.new_step(0)
+    eager_us, graph_us = eager_and_graph_us(call.run)
     assert eager_us - graph_us <= HOST_OVERHEAD_BUDGET_US, (eager_us, graph_us)
