@@ -137,7 +137,7 @@ def solve_lloyd_max(d: int, bits: int, model: str = "gaussian") -> tuple[torch.T
         ``(centroids [2^bits], boundaries [2^bits - 1])`` float32, ascending, symmetric about 0;
         ``boundaries`` are the midpoints of the float32 centroids (``(c_i + c_{i+1}) / 2`` in
         float32 is exact up to one rounding). A value exactly on a boundary belongs to the upper
-        cell (see ``golden.turboquant.quantize_keys``).
+        cell (see ``golden.turboquant.nearest_cell``).
 
     Traffic: none (host computation, cached).
     """

@@ -8,19 +8,16 @@ Decode never un-rotates a key: it rotates the query once, ``<q, k> = n <q Pi^T, 
 it against centroids. vLLM's variant (this module) uses a Sylvester-Hadamard rotation, the Gaussian
 codebook, optional norm correction, uniform min-max values and a structure-of-arrays cache block.
 
-Codes are a function of the inputs alone. A code flips when ``y_d`` crosses a boundary, so the
-fp32 arithmetic that produces ``y`` is part of the definition: every division and square root is
-correctly rounded fp32, and every sum (``||k||^2``, each coordinate of ``k_hat Pi^T``,
-``||c[idx]||^2``) is a fixed-point integer sum (``golden._fixed_point``). Integer addition is
-associative, so the result does not depend on summation order: this module on a CPU, the Triton
-kernel under the interpreter and compiled on any GPU write the same bytes. The fixed-point sum
-differs from the real sum by less than ``D * 2^-46`` for a rotated coordinate (fp32 carries
-about ``2^-30`` at the typical ``|y_d| ~ 0.1``).
+The store is the paper's arithmetic in float64 (every fp16/bf16/fp32 input is exact there): the
+norm, the rotation, the nearest-centroid cell, the min-max levels; then one correctly rounded cast
+of each stored scalar to fp16. A kernel computes the same quantities in fp32, so its codes equal
+these except where a coordinate lies within the kernel's rounding error of a decision boundary
+(a midpoint, or the ``.5`` of a value level), where either neighbouring code is right. How close
+is close enough is derived from the fp32 error bound in ``triton_impl/parity/turboquant.py``
+(``compare_store``), which any correct store passes. The decode reads whatever bytes a store wrote.
 
-Everything here is float32 (the stored quantities) or float64 (the decode oracle). The codebook
-solver (``golden._lloyd_max``) and the exact arithmetic (``golden._fixed_point``) live in helper
-modules; ``solve_lloyd_max`` and ``codebook_distortion`` are re-exported here, where TurboQuant's
-callers look for them.
+The codebook solver lives in ``golden._lloyd_max``; ``solve_lloyd_max`` and
+``codebook_distortion`` are re-exported here, where TurboQuant's callers look for them.
 """
 
 from __future__ import annotations
@@ -28,10 +25,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from einops import einsum, rearrange
 
-from golden._fixed_point import div_f32, fixed_point_sum, pow2_f64, sqrt_f32
 from golden._lloyd_max import codebook_distortion as codebook_distortion
 from golden._lloyd_max import solve_lloyd_max as solve_lloyd_max
 from golden._paged import gather_tokens, masked_softmax_state
@@ -40,16 +37,9 @@ from golden.lse_merge import split_states
 FP16_MAX = 65504.0
 E4M3_MAX = 448.0  # FP8 keys saturate here (torch < 2.13 casts |x| >= 480 and inf to NaN instead)
 KEY_NORM_EPS = 1e-8  # k_hat = k / (n + eps), as upstream
-NORM_CORRECTION_EPS = 1e-16  # stored norm = n / sqrt(||c[idx]||^2 + eps), as upstream
+NORM_CORRECTION_EPS = 1e-16  # stored norm = n / sqrt(||c[idx]||^2 + eps), as upstream (a zero codebook stays finite)
 MIN_VALUE_SCALE = 1e-8  # a constant value vector gets this scale instead of 0
-MAX_HEAD_DIM = 1024  # keeps every fixed-point sum below 2^53 (exact in float64)
-
-# Fractional bits of the fixed-point sums. Terms are scaled by 2^F and truncated to int64.
-# Rotation: |term| <= 1 and |y_d| <= sqrt(D) <= 32 (PiT entries are <= 1), so the sum stays below
-# 2^51. Squared norm: terms are pre-scaled into [0, 4), sum < 4D * 2^40 <= 2^52. Centroid norm:
-# |c| <= 1, sum < D * 2^40 <= 2^50.
-ROTATION_FRAC_BITS = 46
-NORM_FRAC_BITS = 40
+MAX_HEAD_DIM = 1024  # the largest head the layout (and the kernels' register tiles) take
 
 # preset -> (key bits (8 = FP8 keys), value bits, norm correction); vLLM's TQ_PRESETS.
 PRESETS: dict[str, tuple[int, int, bool]] = {
@@ -217,53 +207,74 @@ def haar_rotation(d: int, seed: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Order-independent fp32 arithmetic of the store.
+# The quantizer, in float64.
 # ----------------------------------------------------------------------------------------------
 
 
 def key_norm(key: torch.Tensor) -> torch.Tensor:
-    """``||k||_2`` per vector as fp32, with an order-independent sum.
-
-    ``e = exponent(max_d |k_d|)`` (from the fp32 bits; -126 for 0 and subnormals), ``x = k 2^-e``
-    in float64 (exact, ``|x| < 2``, ``x_d^2`` exact), ``s = fixed_point_sum(x^2, F=40)``, ``n =
-    fp32(sqrt_rn(s) * 2^e)``: within about 1 ulp of the true norm, for any key magnitude.
+    """``||k||_2`` per vector, float64 (the inputs are exact in float64; ~1e-16 relative).
 
     Args:
         key: ``[..., D]`` float16/bfloat16/float32.
 
     Returns:
-        ``[...]`` float32.
+        ``[...]`` float64.
     """
-    k = key.to(torch.float32)
-    exp_field = (k.abs().amax(dim=-1).view(torch.int32) >> 23) & 0xFF
-    e = exp_field.clamp(min=1) - 127
-    x = k.to(torch.float64) * pow2_f64(-e)[..., None]
-    root = sqrt_f32(fixed_point_sum(x * x, dim=-1, frac_bits=NORM_FRAC_BITS))
-    return (root.to(torch.float64) * pow2_f64(e)).to(torch.float32)
+    return torch.linalg.vector_norm(key.to(torch.float64), dim=-1)
 
 
 def rotate_keys(key: torch.Tensor, PiT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Norm and rotated direction of each key: ``n = ||k||``, ``y = (k / (n + 1e-8)) @ Pi^T``.
 
-    ``k_hat_d`` is a correctly rounded fp32 division; ``y_j = fixed_point_sum_d(fp32(k_hat_d *
-    PiT[d, j]), F=46)``. Paper: papers.md#turboquant.
+    float64 throughout; ``PiT`` enters with its float32 entries. Paper: papers.md#turboquant.
 
     Args:
         key: ``[T, HKV, D]`` float16/bfloat16/float32.
-        PiT: ``[D, D]`` float32, entries in ``[-1, 1]`` (any orthogonal matrix).
+        PiT: ``[D, D]`` float32 (any orthogonal matrix).
 
     Returns:
-        ``(n [T, HKV], y [T, HKV, D])`` float32.
+        ``(n [T, HKV], y [T, HKV, D])`` float64.
     """
     n = key_norm(key)
-    k_hat = div_f32(key.to(torch.float32), (n + KEY_NORM_EPS)[..., None])
-    products = k_hat[..., :, None] * PiT.to(torch.float32)  # [T, HKV, D (summed), D]
-    return n, fixed_point_sum(products, dim=-2, frac_bits=ROTATION_FRAC_BITS)
+    k_hat = key.to(torch.float64) / (n + KEY_NORM_EPS)[..., None]
+    return n, einsum(k_hat, PiT.to(torch.float64), "... j, j d -> ... d")
 
 
-def _fp16_saturated(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> fp16 with values clamped to +-65504 first (no inf; upstream overflows)."""
-    return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+def nearest_cell(y: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
+    """``idx = #{m : boundary_m <= y}`` per element: the nearest centroid's index when the boundaries
+    are the midpoints; a value exactly on a boundary belongs to the upper cell.
+
+    Args:
+        y: ``[...]`` float; boundaries: ``[N-1]`` ascending (compared in float64).
+
+    Returns:
+        ``[...]`` int64 in ``[0, N)``.
+    """
+    return (y.to(torch.float64)[..., None] >= boundaries.to(torch.float64)).sum(dim=-1)
+
+
+def fp16_saturated(x: torch.Tensor) -> torch.Tensor:
+    """``x`` clamped to +-65504, then rounded once to the nearest fp16 (ties to even); NaN stays NaN.
+
+    Upstream casts without the clamp, so anything past 65504 becomes inf. The cast goes through
+    numpy, whose float64 -> float16 conversion rounds once; torch's rounds to float32 first, and
+    that double rounding misplaces values just above an fp16 tie (``1 + 2^-11 + 2^-40 -> 1``).
+    """
+    clamped = x.to(torch.float64).clamp(-FP16_MAX, FP16_MAX).cpu().numpy()
+    return torch.from_numpy(clamped.astype(np.float16)).to(x.device)
+
+
+def corrected_norm(n: torch.Tensor, codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """``n / sqrt(||c[idx]||^2 + 1e-16)`` in float64: the reconstruction ``stored * c[idx]`` has norm ``n``.
+
+    Args:
+        n: ``[...]`` key norms; codes: ``[..., D]`` int; centroids: ``[N]`` float32.
+
+    Returns:
+        ``[...]`` float64.
+    """
+    c = centroids.to(torch.float64)[codes]
+    return n.to(torch.float64) / torch.sqrt((c * c).sum(dim=-1) + NORM_CORRECTION_EPS)
 
 
 def quantize_keys(
@@ -275,40 +286,54 @@ def quantize_keys(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TurboQuant_mse: codes of the rotated direction and the norm that rescales them.
 
-    ``idx_d = #{m : boundary_m <= y_d}`` (a value on a boundary goes up). The stored norm is
-    ``n``, or with norm correction ``n / sqrt(||c[idx]||^2 + 1e-16)`` so that the reconstruction
-    ``stored * c[idx]`` has norm ``n`` (vLLM's SoA store folds the correction in here;
-    ``||c[idx]||^2`` is a fixed-point sum, F=40). Stored as fp16, clamped to +-65504.
-    Paper: papers.md#turboquant.
+    ``idx_d = #{m : boundary_m <= y_d}`` (:func:`nearest_cell` of :func:`rotate_keys`'s ``y``).
+    The stored norm is ``n``, or with norm correction :func:`corrected_norm` (vLLM's SoA store
+    folds the correction in here), rounded once to fp16 after a clamp to +-65504. Paper:
+    papers.md#turboquant.
 
     Args:
         key: ``[T, HKV, D]`` float16/bfloat16/float32.
-        PiT: ``[D, D]`` float32; boundaries: ``[N-1]`` float32; centroids: ``[N]`` float32,
-            ``|c| <= 1``.
+        PiT: ``[D, D]`` float32; boundaries: ``[N-1]`` float32; centroids: ``[N]`` float32.
         norm_correction: fold ``1 / ||c[idx]||`` into the stored norm.
 
     Returns:
         ``(codes [T, HKV, D] int64 in [0, N), stored_norm [T, HKV] float16)``.
     """
     n, y = rotate_keys(key, PiT)
-    codes = (y[..., None] >= boundaries.to(torch.float32)).sum(dim=-1)
-    stored = n
-    if norm_correction:
-        c = centroids.to(torch.float32)[codes]
-        c_norm = sqrt_f32(fixed_point_sum(c * c, dim=-1, frac_bits=NORM_FRAC_BITS) + NORM_CORRECTION_EPS)
-        stored = div_f32(n, c_norm)
-    return codes, _fp16_saturated(stored)
+    codes = nearest_cell(y, boundaries)
+    stored = corrected_norm(n, codes, centroids) if norm_correction else n
+    return codes, fp16_saturated(stored)
+
+
+def value_levels(value: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The min-max grid of each value vector, float64: ``(t, scale, vmin)`` with ``v = vmin + t * scale``.
+
+    ``vmin, vmax`` clamped to +-65504, ``scale = max((vmax - vmin) / (2^b - 1), 1e-8)``, ``t =
+    (v - vmin) / scale``; the code is ``t`` rounded half up (:func:`quantize_values`).
+
+    Returns:
+        ``(t [..., D], scale [...], vmin [...])`` float64.
+    """
+    v = value.to(torch.float64)
+    vmin = v.amin(dim=-1).clamp(-FP16_MAX, FP16_MAX)
+    vmax = v.amax(dim=-1).clamp(-FP16_MAX, FP16_MAX)
+    scale = ((vmax - vmin) / (2**bits - 1)).clamp(min=MIN_VALUE_SCALE)
+    return (v - vmin[..., None]) / scale[..., None], scale, vmin
+
+
+def round_levels(t: torch.Tensor, bits: int) -> torch.Tensor:
+    """``clamp(floor(t + 0.5), 0, 2^b - 1)`` as int64: the nearest level, a half rounding up."""
+    return torch.floor(t + 0.5).clamp(0, 2**bits - 1).to(torch.int64)
 
 
 def quantize_values(value: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-vector asymmetric min-max quantization of values (not rotated).
 
-    ``vmin, vmax`` clamped to +-65504 first, ``scale = max((vmax - vmin) / (2^b - 1), 1e-8)``,
-    ``q = clamp(floor((v - vmin) / scale + 0.5), 0, 2^b - 1)`` (fp32, correctly rounded division),
-    ``zero = vmin``; ``scale`` and ``zero`` are stored as fp16 (reconstruction ``q * scale +
-    zero`` uses the fp16 ones). The clamp keeps an outlier beyond fp16's range from turning the
-    scale into inf and the whole vector into NaN, as upstream's unclamped store does. Paper:
-    papers.md#turboquant.
+    ``q = clamp(floor((v - vmin) / scale + 0.5), 0, 2^b - 1)`` on :func:`value_levels`' grid, in
+    float64; ``scale`` and ``zero = vmin`` are stored as fp16 (reconstruction ``q * scale + zero``
+    uses the fp16 ones). The clamp of ``vmin, vmax`` keeps an outlier beyond fp16's range from
+    turning the scale into inf and the whole vector into NaN, as upstream's unclamped store does.
+    Paper: papers.md#turboquant.
 
     Args:
         value: ``[..., D]`` float16/bfloat16/float32.
@@ -317,13 +342,18 @@ def quantize_values(value: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch
     Returns:
         ``(codes [..., D] int64, scale [...] float16, zero [...] float16)``.
     """
-    levels = 2**bits - 1
-    v = value.to(torch.float32)
-    vmin = v.amin(dim=-1).clamp(-FP16_MAX, FP16_MAX)
-    vmax = v.amax(dim=-1).clamp(-FP16_MAX, FP16_MAX)
-    scale = div_f32(vmax - vmin, torch.full_like(vmax, levels)).clamp(min=MIN_VALUE_SCALE)
-    q = torch.floor(div_f32(v - vmin[..., None], scale[..., None].expand_as(v)) + 0.5)
-    return q.clamp(0, levels).to(torch.int64), _fp16_saturated(scale), _fp16_saturated(vmin)
+    t, scale, vmin = value_levels(value, bits)
+    return round_levels(t, bits), fp16_saturated(scale), fp16_saturated(vmin)
+
+
+def e4m3_bytes(key: torch.Tensor) -> torch.Tensor:
+    """FP8 keys: ``k`` as OCP e4m3fn bytes, rounded once to nearest even, saturating at +-448 (NaN stays NaN).
+
+    No rotation and no scale. The input is fp16/bf16/fp32; its fp32 value is exact, so the cast
+    from fp32 is the single rounding.
+    """
+    saturated = key.to(torch.float32).clamp(-E4M3_MAX, E4M3_MAX)
+    return saturated.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -388,12 +418,46 @@ def cache_regions(kv_cache: torch.Tensor, config: TurboQuantConfig) -> tuple[tor
 
 
 def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``[..., F]`` float16 -> ``[..., F, 2]`` little-endian byte pairs."""
     return x.to(torch.float16).contiguous().view(torch.uint8).unflatten(-1, (-1, 2))
 
 
 def read_meta(meta: torch.Tensor) -> torch.Tensor:
     """``[..., 2]`` little-endian byte pairs -> ``[...]`` float16."""
     return meta.contiguous().view(torch.float16).squeeze(-1)
+
+
+def write_slots(
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key_bytes: torch.Tensor,
+    value_bytes: torch.Tensor,
+    fields: torch.Tensor,
+    config: TurboQuantConfig,
+) -> torch.Tensor:
+    """A copy of ``kv_cache`` with each kept token's record and fp16 fields written to its slot.
+
+    Token ``t`` goes to block ``slot // block_size``, position ``slot % block_size``; a negative
+    slot is skipped. Layout: :class:`TurboQuantConfig`.
+
+    Args:
+        kv_cache: uint8 ``[blocks, block_size, HKV, padded_slot]``.
+        slot_mapping: ``[T]`` int.
+        key_bytes, value_bytes: ``[T, HKV, key_data_bytes]``, ``[T, HKV, value_data_bytes]`` uint8.
+        fields: ``[T, HKV, fields]`` float16 (``k_norm, v_scale, v_zero`` or ``v_scale, v_zero``).
+
+    Returns:
+        The new cache.
+    """
+    out = kv_cache.clone()
+    data, meta = cache_regions(out, config)
+    block_size = kv_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].to(torch.int64)
+    blk, pos = slots // block_size, slots % block_size
+    data[blk, pos] = torch.cat([key_bytes[keep], value_bytes[keep]], dim=-1)
+    meta[blk, :, :, pos] = _fp16_bytes(fields[keep])  # [T', HKV, fields, 2]
+    return out
 
 
 def turboquant_store(
@@ -408,11 +472,10 @@ def turboquant_store(
 ) -> torch.Tensor:
     """Quantize tokens into their cache slots; the cache with those slots written (pure).
 
-    Token ``t`` goes to block ``slot // block_size``, position ``slot % block_size``; a negative
-    slot is skipped. Per (token, head): MSE keys -> packed codes (:func:`quantize_keys`) and an
-    fp16 norm; FP8 keys -> ``k`` as e4m3 bytes (round to nearest even, saturating at +-448; no
-    rotation, no scale); values -> packed min-max codes, fp16 scale and zero
-    (:func:`quantize_values`). Layout: :class:`TurboQuantConfig`. Paper: papers.md#turboquant.
+    Per (token, head): MSE keys -> packed codes (:func:`quantize_keys`, LSB-first
+    :func:`pack_codes`) and an fp16 norm; FP8 keys -> :func:`e4m3_bytes`; values -> packed
+    min-max codes, fp16 scale and zero (:func:`quantize_values`). Slots and layout:
+    :func:`write_slots`. Paper: papers.md#turboquant.
 
     Args:
         kv_cache: uint8 ``[blocks, block_size, HKV, padded_slot]``.
@@ -427,27 +490,16 @@ def turboquant_store(
     Traffic: reads ``T*HKV*D`` keys and values (plus ``D*D*4`` bytes of ``PiT``); writes
     ``T*HKV*slot_size`` bytes.
     """
-    out = kv_cache.clone()
-    data, meta = cache_regions(out, config)
-    block_size = kv_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].to(torch.int64)
-    key, value = key[keep], value[keep]
-    blk, pos = slots // block_size, slots % block_size
-
     v_codes, v_scale, v_zero = quantize_values(value, config.value_quant_bits)
     if config.key_fp8:
-        saturated = key.to(torch.float32).clamp(-E4M3_MAX, E4M3_MAX)  # NaN stays NaN
-        key_bytes = saturated.to(torch.float8_e4m3fn).view(torch.uint8)
+        key_bytes = e4m3_bytes(key)
         fields = [v_scale, v_zero]
     else:
         codes, norm = quantize_keys(key, PiT, boundaries, centroids, config.norm_correction)
         key_bytes = pack_codes(codes, config.key_quant_bits)
         fields = [norm, v_scale, v_zero]
-    data[blk, pos] = torch.cat([key_bytes, pack_codes(v_codes, config.value_quant_bits)], dim=-1)
-    meta_bytes = _fp16_bytes(torch.stack(fields, dim=-1))  # [T', HKV, fields, 2]
-    meta[blk, :, :, pos] = meta_bytes
-    return out
+    value_bytes = pack_codes(v_codes, config.value_quant_bits)
+    return write_slots(kv_cache, slot_mapping, key_bytes, value_bytes, torch.stack(fields, dim=-1), config)
 
 
 # ----------------------------------------------------------------------------------------------

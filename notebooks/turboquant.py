@@ -27,6 +27,7 @@ import torch
 
 import triton_impl  # noqa: F401  (selects the Triton interpreter on a CPU-only machine)
 from golden import turboquant as tq
+from triton_impl.parity.turboquant import compare_store
 from triton_impl.turboquant import build_pair_lut, triton_turboquant_decode_attention_v2, triton_turboquant_store
 
 torch.manual_seed(0)
@@ -145,8 +146,9 @@ plt.show()
 # (`k3v4_nc`, `3bit_nc`); values are min-max quantized to 4 or 3 bits, and `_nc` presets fold
 # `1 / ||c[idx]||` into the stored norm so reconstructed keys keep their length. Below, one
 # request of 256 synthetic keys (with outlier channels) and Gaussian values is stored (golden
-# store; the Triton store writes the same bytes, checked on the first 16 tokens), and 8 query
-# heads on 2 KV heads attend to it with the Triton decode kernel. The error is against float64
+# store; the Triton store is checked against it on the first 16 tokens with `compare_store`: the
+# same codes except where a coordinate lies within fp32 rounding of a decision boundary), and 8
+# query heads on 2 KV heads attend to it with the Triton decode kernel. The error is against float64
 # attention over the unquantized keys and values; "golden == triton" compares the kernel with the
 # golden decode on the same cache bytes.
 
@@ -180,7 +182,8 @@ for preset in sorted(tq.PRESETS):
     triton_turboquant_store(key16, value16, first_block, torch.arange(16, device=device), pit_d, midpoints_d,
                             config.key_mse_bits, config.key_packed_size, config.value_quant_bits, config.key_fp8,
                             centroids_d, config.norm_correction)  # fmt: skip
-    assert torch.equal(first_block.cpu(), cache[:1])
+    store = compare_store(first_block, empty[:1], key16, value16, torch.arange(16), pit, midpoints, centroids, config)
+    assert store.ok, store.summary()
     out = triton_turboquant_decode_attention_v2(
         query.to(device), cache.to(device), block_table.to(device), seq_lens.to(device), pit.T.contiguous().to(device),
         centroids_d, scale, config.key_mse_bits, config.key_packed_size, config.value_quant_bits,
@@ -191,7 +194,8 @@ for preset in sorted(tq.PRESETS):
     print(
         f"{preset:20s} {8 * config.slot_size_aligned / (2 * D):.2f} bits/coordinate  "
         f"relative error vs float64 {errors[preset]:.4f}  golden == triton to "
-        f"{(out[0].double() - golden_out[0]).abs().max():.1e}"
+        f"{(out[0].double() - golden_out[0]).abs().max():.1e}; store codes in tie bands: "
+        f"{store.ties('key codes')} key, {store.ties('value codes')} value"
     )
 
 fig, ax = plt.subplots(figsize=(6, 3))

@@ -6,7 +6,9 @@ Tests and the parity command both read it; ``tests/TOLERANCES.md`` is generated 
 A value passes when ``|actual - expected| <= atol + rtol * |expected|`` elementwise, where
 ``expected`` is the golden model in float64 on the same (quantized) inputs. Infinities must match
 exactly and NaN never passes. Bit-level outputs (cache bytes, scale codes, indices, lengths) are
-compared exactly and have no entry here. Every entry has a negative control in the tests: a
+compared exactly and have no entry here; TurboQuant's store is the exception, a code or fp16 field
+falling either way of a decision boundary within the fp32 error bound derived in
+``triton_impl/parity/turboquant.py`` (``compare_store``). Every entry has a negative control in the tests: a
 deliberately wrong variant of the computation must fail it.
 """
 
@@ -145,7 +147,9 @@ def markdown_table() -> str:
         "",
         "A kernel output passes when `|actual - expected| <= atol + rtol * |expected|` elementwise,",
         "`expected` being the golden model in float64 on the same inputs; infinities must match and",
-        "NaN never passes. Bit-level outputs (bytes, codes, indices, lengths) are compared exactly.",
+        "NaN never passes. Bit-level outputs (bytes, codes, indices, lengths) are compared exactly, except",
+        "TurboQuant's store: its codes and fp16 fields may fall either way of a decision boundary within the",
+        "fp32 error bound derived in `triton_impl/parity/turboquant.py` (`compare_store`), nowhere else.",
         "",
         "| op | output | dtype | atol | rtol | why |",
         "| --- | --- | --- | --- | --- | --- |",
