@@ -6,14 +6,19 @@ Twin of ``golden/turboquant.py``, with the signatures of vLLM's ``turboquant_soa
 Store: one program per (token, KV head) quantizes the key (norm, rotation, bucketize, optional norm
 correction; or FP8) and the value (min-max) and writes the slot's data bytes and fp16 metadata.
 Unlike upstream, the rotation runs inside the kernel, and every sum in it is a fixed-point int64
-sum, so the codes do not depend on summation order: the kernel writes the same bytes as the golden
-model on a CPU, under the interpreter and on any GPU (see ``golden/turboquant.py``).
+sum, so the codes do not depend on summation order: the kernel writes the same bytes on a CPU,
+under the interpreter and on any GPU, those of its bit-level twin ``golden._fixed_point.store_twin``.
+The golden store (``golden.turboquant.turboquant_store``) is the float64 math; the kernel's codes
+equal it outside tie bands derived from an fp32 store's error bound
+(``triton_impl.parity.turboquant.compare_store``), which any correct store passes. The fixed-point
+arithmetic was needed only for byte equality with an earlier golden model and can be replaced by
+plain fp32 sums within that bound.
 
 Decode: stage 1 (:func:`_decode_stage1_kernel`) gives each (request, KV head, split) one program
 that serves the KV head's whole query group, so each key/value byte is read once for ``H / HKV``
 query heads. It writes every split slot of ``[B, H, S, D+1]`` (an empty split as ``(0, -inf)``);
 stage 2 is ``triton_impl.lse_merge.merge_splits``. 4-bit keys are decoded through the pair LUT
-(FLUTE section 3.2): one 8-byte gather per packed byte returns the centroids of both its codes.
+(FLUTE, papers.md#turboquant): one 8-byte gather per packed byte returns the centroids of both its codes.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ _KEY_NORM_EPS = tl.constexpr(1e-8)
 _NORM_CORRECTION_EPS = tl.constexpr(1e-16)
 _MIN_VALUE_SCALE = tl.constexpr(1e-8)
 _CENTROID_SCALE = tl.constexpr(64.0)  # 2^6: keeps the low fp16 half of c * 64 (|c| ~ 1/sqrt(D)) normal
-# Fixed-point sums (golden/turboquant.py explains the bounds): terms * 2^F truncated to int64.
+# Fixed-point sums (golden/_fixed_point.py explains the bounds): terms * 2^F truncated to int64.
 _ROTATION_SCALE = tl.constexpr(2.0**46)
 _ROTATION_UNIT = tl.constexpr(2.0**-46)
 _NORM_SCALE = tl.constexpr(2.0**40)
@@ -148,7 +153,7 @@ def _exact_norm(k):
     """``||k||`` of an fp32 vector (zeros in padding lanes), independent of summation order.
 
     ``e = exponent(max |k|)``, ``x = k 2^-e`` in fp64 (exact, ``x^2`` exact), ``s = sum of
-    trunc(x^2 2^40)`` in int64, ``n = fp32(sqrt_rn(fp32(s) 2^-40) 2^e)``; as golden ``key_norm``.
+    trunc(x^2 2^40)`` in int64, ``n = fp32(sqrt_rn(fp32(s) 2^-40) 2^e)``; as ``golden._fixed_point.key_norm_f32``.
     The powers of two are built from their fp64 bits (exact; ``exp2`` is approximate compiled).
     """
     amax = tl.max(tl.abs(k), axis=0)
@@ -279,7 +284,9 @@ def triton_turboquant_store(
 ) -> None:
     """Quantize ``T`` tokens into their SoA cache slots (vLLM's ``triton_turboquant_store``).
 
-    Same bytes as ``golden.turboquant.turboquant_store``, bit for bit, on any device. A negative
+    Codes equal ``golden.turboquant.turboquant_store``'s outside the tie bands of
+    ``triton_impl.parity.turboquant.compare_store``; bytes equal ``golden._fixed_point.store_twin``'s
+    bit for bit, on any device. A negative
     slot is skipped, and so is a slot outside the cache (checked on the device, whatever the
     content checks say). CUDA graphs: the tensors stay fixed across replays; new slots and
     keys are written into them in place. FP8 keys (``key_fp8=True``, ``mse_bits=0``) ignore ``PiT``/``midpoints``.
