@@ -20,7 +20,10 @@
 # distortion against the paper's bounds, attention error per preset, and the pair lookup table.
 
 # %%
+import itertools
+import json
 import math
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
@@ -28,6 +31,7 @@ import torch
 import triton_impl  # noqa: F401  (selects the Triton interpreter on a CPU-only machine)
 from golden import turboquant as tq
 from triton_impl.parity.turboquant import compare_store
+from triton_impl.tolerances import compare, tolerance
 from triton_impl.turboquant import build_pair_lut, triton_turboquant_decode_attention_v2, triton_turboquant_store
 
 torch.manual_seed(0)
@@ -42,14 +46,20 @@ device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the ker
 # `(x + 1)/2 ~ Beta((d-1)/2, (d-1)/2)`, close to `N(0, 1/d)` (the paper's Lemma 1). Real keys are
 # not uniform: below, synthetic keys with a few large "outlier" channels (as LLM keys have) are
 # normalized and rotated by the Sylvester-Hadamard matrix that vLLM uses. Before the rotation the
-# outlier channels dominate; after it every coordinate is spread like the Beta density.
+# outlier channels dominate: the 4 outlier channels carry more than half of the directions' energy
+# (the sum of squared coordinates over all tokens), where an even spread would give them `4/d`.
+# After it no channel stands out: the 4 channels with the most energy carry less than twice that
+# even share, and every coordinate is spread like the Beta density.
 
 
 # %%
+OUTLIERS = 4  # channels 0..3 of every synthetic key are the outliers
+
+
 def synthetic_keys(tokens: int, d: int, gen: torch.Generator) -> torch.Tensor:
-    """Gaussian keys with a channel-wise mean and 4 outlier channels 8x larger."""
+    """Gaussian keys with a channel-wise mean and ``OUTLIERS`` outlier channels 8x larger."""
     keys = torch.randn(tokens, d, generator=gen) + 0.5 * torch.randn(d, generator=gen)
-    keys[:, :4] *= 8
+    keys[:, :OUTLIERS] *= 8
     return keys
 
 
@@ -81,6 +91,19 @@ plt.tight_layout()
 plt.show()
 print(f"largest |coordinate|: before {directions.abs().max():.3f}, after {rotated.abs().max():.3f}")
 
+outliers = OUTLIERS
+energy_before = directions.double().square().sum(0)
+energy_after = rotated.double().square().sum(0)
+share_before = float(energy_before[:outliers].sum() / energy_before.sum())
+share_after = float(energy_after.topk(outliers).values.sum() / energy_after.sum())
+even_share = outliers / D
+print(
+    f"energy share of {outliers} channels: before, the outlier channels {share_before:.3f}; after, the "
+    f"{outliers} largest channels {share_after:.3f}; even spread {even_share:.4f}"
+)
+assert share_before > 0.5, share_before
+assert share_after < 2 * even_share, (share_after, even_share)
+
 # %% [markdown]
 # ## 2. Lloyd-Max codebooks
 #
@@ -110,7 +133,9 @@ plt.show()
 # For a unit vector, `D_mse = E ||x - x~||^2 = d * E(X - c(X))^2`. Theorem 1 bounds it by
 # `(sqrt(3) pi / 2) 4^-b`; Theorem 3 shows no quantizer beats `4^-b`. Below: the exact distortion
 # of the Gaussian and Beta codebooks at `d = 128` (`codebook_distortion`), and the one measured on
-# 1024 random unit vectors rotated and quantized by the golden store's own arithmetic.
+# 1024 random unit vectors rotated and quantized by the golden store's own arithmetic. A unit vector
+# in `R^d` has coordinates of variance `1/d`, so `d * E(X - c(X))^2` is the distortion per unit
+# variance that the theorems bound. All three lie within `[4^-b, (sqrt(3) pi / 2) 4^-b]` at every `b`.
 
 # %%
 unit = torch.randn(1024, 1, D, generator=gen)
@@ -123,10 +148,12 @@ for bits in (1, 2, 3, 4):
     codes = (y_unit[..., None] >= gauss_b).sum(-1)
     measured = float((y_unit.double() - gauss_c.double()[codes]).square().sum(-1).mean())
     rows.append((bits, tq.codebook_distortion(gauss_c, D), tq.codebook_distortion(beta_c, D, "beta"), measured))
+    lower, upper = 4.0**-bits, math.sqrt(3) * math.pi / 2 * 4.0**-bits
     print(
-        f"b={bits}: Gaussian codebook {rows[-1][1]:.5f} (N(0,1/d)), Beta codebook {rows[-1][2]:.5f} (exact d=128), "
-        f"measured {measured:.5f}, bounds [{4.0**-bits:.5f}, {math.sqrt(3) * math.pi / 2 * 4.0**-bits:.5f}]"
+        f"b={bits}: Gaussian codebook {rows[-1][1]:.5f} (N(0,1/d)), Beta codebook {rows[-1][2]:.5f} (exact d={D}), "
+        f"measured {measured:.5f}, bounds [{lower:.5f}, {upper:.5f}]"
     )
+    assert all(lower <= value <= upper for value in rows[-1][1:]), (rows[-1], lower, upper)
 
 bits_axis = [r[0] for r in rows]
 fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -150,7 +177,8 @@ plt.show()
 # same codes except where a coordinate lies within fp32 rounding of a decision boundary), and 8
 # query heads on 2 KV heads attend to it with the Triton decode kernel. The error is against float64
 # attention over the unquantized keys and values; "golden == triton" compares the kernel with the
-# golden decode on the same cache bytes.
+# golden decode on the same cache bytes, and each preset asserts that the kernel's output is within
+# TurboQuant's `out` tolerance for its output dtype (`tests/TOLERANCES.md`) of the golden decode.
 
 # %%
 tokens, kv_heads, heads, block_size = 256, 2, 8, 16
@@ -190,6 +218,8 @@ for preset in sorted(tq.PRESETS):
         config.value_packed_size, key_fp8=config.key_fp8, max_num_kv_splits=4,
     ).cpu()  # fmt: skip
     golden_out, _ = tq.turboquant_decode_attention(query, cache, block_table, seq_lens, pit, centroids, scale, config)
+    parity = compare(out, golden_out, tolerance("turboquant", "out", out.dtype))
+    assert parity.ok, (preset, parity)
     errors[preset] = float((out[0].double() - exact).norm() / exact.norm())
     print(
         f"{preset:20s} {8 * config.slot_size_aligned / (2 * D):.2f} bits/coordinate  "
@@ -209,8 +239,11 @@ plt.show()
 #
 # A 4-bit key stores two codes per byte: `lo = byte & 15` (coordinate `2i`) and `hi = byte >> 4`
 # (coordinate `2i+1`). Scoring needs `c[lo]` and `c[hi]`, two gathers from a 16-entry table. The
-# pair LUT (FLUTE section 3.2) precomputes every pair, `lut[i*16 + j] = (c_i, c_j)` (256 entries
-# of 8 bytes = 2 KiB), so one 8-byte gather at `lo*16 + hi` returns both. The decode kernel
+# pair LUT is FLUTE's vectorized lookup (the FLUTE row of papers.md#turboquant): a table indexed by
+# both codes of a packed byte rather than by one code, so each byte costs one load that returns both
+# dequantized values. It precomputes every pair, `lut[i*16 + j] = (c_i, c_j)` (256 entries of 8
+# bytes = 2 KiB, asserted on the tensor below), so one 8-byte gather at `lo*16 + hi` returns
+# `(c_lo, c_hi)`. The decode kernel
 # splits the rotated query into even and odd coordinates, which meet the first and second halves
 # of each pair. The table is rebuilt on every call (a 2 KiB tensor): caching it by
 # `centroids.data_ptr()` returns a stale table when the allocator reuses an address.
@@ -223,9 +256,15 @@ lo, hi = byte & 0xF, byte >> 4
 print(f"byte 0x{byte:02X}: lo={lo}, hi={hi}; lut[{lo}*16 + {hi}] = {lut[lo * 16 + hi].tolist()}")
 print(f"centroids[lo], centroids[hi] = {[centroids[lo].item(), centroids[hi].item()]}")
 print(
-    f"table: {tuple(lut.shape)} float32 = {lut.numel() * 4} bytes; "
+    f"table: {tuple(lut.shape)} {lut.dtype} = {lut.numel() * lut.element_size()} bytes; "
     f"gathers per packed byte: 1 (pair LUT) vs 2 (centroids)"
 )
+assert centroids.numel() == 16
+assert lut.shape == (256, 2) and lut[0].numel() * lut.element_size() == 8
+assert lut.numel() * lut.element_size() == 2 * 1024
+assert torch.equal(lut[lo * 16 + hi], torch.stack([centroids[lo], centroids[hi]]))
+# Every entry, not just this byte: row i*16 + j holds (c_i, c_j).
+assert torch.equal(lut, torch.stack([centroids.repeat_interleave(16), centroids.repeat(16)], dim=-1))
 
 fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
 ax[0].imshow(lut[:, 0].reshape(16, 16).numpy(), cmap="coolwarm")
@@ -239,9 +278,32 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# **What the pair LUT buys on a GPU today.** Fewer gathers do not yet make a fast kernel. On an
-# H200 (`notebooks/results/bench_h200.md`, B=32, Hq=32, Hk=8, D=128, L=8K), this Triton decode
-# takes 1.43 ms (k8v4), 2.34 ms (4-bit), 3.24 ms (k3v4) and 3.47 ms (3-bit), against 0.29 ms for
-# a bf16 decode of the same shape. The time rises as the bytes fall, so the per-key unpacking and
-# the split fp16 MMAs bound it, not memory. `notebooks/results/perf_log.md` has the measurements
-# and the restructure they point to.
+# **What the pair LUT buys on a GPU today.** Fewer gathers do not yet make a fast kernel. The cell
+# below reads the H200 benchmark (`notebooks/results/bench_h200.json`, the data of `bench_h200.md`)
+# at the shape every preset was timed at: this Triton decode per preset, and a bf16 GQA decode of
+# the same shape. The time rises as the bytes fall: ordered by the cache bytes each (token, KV head)
+# occupies, from the bf16 cache down to 3-bit keys, every step to fewer bytes takes longer
+# (asserted). So the per-key unpacking and the split fp16 MMAs bound it, not memory.
+# `notebooks/results/perf_log.md` has the measurements and the restructure they point to.
+
+# %%
+bench = json.loads(Path("notebooks/results/bench_h200.json").read_text())
+by_case = {row["case"]: row for row in bench["results"]}
+batch, q_heads, bench_kv_heads, length = 32, 32, 8, 8192  # the case names below hold this shape
+timed = {"bf16 GQA decode": (by_case[f"GQA {q_heads}/{bench_kv_heads} D{D} B={batch} H={q_heads} L={length} bf16"],
+                             2 * 2 * D)}  # fmt: skip
+for preset in tq.PRESETS:
+    row = by_case[f"{preset} decode B={batch} Hq={q_heads} Hk={bench_kv_heads} D={D} L={length}"]
+    timed[preset] = (row, tq.TurboQuantConfig.from_cache_dtype(preset, D).slot_size_aligned)
+print(bench["header"])
+print(f"B={batch} Hq={q_heads} Hk={bench_kv_heads} D={D} L={length}")
+ordered = sorted(timed.items(), key=lambda item: -item[1][1])
+for name, (row, slot_bytes) in ordered:
+    # bytes the benchmark counted per (token, KV head): the cache slot plus a little query and output traffic
+    counted = row["gbps"] * row["ms"] * 1e6 / (batch * bench_kv_heads * length)
+    print(f"{name:20s} {slot_bytes:4d} cache bytes per (token, KV head)  {row['ms']:.2f} ms  "
+          f"{row['pct_roofline']:.1f}% of roofline")  # fmt: skip
+    assert row["correct"], name
+    assert abs(counted - slot_bytes) < 0.01 * slot_bytes, (name, counted, slot_bytes)
+for (fat, (fat_row, fat_bytes)), (lean, (lean_row, lean_bytes)) in itertools.pairwise(ordered):
+    assert fat_bytes > lean_bytes and fat_row["ms"] < lean_row["ms"], (fat, lean)  # fewer bytes, more time
