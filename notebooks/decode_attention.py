@@ -28,7 +28,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-import triton_impl  # noqa: F401  (selects the Triton interpreter on a CPU-only machine)
+import triton_impl  # selects the Triton interpreter on a CPU-only machine; locates the repository
 from golden.decode_attention import (
     dcp_local_positions,
     decode_attention,
@@ -55,7 +55,7 @@ from triton_impl.tolerances import compare, tolerance
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 gen = torch.Generator().manual_seed(0)
-RESULTS = Path("notebooks/results")  # measured on an H200; the notebook runs from the repository root
+RESULTS = Path(triton_impl.__file__).resolve().parent.parent / "notebooks" / "results"  # measured on an H200
 
 
 def paged(tokens: list[torch.Tensor], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:

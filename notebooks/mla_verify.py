@@ -30,7 +30,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-import triton_impl  # noqa: F401  (selects the Triton interpreter on a CPU-only machine)
+import triton_impl  # selects the Triton interpreter on a CPU-only machine; locates the repository
 from golden.mla_verify import mla_verify, mla_verify_split_partials, row_limits, split_bounds
 from triton_impl.decode_attention import DECODE_CONFIGS
 from triton_impl.interpreter import INTERPRETING
@@ -45,7 +45,7 @@ from triton_impl.tolerances import compare, tolerance
 
 torch.manual_seed(0)
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-RESULTS = Path("notebooks/results")  # measured on an H200; the notebook runs from the repository root
+RESULTS = Path(triton_impl.__file__).resolve().parent.parent / "notebooks" / "results"  # measured on an H200
 
 # %% [markdown]
 # ## 1. The causal limit

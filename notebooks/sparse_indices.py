@@ -26,7 +26,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-import triton_impl  # noqa: F401  (selects the Triton interpreter on a CPU-only machine)
+import triton_impl  # selects the Triton interpreter on a CPU-only machine; locates the repository
 from golden import sparse_indices as golden
 from golden.sparse_indices import image_visibility, swa_window
 from triton_impl.sparse_indices import (
@@ -38,7 +38,7 @@ from triton_impl.sparse_indices import (
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 gen = torch.Generator().manual_seed(0)
 I32 = torch.int32
-PAPERS = Path("papers.md")  # the notebook runs from the repository root
+PAPERS = Path(triton_impl.__file__).resolve().parent.parent / "papers.md"
 
 # %% [markdown]
 # ## One prefill token

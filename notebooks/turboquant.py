@@ -28,7 +28,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-import triton_impl  # noqa: F401  (selects the Triton interpreter on a CPU-only machine)
+import triton_impl  # selects the Triton interpreter on a CPU-only machine; locates the repository
 from golden import turboquant as tq
 from triton_impl.parity.turboquant import compare_store
 from triton_impl.tolerances import compare, tolerance
@@ -287,7 +287,8 @@ plt.show()
 # `notebooks/results/perf_log.md` has the measurements and the restructure they point to.
 
 # %%
-bench = json.loads(Path("notebooks/results/bench_h200.json").read_text())
+RESULTS = Path(triton_impl.__file__).resolve().parent.parent / "notebooks" / "results"
+bench = json.loads((RESULTS / "bench_h200.json").read_text())
 by_case = {row["case"]: row for row in bench["results"]}
 batch, q_heads, bench_kv_heads, length = 32, 32, 8, 8192  # the case names below hold this shape
 timed = {"bf16 GQA decode": (by_case[f"GQA {q_heads}/{bench_kv_heads} D{D} B={batch} H={q_heads} L={length} bf16"],

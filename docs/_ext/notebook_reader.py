@@ -1,10 +1,11 @@
 """Reads a ``notebooks/*.py`` jupytext percent file for myst-nb (``nb_custom_formats`` in
 ``docs/conf.py``).
 
-The notebooks run from the repository root (they read ``notebooks/results/``, as
-``tests/test_notebooks.py`` runs them), but myst-nb starts a kernel in the source file's folder.
-So the reader puts one cell first that moves there and puts the checkout first on ``sys.path``;
-its ``remove-cell`` tag keeps it off the page. Everything else is the notebook as written.
+myst-nb starts a kernel in the source file's folder, where this checkout's packages need not be
+importable (the notebooks find their data files through ``triton_impl``'s location). So the
+reader puts one cell first that puts the checkout first on ``sys.path`` and moves to it, as
+``tests/test_notebooks.py`` runs them; its ``remove-cell`` tag keeps it off the page. Everything
+else is the notebook as written.
 """
 
 from __future__ import annotations
