@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -122,20 +121,3 @@ if _mathjax is not None and _mathjax.origin is not None:
     if (_static / "mathjax" / "tex-chtml.js").is_file():
         html_static_path.append(str(_static))
         mathjax_path = "mathjax/tex-chtml.js"
-
-# An Args entry whose parameter names wrap ("q, k_buffer, ...,\n        logit_cap, is_mla: as ...")
-# is one entry; napoleon reads only the first line as names. Joined before napoleon sees it.
-_WRAPPED_NAMES = re.compile(r"^\s+\w+(?:,\s*\w+)*,$")
-
-
-def _join_wrapped_parameter_names(app, what, name, obj, options, lines: list[str]) -> None:
-    i = 0
-    while i + 1 < len(lines):
-        if _WRAPPED_NAMES.match(lines[i]) and lines[i + 1].strip():
-            lines[i : i + 2] = [lines[i].rstrip() + " " + lines[i + 1].strip()]
-        else:
-            i += 1
-
-
-def setup(app) -> None:
-    app.connect("autodoc-process-docstring", _join_wrapped_parameter_names, priority=100)

@@ -545,10 +545,12 @@ def decode_attention_dcp(
     collective, every rank ends with every head, and the merge is the tested stage-2 kernel.
 
     Args:
-        q, k_buffer, v_buffer, req_to_token, attn_logits, num_kv_splits, sm_scale, page_size,
-            logit_cap, k_scale, v_scale, is_mla: as :func:`decode_attention_fwd`, for this rank's
-            keys (``b_seq_len`` holds the local extents). No sliding window: a window over global
-            positions is not a window over a rank's local keys (vLLM asserts the same).
+        q, k_buffer, v_buffer: as :func:`decode_attention_fwd`, for this rank's keys.
+        req_to_token, b_seq_len: this rank's block table and local extents.
+        attn_logits, num_kv_splits, sm_scale, page_size: as :func:`decode_attention_fwd`.
+        logit_cap, k_scale, v_scale, is_mla: as :func:`decode_attention_fwd`. No sliding window: a
+            window over global positions is not a window over a rank's local keys (vLLM asserts
+            the same).
         o: ``[R, H, Lv]`` fp32/fp16/bf16, written with the merged output on every rank.
         lse: ``[R, H]`` fp32/fp16/bf16, written with the merged natural-log LSE on every rank.
         group: the DCP process group (default: the world). Backend gloo (CPU) or NCCL (GPU).
