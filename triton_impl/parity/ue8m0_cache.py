@@ -111,26 +111,29 @@ def bench_cases() -> list[BenchCase]:
 
         return BenchCase("ue8m0_cache", f"insert 1M tokens block 64 {'FNUZ' if use_fnuz else 'OCP'}", setup)
 
-    def gather() -> BenchCase:
+    def gather(use_fnuz: bool) -> BenchCase:
         def setup(device: torch.device) -> Bench:
             requests = 64
             per_request = tokens // requests
             blocks = per_request // block_size
             k = torch.randn(tokens, 512, device=device).to(torch.bfloat16)
             k_cache = torch.zeros(tokens // block_size, block_bytes(block_size), dtype=torch.uint8, device=device)
-            quantize_and_insert_k_cache(k, k_cache, torch.randperm(tokens, device=device), block_size)
+            slots = torch.randperm(tokens, device=device)
+            quantize_and_insert_k_cache(k, k_cache, slots, block_size, use_fnuz=use_fnuz)
             table = torch.randperm(tokens // block_size, device=device).to(torch.int32).view(requests, blocks)
             seq_lens = torch.full((requests,), per_request, dtype=torch.int32, device=device)
             out = torch.empty(requests, per_request, 512, dtype=torch.bfloat16, device=device)
-            run = lambda: dequantize_and_gather_k_cache(out, k_cache, seq_lens, None, table, block_size, 0)
+            run = lambda: dequantize_and_gather_k_cache(out, k_cache, seq_lens, None, table, block_size, 0, use_fnuz)
 
             def check() -> list[Check]:
                 expected = gather_k_cache(torch.zeros_like(out[:1]), k_cache, seq_lens[:1], None, table[:1],
-                                          block_size, 0)  # fmt: skip
+                                          block_size, 0, use_fnuz)  # fmt: skip
                 return [Check("gathered", out[:1], expected, None)]
 
             return Bench(run, check, tokens * (584 + 512 * 2) + table.numel() * 4, 0.0)
 
-        return BenchCase("ue8m0_cache", "gather 1M tokens (64 requests x 16K) block 64 OCP", setup)
+        return BenchCase(
+            "ue8m0_cache", f"gather 1M tokens (64 requests x 16K) block 64 {'FNUZ' if use_fnuz else 'OCP'}", setup
+        )
 
-    return [insert(False), insert(True), gather()]
+    return [insert(False), insert(True), gather(False), gather(True)]
