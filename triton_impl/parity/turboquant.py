@@ -373,4 +373,44 @@ def bench_cases() -> list:
         return BenchCase("turboquant", f"{preset} decode B={batch} Hq={heads} Hk={kv_heads} D=128 L={length}", setup)
 
     presets = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
-    return [case(p, 8192) for p in presets] + [case("turboquant_4bit_nc", 32768)]
+    decodes = [case(p, 8192) for p in presets] + [case("turboquant_4bit_nc", 32768)]
+    return decodes + [store_case(p, 32 * 32768) for p in presets]
+
+
+def store_case(preset: str, tokens: int, kv_heads: int = 8, head_dim: int = 128, block_size: int = 16):
+    """The store of ``tokens`` bf16 keys and values (B=32 x L=32K at the defaults) into shuffled
+    slots, timed against the copy roofline: it reads ``2 * 2`` bytes per key and value element and
+    writes the slots' bytes. Checked first: the same kernel on the first 256 tokens, into a small
+    cache, against the golden store (:func:`compare_store`)."""
+    from triton_impl.bench import Bench, BenchCase
+
+    def setup(device: torch.device) -> Bench:
+        config = TurboQuantConfig.from_cache_dtype(preset, head_dim)
+        centroids, midpoints = (t.to(device) for t in solve_lloyd_max(head_dim, config.centroid_bits))
+        pit = hadamard_rotation(head_dim).T.contiguous().to(device)
+        shape = (tokens // block_size, block_size, kv_heads, config.slot_size_aligned)
+        cache = torch.zeros(shape, dtype=torch.uint8, device=device)
+        slots = torch.randperm(tokens, device=device)
+        key = torch.randn(tokens, kv_heads, head_dim, device=device).to(torch.bfloat16)
+        value = torch.randn_like(key)
+        quant = (pit, midpoints, config.key_mse_bits, config.key_packed_size, config.value_quant_bits,
+                 config.key_fp8, centroids, config.norm_correction)  # fmt: skip
+
+        def run() -> None:
+            triton_turboquant_store(key, value, cache, slots, *quant)
+
+        def check() -> list[Check]:
+            few = 256
+            small = torch.zeros((few // block_size, *shape[1:]), dtype=torch.uint8, device=device)
+            few_slots = torch.randperm(few, device=device)
+            triton_turboquant_store(key[:few], value[:few], small, few_slots, *quant)
+            store = compare_store(small.cpu(), torch.zeros_like(small).cpu(), key[:few].cpu(), value[:few].cpu(),
+                                  few_slots.cpu(), pit.cpu(), midpoints.cpu(), centroids.cpu(), config)  # fmt: skip
+            flags = store.violation_flags
+            ties = f"{store.ties('key codes')} key and {store.ties('value codes')} value codes in tie bands"
+            return [Check(f"kv_cache, first {few} tokens ({ties})", flags, torch.zeros_like(flags), None)]
+
+        nbytes = key.numel() * 2 * 2 + (tokens // block_size) * cache.stride(0) + slots.numel() * 8
+        return Bench(run, check, nbytes, 0.0)
+
+    return BenchCase("turboquant", f"{preset} store Hk={kv_heads} D={head_dim} {tokens // 1024}K tokens", setup)
