@@ -5,14 +5,10 @@ Twin of ``golden/turboquant.py``, with the signatures of vLLM's ``turboquant_soa
 
 Store: one program per (token, KV head) quantizes the key (norm, rotation, bucketize, optional norm
 correction; or FP8) and the value (min-max) and writes the slot's data bytes and fp16 metadata.
-Unlike upstream, the rotation runs inside the kernel, and every sum in it is a fixed-point int64
-sum, so the codes do not depend on summation order: the kernel writes the same bytes on a CPU,
-under the interpreter and on any GPU, those of its bit-level twin ``golden._fixed_point.store_twin``.
-The golden store (``golden.turboquant.turboquant_store``) is the float64 math; the kernel's codes
-equal it outside tie bands derived from an fp32 store's error bound
-(``triton_impl.parity.turboquant.compare_store``), which any correct store passes. The fixed-point
-arithmetic was needed only for byte equality with an earlier golden model and can be replaced by
-plain fp32 sums within that bound.
+Unlike upstream, the rotation runs inside the kernel (fp32 sums). The golden store
+(``golden.turboquant.turboquant_store``) is the float64 math; the kernel's codes equal it outside
+tie bands derived from an fp32 store's error bound (``triton_impl.parity.turboquant.compare_store``),
+which any correct store passes, upstream's included. Inside a band a code may be one step off.
 
 Decode: stage 1 (:func:`_decode_stage1_kernel`) gives each (request, KV head, split) one program
 that serves the KV head's whole query group, so each key/value byte is read once for ``H / HKV``
@@ -44,16 +40,11 @@ _KEY_NORM_EPS = tl.constexpr(1e-8)
 _NORM_CORRECTION_EPS = tl.constexpr(1e-16)
 _MIN_VALUE_SCALE = tl.constexpr(1e-8)
 _CENTROID_SCALE = tl.constexpr(64.0)  # 2^6: keeps the low fp16 half of c * 64 (|c| ~ 1/sqrt(D)) normal
-# Fixed-point sums (golden/_fixed_point.py explains the bounds): terms * 2^F truncated to int64.
-_ROTATION_SCALE = tl.constexpr(2.0**46)
-_ROTATION_UNIT = tl.constexpr(2.0**-46)
-_NORM_SCALE = tl.constexpr(2.0**40)
-_NORM_UNIT = tl.constexpr(2.0**-40)
 _MAX_HEAD_DIM = 1024
 
 # Launch configs as data, keyed by where the kernel runs. Store: D_CHUNK rows of PiT per step of
-# the rotation ([D_CHUNK, D] int64 partial sums live in registers); the result is the same for
-# every D_CHUNK (integer sums). Under the interpreter every op costs ~0.1 ms of Python whatever
+# the rotation ([D_CHUNK, D] fp32 partial sums live in registers); D_CHUNK changes the summation
+# order, which the store's error bound allows. Under the interpreter every op costs ~0.1 ms of Python whatever
 # its size, so one [D, D] step halves the store's CPU time. Decode: BLOCK_N tokens per tile, as
 # upstream's v2 kernel (TILE_SIZE 16, 4 warps, 2 stages on CUDA), in every mode, so CPU tests
 # run the GPU's tiling. The sm90 decode entry is the best of 7 in
@@ -138,7 +129,7 @@ def _check_codebook(name: str, t: torch.Tensor, size: int, device: torch.device)
 
 def _check_rotation(name: str, t: torch.Tensor, head_dim: int, device: torch.device) -> None:
     check_tensor(name, t, shape=(head_dim, head_dim), dtypes=(torch.float32,), device=device)
-    # |entries| <= 1 (true of every orthogonal matrix) bounds the fixed-point rotation sums.
+    # |entries| <= 1 (true of every orthogonal matrix): the store's error bound assumes it.
     if content_checks_enabled(device) and not bool((t.abs() <= 1).all()):
         raise ValueError(f"{name}: expected finite entries in [-1, 1] (an orthogonal matrix)")
 
@@ -146,25 +137,6 @@ def _check_rotation(name: str, t: torch.Tensor, head_dim: int, device: torch.dev
 # ----------------------------------------------------------------------------------------------
 # Store.
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _exact_norm(k):
-    """``||k||`` of an fp32 vector (zeros in padding lanes), independent of summation order.
-
-    ``e = exponent(max |k|)``, ``x = k 2^-e`` in fp64 (exact, ``x^2`` exact), ``s = sum of
-    trunc(x^2 2^40)`` in int64, ``n = fp32(sqrt_rn(fp32(s) 2^-40) 2^e)``; as ``golden._fixed_point.key_norm_f32``.
-    The powers of two are built from their fp64 bits (exact; ``exp2`` is approximate compiled).
-    """
-    amax = tl.max(tl.abs(k), axis=0)
-    exp_field = ((amax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int64)
-    e = tl.maximum(exp_field, 1) - 127
-    pow2_minus_e = ((1023 - e) << 52).to(tl.float64, bitcast=True)
-    pow2_e = ((1023 + e) << 52).to(tl.float64, bitcast=True)
-    x = k.to(tl.float64) * pow2_minus_e
-    squares = tl.sum((x * x * _NORM_SCALE).to(tl.int64), axis=0)
-    root = tl.sqrt_rn(squares.to(tl.float32) * _NORM_UNIT)
-    return (root.to(tl.float64) * pow2_e).to(tl.float32)
 
 
 @triton.jit
@@ -208,9 +180,9 @@ def _store_kernel(
     """Grid ``(T * HKV,)``: a program owns one (token, KV head) slot and writes all of its bytes.
 
     It reads the key row once into registers for the norm, then streams ``PiT`` through in
-    ``[D_CHUNK, D]`` tiles (re-reading ``D_CHUNK`` key entries per tile, from L1) accumulating
-    int64 fixed-point dot products, so the rotation's result is bit-exact whatever the reduction
-    order. Divisions and square roots are ``div_rn``/``sqrt_rn``: IEEE-exact compiled too.
+    ``[D_CHUNK, D]`` tiles (re-reading ``D_CHUNK`` key entries per tile, from L1), accumulating the
+    rotation in fp32. Any summation order, fused or not, and 2-ulp divisions and square roots stay
+    inside the error bound that ``triton_impl.parity.turboquant.compare_store`` holds a store to.
     """
     token = (tl.program_id(0) // num_kv_heads).to(tl.int64)
     head = tl.program_id(0) % num_kv_heads
@@ -229,18 +201,18 @@ def _store_kernel(
     if KEY_BITS == 8:
         tl.store(data + dims, f32_to_e4m3_bits(k, False), mask=in_dim)
     else:
-        norm = _exact_norm(k)
+        norm = tl.sqrt(tl.sum(k * k, axis=0))
         denom = norm + _KEY_NORM_EPS
         # acc[i, j] sums rows d = i (mod D_CHUNK) of column j; one reduction at the end.
-        acc = tl.zeros([D_CHUNK, BLOCK_D], dtype=tl.int64)
+        acc = tl.zeros([D_CHUNK, BLOCK_D], dtype=tl.float32)
         for d0 in range(0, HEAD_DIM, D_CHUNK):
             rows = d0 + tl.arange(0, D_CHUNK)
             in_rows = rows < HEAD_DIM
-            k_hat = tl.div_rn(tl.load(key_row + rows, mask=in_rows, other=0.0).to(tl.float32), denom)
+            k_hat = tl.load(key_row + rows, mask=in_rows, other=0.0).to(tl.float32) / denom
             pit = tl.load(pit_ptr + rows[:, None] * stride_pit + dims[None, :],
                           mask=in_rows[:, None] & in_dim[None, :], other=0.0)  # fmt: skip
-            acc += (k_hat[:, None] * pit * _ROTATION_SCALE).to(tl.int64)
-        y = tl.sum(acc, axis=0).to(tl.float32) * _ROTATION_UNIT
+            acc += k_hat[:, None] * pit
+        y = tl.sum(acc, axis=0)
         # idx_d = #{m : midpoint_m <= y_d}; padding midpoints are +inf and never count.
         m = tl.arange(0, BLOCK_CODES)
         midpoints = tl.load(midpoint_ptr + m, mask=m < (1 << KEY_BITS) - 1, other=float("inf"))
@@ -249,8 +221,7 @@ def _store_kernel(
         stored_norm = norm
         if NORM_CORRECTION:
             c = tl.load(centroid_ptr + codes, mask=in_dim, other=0.0)
-            c_squared = tl.sum((c * c * _NORM_SCALE).to(tl.int64), axis=0).to(tl.float32) * _NORM_UNIT
-            stored_norm = tl.div_rn(norm, tl.sqrt_rn(c_squared + _NORM_CORRECTION_EPS))
+            stored_norm = norm / tl.sqrt(tl.sum(c * c, axis=0) + _NORM_CORRECTION_EPS)
         tl.store(meta, _fp16_bits(stored_norm))
 
     # Values: min-max over the valid lanes, both ends clamped to fp16's range before the scale.
@@ -260,8 +231,8 @@ def _store_kernel(
     v_max = tl.max(tl.where(in_dim, v, float("-inf")), axis=0)
     v_min = tl.minimum(tl.maximum(v_min, -_FP16_MAX), _FP16_MAX)
     v_max = tl.minimum(tl.maximum(v_max, -_FP16_MAX), _FP16_MAX)
-    scale = tl.maximum(tl.div_rn(v_max - v_min, tl.full([], LEVELS, tl.float32)), _MIN_VALUE_SCALE)
-    q = tl.floor(tl.div_rn(v - v_min, scale) + 0.5)
+    scale = tl.maximum((v_max - v_min) / LEVELS, _MIN_VALUE_SCALE)
+    q = tl.floor((v - v_min) / scale + 0.5)
     v_codes = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
     _store_packed(v_codes, data + KEY_DATA_BYTES, VALUE_BITS, HEAD_DIM, BLOCK_D)
     tl.store(meta + (NUM_FIELDS - 2) * block_size, _fp16_bits(scale))
@@ -285,8 +256,8 @@ def triton_turboquant_store(
     """Quantize ``T`` tokens into their SoA cache slots (vLLM's ``triton_turboquant_store``).
 
     Codes equal ``golden.turboquant.turboquant_store``'s outside the tie bands of
-    ``triton_impl.parity.turboquant.compare_store``; bytes equal ``golden._fixed_point.store_twin``'s
-    bit for bit, on any device. A negative
+    ``triton_impl.parity.turboquant.compare_store`` (one step off at most inside one); fp16 fields
+    within their rounding band, value zeros and FP8 key bytes exact. A negative
     slot is skipped, and so is a slot outside the cache (checked on the device, whatever the
     content checks say). CUDA graphs: the tensors stay fixed across replays; new slots and
     keys are written into them in place. FP8 keys (``key_fp8=True``, ``mse_bits=0``) ignore ``PiT``/``midpoints``.
@@ -345,7 +316,6 @@ def triton_turboquant_store(
         BLOCK_CODES=16,
         D_CHUNK=min(config["D_CHUNK"], block_d),
         num_warps=config["num_warps"],
-        enable_fp_fusion=False,  # defensive: no contraction anywhere in the quantizer's arithmetic
     )  # fmt: skip
 
 
