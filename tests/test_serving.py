@@ -21,11 +21,10 @@ import torch
 
 from golden import turboquant as tq
 from golden.lse_merge import merge_attn_states as golden_merge_attn_states
-from tests.support import generator, paged_cache, randn
+from tests.support import assert_bits_equal, generator, paged_cache, randn
 from triton_impl import decode_attention as dec
 from triton_impl import lse_merge, mla_verify, sparse_indices, turboquant, ue8m0_cache
 from triton_impl.bench import eager_and_graph_us
-from triton_impl.cases import exact
 from triton_impl.validation import CONTENT_CHECKS_ENV, content_checks_enabled
 
 NAN_PAGE_GUARD = 3  # guard pages on each side of a cache
@@ -34,11 +33,6 @@ NAN_PAGE_GUARD = 3  # guard pages on each side of a cache
 @pytest.fixture
 def checks_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CONTENT_CHECKS_ENV, "0")
-
-
-def assert_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    cmp = exact(actual, expected)
-    assert cmp.ok, cmp.detail
 
 
 def guarded(
@@ -172,8 +166,8 @@ def test_decode_without_page_size_is_a_token_level_table(device: torch.device) -
     lse2 = torch.full_like(lse1, float("nan"))
     logits = torch.empty(rows, heads, 2, value_width + 1, device=device)
     dec.decode_attention_fwd(q, cache.cache, v, o2, lse2, cache.block_table, cache.seq_lens, logits, 2, 0.3)
-    assert_bits(o2, o1)
-    assert_bits(lse2, lse1)
+    assert_bits_equal(o2, o1)
+    assert_bits_equal(lse2, lse1)
 
 
 @pytest.mark.parametrize("op", ["decode", "verify", "turboquant"])
@@ -201,8 +195,8 @@ def test_block_table_with_a_trailing_unit_dim_and_spare_rows(op: str, device: to
         o1, lse1 = _run_turboquant(tq_case)
         o2, lse2 = _run_turboquant(tq_case, table=torch.cat([tq_case["table"], tq_case["table"]])[..., None],
                                    seq_lens=torch.cat([tq_case["seq_lens"], tq_case["seq_lens"]]))  # fmt: skip
-    assert_bits(o2, o1)
-    assert_bits(lse2, lse1)
+    assert_bits_equal(o2, o1)
+    assert_bits_equal(lse2, lse1)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz])
@@ -224,10 +218,10 @@ def test_merge_attn_states_copies_context_free_tokens_and_quantizes(out_dtype, d
         inputs[0].cpu().double(), p_lse.cpu().double(), inputs[2].cpu().double(), s_lse.cpu().double(), 4,
         None if scale is None else 0.25, out_dtype if fp8 else torch.float8_e4m3fn,
     )  # fmt: skip
-    assert_bits(out_lse.T[4:].cpu(), s_lse[4:].cpu())
+    assert_bits_equal(out_lse.T[4:].cpu(), s_lse[4:].cpu())
     assert torch.allclose(out_lse.T[:4].cpu().double(), want_lse[:4], rtol=1e-6, atol=1e-6)
     got = out.cpu().float()
-    assert_bits(got[4:], (want_o[4:].float() if fp8 else inputs[2][4:].cpu().float()))
+    assert_bits_equal(got[4:], (want_o[4:].float() if fp8 else inputs[2][4:].cpu().float()))
     ulp = 2.0**-3 if fp8 else 2.0**-8  # one unit of the output format, relative
     assert torch.allclose(got[:4], want_o[:4].float(), rtol=ulp, atol=2.0**-9 if fp8 else 1e-6)
     if fp8:
@@ -308,8 +302,8 @@ def test_decode_poisons_only_rows_with_bad_pages(checks_off, is_mla, num_kv_spli
     for row in (1, 3):
         assert bool(o[row].isnan().all()) and bool(lse[row].isnan().all()), f"row {row} is not poisoned"
     for row in (0, 2, 4):
-        assert_bits(o[row], clean[0][row])
-        assert_bits(lse[row], clean[1][row])
+        assert_bits_equal(o[row], clean[0][row])
+        assert_bits_equal(lse[row], clean[1][row])
 
 
 def _verify_case(device, gen, *, seq_lens, qlen, page_size, moat=True):
@@ -345,8 +339,8 @@ def test_verify_poisons_only_rows_that_see_a_bad_page(checks_off, num_kv_splits,
     for row in (3, 4, 5):  # (b=1, t=1), (b=2, t=0), (b=2, t=1)
         assert bool(o[row].float().isnan().all()) and bool(lse[row].isnan().all()), f"row {row} is not poisoned"
     for row in (0, 1, 2):
-        assert_bits(o[row], clean[0][row])
-        assert_bits(lse[row], clean[1][row])
+        assert_bits_equal(o[row], clean[0][row])
+        assert_bits_equal(lse[row], clean[1][row])
 
 
 def _turboquant_case(device, gen, *, seq_lens, preset="turboquant_4bit_nc", head_dim=32, block_size=4, kv_heads=2):
@@ -398,8 +392,8 @@ def test_turboquant_decode_poisons_only_requests_with_bad_blocks(checks_off, dev
     for b in (1, 3):
         assert bool(out[b].float().isnan().all()) and bool(lse[b].isnan().all()), f"request {b} is not poisoned"
     for b in (0, 2):
-        assert_bits(out[b], clean[0][b])
-        assert_bits(lse[b], clean[1][b])
+        assert_bits_equal(out[b], clean[0][b])
+        assert_bits_equal(lse[b], clean[1][b])
 
 
 def test_split_merge_propagates_a_poisoned_split(device: torch.device) -> None:
@@ -428,7 +422,7 @@ def test_turboquant_store_skips_slots_outside_the_cache(checks_off, device) -> N
     reference = before.clone()
     ref_cache = reference[NAN_PAGE_GUARD : NAN_PAGE_GUARD + cache.shape[0]]
     turboquant.triton_turboquant_store(keys, values, ref_cache, torch.tensor([-1, 2, -1, -1], device=device), *args)
-    assert_bits(storage, reference)
+    assert_bits_equal(storage, reference)
 
 
 def test_ue8m0_insert_skips_slots_outside_the_cache(checks_off, device) -> None:
@@ -442,7 +436,7 @@ def test_ue8m0_insert_skips_slots_outside_the_cache(checks_off, device) -> None:
                                             block_size)  # fmt: skip
     reference, _ = guarded((num_blocks, record), torch.uint8, device, 0xAB)
     ue8m0_cache.quantize_and_insert_k_cache(k, reference, torch.tensor([-1, 5, -1, -1], device=device), block_size)
-    assert_bits(cache, reference)
+    assert_bits_equal(cache, reference)
     assert bool((storage[:NAN_PAGE_GUARD] == 0xAB).all()) and bool((storage[-NAN_PAGE_GUARD:] == 0xAB).all())
 
 
@@ -463,8 +457,8 @@ def test_ue8m0_gather_poisons_tokens_without_a_block_and_stays_inside_out(checks
     clean = torch.full((3, rows + 8, 512), -7.0, dtype=torch.bfloat16, device=device)
     table_ok = torch.tensor([[0, 1], [2, 3], [3, 0]], dtype=torch.int32, device=device)
     ue8m0_cache.dequantize_and_gather_k_cache(clean, cache, seq_lens, seq_lens.clone(), table_ok, block_size, 1)
-    assert_bits(out[0], clean[0, :rows])  # request 0: clean
-    assert_bits(out[1, :5], clean[1, :5])  # request 1, positions 0..3 (block 2)
+    assert_bits_equal(out[0], clean[0, :rows])  # request 0: clean
+    assert_bits_equal(out[1, :5], clean[1, :5])  # request 1, positions 0..3 (block 2)
     assert bool(out[1, 5:].float().isnan().all())  # request 1, position 4: block 7 is outside the cache
     assert bool(out[2, 1:5].float().isnan().all())  # request 2: positions -4..-1 have no block
     assert bool((out[:, 0] == -7.0).all())  # row 0 is below the offset: untouched
@@ -672,7 +666,7 @@ def test_cuda_graph_replay_equals_eager_bit_for_bit(name: str, monkeypatch: pyte
         call.run()
         torch.cuda.synchronize()
         for got, want in zip(replayed, call.outputs()):
-            assert_bits(got, want)
+            assert_bits_equal(got, want)
 
 
 @pytest.mark.gpu
