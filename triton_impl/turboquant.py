@@ -140,6 +140,18 @@ def _check_rotation(name: str, t: torch.Tensor, head_dim: int, device: torch.dev
 
 
 @triton.jit
+def _key_norm(k):
+    """``||k||`` of an fp32 vector (zeros in padding lanes) in fp32, scaled by a power of two so
+    that no square overflows or underflows: ``2^e sqrt(sum (k 2^-e)^2)`` with ``2^e <= max |k|``.
+    The scaling is exact, so the result has the error of the plain fp32 formula wherever that one
+    is finite. Powers of two are built from their bits (``exp2`` is approximate compiled)."""
+    amax = tl.max(tl.abs(k), axis=0)
+    e = tl.minimum(tl.maximum(((amax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32), 1) - 127, 126)
+    x = k * ((127 - e) << 23).to(tl.float32, bitcast=True)
+    return tl.sqrt(tl.sum(x * x, axis=0)) * ((127 + e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fp16_bits(x):
     """fp32 -> fp16 (round to nearest even) clamped to +-65504, as the uint16 to store."""
     return tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX).to(tl.float16).to(tl.uint16, bitcast=True)
@@ -201,7 +213,7 @@ def _store_kernel(
     if KEY_BITS == 8:
         tl.store(data + dims, f32_to_e4m3_bits(k, False), mask=in_dim)
     else:
-        norm = tl.sqrt(tl.sum(k * k, axis=0))
+        norm = _key_norm(k)
         denom = norm + _KEY_NORM_EPS
         # acc[i, j] sums rows d = i (mod D_CHUNK) of column j; one reduction at the end.
         acc = tl.zeros([D_CHUNK, BLOCK_D], dtype=tl.float32)
