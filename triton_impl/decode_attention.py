@@ -30,6 +30,7 @@ from triton_impl.validation import (
     block_table_2d,
     cdiv,
     check_block_table,
+    check_lengths,
     check_positive,
     check_power_of_two,
     check_scale,
@@ -279,8 +280,8 @@ def _decode_stage1_kernel(
             qk = logit_cap * _tanh(qk / logit_cap) * _LOG2E
         qk = tl.where(tok_ok[None, :], tl.where(page_ok[None, :], qk, float("nan")), float("-inf"))
 
-        # Every tile holds at least one key of [start, end), so m_new is finite (finite data and
-        # unpoisoned: a poisoned tile's result is replaced by NaN below).
+        # Every tile holds at least one key of [start, end), so m_new is finite (finite data; a
+        # poisoned tile's NaN scores reach l_i and acc whatever the max makes of them).
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -438,9 +439,7 @@ def decode_attention_fwd(
     check_tensor("o", o, shape=(num_rows, num_heads, value_width), dtypes=_OUT_DTYPES, device=device)
     check_tensor("lse", lse, shape=(num_rows, num_heads), dtypes=_OUT_DTYPES, device=device, unit_last_stride=False)
     req_to_token = block_table_2d("req_to_token", req_to_token, min_rows=num_rows, device=device, dtypes=_INDEX_DTYPES)
-    check_tensor("b_seq_len", b_seq_len, ndim=1, dtypes=_INDEX_DTYPES, device=device, unit_last_stride=False)
-    if b_seq_len.shape[0] < num_rows:
-        raise ValueError(f"b_seq_len: expected >= {num_rows} entries (q's rows), got {b_seq_len.shape[0]}")
+    check_lengths("b_seq_len", b_seq_len, num_rows, device, _INDEX_DTYPES)
     single = num_kv_splits == 1
     if not single:
         attn_logits = check_split_workspace(attn_logits, num_rows, num_heads, num_kv_splits, value_width, device)

@@ -29,6 +29,7 @@ from triton_impl.validation import (
     block_table_2d,
     cdiv,
     check_block_table,
+    check_lengths,
     check_positive,
     check_power_of_two,
     check_scale,
@@ -405,11 +406,9 @@ def _check_verify_args(
         "lse", lse, shape=(num_rows, num_heads), dtypes=(torch.float32,), device=device, unit_last_stride=False
     )
     block_table = block_table_2d("req_to_token", req_to_token, min_rows=batch, device=device, dtypes=_INDEX_DTYPES)
-    for name, lens in (("seq_lens", seq_lens), ("real_seq_lens", real_seq_lens)):
-        if lens is not None or name == "seq_lens":
-            check_tensor(name, lens, ndim=1, dtypes=_INDEX_DTYPES, device=device, unit_last_stride=False)
-            if lens.shape[0] < batch:
-                raise ValueError(f"{name}: expected >= {batch} entries (one per request), got {lens.shape[0]}")
+    check_lengths("seq_lens", seq_lens, batch, device, _INDEX_DTYPES)
+    if real_seq_lens is not None:
+        check_lengths("real_seq_lens", real_seq_lens, batch, device, _INDEX_DTYPES)
     if num_kv_splits > 1:
         check_split_workspace(attn_logits, num_rows, num_heads, num_kv_splits, value_width, device)
     k_scale = check_scale("k_scale", k_scale if k_buffer.dtype in _FP8_CACHE_DTYPES else None, device)

@@ -28,7 +28,14 @@ import triton.language as tl
 from triton_impl.interpreter import e4m3_bits_to_f32, f32_to_e4m3_bits
 from triton_impl.launch import launch, select_config
 from triton_impl.lse_merge import launch_merge_splits
-from triton_impl.validation import block_table_2d, check_block_table, check_tensor, content_checks_enabled, next_pow2
+from triton_impl.validation import (
+    block_table_2d,
+    check_block_table,
+    check_lengths,
+    check_tensor,
+    content_checks_enabled,
+    next_pow2,
+)
 
 _KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _QUERY_DTYPES = (torch.float16, torch.bfloat16)
@@ -620,9 +627,7 @@ def triton_turboquant_decode_attention_v2(
         raise ValueError(f"query: {num_heads} heads is not a multiple of kv_cache's {num_kv_heads} KV heads")
     _check_cache(kv_cache, num_kv_heads, layout)
     block_table = block_table_2d("block_table", block_table, min_rows=batch, device=device, dtypes=_INDEX_DTYPES)
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=_INDEX_DTYPES, device=device, unit_last_stride=False)
-    if seq_lens.shape[0] < batch:
-        raise ValueError(f"seq_lens: expected >= {batch} entries (one per request), got {seq_lens.shape[0]}")
+    check_lengths("seq_lens", seq_lens, batch, device, _INDEX_DTYPES)
     if not isinstance(max_num_kv_splits, int) or max_num_kv_splits < 1:
         raise ValueError(f"max_num_kv_splits: expected a positive int, got {max_num_kv_splits!r}")
     if use_pair_lut and (key_fp8 or mse_bits != 4):

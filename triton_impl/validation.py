@@ -108,6 +108,16 @@ def check_scale(name: str, scale: torch.Tensor | None, device: torch.device) -> 
     return scale
 
 
+def check_lengths(
+    name: str, t: torch.Tensor, min_rows: int, device: torch.device, dtypes: Iterable[torch.dtype]
+) -> None:
+    """A vector of per-row lengths with at least ``min_rows`` entries (a worst-case buffer serves a
+    smaller batch; entries past ``min_rows`` are never read), any stride."""
+    check_tensor(name, t, ndim=1, dtypes=tuple(dtypes), device=device, unit_last_stride=False)
+    if t.shape[0] < min_rows:
+        raise ValueError(f"{name}: expected >= {min_rows} entries (one per row), got {t.shape[0]}")
+
+
 def check_split_workspace(
     t: torch.Tensor | None, rows: int, num_heads: int, num_splits: int, value_width: int, device: torch.device
 ) -> torch.Tensor:
