@@ -24,16 +24,18 @@ from triton_impl.parity.ue8m0_cache import bench_cases as ue8m0_cases
 
 os.environ["ATTNREF_CHECK_CONTENTS"] = "0"
 COPY_GBPS = 4221.0
-# TurboQuant decode: (BLOCK_N, num_warps, num_stages); the first is the current sm90 entry.
-TURBOQUANT_GRID = [(16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 8, 2), (32, 4, 3), (64, 4, 3)]
+# TurboQuant decode: (BLOCK_N, num_warps, num_stages, PAIR_LUT); the first is the current sm90 entry.
+TURBOQUANT_GRID = [(128, 4, 2, 0), (32, 4, 2, 0), (64, 4, 2, 0), (64, 8, 2, 0), (128, 8, 2, 0), (32, 4, 3, 0),
+                   (128, 4, 1, 0), (128, 4, 2, 1)]  # fmt: skip
 # UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps); the first is the default entry.
 UE8M0_GRID = [(1, 128, 4), (4, 128, 4), (8, 128, 4), (8, 128, 8), (16, 128, 8), (4, 512, 4), (8, 512, 8),
               (16, 256, 8)]  # fmt: skip
 
 
-def set_turboquant(block_n: int, warps: int, stages: int) -> str:
-    turboquant.DECODE_CONFIGS["sm90"] = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-    return f"BN{block_n} w{warps} s{stages}"
+def set_turboquant(block_n: int, warps: int, stages: int, pair_lut: int) -> str:
+    turboquant.DECODE_CONFIGS["sm90"] = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
+                                         "PAIR_LUT": pair_lut}  # fmt: skip
+    return f"BN{block_n} w{warps} s{stages} pair{pair_lut}"
 
 
 def set_ue8m0(tokens: int, workers: int, warps: int) -> str:
@@ -46,7 +48,7 @@ def main(budget_s: float, only: str | None = None) -> None:
     deadline = time.time() + budget_s
     cases = []
     if only in (None, "turboquant"):
-        cases += [(c, set_turboquant, TURBOQUANT_GRID) for c in turboquant_cases() if "L=8192" in c.name]
+        cases += [(c, set_turboquant, TURBOQUANT_GRID) for c in turboquant_cases() if "decode" in c.name]
     if only in (None, "ue8m0"):
         cases += [(c, set_ue8m0, UE8M0_GRID) for c in ue8m0_cases()]
     for case, apply, grid in cases:

@@ -16,7 +16,9 @@ does and is right in both modes, so a kernel calls it unconditionally:
    :func:`cast_for_store` uses it for bf16 outputs under the interpreter only.
 6. e4m3 -> fp32 reads the NaN code 0x7F as 480. :func:`e4m3_bits_to_f32` decodes bytes in integer
    arithmetic (OCP and FNUZ), so an fp8 cache is loaded as uint8 and decoded the same way in both
-   modes (and FNUZ bytes decode on GPUs without FNUZ support).
+   modes (and FNUZ bytes decode on GPUs without FNUZ support). :func:`e4m3_bits_to_f16`, for
+   dot operands that need no bit-exact NaN payloads, takes the hardware conversion when compiled
+   and this decode under the interpreter.
 7. A scalar bool ``&`` a block of bools gives an int32 block, which ``tl.load``/``tl.store`` reject
    as a mask ("mask has unsupported dtype"): write ``tl.where(scalar, block, False)`` instead.
 
@@ -145,3 +147,16 @@ def e4m3_bits_to_f32(code, FNUZ: tl.constexpr):
     f32 = magnitude.to(tl.int32, bitcast=True) | ((c >> 7) << 31)
     is_nan = (c == 0x80) if FNUZ else ((c & 0x7F) == 0x7F)
     return tl.where(is_nan, 0x7FC00000, f32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_bits_to_f16(code):
+    """OCP e4m3 byte -> fp16 (exact: every e4m3 value is an fp16 value; NaN codes give NaN).
+
+    Compiled: the hardware conversion (``cvt.rn.f16x2.e4m3x2`` on sm_89+, about one instruction per
+    two values instead of :func:`e4m3_bits_to_f32`'s dozen integer ops); its NaN payload may differ
+    from torch's. Interpreted: the integer decode (defect 6).
+    """
+    if INTERPRET:
+        return e4m3_bits_to_f32(code, False).to(tl.float16)
+    return code.to(tl.float8e4nv, bitcast=True).to(tl.float16)

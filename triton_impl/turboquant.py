@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl.interpreter import e4m3_bits_to_f32, f32_to_e4m3_bits
+from triton_impl.interpreter import e4m3_bits_to_f16, f32_to_e4m3_bits
 from triton_impl.launch import launch, select_config
 from triton_impl.lse_merge import launch_merge_splits
 from triton_impl.validation import (
@@ -46,7 +46,6 @@ _FP16_MAX = tl.constexpr(65504.0)
 _KEY_NORM_EPS = tl.constexpr(1e-8)
 _NORM_CORRECTION_EPS = tl.constexpr(1e-16)
 _MIN_VALUE_SCALE = tl.constexpr(1e-8)
-_CENTROID_SCALE = tl.constexpr(64.0)  # 2^6: keeps the low fp16 half of c * 64 (|c| ~ 1/sqrt(D)) normal
 _MAX_HEAD_DIM = 1024
 
 # Launch configs as data, keyed by where the kernel runs. Store: D_CHUNK rows of PiT per step of
@@ -65,9 +64,9 @@ STORE_CONFIGS: dict[str, dict[str, int]] = {
     "interpreter": {"D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4},
 }
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
-    "default": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
-    "sm90": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
-    "interpreter": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
+    "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1},
+    "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0},
+    "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1},
 }
 
 
@@ -374,21 +373,59 @@ def build_pair_lut(centroids: torch.Tensor) -> torch.Tensor:
     return pairs.reshape(-1, 2).contiguous()
 
 
-@triton.jit
-def _load_codes(slot, dims, live, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """``[BLOCK_N, BLOCK_D]`` codes of each token's bit stream at ``slot`` (code d at bit BITS*d).
+def _byte_pair_table(centroids: torch.Tensor) -> torch.Tensor:
+    """The pair LUT as the kernel reads it: entry ``b`` (a packed byte, ``lo = b & 15``,
+    ``hi = b >> 4``) is ``fp16(c_lo) | fp16(c_hi) << 16``, one int32 per byte value (1 KiB)."""
+    lut = build_pair_lut(centroids).to(torch.float16)  # row lo*16 + hi
+    return lut.view(16, 16, 2).transpose(0, 1).reshape(256, 2).view(torch.int32)
 
-    A code straddling two bytes (3-bit) reads the next byte too; one that does not never does, so
-    no read leaves the field.
+
+@triton.jit
+def _load_code_groups(words_ptr, field, live, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      WORD_ALIGNED: tl.constexpr):  # fmt: skip
+    """``[BLOCK_N, BLOCK_D // 8]`` int32: group ``g`` holds codes ``8g .. 8g+7`` of each token's
+    LSB-first bit stream (code ``d`` at bits ``[BITS*d, BITS*d + BITS)``), ``8 * BITS`` bits.
+
+    ``field`` is each token's byte offset from the cache base (4-byte aligned). A group starts at
+    byte ``field + BITS*g``; it is read as the aligned 32-bit word holding that byte, and the next
+    word only where the group runs past it (``WORD_ALIGNED``: never, each group is one word).
+    Groups past ``HEAD_DIM`` and dead tokens read nothing and give 0.
     """
-    bit = dims * BITS
-    byte = bit // 8
-    shift = bit % 8
-    ok = live[:, None] & (dims < HEAD_DIM)[None, :]
-    lo = tl.load(slot[:, None] + byte[None, :], mask=ok, other=0).to(tl.int32)
-    straddles = (shift + BITS > 8)[None, :]
-    hi = tl.load(slot[:, None] + byte[None, :] + 1, mask=ok & straddles, other=0).to(tl.int32)
-    return ((lo | (hi << 8)) >> shift[None, :]) & ((1 << BITS) - 1)
+    g = tl.arange(0, BLOCK_D // 8)
+    ok = live[:, None] & (g < HEAD_DIM // 8)[None, :]
+    byte = field[:, None] + (g * BITS)[None, :]
+    if WORD_ALIGNED:
+        return tl.load(words_ptr + byte // 4, mask=ok, other=0)
+    shift = ((byte % 4) * 8).to(tl.uint32)
+    lo = tl.load(words_ptr + byte // 4, mask=ok, other=0)
+    hi = tl.load(words_ptr + byte // 4 + 1, mask=ok & (shift + 8 * BITS > 32), other=0)
+    return (lo >> shift) | tl.where(shift == 0, 0, hi << ((32 - shift) & 31))
+
+
+@triton.jit
+def _codes(groups, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Code groups ``[BLOCK_N, BLOCK_D // 8]`` -> codes ``[BLOCK_N, BLOCK_D]`` int32 in dimension order."""
+    phase = tl.arange(0, 8).to(tl.uint32)
+    codes = (groups[:, :, None] >> (BITS * phase)[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(codes, [BLOCK_N, BLOCK_D]).to(tl.int32)
+
+
+@triton.jit
+def _small_int_to_f16(codes):
+    """int32 in ``[0, 1024)`` -> fp16, exactly, without a conversion instruction: ``0x6400 | c`` is
+    the fp16 ``1024 + c``, and subtracting 1024 in fp16 is exact."""
+    return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def _pair_centroids(groups, pair_lut_ptr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """4-bit code groups -> fp16 centroids ``[BLOCK_N, BLOCK_D]`` through the byte-indexed pair LUT:
+    one 4-byte gather per packed byte returns the centroids of both of its codes."""
+    k = tl.arange(0, 4).to(tl.uint32)
+    pair = tl.load(pair_lut_ptr + ((groups[:, :, None] >> (8 * k)[None, None, :]) & 0xFF))
+    even = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)  # coordinate 2k
+    odd = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)  # coordinate 2k + 1
+    return tl.reshape(tl.join(even, odd), [BLOCK_N, BLOCK_D])
 
 
 @triton.jit
@@ -404,18 +441,43 @@ def _split_f16(x):
 
 
 @triton.jit
-def _dot_split(a_hi, a_lo, b, acc):
-    """``acc + a @ b^T`` in three fp16 MMAs: ``a_hi b_hi + a_lo b_hi + a_hi b_lo`` (``a_lo b_lo`` < 2^-22)."""
-    b_hi, b_lo = _split_f16(b)
-    b_hi = tl.trans(b_hi)
-    acc = tl.dot(a_hi, b_hi, acc)
-    acc = tl.dot(a_lo, b_hi, acc)
-    return tl.dot(a_hi, tl.trans(b_lo), acc)
+def _load_tile(cache_ptr, cache_u16_ptr, block_row, tile_start, end, kv_head,
+               block_size, num_blocks, num_kv_heads, stride_btc, stride_block, data_bytes_per_slot, meta_offset,
+               HEAD_DIM: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr,
+               KEY_DATA_BYTES: tl.constexpr, NUM_FIELDS: tl.constexpr, WORD_ALIGNED_KEYS: tl.constexpr,
+               WORD_ALIGNED_VALUES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Everything tile ``[tile_start, tile_start + BLOCK_N)`` reads from memory, still packed:
+    ``(live, page_ok, keys, values, norm, v_scale, v_zero)``. Keys are FP8 bytes ``[BLOCK_N,
+    BLOCK_D]`` or code groups, values code groups (:func:`_load_code_groups`). Tokens at or past
+    ``end`` read nothing."""
+    tokens = tile_start + tl.arange(0, BLOCK_N)
+    live = tokens < end
+    page = tl.load(block_row + (tokens // block_size) * stride_btc, mask=live, other=0).to(tl.int64)
+    page_ok = (page >= 0) & (page < num_blocks)
+    page = tl.where(page_ok, page, 0)  # in bounds; its keys' scores are NaN (see decode_attention)
+    position = tokens % block_size
+    block_base = page * stride_block
+    field = block_base + (position * num_kv_heads + kv_head) * data_bytes_per_slot  # byte offsets
+    meta = cache_u16_ptr + (block_base + meta_offset) // 2 + kv_head * NUM_FIELDS * block_size + position
+    words_ptr = cache_ptr.to(tl.pointer_type(tl.uint32))
+    if KEY_BITS == 8:
+        dims = tl.arange(0, BLOCK_D)
+        keys = tl.load(cache_ptr + field[:, None] + dims[None, :], mask=live[:, None] & (dims < HEAD_DIM)[None, :],
+                       other=0)  # fmt: skip
+        norm = tl.full([BLOCK_N], 1.0, dtype=tl.float32)
+    else:
+        keys = _load_code_groups(words_ptr, field, live, KEY_BITS, HEAD_DIM, BLOCK_D, WORD_ALIGNED_KEYS)
+        norm = _load_fp16(meta, live)  # the stored (norm-corrected) key norm
+    values = _load_code_groups(words_ptr, field + KEY_DATA_BYTES, live, VALUE_BITS, HEAD_DIM, BLOCK_D,
+                               WORD_ALIGNED_VALUES)  # fmt: skip
+    v_scale = _load_fp16(meta + (NUM_FIELDS - 2) * block_size, live)
+    v_zero = _load_fp16(meta + (NUM_FIELDS - 1) * block_size, live)
+    return live, page_ok, keys, values, norm, v_scale, v_zero
 
 
 @triton.jit
 def _decode_stage1_kernel(
-    q_ptr, cache_ptr, cache_u16_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, pair_lut_ptr, partials_ptr,
+    q_ptr, cache_ptr, cache_u16_ptr, block_table_ptr, seq_lens_ptr, table_ptr, partials_ptr,
     sm_scale, num_kv_heads, block_size, num_blocks, table_keys, stride_block, data_bytes_per_slot, meta_offset,
     stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
     KV_GROUP: tl.constexpr,
@@ -426,24 +488,27 @@ def _decode_stage1_kernel(
     NUM_FIELDS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     USE_PAIR_LUT: tl.constexpr,
+    WORD_ALIGNED_KEYS: tl.constexpr,
+    WORD_ALIGNED_VALUES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(B, HKV, S)``: a program owns one split of one request for one KV head.
 
     It loads the group's ``KV_GROUP`` rotated queries once (``BLOCK_M >= 16`` rows for
-    ``tl.dot``; 4-bit keys split them into even and odd coordinates, the two nibbles of a packed
-    byte) and streams ``BLOCK_N``-token tiles of its split: codes -> centroids (pair LUT or
-    gathers) -> ``q.c`` -> times the stored norm. Values enter as ``(p * scale) @ codes + p @
-    zero``: the MMA multiplies exact small integers, and no dequantized value can overflow it.
+    ``tl.dot``) and streams ``BLOCK_N``-token tiles of its split. Per tile, each token's key and
+    value fields are read as 32-bit words, one word per group of 8 codes
+    (:func:`_load_code_groups`), and unpacked with shifts: key codes -> fp16 centroids (a 16- or
+    8-entry table, or the byte-indexed pair LUT) -> ``q.c`` in MMAs -> times the stored norm.
+    Values enter as ``(p * scale) @ codes + p @ zero``: codes are small integers, exact in fp16
+    (:func:`_small_int_to_f16`), so the MMA needs no dequantized value and no lookup.
 
-    Numerics, the same in every mode: MMA operands are fp16 pairs ``hi + lo`` (:func:`_dot_split`),
-    so products carry ~22 bits instead of fp16's 11 (or bf16's 8); upstream casts to fp16 once.
-    Centroids (~1/sqrt(D)) are scaled by 64 before the split so that ``lo`` stays a normal fp16;
-    queries must stay below 65504 (as upstream's fp16 cast assumes). Online softmax in base 2;
-    writes ``(o, lse)``, or ``(0, -inf)`` for an empty split.
+    Numerics: the centroids are rounded to fp16 once (as upstream's kernel does); everything else
+    keeps ~22 bits: the query and ``p * scale`` enter the MMAs as fp16 pairs ``hi + lo``, codes and
+    e4m3 keys are exact in fp16, sums are fp32. Queries must stay below 65504 (as upstream's fp16
+    cast assumes). Online softmax in base 2; writes ``(o, lse)``, or ``(0, -inf)`` for an empty
+    split.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -464,69 +529,46 @@ def _decode_stage1_kernel(
     dims = tl.arange(0, BLOCK_D)
     in_dim = dims < HEAD_DIM
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-    if KEY_BITS == 4:
-        half = tl.arange(0, BLOCK_HALF)
-        in_half = half < HEAD_DIM // 2
-        q_mask = head_ok[:, None] & in_half[None, :]
-        q_even_hi, q_even_lo = _split_f16(tl.load(q_rows + 2 * half[None, :], mask=q_mask, other=0.0))
-        q_odd_hi, q_odd_lo = _split_f16(tl.load(q_rows + 2 * half[None, :] + 1, mask=q_mask, other=0.0))
-    else:
-        q_hi, q_lo = _split_f16(tl.load(q_rows + dims[None, :], mask=head_ok[:, None] & in_dim[None, :], other=0.0))
-    # Scores in base 2; the 1/64 undoes the centroid scaling (both are powers of two: exact).
-    score_scale = sm_scale * _LOG2E if KEY_BITS == 8 else sm_scale * _LOG2E / _CENTROID_SCALE
+    q_hi, q_lo = _split_f16(tl.load(q_rows + dims[None, :], mask=head_ok[:, None] & in_dim[None, :], other=0.0))
+    score_scale = sm_scale * _LOG2E  # scores in base 2
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     block_row = block_table_ptr + b.to(tl.int64) * stride_bt
+    # Software prefetch: each iteration issues the next tile's loads before it computes on this
+    # one, so their latency (table entry, then the fields it points to) hides under the compute.
+    live, page_ok, keys, values, norm, v_scale, v_zero = _load_tile(
+        cache_ptr, cache_u16_ptr, block_row, start, end, kv_head, block_size, num_blocks, num_kv_heads, stride_btc,
+        stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS, VALUE_BITS, KEY_DATA_BYTES, NUM_FIELDS,
+        WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D)  # fmt: skip
     for tile_start in range(start, end, BLOCK_N):
-        tokens = tile_start + tl.arange(0, BLOCK_N)
-        live = tokens < end
-        page = tl.load(block_row + (tokens // block_size) * stride_btc, mask=live, other=0).to(tl.int64)
-        page_ok = (page >= 0) & (page < num_blocks)
-        page = tl.where(page_ok, page, 0)  # in bounds; its keys' scores are NaN below (see decode_attention)
-        position = tokens % block_size
-        block_base = page * stride_block
-        slot = cache_ptr + block_base + (position * num_kv_heads + kv_head) * data_bytes_per_slot
-        meta = cache_u16_ptr + (block_base + meta_offset) // 2 + kv_head * NUM_FIELDS * block_size + position
+        next_tile = _load_tile(
+            cache_ptr, cache_u16_ptr, block_row, tile_start + BLOCK_N, end, kv_head, block_size, num_blocks,
+            num_kv_heads, stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS, VALUE_BITS,
+            KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D)  # fmt: skip
 
-        qk = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if KEY_BITS == 4:
-            packed = tl.load(slot[:, None] + half[None, :], mask=live[:, None] & in_half[None, :], other=0)
-            lo = (packed & 0xF).to(tl.int32)  # coordinate 2i
-            hi = (packed >> 4).to(tl.int32)  # coordinate 2i + 1
-            if USE_PAIR_LUT:
-                pair = tl.load(pair_lut_ptr + lo * 16 + hi)  # one 8-byte gather: (c_lo, c_hi)
-                c_even = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-                c_odd = ((pair >> 32) & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-            else:
-                c_even = tl.load(centroid_ptr + lo)
-                c_odd = tl.load(centroid_ptr + hi)
-            qk = _dot_split(q_even_hi, q_even_lo, c_even * _CENTROID_SCALE, qk)
-            qk = _dot_split(q_odd_hi, q_odd_lo, c_odd * _CENTROID_SCALE, qk)
-        elif KEY_BITS == 3:
-            c = tl.load(centroid_ptr + _load_codes(slot, dims, live, 3, HEAD_DIM))
-            qk = _dot_split(q_hi, q_lo, c * _CENTROID_SCALE, qk)
+        if KEY_BITS == 8:
+            k = e4m3_bits_to_f16(keys)  # exact: every e4m3 value is an fp16 value
+        elif USE_PAIR_LUT:
+            k = _pair_centroids(keys, table_ptr, BLOCK_N, BLOCK_D)
         else:
-            fp8 = tl.load(slot[:, None] + dims[None, :], mask=live[:, None] & in_dim[None, :], other=0)
-            k = tl.trans(e4m3_bits_to_f32(fp8, False).to(tl.float16))  # e4m3 values are exact in fp16
-            qk = tl.dot(q_lo, k, tl.dot(q_hi, k, qk))
-        if KEY_BITS != 8:
-            qk = qk * _load_fp16(meta, live)[None, :]  # the stored (norm-corrected) key norm
+            k = tl.load(table_ptr + _codes(keys, KEY_BITS, BLOCK_N, BLOCK_D))
+        k = tl.trans(k)
+        qk = tl.dot(q_lo, k, tl.dot(q_hi, k)) * norm[None, :]
         s = tl.where(live[None, :], tl.where(page_ok[None, :], qk * score_scale, float("nan")), float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: a tile has at least one live token
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        v_codes = _load_codes(slot + KEY_DATA_BYTES, dims, live, VALUE_BITS, HEAD_DIM).to(tl.float16)  # exact
-        v_scale = _load_fp16(meta + (NUM_FIELDS - 2) * block_size, live)
-        v_zero = _load_fp16(meta + (NUM_FIELDS - 1) * block_size, live)
+        v_codes = _small_int_to_f16(_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
         w_hi, w_lo = _split_f16(p * v_scale[None, :])
         pv = tl.dot(w_lo, v_codes, tl.dot(w_hi, v_codes))
         pv += tl.sum(p * v_zero[None, :], axis=1)[:, None]
         acc = acc * alpha[:, None] + pv
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
+        live, page_ok, keys, values, norm, v_scale, v_zero = next_tile
 
     has_keys = end > start
     l_safe = tl.where(l_i == 0, 1.0, l_i)  # NaN (a bad block) passes through
@@ -655,17 +697,26 @@ def triton_turboquant_decode_attention_v2(
     if num_blocks == 0:  # the kernel reads block 0 in place of a bad entry
         raise ValueError(f"kv_cache: expected at least one block, got shape {list(kv_cache.shape)}")
 
+    if kv_cache.data_ptr() % 4:
+        raise ValueError("kv_cache: expected a 4-byte aligned start (the decode reads codes as 32-bit words)")
+
     q_rot = query.float() if key_fp8 else query.float() @ (PiT if PiT is not None else Pi.T)
     q_rot = q_rot.contiguous()
     key_bits = 8 if key_fp8 else mse_bits
-    if use_pair_lut is None:
-        use_pair_lut = key_bits == 4
-    pair_lut = build_pair_lut(centroids).view(torch.int64) if use_pair_lut else q_rot  # q_rot: never read
-    group = num_heads // num_kv_heads
     config = select_decode_config(device)
+    if use_pair_lut is None:
+        use_pair_lut = key_bits == 4 and bool(config["PAIR_LUT"])
+    if key_fp8:
+        table = q_rot  # never read
+    elif use_pair_lut:
+        table = _byte_pair_table(centroids)
+    else:
+        table = centroids.to(torch.float16)
+    # A field whose every 8-code group is one aligned word: 4-bit codes at 4-byte aligned offsets.
+    aligned = kv_cache.stride(0) % 4 == 0 and layout["data_bytes_per_slot"] % 4 == 0
+    group = num_heads // num_kv_heads
     launch(_decode_stage1_kernel, (batch, num_kv_heads, num_splits),
-        q_rot, kv_cache, kv_cache.view(torch.uint16), block_table, seq_lens,
-        q_rot if key_fp8 else centroids, pair_lut, mid_o,
+        q_rot, kv_cache, kv_cache.view(torch.uint16), block_table, seq_lens, table, mid_o,
         float(scale), num_kv_heads, block_size, num_blocks, block_table.shape[1] * block_size,
         kv_cache.stride(0), layout["data_bytes_per_slot"], block_size * num_kv_heads * layout["data_bytes_per_slot"],
         q_rot.stride(0), q_rot.stride(1), block_table.stride(0), block_table.stride(1),
@@ -678,10 +729,11 @@ def triton_turboquant_decode_attention_v2(
         NUM_FIELDS=layout["num_fields"],
         NUM_SPLITS=num_splits,
         USE_PAIR_LUT=bool(use_pair_lut),
+        WORD_ALIGNED_KEYS=aligned and key_bits == 4,
+        WORD_ALIGNED_VALUES=aligned and value_quant_bits == 4 and layout["key_data_bytes"] % 4 == 0,
         BLOCK_M=max(16, next_pow2(group)),
         BLOCK_N=config["BLOCK_N"],
-        BLOCK_D=next_pow2(head_dim),
-        BLOCK_HALF=max(16, next_pow2(head_dim // 2)),
+        BLOCK_D=max(32, next_pow2(head_dim)),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )  # fmt: skip

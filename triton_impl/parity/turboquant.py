@@ -1,5 +1,6 @@
 """Parity cases for TurboQuant: the SoA store (against golden within its rounding bands) and the
-split-KV decode, every preset; and :func:`compare_store`, the store check the tests use too.
+split-KV decode, every preset; :func:`compare_store`, the store check the tests use too; and
+:func:`centroid_rounding_bound`, how far the decode may move because it reads its centroids as fp16.
 
 Each case stores the same tokens with the Triton kernel, checks the bytes with
 :func:`compare_store` (golden's float64 store, codes and fp16 fields allowed to fall either way
@@ -44,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from einops import einsum, rearrange
 
 from golden import turboquant as tq
 from golden.turboquant import TurboQuantConfig, hadamard_rotation, solve_lloyd_max, turboquant_decode_attention
@@ -280,8 +282,8 @@ def _case(name: str, preset: str, head_dim: int, heads: int, kv_heads: int, bloc
             norm_correction=config.norm_correction, lse_buf=lse, max_num_kv_splits=splits,
         )  # fmt: skip
         ref_out, ref_lse = turboquant_decode_attention(
-            query, cache, table, seq_lens, pit, centroids, head_dim**-0.5, config
-        )
+            query, cache, table, seq_lens, pit, centroids.half().float(), head_dim**-0.5, config
+        )  # the centroids as the kernel reads them (fp16); centroid_rounding_bound bounds the difference
         store = compare_store(cache, before, key, value, slot_mapping, pit, midpoints, centroids, config)
         ties = f"{store.ties('key codes')} key and {store.ties('value codes')} value codes in tie bands"
         return [
@@ -343,7 +345,8 @@ def bench_cases() -> list:
             def check() -> list[Check]:
                 out = run()
                 ref_out, ref_lse = turboquant_decode_attention(query[:1], cache, table[:1], seq_lens[:1], pit,
-                                                               centroids, head_dim**-0.5, config)  # fmt: skip
+                                                               centroids.half().float(), head_dim**-0.5,
+                                                               config)  # fmt: skip
                 return [
                     Check("out", out[:1], ref_out, tolerance("turboquant", "out", query.dtype)),
                     Check("lse", lse[:1], ref_lse, tolerance("turboquant", "lse", "float32")),
@@ -370,7 +373,7 @@ def bench_cases() -> list:
         return BenchCase("turboquant", f"{preset} decode B={batch} Hq={heads} Hk={kv_heads} D=128 L={length}", setup)
 
     presets = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
-    decodes = [case(p, 8192) for p in presets] + [case("turboquant_4bit_nc", 32768)]
+    decodes = [case(p, length) for length in (8192, 32768) for p in presets]
     return decodes + [store_case(p, 32 * 32768) for p in presets]
 
 
@@ -411,3 +414,59 @@ def store_case(preset: str, tokens: int, kv_heads: int = 8, head_dim: int = 128,
         return Bench(run, check, nbytes, 0.0)
 
     return BenchCase("turboquant", f"{preset} store Hk={kv_heads} D={head_dim} {tokens // 1024}K tokens", setup)
+
+
+def centroid_rounding_bound(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    PiT: torch.Tensor,
+    centroids: torch.Tensor,
+    scale: float,
+    config: TurboQuantConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounds on how far golden's decode moves when its centroids ``c`` become ``c' = fp16(c)``,
+    the table the Triton decode reads (upstream's kernel rounds them the same way).
+
+    Scores move by ``|s'_j - s_j| <= E_j = scale * n_j * sum_d |q~_d| |c'[idx_jd] - c[idx_jd]|``.
+    ``lse`` is 1-Lipschitz in the scores' max norm, so ``|lse' - lse| <= E = max_j E_j``. Each
+    softmax weight moves by a factor within ``e^(+-2E)``, and ``sum_j (p'_j - p_j) = 0``, so
+    ``|out'_d - out_d| = |sum_j (p'_j - p_j)(v_jd - out_d)| <= (e^(2E) - 1) sum_j p_j |v_jd - out_d|``.
+    FP8 keys read no centroids: both bounds are 0.
+
+    Args:
+        as :func:`golden.turboquant.turboquant_decode_attention`.
+
+    Returns:
+        ``(out_bound [B, H, D], lse_bound [B, H])`` float64 on the CPU; 0 for an empty request.
+    """
+    query, kv_cache, block_table, seq_lens, PiT, centroids = (
+        t.cpu() for t in (query, kv_cache, block_table, seq_lens, PiT, centroids)
+    )
+    batch, num_heads, head_dim = query.shape
+    out_bound = torch.zeros(batch, num_heads, head_dim, dtype=torch.float64)
+    lse_bound = torch.zeros(batch, num_heads, dtype=torch.float64)
+    if config.key_fp8:
+        return out_bound, lse_bound
+    num_kv_heads = kv_cache.shape[2]
+    out, _ = turboquant_decode_attention(query, kv_cache, block_table, seq_lens, PiT, centroids, scale, config)
+    q = rearrange(query.to(torch.float64) @ PiT.to(torch.float64), "b (hkv g) d -> b hkv g d", hkv=num_kv_heads)
+    error = (centroids.half().to(torch.float64) - centroids.to(torch.float64)).abs()
+    for b in range(batch):
+        length = int(seq_lens[b])
+        if length == 0:
+            continue
+        key_bytes, values, fields = tq.read_tokens(kv_cache, block_table[b], length, config)
+        moved = tq.reconstruct_rotated_keys(key_bytes, fields[..., 0].abs(), error, config.key_quant_bits)
+        e = scale * einsum(q[b].abs(), moved, "hkv g d, l hkv d -> hkv g l").amax(dim=-1)  # E per row
+        scores = scale * einsum(q[b], tq.reconstruct_rotated_keys(key_bytes, fields[..., 0], centroids,
+                                                                    config.key_quant_bits),
+                                "hkv g d, l hkv d -> hkv g l")  # fmt: skip
+        p = torch.softmax(scores, dim=-1)
+        o = rearrange(out[b], "(hkv g) d -> hkv g d", hkv=num_kv_heads)
+        spread = (rearrange(values, "l hkv d -> hkv 1 l d") - o[:, :, None, :]).abs()
+        spread = einsum(p, spread, "hkv g l, hkv g l d -> hkv g d")  # sum_j p_j |v_j - out|
+        lse_bound[b] = rearrange(e, "hkv g -> (hkv g)")
+        out_bound[b] = rearrange(torch.expm1(2 * e)[..., None] * spread, "hkv g d -> (hkv g) d")
+    return out_bound, lse_bound
