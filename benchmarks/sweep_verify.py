@@ -26,7 +26,7 @@ from triton_impl.mla_verify import VERIFY_DEFAULT_CONFIG, decode_attention_fwd_v
 os.environ["ATTNREF_CHECK_CONTENTS"] = "0"
 LV, ROPE, PAGE = 512, 64, 64
 SHAPES = [(8, 4, 16, 4096), (32, 4, 16, 4096), (8, 4, 128, 4096), (64, 1, 128, 2048), (64, 2, 16, 4096)]
-# (BLOCK_H, BLOCK_N, num_warps, num_stages, QSPLIT)
+# (BLOCK_H, BLOCK_N, num_warps, num_stages, SPLIT_LATENT)
 GRID = [(16, 32, 4, 2, False), (32, 32, 4, 2, False), (32, 32, 4, 2, True), (32, 64, 4, 2, True),
         (64, 32, 8, 2, True), (64, 64, 8, 2, True), (64, 64, 8, 3, True)]  # fmt: skip
 HEADLINE_SHAPES = [(32, 4, 128, 32768)]
@@ -51,14 +51,14 @@ def main(budget_s: float, shapes=SHAPES, grid=GRID) -> None:
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     start = time.time()
-    for (batch, qlen, heads, length), (bh, bn, warps, stages, qsplit) in itertools.product(shapes, grid):
+    for (batch, qlen, heads, length), (bh, bn, warps, stages, split_latent) in itertools.product(shapes, grid):
         if time.time() - start > budget_s:
             break
         (q, cache, table, seq_lens, o, lse), flops, nbytes = problem(batch, qlen, heads, length, device)
         splits = verify_num_kv_splits(length, batch, qlen, heads, sms, block_h=bh)
         logits = torch.empty(batch * qlen, heads, splits, LV + 1, device=device)
         cfg = {**VERIFY_DEFAULT_CONFIG, "BLOCK_H": bh, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
-               "QSPLIT": qsplit}  # fmt: skip
+               "SPLIT_LATENT": split_latent}  # fmt: skip
 
         def run() -> None:
             decode_attention_fwd_verify(q, cache, cache[..., :LV], o, lse, table, seq_lens, None, qlen,  # noqa: B023
@@ -69,10 +69,10 @@ def main(budget_s: float, shapes=SHAPES, grid=GRID) -> None:
             ms = triton.testing.do_bench_cudagraph(run, rep=20)
         except Exception as err:  # a config that does not compile (shared memory) is a result too
             shape = (batch, qlen, heads, length)
-            print(f"{shape} BH{bh} BN{bn} w{warps} s{stages} qs{int(qsplit)}: {type(err).__name__}")
+            print(f"{shape} BH{bh} BN{bn} w{warps} s{stages} sl{int(split_latent)}: {type(err).__name__}")
             continue
         roofline = max(flops / 790e12, nbytes / 4.3e12) * 1e3
-        config = f"S={splits:3d} BH{bh} BN{bn} w{warps} s{stages} qs{int(qsplit)}"
+        config = f"S={splits:3d} BH{bh} BN{bn} w{warps} s{stages} sl{int(split_latent)}"
         print(f"{(batch, qlen, heads, length)} {config} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TF/s "
               f"roofline {100 * roofline / ms:5.1f}%", flush=True)  # fmt: skip
 

@@ -271,8 +271,8 @@ assert not attn_logits.isnan().any()
 # 1. **Which work.** `pid_h` picks the KV head and the block of `BLOCK_H` heads in its group.
 # 2. **Which keys.** The row sees `[lo, n)` (`lo = max(n - window, 0)`; no window here, so 0),
 #    cut into `S` chunks of `chunk = cdiv(n - lo, S)` keys; this split is `[start, end)`.
-# 3. **Queries once.** The `[BLOCK_H, Lk]` query tile is loaded once, as two pieces: `q1`, the
-#    first `D_FIRST` columns (the latent), and `q2`, the rope columns.
+# 3. **Queries once.** The `[BLOCK_H, Lk]` query tile is loaded once, as two pieces: `q0`, the
+#    first `D_FIRST` columns (the latent), and `q_pe`, the rope columns.
 # 4. **Base 2.** `exp(x) = exp2(x * log2 e)`, so the kernel folds `log2 e` into the score scale
 #    once (`qk_scale`) and calls `exp2` (one hardware instruction) everywhere.
 # 5. **Key tiles.** For each tile of `BLOCK_N` positions `toks`, the block table gives each key's
@@ -283,15 +283,16 @@ assert not attn_logits.isnan().any()
 #    row that fails becomes NaN, and no such address is read); with a valid table that never
 #    fires, and the walk leaves it out.
 # 6. **Online softmax.** `m_i` is the running max of the scaled scores, `l_i` the running sum of
-#    `exp2(score - m_i)`, `acc` the running unnormalized output. A tile that raises the max
+#    `exp2(score - m_i)`, `acc0` the running unnormalized output. A tile that raises the max
 #    rescales the old sum and output by `alpha = exp2(m_i - m_new)` (`m_i` starts at `-inf`, so
 #    the first tile's `alpha` is 0). For MLA the value tile is the latent part of the key tile
-#    already loaded (`v = k1`).
-# 7. **Finish.** `out = acc / l_i` and `lse = (m_i + log2 l_i) * ln 2`: stage 2 expects
+#    already loaded (`v = k0`).
+# 7. **Finish.** `out = acc0 / l_i` and `lse = (m_i + log2 l_i) * ln 2`: stage 2 expects
 #    natural-log LSEs. An empty split (`end <= start`) stores the neutral state `(0, -inf)`.
 #
-# The Hopper entry (`SPLIT_LATENT`) keeps the latent as two halves with two accumulators; the
-# arithmetic per column is the same.
+# The Hopper entry (`SPLIT_LATENT`) keeps the latent as two halves with two accumulators (`q0`/`q1`,
+# `k0`/`k1`, `acc0`/`acc1`; the verify kernel uses the same names); the arithmetic per column is
+# the same.
 
 # %%
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
@@ -319,15 +320,15 @@ def stage1_program(row: int, pid_h: int, split: int, show: bool = False):
     start = min(lo + split * chunk, n)
     end = min(start + chunk, n)
     # 3. the query tile, once
-    q1, q2 = q[row, heads, :D_FIRST], q[row, heads, D_FIRST:]
+    q0, q_pe = q[row, heads, :D_FIRST], q[row, heads, D_FIRST:]
     # 4. softmax in base 2
     qk_scale = sm_scale_w * LOG2E
     m_i = torch.full((BLOCK_H,), float("-inf"))
     l_i = torch.zeros(BLOCK_H)
-    acc = torch.zeros(BLOCK_H, LV)
+    acc0 = torch.zeros(BLOCK_H, LV)
     if show:
-        print(f"program (row={row}, pid_h={pid_h}, split={split}): heads {heads[0]}..{heads[-1]}, "
-              f"n={n}, chunk={chunk}, keys [{start}, {end}); q1 {tuple(q1.shape)}, q2 {tuple(q2.shape)}")  # fmt: skip
+        print(f"program (row={row}, pid_h={pid_h}, split={split}): heads {heads[0]}..{heads[-1]}, n={n}, "
+              f"chunk={chunk}, keys [{start}, {end}); q0 {tuple(q0.shape)}, q_pe {tuple(q_pe.shape)}")  # fmt: skip
     # 5./6. key tiles through the block table, online softmax
     for tile in range(start, end, BLOCK_N):
         toks = tile + torch.arange(BLOCK_N)
@@ -336,26 +337,26 @@ def stage1_program(row: int, pid_h: int, split: int, show: bool = False):
         page[tok_ok] = table[row, toks[tok_ok] // PAGE_SIZE].long()
         slot = toks % PAGE_SIZE
         k_rows = cache[page, slot, kv_head] * tok_ok[:, None]  # [BLOCK_N, Lk], masked keys are 0
-        k1, k2 = k_rows[:, :D_FIRST], k_rows[:, D_FIRST:]
-        qk = dot(q1, k1.T) + dot(q2, k2.T)  # [BLOCK_H, BLOCK_N]
+        k0, k_pe = k_rows[:, :D_FIRST], k_rows[:, D_FIRST:]
+        qk = dot(q0, k0.T) + dot(q_pe, k_pe.T)  # [BLOCK_H, BLOCK_N]
         qk = qk * qk_scale
         qk = torch.where(tok_ok[None, :], qk, float("-inf"))
         m_new = torch.maximum(m_i, qk.max(dim=1).values)
         alpha = torch.exp2(m_i - m_new)
         p = torch.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + p.sum(dim=1)
-        v = k1  # MLA: the latent tile is V
-        acc = acc * alpha[:, None] + dot(p, v)
+        v = k0  # MLA: the latent tile is V
+        acc0 = acc0 * alpha[:, None] + dot(p, v)
         m_i = m_new
         if show:
             print(f"  tile {tile:3d}: {int(tok_ok.sum()):2d} keys on pages {sorted(set(page[tok_ok].tolist()))}, "
-                  f"k1 {tuple(k1.shape)}, qk {tuple(qk.shape)}; head 0: alpha {alpha[0]:.3f}, "
+                  f"k0 {tuple(k0.shape)}, qk {tuple(qk.shape)}; head 0: alpha {alpha[0]:.3f}, "
                   f"m_i {m_i[0]:.3f}, l_i {l_i[0]:.3f}")  # fmt: skip
     # 7. normalize; natural-log LSE; an empty split is (0, -inf)
     empty = end <= start
     row_scale = torch.zeros(BLOCK_H) if empty else 1.0 / l_i
     lse = torch.full((BLOCK_H,), float("-inf")) if empty else (m_i + torch.log2(l_i)) * LN2
-    out = acc * row_scale[:, None]
+    out = acc0 * row_scale[:, None]
     if show:
         print(f"  -> out {tuple(out.shape)}, head 0: lse {lse[0]:.4f}, out[0, :3] {out[0, :3].numpy().round(4)}")
     return heads, out, lse
@@ -529,7 +530,7 @@ for layout in ("striped", "sliced"):
 # each config compiled for sm_90) show wgmma (HGMMA) exactly for the 64-head tile. A 64-head tile,
 # however, keeps a `64 x 512` fp32 output accumulator, printed below in bytes and in registers
 # per thread, next to the queries and the softmax state. `SPLIT_LATENT` handles the latent as two
-# halves with two accumulators, as the verify kernel's `QSPLIT` does: each product then fits one
+# halves with two accumulators, as the verify kernel's `SPLIT_LATENT` does: each product then fits one
 # wgmma (N <= 256). The config table, the launch clamp and the SASS file give every number:
 
 # %%
@@ -562,16 +563,17 @@ assert half <= 256
 # %% [markdown]
 # Without the halves, 64-row tiles did not compile at 64-key tiles in the verify sweep
 # (`sweep_verify_h200.md`: every failed config there is a 64-row tile with 64-key tiles and no
-# `QSPLIT`, and with `QSPLIT` the same tiles ran). The decode sweep (`sweep_decode_h200.md`,
-# B=32, L=32K, CUDA graphs) timed the configs; below its rows for the upstream config, the
-# 64-head tile with halves at 32-key tiles, and the committed Hopper config, with each row's bound
-# from the sweep's own ceilings:
+# `SPLIT_LATENT`, and with it the same tiles ran; that file was measured when the key was called
+# `QSPLIT`, so its rows say `qs0`/`qs1` where the sweep script now writes `sl0`/`sl1`). The decode
+# sweep (`sweep_decode_h200.md`, B=32, L=32K, CUDA graphs) timed the configs; below its rows for
+# the upstream config, the 64-head tile with halves at 32-key tiles, and the committed Hopper
+# config, with each row's bound from the sweep's own ceilings:
 
 # %%
 verify_sweep = (RESULTS / "sweep_verify_h200.md").read_text()
-failed = re.findall(r"BH(\d+) BN(\d+) w\d+ s\d+ qs(\d): FAIL", verify_sweep)
-ran = re.findall(r"BH(\d+) BN(\d+) w\d+ s\d+ qs(\d)\s+[\d.]+ us", verify_sweep)
-print(f"verify sweep: {len(failed)} failed configs, all {set(failed)}; BH64 BN64 with QSPLIT ran "
+failed = re.findall(r"BH(\d+) BN(\d+) w\d+ s\d+ (?:qs|sl)(\d): FAIL", verify_sweep)
+ran = re.findall(r"BH(\d+) BN(\d+) w\d+ s\d+ (?:qs|sl)(\d)\s+[\d.]+ us", verify_sweep)
+print(f"verify sweep: {len(failed)} failed configs, all {set(failed)}; BH64 BN64 with SPLIT_LATENT ran "
       f"{ran.count(('64', '64', '1'))} times")  # fmt: skip
 assert failed and set(failed) == {("64", "64", "0")} and ("64", "64", "0") not in ran and ("64", "64", "1") in ran
 

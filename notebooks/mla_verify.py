@@ -127,7 +127,7 @@ assert tile_ends == sorted(tile_ends) and tile_ends[0] < tile_ends[-1] == L
 #
 # `_fwd_verify_kernel_stage1` runs on a one-dimensional grid of `B * S * ROW_BLOCKS` programs,
 # `pid = (b * S + split) * ROW_BLOCKS + rb`. Below, its steps in plain PyTorch, with its names, on
-# a tiny cache (`Lv = 64`, rope 16, pages of 16 keys in shuffled order): `qlen = 4` draft tokens
+# a tiny cache (`LV = 64`, rope 16, pages of 16 keys in shuffled order): `qlen = 4` draft tokens
 # and 8 heads per request (32 rows, one row tile), two requests of 70 keys and 2 keys (fewer than
 # `qlen`), two splits. The launch config is the CPU one (`VERIFY_CONFIGS["interpreter"]`, large),
 # whose small tiles keep the printout short, passed explicitly so that a GPU run walks the same
@@ -137,28 +137,30 @@ assert tile_ends == sorted(tile_ends) and tile_ends[0] < tile_ends[-1] == L
 
 # %%
 cfg = {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS["interpreter"]["large"]}
-BLOCK_N, BLOCK_H, SPLIT_ALIGN, MIN_SPLIT_LEN, QSPLIT = (
-    cfg[k] for k in ("BLOCK_N", "BLOCK_H", "SPLIT_ALIGN", "MIN_SPLIT_LEN", "QSPLIT")
+BLOCK_N, BLOCK_H, SPLIT_ALIGN, MIN_SPLIT_LEN, SPLIT_LATENT = (
+    cfg[k] for k in ("BLOCK_N", "BLOCK_H", "SPLIT_ALIGN", "MIN_SPLIT_LEN", "SPLIT_LATENT")
 )
-QLEN, NUM_HEADS, Lv, PE, PAGE_SIZE, NUM_KV_SPLITS = 4, 8, 64, 16, 16, 2
-Seq_lens = torch.tensor([70, 2], dtype=torch.int32)
-pages_per_request = math.ceil(int(Seq_lens.max()) / PAGE_SIZE)
+QLEN, NUM_HEADS, LV, PE, PAGE_SIZE, NUM_KV_SPLITS = 4, 8, 64, 16, 16, 2
+seq_lens = torch.tensor([70, 2], dtype=torch.int32)
+pages_per_request = math.ceil(int(seq_lens.max()) / PAGE_SIZE)
 gen = torch.Generator().manual_seed(7)
-Req_to_tokens = torch.randperm(len(Seq_lens) * pages_per_request, generator=gen).view(len(Seq_lens), -1).to(torch.int32)
-K_Buffer = torch.randn(Req_to_tokens.numel(), PAGE_SIZE, 1, Lv + PE, generator=gen).to(torch.bfloat16)
-Q = (torch.randn(len(Seq_lens) * QLEN, NUM_HEADS, Lv + PE, generator=gen) * 0.5).to(torch.bfloat16)
-sm_scale = (Lv + PE) ** -0.5
+req_to_token = torch.randperm(len(seq_lens) * pages_per_request, generator=gen).view(len(seq_lens), -1).to(torch.int32)
+k_buffer = torch.randn(req_to_token.numel(), PAGE_SIZE, 1, LV + PE, generator=gen).to(torch.bfloat16)
+q = (torch.randn(len(seq_lens) * QLEN, NUM_HEADS, LV + PE, generator=gen) * 0.5).to(torch.bfloat16)
+sm_scale = (LV + PE) ** -0.5
 
-Mid = torch.full((Q.shape[0], NUM_HEADS, NUM_KV_SPLITS, Lv + 1), float("nan"), device=device)  # attn_logits
-o = torch.empty(Q.shape[0], NUM_HEADS, Lv, dtype=torch.bfloat16, device=device)
-lse = torch.empty(Q.shape[0], NUM_HEADS, device=device)
-k_dev = K_Buffer.to(device)  # V is a view of the same tensor
-decode_attention_fwd_verify(Q.to(device), k_dev, k_dev[..., :Lv], o, lse, Req_to_tokens.to(device), Seq_lens.to(device),
-                            None, QLEN, Mid, NUM_KV_SPLITS, sm_scale, PAGE_SIZE, config=cfg)  # fmt: skip
+attn_logits = torch.full((q.shape[0], NUM_HEADS, NUM_KV_SPLITS, LV + 1), float("nan"), device=device)  # part_ptr
+o = torch.empty(q.shape[0], NUM_HEADS, LV, dtype=torch.bfloat16, device=device)
+lse = torch.empty(q.shape[0], NUM_HEADS, device=device)
+k_dev = k_buffer.to(device)  # V is a view of the same tensor
+decode_attention_fwd_verify(q.to(device), k_dev, k_dev[..., :LV], o, lse, req_to_token.to(device), seq_lens.to(device),
+                            None, QLEN, attn_logits, NUM_KV_SPLITS, sm_scale, PAGE_SIZE, config=cfg)  # fmt: skip
 print("config:", cfg)
-print("block table (page ids):", Req_to_tokens.tolist())
-print("attn_logits:", tuple(Mid.shape), "= [B * qlen, H, S, Lv + 1]; NaN left:", bool(Mid.isnan().any()))
-assert not Mid.isnan().any()
+print("block table (page ids):", req_to_token.tolist())
+print(
+    "attn_logits:", tuple(attn_logits.shape), "= [B * qlen, H, S, Lv + 1]; NaN left:", bool(attn_logits.isnan().any())
+)
+assert not attn_logits.isnan().any()
 assert not o.isnan().any() and bool((o[QLEN : QLEN + 2] == 0).all()) and bool(lse[QLEN : QLEN + 2].isneginf().all())
 
 # %% [markdown]
@@ -170,7 +172,7 @@ assert not o.isnan().any() and bool((o[QLEN : QLEN + 2] == 0).all()) and bool(ls
 # 2. **Which keys.** Each row's causal limit `limit = L - qlen + 1 + t` (clamped at 0); the
 #    request's split `[split_start, split_end)` (chunks of `chunk` keys, as in section 2); each
 #    row's end `row_end = min(limit, split_end)`; the tile walks to `tile_end`, the largest.
-# 3. **Queries once.** The query tile is loaded once: with `QSPLIT` the latent in two halves
+# 3. **Queries once.** The query tile is loaded once: with `SPLIT_LATENT` the latent in two halves
 #    `q0`, `q1` (`HALF` columns each), then the rope part `q_pe`.
 # 4. **Base 2.** The wrapper passes `sm_scale * log2 e` (`qk_scale`), so `exp2` serves every
 #    exponential.
@@ -190,11 +192,12 @@ assert not o.isnan().any() and bool((o[QLEN : QLEN + 2] == 0).all()) and bool(ls
 
 # %%
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
-DOT_DTYPE = torch.float32 if INTERPRETING else Q.dtype  # triton_impl.interpreter.dot_dtype(q.dtype)
+DOT_DTYPE = torch.float32 if INTERPRETING else q.dtype  # triton_impl.interpreter.dot_dtype(q.dtype)
 ROWS = QLEN * NUM_HEADS
 ROW_BLOCKS = math.ceil(ROWS / BLOCK_H)
-HALF = Lv // 2 if QSPLIT else Lv
-assert QSPLIT and ROW_BLOCKS == 1 and ROWS % BLOCK_H == 0  # the QSPLIT branch; one tile, every row real (row_ok)
+HALF = LV // 2 if SPLIT_LATENT else LV
+# the SPLIT_LATENT branch; one tile, every row real (row_ok)
+assert SPLIT_LATENT and ROW_BLOCKS == 1 and ROWS % BLOCK_H == 0
 
 
 def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -211,7 +214,7 @@ def stage1_program(pid: int, show: bool = False):
     t, h = rows // NUM_HEADS, rows % NUM_HEADS
     r = b * QLEN + t
     # 2. which keys: causal limits, the split, each row's end, the tile's end
-    seq_len = max(int(Seq_lens[b]), 0)
+    seq_len = max(int(seq_lens[b]), 0)
     limit = (seq_len - QLEN + 1 + t).clamp(min=0)
     per_split = math.ceil(seq_len / NUM_KV_SPLITS)
     chunk = max(math.ceil(per_split / SPLIT_ALIGN) * SPLIT_ALIGN, MIN_SPLIT_LEN)
@@ -220,8 +223,8 @@ def stage1_program(pid: int, show: bool = False):
     row_end = limit.clamp(max=split_end)
     tile_end = int(row_end.max())
     # 3. the query tile, once: two latent halves and the rope part
-    q_rows = Q[r, h]
-    q0, q1, q_pe = q_rows[:, :HALF], q_rows[:, HALF:Lv], q_rows[:, Lv:]
+    q_rows = q[r, h]
+    q0, q1, q_pe = q_rows[:, :HALF], q_rows[:, HALF:LV], q_rows[:, LV:]
     # 4. softmax in base 2
     qk_scale = sm_scale * LOG2E
     m_i = torch.full((BLOCK_H,), float("-inf"))
@@ -238,9 +241,9 @@ def stage1_program(pid: int, show: bool = False):
         offs_n = start_n + torch.arange(BLOCK_N)
         key_ok = offs_n < tile_end
         page = torch.zeros(BLOCK_N, dtype=torch.int64)  # a masked load: other=0
-        page[key_ok] = Req_to_tokens[b, offs_n[key_ok] // PAGE_SIZE].long()
-        k_rows = K_Buffer[page, offs_n % PAGE_SIZE, 0] * key_ok[:, None]  # [BLOCK_N, Lk]
-        k0, k1, k_pe = k_rows[:, :HALF], k_rows[:, HALF:Lv], k_rows[:, Lv:]
+        page[key_ok] = req_to_token[b, offs_n[key_ok] // PAGE_SIZE].long()
+        k_rows = k_buffer[page, offs_n % PAGE_SIZE, 0] * key_ok[:, None]  # [BLOCK_N, Lk]
+        k0, k1, k_pe = k_rows[:, :HALF], k_rows[:, HALF:LV], k_rows[:, LV:]
         seen = offs_n[None, :] < row_end[:, None]  # [BLOCK_H, BLOCK_N]: each row's causal mask
         qk = dot(q0, k0.T) + dot(q1, k1.T) + dot(q_pe, k_pe.T)  # [BLOCK_H, BLOCK_N]
         qk = torch.where(seen, qk * qk_scale, float("-inf"))
@@ -258,9 +261,9 @@ def stage1_program(pid: int, show: bool = False):
                   f"m_i {m_i[first].numpy().round(3)}, l_i {l_i[first].numpy().round(3)}")  # fmt: skip
     # 7. normalize; natural-log LSE; rows without a key are (0, -inf)
     has_keys = l_i > 0
-    out_scale = torch.where(has_keys, 1.0 / torch.where(has_keys, l_i, 1.0), 0.0)  # k_scale = 1: a bf16 cache
+    row_scale = torch.where(has_keys, 1.0 / torch.where(has_keys, l_i, 1.0), 0.0)  # k_scale = 1: a bf16 cache
     lse = torch.where(has_keys, (m_i + torch.log2(torch.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
-    out = torch.cat([acc0, acc1], dim=1) * out_scale[:, None]
+    out = torch.cat([acc0, acc1], dim=1) * row_scale[:, None]
     if show:
         print(f"  -> out {tuple(out.shape)}, lse per token (head 0) {lse[first].numpy().round(4)}")
     return r, h, split, out, lse
@@ -281,14 +284,14 @@ for pid in (1, 2):  # request 0, split 1; request 1 (two keys, fewer than qlen),
 # package's tolerance. Empty slots are `(0, -inf)` in all three, bit for bit.
 
 # %%
-golden = mla_verify_split_partials(Q, K_Buffer, Req_to_tokens, Seq_lens, None, QLEN, Lv, sm_scale, PAGE_SIZE,
+golden = mla_verify_split_partials(q, k_buffer, req_to_token, seq_lens, None, QLEN, LV, sm_scale, PAGE_SIZE,
                                    NUM_KV_SPLITS, SPLIT_ALIGN, MIN_SPLIT_LEN, dtype=torch.float64)  # fmt: skip
-kernel_part = Mid.cpu()
+kernel_part = attn_logits.cpu()
 worst, worst_golden, empty_slots = 0.0, 0.0, 0
-for pid in range(len(Seq_lens) * NUM_KV_SPLITS * ROW_BLOCKS):
+for pid in range(len(seq_lens) * NUM_KV_SPLITS * ROW_BLOCKS):
     r, h, split, out, lse = stage1_program(pid)
-    k_out, k_lse = kernel_part[r, h, split, :Lv], kernel_part[r, h, split, Lv]
-    g_out, g_lse = golden[r, h, split, :Lv], golden[r, h, split, Lv]
+    k_out, k_lse = kernel_part[r, h, split, :LV], kernel_part[r, h, split, LV]
+    g_out, g_lse = golden[r, h, split, :LV], golden[r, h, split, LV]
     empty = torch.isneginf(lse)
     empty_slots += int(empty.sum())
     assert torch.equal(empty, torch.isneginf(k_lse)) and torch.equal(empty, torch.isneginf(g_lse))
@@ -296,11 +299,11 @@ for pid in range(len(Seq_lens) * NUM_KV_SPLITS * ROW_BLOCKS):
     worst = max(worst, float((out - k_out).abs().max()), float(torch.where(empty, 0.0, lse - k_lse).abs().max()))
     if INTERPRETING:
         assert torch.allclose(out, k_out, rtol=1e-5, atol=1e-6) and torch.allclose(lse, k_lse, rtol=1e-6, atol=1e-6)
-    assert compare(k_out, out.double(), tolerance("mla_verify", "split_o", Q.dtype)).ok
-    assert compare(out, g_out, tolerance("mla_verify", "split_o", Q.dtype)).ok
+    assert compare(k_out, out.double(), tolerance("mla_verify", "split_o", q.dtype)).ok
+    assert compare(out, g_out, tolerance("mla_verify", "split_o", q.dtype)).ok
     assert compare(lse, g_lse, tolerance("mla_verify", "lse", "float32")).ok
     worst_golden = max(worst_golden, float((out - g_out).abs().max()))
-print(f"{empty_slots} empty (row, split) slots of {Mid.shape[0] * NUM_HEADS * NUM_KV_SPLITS}; "
+print(f"{empty_slots} empty (row, split) slots of {attn_logits.shape[0] * NUM_HEADS * NUM_KV_SPLITS}; "
       f"walk vs float64 golden: max |o difference| {worst_golden:.1e}")  # fmt: skip
 print(f"walk vs kernel, every slot: max |difference| {worst:.1e}")
 

@@ -190,10 +190,18 @@ def _decode_stage1_kernel(
     latent ``[0, Lv)`` that is also V and the second the rope part; for GQA the first piece is all
     of K. Online softmax in base 2 (``sm_scale * log2 e``); the stored LSE is natural-log.
 
+    Names as in the verify kernel (``mla_verify._fwd_verify_kernel_stage1``): ``q0``/``k0`` hold
+    the first piece (its first half with ``SPLIT_LATENT``), ``q1``/``k1`` its second half, and
+    ``q_pe``/``k_pe`` the rope part; ``acc0``/``acc1`` are the accumulators of the two halves.
+    ``BLOCK_D``/``BLOCK_DV`` are the first piece's and V's tile widths and ``BLOCK_DPE`` the rope
+    tile's, ``LK - D_FIRST`` padded to a power of two of at least 16 (0 without a rope part); the
+    masks cut every tile at the true widths. ``SINGLE_SPLIT``: one split, results straight to
+    ``o``/``lse``.
+
     ``SPLIT_LATENT`` (MLA): the latent tile, which is also V, is handled as two halves of
-    ``BLOCK_D // 2`` columns, each with its own ``[BLOCK_H, BLOCK_D // 2]`` accumulator, as verify's
-    ``QSPLIT``: each product then fits one wgmma (N <= 256), and in the verify sweep 64-row tiles
-    without the split failed to compile at 64-key tiles (``sweep_verify_h200.md`` records a
+    ``BLOCK_D // 2`` columns, each with its own ``[BLOCK_H, BLOCK_D // 2]`` accumulator, as in the
+    verify kernel: each product then fits one wgmma (N <= 256), and in the verify sweep 64-row
+    tiles without the split failed to compile at 64-key tiles (``sweep_verify_h200.md`` records a
     CompilationError for each such config and no cause).
     """
     HALF: tl.constexpr = BLOCK_D // 2 if SPLIT_LATENT else BLOCK_D
@@ -219,21 +227,21 @@ def _decode_stage1_kernel(
     too_long = n > table_keys
     end = tl.minimum(end, table_keys).to(tl.int32)
 
-    d1 = tl.arange(0, HALF)
-    d1_ok = d1 < D_FIRST
-    dv = tl.arange(0, ACC_W)
-    dv_ok = dv < LV
+    offs_d0 = tl.arange(0, HALF)
+    d0_ok = offs_d0 < D_FIRST
+    offs_dv = tl.arange(0, ACC_W)
+    dv_ok = offs_dv < LV
     q_rows = q_ptr + row * stride_q_r + heads[:, None].to(tl.int64) * stride_q_h
-    q1 = tl.load(q_rows + d1[None, :], mask=head_ok[:, None] & d1_ok[None, :], other=0.0).to(DOT_DTYPE)
+    q0 = tl.load(q_rows + offs_d0[None, :], mask=head_ok[:, None] & d0_ok[None, :], other=0.0).to(DOT_DTYPE)
     if SPLIT_LATENT:  # MLA: D_FIRST == LV, so the second half's masks serve the latent and V alike
-        d1b = HALF + tl.arange(0, HALF)
-        d1b_ok = d1b < D_FIRST
-        q1b = tl.load(q_rows + d1b[None, :], mask=head_ok[:, None] & d1b_ok[None, :], other=0.0).to(DOT_DTYPE)
+        offs_d1 = HALF + tl.arange(0, HALF)
+        d1_ok = offs_d1 < D_FIRST
+        q1 = tl.load(q_rows + offs_d1[None, :], mask=head_ok[:, None] & d1_ok[None, :], other=0.0).to(DOT_DTYPE)
     if BLOCK_DPE > 0:
-        dpe = tl.arange(0, BLOCK_DPE)
-        dpe_ok = dpe < LK - D_FIRST
-        q2 = tl.load(q_rows + D_FIRST + dpe[None, :], mask=head_ok[:, None] & dpe_ok[None, :], other=0.0)
-        q2 = q2.to(DOT_DTYPE)
+        offs_dpe = tl.arange(0, BLOCK_DPE)
+        dpe_ok = offs_dpe < LK - D_FIRST
+        q_pe = tl.load(q_rows + D_FIRST + offs_dpe[None, :], mask=head_ok[:, None] & dpe_ok[None, :], other=0.0)
+        q_pe = q_pe.to(DOT_DTYPE)
 
     # FP8 codes are exact in bf16/fp16, so the tiles go to the dot undequantized and the scales
     # act on fp32 results: k_scale on the scores, v_scale on the output (for MLA, V is K: k_scale).
@@ -250,8 +258,8 @@ def _decode_stage1_kernel(
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, ACC_W), tl.float32)
-    acc_b = acc
+    acc0 = tl.zeros((BLOCK_H, ACC_W), tl.float32)
+    acc1 = acc0
     for tile in range(start, end, BLOCK_N):
         toks = tile + tl.arange(0, BLOCK_N)
         tok_ok = toks < end
@@ -264,38 +272,39 @@ def _decode_stage1_kernel(
         page = tl.where(page_ok, page, 0)
         slot = (toks % PAGE_SIZE).to(tl.int64)
         k_rows = k_ptr + page.to(tl.int64) * stride_k_page + slot * stride_k_tok + kv_head * stride_k_head
-        k1 = tl.load(k_rows[:, None] + d1[None, :], mask=tok_ok[:, None] & d1_ok[None, :], other=0.0)
-        k1 = k1.to(DOT_DTYPE)
-        qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+        k0 = tl.load(k_rows[:, None] + offs_d0[None, :], mask=tok_ok[:, None] & d0_ok[None, :], other=0.0)
+        k0 = k0.to(DOT_DTYPE)
+        qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
         if SPLIT_LATENT:
-            k1b = tl.load(k_rows[:, None] + d1b[None, :], mask=tok_ok[:, None] & d1b_ok[None, :], other=0.0)
-            k1b = k1b.to(DOT_DTYPE)
-            qk += tl.dot(q1b, tl.trans(k1b), input_precision=DOT_PRECISION)
+            k1 = tl.load(k_rows[:, None] + offs_d1[None, :], mask=tok_ok[:, None] & d1_ok[None, :], other=0.0)
+            k1 = k1.to(DOT_DTYPE)
+            qk += tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
         if BLOCK_DPE > 0:
-            k2 = tl.load(k_rows[:, None] + D_FIRST + dpe[None, :], mask=tok_ok[:, None] & dpe_ok[None, :], other=0.0)
-            k2 = k2.to(DOT_DTYPE)
-            qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
+            pe_ptrs = k_rows[:, None] + D_FIRST + offs_dpe[None, :]
+            k_pe = tl.load(pe_ptrs, mask=tok_ok[:, None] & dpe_ok[None, :], other=0.0)
+            k_pe = k_pe.to(DOT_DTYPE)
+            qk += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
         qk = qk * qk_scale
         if HAS_CAP:
             qk = logit_cap * _tanh(qk / logit_cap) * _LOG2E
         qk = tl.where(tok_ok[None, :], tl.where(page_ok[None, :], qk, float("nan")), float("-inf"))
 
         # Every tile holds at least one key of [start, end), so m_new is finite (finite data; a
-        # poisoned tile's NaN scores reach l_i and acc whatever the max makes of them).
+        # poisoned tile's NaN scores reach l_i and the accumulators whatever the max makes of them).
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if IS_MLA:
-            v = k1  # BLOCK_D == BLOCK_DV and D_FIRST == LV: the latent tile is V
+            v = k0  # BLOCK_D == BLOCK_DV and D_FIRST == LV: the latent tile is V
         else:
             v_rows = v_ptr + page.to(tl.int64) * stride_v_page + slot * stride_v_tok + kv_head * stride_v_head
-            v = tl.load(v_rows[:, None] + dv[None, :], mask=tok_ok[:, None] & dv_ok[None, :], other=0.0)
+            v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=tok_ok[:, None] & dv_ok[None, :], other=0.0)
             v = v.to(DOT_DTYPE)
         p = p.to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         if SPLIT_LATENT:
-            acc_b = acc_b * alpha[:, None] + tl.dot(p, k1b, input_precision=DOT_PRECISION)
+            acc1 = acc1 * alpha[:, None] + tl.dot(p, k1, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # An empty split is the neutral state (0, -inf): stage 2 then needs no boundaries.
@@ -305,23 +314,23 @@ def _decode_stage1_kernel(
     row_scale = tl.where(too_long, float("nan"), row_scale)
     lse = tl.where(too_long, float("nan"), lse)
     head_offs = heads.to(tl.int64)
-    out = acc * row_scale[:, None]
-    out_mask = head_ok[:, None] & dv_ok[None, :]
+    out0 = acc0 * row_scale[:, None]
+    out0_mask = head_ok[:, None] & dv_ok[None, :]
     if SPLIT_LATENT:
-        out_b = acc_b * row_scale[:, None]
-        out_b_mask = head_ok[:, None] & d1b_ok[None, :]
+        out1 = acc1 * row_scale[:, None]
+        out1_mask = head_ok[:, None] & d1_ok[None, :]
     if SINGLE_SPLIT:
         o_rows = o_ptr + row * stride_o_r + head_offs[:, None] * stride_o_h
-        tl.store(o_rows + dv[None, :], cast_for_store(out, o_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(o_rows + offs_dv[None, :], cast_for_store(out0, o_ptr.dtype.element_ty), mask=out0_mask)
         if SPLIT_LATENT:
-            tl.store(o_rows + d1b[None, :], cast_for_store(out_b, o_ptr.dtype.element_ty), mask=out_b_mask)
+            tl.store(o_rows + offs_d1[None, :], cast_for_store(out1, o_ptr.dtype.element_ty), mask=out1_mask)
         lse_out = lse_ptr + row * stride_lse_r + head_offs * stride_lse_h
         tl.store(lse_out, cast_for_store(lse, lse_ptr.dtype.element_ty), mask=head_ok)
     else:
         p_rows = part_ptr + row * stride_p_r + head_offs * stride_p_h + split * stride_p_s
-        tl.store(p_rows[:, None] + dv[None, :], out, mask=out_mask)
+        tl.store(p_rows[:, None] + offs_dv[None, :], out0, mask=out0_mask)
         if SPLIT_LATENT:
-            tl.store(p_rows[:, None] + d1b[None, :], out_b, mask=out_b_mask)
+            tl.store(p_rows[:, None] + offs_d1[None, :], out1, mask=out1_mask)
         tl.store(p_rows + LV, lse, mask=head_ok)
 
 

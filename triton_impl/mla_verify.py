@@ -36,6 +36,7 @@ from triton_impl.validation import (
     check_split_workspace,
     check_tensor,
     content_checks_enabled,
+    next_pow2,
 )
 
 _LOG2E = 1.4426950408889634
@@ -54,14 +55,15 @@ _VERIFY_SMALL_MAX_ROWS = 640
 
 # Keys every config has. BLOCK_H: (token, head) rows per program; BLOCK_N: keys per tile;
 # SPLIT_ALIGN / MIN_SPLIT_LEN: split chunks are multiples of SPLIT_ALIGN and at least MIN_SPLIT_LEN
-# keys (a multiple of SPLIT_ALIGN), so a split is never a sliver not worth its launch slot; QSPLIT:
-# hold the latent part of Q and the accumulator as two halves (bounds the live tile sizes).
+# keys (a multiple of SPLIT_ALIGN), so a split is never a sliver not worth its launch slot;
+# SPLIT_LATENT: hold the latent part of Q, K and the accumulator as two halves (bounds the live
+# tile sizes; the decode kernel's config key of the same name does the same).
 VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
     "BLOCK_N": 32,
     "BLOCK_H": 32,
     "SPLIT_ALIGN": 64,
     "MIN_SPLIT_LEN": 256,
-    "QSPLIT": False,
+    "SPLIT_LATENT": False,
     "num_warps": 4,
     "num_stages": 2,
 }
@@ -69,13 +71,14 @@ VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
 # Per architecture: overrides of VERIFY_DEFAULT_CONFIG for few rows ("small") and many ("large").
 # - "sm90" (Hopper: H100/H200): from the sweeps in notebooks/results/sweep_verify_h200.md on one
 #   H200 (Triton 3.6, bf16, Lk 576 / Lv 512, page 64, CUDA-graph timing, 15 configs x 5 shapes),
-#   as % of max(FLOPs / 790 TFLOP/s, unique bytes / 4.3 TB/s):
-#     B=8  qlen=4 H=16  L=4096 ( 512 rows):  BH32 BN64 w4 QSPLIT  20.6% (S=8);  BH16 BN32 w4  13.8%
-#     B=64 qlen=2 H=16  L=4096 (2048 rows):  BH32 BN32 w4 QSPLIT  52.5% (S=4);  BH64 BN64 w8 QSPLIT 43.7%
-#     B=32 qlen=4 H=16  L=4096 (2048 rows):  BH64 BN64 w8 QSPLIT  37.3% (S=4);  BH32 BN32 w4 QSPLIT 27.9%
-#     B=8  qlen=4 H=128 L=4096 (4096 rows):  BH64 BN64 w8 QSPLIT  27.4% (S=2);  BH32 BN32 w4 QSPLIT 20.0%
-#     B=64 qlen=1 H=128 L=2048 (8192 rows):  BH64 BN64 w8 QSPLIT  29.6% (S=1, 3 stages; 28.7% with 2)
-#   QSPLIT won in every shape; BH64 without it failed to compile at BN64 (the sweep file records a
+#   as % of max(FLOPs / 790 TFLOP/s, unique bytes / 4.3 TB/s); SL = SPLIT_LATENT (``qs1`` in the
+#   sweep file, which was measured when the key was called QSPLIT):
+#     B=8  qlen=4 H=16  L=4096 ( 512 rows):  BH32 BN64 w4 SL  20.6% (S=8);  BH16 BN32 w4     13.8%
+#     B=64 qlen=2 H=16  L=4096 (2048 rows):  BH32 BN32 w4 SL  52.5% (S=4);  BH64 BN64 w8 SL  43.7%
+#     B=32 qlen=4 H=16  L=4096 (2048 rows):  BH64 BN64 w8 SL  37.3% (S=4);  BH32 BN32 w4 SL  27.9%
+#     B=8  qlen=4 H=128 L=4096 (4096 rows):  BH64 BN64 w8 SL  27.4% (S=2);  BH32 BN32 w4 SL  20.0%
+#     B=64 qlen=1 H=128 L=2048 (8192 rows):  BH64 BN64 w8 SL  29.6% (S=1, 3 stages; 28.7% with 2)
+#   SPLIT_LATENT won in every shape; BH64 without it failed to compile at BN64 (the sweep file records a
 #   CompilationError for each such config, no cause) and was slower at BN32. At the verify target's
 #   shape (B=32 qlen=4 H=128 L=32K) the large config is the best of six:
 #   4.70 ms (BN32 6.51 ms; 3 stages 6.95 ms). SASS: large 80 HGMMA, small 272 HMMA
@@ -91,7 +94,7 @@ VERIFY_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
             "BLOCK_H": 32,
             "SPLIT_ALIGN": 64,
             "MIN_SPLIT_LEN": 128,
-            "QSPLIT": True,
+            "SPLIT_LATENT": True,
             "num_warps": 4,
             "num_stages": 2,
         },
@@ -100,14 +103,14 @@ VERIFY_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
             "BLOCK_H": 64,
             "SPLIT_ALIGN": 64,
             "MIN_SPLIT_LEN": 256,
-            "QSPLIT": True,
+            "SPLIT_LATENT": True,
             "num_warps": 8,
             "num_stages": 2,
         },
     },
     "default": {
-        "small": {"QSPLIT": True},
-        "large": {"BLOCK_H": 64, "QSPLIT": True, "num_warps": 8},
+        "small": {"SPLIT_LATENT": True},
+        "large": {"BLOCK_H": 64, "SPLIT_LATENT": True, "num_warps": 8},
     },
     "interpreter": {
         "small": {"BLOCK_N": 16, "BLOCK_H": 16, "SPLIT_ALIGN": 16, "MIN_SPLIT_LEN": 16, "num_stages": 1},
@@ -116,7 +119,7 @@ VERIFY_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
             "BLOCK_H": 32,
             "SPLIT_ALIGN": 16,
             "MIN_SPLIT_LEN": 32,
-            "QSPLIT": True,
+            "SPLIT_LATENT": True,
             "num_stages": 1,
         },
     },
@@ -173,9 +176,7 @@ def verify_num_kv_splits(
     if programs_per_split <= slots:
         n = slots // programs_per_split
     else:
-        cost = [
-            (cdiv(n * programs_per_split, slots) / n, n) for n in range(1, max(1, min(ideal, max_splits)) + 1)
-        ]
+        cost = [(cdiv(n * programs_per_split, slots) / n, n) for n in range(1, max(1, min(ideal, max_splits)) + 1)]
         best = min(c for c, _ in cost)
         n = min(n for c, n in cost if c <= best * 1.05)
     return max(1, min(ideal, n, sm_count * 2))
@@ -206,14 +207,14 @@ def _page_stride(k_buffer: torch.Tensor, page_size: int) -> int:
 
 @triton.jit
 def _fwd_verify_kernel_stage1(
-    Q, K_Buffer, sm_scale_log2, Req_to_tokens, Seq_lens, Real_seq_lens, Mid, Out, Lse, K_scale,
+    q_ptr, k_ptr, sm_scale_log2, table_ptr, seq_lens_ptr, real_seq_lens_ptr, part_ptr, o_ptr, lse_ptr, k_scale_ptr,
     num_pages, table_keys,
-    stride_req_b, stride_req_p, stride_q_r, stride_q_h, stride_page, stride_tok,
-    stride_mid_r, stride_mid_h, stride_mid_s, stride_o_r, stride_o_h, stride_lse_r, stride_lse_h,
+    stride_t_b, stride_t_p, stride_q_r, stride_q_h, stride_k_page, stride_k_tok,
+    stride_p_r, stride_p_h, stride_p_s, stride_o_r, stride_o_h, stride_lse_r, stride_lse_h,
     QLEN: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     HAS_REAL: tl.constexpr,
-    BLOCK_DMODEL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_DPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -221,9 +222,10 @@ def _fwd_verify_kernel_stage1(
     SPLIT_ALIGN: tl.constexpr,
     MIN_SPLIT_LEN: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    Lv: tl.constexpr,
-    QSPLIT: tl.constexpr,
-    SINGLE: tl.constexpr,
+    LK: tl.constexpr,
+    LV: tl.constexpr,
+    SPLIT_LATENT: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
     IS_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
@@ -238,15 +240,21 @@ def _fwd_verify_kernel_stage1(
     they run together and share the tile through L2. Softmax is online in base 2
     (``sm_scale * log2 e`` folded into one multiply; an FP8 cache's scalar ``k_scale`` folds into
     the same multiply and into the output). Every row writes its split slot, an empty one as
-    ``(0, -inf)`` with a natural-log LSE, so stage 2 needs no boundaries; with one split the result
-    goes to ``o``/``lse`` directly.
+    ``(0, -inf)`` with a natural-log LSE, so stage 2 needs no boundaries; with one split
+    (``SINGLE_SPLIT``) the result goes to ``o``/``lse`` directly.
+
+    Names as in the decode kernel (``decode_attention._decode_stage1_kernel``): ``LK``/``LV`` are
+    the key and value widths (the value is the latent, the key's first ``LV`` columns); ``BLOCK_D``
+    the latent tile's width (``LV``, a power of two >= 16); ``BLOCK_DPE`` the rope tile's width,
+    ``LK - LV`` padded to a power of two of at least 16 (``tl.dot`` needs every dim >= 16; columns
+    at or past ``LK`` load as zero), 0 without a rope part. ``SPLIT_LATENT``: the latent is handled
+    as two halves of ``HALF = BLOCK_D // 2`` columns, ``q0``/``q1`` and ``k0``/``k1`` (the key
+    halves are also V's halves) with accumulators ``acc0``/``acc1``; without it ``q0``, ``k0`` and
+    ``acc0`` span the whole latent. ``q_pe``/``k_pe`` are the rope parts.
     """
     ROWS: tl.constexpr = QLEN * NUM_HEADS
     ROW_BLOCKS: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H
-    HALF: tl.constexpr = BLOCK_DMODEL // 2 if QSPLIT else BLOCK_DMODEL
-    # tl.dot needs every dim >= 16: a rope width below 16 (test shapes only) loads a 16-wide tile
-    # whose extra columns are masked to zero; the wrapper requires Lv >= 16.
-    PE_TILE: tl.constexpr = BLOCK_DPE if BLOCK_DPE >= 16 else 16
+    HALF: tl.constexpr = BLOCK_D // 2 if SPLIT_LATENT else BLOCK_D
 
     pid = tl.program_id(0)
     rb = pid % ROW_BLOCKS
@@ -260,10 +268,10 @@ def _fwd_verify_kernel_stage1(
     r = b * QLEN + t
 
     # Row limits n(b, t) and this split's keys [split_start, split_end) of the request.
-    seq_len = tl.maximum(tl.load(Seq_lens + b), 0)
+    seq_len = tl.maximum(tl.load(seq_lens_ptr + b), 0)
     limit = seq_len - QLEN + 1 + t
     if HAS_REAL:
-        limit = tl.minimum(limit, tl.load(Real_seq_lens + b))
+        limit = tl.minimum(limit, tl.load(real_seq_lens_ptr + b))
     limit = tl.where(row_ok, tl.maximum(limit, 0), 0)
     per_split = tl.cdiv(seq_len, NUM_KV_SPLITS)
     chunk = tl.maximum(tl.cdiv(per_split, SPLIT_ALIGN) * SPLIT_ALIGN, MIN_SPLIT_LEN)
@@ -278,41 +286,41 @@ def _fwd_verify_kernel_stage1(
 
     offs_d0 = tl.arange(0, HALF)
     offs_d1 = HALF + tl.arange(0, HALF)
-    q_rows = Q + r * stride_q_r + h * stride_q_h
+    q_rows = q_ptr + r * stride_q_r + h * stride_q_h
     q0 = tl.load(q_rows[:, None] + offs_d0[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
     q1 = q0
-    if QSPLIT:
+    if SPLIT_LATENT:
         q1 = tl.load(q_rows[:, None] + offs_d1[None, :], mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
     q_pe = q0
     if BLOCK_DPE > 0:
-        offs_pe = BLOCK_DMODEL + tl.arange(0, PE_TILE)
-        pe_ok = offs_pe < BLOCK_DMODEL + BLOCK_DPE
+        offs_pe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+        pe_ok = offs_pe < LK
         q_pe = tl.load(q_rows[:, None] + offs_pe[None, :], mask=row_ok[:, None] & pe_ok[None, :], other=0.0)
         q_pe = q_pe.to(DOT_DTYPE)
 
     qk_scale = sm_scale_log2
     k_scale = 1.0
     if IS_FP8:
-        k_scale = tl.load(K_scale).to(tl.float32)
+        k_scale = tl.load(k_scale_ptr).to(tl.float32)
         qk_scale = qk_scale * k_scale
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc0 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
     acc1 = acc0
-    table_row = Req_to_tokens + b * stride_req_b
+    table_row = table_ptr + b * stride_t_b
     for start_n in range(split_start, tile_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_ok = offs_n < tile_end
-        page = tl.load(table_row + (offs_n // PAGE_SIZE) * stride_req_p, mask=key_ok, other=0).to(tl.int64)
+        page = tl.load(table_row + (offs_n // PAGE_SIZE) * stride_t_p, mask=key_ok, other=0).to(tl.int64)
         page_ok = (page >= 0) & (page < num_pages)
         seen = offs_n[None, :] < row_end[:, None]
         page = tl.where(page_ok, page, 0)  # in bounds; rows that see it get a NaN score (see decode_attention)
-        k_rows = K_Buffer + page * stride_page + (offs_n % PAGE_SIZE) * stride_tok
+        k_rows = k_ptr + page * stride_k_page + (offs_n % PAGE_SIZE) * stride_k_tok
         k0 = tl.load(k_rows[:, None] + offs_d0[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
         qk = tl.dot(q0, tl.trans(k0))
         k1 = k0
-        if QSPLIT:
+        if SPLIT_LATENT:
             k1 = tl.load(k_rows[:, None] + offs_d1[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
             qk += tl.dot(q1, tl.trans(k1))
         if BLOCK_DPE > 0:
@@ -328,34 +336,34 @@ def _fwd_verify_kernel_stage1(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         p_dot = p.to(DOT_DTYPE)
         acc0 = acc0 * alpha[:, None] + tl.dot(p_dot, k0)
-        if QSPLIT:
+        if SPLIT_LATENT:
             acc1 = acc1 * alpha[:, None] + tl.dot(p_dot, k1)
         m_i = m_new
 
     has_keys = ~(l_i <= 0)  # l_i > 0, or NaN (a bad page), which must reach o and lse
-    out_scale = tl.where(has_keys, k_scale / tl.where(has_keys, l_i, 1.0), 0.0)
+    row_scale = tl.where(has_keys, k_scale / tl.where(has_keys, l_i, 1.0), 0.0)
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    out_scale = tl.where(too_long, float("nan"), out_scale)
+    row_scale = tl.where(too_long, float("nan"), row_scale)
     lse = tl.where(too_long, float("nan"), lse)
-    if SINGLE:
-        o_rows = Out + r * stride_o_r + h * stride_o_h
-        out_ty = Out.dtype.element_ty
+    if SINGLE_SPLIT:
+        o_rows = o_ptr + r * stride_o_r + h * stride_o_h
+        out_ty = o_ptr.dtype.element_ty
         tl.store(
-            o_rows[:, None] + offs_d0[None, :], cast_for_store(acc0 * out_scale[:, None], out_ty), mask=row_ok[:, None]
+            o_rows[:, None] + offs_d0[None, :], cast_for_store(acc0 * row_scale[:, None], out_ty), mask=row_ok[:, None]
         )
-        if QSPLIT:
+        if SPLIT_LATENT:
             tl.store(
                 o_rows[:, None] + offs_d1[None, :],
-                cast_for_store(acc1 * out_scale[:, None], out_ty),
+                cast_for_store(acc1 * row_scale[:, None], out_ty),
                 mask=row_ok[:, None],
             )
-        tl.store(Lse + r * stride_lse_r + h * stride_lse_h, lse, mask=row_ok)
+        tl.store(lse_ptr + r * stride_lse_r + h * stride_lse_h, lse, mask=row_ok)
     else:
-        mid_rows = Mid + r * stride_mid_r + h * stride_mid_h + split * stride_mid_s
-        tl.store(mid_rows[:, None] + offs_d0[None, :], acc0 * out_scale[:, None], mask=row_ok[:, None])
-        if QSPLIT:
-            tl.store(mid_rows[:, None] + offs_d1[None, :], acc1 * out_scale[:, None], mask=row_ok[:, None])
-        tl.store(mid_rows + Lv, lse, mask=row_ok)
+        p_rows = part_ptr + r * stride_p_r + h * stride_p_h + split * stride_p_s
+        tl.store(p_rows[:, None] + offs_d0[None, :], acc0 * row_scale[:, None], mask=row_ok[:, None])
+        if SPLIT_LATENT:
+            tl.store(p_rows[:, None] + offs_d1[None, :], acc1 * row_scale[:, None], mask=row_ok[:, None])
+        tl.store(p_rows + LV, lse, mask=row_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -495,41 +503,46 @@ def decode_attention_fwd_verify(
     cfg = config if config is not None else select_verify_config(batch, qlen, num_heads)
     single = num_kv_splits == 1
     if single:
-        mid, mid_strides = o, (0, 0, 0)  # stage 1 writes o / lse directly; o only stands in
+        part, part_strides = o, (0, 0, 0)  # stage 1 writes o / lse directly; o only stands in
     else:
-        mid = attn_logits[:num_rows]
-        mid_strides = mid.stride()[:3]
+        part = attn_logits[:num_rows]
+        part_strides = part.stride()[:3]
     is_fp8 = k_buffer.dtype in _FP8_CACHE_DTYPES
     has_real = real_seq_lens is not None
-    qsplit = bool(cfg["QSPLIT"]) and value_width >= 32
+    split_latent = bool(cfg["SPLIT_LATENT"]) and value_width >= 32
+    rope_width = key_width - value_width
+    # tl.dot needs every dim >= 16: a rope width below 16 (test shapes only) loads a 16-wide tile
+    # whose extra columns are masked to zero (_check_verify_args requires Lv >= 16).
+    block_dpe = max(16, next_pow2(rope_width)) if rope_width else 0
     grid = (verify_row_blocks(qlen, num_heads, cfg["BLOCK_H"]) * batch * num_kv_splits,)
     launch(_fwd_verify_kernel_stage1, grid,
         q, k_buffer, sm_scale * _LOG2E, block_table, seq_lens, real_seq_lens if has_real else seq_lens,
-        mid, o, lse, k_scale, num_pages, block_table.shape[1] * page_size,
+        part, o, lse, k_scale, num_pages, block_table.shape[1] * page_size,
         block_table.stride(0), block_table.stride(1),
         q.stride(0), q.stride(1), _page_stride(k_buffer, page_size), k_buffer.stride(-3),
-        *mid_strides, o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
+        *part_strides, o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
         QLEN=qlen,
         NUM_HEADS=num_heads,
         HAS_REAL=has_real,
-        BLOCK_DMODEL=value_width,
-        BLOCK_DPE=key_width - value_width,
+        BLOCK_D=value_width,
+        BLOCK_DPE=block_dpe,
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_H=cfg["BLOCK_H"],
         NUM_KV_SPLITS=num_kv_splits,
         SPLIT_ALIGN=cfg["SPLIT_ALIGN"],
         MIN_SPLIT_LEN=cfg["MIN_SPLIT_LEN"],
         PAGE_SIZE=page_size,
-        Lv=value_width,
-        QSPLIT=qsplit,
-        SINGLE=single,
+        LK=key_width,
+        LV=value_width,
+        SPLIT_LATENT=split_latent,
+        SINGLE_SPLIT=single,
         IS_FP8=is_fp8,
         DOT_DTYPE=dot_dtype(q.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip
     if not single:
-        launch_merge_splits(mid, o, lse)
+        launch_merge_splits(part, o, lse)
 
 
 def warmup_decode_attention_fwd_verify(
