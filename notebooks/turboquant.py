@@ -177,8 +177,10 @@ plt.show()
 # same codes except where a coordinate lies within fp32 rounding of a decision boundary), and 8
 # query heads on 2 KV heads attend to it with the Triton decode kernel. The error is against float64
 # attention over the unquantized keys and values; "golden == triton" compares the kernel with the
-# golden decode on the same cache bytes, and each preset asserts that the kernel's output is within
-# TurboQuant's `out` tolerance for its output dtype (`tests/TOLERANCES.md`) of the golden decode.
+# golden decode on the same cache bytes and the same fp16-rounded centroids (the kernel reads its
+# codebook as fp16, as upstream's does; `centroid_rounding_bound` in `triton_impl/parity/turboquant.py`
+# bounds what that rounding moves), and each preset asserts that the kernel's output is within
+# TurboQuant's `out` tolerance for its output dtype (`tests/TOLERANCES.md`) of that golden decode.
 
 # %%
 tokens, kv_heads, heads, block_size = 256, 2, 8, 16
@@ -217,7 +219,8 @@ for preset in sorted(tq.PRESETS):
         centroids_d, scale, config.key_mse_bits, config.key_packed_size, config.value_quant_bits,
         config.value_packed_size, key_fp8=config.key_fp8, max_num_kv_splits=4,
     ).cpu()  # fmt: skip
-    golden_out, _ = tq.turboquant_decode_attention(query, cache, block_table, seq_lens, pit, centroids, scale, config)
+    golden_out, _ = tq.turboquant_decode_attention(query, cache, block_table, seq_lens, pit, centroids.half().float(),
+                                                   scale, config)  # fmt: skip
     parity = compare(out, golden_out, tolerance("turboquant", "out", out.dtype))
     assert parity.ok, (preset, parity)
     errors[preset] = float((out[0].double() - exact).norm() / exact.norm())
@@ -243,10 +246,15 @@ plt.show()
 # both codes of a packed byte rather than by one code, so each byte costs one load that returns both
 # dequantized values. It precomputes every pair, `lut[i*16 + j] = (c_i, c_j)` (256 entries of 8
 # bytes = 2 KiB, asserted on the tensor below), so one 8-byte gather at `lo*16 + hi` returns
-# `(c_lo, c_hi)`. The decode kernel
-# splits the rotated query into even and odd coordinates, which meet the first and second halves
-# of each pair. The table is rebuilt on every call (a 2 KiB tensor): caching it by
-# `centroids.data_ptr()` returns a stale table when the allocator reuses an address.
+# `(c_lo, c_hi)`. The decode kernel (`use_pair_lut=True`) reads the same pairs as fp16, re-indexed
+# by the byte's value (entry `b` holds `c[b & 15]` and `c[b >> 4]` in one 32-bit word, 1 KiB), and
+# puts the two halves back at coordinates `2i` and `2i+1`. The table is rebuilt on every call: caching
+# it by `centroids.data_ptr()` returns a stale table when the allocator reuses an address.
+#
+# Fewer gathers are not fewer cycles on every GPU. On the H200 the pair table made the 4-bit decode
+# about 2x slower than two gathers from the 16-entry fp16 table (`notebooks/results/sweep_memory_bound_h200.md`):
+# a warp's 32 lookups into 32 bytes hit one L1 line, into 1 KiB up to 8. The kernel's H200 config
+# therefore reads the 16-entry table (`use_pair_lut=None` lets the config choose).
 
 # %%
 centroids, _ = tq.solve_lloyd_max(D, 4)

@@ -13,7 +13,14 @@ import triton
 import triton.language as tl
 
 from triton_impl import interpreter
-from triton_impl.interpreter import cast_for_store, dot_dtype, e4m3_bits_to_f32, f32_to_bf16_rne, f32_to_e4m3_bits
+from triton_impl.interpreter import (
+    cast_for_store,
+    dot_dtype,
+    e4m3_bits_to_f16,
+    e4m3_bits_to_f32,
+    f32_to_bf16_rne,
+    f32_to_e4m3_bits,
+)
 
 interpreted_only = pytest.mark.skipif(not bool(interpreter.INTERPRET), reason="defect of the interpreter only")
 
@@ -230,6 +237,24 @@ def test_e4m3_decoder_matches_torch_on_every_code(device: torch.device, fnuz: bo
     expected = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
     assert torch.equal(soft.isnan(), expected.isnan())
     assert torch.equal(soft[~soft.isnan()].view(torch.int32), expected[~expected.isnan()].view(torch.int32))  # -0 too
+
+
+@triton.jit
+def _decode_e4m3_f16_kernel(codes_ptr, out_ptr):
+    offs = tl.arange(0, 256)
+    tl.store(out_ptr + offs, e4m3_bits_to_f16(tl.load(codes_ptr + offs)))
+
+
+def test_e4m3_to_f16_matches_torch_on_every_code(device: torch.device) -> None:
+    """The dot-operand decode (hardware compiled, the integer decode interpreted): every OCP code,
+    -0 included, to torch's fp16 bit for bit; the NaN codes to NaN (payload free)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device)
+    out = torch.empty(256, dtype=torch.float16, device=device)
+    _decode_e4m3_f16_kernel[(1,)](codes, out)
+    expected = codes.cpu().view(torch.float8_e4m3fn).to(torch.float16)
+    out = out.cpu()
+    assert torch.equal(out.isnan(), expected.isnan()) and int(expected.isnan().sum()) == 2
+    assert torch.equal(out[~out.isnan()].view(torch.int16), expected[~expected.isnan()].view(torch.int16))
 
 
 # -- defect 4: fp32 -> bf16 ---------------------------------------------------------------------

@@ -1143,6 +1143,17 @@ def test_decode_rejects_bad_input(overrides, error, match, device: torch.device)
         ttq.triton_turboquant_decode_attention_v2(**_decode_args(device, **overrides))
 
 
+def test_decode_rejects_a_cache_that_starts_off_a_word(device: torch.device) -> None:
+    """Codes are read as aligned 32-bit words: a cache view starting 2 bytes into its storage is named."""
+    args = _decode_args(device)
+    cache = args["kv_cache"]
+    storage = torch.zeros(cache.numel() + 2, dtype=torch.uint8, device=device)
+    shifted = storage[2:].view(cache.shape)
+    shifted.copy_(cache)
+    with pytest.raises(ValueError, match="kv_cache: expected a 4-byte aligned start"):
+        ttq.triton_turboquant_decode_attention_v2(**{**args, "kv_cache": shifted})
+
+
 def test_valid_bad_input_baselines_run(device: torch.device) -> None:
     """The baselines of the bad-input tables are valid, so each error above is the named one."""
     ttq.triton_turboquant_store(**_store_args(device))

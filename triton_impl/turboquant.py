@@ -1,4 +1,4 @@
-"""TurboQuant KV cache kernels: the SoA store and the pair-LUT split-KV decode.
+"""TurboQuant KV cache kernels: the SoA store and the split-KV decode.
 
 Twin of ``golden/turboquant.py``, with the signatures of vLLM's ``turboquant_soa`` modules
 (``triton_turboquant_store``, ``triton_turboquant_decode_attention_v2``, ``build_pair_lut``).
@@ -13,8 +13,11 @@ which any correct store passes, upstream's included. Inside a band a code may be
 Decode: stage 1 (:func:`_decode_stage1_kernel`) gives each (request, KV head, split) one program
 that serves the KV head's whole query group, so each key/value byte is read once for ``H / HKV``
 query heads. It writes every split slot of ``[B, H, S, D+1]`` (an empty split as ``(0, -inf)``);
-stage 2 is ``triton_impl.lse_merge.merge_splits``. 4-bit keys are decoded through the pair LUT
-(FLUTE, papers.md#turboquant): one 8-byte gather per packed byte returns the centroids of both its codes.
+stage 2 is ``triton_impl.lse_merge.merge_splits``. Codes are read as 32-bit words, one per group
+of 8 codes, and unpacked with shifts. Key codes become centroids through an fp16 table: the
+16- or 8-entry codebook, or for 4-bit keys the pair LUT (FLUTE, papers.md#turboquant), where one
+4-byte gather per packed byte returns both of its centroids. Value codes need no table: they
+enter the MMA as exact fp16 integers.
 """
 
 from __future__ import annotations
@@ -51,20 +54,21 @@ _MAX_HEAD_DIM = 1024
 # Launch configs as data, keyed by where the kernel runs. Store: D_CHUNK rows of PiT per step of
 # the rotation ([D_CHUNK, D] fp32 partial sums live in registers); D_CHUNK changes the summation
 # order, which the store's error bound allows. Under the interpreter every op costs ~0.1 ms of Python whatever
-# its size, so one [D, D] step halves the store's CPU time. Decode: BLOCK_N tokens per tile, as
-# upstream's v2 kernel (TILE_SIZE 16, 4 warps, 2 stages on CUDA), in every mode, so CPU tests
-# run the GPU's tiling. The sm90 decode entry is the best of 7 in
-# notebooks/results/sweep_memory_bound_h200.md (BLOCK_N 16-128, 4-8 warps, 2-3 stages): every
-# larger tile was slower (4-bit, L=8K: 2.34 ms at 16, 2.53-3.21 ms otherwise), so the per-key
-# decode work, not the tile overhead, bounds the kernel (notebooks/results/perf_log.md). The sm90
-# store entry is not swept. No config depends on the batch.
+# its size, so one [D, D] step halves the store's CPU time. The sm90 store entry is not swept.
+# Decode: BLOCK_N tokens per tile, at least 32 (the value MMA's K; Triton 3.6 miscompiles unpacked
+# codes fed to a 16-key dot, see tests/test_turboquant.py); PAIR_LUT picks the 4-bit key table when
+# the caller leaves use_pair_lut=None (the interpreter's entry takes the pair LUT, so the CPU
+# tests run both tables). The sm90 entry is the best 4-bit and k8v4 config of the 10 in
+# notebooks/results/sweep_memory_bound_h200.md (BLOCK_N 32-128, 4-8 warps, 1-3 stages, both tables):
+# the pair LUT is ~2x slower there (a warp's gathers span 8 L1 lines of a 1 KiB table instead of one
+# line of a 32-byte one), and 3-bit keys would gain ~9% at BLOCK_N 32. No config depends on the batch.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"D_CHUNK": 16, "num_warps": 4},
     "sm90": {"D_CHUNK": 16, "num_warps": 4},
     "interpreter": {"D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4},
 }
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
-    "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1},
+    "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0},
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1},
 }
@@ -627,7 +631,9 @@ def triton_turboquant_decode_attention_v2(
     seq_lens[b]``; values ``q_j * scale_j + zero_j``. Golden:
     ``golden.turboquant.turboquant_decode_attention``. An empty request gives ``out = 0``,
     ``lse = -inf``. ``max_seq_len`` (ignored) and ``norm_correction`` (folded into the stored
-    norm by the store) are accepted for signature compatibility.
+    norm by the store) are accepted for signature compatibility. The centroids are read rounded
+    to fp16, as upstream's kernel reads them (``triton_impl.parity.turboquant.centroid_rounding_bound``
+    bounds what that moves against the exact codebook).
 
     Split-KV with exactly ``max_num_kv_splits`` splits (fixed grid: CUDA-graph safe); split ``s``
     of request ``b`` covers ``[s*c, min((s+1)*c, L_b))``, ``c = cdiv(L_b, S)``. Buffers are used
@@ -637,7 +643,8 @@ def triton_turboquant_decode_attention_v2(
 
     Args:
         query: ``[B, H, D]`` float16/bfloat16.
-        kv_cache: uint8 ``[blocks, block_size, HKV, padded_slot]``; ``H % HKV == 0``.
+        kv_cache: uint8 ``[blocks, block_size, HKV, padded_slot]`` starting 4-byte aligned (codes
+            are read as 32-bit words); ``H % HKV == 0``.
         block_table: ``[>= B, max_blocks]`` (or ``[>= B, max_blocks, 1]``) int32/int64, any
             strides; an entry covering a request's keys outside the cache (or a request longer
             than the table) makes that request's output and LSE NaN and is never dereferenced.
@@ -646,8 +653,9 @@ def triton_turboquant_decode_attention_v2(
         mse_bits: 3 or 4 (0 for FP8 keys); key_packed_size, value_packed_size: the preset's.
         mid_o_buf: fp32 ``[>=B, >=H, >=S, >=D+1]``; output_buf: query dtype ``[>=B, >=H, >=D]``;
         lse_buf: fp32 ``[>=B, >=H]``.
-        use_pair_lut: None (the seed's choice: 4-bit MSE keys), or force the pair LUT on/off
-            (4-bit keys only).
+        use_pair_lut: None (the launch config's choice for 4-bit keys: on the H200 the 16-entry
+            table, measured faster), or force the pair LUT on/off (4-bit keys only). Both read the
+            same fp16 centroids.
 
     Returns:
         ``[B, H, D]`` in the query dtype (a view of ``output_buf`` when given); the natural-log
