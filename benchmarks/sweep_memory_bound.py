@@ -1,8 +1,8 @@
-"""Sweep the launch-config tables of the memory-bound kernels (TurboQuant decode, UE8M0 insert and
-gather) over their ``attnref bench`` cases; results go in ``notebooks/results/sweep_memory_bound_h200.md``.
+"""Sweep the launch-config tables of the memory-bound kernels (TurboQuant decode and store, UE8M0 insert
+and gather) over their ``attnref bench`` cases; results go in ``notebooks/results/sweep_memory_bound_h200.md``.
 
 Run from the repository root on the GPU machine:
-``PYTHONPATH=. python3 benchmarks/sweep_memory_bound.py [seconds] [turboquant|ue8m0]``. Each line: case, config,
+``PYTHONPATH=. python3 benchmarks/sweep_memory_bound.py [seconds] [turboquant|store|ue8m0]``. Each line: case, config,
 median time (``triton.testing.do_bench``, content checks off), GB/s of the case's traffic formula
 and its % of 4221 GB/s (the device copy ``attnref bench`` measured). A case is built once and timed
 under every config; the config tables are patched in place, as a sweep of data should.
@@ -27,6 +27,8 @@ COPY_GBPS = 4221.0
 # TurboQuant decode: (BLOCK_N, num_warps, num_stages, PAIR_LUT); the first is the current sm90 entry.
 TURBOQUANT_GRID = [(128, 4, 2, 0), (32, 4, 2, 0), (64, 4, 2, 0), (64, 8, 2, 0), (128, 8, 2, 0), (32, 4, 3, 0),
                    (128, 4, 1, 0), (128, 4, 2, 1)]  # fmt: skip
+# TurboQuant store: (BLOCK_T, D_CHUNK, num_warps); the first is the current sm90 entry.
+STORE_GRID = [(32, 32, 4), (16, 32, 4), (64, 32, 4), (32, 64, 4), (32, 16, 4), (64, 64, 8), (32, 32, 8)]
 # UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps); the first is the default entry.
 UE8M0_GRID = [(1, 128, 4), (4, 128, 4), (8, 128, 4), (8, 128, 8), (16, 128, 8), (4, 512, 4), (8, 512, 8),
               (16, 256, 8)]  # fmt: skip
@@ -36,6 +38,11 @@ def set_turboquant(block_n: int, warps: int, stages: int, pair_lut: int) -> str:
     turboquant.DECODE_CONFIGS["sm90"] = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
                                          "PAIR_LUT": pair_lut}  # fmt: skip
     return f"BN{block_n} w{warps} s{stages} pair{pair_lut}"
+
+
+def set_store(block_t: int, d_chunk: int, warps: int) -> str:
+    turboquant.STORE_CONFIGS["sm90"] = {"BLOCK_T": block_t, "D_CHUNK": d_chunk, "num_warps": warps}
+    return f"T{block_t} chunk{d_chunk} w{warps}"
 
 
 def set_ue8m0(tokens: int, workers: int, warps: int) -> str:
@@ -49,6 +56,8 @@ def main(budget_s: float, only: str | None = None) -> None:
     cases = []
     if only in (None, "turboquant"):
         cases += [(c, set_turboquant, TURBOQUANT_GRID) for c in turboquant_cases() if "decode" in c.name]
+    if only in (None, "turboquant", "store"):
+        cases += [(c, set_store, STORE_GRID) for c in turboquant_cases() if "store" in c.name]
     if only in (None, "ue8m0"):
         cases += [(c, set_ue8m0, UE8M0_GRID) for c in ue8m0_cases()]
     for case, apply, grid in cases:

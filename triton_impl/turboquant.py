@@ -33,6 +33,7 @@ from triton_impl.launch import launch, select_config
 from triton_impl.lse_merge import launch_merge_splits
 from triton_impl.validation import (
     block_table_2d,
+    cdiv,
     check_block_table,
     check_lengths,
     check_tensor,
@@ -50,11 +51,12 @@ _KEY_NORM_EPS = tl.constexpr(1e-8)
 _NORM_CORRECTION_EPS = tl.constexpr(1e-16)
 _MIN_VALUE_SCALE = tl.constexpr(1e-8)
 _MAX_HEAD_DIM = 1024
+_STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands: 128 KiB at D = 1024
 
-# Launch configs as data, keyed by where the kernel runs. Store: D_CHUNK rows of PiT per step of
-# the rotation ([D_CHUNK, D] fp32 partial sums live in registers); D_CHUNK changes the summation
-# order, which the store's error bound allows. Under the interpreter every op costs ~0.1 ms of Python whatever
-# its size, so one [D, D] step halves the store's CPU time. The sm90 store entry is not swept.
+# Launch configs as data, keyed by where the kernel runs. Store: BLOCK_T (token, KV head) rows per
+# program share each read of PiT; D_CHUNK columns of the rotation per step (a [BLOCK_T, D_CHUNK]
+# fp32 product); the chunking changes the summation order, which the store's error bound allows.
+# Under the interpreter every op costs ~0.1 ms of Python whatever its size, so one [D, D] step.
 # Decode: BLOCK_N tokens per tile, at least 32 (the value MMA's K; Triton 3.6 miscompiles unpacked
 # codes fed to a 16-key dot, see tests/test_turboquant.py); PAIR_LUT picks the 4-bit key table when
 # the caller leaves use_pair_lut=None (the interpreter's entry takes the pair LUT, so the CPU
@@ -63,9 +65,9 @@ _MAX_HEAD_DIM = 1024
 # the pair LUT is ~2x slower there (a warp's gathers span 8 L1 lines of a 1 KiB table instead of one
 # line of a 32-byte one), and 3-bit keys would gain ~9% at BLOCK_N 32. No config depends on the batch.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
-    "default": {"D_CHUNK": 16, "num_warps": 4},
-    "sm90": {"D_CHUNK": 16, "num_warps": 4},
-    "interpreter": {"D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4},
+    "default": {"BLOCK_T": 32, "D_CHUNK": 32, "num_warps": 4},
+    "sm90": {"BLOCK_T": 32, "D_CHUNK": 32, "num_warps": 4},
+    "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4},
 }
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0},
@@ -151,14 +153,15 @@ def _check_rotation(name: str, t: torch.Tensor, head_dim: int, device: torch.dev
 
 @triton.jit
 def _key_norm(k):
-    """``||k||`` of an fp32 vector (zeros in padding lanes) in fp32, scaled by a power of two so
-    that no square overflows or underflows: ``2^e sqrt(sum (k 2^-e)^2)`` with ``2^e <= max |k|``.
-    The scaling is exact, so the result has the error of the plain fp32 formula wherever that one
-    is finite. Powers of two are built from their bits (``exp2`` is approximate compiled)."""
-    amax = tl.max(tl.abs(k), axis=0)
+    """``||k||`` of each row of an fp32 tile ``[R, D]`` (zeros in padding lanes), in fp32, each row
+    scaled by a power of two so that no square overflows or underflows: ``2^e sqrt(sum (k 2^-e)^2)``
+    with ``2^e <= max |k|``. The scaling is exact, so the result has the error of the plain fp32
+    formula wherever that one is finite. Powers of two are built from their bits (``exp2`` is
+    approximate compiled)."""
+    amax = tl.max(tl.abs(k), axis=1)
     e = tl.minimum(tl.maximum(((amax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32), 1) - 127, 126)
-    x = k * ((127 - e) << 23).to(tl.float32, bitcast=True)
-    return tl.sqrt(tl.sum(x * x, axis=0)) * ((127 + e) << 23).to(tl.float32, bitcast=True)
+    x = k * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]
+    return tl.sqrt(tl.sum(x * x, axis=1)) * ((127 + e) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -168,26 +171,27 @@ def _fp16_bits(x):
 
 
 @triton.jit
-def _store_packed(codes, dst, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Write ``codes [BLOCK_D]`` as an LSB-first bit stream at ``dst`` (code d at bits [BITS*d, BITS*d + BITS)).
+def _store_packed(codes, dst, ok, BITS: tl.constexpr, VALID: tl.constexpr, COLS: tl.constexpr):
+    """Write each row of ``codes [R, COLS]`` as an LSB-first bit stream at its ``dst [R]`` (code
+    ``d`` at bits ``[BITS*d, BITS*d + BITS)``); rows where ``ok`` is false write nothing.
 
     Per group of 8 codes: ``word = sum_p code_p << (BITS*p)`` (disjoint fields: the sum is an OR),
-    then its ``BITS`` bytes. Lanes ``d >= HEAD_DIM`` fill whole groups (``HEAD_DIM % 8 == 0``) and
-    are not stored.
+    then its ``BITS`` bytes. Only the first ``VALID`` codes (a multiple of 8) are stored.
     """
-    groups = tl.reshape(codes.to(tl.int64), [BLOCK_D // 8, 8])
-    words = tl.sum(groups << (tl.arange(0, 8).to(tl.int64) * BITS)[None, :], axis=1)
-    g = tl.arange(0, BLOCK_D // 8)
+    R: tl.constexpr = codes.shape[0]
+    groups = tl.reshape(codes.to(tl.int64), [R, COLS // 8, 8])
+    words = tl.sum(groups << (tl.arange(0, 8).to(tl.int64) * BITS)[None, None, :], axis=2)
+    g = tl.arange(0, COLS // 8)
     i = tl.arange(0, 4)  # at most 4 bytes per group (BITS <= 4)
-    packed = (words[:, None] >> (8 * i[None, :]).to(tl.int64)) & 0xFF
-    mask = (g[:, None] < HEAD_DIM // 8) & (i[None, :] < BITS)
-    tl.store(dst + g[:, None] * BITS + i[None, :], packed.to(tl.uint8), mask=mask)
+    packed = (words[:, :, None] >> (8 * i[None, None, :]).to(tl.int64)) & 0xFF
+    mask = ok[:, None, None] & (g < VALID // 8)[None, :, None] & (i < BITS)[None, None, :]
+    tl.store(dst[:, None, None] + (g * BITS)[None, :, None] + i[None, None, :], packed.to(tl.uint8), mask=mask)
 
 
 @triton.jit
 def _store_kernel(
     key_ptr, value_ptr, cache_ptr, cache_u16_ptr, slot_ptr, pit_ptr, midpoint_ptr, centroid_ptr,
-    num_kv_heads, block_size, num_slots, stride_block, data_bytes_per_slot, meta_offset,
+    num_rows, num_kv_heads, block_size, num_slots, stride_block, data_bytes_per_slot, meta_offset,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_pit,
     HEAD_DIM: tl.constexpr,
     KEY_BITS: tl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
@@ -195,22 +199,26 @@ def _store_kernel(
     NORM_CORRECTION: tl.constexpr,
     KEY_DATA_BYTES: tl.constexpr,
     NUM_FIELDS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_CODES: tl.constexpr,
     D_CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(T * HKV,)``: a program owns one (token, KV head) slot and writes all of its bytes.
+    """Grid ``(cdiv(T * HKV, BLOCK_T),)``: a program owns ``BLOCK_T`` (token, KV head) rows and
+    writes all of their slots' bytes.
 
-    It reads the key row once into registers for the norm, then streams ``PiT`` through in
-    ``[D_CHUNK, D]`` tiles (re-reading ``D_CHUNK`` key entries per tile, from L1), accumulating the
-    rotation in fp32. Any summation order, fused or not, and 2-ulp divisions and square roots stay
-    inside the error bound that ``triton_impl.parity.turboquant.compare_store`` holds a store to.
+    The rotation is one fp32 product ``k_hat [BLOCK_T, D] @ PiT`` per ``D_CHUNK`` columns
+    (``tl.dot`` in IEEE fp32: CUDA-core FMAs, no TF32), so each program reads ``PiT`` once for
+    ``BLOCK_T`` rows; each chunk's codes are bucketized and packed on the spot. Any summation order,
+    fused or not, and 2-ulp divisions and square roots stay inside the error bound that
+    ``triton_impl.parity.turboquant.compare_store`` holds a store to.
     """
-    token = (tl.program_id(0) // num_kv_heads).to(tl.int64)
-    head = tl.program_id(0) % num_kv_heads
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if (slot < 0) | (slot >= num_slots):  # padding, or a slot outside the cache: nothing to write
-        return
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_rows = rows < num_rows
+    token = rows // num_kv_heads
+    head = rows % num_kv_heads
+    slot = tl.load(slot_ptr + token, mask=in_rows, other=-1).to(tl.int64)
+    ok = in_rows & (slot >= 0) & (slot < num_slots)  # padding, or a slot outside the cache: nothing to write
+    slot = tl.where(ok, slot, 0)
     block_base = (slot // block_size) * stride_block
     position = slot % block_size
     data = cache_ptr + block_base + (position * num_kv_heads + head) * data_bytes_per_slot
@@ -218,47 +226,48 @@ def _store_kernel(
 
     dims = tl.arange(0, BLOCK_D)
     in_dim = dims < HEAD_DIM
-    key_row = key_ptr + token * stride_kt + head * stride_kh
-    k = tl.load(key_row + dims, mask=in_dim, other=0.0).to(tl.float32)
+    tile_ok = ok[:, None] & in_dim[None, :]
+    k = tl.load(key_ptr + token[:, None] * stride_kt + head[:, None] * stride_kh + dims[None, :], mask=tile_ok,
+                other=0.0).to(tl.float32)  # fmt: skip
     if KEY_BITS == 8:
-        tl.store(data + dims, f32_to_e4m3_bits(k, False), mask=in_dim)
+        tl.store(data[:, None] + dims[None, :], f32_to_e4m3_bits(k, False), mask=tile_ok)
     else:
         norm = _key_norm(k)
-        denom = norm + _KEY_NORM_EPS
-        # acc[i, j] sums rows d = i (mod D_CHUNK) of column j; one reduction at the end.
-        acc = tl.zeros([D_CHUNK, BLOCK_D], dtype=tl.float32)
-        for d0 in range(0, HEAD_DIM, D_CHUNK):
-            rows = d0 + tl.arange(0, D_CHUNK)
-            in_rows = rows < HEAD_DIM
-            k_hat = tl.load(key_row + rows, mask=in_rows, other=0.0).to(tl.float32) / denom
-            pit = tl.load(pit_ptr + rows[:, None] * stride_pit + dims[None, :],
-                          mask=in_rows[:, None] & in_dim[None, :], other=0.0)  # fmt: skip
-            acc += k_hat[:, None] * pit
-        y = tl.sum(acc, axis=0)
-        # idx_d = #{m : midpoint_m <= y_d}; padding midpoints are +inf and never count.
-        m = tl.arange(0, BLOCK_CODES)
-        midpoints = tl.load(midpoint_ptr + m, mask=m < (1 << KEY_BITS) - 1, other=float("inf"))
-        codes = tl.sum((y[:, None] >= midpoints[None, :]).to(tl.int32), axis=1)
-        _store_packed(codes, data, KEY_BITS, HEAD_DIM, BLOCK_D)
+        k_hat = k / (norm + _KEY_NORM_EPS)[:, None]
+        code_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for c0 in tl.static_range(0, BLOCK_D, D_CHUNK):
+            cols = c0 + tl.arange(0, D_CHUNK)
+            in_cols = cols < HEAD_DIM
+            pit = tl.load(pit_ptr + dims[:, None] * stride_pit + cols[None, :], mask=in_dim[:, None] & in_cols[None, :],
+                          other=0.0)  # fmt: skip
+            y = tl.dot(k_hat, pit, input_precision="ieee")
+            # idx_d = #{m : midpoint_m <= y_d}
+            codes = tl.zeros([BLOCK_T, D_CHUNK], dtype=tl.int32)
+            for m in tl.static_range((1 << KEY_BITS) - 1):
+                codes += (y >= tl.load(midpoint_ptr + m)).to(tl.int32)
+            _store_packed(codes, data + c0 * KEY_BITS // 8, ok, KEY_BITS, HEAD_DIM - c0, D_CHUNK)
+            if NORM_CORRECTION:
+                c = tl.load(centroid_ptr + codes)
+                code_sq += tl.sum(tl.where(in_cols[None, :], c * c, 0.0), axis=1)
         stored_norm = norm
         if NORM_CORRECTION:
-            c = tl.load(centroid_ptr + codes, mask=in_dim, other=0.0)
-            stored_norm = norm / tl.sqrt(tl.sum(c * c, axis=0) + _NORM_CORRECTION_EPS)
-        tl.store(meta, _fp16_bits(stored_norm))
+            stored_norm = norm / tl.sqrt(code_sq + _NORM_CORRECTION_EPS)
+        tl.store(meta, _fp16_bits(stored_norm), mask=ok)
 
     # Values: min-max over the valid lanes, both ends clamped to fp16's range before the scale.
     LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
-    v = tl.load(value_ptr + token * stride_vt + head * stride_vh + dims, mask=in_dim, other=0.0).to(tl.float32)
-    v_min = tl.min(tl.where(in_dim, v, float("inf")), axis=0)
-    v_max = tl.max(tl.where(in_dim, v, float("-inf")), axis=0)
+    v = tl.load(value_ptr + token[:, None] * stride_vt + head[:, None] * stride_vh + dims[None, :], mask=tile_ok,
+                other=0.0).to(tl.float32)  # fmt: skip
+    v_min = tl.min(tl.where(in_dim[None, :], v, float("inf")), axis=1)
+    v_max = tl.max(tl.where(in_dim[None, :], v, float("-inf")), axis=1)
     v_min = tl.minimum(tl.maximum(v_min, -_FP16_MAX), _FP16_MAX)
     v_max = tl.minimum(tl.maximum(v_max, -_FP16_MAX), _FP16_MAX)
     scale = tl.maximum((v_max - v_min) / LEVELS, _MIN_VALUE_SCALE)
-    q = tl.floor((v - v_min) / scale + 0.5)
+    q = tl.floor((v - v_min[:, None]) / scale[:, None] + 0.5)
     v_codes = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
-    _store_packed(v_codes, data + KEY_DATA_BYTES, VALUE_BITS, HEAD_DIM, BLOCK_D)
-    tl.store(meta + (NUM_FIELDS - 2) * block_size, _fp16_bits(scale))
-    tl.store(meta + (NUM_FIELDS - 1) * block_size, _fp16_bits(v_min))
+    _store_packed(v_codes, data + KEY_DATA_BYTES, ok, VALUE_BITS, HEAD_DIM, BLOCK_D)
+    tl.store(meta + (NUM_FIELDS - 2) * block_size, _fp16_bits(scale), mask=ok)
+    tl.store(meta + (NUM_FIELDS - 1) * block_size, _fp16_bits(v_min), mask=ok)
 
 
 def triton_turboquant_store(
@@ -321,12 +330,20 @@ def triton_turboquant_store(
     unused = kv_cache  # FP8 keys never read PiT, midpoints or centroids; any pointer will do
     config = select_store_config(device)
     block_d = next_pow2(head_dim)
-    launch(_store_kernel, (num_tokens * num_kv_heads,),
+    block_t, d_chunk = config["BLOCK_T"], min(config["D_CHUNK"], block_d)
+    # The rotation's fp32 operands k_hat [BLOCK_T, D] and PiT [D, D_CHUNK] pass through shared
+    # memory: at large D, halve the chunk, then the rows (an sm_90 block has 227 KiB).
+    while 4 * block_d * (block_t + d_chunk) > _STORE_OPERAND_BYTES and d_chunk > 16:
+        d_chunk //= 2
+    while 4 * block_d * (block_t + d_chunk) > _STORE_OPERAND_BYTES and block_t > 16:
+        block_t //= 2
+    num_rows = num_tokens * num_kv_heads
+    launch(_store_kernel, (cdiv(num_rows, block_t),),
         key, value, kv_cache, kv_cache.view(torch.uint16), slot_mapping,
         unused if key_fp8 else PiT, unused if key_fp8 else midpoints,
         centroids if (norm_correction and not key_fp8) else unused,
-        num_kv_heads, block_size, num_blocks * block_size, kv_cache.stride(0), layout["data_bytes_per_slot"],
-        block_size * num_kv_heads * layout["data_bytes_per_slot"],
+        num_rows, num_kv_heads, block_size, num_blocks * block_size, kv_cache.stride(0),
+        layout["data_bytes_per_slot"], block_size * num_kv_heads * layout["data_bytes_per_slot"],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), 0 if key_fp8 else PiT.stride(0),
         HEAD_DIM=head_dim,
         KEY_BITS=key_bits,
@@ -334,9 +351,9 @@ def triton_turboquant_store(
         NORM_CORRECTION=bool(norm_correction) and not key_fp8,
         KEY_DATA_BYTES=layout["key_data_bytes"],
         NUM_FIELDS=layout["num_fields"],
+        BLOCK_T=block_t,
         BLOCK_D=block_d,
-        BLOCK_CODES=16,
-        D_CHUNK=min(config["D_CHUNK"], block_d),
+        D_CHUNK=d_chunk,
         num_warps=config["num_warps"],
     )  # fmt: skip
 
