@@ -66,7 +66,7 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands: 128
 # line of a 32-byte one), and 3-bit keys would gain ~9% at BLOCK_N 32. No config depends on the batch.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 32, "D_CHUNK": 32, "num_warps": 4},
-    "sm90": {"BLOCK_T": 32, "D_CHUNK": 32, "num_warps": 4},
+    "sm90": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4},
 }
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
