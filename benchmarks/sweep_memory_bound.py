@@ -28,7 +28,7 @@ COPY_GBPS = 4221.0
 TURBOQUANT_GRID = [(128, 4, 2, 0), (32, 4, 2, 0), (64, 4, 2, 0), (64, 8, 2, 0), (128, 8, 2, 0), (32, 4, 3, 0),
                    (128, 4, 1, 0), (128, 4, 2, 1)]  # fmt: skip
 # TurboQuant store: (BLOCK_T, D_CHUNK, num_warps); the first is the current sm90 entry.
-STORE_GRID = [(32, 32, 4), (16, 32, 4), (64, 32, 4), (32, 64, 4), (32, 16, 4), (64, 64, 8), (32, 32, 8)]
+STORE_GRID = [(16, 16, 8), (32, 16, 8), (16, 32, 8), (16, 16, 4), (32, 32, 8), (64, 16, 8), (16, 32, 4)]
 # UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps); the first is the default entry.
 UE8M0_GRID = [(1, 128, 4), (4, 128, 4), (8, 128, 4), (8, 128, 8), (16, 128, 8), (4, 512, 4), (8, 512, 8),
               (16, 256, 8)]  # fmt: skip

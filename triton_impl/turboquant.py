@@ -51,12 +51,14 @@ _KEY_NORM_EPS = tl.constexpr(1e-8)
 _NORM_CORRECTION_EPS = tl.constexpr(1e-16)
 _MIN_VALUE_SCALE = tl.constexpr(1e-8)
 _MAX_HEAD_DIM = 1024
-_STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands: 128 KiB at D = 1024
+_STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at most
 
 # Launch configs as data, keyed by where the kernel runs. Store: BLOCK_T (token, KV head) rows per
 # program share each read of PiT; D_CHUNK columns of the rotation per step (a [BLOCK_T, D_CHUNK]
 # fp32 product); the chunking changes the summation order, which the store's error bound allows.
-# Under the interpreter every op costs ~0.1 ms of Python whatever its size, so one [D, D] step.
+# Under the interpreter every op costs ~0.1 ms of Python whatever its size, so one [D, D] step. The
+# sm90 entry is the smallest config whose sm_90 compile does not spill (142 registers at D = 128,
+# 8 warps; BLOCK_T 32 or D_CHUNK 32 spill, see notebooks/results/perf_log.md); it is not timed yet.
 # Decode: BLOCK_N tokens per tile, at least 32 (the value MMA's K; Triton 3.6 miscompiles unpacked
 # codes fed to a 16-key dot, see tests/test_turboquant.py); PAIR_LUT picks the 4-bit key table when
 # the caller leaves use_pair_lut=None (the interpreter's entry takes the pair LUT, so the CPU
@@ -65,8 +67,8 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands: 128
 # the pair LUT is ~2x slower there (a warp's gathers span 8 L1 lines of a 1 KiB table instead of one
 # line of a 32-byte one), and 3-bit keys would gain ~9% at BLOCK_N 32. No config depends on the batch.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
-    "default": {"BLOCK_T": 32, "D_CHUNK": 32, "num_warps": 4},
-    "sm90": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4},
+    "default": {"BLOCK_T": 16, "D_CHUNK": 16, "num_warps": 8},
+    "sm90": {"BLOCK_T": 16, "D_CHUNK": 16, "num_warps": 8},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4},
 }
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
@@ -171,20 +173,20 @@ def _fp16_bits(x):
 
 
 @triton.jit
-def _store_packed(codes, dst, ok, BITS: tl.constexpr, VALID: tl.constexpr, COLS: tl.constexpr):
+def _store_packed(codes, dst, ok, valid, BITS: tl.constexpr, COLS: tl.constexpr):
     """Write each row of ``codes [R, COLS]`` as an LSB-first bit stream at its ``dst [R]`` (code
     ``d`` at bits ``[BITS*d, BITS*d + BITS)``); rows where ``ok`` is false write nothing.
 
     Per group of 8 codes: ``word = sum_p code_p << (BITS*p)`` (disjoint fields: the sum is an OR),
-    then its ``BITS`` bytes. Only the first ``VALID`` codes (a multiple of 8) are stored.
+    then its ``BITS`` bytes. Only the first ``valid`` codes (a multiple of 8) are stored.
     """
     R: tl.constexpr = codes.shape[0]
-    groups = tl.reshape(codes.to(tl.int64), [R, COLS // 8, 8])
-    words = tl.sum(groups << (tl.arange(0, 8).to(tl.int64) * BITS)[None, None, :], axis=2)
+    groups = tl.reshape(codes.to(tl.uint32), [R, COLS // 8, 8])
+    words = tl.sum(groups << (tl.arange(0, 8).to(tl.uint32) * BITS)[None, None, :], axis=2)  # 8 * BITS <= 32 bits
     g = tl.arange(0, COLS // 8)
     i = tl.arange(0, 4)  # at most 4 bytes per group (BITS <= 4)
-    packed = (words[:, :, None] >> (8 * i[None, None, :]).to(tl.int64)) & 0xFF
-    mask = ok[:, None, None] & (g < VALID // 8)[None, :, None] & (i < BITS)[None, None, :]
+    packed = (words[:, :, None] >> (8 * i[None, None, :]).to(tl.uint32)) & 0xFF
+    mask = ok[:, None, None] & (g < valid // 8)[None, :, None] & (i < BITS)[None, None, :]
     tl.store(dst[:, None, None] + (g * BITS)[None, :, None] + i[None, None, :], packed.to(tl.uint8), mask=mask)
 
 
@@ -206,9 +208,9 @@ def _store_kernel(
     """Grid ``(cdiv(T * HKV, BLOCK_T),)``: a program owns ``BLOCK_T`` (token, KV head) rows and
     writes all of their slots' bytes.
 
-    The rotation is one fp32 product ``k_hat [BLOCK_T, D] @ PiT`` per ``D_CHUNK`` columns
-    (``tl.dot`` in IEEE fp32: CUDA-core FMAs, no TF32), so each program reads ``PiT`` once for
-    ``BLOCK_T`` rows; each chunk's codes are bucketized and packed on the spot. Any summation order,
+    The rotation is ``k_hat [BLOCK_T, D] @ PiT`` in ``[D_CHUNK, D_CHUNK]`` blocks (``tl.dot`` in
+    IEEE fp32: CUDA-core FMAs, no TF32), so each program reads ``PiT`` once for ``BLOCK_T`` rows;
+    each column chunk's codes are bucketized and packed as soon as its sum is complete. Any summation order,
     fused or not, and 2-ulp divisions and square roots stay inside the error bound that
     ``triton_impl.parity.turboquant.compare_store`` holds a store to.
     """
@@ -227,25 +229,33 @@ def _store_kernel(
     dims = tl.arange(0, BLOCK_D)
     in_dim = dims < HEAD_DIM
     tile_ok = ok[:, None] & in_dim[None, :]
-    k = tl.load(key_ptr + token[:, None] * stride_kt + head[:, None] * stride_kh + dims[None, :], mask=tile_ok,
-                other=0.0).to(tl.float32)  # fmt: skip
+    key_rows = key_ptr + token * stride_kt + head * stride_kh
+    k = tl.load(key_rows[:, None] + dims[None, :], mask=tile_ok, other=0.0).to(tl.float32)
     if KEY_BITS == 8:
         tl.store(data[:, None] + dims[None, :], f32_to_e4m3_bits(k, False), mask=tile_ok)
     else:
         norm = _key_norm(k)
-        k_hat = k / (norm + _KEY_NORM_EPS)[:, None]
+        denom = norm + _KEY_NORM_EPS
         code_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for c0 in tl.static_range(0, BLOCK_D, D_CHUNK):
-            cols = c0 + tl.arange(0, D_CHUNK)
+        chunk = tl.arange(0, D_CHUNK)
+        for c0 in range(0, HEAD_DIM, D_CHUNK):
+            cols = c0 + chunk
             in_cols = cols < HEAD_DIM
-            pit = tl.load(pit_ptr + dims[:, None] * stride_pit + cols[None, :], mask=in_dim[:, None] & in_cols[None, :],
-                          other=0.0)  # fmt: skip
-            y = tl.dot(k_hat, pit, input_precision="ieee")
+            # y[:, cols] = k_hat @ PiT[:, cols], D_CHUNK rows of PiT at a time: an FMA dot holds its
+            # whole K extent in registers, so K is chunked too (the key chunk is re-read from L1).
+            y = tl.zeros([BLOCK_T, D_CHUNK], dtype=tl.float32)
+            for r0 in range(0, HEAD_DIM, D_CHUNK):
+                in_k = (r0 + chunk) < HEAD_DIM
+                k_hat = tl.load(key_rows[:, None] + (r0 + chunk)[None, :], mask=ok[:, None] & in_k[None, :],
+                                other=0.0).to(tl.float32) / denom[:, None]  # fmt: skip
+                pit = tl.load(pit_ptr + (r0 + chunk)[:, None] * stride_pit + cols[None, :],
+                              mask=in_k[:, None] & in_cols[None, :], other=0.0)  # fmt: skip
+                y = tl.dot(k_hat, pit, y, input_precision="ieee")
             # idx_d = #{m : midpoint_m <= y_d}
             codes = tl.zeros([BLOCK_T, D_CHUNK], dtype=tl.int32)
             for m in tl.static_range((1 << KEY_BITS) - 1):
                 codes += (y >= tl.load(midpoint_ptr + m)).to(tl.int32)
-            _store_packed(codes, data + c0 * KEY_BITS // 8, ok, KEY_BITS, HEAD_DIM - c0, D_CHUNK)
+            _store_packed(codes, data + c0 * KEY_BITS // 8, ok, HEAD_DIM - c0, KEY_BITS, D_CHUNK)
             if NORM_CORRECTION:
                 c = tl.load(centroid_ptr + codes)
                 code_sq += tl.sum(tl.where(in_cols[None, :], c * c, 0.0), axis=1)
@@ -265,7 +275,7 @@ def _store_kernel(
     scale = tl.maximum((v_max - v_min) / LEVELS, _MIN_VALUE_SCALE)
     q = tl.floor((v - v_min[:, None]) / scale[:, None] + 0.5)
     v_codes = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
-    _store_packed(v_codes, data + KEY_DATA_BYTES, ok, VALUE_BITS, HEAD_DIM, BLOCK_D)
+    _store_packed(v_codes, data + KEY_DATA_BYTES, ok, HEAD_DIM, VALUE_BITS, BLOCK_D)
     tl.store(meta + (NUM_FIELDS - 2) * block_size, _fp16_bits(scale), mask=ok)
     tl.store(meta + (NUM_FIELDS - 1) * block_size, _fp16_bits(v_min), mask=ok)
 
@@ -331,12 +341,10 @@ def triton_turboquant_store(
     config = select_store_config(device)
     block_d = next_pow2(head_dim)
     block_t, d_chunk = config["BLOCK_T"], min(config["D_CHUNK"], block_d)
-    # The rotation's fp32 operands k_hat [BLOCK_T, D] and PiT [D, D_CHUNK] pass through shared
-    # memory: at large D, halve the chunk, then the rows (an sm_90 block has 227 KiB).
-    while 4 * block_d * (block_t + d_chunk) > _STORE_OPERAND_BYTES and d_chunk > 16:
+    # The rotation's fp32 operands k_hat [BLOCK_T, D_CHUNK] and PiT [D_CHUNK, D_CHUNK] pass through
+    # shared memory: a large chunk is halved (an sm_90 block has 227 KiB).
+    while 4 * d_chunk * (block_t + d_chunk) > _STORE_OPERAND_BYTES and d_chunk > 16:
         d_chunk //= 2
-    while 4 * block_d * (block_t + d_chunk) > _STORE_OPERAND_BYTES and block_t > 16:
-        block_t //= 2
     num_rows = num_tokens * num_kv_heads
     launch(_store_kernel, (cdiv(num_rows, block_t),),
         key, value, kv_cache, kv_cache.view(torch.uint16), slot_mapping,
