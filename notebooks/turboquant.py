@@ -296,9 +296,10 @@ plt.show()
 # Per key and KV head the kernel reads the slot's words, unpacks `D` key codes (shift and mask,
 # about 3 integer operations each) and gathers their fp16 centroids from a 16- or 8-entry table,
 # unpacks `D` value codes into exact fp16 integers (`0x6400 | c` minus 1024), and runs two MMAs
-# for the scores and two for the values (the query and `p * scale` as fp16 hi + lo pairs). That is
-# about 94 warp instructions per key and KV head at BLOCK_N 128, plus four layout conversions
-# through shared memory per tile. The bytes are not the bound: every preset stays far below its
+# for the scores and two for the values (the query and `p * scale` as fp16 hi + lo pairs). Compiled
+# for sm_90 that is 79 warp instructions per key and KV head for 4-bit keys (96 for k8v4, 100 for
+# 3-bit; `benchmarks/sass_sm90_turboquant.py`), layout conversions through shared memory included.
+# The bytes are not the bound: every preset stays far below its
 # copy roofline, and the time still rises as the bytes fall, from FP8 keys (plain bytes, hardware
 # conversion) to 3-bit codes (a group of 8 codes straddles words). Asserted below: the compressed
 # decodes are all slower than bf16 today, and ordered by bytes, fewer bytes take longer.

@@ -1,0 +1,106 @@
+"""Registers, spills and the loop's instruction mix of the TurboQuant kernels, compiled for sm_90 on a CPU.
+
+No GPU needed: the kernels are compiled by Triton for ``GPUTarget("cuda", 90, 32)`` with the sm90 launch
+configs (or the ones given), as ``attnref bench`` launches them at D = 128, and ``cuobjdump`` (from the
+Triton wheel) reports registers and stack per thread. For the decode, the SASS between the loop's first
+and last branch is counted by opcode: what one ``BLOCK_N``-key tile costs one warp. Run::
+
+    TRITON_INTERPRET=0 PYTHONPATH=. .venv/bin/python benchmarks/sass_sm90_turboquant.py
+
+The numbers quoted in ``notebooks/results/perf_log.md`` come from this script (Triton 3.9 on the CPU
+machine; the H200 runs 3.6, so counts there may differ).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"  # before triton_impl decorates its kernels: compile, don't interpret
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler import compile as triton_compile
+
+from golden.turboquant import TurboQuantConfig
+from triton_impl import turboquant as ttq
+from triton_impl.bench import _cuobjdump as cuobjdump_path
+
+TARGET = GPUTarget("cuda", 90, 32)
+DECODE_POINTERS = {"q_ptr": "*fp32", "cache_ptr": "*u8", "cache_u16_ptr": "*u16", "block_table_ptr": "*i32",
+                   "seq_lens_ptr": "*i32", "table_ptr": "*fp16", "partials_ptr": "*fp32"}  # fmt: skip
+STORE_POINTERS = {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*u8", "cache_u16_ptr": "*u16",
+                  "slot_ptr": "*i64", "pit_ptr": "*fp32", "midpoint_ptr": "*fp32", "centroid_ptr": "*fp32"}  # fmt: skip
+ADDRESS = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+BRANCH = re.compile(r"\bBRA\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)")
+
+
+def _compile(fn, pointers: dict[str, str], constexprs: dict[str, int], options: dict[str, int]):
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
+    values = {(names.index(n),): v for n, v in constexprs.items()}
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers}
+    return triton_compile(ASTSource(fn, signature, values, aligned), target=TARGET,
+                          options={"enable_fp_fusion": True, **options})  # fmt: skip
+
+
+def _dump(cubin: bytes, flag: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([cuobjdump_path(), flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _resources(cubin: bytes) -> str:
+    line = [x for x in _dump(cubin, "-res-usage").splitlines() if "REG:" in x][-1]
+    return " ".join(re.findall(r"(?:REG|STACK):\d+", line))
+
+
+def _loop_mix(cubin: bytes) -> tuple[int, list[tuple[str, int]]]:
+    """Instructions of the widest loop (a backward branch to its head, self-branches excluded): the
+    decode's tile loop."""
+    code = [(int(m.group(1), 16), m.group(2), line) for line in _dump(cubin, "-sass").splitlines()
+            if (m := ADDRESS.match(line))]  # fmt: skip
+    loops = [(int(b.group(1), 16), address) for address, _, line in code
+             if (b := BRANCH.search(line)) and int(b.group(1), 16) < address]  # fmt: skip
+    head, tail = max(loops, key=lambda loop: loop[1] - loop[0])
+    body = [opcode for address, opcode, _ in code if head <= address <= tail]
+    return len(body), collections.Counter(body).most_common(12)
+
+
+def decode(preset: str, config: dict[str, int]) -> None:
+    layout = TurboQuantConfig.from_cache_dtype(preset, 128)
+    key_bits = 8 if layout.key_fp8 else layout.key_mse_bits
+    aligned = key_bits == 4
+    constexprs = dict(KV_GROUP=4, HEAD_DIM=128, KEY_BITS=key_bits, VALUE_BITS=layout.value_quant_bits,
+                      KEY_DATA_BYTES=layout.key_data_bytes, NUM_FIELDS=2 if layout.key_fp8 else 3, NUM_SPLITS=32,
+                      USE_PAIR_LUT=int(config["PAIR_LUT"] and key_bits == 4), WORD_ALIGNED_KEYS=int(aligned),
+                      WORD_ALIGNED_VALUES=int(layout.value_quant_bits == 4), BLOCK_M=16, BLOCK_N=config["BLOCK_N"],
+                      BLOCK_D=128)  # fmt: skip
+    pointers = dict(DECODE_POINTERS, table_ptr="*i32" if constexprs["USE_PAIR_LUT"] else "*fp16")
+    kernel = _compile(ttq._decode_stage1_kernel, pointers, constexprs,
+                      {"num_warps": config["num_warps"], "num_stages": config["num_stages"]})  # fmt: skip
+    count, mix = _loop_mix(kernel.asm["cubin"])
+    per_key = count * config["num_warps"] / config["BLOCK_N"]
+    print(f"decode {preset} {config}: {_resources(kernel.asm['cubin'])}; loop {count} instructions per warp "
+          f"per tile = {per_key:.0f} warp instructions per key and KV head; {mix}")  # fmt: skip
+
+
+def store(preset: str, config: dict[str, int]) -> None:
+    layout = TurboQuantConfig.from_cache_dtype(preset, 128)
+    key_bits = 8 if layout.key_fp8 else layout.key_mse_bits
+    constexprs = dict(HEAD_DIM=128, KEY_BITS=key_bits, VALUE_BITS=layout.value_quant_bits,
+                      NORM_CORRECTION=int(layout.norm_correction), KEY_DATA_BYTES=layout.key_data_bytes,
+                      NUM_FIELDS=2 if layout.key_fp8 else 3, BLOCK_T=config["BLOCK_T"], BLOCK_D=128,
+                      D_CHUNK=config["D_CHUNK"])  # fmt: skip
+    kernel = _compile(ttq._store_kernel, STORE_POINTERS, constexprs, {"num_warps": config["num_warps"]})
+    print(f"store {preset} {config}: {_resources(kernel.asm['cubin'])}")
+
+
+if __name__ == "__main__":
+    for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc"):
+        decode(preset, ttq.DECODE_CONFIGS["sm90"])
+        store(preset, ttq.STORE_CONFIGS["sm90"])
