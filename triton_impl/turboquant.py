@@ -412,7 +412,7 @@ def _byte_pair_table(centroids: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _load_code_groups(words_ptr, field, live, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       WORD_ALIGNED: tl.constexpr):  # fmt: skip
-    """``[BLOCK_N, BLOCK_D // 8]`` int32: group ``g`` holds codes ``8g .. 8g+7`` of each token's
+    """``[BLOCK_N, BLOCK_D // 8]`` uint32: group ``g`` holds codes ``8g .. 8g+7`` of each token's
     LSB-first bit stream (code ``d`` at bits ``[BITS*d, BITS*d + BITS)``), ``8 * BITS`` bits.
 
     ``field`` is each token's byte offset from the cache base (4-byte aligned). A group starts at
