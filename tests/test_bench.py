@@ -1,16 +1,33 @@
-"""The benchmark: its cases are registered beside the parity cases, and its SASS column counts MMA
-instructions in a real sm_90 cubin, compiled on this CPU."""
+"""The benchmark: its cases are registered beside the parity cases, its SASS column counts MMA
+instructions in a real sm_90 cubin, compiled on this CPU, and its FlashInfer peer rows are wired to
+the cases' tensors and golden checks (with a fake flashinfer module: no peer kernel runs here)."""
 
 from __future__ import annotations
 
+import ast
+import builtins
+import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
 
+from triton_impl.bench import (
+    FLASHINFER,
+    PeerMismatch,
+    Result,
+    check_peer,
+    flashinfer_peers,
+    lse_from_base2,
+    lse_to_base2,
+    time_peers,
+    write_report,
+)
 from triton_impl.cli import main
 from triton_impl.parity import registered_bench_cases
 
@@ -68,3 +85,271 @@ def test_bench_cases_are_registered_per_op() -> None:
 def test_bench_refuses_to_time_the_interpreter(capsys) -> None:
     assert main(["bench", "--op", "lse_merge"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+# -- Peers (FlashInfer) ---------------------------------------------------------------------------
+# On a CPU no peer kernel runs: these tests check the wiring, with a fake ``flashinfer`` module in
+# sys.modules that implements the API surface the builders use, computed with torch in float64.
+
+
+def _small_bench_cases() -> list:
+    from triton_impl.parity import decode_attention, lse_merge, mla_verify
+
+    return [c for m in (decode_attention, mla_verify, lse_merge) for c in m.bench_cases(small=True)]
+
+
+def _has_peer(case) -> bool:
+    """Every MLA decode and verify case, the GQA decode cases and the two-state merge; not the split merge."""
+    return case.op != "lse_merge" or "merge_attn_states" in case.name
+
+
+@pytest.fixture
+def cpu_cases(monkeypatch):
+    """Sets up the small bench cases on the CPU when called (after the test has chosen its flashinfer);
+    their setup asks CUDA for the SM count."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    return lambda: [(case, case.setup(torch.device("cpu"))) for case in _small_bench_cases()]
+
+
+class _FakeFlashInfer:
+    """Just enough of flashinfer 0.7 for the builders in triton_impl/bench.py. ``wrong`` breaks one
+    output: ``"o"`` shifts the attention output, ``"lse_base_e"`` returns natural-log LSEs (FlashInfer's
+    are base 2). ``calls`` counts kernel launches."""
+
+    def __init__(self, wrong: str | None = None) -> None:
+        self.wrong, self.calls = wrong, 0
+        fake = self
+
+        class MLAPlanMetadata:
+            @classmethod
+            def csr(cls, qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+                meta = cls()
+                meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_len_arr = (
+                    qo_indptr, kv_indptr, kv_indices, kv_len_arr
+                )  # fmt: skip
+                return meta
+
+        class BatchMLAPagedAttentionWrapper:
+            def __init__(self, workspace: torch.Tensor, backend: str = "auto") -> None:
+                assert workspace.dtype == torch.uint8 and backend == "fa3"
+
+            def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale,
+                     q_data_type, kv_data_type, query_layout, kv_cache_layout, lse_mode, scale_mode):  # fmt: skip
+                assert (query_layout, kv_cache_layout, lse_mode) == ("split", "split", "base2")
+                fp8 = kv_data_type == torch.float8_e4m3fn
+                assert scale_mode == ("kv-per-tensor" if fp8 else "default")
+                for t in (metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices, metadata.kv_len_arr):
+                    assert t.dtype == torch.int32
+                self.meta, self.causal, self.sm_scale = metadata, causal, sm_scale
+                self.dtypes = (q_data_type, kv_data_type)
+                self.widths, self.heads, self.page_size = (head_dim_ckv, head_dim_kpe), num_heads, page_size
+
+            def run(self, *, query, kv_cache, out, lse, return_lse, ckv_scale=1.0, kpe_scale=1.0):
+                fake.calls += 1
+                (q_nope, q_pe), (ckv, kpe) = query, kv_cache
+                assert return_lse and (q_nope.dtype, ckv.dtype) == self.dtypes and q_nope.shape[1] == self.heads
+                assert (ckv.shape[-1], kpe.shape[-1]) == self.widths and ckv.shape[1] == self.page_size
+                q = torch.cat([q_nope, q_pe], -1).double()
+                keys_all = torch.cat([ckv.double() * ckv_scale, kpe.double() * kpe_scale], -1)
+                m = self.meta
+                for b in range(len(m.kv_len_arr)):
+                    rows = slice(int(m.qo_indptr[b]), int(m.qo_indptr[b + 1]))
+                    pages = m.kv_indices[int(m.kv_indptr[b]) : int(m.kv_indptr[b + 1])].long()
+                    keys = keys_all[pages].flatten(0, 1)[: int(m.kv_len_arr[b])]
+                    scores = torch.einsum("qhd,ld->qhl", q[rows], keys) * self.sm_scale
+                    if self.causal:  # bottom-right aligned: token t of Q sees L - Q + 1 + t keys
+                        tokens, length = scores.shape[0], keys.shape[0]
+                        visible = torch.arange(length)[None, :] < (length - tokens + 1 + torch.arange(tokens))[:, None]
+                        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+                    fake.write(out, lse, rows, scores, keys[:, : ckv.shape[-1]])
+                return out, lse
+
+        class BatchDecodeWithPagedKVCacheWrapper:
+            def __init__(self, workspace: torch.Tensor, kv_layout: str, use_tensor_cores: bool) -> None:
+                assert workspace.dtype == torch.uint8 and kv_layout == "NHD" and not use_tensor_cores
+
+            def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+                     q_data_type, kv_data_type, sm_scale) -> None:  # fmt: skip
+                for t in (indptr, indices, last_page_len):
+                    assert t.dtype == torch.int32
+                self.indptr, self.indices, self.last, self.page_size = indptr, indices, last_page_len, page_size
+                self.heads, self.kv_heads, self.head_dim, self.sm_scale = num_qo_heads, num_kv_heads, head_dim, sm_scale
+
+            def run(self, q, paged_kv_cache, *, out, lse, return_lse):
+                fake.calls += 1
+                k_cache, v_cache = paged_kv_cache
+                assert return_lse and q.shape[1:] == (self.heads, self.head_dim) and k_cache.shape[1] == self.page_size
+                group = self.heads // self.kv_heads
+                for b in range(len(self.last)):
+                    pages = self.indices[int(self.indptr[b]) : int(self.indptr[b + 1])].long()
+                    length = (len(pages) - 1) * self.page_size + int(self.last[b])
+                    k = k_cache[pages].flatten(0, 1)[:length].double().repeat_interleave(group, dim=1)
+                    v = v_cache[pages].flatten(0, 1)[:length].double().repeat_interleave(group, dim=1)
+                    scores = torch.einsum("hd,lhd->hl", q[b].double(), k)[None] * self.sm_scale
+                    fake.write(out, lse, slice(b, b + 1), scores, v.transpose(0, 1))
+                return out, lse
+
+        def merge_state(v_a, s_a, v_b, s_b):
+            fake.calls += 1
+            assert s_a.shape == v_a.shape[:2] and s_a.dtype == torch.float32 and s_a.is_contiguous()
+            top = torch.maximum(s_a, s_b)
+            w_a, w_b = torch.exp2(s_a - top), torch.exp2(s_b - top)
+            merged = (v_a.float() * w_a[..., None] + v_b.float() * w_b[..., None]) / (w_a + w_b)[..., None]
+            merged_lse = top + torch.log2(w_a + w_b)
+            if self.wrong == "o":
+                merged = merged + 0.1
+            if self.wrong == "lse_base_e":
+                merged_lse = merged_lse * math.log(2.0)
+            return merged.to(v_a.dtype), merged_lse
+
+        self.module = ModuleType("flashinfer")
+        self.module.mla = SimpleNamespace(
+            BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper, MLAPlanMetadata=MLAPlanMetadata
+        )
+        self.module.decode = SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=BatchDecodeWithPagedKVCacheWrapper)
+        self.module.merge_state = merge_state
+
+    def write(self, out, lse, rows, scores, values) -> None:
+        """Softmax of ``scores [rows, H, L]`` over ``values [L, D]`` (or ``[H, L, D]``) into ``out``; LSE base 2."""
+        lse_e = torch.logsumexp(scores, -1)
+        values = values.expand(scores.shape[1], *values.shape[-2:])
+        o = torch.einsum("qhl,hld->qhd", torch.softmax(scores, -1), values)
+        out[rows] = (o + (0.1 if self.wrong == "o" else 0.0)).to(out.dtype)
+        lse[rows] = (lse_e if self.wrong == "lse_base_e" else lse_e / math.log(2.0)).float()
+
+
+def _fixed_time(ms: float):
+    def time_fn(fn) -> float:
+        fn()
+        return ms
+
+    return time_fn
+
+
+def _result(op: str, case: str, ms: float, **peers) -> Result:
+    return Result(op, case, ms, 100.0, 1.0, "memory", ms / 2, 50.0, {"golden eager": 3 * ms}, "-", True, "", **peers)
+
+
+def test_lse_base_conversion() -> None:
+    """FlashInfer's LSE is log2 sum_j 2^(s_j log2 e) = ln(sum_j e^(s_j)) / ln 2: times ln 2 gives ours."""
+    scores = torch.randn(6, 9, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 5
+    natural = torch.logsumexp(scores, -1)
+    base2 = torch.log2(torch.exp2(scores * math.log2(math.e)).sum(-1))
+    torch.testing.assert_close(lse_from_base2(base2), natural, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse_to_base2(natural), base2, rtol=0, atol=1e-12)
+    assert (base2 - natural).abs().min() > 0.1  # negative control: a base-2 LSE read as natural is far off
+
+
+def test_without_flashinfer_no_peer_runs_and_the_column_says_dash(monkeypatch, cpu_cases, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # `import flashinfer` raises ModuleNotFoundError
+    assert flashinfer_peers(lambda fi: pytest.fail("a peer was built without flashinfer")) == {}
+    for case, bench in cpu_cases():
+        assert bench.peers == {}, case.name
+    assert time_peers({}) == ({}, {})
+    table = _report(monkeypatch, tmp_path, [_result("mla_verify", "MLA verify", 0.2)])
+    header, _, row = table[:3]
+    assert header.endswith("| SASS | FlashInfer (ms, ours/peer speed) |")
+    assert row.endswith("| - | - |"), row  # SASS "-", then no peer
+    assert not any("Geomean ours/FlashInfer" in line for line in table)
+
+
+def test_a_fake_flashinfer_fills_the_peer_column(monkeypatch, cpu_cases, tmp_path: Path) -> None:
+    """With flashinfer importable, every MLA, GQA and two-state merge case builds a FlashInfer peer on its
+    own tensors; checked against the golden model (base-2 LSE converted), then timed."""
+    fake = _FakeFlashInfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", fake.module)
+    results = []
+    for case, bench in cpu_cases():
+        if not _has_peer(case):
+            assert bench.peers == {}, case.name
+            continue
+        assert set(bench.peers) == {FLASHINFER}, case.name
+        calls = fake.calls
+        ms, status = time_peers(bench.peers, time_fn=_fixed_time(0.3))
+        assert status == {FLASHINFER: "ok"} and ms == {FLASHINFER: 0.3}, (case.name, status)
+        assert fake.calls == calls + 2  # the checked run and the timed one
+        results.append(_result(case.op, case.name, 0.15, peers_ms=ms, peers_status=status))
+    assert {r.op for r in results} == {"decode_attention", "mla_verify", "lse_merge"}
+    assert any("GQA" in r.case for r in results) and any("fp8" in r.case for r in results)
+    table = _report(monkeypatch, tmp_path, results)
+    assert all(line.endswith("| 0.3000 (2.00x) |") for line in table[2 : 2 + len(results)]), table
+    assert "- mla_verify: 2.00x over 3 cases" in table
+    saved = json.loads((tmp_path / "bench_h200.json").read_text())["results"][0]
+    assert saved["peers_ms"] == {FLASHINFER: 0.3} and saved["peers_status"] == {FLASHINFER: "ok"}
+
+
+@pytest.mark.parametrize("wrong", ["o", "lse_base_e"])
+def test_a_peer_that_disagrees_with_golden_is_not_timed(monkeypatch, cpu_cases, tmp_path: Path, wrong: str) -> None:
+    fake = _FakeFlashInfer(wrong)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake.module)
+    output = "o" if wrong == "o" else "lse"
+    for case, bench in cpu_cases():
+        if not _has_peer(case):
+            continue
+        peer = bench.peers[FLASHINFER]()
+        peer.run()
+        with pytest.raises(PeerMismatch, match=f"FlashInfer {output} disagrees with the golden model: worst excess"):
+            check_peer(FLASHINFER, peer)
+        ms, status = time_peers(bench.peers, time_fn=lambda fn: pytest.fail("a wrong peer was timed"))
+        assert math.isnan(ms[FLASHINFER]) and status[FLASHINFER].startswith(f"WRONG: FlashInfer {output} disagrees")
+    result = _result("lse_merge", "merge", 0.1, peers_ms=ms, peers_status=status)
+    row = _report(monkeypatch, tmp_path, [result])[2]
+    assert row.endswith(" |") and f"| WRONG: FlashInfer {output} disagrees" in row
+
+
+def test_a_broken_flashinfer_install_costs_only_its_cell(monkeypatch) -> None:
+    real_import = builtins.__import__
+
+    def fail_flashinfer(name, *args, **kwargs):
+        if name == "flashinfer":
+            raise OSError("libcudart.so.13: cannot open shared object file")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fail_flashinfer)
+    peers = flashinfer_peers(lambda fi: pytest.fail("built from a failed import"))
+    ms, status = time_peers(peers, time_fn=lambda fn: pytest.fail("timed a failed import"))
+    assert math.isnan(ms[FLASHINFER])
+    assert status[FLASHINFER] == "failed: RuntimeError: import flashinfer failed: OSError: libcudart.so.13: " + (
+        "cannot open shared object file"
+    )
+
+
+def test_report_keeps_its_columns_and_json_keys(monkeypatch, tmp_path: Path) -> None:
+    """The columns and JSON keys notebooks read are unchanged; the peer column is appended."""
+    wrong = Result("lse_merge", "bad", math.nan, 0, 0, "-", 0, 0, {}, "-", False, "o: worst excess 1")
+    table = _report(monkeypatch, tmp_path, [_result("decode_attention", "MLA", 0.5), wrong])
+    assert table[0].startswith(
+        "| op | case | ms | GB/s | TFLOP/s | bound | roofline ms | % of roofline | baselines (ms) | SASS |"
+    )
+    assert all(line.count("|") == table[0].count("|") for line in table[:4]), table[:4]
+    assert table[3] == "| lse_merge | bad | WRONG: not timed | | | | | | | o: worst excess 1 | - |"
+    saved = json.loads((tmp_path / "bench_h200.json").read_text())["results"][0]
+    old_keys = {"op", "case", "ms", "gbps", "tflops", "bound", "roofline_ms", "pct_roofline", "baselines_ms", "hgmma",
+                "correct", "detail"}  # fmt: skip
+    assert set(saved) == old_keys | {"peers_ms", "peers_status"}
+    assert saved["baselines_ms"] == {"golden eager": 1.5}
+
+
+def test_only_the_bench_runner_imports_flashinfer() -> None:
+    """FlashInfer is a benchmark peer, never a dependency: one module imports it, inside functions only."""
+    root = Path(__file__).resolve().parents[1]
+    importers = {}
+    for path in [*root.glob("golden/*.py"), *root.glob("triton_impl/**/*.py")]:
+        tree = ast.parse(path.read_text())
+        top_level = set(map(id, tree.body))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "flashinfer" or n.startswith("flashinfer.") for n in names):
+                assert id(node) not in top_level, f"{path.name} imports flashinfer at import time"
+                importers[path.relative_to(root).as_posix()] = True
+    assert set(importers) == {"triton_impl/bench.py"}
+
+
+def _report(monkeypatch, tmp_path: Path, results: list[Result]) -> list[str]:
+    """The table rows of ``write_report`` (header, rule, one row per result), then the rest of the file."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a CPU")
+    monkeypatch.setenv("ATTNREF_COMMIT", "0000000")
+    text = write_report(results, {"copy_gbps": 4000.0, "matmul_tflops": 700.0}, tmp_path).read_text()
+    lines = text.splitlines()
+    return lines[lines.index(next(line for line in lines if line.startswith("| op |"))) :]

@@ -9,6 +9,13 @@ line), and baselines timed in the same run. Ceilings are measured in the same ru
 device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3 matmul on random data.
 Content checks (host reads of block tables) run for the correctness check and are off while
 timing, as in serving (``ATTNREF_CHECK_CONTENTS=0``).
+
+Peers: where FlashInfer imports, the MLA decode and verify, GQA decode and two-state merge cases
+also run FlashInfer on their very tensors (:class:`Peer`, built by the ``flashinfer_*`` functions at
+the end of this module, the only code that imports it). A peer is checked against the same golden
+model as ours first (FlashInfer's LSE is base 2: :func:`lse_from_base2`), then timed like a
+baseline; the table gives its time and ``peer ms / our ms`` (above 1: ours is faster). FlashInfer is
+never a dependency (the optional extra ``peers``); without it the column says ``-``.
 """
 
 from __future__ import annotations
@@ -23,12 +30,26 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from triton_impl.cases import Check, compare_check
 from triton_impl.cases import device_paged_cache as device_paged_cache  # re-export for parity/turboquant.py
 from triton_impl.validation import CONTENT_CHECKS_ENV
+
+
+@dataclass
+class Peer:
+    """Another library's kernel on a case's own tensors: ``run`` launches it; ``check`` pairs its
+    outputs (LSE in natural log) with the case's golden values, as :attr:`Bench.check` does for ours."""
+
+    run: Callable[[], object]
+    check: Callable[[], Sequence[Check]]
+
+
+class PeerMismatch(Exception):
+    """A peer's output disagrees with the golden model: it is reported, never timed."""
 
 
 @dataclass
@@ -39,6 +60,9 @@ class Bench:
     flops: float
     baselines: dict[str, Callable[[], object]] = field(default_factory=dict)
     kernels: Sequence[str] = ()  # Triton kernel names whose SASS should show HGMMA
+    # Peer name -> builder, called after ours is timed (a peer that fails to build loses only its
+    # own cell). Filled only where the peer library imports.
+    peers: dict[str, Callable[[], Peer]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -62,6 +86,8 @@ class Result:
     hgmma: str
     correct: bool
     detail: str = ""
+    peers_ms: dict[str, float] = field(default_factory=dict)  # NaN where the peer was not timed
+    peers_status: dict[str, str] = field(default_factory=dict)  # "ok", "WRONG: ..." or "failed: ..."
 
 
 def measure_ceilings() -> dict[str, float]:
@@ -185,6 +211,48 @@ def _sass_report(launched: dict[int, object], kernels: Sequence[str]) -> str:
     return "; ".join(dict.fromkeys(counts)) or "not captured"
 
 
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[-1] if text else ''}"[:160]
+
+
+def check_peer(name: str, peer: Peer) -> None:
+    """Raise :class:`PeerMismatch` naming the output if any of the peer's checks fails."""
+    for check in peer.check():
+        cmp = compare_check(check)
+        if not cmp.ok:
+            raise PeerMismatch(
+                f"{name} {check.output} disagrees with the golden model: {cmp.detail} (max abs {cmp.max_abs:.3g})"
+            )
+
+
+def time_peers(
+    peers: dict[str, Callable[[], Peer]], time_fn: Callable[[Callable[[], object]], float] = _time
+) -> tuple[dict[str, float], dict[str, str]]:
+    """``(ms, status)`` per peer: built, run once, checked (:func:`check_peer`), then timed with
+    ``time_fn`` (the baselines' timing, CUDA-graph rule included). A peer that disagrees is
+    ``"WRONG: ..."``, one that raises ``"failed: ..."``; neither is timed (NaN)."""
+    ms: dict[str, float] = {}
+    status: dict[str, str] = {}
+    for name, build in peers.items():
+        ms[name] = math.nan
+        try:
+            peer = build()
+            peer.run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            check_peer(name, peer)
+            ms[name], status[name] = time_fn(peer.run), "ok"
+        except PeerMismatch as err:
+            status[name] = f"WRONG: {err}"
+        except Exception as err:  # a peer that cannot run here costs its own cell only
+            status[name] = f"failed: {_one_line(err)}"
+        peer = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return ms, status
+
+
 def run_bench(cases: Sequence[BenchCase], ceilings: dict[str, float], baselines: bool = True) -> list[Result]:
     peak_bw = ceilings["copy_gbps"] * 1e9
     peak_flops = ceilings["matmul_tflops"] * 1e12
@@ -198,8 +266,7 @@ def run_bench(cases: Sequence[BenchCase], ceilings: dict[str, float], baselines:
             torch.cuda.synchronize()
             checks = bench.check()
         except Exception as err:  # a case that raises is reported, not timed; the others still run
-            detail = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"[:160]
-            results.append(Result(case.op, case.name, math.nan, 0, 0, "-", 0, 0, {}, "-", False, detail))
+            results.append(Result(case.op, case.name, math.nan, 0, 0, "-", 0, 0, {}, "-", False, _one_line(err)))
             torch.cuda.empty_cache()
             continue
         detail, correct = "", True
@@ -223,13 +290,14 @@ def run_bench(cases: Sequence[BenchCase], ceilings: dict[str, float], baselines:
                     torch.cuda.empty_cache()
         finally:
             os.environ.pop(CONTENT_CHECKS_ENV)
+        peers_ms, peers_status = time_peers(bench.peers)
         t_bytes, t_flops = bench.bytes / peak_bw * 1e3, bench.flops / peak_flops * 1e3
         roofline_ms = max(t_bytes, t_flops)
         results.append(
             Result(
                 case.op, case.name, ms, bench.bytes / ms / 1e6, bench.flops / ms / 1e9,
                 "memory" if t_bytes >= t_flops else "compute", roofline_ms, 100 * roofline_ms / ms, base_ms,
-                _sass_report(launched, bench.kernels), True,
+                _sass_report(launched, bench.kernels), True, "", peers_ms, peers_status,
             )
         )  # fmt: skip
         del bench
@@ -240,6 +308,17 @@ def run_bench(cases: Sequence[BenchCase], ceilings: dict[str, float], baselines:
 def _geomean(values: Sequence[float]) -> float:
     values = [v for v in values if v > 0 and math.isfinite(v)]
     return math.exp(sum(map(math.log, values)) / len(values)) if values else math.nan
+
+
+def _peer_cell(r: Result, name: str) -> str:
+    """``ms (peer ms / our ms)x``; the reason where the peer was not timed; ``-`` where it did not run."""
+    status = r.peers_status.get(name)
+    if status is None:
+        return "-"
+    if status != "ok":
+        return status.replace("|", "/")[:200]
+    ms = r.peers_ms[name]
+    return f"{ms:.4f} ({ms / r.ms:.2f}x)"
 
 
 def write_report(results: Sequence[Result], ceilings: dict[str, float], out_dir: Path) -> Path:
@@ -260,22 +339,34 @@ def write_report(results: Sequence[Result], ceilings: dict[str, float], out_dir:
         f"bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s. "
         "Roofline = max(bytes / copy BW, FLOPs / matmul rate).",
         "Times are medians of `triton.testing.do_bench` (CUDA graphs below 50 us); baselines timed in the same run.",
+        f"Peers ({', '.join(PEERS)}, where installed) run on the same tensors, are checked against the same golden "
+        "model first, then timed like baselines; (Nx) = peer ms / our ms, above 1 where ours is faster; "
+        "`-`: no peer for the case or not installed.",
         "",
-        "| op | case | ms | GB/s | TFLOP/s | bound | roofline ms | % of roofline | baselines (ms) | SASS |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| op | case | ms | GB/s | TFLOP/s | bound | roofline ms | % of roofline | baselines (ms) | SASS | "
+        + " | ".join(f"{name} (ms, ours/peer speed)" for name in PEERS)
+        + " |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * len(PEERS),
     ]
     for r in results:
         if not r.correct:
-            lines.append(f"| {r.op} | {r.case} | WRONG: not timed | | | | | | | {r.detail} |")
+            lines.append(f"| {r.op} | {r.case} | WRONG: not timed | | | | | | | {r.detail} |" + " - |" * len(PEERS))
             continue
         base = ", ".join(f"{k} {v:.3f} ({v / r.ms:.1f}x)" for k, v in r.baselines_ms.items()) or "-"
         lines.append(
             f"| {r.op} | {r.case} | {r.ms:.4f} | {r.gbps:.0f} | {r.tflops:.1f} | {r.bound} | {r.roofline_ms:.4f} | "
-            f"{r.pct_roofline:.1f}% | {base} | {r.hgmma} |"
+            f"{r.pct_roofline:.1f}% | {base} | {r.hgmma} | " + " | ".join(_peer_cell(r, name) for name in PEERS) + " |"
         )
     lines += ["", "Geomean % of roofline per op:", ""]
     for op in sorted({r.op for r in results}):
         lines.append(f"- {op}: {_geomean([r.pct_roofline for r in results if r.op == op and r.correct]):.1f}%")
+    for name in PEERS:
+        timed = [r for r in results if r.correct and r.peers_status.get(name) == "ok"]
+        if timed:
+            lines += ["", f"Geomean ours/{name} speed per op (cases where both ran):", ""]
+            for op in sorted({r.op for r in timed}):
+                ratios = [r.peers_ms[name] / r.ms for r in timed if r.op == op]
+                lines.append(f"- {op}: {_geomean(ratios):.2f}x over {len(ratios)} cases")
     table = out_dir / "bench_h200.md"
     table.write_text("\n".join(lines) + "\n")
     (out_dir / "bench_h200.json").write_text(
@@ -324,4 +415,169 @@ def main(cases: Sequence[BenchCase], out_dir: Path, baselines: bool) -> int:
     results = run_bench(cases, ceilings, baselines)
     table = write_report(results, ceilings, out_dir)
     print(table.read_text())
-    return 0 if all(r.correct for r in results) else 1
+    peers_agree = not any(status.startswith("WRONG") for r in results for status in r.peers_status.values())
+    return 0 if all(r.correct for r in results) and peers_agree else 1
+
+
+# -- Peers: FlashInfer ------------------------------------------------------------------------------
+# FlashInfer (flashinfer-ai/flashinfer) is a benchmark row, never a dependency: this section is the
+# only code of the package that imports it, inside the builders below, when a case is set up. Each
+# builder takes the case's tensors and its ``checks(o, lse)`` (the golden comparison it runs on our
+# outputs, LSE in natural log) and returns ``{}`` where FlashInfer is not installed, else
+# ``{"FlashInfer": build}``; ``build()`` plans FlashInfer (untimed) and returns the :class:`Peer`.
+# API of flashinfer-python 0.7 (the canonical ``MLAPlanMetadata`` plan).
+
+FLASHINFER = "FlashInfer"
+PEERS = (FLASHINFER,)  # one table column each
+LN2 = math.log(2.0)
+_WORKSPACE_BYTES = 128 << 20  # FlashInfer's suggested float workspace
+
+
+def lse_from_base2(lse2: torch.Tensor) -> torch.Tensor:
+    """FlashInfer's LSE, ``log2 sum_j 2^(s_j log2 e) = ln(sum_j e^(s_j)) / ln 2``, in natural log (ours)."""
+    return lse2 * LN2
+
+
+def lse_to_base2(lse: torch.Tensor) -> torch.Tensor:
+    """Our natural-log LSE in FlashInfer's base 2 (the inverse of :func:`lse_from_base2`)."""
+    return lse / LN2
+
+
+def flashinfer_peers(build: Callable[[ModuleType], Peer]) -> dict[str, Callable[[], Peer]]:
+    """``{"FlashInfer": build(flashinfer)}`` (deferred) where ``import flashinfer`` works; ``{}`` where it
+    is not installed. An installed FlashInfer that fails to import shows the error in its cell."""
+    try:
+        import flashinfer
+    except ModuleNotFoundError as err:
+        if err.name == "flashinfer":
+            return {}
+        return {FLASHINFER: _raiser(err)}
+    except Exception as err:
+        return {FLASHINFER: _raiser(err)}
+    return {FLASHINFER: lambda: build(flashinfer)}
+
+
+def _raiser(err: Exception) -> Callable[[], Peer]:
+    def build() -> Peer:
+        raise RuntimeError(f"import flashinfer failed: {_one_line(err)}") from err
+
+    return build
+
+
+def _csr_pages(table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kv_indptr [B + 1], kv_indices [sum of pages])`` int32: request ``b``'s pages, in order,
+    are ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` (a block table in CSR form)."""
+    pages = (seq_lens.long() + page_size - 1) // page_size
+    used = torch.arange(table.shape[1], device=table.device) < pages[:, None]
+    indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32, device=table.device)
+    indptr[1:] = pages.cumsum(0)
+    return indptr, table[used].to(torch.int32)  # boolean indexing is row-major: request order kept
+
+
+def flashinfer_mla(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    qlen: int,
+    value_width: int,
+    sm_scale: float,
+    page_size: int,
+    k_scale: torch.Tensor | None,
+    checks: Callable[[torch.Tensor, torch.Tensor], Sequence[Check]],
+) -> dict[str, Callable[[], Peer]]:
+    """FlashInfer's ``BatchMLAPagedAttentionWrapper`` (backend fa3) on an MLA decode (``qlen`` 1) or
+    causal verify case: rows ``b*Q + t`` of ``q [R, H, Lk]``, latent cache ``[pages, page, 1, Lk]``
+    read in place (its first ``Lv`` columns as ckv, the rest as the rope part), block table
+    ``[B, pages]``, lengths ``[B]``. Its causal mask is bottom-right aligned, the same row limits as
+    ours. An FP8 cache passes ``k_scale`` as both per-tensor scales."""
+
+    def build(fi: ModuleType) -> Peer:
+        rows, heads, key_width = q.shape
+        kv_indptr, kv_indices = _csr_pages(table, seq_lens, page_size)
+        qo_indptr = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=q.device) * qlen
+        fp8 = cache.dtype == torch.float8_e4m3fn
+        wrapper = fi.mla.BatchMLAPagedAttentionWrapper(
+            torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device), backend="fa3"
+        )
+        wrapper.plan(
+            metadata=fi.mla.MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, seq_lens.to(torch.int32)),
+            num_heads=heads, head_dim_ckv=value_width, head_dim_kpe=key_width - value_width,
+            page_size=page_size, causal=qlen > 1, sm_scale=sm_scale, q_data_type=q.dtype,
+            kv_data_type=cache.dtype, query_layout="split", kv_cache_layout="split", lse_mode="base2",
+            scale_mode="kv-per-tensor" if fp8 else "default",
+        )  # fmt: skip
+        query = (q[..., :value_width].contiguous(), q[..., value_width:].contiguous())
+        latent = cache[:, :, 0]
+        kv_cache = (latent[..., :value_width], latent[..., value_width:])
+        scales = {"ckv_scale": float(k_scale), "kpe_scale": float(k_scale)} if fp8 else {}
+        out = torch.empty(rows, heads, value_width, dtype=q.dtype, device=q.device)
+        lse = torch.empty(rows, heads, dtype=torch.float32, device=q.device)
+
+        def run() -> None:
+            wrapper.run(query=query, kv_cache=kv_cache, out=out, lse=lse, return_lse=True, **scales)
+
+        return Peer(run, lambda: checks(out, lse_from_base2(lse)))
+
+    return flashinfer_peers(build)
+
+
+def flashinfer_gqa_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float,
+    checks: Callable[[torch.Tensor, torch.Tensor], Sequence[Check]],
+) -> dict[str, Callable[[], Peer]]:
+    """FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` (NHD, CUDA-core decode, as vLLM runs group
+    size 4) on a GQA decode case: ``q [B, H, D]``, caches ``[pages, page, HKV, D]`` read in place
+    (views of one interleaved cache are fine), block table ``[B, pages]``, lengths ``[B]`` (>= 1)."""
+
+    def build(fi: ModuleType) -> Peer:
+        batch, heads, head_dim = q.shape
+        page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        kv_indptr, kv_indices = _csr_pages(table, seq_lens, page_size)
+        last_page_len = ((seq_lens.long() - 1) % page_size + 1).to(torch.int32)
+        wrapper = fi.decode.BatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device), "NHD", use_tensor_cores=False
+        )
+        wrapper.plan(kv_indptr, kv_indices, last_page_len, heads, kv_heads, head_dim, page_size,
+                     q_data_type=q.dtype, kv_data_type=k_cache.dtype, sm_scale=sm_scale)  # fmt: skip
+        out = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
+        lse = torch.empty(batch, heads, dtype=torch.float32, device=q.device)
+
+        def run() -> None:
+            wrapper.run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=True)
+
+        return Peer(run, lambda: checks(out, lse_from_base2(lse)))
+
+    return flashinfer_peers(build)
+
+
+def flashinfer_merge_state(
+    prefix_o: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_o: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    *,
+    checks: Callable[[torch.Tensor, torch.Tensor], Sequence[Check]],
+) -> dict[str, Callable[[], Peer]]:
+    """FlashInfer's ``merge_state`` on a two-state merge case: outputs ``[T, H, D]`` and our
+    natural-log LSEs ``[H, T]``, handed to it as base-2 ``[T, H]`` (converted once, untimed: a
+    FlashInfer pipeline produces them so). ``checks`` gets ``(o [T, H, D], lse [H, T])``."""
+
+    def build(fi: ModuleType) -> Peer:
+        prefix_lse2 = lse_to_base2(prefix_lse).t().contiguous()
+        suffix_lse2 = lse_to_base2(suffix_lse).t().contiguous()
+        merged: dict[str, torch.Tensor] = {}
+
+        def run() -> None:
+            merged["o"], merged["lse"] = fi.merge_state(prefix_o, prefix_lse2, suffix_o, suffix_lse2)
+
+        return Peer(run, lambda: checks(merged["o"], lse_from_base2(merged["lse"]).t()))
+
+    return flashinfer_peers(build)

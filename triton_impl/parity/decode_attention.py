@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from golden.decode_attention import decode_attention
-from triton_impl.bench import Bench, BenchCase
+from triton_impl.bench import Bench, BenchCase, flashinfer_gqa_decode, flashinfer_mla
 from triton_impl.cases import Check, block_table_for, device_paged_cache
 from triton_impl.decode_attention import _compute_num_kv_splits, decode_attention_fwd, expand_decode_rows
 from triton_impl.parity import Case
@@ -145,8 +145,12 @@ def cases() -> list[Case]:
     ]
 
 
-def bench_cases() -> list[BenchCase]:
-    """DeepSeek MLA decode (Lk 576, Lv 512, page 64) and GQA decode (H 32, HKV 8, D 128, page 16)."""
+def bench_cases(small: bool = False) -> list[BenchCase]:
+    """DeepSeek MLA decode (Lk 576, Lv 512, page 64) and GQA decode (H 32, HKV 8, D 128, page 16),
+    with FlashInfer beside ours where it imports (``triton_impl.bench``, Peers).
+
+    ``small``: one case of each kind at sizes a CPU sets up at once (tests of the wiring).
+    """
 
     def case(batch: int, heads: int, length: int, *, is_mla: bool, fp8: bool = False) -> BenchCase:
         kv_heads, key_width, value_width, page = (1, 576, 512, 64) if is_mla else (8, 128, 128, 16)
@@ -172,13 +176,13 @@ def bench_cases() -> list[BenchCase]:
                 decode_attention_fwd(q, k, v, o, lse, table, seq_lens, logits, splits, sm_scale, page,
                                      is_mla=is_mla, **scales)  # fmt: skip
 
-            def check() -> list[Check]:
+            def checks(out: torch.Tensor, out_lse: torch.Tensor) -> list[Check]:
                 rows = slice(0, 2)  # the float64 golden on two rows
                 ref_o, ref_lse = decode_attention(q[rows], k, v, table[rows], seq_lens[rows], *args[2:], is_mla=is_mla,
                                                   dtype=torch.float64, **scales)  # fmt: skip
                 return [
-                    Check("o", o[rows], ref_o, tolerance("decode_attention", "o", torch.bfloat16)),
-                    Check("lse", lse[rows], ref_lse, tolerance("decode_attention", "lse", torch.float32)),
+                    Check("o", out[rows], ref_o, tolerance("decode_attention", "o", torch.bfloat16)),
+                    Check("lse", out_lse[rows], ref_lse, tolerance("decode_attention", "lse", torch.float32)),
                 ]
 
             kv_bytes = batch * length * kv_heads * (width if is_mla else key_width + value_width) * cache.element_size()
@@ -187,11 +191,19 @@ def bench_cases() -> list[BenchCase]:
             baselines = {}
             if batch * heads * length <= 2**22:  # the golden materializes [rows, H, L] scores
                 baselines["golden eager"] = lambda: decode_attention(q, k, v, *args, is_mla=is_mla, **scales)
-            return Bench(run, check, nbytes, flops, baselines, kernels=("_decode_stage1_kernel",))
+            if is_mla:
+                peers = flashinfer_mla(q, cache, table, seq_lens, qlen=1, value_width=value_width, sm_scale=sm_scale,
+                                       page_size=page, k_scale=scales.get("k_scale"), checks=checks)  # fmt: skip
+            else:
+                peers = flashinfer_gqa_decode(q, k, v, table, seq_lens, sm_scale=sm_scale, checks=checks)
+            return Bench(run, lambda: checks(o, lse), nbytes, flops, baselines, kernels=("_decode_stage1_kernel",),
+                         peers=peers)  # fmt: skip
 
         kind = "MLA 576/512" if is_mla else "GQA 32/8 D128"
         return BenchCase("decode_attention", f"{kind} B={batch} H={heads} L={length} {'fp8' if fp8 else 'bf16'}", setup)
 
+    if small:
+        return [case(2, 16, 130, is_mla=True), case(2, 16, 130, is_mla=True, fp8=True), case(2, 32, 40, is_mla=False)]
     return [
         case(32, 16, 32768, is_mla=True),
         case(32, 128, 32768, is_mla=True),

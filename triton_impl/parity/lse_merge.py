@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from golden.lse_merge import merge_states, merge_two
-from triton_impl.bench import Bench, BenchCase
+from triton_impl.bench import Bench, BenchCase, flashinfer_merge_state
 from triton_impl.cases import Check
 from triton_impl.lse_merge import merge_attn_states, merge_splits
 from triton_impl.parity import Case
@@ -68,7 +68,13 @@ def cases() -> list[Case]:
     ]
 
 
-def bench_cases() -> list[BenchCase]:
+def bench_cases(small: bool = False) -> list[BenchCase]:
+    """The two-state merge (cascade prefix/suffix; FlashInfer's ``merge_state`` beside it where it
+    imports, ``triton_impl.bench``, Peers) and the split merge of decode stage 2.
+
+    ``small``: one case of each at sizes a CPU sets up at once (tests of the wiring).
+    """
+
     def two_state(tokens: int, heads: int, head_dim: int) -> BenchCase:
         def setup(device: torch.device) -> Bench:
             dtype = torch.bfloat16
@@ -81,23 +87,24 @@ def bench_cases() -> list[BenchCase]:
             run = lambda: merge_attn_states(out, p_out, p_lse, s_out, s_lse, out_lse)
             rows = slice(0, 256)  # golden in float64 on a slice of the tokens
 
-            def check() -> list[Check]:
+            def checks(merged: torch.Tensor, merged_lse: torch.Tensor) -> list[Check]:
                 ref_o, ref_lse = merge_two(
                     p_out[rows].double().transpose(0, 1), p_lse[:, rows].double(),
                     s_out[rows].double().transpose(0, 1), s_lse[:, rows].double(),
                 )  # fmt: skip
                 return [
-                    Check("o", out[rows].transpose(0, 1), ref_o, tolerance("lse_merge", "o", "bfloat16")),
-                    Check("lse", out_lse[:, rows], ref_lse, tolerance("lse_merge", "lse", "float32")),
+                    Check("o", merged[rows].transpose(0, 1), ref_o, tolerance("lse_merge", "o", "bfloat16")),
+                    Check("lse", merged_lse[:, rows], ref_lse, tolerance("lse_merge", "lse", "float32")),
                 ]
 
             golden = lambda: merge_two(p_out.transpose(0, 1), p_lse, s_out.transpose(0, 1), s_lse)
             compiled = torch.compile(merge_two)
             nbytes = tokens * heads * (3 * head_dim * 2 + 3 * 4)
             return Bench(
-                run, check, nbytes, 0.0,
+                run, lambda: checks(out, out_lse), nbytes, 0.0,
                 {"golden eager": golden,
                  "golden compiled": lambda: compiled(p_out.transpose(0, 1), p_lse, s_out.transpose(0, 1), s_lse)},
+                peers=flashinfer_merge_state(p_out, p_lse, s_out, s_lse, checks=checks),
             )  # fmt: skip
 
         return BenchCase("lse_merge", f"merge_attn_states T={tokens} H={heads} D={head_dim} bf16", setup)
@@ -129,6 +136,8 @@ def bench_cases() -> list[BenchCase]:
 
         return BenchCase("lse_merge", f"merge_splits R={rows} H={heads} S={num_splits} D={head_dim}", setup)
 
+    if small:
+        return [two_state(48, 4, 128), splits(8, 4, 3, 128)]
     return [
         two_state(32768, 32, 128),
         two_state(16384, 128, 128),

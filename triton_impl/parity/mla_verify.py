@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from golden.mla_verify import mla_verify
-from triton_impl.bench import Bench, BenchCase
+from triton_impl.bench import Bench, BenchCase, flashinfer_mla
 from triton_impl.cases import Check, block_table_for, device_paged_cache
 from triton_impl.decode_attention import _compute_num_kv_splits, decode_attention_fwd, expand_decode_rows
 from triton_impl.mla_verify import decode_attention_fwd_verify, select_verify_config, verify_num_kv_splits
@@ -75,11 +75,14 @@ def cases() -> list[Case]:
     ]
 
 
-def bench_cases() -> list[BenchCase]:
+def bench_cases(small: bool = False) -> list[BenchCase]:
     """DeepSeek MLA verify (Lk 576, Lv 512, page 64): 16 and 128 heads, qlen 1..8, bf16 and FP8 caches.
 
     Baseline: the per-row path serving used before this kernel, the flattened causal multi-token
-    decode (``expand_decode_rows`` + ``decode_attention_fwd``, one row per draft token).
+    decode (``expand_decode_rows`` + ``decode_attention_fwd``, one row per draft token). Peer:
+    FlashInfer's causal MLA where it imports (``triton_impl.bench``, Peers).
+
+    ``small``: a few cases at sizes a CPU sets up at once (tests of the wiring).
     """
 
     def case(batch: int, heads: int, qlen: int, length: int, fp8: bool = False) -> BenchCase:
@@ -104,13 +107,13 @@ def bench_cases() -> list[BenchCase]:
                 decode_attention_fwd_verify(q, cache, v, o, lse, table, seq_lens, None, qlen,
                                             logits, splits, _SM_SCALE, _PAGE, k_scale=k_scale)  # fmt: skip
 
-            def check() -> list[Check]:
+            def checks(out: torch.Tensor, out_lse: torch.Tensor) -> list[Check]:
                 first = slice(0, qlen)  # the float64 golden on the first request
                 ref_o, ref_lse = mla_verify(q[first], cache, table[:1], seq_lens[:1], None, qlen, _LV, _SM_SCALE,
                                             _PAGE, k_scale=k_scale, dtype=torch.float64)  # fmt: skip
                 return [
-                    Check("o", o[first], ref_o, tolerance("mla_verify", "o", torch.bfloat16)),
-                    Check("lse", lse[first], ref_lse, tolerance("mla_verify", "lse", "float32")),
+                    Check("o", out[first], ref_o, tolerance("mla_verify", "o", torch.bfloat16)),
+                    Check("lse", out_lse[first], ref_lse, tolerance("mla_verify", "lse", "float32")),
                 ]
 
             row_table, row_lens = expand_decode_rows(table, seq_lens, qlen, causal=True)
@@ -127,12 +130,16 @@ def bench_cases() -> list[BenchCase]:
                 batch * length * (_LV + _ROPE) * cache.element_size() + q.numel() * 2 + o.numel() * 2 + lse.numel() * 4
             )
             flops = 2 * batch * heads * visible * (2 * _LV + _ROPE)
-            return Bench(run, check, nbytes, flops, {"per-row decode (flattened)": per_row_decode},
-                         kernels=("_fwd_verify_kernel_stage1",))  # fmt: skip
+            peers = flashinfer_mla(q, cache, table, seq_lens, qlen=qlen, value_width=_LV, sm_scale=_SM_SCALE,
+                                   page_size=_PAGE, k_scale=k_scale, checks=checks)  # fmt: skip
+            return Bench(run, lambda: checks(o, lse), nbytes, flops, {"per-row decode (flattened)": per_row_decode},
+                         kernels=("_fwd_verify_kernel_stage1",), peers=peers)  # fmt: skip
 
         name = f"MLA verify B={batch} H={heads} qlen={qlen} L={length} {'fp8' if fp8 else 'bf16'}"
         return BenchCase("mla_verify", name, setup)
 
+    if small:
+        return [case(2, 16, 4, 130), case(2, 16, 1, 70), case(2, 16, 2, 130, fp8=True)]
     return [
         case(8, 16, 4, 4096),
         case(32, 16, 4, 4096),
