@@ -29,9 +29,15 @@ TURBOQUANT_GRID = [(128, 4, 2, 0), (32, 4, 2, 0), (64, 4, 2, 0), (64, 8, 2, 0), 
                    (128, 4, 1, 0), (128, 4, 2, 1)]  # fmt: skip
 # TurboQuant store: (BLOCK_T, D_CHUNK, num_warps); the first is the current sm90 entry.
 STORE_GRID = [(16, 16, 8), (32, 16, 8), (16, 32, 8), (16, 16, 4), (32, 32, 8), (64, 16, 8), (16, 32, 4)]
-# UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps); the first is the default entry.
+# UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps[, decode, fnuz_encode, rope_words]);
+# the first is the default entry, (4, 512, 4) the sm90 one. The 6-tuples time the per-value variants
+# of ue8m0.LaunchConfig (not yet timed) on the sm90 entry's launch: each option alone, then together.
 UE8M0_GRID = [(1, 128, 4), (4, 128, 4), (8, 128, 4), (8, 128, 8), (16, 128, 8), (4, 512, 4), (8, 512, 8),
-              (16, 256, 8)]  # fmt: skip
+              (16, 256, 8),
+              (4, 512, 4, "cvt", "int", False), (4, 512, 4, "table", "int", False),
+              (4, 512, 4, "int", "cvt", False), (4, 512, 4, "int", "int", True),
+              (4, 512, 4, "cvt", "cvt", True), (4, 512, 4, "table", "cvt", True),
+              (8, 512, 8, "cvt", "cvt", True), (2, 512, 4, "cvt", "cvt", True)]  # fmt: skip
 
 
 def set_turboquant(block_n: int, warps: int, stages: int, pair_lut: int) -> str:
@@ -45,9 +51,11 @@ def set_store(block_t: int, d_chunk: int, warps: int) -> str:
     return f"T{block_t} chunk{d_chunk} w{warps}"
 
 
-def set_ue8m0(tokens: int, workers: int, warps: int) -> str:
-    ue8m0.LAUNCH_CONFIGS["sm90"] = ue8m0.LaunchConfig(tokens, workers, warps)
-    return f"T{tokens} workers{workers} w{warps}"
+def set_ue8m0(tokens: int, workers: int, warps: int, decode: str = "int", fnuz_encode: str = "int",
+              rope_words: bool = False) -> str:  # fmt: skip
+    ue8m0.LAUNCH_CONFIGS["sm90"] = ue8m0.LaunchConfig(tokens, workers, warps, decode, fnuz_encode, rope_words)
+    options = [f"decode={decode}"] * (decode != "int") + [f"fnuz_encode={fnuz_encode}"] * (fnuz_encode != "int")
+    return " ".join([f"T{tokens} workers{workers} w{warps}", *options, *["rope_words"] * rope_words])
 
 
 def main(budget_s: float, only: str | None = None) -> None:

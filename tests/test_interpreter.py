@@ -18,8 +18,11 @@ from triton_impl.interpreter import (
     dot_dtype,
     e4m3_bits_to_f16,
     e4m3_bits_to_f32,
+    e4m3_bits_to_f32_cvt,
     f32_to_bf16_rne,
     f32_to_e4m3_bits,
+    f32_to_e4m3fn_bits_not_nan,
+    f32_to_e4m3fnuz_bits_cvt,
 )
 
 interpreted_only = pytest.mark.skipif(not bool(interpreter.INTERPRET), reason="defect of the interpreter only")
@@ -305,3 +308,62 @@ def test_runtime_loop_bound(device: torch.device) -> None:
     y = torch.empty(1, device=device)
     _runtime_bound_kernel[(1,)](x, torch.tensor([3], dtype=torch.int32, device=device), y)
     assert y.item() == 3.0
+
+
+# -- the conversions through the hardware's OCP e4m3 instructions --------------------------------
+# Under the interpreter these check the fix-ups around the OCP conversion (there the integer one);
+# compiled, they check them with the hardware conversion inside.
+
+
+@triton.jit
+def _encode_cvt_kernel(x_ptr, general_ptr, small_ptr, ocp_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    tl.store(general_ptr + offs, f32_to_e4m3fnuz_bits_cvt(x, False), mask=mask)
+    tl.store(small_ptr + offs, f32_to_e4m3fnuz_bits_cvt(x, True), mask=mask)
+    tl.store(ocp_ptr + offs, f32_to_e4m3fn_bits_not_nan(x), mask=mask)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 2x of the largest values: inf
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # 2x of signalling NaNs
+def test_cvt_encoders_match_the_integer_encoder(encoded, device: torch.device) -> None:
+    """On the whole fp32 sweep (every bf16 value, its fp32 neighbours, the midpoints: ties,
+    subnormals, 232 and 248, +-0, +-inf, NaN) the FNUZ encoder through the OCP conversion gives
+    the integer encoder's code; with SMALL on ``|x| <= 232`` and NaN; the OCP one without its NaN
+    fix-up on every non-NaN value."""
+    x, out = encoded
+    n = x.numel()
+    codes = {name: torch.empty(n, dtype=torch.uint8, device=device) for name in ("general", "small", "ocp")}
+    _encode_cvt_kernel[_grid(n)](x.to(device), codes["general"], codes["small"], codes["ocp"], n, BLOCK=BLOCK)
+    codes = {name: c.cpu() for name, c in codes.items()}
+    assert torch.equal(codes["general"], out["fnuz"])
+    small = (x.abs() <= 232.0) | torch.isnan(x)
+    assert int(small.sum()) > n // 3 and int((x.abs() == 232.0).sum()) == 2
+    assert torch.equal(codes["small"][small], out["fnuz"][small])
+    not_nan = ~torch.isnan(x)
+    assert torch.equal(codes["ocp"][not_nan], out["fn"][not_nan])
+
+
+@triton.jit
+def _decode_cvt_kernel(codes_ptr, out_ptr, FNUZ: tl.constexpr, EXACT_NAN: tl.constexpr):
+    offs = tl.arange(0, 256)
+    tl.store(out_ptr + offs, e4m3_bits_to_f32_cvt(tl.load(codes_ptr + offs), FNUZ, EXACT_NAN))
+
+
+@pytest.mark.parametrize("exact_nan", [True, False])
+@pytest.mark.parametrize("fnuz", [False, True])
+def test_cvt_decoder_matches_the_integer_decoder_on_every_code(device: torch.device, fnuz, exact_nan) -> None:
+    """All 256 codes decode to the integer decoder's fp32 bits, -0 and +-240 (FNUZ) included; the
+    NaN codes to ``0x7FC00000`` (with EXACT_NAN=False, OCP's to some NaN)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device)
+    out = torch.empty(256, device=device)
+    _decode_cvt_kernel[(1,)](codes, out, FNUZ=fnuz, EXACT_NAN=exact_nan)
+    soft, _ = _decode_all(device, fnuz)
+    out = out.cpu()
+    nan = soft.isnan()
+    assert torch.equal(out.isnan(), nan) and int(nan.sum()) == (1 if fnuz else 2)
+    if exact_nan or fnuz:
+        assert torch.equal(out.view(torch.int32), soft.view(torch.int32))
+    else:
+        assert torch.equal(out[~nan].view(torch.int32), soft[~nan].view(torch.int32))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -27,6 +31,23 @@ from triton_impl.ue8m0_cache import dequantize_and_gather_k_cache, quantize_and_
 
 BF16_MAX = torch.finfo(torch.bfloat16).max  # 0x7F7F = (2 - 2^-7) * 2^127
 E4M3_MIN_EXPONENT = {False: -6, True: -7}  # smallest normal binade: OCP bias 7, FNUZ bias 8
+
+# The per-value variants of LaunchConfig, applied over the device's table entry: the defaults, and
+# every non-default option in at least one variant. The exhaustive and property tests run each.
+VARIANTS = {
+    "int": {},
+    "cvt": {"decode": "cvt", "fnuz_encode": "cvt", "rope_words": True},
+    "table": {"decode": "table", "rope_words": True},
+}
+variants = pytest.mark.parametrize("variant", list(VARIANTS))
+
+
+@contextlib.contextmanager
+def _variant(name: str):
+    """Launch both kernels with ``VARIANTS[name]`` over the device's config."""
+    select = kernels.select_launch_config
+    with mock.patch.object(kernels, "select_launch_config", lambda d: dataclasses.replace(select(d), **VARIANTS[name])):
+        yield
 
 
 def _keys(num_rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -80,6 +101,7 @@ def _half_ulp_bound(x: torch.Tensor, codes: torch.Tensor, use_fnuz: bool) -> tor
 # -- insert ---------------------------------------------------------------------------------------
 
 
+@variants
 @given(
     num_tokens=st.integers(1, 24),
     block_size=st.sampled_from([16, 64, 256]),
@@ -100,7 +122,7 @@ def _half_ulp_bound(x: torch.Tensor, codes: torch.Tensor, use_fnuz: bool) -> tor
     slot_dtype=torch.int32, seed=1,
 )  # fmt: skip
 def test_insert_matches_golden_bytes(
-    device, num_tokens, block_size, stride, layout, use_fnuz, skip_fraction, padding_rows, slot_dtype, seed
+    device, variant, num_tokens, block_size, stride, layout, use_fnuz, skip_fraction, padding_rows, slot_dtype, seed
 ) -> None:
     """Every byte of the cache equals the golden insert's: records at their slots, the rest untouched."""
     gen = generator(seed)
@@ -111,7 +133,8 @@ def test_insert_matches_golden_bytes(
     expected = insert_k_cache(k, cache, slots, block_size, use_fnuz)
 
     actual = cache.to(device)
-    quantize_and_insert_k_cache(k.to(device), actual, slots.to(device), block_size, use_fnuz=use_fnuz)
+    with _variant(variant):
+        quantize_and_insert_k_cache(k.to(device), actual, slots.to(device), block_size, use_fnuz=use_fnuz)
 
     assert_bits_equal(actual, expected)
 
@@ -183,10 +206,11 @@ def _boundary_key(values: dict[int, float], group: int = 2) -> torch.Tensor:
     return k
 
 
+@variants
 @pytest.mark.parametrize(
     ("case", "use_fnuz", "values", "code", "fp8_bytes"), BOUNDARY_TABLE, ids=[r[0] for r in BOUNDARY_TABLE]
 )
-def test_boundary_table(device, case, use_fnuz, values, code, fp8_bytes) -> None:
+def test_boundary_table(device, variant, case, use_fnuz, values, code, fp8_bytes) -> None:
     """Golden and kernel give the hand-worked scale code and e4m3 bytes; the kernel's bytes equal the golden's."""
     k = _boundary_key(values)
     golden_fp8, golden_codes = quantize_ue8m0(k[:, :NOPE_DIM], use_fnuz)
@@ -194,27 +218,30 @@ def test_boundary_table(device, case, use_fnuz, values, code, fp8_bytes) -> None
     assert {i: int(golden_fp8[0, 128 + i]) for i in fp8_bytes} == fp8_bytes
 
     cache = torch.zeros(1, block_bytes(16), dtype=torch.uint8, device=device)
-    quantize_and_insert_k_cache(k.to(device), cache, torch.tensor([3], device=device), 16, use_fnuz=use_fnuz)
+    with _variant(variant):
+        quantize_and_insert_k_cache(k.to(device), cache, torch.tensor([3], device=device), 16, use_fnuz=use_fnuz)
     record = read_records(cache.cpu(), torch.tensor([3]), 16)
     assert int(record[0, TOKEN_DATA_BYTES + 2]) == code
     assert {i: int(record[0, 128 + i]) for i in fp8_bytes} == fp8_bytes
     assert_bits_equal(record, encode_records(k, use_fnuz))
 
 
+@variants
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 256 * 2^120 -> inf, on purpose
-def test_largest_bf16_gathers_as_inf(device) -> None:
+def test_largest_bf16_gathers_as_inf(device, variant) -> None:
     """The format's limit, reproduced: the largest bf16 rounds to e4m3 256 at code 247 (248 FNUZ) = 2^128 -> inf."""
-    for use_fnuz in (False, True):
-        k = _boundary_key({0: BF16_MAX, 1: -BF16_MAX, 2: 1.0})
-        cache = torch.zeros(1, block_bytes(16), dtype=torch.uint8, device=device)
-        quantize_and_insert_k_cache(k.to(device), cache, torch.tensor([0], device=device), 16, use_fnuz=use_fnuz)
-        out = torch.zeros(1, 1, 512, dtype=torch.bfloat16, device=device)
-        dequantize_and_gather_k_cache(
-            out, cache, torch.tensor([1], dtype=torch.int32, device=device), None,
-            torch.zeros(1, 1, dtype=torch.int32, device=device), 16, 0, use_fnuz=use_fnuz,
-        )  # fmt: skip
-        assert out[0, 0, 128].item() == float("inf") and out[0, 0, 129].item() == float("-inf")
-        assert out[0, 0, 130].item() == 0.0  # 1.0 / 2^120 is far below e4m3's smallest subnormal
+    with _variant(variant):
+        for use_fnuz in (False, True):
+            k = _boundary_key({0: BF16_MAX, 1: -BF16_MAX, 2: 1.0})
+            cache = torch.zeros(1, block_bytes(16), dtype=torch.uint8, device=device)
+            quantize_and_insert_k_cache(k.to(device), cache, torch.tensor([0], device=device), 16, use_fnuz=use_fnuz)
+            out = torch.zeros(1, 1, 512, dtype=torch.bfloat16, device=device)
+            dequantize_and_gather_k_cache(
+                out, cache, torch.tensor([1], dtype=torch.int32, device=device), None,
+                torch.zeros(1, 1, dtype=torch.int32, device=device), 16, 0, use_fnuz=use_fnuz,
+            )  # fmt: skip
+            assert out[0, 0, 128].item() == float("inf") and out[0, 0, 129].item() == float("-inf")
+            assert out[0, 0, 130].item() == 0.0  # 1.0 / 2^120 is far below e4m3's smallest subnormal
 
 
 def test_amax_500_round_up_vs_mx_round_down() -> None:
@@ -231,6 +258,7 @@ def test_amax_500_round_up_vs_mx_round_down() -> None:
 # -- gather ---------------------------------------------------------------------------------------
 
 
+@variants
 @given(
     seq_lens=st.lists(st.integers(0, 40), min_size=1, max_size=4),
     block_size=st.sampled_from([16, 64, 256]),
@@ -242,7 +270,9 @@ def test_amax_500_round_up_vs_mx_round_down() -> None:
 )
 @example(seq_lens=[9, 23, 7], block_size=64, use_gather_lens=False, offset=0, stride="padded", use_fnuz=False, seed=0)
 @example(seq_lens=[19, 8, 0], block_size=16, use_gather_lens=True, offset=5, stride="unpadded", use_fnuz=True, seed=1)
-def test_gather_matches_golden(device, seq_lens, block_size, use_gather_lens, offset, stride, use_fnuz, seed) -> None:
+def test_gather_matches_golden(
+    device, variant, seq_lens, block_size, use_gather_lens, offset, stride, use_fnuz, seed
+) -> None:
     """Gathered bf16 equal the golden's, rows outside the gathers stay NaN, with a shuffled,
     non-contiguous block table whose unread entries hold garbage."""
     gen = generator(seed)
@@ -273,18 +303,20 @@ def test_gather_matches_golden(device, seq_lens, block_size, use_gather_lens, of
     expected = gather_k_cache(out, cache, lens, gather_lens, table, block_size, offset, use_fnuz)
 
     actual = out.to(device)
-    dequantize_and_gather_k_cache(
-        actual, cache.to(device), lens.to(device), None if gather_lens is None else gather_lens.to(device),
-        table.to(device), block_size, offset, use_fnuz=use_fnuz,
-    )  # fmt: skip
+    with _variant(variant):
+        dequantize_and_gather_k_cache(
+            actual, cache.to(device), lens.to(device), None if gather_lens is None else gather_lens.to(device),
+            table.to(device), block_size, offset, use_fnuz=use_fnuz,
+        )  # fmt: skip
 
     _assert_same_bf16(actual, expected)
     rope = expected[..., NOPE_DIM:]
     assert_bits_equal(actual[..., NOPE_DIM:].cpu(), rope)  # RoPE bit for bit, NaN rows included
 
 
+@variants
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # codes near 254 overflow bf16: inf
-def test_gather_decodes_every_byte_at_every_code(device) -> None:
+def test_gather_decodes_every_byte_at_every_code(device, variant) -> None:
     """All 256 e4m3 bytes x all 256 scale codes (0: the subnormal 2^-127, 255: E8M0 NaN), OCP and FNUZ."""
     block_size = 16
     pairs = torch.cartesian_prod(torch.arange(256), torch.arange(256))  # (byte, code), 65536 pairs
@@ -313,31 +345,36 @@ def test_gather_decodes_every_byte_at_every_code(device) -> None:
         expected = gather_k_cache(out, cache, lens, None, table, block_size, 0, use_fnuz)
         assert_bits_equal(expected[0], decode_records(records, use_fnuz))
         actual = out.to(device)
-        dequantize_and_gather_k_cache(
-            actual, cache.to(device), lens.to(device), None, table.to(device), block_size, 0, use_fnuz=use_fnuz
-        )
+        with _variant(variant):
+            dequantize_and_gather_k_cache(
+                actual, cache.to(device), lens.to(device), None, table.to(device), block_size, 0, use_fnuz=use_fnuz
+            )
         _assert_same_bf16(actual, expected)
 
 
+@variants
 @pytest.mark.filterwarnings(
     "ignore:invalid value encountered:RuntimeWarning"
 )  # NumPy on the interpreter's masked lanes
-def test_rope_is_copied_bit_for_bit(device) -> None:
+def test_rope_is_copied_bit_for_bit(device, variant) -> None:
     """NaN payloads, infinities, -0 and subnormal bf16 RoPE values survive insert + gather unchanged."""
     patterns = [0x7FC1, 0xFFFF, 0x7F81, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x807F, 0x3F80, 0x7F7F]
     k = torch.zeros(1, 512, dtype=torch.bfloat16)
     rope_bits = torch.tensor(patterns * 7, dtype=torch.int32)[:64].to(torch.int16)
     k[0, NOPE_DIM:] = rope_bits.view(torch.bfloat16)
     cache = torch.zeros(1, block_bytes(16), dtype=torch.uint8, device=device)
-    quantize_and_insert_k_cache(k.to(device), cache, torch.tensor([7], device=device), 16)
     out = torch.zeros(1, 1, 512, dtype=torch.bfloat16, device=device)
     lens, gather = (torch.tensor([n], dtype=torch.int32, device=device) for n in (8, 1))
-    dequantize_and_gather_k_cache(out, cache, lens, gather, torch.zeros(1, 1, dtype=torch.int32, device=device), 16, 0)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    with _variant(variant):
+        quantize_and_insert_k_cache(k.to(device), cache, torch.tensor([7], device=device), 16)
+        dequantize_and_gather_k_cache(out, cache, lens, gather, table, 16, 0)
     assert torch.equal(out[0, 0, NOPE_DIM:].cpu().view(torch.int16), rope_bits)
 
 
+@variants
 @pytest.mark.parametrize("use_fnuz", [False, True])
-def test_nonfinite_group_gathers_nan_and_leaves_other_groups(device, use_fnuz) -> None:
+def test_nonfinite_group_gathers_nan_and_leaves_other_groups(device, variant, use_fnuz) -> None:
     """inf in group 2 and NaN in group 5: code 255 (E8M0 NaN) there and the unscaled values
     clamped (inf -> fp8_max, where FNUZ's own cast would give NaN); NaN on gather there only."""
     gen = generator(5)
@@ -346,16 +383,18 @@ def test_nonfinite_group_gathers_nan_and_leaves_other_groups(device, use_fnuz) -
     k[0, 64 * 2 + 4] = float("-inf")
     k[0, 64 * 5 + 60] = float("nan")
     cache = torch.zeros(1, block_bytes(16), dtype=torch.uint8, device=device)
-    quantize_and_insert_k_cache(k.to(device), cache, torch.tensor([0, 1], device=device), 16, use_fnuz=use_fnuz)
+    with _variant(variant):
+        quantize_and_insert_k_cache(k.to(device), cache, torch.tensor([0, 1], device=device), 16, use_fnuz=use_fnuz)
     records = read_records(cache.cpu(), torch.tensor([0, 1]), 16)
     assert_bits_equal(records, encode_records(k, use_fnuz))
     assert records[0, TOKEN_DATA_BYTES + 2] == 255 and records[0, TOKEN_DATA_BYTES + 5] == 255
     assert records[0, 64 * 2 + 3 : 64 * 2 + 5].tolist() == [0x7E, 0xFE]  # +-448 OCP, +-224 FNUZ
     out = torch.zeros(1, 2, 512, dtype=torch.bfloat16, device=device)
-    dequantize_and_gather_k_cache(
-        out, cache, torch.tensor([2], dtype=torch.int32, device=device), None,
-        torch.zeros(1, 1, dtype=torch.int32, device=device), 16, 0, use_fnuz=use_fnuz,
-    )  # fmt: skip
+    with _variant(variant):
+        dequantize_and_gather_k_cache(
+            out, cache, torch.tensor([2], dtype=torch.int32, device=device), None,
+            torch.zeros(1, 1, dtype=torch.int32, device=device), 16, 0, use_fnuz=use_fnuz,
+        )  # fmt: skip
     nan_groups = torch.isnan(out[0, 0, :NOPE_DIM].cpu()).view(7, 64).all(dim=1)
     assert nan_groups.tolist() == [False, False, True, False, False, True, False]
     _assert_same_bf16(out[0].cpu(), decode_records(encode_records(k, use_fnuz), use_fnuz))
@@ -364,19 +403,23 @@ def test_nonfinite_group_gathers_nan_and_leaves_other_groups(device, use_fnuz) -
 # -- properties ---------------------------------------------------------------------------------
 
 
+@variants
 @given(num_tokens=st.integers(1, 20), use_fnuz=st.booleans(), seed=st.integers(0, 2**31 - 1))
 @example(num_tokens=16, use_fnuz=False, seed=0)
-def test_round_trip_within_half_an_e4m3_ulp(device, num_tokens, use_fnuz, seed) -> None:
+def test_round_trip_within_half_an_e4m3_ulp(device, variant, num_tokens, use_fnuz, seed) -> None:
     """Insert then gather (both kernels): each NoPE value within half an e4m3 ulp at its group's scale
     (so within 16 * scale OCP / 8 * scale FNUZ per group, vLLM's bound); RoPE exact."""
     gen = generator(seed)
     k = _keys(num_tokens, gen)
     cache = torch.zeros(-(-num_tokens // 16), block_bytes(16), dtype=torch.uint8, device=device)
-    quantize_and_insert_k_cache(k.to(device), cache, torch.arange(num_tokens, device=device), 16, use_fnuz=use_fnuz)
     out = torch.zeros(1, num_tokens, 512, dtype=torch.bfloat16, device=device)
     table = torch.arange(cache.shape[0], dtype=torch.int32, device=device)[None]
     lens = torch.tensor([num_tokens], dtype=torch.int32, device=device)
-    dequantize_and_gather_k_cache(out, cache, lens, None, table, 16, 0, use_fnuz=use_fnuz)
+    with _variant(variant):
+        quantize_and_insert_k_cache(
+            k.to(device), cache, torch.arange(num_tokens, device=device), 16, use_fnuz=use_fnuz
+        )
+        dequantize_and_gather_k_cache(out, cache, lens, None, table, 16, 0, use_fnuz=use_fnuz)
 
     codes = read_records(cache.cpu(), torch.arange(num_tokens), 16)[:, TOKEN_DATA_BYTES : TOKEN_DATA_BYTES + 7]
     error = (out[0, :, :NOPE_DIM].cpu().double() - k[:, :NOPE_DIM].double()).abs()
@@ -437,6 +480,113 @@ def test_block_offsets_are_64_bit(device) -> None:
     lens, gather = (torch.tensor([n], dtype=torch.int32, device=device) for n in (block_size + 6, 1))
     dequantize_and_gather_k_cache(out, cache, lens, gather, table, block_size, 0)
     assert_bits_equal(out[0].cpu(), decode_records(encode_records(k[:1])))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # random bytes: codes near 254 give inf
+@pytest.mark.parametrize("use_fnuz", [False, True])
+def test_rope_words_only_where_aligned(device, use_fnuz) -> None:
+    """rope_words copies RoPE as words only where every address involved is a multiple of 4, and
+    gives the golden's bytes and bf16 either way: a cache at an odd address, an odd block stride,
+    k or out with an odd row stride fall back to bytes."""
+    gen = generator(15)
+    block_size, num_tokens = 16, 20
+    raw = block_bytes(block_size)
+    storage = torch.randint(0, 256, (2 * raw + 8,), generator=gen, dtype=torch.uint8).to(device)
+    caches = {  # views of one buffer on the device, so each keeps its address and stride
+        "aligned": storage[: 2 * raw].view(2, raw),
+        "odd address": storage[1 : 1 + 2 * raw].view(2, raw),
+        "odd stride": storage[: 2 * (raw + 1)].view(2, raw + 1),
+    }
+    wide = _keys(num_tokens, gen).repeat(1, 3).to(device)
+    keys = {"aligned": wide[:, :512], "odd row stride": wide.view(-1)[: num_tokens * 1025].view(num_tokens, 1025)}
+    keys["odd row stride"] = keys["odd row stride"][:, :512]
+    slots = torch.randperm(2 * block_size, generator=gen)[:num_tokens]
+    launched = []
+    launch = kernels.launch
+
+    def spy(kernel, grid, *args, **constexprs):
+        launched.append(constexprs["ROPE_WORDS"])
+        launch(kernel, grid, *args, **constexprs)
+
+    for cache_name, cache in caches.items():
+        for key_name, k in keys.items():
+            expected = insert_k_cache(k.cpu(), cache.cpu(), slots, block_size, use_fnuz)
+            with _variant("cvt"), mock.patch.object(kernels, "launch", spy):
+                quantize_and_insert_k_cache(k, cache, slots.to(device), block_size, use_fnuz=use_fnuz)
+            assert_bits_equal(cache.cpu(), expected)
+            assert launched.pop() == (cache_name == key_name == "aligned"), (cache_name, key_name)
+
+    cache = caches["aligned"]
+    table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    lens = torch.tensor([num_tokens], dtype=torch.int32, device=device)
+    outs = {
+        "aligned": torch.zeros(1, 22, 512, dtype=torch.bfloat16, device=device),
+        "odd row stride": torch.zeros(1, 22, 513, dtype=torch.bfloat16, device=device)[..., :512],
+    }
+    for out_name, out in outs.items():
+        expected = gather_k_cache(out.cpu(), cache.cpu(), lens.cpu(), None, table.cpu(), block_size, 2, use_fnuz)
+        with _variant("table"), mock.patch.object(kernels, "launch", spy):
+            dequantize_and_gather_k_cache(out, cache, lens, None, table, block_size, 2, use_fnuz=use_fnuz)
+        _assert_same_bf16(out, expected)
+        assert launched.pop() == (out_name == "aligned"), out_name
+
+
+@variants
+def test_variants_stay_memory_safe_with_the_checks_off(device, variant, monkeypatch) -> None:
+    """Bad contents with the content checks off: slots outside the cache are not written, tokens
+    without a block gather as bf16 0x7FC0 (RoPE too), rows past ``out`` and bytes around the
+    cache and ``out`` stay untouched -- every variant writes the bits of the default one."""
+    monkeypatch.setenv("ATTNREF_CHECK_CONTENTS", "0")
+    gen = generator(16)
+    block_size, num_blocks, rows = 4, 4, 6
+    record = block_bytes(block_size)
+    storage = torch.full(((num_blocks + 2) * record,), 0xAB, dtype=torch.uint8, device=device)
+    cache = storage[record : (num_blocks + 1) * record].view(num_blocks, record)
+    k = _keys(num_blocks * block_size + 2, gen).to(device)
+    capacity = num_blocks * block_size
+    slots = torch.cat([torch.arange(capacity), torch.tensor([capacity, 2**40])]).to(device)
+    out_storage = torch.full((5, rows, 512), -7.0, dtype=torch.bfloat16, device=device)
+    table = torch.tensor([[0, 1], [2, 7], [3, 0]], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([6, 7, 5], dtype=torch.int32, device=device)
+    gather_lens = torch.tensor([6, 7, 9], dtype=torch.int32, device=device)  # request 2: 9 > 5, and 1 + 9 > 6
+    results = {}
+    for name in ("int", variant):
+        storage.fill_(0xAB)
+        out_storage.fill_(-7.0)
+        with _variant(name):
+            quantize_and_insert_k_cache(k, cache, slots, block_size)
+            dequantize_and_gather_k_cache(out_storage[1:4], cache, seq_lens, gather_lens, table, block_size, 1)
+        results[name] = (storage.clone(), out_storage.clone())
+    assert_bits_equal(results[variant][0], results["int"][0])
+    assert_bits_equal(results[variant][1], results["int"][1])
+    assert bool((storage[:record] == 0xAB).all()) and bool((storage[-record:] == 0xAB).all())
+    gathered = out_storage[1:4].view(torch.int16)
+    assert bool((gathered[1, 5:] == 0x7FC0).all()) and bool((gathered[2, 1:5] == 0x7FC0).all())
+    assert bool((out_storage[0] == -7.0).all()) and bool((out_storage[4] == -7.0).all())
+    assert bool((out_storage[1:4, 0] == -7.0).all())
+
+
+def test_decode_table_is_made_once_per_device_and_format() -> None:
+    """The "table" decode's 256 values: torch's decode of each byte, one tensor per (device, format), kept."""
+    cpu = torch.device("cpu")
+    for use_fnuz, dtype in ((False, torch.float8_e4m3fn), (True, torch.float8_e4m3fnuz)):
+        table = kernels._decode_table(cpu, use_fnuz)
+        assert kernels._decode_table(cpu, use_fnuz) is table
+        expected = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+        assert torch.equal(table.isnan(), expected.isnan())
+        assert_bits_equal(table[~table.isnan()], expected[~expected.isnan()])
+        assert table[table.isnan()].view(torch.int32).tolist() == [0x7FC00000] * (1 if use_fnuz else 2)
+    assert kernels._decode_table(cpu, False) is not kernels._decode_table(cpu, True)
+
+
+def test_unknown_config_option_is_rejected(device) -> None:
+    """A misspelt option in a config table fails loudly instead of running the default."""
+    bad_encode = mock.patch.dict(VARIANTS, {"int": {"fnuz_encode": "hw"}})
+    with bad_encode, _variant("int"), pytest.raises(ValueError, match=r"LaunchConfig.fnuz_encode: expected one of"):
+        quantize_and_insert_k_cache(**_insert_args(device))
+    bad_decode = mock.patch.dict(VARIANTS, {"int": {"decode": "lut"}})
+    with bad_decode, _variant("int"), pytest.raises(ValueError, match=r"LaunchConfig.decode: expected one of"):
+        dequantize_and_gather_k_cache(**_gather_args(device))
 
 
 # -- negative controls ----------------------------------------------------------------------------

@@ -160,3 +160,88 @@ def e4m3_bits_to_f16(code):
     if INTERPRET:
         return e4m3_bits_to_f32(code, False).to(tl.float16)
     return code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+# -- conversions through the hardware's OCP e4m3 instructions, with integer fix-ups ---------------
+#
+# The helpers below give bit for bit the results of the integer helpers above (the tests hold them
+# to those on every code, and on every value of ``tests/test_interpreter.py``'s fp32 sweep), with
+# fewer instructions per value when compiled for sm_89+: there the e4m3 conversion is one
+# instruction per two values. Under the interpreter (defects 3 and 6) the OCP conversion inside
+# them is the integer one, so the fix-ups around it are what the CPU tests check; the compiled
+# hardware conversion is held to the integer one by the GPU run of the same tests.
+
+
+@triton.jit
+def f32_to_e4m3fn_bits_not_nan(x):
+    """fp32 -> OCP e4m3 code for ``x`` that is not NaN: ``f32_to_e4m3_bits(x, False)`` without its
+    NaN fix-up (round to nearest even, +-inf and out-of-range values saturate to +-448, -0 keeps
+    its sign). Compiled: the hardware conversion alone; interpreted: the integer encoder."""
+    if INTERPRET:
+        return f32_to_e4m3_bits(x, False)
+    return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def f32_to_e4m3fnuz_bits_cvt(x, SMALL: tl.constexpr):
+    """fp32 -> FNUZ e4m3 code, equal to ``f32_to_e4m3_bits(x, True)`` for every ``x``, through the
+    OCP conversion of ``2x`` (one instruction per two values compiled, instead of ~35 integer ops).
+
+    FNUZ is OCP's bit layout with exponent bias 8 instead of 7, so a code's FNUZ value is half its
+    OCP value, subnormals included (``2^-10`` vs ``2^-9`` per mantissa step). Doubling is exact,
+    and round-to-nearest-even on a grid scaled by 2 picks the same code, so for ``|x| <= 232`` the
+    FNUZ code of ``x`` is the OCP code of ``2x``, except where FNUZ differs from OCP:
+
+    - a result of zero is ``+0`` (FNUZ has no -0): ``|x| <= 2^-11`` (at most half the smallest
+      subnormal, a tie going to the even 0) is converted as ``+0``;
+    - NaN gives 0x80, which is OCP's -0: a NaN is converted as ``-0``;
+    - ``|x|`` in ``(232, 248)`` rounds to 240 (``0x7F | sign``), an OCP NaN code; the saturating
+      conversion gives ``0x7E | sign`` there, so the low bit is set; ``|x| >= 248`` and +-inf round
+      past 240, to 0x80.
+
+    ``SMALL``: the caller guarantees ``|x| <= 232`` or NaN (the UE8M0 insert clamps to 224), which
+    drops the last fix-up (two compares and two selects per value).
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    doubled = (x * 2.0).to(tl.uint32, bitcast=True)
+    doubled = tl.where(magnitude > 0x3A000000, doubled, 0)  # 2^-11
+    doubled = tl.where(magnitude > 0x7F800000, 0x80000000, doubled)  # NaN -> -0 -> 0x80
+    code = f32_to_e4m3fn_bits_not_nan(doubled.to(tl.float32, bitcast=True)).to(tl.int32)
+    if not SMALL:
+        code = tl.where(magnitude > 0x43680000, code | 1, code)  # (232, 248) -> 240
+        code = tl.where(magnitude >= 0x43780000, 0x80, code)  # >= 248, inf, NaN
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def e4m3_bits_to_f32_cvt(code, FNUZ: tl.constexpr, EXACT_NAN: tl.constexpr):
+    """e4m3 byte -> fp32, equal to :func:`e4m3_bits_to_f32` on every code (NaN: ``0x7FC00000``).
+
+    Compiled: the hardware OCP conversion (``cvt.rn.f16x2.e4m3x2``, one instruction per two
+    values, then fp16 -> fp32), its NaN codes ``S.1111.111`` put back as ``0x7FC00000``.
+    Interpreted: the integer decode (defect 6), its NaN codes given another payload (as the
+    hardware's may be), so that the fix-ups are tested on a CPU too. FNUZ: half the OCP value
+    (bias 8), except 0x80 (NaN; OCP -0) and ``S.1111.111`` (+-240; OCP NaN).
+
+    ``EXACT_NAN=False`` leaves OCP's NaN codes as the hardware decodes them: NaN, with the
+    hardware's payload (saves ~4 integer ops per value), for a caller whose output needs only NaN
+    to stay NaN (a bf16 result whose NaNs compare as NaN). Every other code keeps its exact bits.
+    """
+    c = code.to(tl.int32)
+    if INTERPRET:  # NaN codes as fp16's canonical NaN 0x7FFF widened, not 0x7FC00000: the fix-ups show on a CPU
+        ocp = e4m3_bits_to_f32(code, False).to(tl.int32, bitcast=True)
+        ocp = tl.where((c & 0x7F) == 0x7F, 0x7FFFE000, ocp).to(tl.float32, bitcast=True)
+    else:
+        ocp = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if not FNUZ and not EXACT_NAN:
+        return ocp
+    top = (c & 0x7F) == 0x7F
+    if FNUZ:
+        f32 = (ocp * 0.5).to(tl.int32, bitcast=True)
+        f32 = tl.where(top, 0x43700000 | ((c >> 7) << 31), f32)  # +-240
+        is_nan = c == 0x80
+    else:
+        f32 = ocp.to(tl.int32, bitcast=True)
+        is_nan = top
+    return tl.where(is_nan, 0x7FC00000, f32).to(tl.float32, bitcast=True)

@@ -13,6 +13,36 @@ could round differently between compiled and interpreted Triton is done exactly 
   every GPU, not only where Triton has ``float8e4b8``;
 - bf16 is moved as int16 bits (RoPE is copied bit for bit) and the gathered NoPE value is
   rounded by ``cast_for_store`` (round-to-nearest-even in both modes).
+
+Faster variants of the per-value work, chosen by ``LaunchConfig`` fields (off in every table
+entry: none is timed on a GPU yet; ``benchmarks/sweep_memory_bound.py`` times them against the
+defaults). Each gives the same bytes and bf16 bits (NaN as NaN), and the tests run each one:
+
+- ``decode="cvt"``: the gather decodes e4m3 with the hardware OCP conversion plus integer fix-ups
+  for FNUZ (:func:`triton_impl.interpreter.e4m3_bits_to_f32_cvt`); ``decode="table"``: one load
+  per value from a 256-entry fp32 table of torch's decode, kept per device and format.
+- ``fnuz_encode="cvt"``: the FNUZ insert encodes ``2y`` with the hardware OCP conversion, with
+  fix-ups for FNUZ's +0 and NaN (:func:`triton_impl.interpreter.f32_to_e4m3fnuz_bits_cvt`).
+- ``rope_words=True``: the RoPE part is copied as 32 words per token (both kernels), where k,
+  ``out`` and the cache keep it 4-byte aligned; bytes elsewhere.
+
+SASS for sm_90, compiled on a CPU at the sm90 entry's launch (4 tokens per program, 4 warps:
+16 values per thread): instructions per program (insert) or per gather loop iteration, and per
+value (no variant spills; registers 32-56 against the defaults' 40 and 64):
+
+================  ==============  =================================================================
+kernel            default         variants
+================  ==============  =================================================================
+insert OCP        624 (39.0)      rope_words 408 (25.5)
+insert FNUZ       983 (61.4)      fnuz_encode cvt 659 (41.2); + rope_words 440 (27.5)
+gather OCP        563 (35.2)      cvt 293 (18.3); table 305 (19.1); rope_words 449 (28.1);
+                                  cvt + rope_words 196 (12.3); table + rope_words 234 (14.6)
+gather FNUZ       579 (36.2)      cvt 458 (28.6); table 305 (19.1); cvt + rope_words 362 (22.6);
+                                  table + rope_words 234 (14.6)
+================  ==============  =================================================================
+
+Fewer instructions is a proxy, not a timing: the table's loads are gathers from a 1 KB table
+(up to 8 cache lines per warp-wide load), a cost the instruction count does not see.
 """
 
 from __future__ import annotations
@@ -25,7 +55,13 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_impl.interpreter import cast_for_store, e4m3_bits_to_f32, f32_to_e4m3_bits
+from triton_impl.interpreter import (
+    cast_for_store,
+    e4m3_bits_to_f32,
+    e4m3_bits_to_f32_cvt,
+    f32_to_e4m3_bits,
+    f32_to_e4m3fnuz_bits_cvt,
+)
 from triton_impl.launch import launch, select_config
 from triton_impl.validation import cdiv, check_positive, check_tensor, content_checks_enabled
 
@@ -53,6 +89,20 @@ class LaunchConfig:
     tokens_per_program: int  # tokens in one tile of ``8 * tokens`` rows (power of two)
     gather_workers: int  # programs per request along grid axis 1; fixed, so CUDA graphs can replay it
     num_warps: int
+    # Variants of the per-value work; each gives the same bytes and bf16 bits (tests/test_ue8m0_cache.py
+    # runs every one through the exhaustive tests). None of them is timed on a GPU yet, so every table
+    # entry keeps the measured defaults; benchmarks/sweep_memory_bound.py times them against those.
+    # gather's e4m3 -> fp32: "int" (integer decode, ~12 ops per value), "cvt" (the hardware OCP
+    # conversion with integer fix-ups for NaN codes and FNUZ) or "table" (one load per value from
+    # a 256-entry fp32 table, made once per device and format and kept).
+    decode: str = "int"
+    # FNUZ insert's fp32 -> e4m3fnuz: "int" (integer encoder, ~35 ops per value) or "cvt" (the
+    # hardware OCP conversion of 2x with fix-ups for FNUZ's +0 and NaN).
+    fnuz_encode: str = "int"
+    # RoPE part moved as 32-bit words (one 128-byte copy per token) instead of two byte loads or
+    # stores per value, where every record's RoPE bytes are 4-byte aligned (cache address and block
+    # stride multiples of 4; k, out rows too); otherwise bytes, as with False.
+    rope_words: bool = False
 
 
 # Launch configs as data, keyed by GPU architecture ("sm90", ...). Both kernels move 584 + 1024
@@ -82,6 +132,39 @@ def _exponent_constants(use_fnuz: bool) -> tuple[int, int, int]:
     bits = int(torch.tensor(_fp8_max(use_fnuz), dtype=torch.bfloat16).view(torch.int16)) & 0x7FFF
     mantissa, exponent = math.frexp(_AMAX_FLOOR / _fp8_max(use_fnuz))  # ceil(log2(1e-4 / fp8_max))
     return bits >> 7, bits & 0x7F, exponent - (mantissa == 0.5)
+
+
+def _option(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"LaunchConfig.{name}: expected one of {list(allowed)}, got {value!r}")
+    return value
+
+
+def _words_aligned(tensor: torch.Tensor, *byte_strides: int) -> bool:
+    """Whether ``tensor``'s address and the given strides (in bytes) are multiples of 4."""
+    return tensor.data_ptr() % 4 == 0 and all(stride % 4 == 0 for stride in byte_strides)
+
+
+# (device, use_fnuz) -> the 256 fp32 values of the e4m3 bytes, for the "table" decode. Kept for the
+# life of the process, so a CUDA graph that captured a gather replays a live address; the first
+# gather on a device makes it (so not inside a graph capture).
+_DECODE_TABLES: dict[tuple[torch.device, bool], torch.Tensor] = {}
+
+
+def _decode_table(device: torch.device, use_fnuz: bool) -> torch.Tensor:
+    """Each e4m3 byte's value as torch decodes it (``uint8 -> float8_e4m3fn(uz) -> float32``, the
+    golden model's decode), on ``device``: exact by construction. The NaN codes hold the quiet NaN
+    ``0x7FC00000``, as :func:`e4m3_bits_to_f32` gives them."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, use_fnuz)
+    table = _DECODE_TABLES.get(key)
+    if table is None:
+        fp8 = torch.float8_e4m3fnuz if use_fnuz else torch.float8_e4m3fn
+        table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).to(torch.float32)
+        table = torch.where(table.isnan(), torch.nan, table).to(device)  # NaN as 0x7FC00000 (torch: 0x7F800001 FNUZ)
+        _DECODE_TABLES[key] = table
+    return table
 
 
 def _block_view(k_cache: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -123,6 +206,8 @@ def _quantize_and_insert_k_kernel(
     MAX_EXP_FIELD: tl.constexpr,
     MAX_MANTISSA: tl.constexpr,
     MIN_EXPONENT: tl.constexpr,
+    FNUZ_CVT: tl.constexpr,
+    ROPE_WORDS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(cdiv(N, TOKENS),)``: a program owns ``TOKENS`` consecutive tokens.
 
@@ -134,6 +219,11 @@ def _quantize_and_insert_k_kernel(
     involved), derives the UE8M0 exponent from those bits, scales by the exact ``2^-e`` and
     encodes e4m3 in software. It writes the fp8 bytes (groups 0..6), one scale byte per row
     (the pad byte for group 7) and the RoPE bits as bytes (so any block stride works, odd too).
+
+    ``FNUZ_CVT``: FNUZ bytes through the hardware OCP conversion (``f32_to_e4m3fnuz_bits_cvt``).
+    ``ROPE_WORDS`` (the host checked that k's rows and every record's RoPE part are 4-byte
+    aligned): group 7 is not loaded in the tile; each token's 64 RoPE values are copied as 32
+    words by a ``[TOKENS, 32]`` tile instead.
     """
     row = tl.arange(0, 8 * TOKENS)
     dim = tl.arange(0, _GROUP)
@@ -147,7 +237,10 @@ def _quantize_and_insert_k_kernel(
     scale_ptr = block_ptr + BLOCK_SIZE * _DATA + (slot % BLOCK_SIZE) * _SCALES
 
     values_ptr = k_ptr + token.to(tl.int64)[:, None] * k_row_stride + group[:, None] * _GROUP + dim[None, :]
-    bits = tl.load(values_ptr, mask=live[:, None], other=0).to(tl.int32) & 0xFFFF
+    if ROPE_WORDS:
+        bits = tl.load(values_ptr, mask=live[:, None] & (group[:, None] < _GROUPS), other=0).to(tl.int32) & 0xFFFF
+    else:
+        bits = tl.load(values_ptr, mask=live[:, None], other=0).to(tl.int32) & 0xFFFF
     amax_bits = tl.max(bits & 0x7FFF, axis=1)
     finite = (amax_bits >> 7) != 0xFF
     # amax = m * 2^E, fp8_max = M * 2^F with m, M in [1, 2): ceil(log2(amax / fp8_max)) = E - F + (m > M).
@@ -162,14 +255,28 @@ def _quantize_and_insert_k_kernel(
     y = x * inv_scale[:, None]
     # A no-op for finite groups (the scale rounds up); clamps inf of a non-finite group. NaN passes.
     y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
-    fp8 = f32_to_e4m3_bits(y, FNUZ)
+    if FNUZ and FNUZ_CVT:
+        fp8 = f32_to_e4m3fnuz_bits_cvt(y, True)  # |y| <= 224 or NaN
+    else:
+        fp8 = f32_to_e4m3_bits(y, FNUZ)
     is_nope = live[:, None] & (group[:, None] < _GROUPS)
     tl.store(data_ptr[:, None] + group[:, None] * _GROUP + dim[None, :], fp8, mask=is_nope)
 
-    is_rope = live[:, None] & (group[:, None] == _GROUPS)
-    rope_ptr = data_ptr[:, None] + _NOPE + 2 * dim[None, :]
-    tl.store(rope_ptr, (bits & 0xFF).to(tl.uint8), mask=is_rope)
-    tl.store(rope_ptr + 1, (bits >> 8).to(tl.uint8), mask=is_rope)
+    if ROPE_WORDS:
+        t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+        word = tl.arange(0, _GROUP // 2)
+        t_slot = tl.load(slot_mapping_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
+        t_live = (t_slot >= 0) & (t_slot < num_slots)
+        src = (k_ptr + t.to(tl.int64) * k_row_stride + _NOPE).to(tl.pointer_type(tl.int32))
+        dst = cache_ptr + (t_slot // BLOCK_SIZE) * block_stride + (t_slot % BLOCK_SIZE) * _DATA + _NOPE
+        dst = dst.to(tl.pointer_type(tl.int32))
+        words = tl.load(src[:, None] + word[None, :], mask=t_live[:, None], other=0)
+        tl.store(dst[:, None] + word[None, :], words, mask=t_live[:, None])
+    else:
+        is_rope = live[:, None] & (group[:, None] == _GROUPS)
+        rope_ptr = data_ptr[:, None] + _NOPE + 2 * dim[None, :]
+        tl.store(rope_ptr, (bits & 0xFF).to(tl.uint8), mask=is_rope)
+        tl.store(rope_ptr + 1, (bits >> 8).to(tl.uint8), mask=is_rope)
 
 
 def quantize_and_insert_k_cache(
@@ -225,6 +332,7 @@ def quantize_and_insert_k_cache(
         return
     max_exp_field, max_mantissa, min_exponent = _exponent_constants(use_fnuz)
     config = select_launch_config(k.device)
+    rope_words = config.rope_words and _words_aligned(k, k.stride(0) * 2) and _words_aligned(blocks, blocks.stride(0))
     launch(_quantize_and_insert_k_kernel, (cdiv(num_tokens, config.tokens_per_program),),
         k.view(torch.int16), k.stride(0),
         slot_mapping, num_tokens, blocks.shape[0] * block_size,
@@ -236,6 +344,8 @@ def quantize_and_insert_k_cache(
         MAX_EXP_FIELD=max_exp_field,
         MAX_MANTISSA=max_mantissa,
         MIN_EXPONENT=min_exponent,
+        FNUZ_CVT=_option("fnuz_encode", config.fnuz_encode, ("int", "cvt")) == "cvt",
+        ROPE_WORDS=rope_words,
         num_warps=config.num_warps,
     )  # fmt: skip
 
@@ -251,11 +361,13 @@ def _dequantize_and_gather_k_kernel(
     cache_ptr, block_stride, num_blocks,
     seq_lens_ptr, gather_lens_ptr,
     block_table_ptr, block_table_stride, block_table_cols,
-    offset,
+    offset, table_ptr,
     HAS_GATHER_LENS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TOKENS: tl.constexpr,
     FNUZ: tl.constexpr,
+    DECODE: tl.constexpr,
+    ROPE_WORDS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(R, workers)``: worker ``w`` of request ``r`` owns the tiles of ``TOKENS`` gather
     tokens starting at ``(w + k * workers) * TOKENS``.
@@ -269,6 +381,12 @@ def _dequantize_and_gather_k_kernel(
     Memory safety without host checks: only rows ``offset + i < out_rows`` are written, and a
     token whose position has no table column (``pos < 0`` or past the table) or whose block lies
     outside the cache is written as NaN (bf16 ``0x7FC0``) without reading the cache.
+
+    ``DECODE`` picks the e4m3 -> fp32 decode: ``"int"`` (:func:`e4m3_bits_to_f32`), ``"cvt"``
+    (:func:`e4m3_bits_to_f32_cvt`) or ``"table"`` (``table_ptr[byte]``, 256 fp32 values).
+    ``ROPE_WORDS`` (the host checked that every record's RoPE part and ``out``'s rows are 4-byte
+    aligned): the tile leaves group 7 alone; a ``[TOKENS, 32]`` tile copies each token's RoPE
+    part as 32 words (``0x7FC07FC0``, two NaNs, for a token with no valid block).
     """
     req = tl.program_id(0).to(tl.int64)
     worker = tl.program_id(1)
@@ -309,18 +427,43 @@ def _dequantize_and_gather_k_kernel(
         # tests/test_ue8m0_cache.py::test_gather_decodes_every_byte_at_every_code checks every pair.
         scale_bits = tl.where(code == 0, 0x00400000, code << 23)
         scale = tl.where(code == 255, 0x7FC00000, scale_bits).to(tl.float32, bitcast=True)
-        nope = e4m3_bits_to_f32(fp8, FNUZ) * scale[:, None]
+        if DECODE == "table":
+            decoded = tl.load(table_ptr + fp8)
+        elif DECODE == "cvt":
+            decoded = e4m3_bits_to_f32_cvt(fp8, FNUZ, False)  # OCP NaN codes: a NaN, its payload free
+        else:
+            decoded = e4m3_bits_to_f32(fp8, FNUZ)
+        nope = decoded * scale[:, None]
         nope_bits = cast_for_store(nope, tl.bfloat16).to(tl.int16, bitcast=True)
-
-        rope_ptr = data_ptr[:, None] + _NOPE + 2 * dim[None, :]
-        rope_lo = tl.load(rope_ptr, mask=is_rope[:, None], other=0).to(tl.int32)
-        rope_hi = tl.load(rope_ptr + 1, mask=is_rope[:, None], other=0).to(tl.int32)
-        rope_bits = (rope_lo | (rope_hi << 8)).to(tl.int16)
-
-        values = tl.where(is_rope[:, None], rope_bits, nope_bits)
-        values = tl.where(live[:, None], values, tl.full([1, 1], 0x7FC0, tl.int16))  # NaN: no valid block
         out_row = out_ptr + req * out_stride_r + (offset + i).to(tl.int64) * out_stride_t
-        tl.store(out_row[:, None] + group[:, None] * _GROUP + dim[None, :], values, mask=in_out[:, None])
+
+        if ROPE_WORDS:
+            values = tl.where(live[:, None], nope_bits, tl.full([1, 1], 0x7FC0, tl.int16))  # NaN: no valid block
+            is_out = in_out[:, None] & (group[:, None] < _GROUPS)
+            tl.store(out_row[:, None] + group[:, None] * _GROUP + dim[None, :], values, mask=is_out)
+            t = start + tl.arange(0, TOKENS)
+            word = tl.arange(0, _GROUP // 2)
+            t_in_out = t < gather_end
+            t_pos = first + t
+            t_col = t_pos // BLOCK_SIZE
+            t_has_col = t_in_out & (t_pos >= 0) & (t_col < block_table_cols)
+            t_block = tl.load(block_table_ptr + req * block_table_stride + t_col, mask=t_has_col, other=-1)
+            t_live = t_has_col & (t_block >= 0) & (t_block < num_blocks)
+            src = cache_ptr + t_block.to(tl.int64) * block_stride + (t_pos % BLOCK_SIZE) * _DATA + _NOPE
+            src = src.to(tl.pointer_type(tl.int32))
+            words = tl.load(src[:, None] + word[None, :], mask=t_live[:, None], other=0x7FC07FC0)
+            dst = out_ptr + req * out_stride_r + (offset + t).to(tl.int64) * out_stride_t + _NOPE
+            dst = dst.to(tl.pointer_type(tl.int32))
+            tl.store(dst[:, None] + word[None, :], words, mask=t_in_out[:, None])
+        else:
+            rope_ptr = data_ptr[:, None] + _NOPE + 2 * dim[None, :]
+            rope_lo = tl.load(rope_ptr, mask=is_rope[:, None], other=0).to(tl.int32)
+            rope_hi = tl.load(rope_ptr + 1, mask=is_rope[:, None], other=0).to(tl.int32)
+            rope_bits = (rope_lo | (rope_hi << 8)).to(tl.int16)
+
+            values = tl.where(is_rope[:, None], rope_bits, nope_bits)
+            values = tl.where(live[:, None], values, tl.full([1, 1], 0x7FC0, tl.int16))  # NaN: no valid block
+            tl.store(out_row[:, None] + group[:, None] * _GROUP + dim[None, :], values, mask=in_out[:, None])
 
 
 def dequantize_and_gather_k_cache(
@@ -377,16 +520,21 @@ def dequantize_and_gather_k_cache(
     if num_reqs == 0:
         return
     config = select_launch_config(out.device)
+    decode = _option("decode", config.decode, ("int", "cvt", "table"))
+    rope_words = config.rope_words and _words_aligned(blocks, blocks.stride(0))
+    rope_words = rope_words and _words_aligned(out, out.stride(0) * 2, out.stride(1) * 2)
     launch(_dequantize_and_gather_k_kernel, (num_reqs, config.gather_workers),
         out.view(torch.int16), out.stride(0), out.stride(1), out.shape[1],
         blocks, blocks.stride(0), blocks.shape[0],
         seq_lens, seq_lens if gather_lens is None else gather_lens,
         block_table, block_table.stride(0), block_table.shape[1],
-        offset,
+        offset, _decode_table(out.device, use_fnuz) if decode == "table" else blocks,
         HAS_GATHER_LENS=gather_lens is not None,
         BLOCK_SIZE=block_size,
         TOKENS=config.tokens_per_program,
         FNUZ=use_fnuz,
+        DECODE=decode,
+        ROPE_WORDS=rope_words,
         num_warps=config.num_warps,
     )  # fmt: skip
 
