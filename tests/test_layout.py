@@ -42,6 +42,16 @@ def test_op_has_all_four_places(op: str) -> None:
     assert op.replace("_", "-") in anchors, f"papers.md has no '## {op.replace('_', '-')}' section"
 
 
+def test_papers_cite_tests_that_exist() -> None:
+    """Every ``test_*`` that papers.md names as the check of a numeric fact is defined in tests/: a
+    renamed test must not leave the bibliography pointing at nothing."""
+    cited = set(re.findall(r"`(test_\w+)`", (ROOT / "papers.md").read_text()))
+    defined = set(re.findall(r"^def (test_\w+)", "\n".join(p.read_text() for p in (ROOT / "tests").glob("*.py")),
+                             flags=re.M))  # fmt: skip
+    assert cited, "papers.md cites no tests"
+    assert not cited - defined, f"papers.md cites tests that do not exist: {sorted(cited - defined)}"
+
+
 # -- Import directions --------------------------------------------------------------------------
 
 
