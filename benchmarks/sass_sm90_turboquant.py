@@ -76,7 +76,7 @@ def decode(preset: str, config: dict[str, int]) -> None:
     key_bits = 8 if layout.key_fp8 else layout.key_mse_bits
     aligned = key_bits == 4
     constexprs = dict(KV_GROUP=4, HEAD_DIM=128, KEY_BITS=key_bits, VALUE_BITS=layout.value_quant_bits,
-                      KEY_DATA_BYTES=layout.key_data_bytes, NUM_FIELDS=2 if layout.key_fp8 else 3, NUM_SPLITS=32,
+                      KEY_DATA_BYTES=layout.key_data_bytes, NUM_FIELDS=2 if layout.key_fp8 else 3,
                       USE_PAIR_LUT=int(config["PAIR_LUT"] and key_bits == 4), WORD_ALIGNED_KEYS=int(aligned),
                       WORD_ALIGNED_VALUES=int(layout.value_quant_bits == 4), BLOCK_M=16, BLOCK_N=config["BLOCK_N"],
                       BLOCK_D=128)  # fmt: skip

@@ -507,15 +507,14 @@ def _load_tile(cache_ptr, cache_u16_ptr, block_row, tile_start, end, kv_head,
 @triton.jit
 def _decode_stage1_kernel(
     q_ptr, cache_ptr, cache_u16_ptr, block_table_ptr, seq_lens_ptr, table_ptr, partials_ptr,
-    sm_scale, num_kv_heads, block_size, num_blocks, table_keys, stride_block, data_bytes_per_slot, meta_offset,
-    stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
+    sm_scale, num_splits, num_kv_heads, block_size, num_blocks, table_keys, stride_block, data_bytes_per_slot,
+    meta_offset, stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
     KV_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     KEY_BITS: tl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
     VALUE_BITS: tl.constexpr,
     KEY_DATA_BYTES: tl.constexpr,
     NUM_FIELDS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     USE_PAIR_LUT: tl.constexpr,
     WORD_ALIGNED_KEYS: tl.constexpr,
     WORD_ALIGNED_VALUES: tl.constexpr,
@@ -543,7 +542,7 @@ def _decode_stage1_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.maximum(tl.load(seq_lens_ptr + b).to(tl.int32), 0)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    split_len = tl.cdiv(seq_len, num_splits)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     # Memory safety without host checks: a request whose keys need a table column past the table
@@ -750,7 +749,7 @@ def triton_turboquant_decode_attention_v2(
     group = num_heads // num_kv_heads
     launch(_decode_stage1_kernel, (batch, num_kv_heads, num_splits),
         q_rot, kv_cache, kv_cache.view(torch.uint16), block_table, seq_lens, table, mid_o,
-        float(scale), num_kv_heads, block_size, num_blocks, block_table.shape[1] * block_size,
+        float(scale), num_splits, num_kv_heads, block_size, num_blocks, block_table.shape[1] * block_size,
         kv_cache.stride(0), layout["data_bytes_per_slot"], block_size * num_kv_heads * layout["data_bytes_per_slot"],
         q_rot.stride(0), q_rot.stride(1), block_table.stride(0), block_table.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
@@ -760,7 +759,6 @@ def triton_turboquant_decode_attention_v2(
         VALUE_BITS=value_quant_bits,
         KEY_DATA_BYTES=layout["key_data_bytes"],
         NUM_FIELDS=layout["num_fields"],
-        NUM_SPLITS=num_splits,
         USE_PAIR_LUT=bool(use_pair_lut),
         WORD_ALIGNED_KEYS=aligned and key_bits == 4,
         WORD_ALIGNED_VALUES=aligned and value_quant_bits == 4 and layout["key_data_bytes"] % 4 == 0,
