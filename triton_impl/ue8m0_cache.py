@@ -356,6 +356,22 @@ def quantize_and_insert_k_cache(
 
 
 @triton.jit
+def _gather_token_blocks(i, gather_end, first, req, block_table_ptr, block_table_stride, block_table_cols, num_blocks,
+                         cache_ptr, block_stride, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """For gather tokens ``i`` of request ``req``: ``(in_out, live, pos, block_ptr)``. ``in_out``: the
+    token has a row in ``out``; ``live``: its position ``pos = first + i`` has a table column whose
+    block lies inside the cache; ``block_ptr``: that block's start (garbage where not ``live``)."""
+    in_out = i < gather_end
+    pos = first + i
+    col = pos // BLOCK_SIZE
+    has_col = in_out & (pos >= 0) & (col < block_table_cols)
+    block = tl.load(block_table_ptr + req * block_table_stride + col, mask=has_col, other=-1)
+    live = has_col & (block >= 0) & (block < num_blocks)
+    # int64: block * block_stride passes 2^31 from ~57K blocks of 37440 bytes.
+    return in_out, live, pos, cache_ptr + block.to(tl.int64) * block_stride
+
+
+@triton.jit
 def _dequantize_and_gather_k_kernel(
     out_ptr, out_stride_r, out_stride_t, out_rows,
     cache_ptr, block_stride, num_blocks,
@@ -404,14 +420,9 @@ def _dequantize_and_gather_k_kernel(
     gather_end = tl.minimum(gather_len, out_rows - offset)  # rows past the end of out are not written
     for start in range(worker * TOKENS, gather_end, num_workers * TOKENS):
         i = start + row // 8
-        in_out = i < gather_end
-        pos = first + i
-        col = pos // BLOCK_SIZE
-        has_col = in_out & (pos >= 0) & (col < block_table_cols)
-        block = tl.load(block_table_ptr + req * block_table_stride + col, mask=has_col, other=-1)
-        live = has_col & (block >= 0) & (block < num_blocks)
-        # int64: block * block_stride passes 2^31 from ~57K blocks of 37440 bytes.
-        block_ptr = cache_ptr + block.to(tl.int64) * block_stride
+        in_out, live, pos, block_ptr = _gather_token_blocks(
+            i, gather_end, first, req, block_table_ptr, block_table_stride, block_table_cols, num_blocks, cache_ptr,
+            block_stride, BLOCK_SIZE)  # fmt: skip
         data_ptr = block_ptr + (pos % BLOCK_SIZE) * _DATA
         scale_ptr = block_ptr + BLOCK_SIZE * _DATA + (pos % BLOCK_SIZE) * _SCALES
         is_nope = live & (group < _GROUPS)
@@ -443,13 +454,10 @@ def _dequantize_and_gather_k_kernel(
             tl.store(out_row[:, None] + group[:, None] * _GROUP + dim[None, :], values, mask=is_out)
             t = start + tl.arange(0, TOKENS)
             word = tl.arange(0, _GROUP // 2)
-            t_in_out = t < gather_end
-            t_pos = first + t
-            t_col = t_pos // BLOCK_SIZE
-            t_has_col = t_in_out & (t_pos >= 0) & (t_col < block_table_cols)
-            t_block = tl.load(block_table_ptr + req * block_table_stride + t_col, mask=t_has_col, other=-1)
-            t_live = t_has_col & (t_block >= 0) & (t_block < num_blocks)
-            src = cache_ptr + t_block.to(tl.int64) * block_stride + (t_pos % BLOCK_SIZE) * _DATA + _NOPE
+            t_in_out, t_live, t_pos, t_block_ptr = _gather_token_blocks(
+                t, gather_end, first, req, block_table_ptr, block_table_stride, block_table_cols, num_blocks,
+                cache_ptr, block_stride, BLOCK_SIZE)  # fmt: skip
+            src = t_block_ptr + (t_pos % BLOCK_SIZE) * _DATA + _NOPE
             src = src.to(tl.pointer_type(tl.int32))
             words = tl.load(src[:, None] + word[None, :], mask=t_live[:, None], other=0x7FC07FC0)
             dst = out_ptr + req * out_stride_r + (offset + t).to(tl.int64) * out_stride_t + _NOPE
