@@ -450,7 +450,6 @@ def centroid_rounding_bound(
     if config.key_fp8:
         return out_bound, lse_bound
     num_kv_heads = kv_cache.shape[2]
-    out, _ = turboquant_decode_attention(query, kv_cache, block_table, seq_lens, PiT, centroids, scale, config)
     q = rearrange(query.to(torch.float64) @ PiT.to(torch.float64), "b (hkv g) d -> b hkv g d", hkv=num_kv_heads)
     error = (centroids.half().to(torch.float64) - centroids.to(torch.float64)).abs()
     for b in range(batch):
@@ -464,7 +463,7 @@ def centroid_rounding_bound(
                                                                     config.key_quant_bits),
                                 "hkv g d, l hkv d -> hkv g l")  # fmt: skip
         p = torch.softmax(scores, dim=-1)
-        o = rearrange(out[b], "(hkv g) d -> hkv g d", hkv=num_kv_heads)
+        o = einsum(p, values, "hkv g l, l hkv d -> hkv g d")  # golden's output of this request
         spread = (rearrange(values, "l hkv d -> hkv 1 l d") - o[:, :, None, :]).abs()
         spread = einsum(p, spread, "hkv g l, hkv g l d -> hkv g d")  # sum_j p_j |v_j - out|
         lse_bound[b] = rearrange(e, "hkv g -> (hkv g)")
