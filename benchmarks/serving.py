@@ -61,9 +61,17 @@ def _sm_count() -> int:
 
 
 def build(kind: str, batch: int, heads: int, kv_heads: int, key_width: int, value_width: int, length: int,
-          page: int, qlen: int) -> Callable[[], object]:  # fmt: skip
-    """One serving call with all its tensors made here (fixed addresses), as a closure."""
-    device = torch.device("cuda")
+          page: int, qlen: int, *, device: torch.device | None = None, sm_count: int | None = None,
+          cache_length: int | None = None) -> Callable[[], object]:  # fmt: skip
+    """One serving call with all its tensors made here (fixed addresses), as a closure.
+
+    Defaults: the first CUDA device and its SM count, a cache holding ``length`` keys per request.
+    ``benchmarks/host_overhead_cpu.py`` builds the same calls on the CPU with ``cache_length``
+    keys per request (the split count and every shape but the cache's still follow ``length``).
+    """
+    device = torch.device("cuda") if device is None else device
+    sm_count = _sm_count() if sm_count is None else sm_count
+    cached = length if cache_length is None else cache_length
     if kind == "merge":
         outs = [torch.randn(batch, heads, key_width, device=device, dtype=torch.bfloat16) for _ in range(3)]
         lses = [torch.randn(heads, batch, device=device) for _ in range(3)]
@@ -71,7 +79,7 @@ def build(kind: str, batch: int, heads: int, kv_heads: int, key_width: int, valu
     if kind == "turboquant":
         config = tq.TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", key_width)
         centroids, _ = tq.solve_lloyd_max(key_width, config.centroid_bits)
-        table, num_blocks = block_table_for([length] * batch, page, device=device)
+        table, num_blocks = block_table_for([cached] * batch, page, device=device)
         cache = torch.randint(0, 256, (num_blocks, page, kv_heads, config.slot_size_aligned), dtype=torch.uint8,
                               device=device)  # fmt: skip
         query = torch.randn(batch, heads, key_width, device=device, dtype=torch.float16)
@@ -85,7 +93,7 @@ def build(kind: str, batch: int, heads: int, kv_heads: int, key_width: int, valu
             query, cache, table, lens, None, cents, key_width**-0.5, config.key_mse_bits, config.key_packed_size,
             config.value_quant_bits, config.value_packed_size, PiT=pit, max_num_kv_splits=splits, **bufs,
         )  # fmt: skip
-    cache, table = device_paged_cache([length] * batch, page, kv_heads, key_width, torch.bfloat16, device)
+    cache, table = device_paged_cache([cached] * batch, page, kv_heads, key_width, torch.bfloat16, device)
     rows = batch * qlen
     q = torch.randn(rows, heads, key_width, device=device, dtype=torch.bfloat16)
     o = torch.empty(rows, heads, value_width, device=device, dtype=torch.bfloat16)
@@ -94,12 +102,12 @@ def build(kind: str, batch: int, heads: int, kv_heads: int, key_width: int, valu
     is_mla = kv_heads == 1
     v = cache[..., :value_width] if is_mla else torch.randn_like(cache[..., :value_width])
     if kind == "verify":
-        splits = mla_verify.verify_num_kv_splits(length, batch, qlen, heads, _sm_count())
+        splits = mla_verify.verify_num_kv_splits(length, batch, qlen, heads, sm_count)
         logits = torch.empty(rows, heads, splits, value_width + 1, device=device)
         return lambda: mla_verify.decode_attention_fwd_verify(
             q, cache, v, o, lse, table, lens, None, qlen, logits, splits, SM_SCALE, page
         )
-    splits = dec._compute_num_kv_splits(length, _sm_count())
+    splits = dec._compute_num_kv_splits(length, sm_count)
     logits = torch.empty(rows, heads, splits, value_width + 1, device=device)
     return lambda: dec.decode_attention_fwd(
         q, cache, v, o, lse, table, lens, logits, splits, SM_SCALE, page, is_mla=is_mla

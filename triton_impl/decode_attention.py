@@ -18,14 +18,18 @@ decode context parallelism over ``torch.distributed`` (:func:`decode_attention_d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
 
 from triton_impl.interpreter import cast_for_store, dot_dtype
-from triton_impl.launch import launch, select_config
-from triton_impl.lse_merge import launch_merge_splits
+from triton_impl.launch import Launch, current_target, no_launch, remember, select_config
+from triton_impl.lse_merge import launch_merge_splits, merge_splits_launch
 from triton_impl.validation import (
     block_table_2d,
     cdiv,
@@ -36,7 +40,9 @@ from triton_impl.validation import (
     check_scale,
     check_split_workspace,
     check_tensor,
+    content_checks_on,
     next_pow2,
+    tensor_facts,
 )
 
 _Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -421,6 +427,49 @@ def decode_attention_fwd(
     them per head block, from L2); with ``S > 1`` writes and re-reads ``R*H*S*(Lv+1)`` fp32
     partials; writes ``R*H*Lv`` + ``R*H`` outputs.
     """
+    device_index, stream = current_target()
+    try:
+        key = (device_index, tensor_facts(q), tensor_facts(k_buffer), tensor_facts(v_buffer), tensor_facts(o),
+               tensor_facts(lse), tensor_facts(req_to_token), tensor_facts(b_seq_len), tensor_facts(attn_logits),
+               num_kv_splits, type(num_kv_splits), sm_scale, page_size, type(page_size), logit_cap, type(logit_cap),
+               tensor_facts(k_scale), tensor_facts(v_scale), is_mla, sliding_window, type(sliding_window))  # fmt: skip
+        plan = _PLANS.get(key) if config is None else None
+    except (AttributeError, TypeError):  # a non-tensor or an unhashable argument: the checks name it
+        key, plan = None, None
+    if plan is None:
+        plan = _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_logits, num_kv_splits,
+                            sm_scale, page_size, logit_cap, k_scale, v_scale, is_mla, sliding_window,
+                            config)  # fmt: skip
+        if key is not None and config is None:
+            remember(_PLANS, key, plan)
+    if content_checks_on(plan.on_cuda):
+        table = block_table_2d("req_to_token", req_to_token, min_rows=0, device=q.device, dtypes=_INDEX_DTYPES)
+        check_block_table("req_to_token", table, b_seq_len[: plan.num_rows], page_size, plan.num_pages)
+    unit = plan.unit_scale
+    plan.stage1(stream, q, k_buffer, v_buffer, o, lse, o if plan.merge is None else attn_logits, req_to_token,
+                b_seq_len, unit if k_scale is None else k_scale, unit if v_scale is None else v_scale)  # fmt: skip
+    if plan.merge is not None:
+        plan.merge(stream, attn_logits, o, lse)
+
+
+class _DecodePlan(NamedTuple):
+    """A checked call layout of :func:`decode_attention_fwd` and what it launches."""
+
+    stage1: Callable[..., None]  # (stream, q, k, v, o, lse, part, table, lens, k_scale, v_scale)
+    merge: Callable[..., None] | None  # (stream, attn_logits, o, lse); None: one split, stage 1 writes o, lse
+    unit_scale: torch.Tensor  # k_scale / v_scale when None
+    num_rows: int
+    num_pages: int
+    on_cuda: bool  # where the content checks would read (see content_checks_on)
+
+
+# Plans by call key (``triton_impl.validation`` says what a key holds).
+_PLANS: dict[tuple, _DecodePlan] = {}
+
+
+def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_logits, num_kv_splits, sm_scale,
+                 page_size, logit_cap, k_scale, v_scale, is_mla, sliding_window, config) -> _DecodePlan:  # fmt: skip
+    """The argument checks of :func:`decode_attention_fwd` (all but the content checks) and its launches."""
     check_tensor("q", q, ndim=3, dtypes=_Q_DTYPES)
     num_rows, num_heads, key_width = q.shape
     device = q.device
@@ -451,16 +500,18 @@ def decode_attention_fwd(
     check_lengths("b_seq_len", b_seq_len, num_rows, device, _INDEX_DTYPES)
     single = num_kv_splits == 1
     if not single:
-        attn_logits = check_split_workspace(attn_logits, num_rows, num_heads, num_kv_splits, value_width, device)
+        check_split_workspace(attn_logits, num_rows, num_heads, num_kv_splits, value_width, device)
     if not isinstance(logit_cap, (int, float)) or not logit_cap >= 0:
         raise ValueError(f"logit_cap: expected a float >= 0, got {logit_cap!r}")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 0):
         raise ValueError(f"sliding_window: expected None, 0 or a positive int, got {sliding_window!r}")
-    k_scale = check_scale("k_scale", k_scale, device)
-    v_scale = check_scale("v_scale", v_scale, device)
-    check_block_table("req_to_token", req_to_token, b_seq_len[:num_rows], page_size, num_pages)
+    unit_scale = check_scale("k_scale", None, device)
+    check_scale("k_scale", k_scale, device)
+    check_scale("v_scale", v_scale, device)
+    make_plan = partial(_DecodePlan, unit_scale=unit_scale, num_rows=num_rows, num_pages=num_pages,
+                   on_cuda=device.type == "cuda")  # fmt: skip
     if num_rows == 0 or num_heads == 0:
-        return
+        return make_plan(no_launch, None)
     if num_pages == 0:  # the kernels read page 0 in place of a bad entry
         raise ValueError(f"k_buffer: expected at least one page, got shape {list(k_buffer.shape)}")
 
@@ -477,11 +528,9 @@ def decode_attention_fwd(
     block_h = min(config["BLOCK_H"], max(16, next_pow2(group)))
     head_blocks = cdiv(group, block_h)
     split_latent = is_mla and bool(config.get("SPLIT_LATENT", 0)) and block_dv >= 32
-    part = o if single else attn_logits  # a dummy pointer when stage 1 writes o directly
-    part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]
+    part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]  # with one split, o stands in for part
     grid = (num_rows, num_kv_heads * head_blocks, num_kv_splits)
-    launch(_decode_stage1_kernel, grid,
-        q, k_buffer, v_buffer, o, lse, part, req_to_token, b_seq_len, k_scale, v_scale,
+    stage1 = Launch(_decode_stage1_kernel, grid, (
         float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,
         num_pages, req_to_token.shape[1] * page_size,
         *q.stride()[:2],
@@ -491,6 +540,7 @@ def decode_attention_fwd(
         *lse.stride(),
         *part_strides,
         *req_to_token.stride(), b_seq_len.stride(0),
+    ), dict(
         GROUP=group,
         HEAD_BLOCKS=head_blocks,
         LK=key_width,
@@ -511,9 +561,8 @@ def decode_attention_fwd(
         DOT_PRECISION="ieee" if cache_dtypes[0] == torch.float32 else "tf32",  # fp32 queries: no TF32 truncation
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
-    )  # fmt: skip
-    if not single:
-        launch_merge_splits(attn_logits, o, lse)
+    ))  # fmt: skip
+    return make_plan(stage1, None if single else merge_splits_launch(num_rows, attn_logits, o, lse))
 
 
 # ----------------------------------------------------------------------------------------------

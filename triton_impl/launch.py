@@ -59,13 +59,89 @@ def select_config(configs: Mapping[str, Config], device: torch.device) -> Config
     return configs.get(device_arch(device), configs["default"])
 
 
-_MAX_ENTRIES = 4096  # variants kept; a serving process uses a few dozen
+_MAX_ENTRIES = 4096  # variants (and wrapper plans) kept; a serving process uses a few dozen
 
 # ``(id(kernel), device, key) -> (CompiledKernel, names of the constexpr parameters in signature order)``.
 _COMPILED: dict[tuple, tuple[Any, tuple[str, ...]]] = {}
 
-# Called with each CompiledKernel launched through :func:`launch` (for ``bench.capture_launches``).
+# Called with each CompiledKernel launched through :func:`launch` or a :class:`Launch` (for
+# ``bench.capture_launches``).
 on_launch: Callable[[Any], None] | None = None
+
+# The current CUDA device and the raw handle of its current stream, as Triton's own launcher asks
+# for them: C calls (``torch.cuda.current_stream()`` builds a Python ``Stream``: microseconds).
+# Absent from a CPU build of torch, where only the interpreter runs.
+_get_device: Callable[[], int] | None = getattr(torch._C, "_cuda_getDevice", None)
+_get_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_target() -> tuple[int, int | None]:
+    """``(index of the current CUDA device, raw handle of its current stream)``: where a launch
+    runs. ``(0, None)`` under the interpreter."""
+    if INTERPRETING:
+        return 0, None
+    index = _get_device()
+    return index, _get_stream(index)
+
+
+def remember(plans: dict, key: Any, plan: Any) -> Any:
+    """``plans[key] = plan`` (emptying ``plans`` first once it holds ``_MAX_ENTRIES``); returns ``plan``."""
+    if len(plans) >= _MAX_ENTRIES:
+        plans.clear()
+    plans[key] = plan
+    return plan
+
+
+def no_launch(stream: int | None, *head: Any) -> None:
+    """Called like a :class:`Launch`, launches nothing: a plan's launch when there is no work
+    (no rows or heads)."""
+
+
+class Launch:
+    """``kernel[grid](*head, *tail, **constexprs)`` with ``grid``, ``tail`` and ``constexprs`` fixed.
+
+    ``Launch(kernel, grid, tail, constexprs)(stream, *head)`` launches on ``stream`` (from
+    :func:`current_target`); ``head`` holds the arguments that change from call to call (tensors).
+    The first call launches the usual way and keeps the ``CompiledKernel`` Triton returns; later
+    calls go straight to its launcher. So every fact Triton specializes ``head`` on (dtype and
+    16-byte alignment of each tensor, the value of anything else) and the current device must be
+    those of the first call: the public wrappers keep one ``Launch`` per such key (their plans).
+    Under the interpreter every call is ``kernel[grid](...)``.
+    """
+
+    __slots__ = ("_compiled", "_constexprs", "_grid", "_kernel", "_launcher", "_params", "_tail")
+
+    def __init__(self, kernel: Any, grid: tuple[int, ...], tail: tuple, constexprs: dict[str, Any]) -> None:
+        self._kernel, self._grid, self._tail, self._constexprs = kernel, grid, tail, constexprs
+        self._compiled: Any = None
+        self._launcher: tuple = ()  # (run, grid x, y, z, function, packed metadata), once compiled
+        self._params: tuple = ()  # tail, then the constexpr values in signature order
+
+    def __call__(self, stream: int | None, *head: Any) -> None:
+        if not self._launcher:
+            self._first(head)
+            return
+        run, gx, gy, gz, function, packed = self._launcher
+        params = (*head, *self._params)
+        enter = knobs.runtime.launch_enter_hook
+        metadata = self._compiled.launch_metadata((gx, gy, gz), stream, *params) if enter is not None else None
+        run(gx, gy, gz, stream, function, packed, metadata, enter, knobs.runtime.launch_exit_hook, *params)
+        if on_launch is not None:
+            on_launch(self._compiled)
+
+    def _first(self, head: tuple) -> None:
+        kernel, constexprs = self._kernel, self._constexprs
+        compiled = kernel[self._grid](*head, *self._tail, **constexprs)
+        if INTERPRETING or compiled is None:
+            return
+        names = kernel.arg_names[len(head) + len(self._tail) :]
+        if all(name in constexprs for name in names):  # else a defaulted constexpr: stay on kernel[grid]
+            self._params = (*self._tail, *(constexprs[name] for name in names))
+            self._compiled = compiled
+            # Loaded by the launch above: the launcher, and the function handle it launches.
+            self._launcher = (compiled.run, *(*self._grid, 1, 1)[:3], compiled.function, compiled.packed_metadata)
+        if on_launch is not None:
+            on_launch(compiled)
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
@@ -75,20 +151,18 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constexprs: Any) ->
         kernel[grid](*args, **constexprs)
         return
     facts = [(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args]
-    key = (id(kernel), torch.cuda.current_device(), *facts, *constexprs.items())
+    device, stream = current_target()
+    key = (id(kernel), device, *facts, *constexprs.items())
     entry = _COMPILED.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **constexprs)
         names = tuple(kernel.arg_names[len(args) :])
         if compiled is not None and all(name in constexprs for name in names):
-            if len(_COMPILED) >= _MAX_ENTRIES:
-                _COMPILED.clear()
-            _COMPILED[key] = (compiled, names)
+            remember(_COMPILED, key, (compiled, names))
         if on_launch is not None and compiled is not None:
             on_launch(compiled)
         return
     compiled, names = entry
-    stream = torch.cuda.current_stream().cuda_stream
     grid3 = (*grid, 1, 1)[:3]
     params = (*args, *(constexprs[name] for name in names))
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook

@@ -8,13 +8,15 @@ boundaries and cannot read stale scratch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from triton_impl.interpreter import cast_for_store, f32_to_e4m3_bits
-from triton_impl.launch import launch, select_config
-from triton_impl.validation import cdiv, check_scale, check_tensor, next_pow2
+from triton_impl.launch import Launch, current_target, launch, no_launch, remember, select_config
+from triton_impl.validation import cdiv, check_scale, check_tensor, next_pow2, tensor_facts
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FP8_OUT = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -26,6 +28,11 @@ _FP8_OUT = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 MERGE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"MAX_BLOCK_HEADS_D": 4096, "num_warps": 4},
 }
+
+# Plans by call key (``triton_impl.validation`` says what a key holds): the checked launch of each
+# call layout seen, so a repeated layout skips the checks and the launch-argument derivation.
+_MERGE_TWO_PLANS: dict[tuple, tuple[Callable[..., None], bool]] = {}
+_MERGE_SPLITS_PLANS: dict[tuple, Callable[..., None]] = {}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,6 +150,30 @@ def merge_attn_states(
 
     Traffic: reads ``2*T*H*D`` outputs and ``2*T*H`` LSEs; writes ``T*H*D`` (+ ``T*H`` LSEs).
     """
+    device_index, stream = current_target()
+    try:
+        key = (device_index, tensor_facts(output), tensor_facts(prefix_output), tensor_facts(prefix_lse),
+               tensor_facts(suffix_output), tensor_facts(suffix_lse), tensor_facts(output_lse),
+               prefill_tokens_with_context, type(prefill_tokens_with_context), tensor_facts(output_scale))  # fmt: skip
+        plan = _MERGE_TWO_PLANS.get(key)
+    except (AttributeError, TypeError):  # a non-tensor or an unhashable argument: the checks name it
+        key, plan = None, None
+    if plan is None:
+        plan = _plan_merge_two(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
+                               prefill_tokens_with_context, output_scale)  # fmt: skip
+        if key is not None:
+            remember(_MERGE_TWO_PLANS, key, plan)
+    merge, fp8_out = plan
+    merge(stream, output.view(torch.uint8) if fp8_out else output,
+          output_lse if output_lse is not None else prefix_lse,  # a dummy pointer when absent
+          prefix_output, prefix_lse, suffix_output, suffix_lse,
+          prefix_lse if output_scale is None else output_scale)  # fmt: skip
+
+
+def _plan_merge_two(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
+                    prefill_tokens_with_context, output_scale) -> tuple[Callable[..., None], bool]:  # fmt: skip
+    """The argument checks of :func:`merge_attn_states`: its launch (``no_launch`` with no token or
+    head), and whether the output is FP8 (launched as its bytes)."""
     check_tensor("output", output, ndim=3, dtypes=(*_OUT_DTYPES, *_FP8_OUT))
     num_tokens, num_heads, head_dim = output.shape
     fp8_out = output.dtype in _FP8_OUT
@@ -170,23 +201,22 @@ def merge_attn_states(
             f"prefill_tokens_with_context: expected None or an int >= 0, got {prefill_tokens_with_context!r}"
         )
     if output_scale is not None:
-        output_scale = check_scale("output_scale", output_scale, output.device)
+        check_scale("output_scale", output_scale, output.device)
     if num_tokens == 0 or num_heads == 0:
-        return
+        return no_launch, fp8_out
     config = select_config(MERGE_CONFIGS, output.device)
     block_d = next_pow2(head_dim)
     block_h = max(1, min(next_pow2(num_heads), config["MAX_BLOCK_HEADS_D"] // block_d))
-    lse_out = output_lse if output_lse is not None else prefix_lse  # dummy pointer when absent
-    launch(_merge_two_kernel, (num_tokens, cdiv(num_heads, block_h)),
-        output.view(torch.uint8) if fp8_out else output, lse_out, prefix_output, prefix_lse, suffix_output, suffix_lse,
-        prefix_lse if output_scale is None else output_scale,
+    lse_out = output_lse if output_lse is not None else prefix_lse
+    merge = Launch(_merge_two_kernel, (num_tokens, cdiv(num_heads, block_h)), (
         num_heads, head_dim, prefill_tokens_with_context,
-        output.stride(0), output.stride(1),
-        prefix_output.stride(0), prefix_output.stride(1),
-        suffix_output.stride(0), suffix_output.stride(1),
-        prefix_lse.stride(0), prefix_lse.stride(1),
-        suffix_lse.stride(0), suffix_lse.stride(1),
-        lse_out.stride(0), lse_out.stride(1),
+        *output.stride()[:2],
+        *prefix_output.stride()[:2],
+        *suffix_output.stride()[:2],
+        *prefix_lse.stride(),
+        *suffix_lse.stride(),
+        *lse_out.stride(),
+    ), dict(
         HAS_OUT_LSE=output_lse is not None,
         HAS_OUT_SCALE=output_scale is not None,
         FP8_OUT=fp8_out,
@@ -195,7 +225,8 @@ def merge_attn_states(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         num_warps=config["num_warps"],
-    )  # fmt: skip
+    ))  # fmt: skip
+    return merge, fp8_out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,6 +311,21 @@ def merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> 
     Traffic: reads ``R*H*S`` LSEs and at most ``R*H*S*D`` partials (empty splits are skipped);
     writes ``R*H*(D+1)``.
     """
+    device_index, stream = current_target()
+    try:
+        key = (device_index, tensor_facts(partials), tensor_facts(o), tensor_facts(lse))
+        merge = _MERGE_SPLITS_PLANS.get(key)
+    except AttributeError:  # a non-tensor argument: the checks name it
+        key, merge = None, None
+    if merge is None:
+        merge = _plan_merge_splits(partials, o, lse)
+        if key is not None:
+            remember(_MERGE_SPLITS_PLANS, key, merge)
+    merge(stream, partials, o, lse)
+
+
+def _plan_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> Launch | Callable[..., None]:
+    """The argument checks of :func:`merge_splits` and its launch."""
     check_tensor("partials", partials, ndim=4, dtypes=(torch.float32,))
     rows, num_heads, num_splits, width = partials.shape
     head_dim = width - 1
@@ -289,25 +335,48 @@ def merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> 
     )
     if num_splits < 1:
         raise ValueError(f"partials: expected at least one split, got shape {list(partials.shape)}")
-    launch_merge_splits(partials, o, lse)
+    return merge_splits_launch(rows, partials, o, lse)
+
+
+def _merge_splits_launch_args(
+    rows: int,
+    partials_shape: tuple[int, ...],
+    partials_strides: tuple[int, ...],
+    o_strides: tuple[int, ...],
+    lse_strides: tuple[int, ...],
+    device: torch.device,
+) -> tuple[tuple[int, int], tuple[int, ...], dict[str, int]]:
+    """``(grid, runtime arguments after the three pointers, constexprs)`` of the split merge of the
+    first ``rows`` rows of ``[>= rows, H, S, D+1]`` partials."""
+    _, num_heads, num_splits, width = partials_shape
+    block_d = next_pow2(width - 1)
+    config = select_config(MERGE_CONFIGS, device)
+    block_s = max(1, min(next_pow2(num_splits), config["MAX_BLOCK_HEADS_D"] // block_d))
+    tail = (num_heads, num_splits, width - 1, *partials_strides[:3], *o_strides[:2], *lse_strides[:2])
+    return (rows, num_heads), tail, {"BLOCK_S": block_s, "BLOCK_D": block_d, "num_warps": config["num_warps"]}
+
+
+def merge_splits_launch(
+    rows: int, partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
+) -> Launch | Callable[..., None]:
+    """The split merge of the first ``rows`` rows of checked ``partials`` into ``o``/``lse``, to be
+    called with ``(stream, partials, o, lse)``: a :class:`~triton_impl.launch.Launch`, or
+    ``no_launch`` when there is no row or head. Stage 2 of the plans of ``decode_attention`` and
+    ``mla_verify``."""
+    if rows == 0 or partials.shape[1] == 0:
+        return no_launch
+    return Launch(_merge_splits_kernel, *_merge_splits_launch_args(
+        rows, partials.shape, partials.stride(), o.stride(), lse.stride(), partials.device
+    ))  # fmt: skip
 
 
 def launch_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
     """:func:`merge_splits` without the argument checks: stage 2 of the split-KV kernels
-    (``decode_attention``, ``mla_verify``, ``turboquant``), whose wrappers validated the scratch."""
-    rows, num_heads, num_splits, width = partials.shape
+    (``turboquant``, ``decode_attention_dcp``), whose wrappers validated the scratch."""
+    rows, num_heads = partials.shape[:2]
     if rows == 0 or num_heads == 0:
         return
-    block_d = next_pow2(width - 1)
-    config = select_config(MERGE_CONFIGS, partials.device)
-    block_s = max(1, min(next_pow2(num_splits), config["MAX_BLOCK_HEADS_D"] // block_d))
-    launch(_merge_splits_kernel, (rows, num_heads),
-        partials, o, lse,
-        num_heads, num_splits, width - 1,
-        partials.stride(0), partials.stride(1), partials.stride(2),
-        o.stride(0), o.stride(1),
-        lse.stride(0), lse.stride(1),
-        BLOCK_S=block_s,
-        BLOCK_D=block_d,
-        num_warps=config["num_warps"],
-    )  # fmt: skip
+    grid, tail, constexprs = _merge_splits_launch_args(
+        rows, partials.shape, partials.stride(), o.stride(), lse.stride(), partials.device
+    )
+    launch(_merge_splits_kernel, grid, partials, o, lse, *tail, **constexprs)

@@ -15,16 +15,17 @@ Stage 2 is the package's split merge, ``triton_impl.lse_merge.merge_splits``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from triton_impl.interpreter import INTERPRETING, cast_for_store, dot_dtype
-from triton_impl.launch import device_arch, launch
-from triton_impl.lse_merge import launch_merge_splits
+from triton_impl.launch import Launch, current_target, device_arch, no_launch, remember
+from triton_impl.lse_merge import merge_splits_launch
 from triton_impl.validation import (
     block_table_2d,
     cdiv,
@@ -36,7 +37,9 @@ from triton_impl.validation import (
     check_split_workspace,
     check_tensor,
     content_checks_enabled,
+    content_checks_on,
     next_pow2,
+    tensor_facts,
 )
 
 _LOG2E = 1.4426950408889634
@@ -375,7 +378,22 @@ def _check_verify_args(
     q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq_lens, qlen, attn_logits,
     num_kv_splits, page_size, k_scale,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:  # fmt: skip
-    """Argument checks of ``decode_attention_fwd_verify``; returns the 2-D block table, the
+    """Argument checks of ``decode_attention_fwd_verify``, the content check included when enabled
+    (see ``triton_impl.validation``); returns what :func:`_check_verify_layout` returns."""
+    block_table, k_scale, num_pages = _check_verify_layout(
+        q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq_lens, qlen, attn_logits,
+        num_kv_splits, page_size, k_scale,
+    )  # fmt: skip
+    if content_checks_enabled(q.device):
+        _check_verify_table(req_to_token, seq_lens, real_seq_lens, q.shape[0] // qlen, page_size, num_pages)
+    return block_table, k_scale, num_pages
+
+
+def _check_verify_layout(
+    q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq_lens, qlen, attn_logits,
+    num_kv_splits, page_size, k_scale,
+) -> tuple[torch.Tensor, torch.Tensor, int]:  # fmt: skip
+    """The metadata checks of ``decode_attention_fwd_verify``; returns the 2-D block table, the
     ``k_scale`` to launch with (1.0 for a 16-bit cache) and the cache's page count."""
     check_positive("qlen", qlen)
     check_positive("num_kv_splits", num_kv_splits)
@@ -421,12 +439,18 @@ def _check_verify_args(
         check_split_workspace(attn_logits, num_rows, num_heads, num_kv_splits, value_width, device)
     k_scale = check_scale("k_scale", k_scale if k_buffer.dtype in _FP8_CACHE_DTYPES else None, device)
     num_pages = k_buffer.shape[0] if k_buffer.dim() == 4 else k_buffer.shape[0] // page_size
-    if content_checks_enabled(device):  # the kernel reads table entries covering keys [0, min(L, R))
-        keys_read = seq_lens[:batch]
-        if real_seq_lens is not None:
-            keys_read = torch.minimum(keys_read, real_seq_lens[:batch])
-        check_block_table("req_to_token", block_table, keys_read, page_size, num_pages)
     return block_table, k_scale, num_pages
+
+
+def _check_verify_table(req_to_token, seq_lens, real_seq_lens, batch, page_size, num_pages) -> None:
+    """The content check of ``decode_attention_fwd_verify``: the table entries covering the keys the
+    kernel reads, ``[0, min(L, R))`` of each request (see ``check_block_table``)."""
+    block_table = block_table_2d("req_to_token", req_to_token, min_rows=0, device=req_to_token.device,
+                                 dtypes=_INDEX_DTYPES)  # fmt: skip
+    keys_read = seq_lens[:batch]
+    if real_seq_lens is not None:
+        keys_read = torch.minimum(keys_read, real_seq_lens[:batch])
+    check_block_table("req_to_token", block_table, keys_read, page_size, num_pages)
 
 
 def decode_attention_fwd_verify(
@@ -489,41 +513,81 @@ def decode_attention_fwd_verify(
     ``max_t n(b, t)`` once per row block (``cdiv(qlen*H, BLOCK_H)`` times, the repeats mostly from
     L2); writes ``B*qlen*H*(Lv + 1)`` (plus ``S`` times that in fp32 partials when ``S > 1``).
     """
-    block_table, k_scale, num_pages = _check_verify_args(
+    device_index, stream = current_target()
+    try:
+        key = (device_index, tensor_facts(q), tensor_facts(k_buffer), tensor_facts(v_buffer),
+               v_buffer.data_ptr() == k_buffer.data_ptr(), tensor_facts(o), tensor_facts(lse),
+               tensor_facts(req_to_token), tensor_facts(seq_lens), tensor_facts(real_seq_lens), qlen, type(qlen),
+               tensor_facts(attn_logits), num_kv_splits, type(num_kv_splits), sm_scale, page_size, type(page_size),
+               tensor_facts(k_scale))  # fmt: skip
+        plan = _PLANS.get(key) if config is None else None
+    except (AttributeError, TypeError):  # a non-tensor or an unhashable argument: the checks name it
+        key, plan = None, None
+    if plan is None:
+        plan = _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq_lens, qlen, attn_logits,
+                            num_kv_splits, sm_scale, page_size, k_scale, config)  # fmt: skip
+        if key is not None and config is None:
+            remember(_PLANS, key, plan)
+    if content_checks_on(plan.on_cuda):
+        _check_verify_table(req_to_token, seq_lens, real_seq_lens, plan.batch, page_size, plan.num_pages)
+    plan.stage1(stream, q, k_buffer, plan.sm_scale_log2, req_to_token, seq_lens,
+                seq_lens if real_seq_lens is None else real_seq_lens, o if plan.merge is None else attn_logits, o, lse,
+                k_scale if plan.k_scale is None else plan.k_scale)  # fmt: skip
+    if plan.merge is not None:
+        plan.merge(stream, attn_logits, o, lse)
+
+
+class _VerifyPlan(NamedTuple):
+    """A checked call layout of :func:`decode_attention_fwd_verify` and what it launches."""
+
+    stage1: Callable[..., None]  # (stream, q, k, sm_scale_log2, table, lens, real lens, part, o, lse, k_scale)
+    merge: Callable[..., None] | None  # (stream, attn_logits, o, lse); None: one split, stage 1 writes o, lse
+    sm_scale_log2: float
+    k_scale: torch.Tensor | None  # the scale to launch with; None: the caller's (an FP8 cache's)
+    batch: int
+    num_pages: int
+    on_cuda: bool  # where the content checks would read (see content_checks_on)
+
+
+# Plans by call key (``triton_impl.validation`` says what a key holds).
+_PLANS: dict[tuple, _VerifyPlan] = {}
+
+
+def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq_lens, qlen, attn_logits,
+                 num_kv_splits, sm_scale, page_size, k_scale, config) -> _VerifyPlan:  # fmt: skip
+    """The argument checks of :func:`decode_attention_fwd_verify` (all but the content check) and its launches."""
+    block_table, launch_scale, num_pages = _check_verify_layout(
         q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq_lens, qlen, attn_logits,
         num_kv_splits, page_size, k_scale,
     )  # fmt: skip
     num_rows, num_heads, key_width = q.shape
     value_width = v_buffer.shape[-1]
     batch = num_rows // qlen
+    make_plan = partial(_VerifyPlan, sm_scale_log2=sm_scale * _LOG2E,
+                   k_scale=None if launch_scale is k_scale else launch_scale, batch=batch, num_pages=num_pages,
+                   on_cuda=q.device.type == "cuda")  # fmt: skip
     if batch == 0:
-        return
+        return make_plan(no_launch, None)
     if num_pages == 0:  # the kernel reads page 0 in place of a bad entry
         raise ValueError(f"k_buffer: expected at least one page, got shape {list(k_buffer.shape)}")
     cfg = config if config is not None else select_verify_config(batch, qlen, num_heads)
     single = num_kv_splits == 1
-    if single:
-        part, part_strides = o, (0, 0, 0)  # stage 1 writes o / lse directly; o only stands in
-    else:
-        part = attn_logits[:num_rows]
-        part_strides = part.stride()[:3]
-    is_fp8 = k_buffer.dtype in _FP8_CACHE_DTYPES
-    has_real = real_seq_lens is not None
+    part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]  # with one split, o stands in for part
     split_latent = bool(cfg["SPLIT_LATENT"]) and value_width >= 32
     rope_width = key_width - value_width
     # tl.dot needs every dim >= 16: a rope width below 16 (test shapes only) loads a 16-wide tile
     # whose extra columns are masked to zero (_check_verify_args requires Lv >= 16).
     block_dpe = max(16, next_pow2(rope_width)) if rope_width else 0
     grid = (verify_row_blocks(qlen, num_heads, cfg["BLOCK_H"]) * batch * num_kv_splits,)
-    launch(_fwd_verify_kernel_stage1, grid,
-        q, k_buffer, sm_scale * _LOG2E, block_table, seq_lens, real_seq_lens if has_real else seq_lens,
-        part, o, lse, k_scale, num_pages, block_table.shape[1] * page_size,
+    stage1 = Launch(_fwd_verify_kernel_stage1, grid, (
+        num_pages, block_table.shape[1] * page_size,
         block_table.stride(0), block_table.stride(1),
         q.stride(0), q.stride(1), _page_stride(k_buffer, page_size), k_buffer.stride(-3),
         *part_strides, o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
+    ), dict(
         QLEN=qlen,
         NUM_HEADS=num_heads,
-        HAS_REAL=has_real,
+        HAS_REAL=real_seq_lens is not None,
         BLOCK_D=value_width,
         BLOCK_DPE=block_dpe,
         BLOCK_N=cfg["BLOCK_N"],
@@ -536,13 +600,12 @@ def decode_attention_fwd_verify(
         LV=value_width,
         SPLIT_LATENT=split_latent,
         SINGLE_SPLIT=single,
-        IS_FP8=is_fp8,
+        IS_FP8=k_buffer.dtype in _FP8_CACHE_DTYPES,
         DOT_DTYPE=dot_dtype(q.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-    )  # fmt: skip
-    if not single:
-        launch_merge_splits(part, o, lse)
+    ))  # fmt: skip
+    return make_plan(stage1, None if single else merge_splits_launch(num_rows, attn_logits, o, lse))
 
 
 def warmup_decode_attention_fwd_verify(

@@ -1,0 +1,120 @@
+"""Host time per call of the public attention wrappers, measured on a CPU with the launches stubbed.
+
+Run from the repository root (no GPU needed; any ``TRITON_INTERPRET`` setting is overridden)::
+
+    PYTHONPATH=. .venv/bin/python benchmarks/host_overhead_cpu.py [--calls N] [--profile CASE]
+
+It builds the calls of ``benchmarks/serving.py`` (same shapes, split counts for 132 SMs as on the
+H200; CPU tensors, each cache holding 64 keys per request since no kernel runs) and times each
+call back to back: the median over 5 loops of ``--calls`` calls (default 2000), in microseconds.
+The wrappers run compiled mode's host path, not the interpreter's:
+
+- ``TRITON_INTERPRET=0`` before anything imports Triton, so the kernels are ``JITFunction``s and
+  ``triton_impl.launch.launch`` takes its cached path after the first call of each variant;
+- the first launch of a variant (``JITFunction.run``, which would compile) returns a stand-in
+  compiled kernel whose ``run`` does nothing: later launches go through ``launch``'s key and
+  argument packing to that no-op, so the C launcher's own time is not counted;
+- the CUDA device and stream queries return 0, and check_tensor's "must be a CUDA tensor" test
+  accepts CPU tensors (``benchmarks/host_overhead_cpu.py`` patches what the code at hand uses);
+- content checks off (``ATTNREF_CHECK_CONTENTS=0``), as they are by default on CUDA.
+
+``--profile CASE`` (a substring of a case name) prints a cProfile top list of that case's calls.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "0"  # before triton_impl (and Triton) are imported
+os.environ["ATTNREF_CHECK_CONTENTS"] = "0"
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from triton.runtime.jit import JITFunction
+
+from benchmarks import serving
+from triton_impl import launch, validation
+
+H200_SMS = 132
+CACHE_LENGTH = 64  # keys per request actually allocated (nothing reads them)
+
+
+class _NoOpKernel:
+    """Stands in for a ``CompiledKernel``: what ``launch`` reads, and a ``run`` that does nothing."""
+
+    function = None
+    packed_metadata = None
+
+    def launch_metadata(self, *args: object) -> None:
+        return None
+
+    def run(self, *args: object) -> None:
+        return None
+
+
+_NO_OP = _NoOpKernel()
+
+
+def stub_gpu() -> None:
+    """Make compiled mode's host path run on CPU tensors with no GPU (see the module docstring)."""
+    JITFunction.run = lambda self, *args, **kwargs: _NO_OP
+    launch._get_device = lambda: 0
+    launch._get_stream = lambda index: 0
+    validation.INTERPRETING = True  # its one use there: check_tensor's CUDA-tensor test
+
+
+def cases() -> list[tuple[str, Callable[[], object]]]:
+    cpu = torch.device("cpu")
+    return [
+        (name, serving.build(kind, *shape, device=cpu, sm_count=H200_SMS, cache_length=CACHE_LENGTH))
+        for name, kind, *shape in serving.CASES
+    ]
+
+
+def per_call_us(run: Callable[[], object], calls: int, loops: int = 7) -> float:
+    """The fastest of ``loops`` loops of ``calls`` calls, per call: other processes on the machine
+    only ever add time."""
+    times = []
+    for _ in range(loops):
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return min(times)
+
+
+def profile(name: str, run: Callable[[], object], calls: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        run()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return f"--- cProfile, {calls} calls: {name}\n{text.getvalue()}"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--profile", default=None, help="a substring of a case name")
+    args = parser.parse_args(argv)
+    stub_gpu()
+    print("| case | us per call |\n| --- | --- |")
+    for name, run in cases():
+        run()  # the first launch of each variant: the stand-in "compile"
+        print(f"| {name} | {per_call_us(run, args.calls):.1f} |", flush=True)
+        if args.profile and args.profile in name:
+            print(profile(name, run, args.calls))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
