@@ -106,8 +106,16 @@ def _has_peer(case) -> bool:
 @pytest.fixture
 def cpu_cases(monkeypatch):
     """Sets up the small bench cases on the CPU when called (after the test has chosen its flashinfer);
-    their setup asks CUDA for the SM count."""
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    their setup asks CUDA for the SM count. Only a CPU device gets the fake answer: on a GPU machine
+    torch's own lazy CUDA initialization calls the real function."""
+    real = torch.cuda.get_device_properties
+
+    def device_properties(device=None):
+        if isinstance(device, torch.device) and device.type == "cpu":
+            return SimpleNamespace(multi_processor_count=132)
+        return real(device)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", device_properties)
     return lambda: [(case, case.setup(torch.device("cpu"))) for case in _small_bench_cases()]
 
 

@@ -13,6 +13,7 @@ under ``compute-sanitizer --tool memcheck`` (``.ci/gpu_job``).
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -695,7 +696,13 @@ HOST_OVERHEAD_BUDGET_US = 25.0
 )
 @pytest.mark.parametrize("name", ["decode_mla", "verify", "turboquant_decode"])
 def test_host_overhead_per_call(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Eager minus graph-replay time per call stays within the budget (the launches included)."""
+    """Eager minus graph-replay time per call stays within the budget (the launches included).
+
+    Only meaningful with the GPU and the host to itself: beside other pytest workers both times stretch
+    and their difference shrinks (it passed at 16 workers on the H200 with 127 us measured alone), so
+    under xdist it is skipped and the GPU job runs it on its own."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        pytest.skip("timing beside other pytest workers; run alone: pytest -n 0 -k host_overhead")
     monkeypatch.delenv(CONTENT_CHECKS_ENV, raising=False)
     call = _serving_calls(torch.device("cuda"))[name]
     call.new_step(0)
