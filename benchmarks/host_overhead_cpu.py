@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from triton import knobs
 from triton.runtime.jit import JITFunction
 
 from benchmarks import serving
@@ -65,6 +66,7 @@ _NO_OP = _NoOpKernel()
 def stub_gpu() -> None:
     """Make compiled mode's host path run on CPU tensors with no GPU (see the module docstring)."""
     JITFunction.run = lambda self, *args, **kwargs: _NO_OP
+    knobs.runtime.launch_enter_hook = None  # as Triton 3.6 has it (3.9: an empty hook chain)
     launch._get_device = lambda: 0
     launch._get_stream = lambda index: 0
     validation.INTERPRETING = True  # its one use there: check_tensor's CUDA-tensor test

@@ -122,10 +122,13 @@ class Launch:
             self._first(head)
             return
         run, gx, gy, gz, function, packed = self._launcher
-        params = (*head, *self._params)
-        enter = knobs.runtime.launch_enter_hook
-        metadata = self._compiled.launch_metadata((gx, gy, gz), stream, *params) if enter is not None else None
-        run(gx, gy, gz, stream, function, packed, metadata, enter, knobs.runtime.launch_exit_hook, *params)
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        if enter is None:  # no launch hook (Triton 3.6's default): no metadata for it
+            run(gx, gy, gz, stream, function, packed, None, None, leave, *head, *self._params)
+        else:
+            params = (*head, *self._params)
+            metadata = self._compiled.launch_metadata((gx, gy, gz), stream, *params)
+            run(gx, gy, gz, stream, function, packed, metadata, enter, leave, *params)
         if on_launch is not None:
             on_launch(self._compiled)
 
