@@ -95,7 +95,8 @@ def store(preset: str, config: dict[str, int]) -> None:
     constexprs = dict(HEAD_DIM=128, KEY_BITS=key_bits, VALUE_BITS=layout.value_quant_bits,
                       NORM_CORRECTION=int(layout.norm_correction), KEY_DATA_BYTES=layout.key_data_bytes,
                       NUM_FIELDS=2 if layout.key_fp8 else 3, BLOCK_T=config["BLOCK_T"], BLOCK_D=128,
-                      D_CHUNK=config["D_CHUNK"])  # fmt: skip
+                      D_CHUNK=config["D_CHUNK"],
+                      ROTATION_PRECISION="tf32x3" if config["TF32X3"] else "ieee")  # fmt: skip
     kernel = _compile(ttq._store_kernel, STORE_POINTERS, constexprs, {"num_warps": config["num_warps"]})
     print(f"store {preset} {config}: {_resources(kernel.asm['cubin'])}")
 

@@ -5,7 +5,8 @@ Run from the repository root on the GPU machine:
 ``PYTHONPATH=. python3 benchmarks/sweep_memory_bound.py [seconds] [turboquant|store|ue8m0]``. Each line: case, config,
 median time (``triton.testing.do_bench``, content checks off), GB/s of the case's traffic formula
 and its % of 4221 GB/s (the device copy ``attnref bench`` measured). A case is built once and timed
-under every config; the config tables are patched in place, as a sweep of data should.
+under every config; the config tables are patched in place, as a sweep of data should. Each config's
+output is checked first (the case's own check, as ``attnref bench`` does); a wrong one is not timed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import triton.testing
 
 import triton_impl.turboquant as turboquant
 import triton_impl.ue8m0_cache as ue8m0
+from triton_impl.cases import compare_check
 from triton_impl.parity.turboquant import bench_cases as turboquant_cases
 from triton_impl.parity.ue8m0_cache import bench_cases as ue8m0_cases
 
@@ -27,8 +29,10 @@ COPY_GBPS = 4221.0
 # TurboQuant decode: (BLOCK_N, num_warps, num_stages, PAIR_LUT); the first is the current sm90 entry.
 TURBOQUANT_GRID = [(128, 4, 2, 0), (32, 4, 2, 0), (64, 4, 2, 0), (64, 8, 2, 0), (128, 8, 2, 0), (32, 4, 3, 0),
                    (128, 4, 1, 0), (128, 4, 2, 1)]  # fmt: skip
-# TurboQuant store: (BLOCK_T, D_CHUNK, num_warps); the first is the current sm90 entry.
-STORE_GRID = [(16, 16, 8), (32, 16, 8), (16, 32, 8), (16, 16, 4), (32, 32, 8), (64, 16, 8), (16, 32, 4)]
+# TurboQuant store: (BLOCK_T, D_CHUNK, num_warps, TF32X3); the first is the current sm90 entry, the
+# last the best fp32-FMA config of the 856a7e3..71d0e64 sweeps (23.6 ms for the MSE presets).
+STORE_GRID = [(16, 32, 4, 1), (16, 16, 8, 1), (32, 32, 8, 1), (16, 32, 8, 1), (16, 64, 4, 1), (64, 64, 8, 1),
+              (64, 64, 4, 1), (16, 32, 4, 0)]  # fmt: skip
 # UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps[, decode, fnuz_encode, rope_words]);
 # the first is the default entry, (4, 512, 4) the sm90 one. The 6-tuples time the per-value variants
 # of ue8m0.LaunchConfig (not yet timed) on the sm90 entry's launch: each option alone, then together.
@@ -46,9 +50,9 @@ def set_turboquant(block_n: int, warps: int, stages: int, pair_lut: int) -> str:
     return f"BN{block_n} w{warps} s{stages} pair{pair_lut}"
 
 
-def set_store(block_t: int, d_chunk: int, warps: int) -> str:
-    turboquant.STORE_CONFIGS["sm90"] = {"BLOCK_T": block_t, "D_CHUNK": d_chunk, "num_warps": warps}
-    return f"T{block_t} chunk{d_chunk} w{warps}"
+def set_store(block_t: int, d_chunk: int, warps: int, tf32x3: int) -> str:
+    turboquant.STORE_CONFIGS["sm90"] = {"BLOCK_T": block_t, "D_CHUNK": d_chunk, "num_warps": warps, "TF32X3": tf32x3}
+    return f"T{block_t} chunk{d_chunk} w{warps}" + " tf32x3" * tf32x3
 
 
 def set_ue8m0(tokens: int, workers: int, warps: int, decode: str = "int", fnuz_encode: str = "int",
@@ -76,9 +80,13 @@ def main(budget_s: float, only: str | None = None) -> None:
             label = apply(*config)
             try:
                 bench.run()
+                wrong = [check.output for check in bench.check() if not compare_check(check).ok]
                 ms = triton.testing.do_bench(bench.run, warmup=25, rep=100, return_mode="median")
             except Exception as err:  # a config that does not compile is a result too
                 print(f"{case.name} | {label} | {type(err).__name__}", flush=True)
+                continue
+            if wrong:  # a config whose output fails the case's check is not a result
+                print(f"{case.name} | {label} | WRONG: {', '.join(wrong)}", flush=True)
                 continue
             gbps = bench.bytes / ms / 1e6
             print(f"{case.name} | {label} | {ms:.4f} ms | {gbps:.0f} GB/s | {100 * gbps / COPY_GBPS:.1f}%", flush=True)

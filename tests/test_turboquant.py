@@ -80,8 +80,11 @@ def _store_golden(cache, key, value, slots, preset: str, head_dim: int) -> torch
 
 
 def _compare_store(actual, before, key, value, slots, preset: str, head_dim: int, **overrides) -> ptq.StoreComparison:
+    """``compare_store`` with the preset's quantizer and, unless overridden, the rounding of this package's
+    store on ``actual``'s device (a CPU cache: an fp32 store)."""
     config, pit, centroids, midpoints = _quantizer(preset, head_dim)
-    args = dict(PiT=pit, boundaries=midpoints, centroids=centroids) | overrides
+    args = dict(PiT=pit, boundaries=midpoints, centroids=centroids, gemm=ptq.kernel_store_gemm(actual.device))
+    args |= overrides
     return ptq.compare_store(actual, before, key, value, slots, config=config, **args)
 
 
@@ -280,9 +283,6 @@ def test_rotate_and_quantize_random_unit_vectors_at_d128(rotation: str) -> None:
 # The fp32 error bound behind the store check's tie bands.
 # ----------------------------------------------------------------------------------------------
 
-TF32_OPERAND_UNIT = 2.0**-10  # TF32 keeps 10 mantissa bits of each operand (truncated or rounded)
-
-
 def _tf32(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> TF32 by truncation (the low 13 mantissa bits cleared), as some tensor-core paths convert."""
     return (x.float().view(torch.int32) & ~0x1FFF).view(torch.float32)
@@ -310,6 +310,33 @@ def _rotate_sequential_fp32(key: torch.Tensor, PiT: torch.Tensor) -> torch.Tenso
     return y
 
 
+def _tf32_nearest(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> TF32 rounding to nearest, ties away from zero (PTX ``cvt.rna.tf32.f32``)."""
+    return ((x.float().view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def _add_toward_zero(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a + b`` (fp32) rounded toward zero, as a tensor core's aligned and truncated accumulation can."""
+    exact = a.double() + b.double()  # exact unless the exponents are > 29 apart (then b is below a's last bit)
+    r = exact.float()
+    return torch.where(r.double().abs() > exact.abs(), torch.nextafter(r, torch.zeros_like(r)), r)
+
+
+def _rotate_tf32x3(key: torch.Tensor, PiT: torch.Tensor) -> torch.Tensor:
+    """``y`` as a 3xTF32 GEMM computes it (Triton's ``input_precision="tf32x3"``): ``a = big + small``,
+    ``big`` rounded to TF32, ``small = a - big`` truncated to TF32 by the MMA; the three products
+    ``big*big``, ``big*small``, ``small*big`` (exact) summed left to right in fp32, rounding toward zero."""
+    k = key.float()
+    k_hat = k / (k.norm(dim=-1) + tq.KEY_NORM_EPS)[..., None]
+    a_big, b_big = _tf32_nearest(k_hat), _tf32_nearest(PiT)
+    a_small, b_small = _tf32(k_hat - a_big), _tf32(PiT - b_big)
+    y = torch.zeros_like(k)
+    for j in range(k.shape[-1]):
+        for a, b in ((a_big, b_big), (a_big, b_small), (a_small, b_big)):
+            y = _add_toward_zero(y, (a[..., j, None].double() * b[j].double()).float())
+    return y
+
+
 @given(seed=st.integers(0, 2**31 - 1), head_dim=st.sampled_from([16, 64, 128, 1024]),
        log_scale=st.sampled_from([-60, -30, -8, 0, 8, 30]), rotation=st.sampled_from(["hadamard", "haar"]),
        dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))  # fmt: skip
@@ -320,7 +347,8 @@ def test_rotation_error_bound_holds_for_fp32_stores(seed: int, head_dim: int, lo
     """``|y' - y| <= tau`` (``rotation_tolerance``) for fp32 stores summing in two orders, a BLAS GEMM and
     left to right, at key magnitudes 2^-60 .. 2^30 and D up to 1024 (the Triton store sums in a third;
     ``test_kernel_store_matches_golden_with_every_tiling`` holds it to the bands). A GEMM on TF32
-    operands breaks the bound, and keeps it with the TF32 operand term."""
+    operands breaks the bound, and keeps it with the TF32 operand term; a 3xTF32 GEMM with truncating
+    accumulation keeps :data:`~triton_impl.parity.turboquant.TF32X3_GEMM`'s."""
     scale = 2.0**log_scale
     if dtype == torch.float16 and not 2.0**-8 <= scale <= 2.0**8:
         scale = 1.0  # keep fp16 keys in range
@@ -337,7 +365,10 @@ def test_rotation_error_bound_holds_for_fp32_stores(seed: int, head_dim: int, lo
         ratio = float(((y32.double() - y).abs() / tau).max())
         assert ratio <= 1, f"{name}: |y' - y| reaches {ratio:.3g} tau"
     tf32_error = (_rotate_plain_fp32(key, pit, tf32=True)[1].double() - y).abs()
-    assert bool((tf32_error <= ptq.rotation_tolerance(key, pit, operand_unit=TF32_OPERAND_UNIT)).all())
+    assert bool((tf32_error <= ptq.rotation_tolerance(key, pit, ptq.TF32_GEMM)).all())
+    tf32x3_error = (_rotate_tf32x3(key, pit).double() - y).abs()
+    ratio = float((tf32x3_error / ptq.rotation_tolerance(key, pit, ptq.TF32X3_GEMM)).max())
+    assert ratio <= 1, f"3xTF32: |y' - y| reaches {ratio:.3g} tau"
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256, 1024])
@@ -348,12 +379,12 @@ def test_tie_bands_are_narrower_than_one_step(head_dim: int) -> None:
     spacing."""
     key = torch.zeros(1, 1, head_dim)
     key[0, 0, 0] = 1.0  # A_d = |PiT[0, d]| <= 1; the bound below takes A_d = 1
-    tau_max = float(ptq.rotation_tolerance(key, torch.ones(head_dim, head_dim)).max())
-    tau_tf32 = float(ptq.rotation_tolerance(key, torch.ones(head_dim, head_dim), operand_unit=TF32_OPERAND_UNIT).max())
+    taus = [float(ptq.rotation_tolerance(key, torch.ones(head_dim, head_dim), gemm).max())
+            for gemm in (ptq.FP32_GEMM, ptq.TF32_GEMM, ptq.TF32X3_GEMM)]  # fmt: skip
     for bits in (3, 4):
         _, midpoints = tq.solve_lloyd_max(head_dim, bits)
         gap = float((midpoints[1:] - midpoints[:-1]).min())
-        assert 2 * tau_max < gap and 2 * tau_tf32 < gap, (bits, gap, tau_max, tau_tf32)
+        assert 2 * max(taus) < gap, (bits, gap, taus)
     for correction in (False, True):
         assert ptq.norm_tolerance(head_dim, correction) < 2.0**-12
     assert ptq.SCALE_TOLERANCE < 2.0**-12
@@ -504,7 +535,7 @@ def test_an_independent_fp32_store_passes_the_store_check(preset: str) -> None:
     if config.key_fp8:
         return
     tf32 = _fp32_store(cache, key, value, slots, preset, head_dim, tf32=True)
-    cmp = _assert_store_ok(tf32, cache, key, value, slots, preset, head_dim, operand_unit=TF32_OPERAND_UNIT)
+    cmp = _assert_store_ok(tf32, cache, key, value, slots, preset, head_dim, gemm=ptq.TF32_GEMM)
     assert cmp.tallies["key codes"].differ > 0, cmp.summary()
     strict = _compare_store(tf32, cache, key, value, slots, preset, head_dim)
     assert strict.tallies["key codes"].violations > 0, strict.summary()

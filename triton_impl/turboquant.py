@@ -56,9 +56,12 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # Launch configs as data, keyed by where the kernel runs. Store: BLOCK_T (token, KV head) rows per
 # program share each read of PiT; D_CHUNK columns of the rotation per step (a [BLOCK_T, D_CHUNK]
 # fp32 product); the chunking changes the summation order, which the store's error bound allows.
-# Under the interpreter every op costs ~0.1 ms of Python whatever its size, so one [D, D] step. The
-# sm90 entry is the smallest config whose sm_90 compile does not spill (142 registers at D = 128,
-# 8 warps; BLOCK_T 32 or D_CHUNK 32 spill, see notebooks/results/perf_log.md); it is not timed yet.
+# TF32X3 = 1 computes the rotation as three TF32 tensor-core products (Triton's "tf32x3"), 0 as
+# IEEE fp32 FMAs; triton_impl.parity.turboquant.TF32X3_GEMM is the error bound the tests hold the
+# former to. Under the interpreter every op costs ~0.1 ms of Python whatever its size, so one
+# [D, D] step (the interpreter computes every dot in fp32). The fp32-FMA rotation is FMA- and
+# spill-bound on the H200: 23.6-46.9 ms for 1M tokens x 8 KV heads (5.4% of the copy roofline at
+# best, notebooks/results/sweep_memory_bound_h200.md), hence tensor cores on sm_90.
 # Decode: BLOCK_N tokens per tile, at least 32 (the value MMA's K; Triton 3.6 miscompiles unpacked
 # codes fed to a 16-key dot, see tests/test_turboquant.py); PAIR_LUT picks the 4-bit key table when
 # the caller leaves use_pair_lut=None (the interpreter's entry takes the pair LUT, so the CPU
@@ -67,9 +70,9 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # the pair LUT is ~2x slower there (a warp's gathers span 8 L1 lines of a 1 KiB table instead of one
 # line of a 32-byte one), and 3-bit keys would gain ~9% at BLOCK_N 32. No config depends on the batch.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
-    "default": {"BLOCK_T": 16, "D_CHUNK": 16, "num_warps": 8},
-    "sm90": {"BLOCK_T": 16, "D_CHUNK": 16, "num_warps": 8},
-    "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4},
+    "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0},
+    "sm90": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 1},
+    "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0},
 }
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0},
@@ -204,12 +207,13 @@ def _store_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     D_CHUNK: tl.constexpr,
+    ROTATION_PRECISION: tl.constexpr,  # "ieee" (fp32 FMAs) or "tf32x3" (three TF32 tensor-core products)
 ):  # fmt: skip
     """Grid ``(cdiv(T * HKV, BLOCK_T),)``: a program owns ``BLOCK_T`` (token, KV head) rows and
     writes all of their slots' bytes.
 
-    The rotation is ``k_hat [BLOCK_T, D] @ PiT`` in ``[D_CHUNK, D_CHUNK]`` blocks (``tl.dot`` in
-    IEEE fp32: CUDA-core FMAs, no TF32), so each program reads ``PiT`` once for ``BLOCK_T`` rows;
+    The rotation is ``k_hat [BLOCK_T, D] @ PiT`` in ``[D_CHUNK, D_CHUNK]`` blocks (``tl.dot`` with
+    ``ROTATION_PRECISION``), so each program reads ``PiT`` once for ``BLOCK_T`` rows;
     each column chunk's codes are bucketized and packed as soon as its sum is complete. Any summation order,
     fused or not, and 2-ulp divisions and square roots stay inside the error bound that
     ``triton_impl.parity.turboquant.compare_store`` holds a store to.
@@ -250,7 +254,7 @@ def _store_kernel(
                                 other=0.0).to(tl.float32) / denom[:, None]  # fmt: skip
                 pit = tl.load(pit_ptr + (r0 + chunk)[:, None] * stride_pit + cols[None, :],
                               mask=in_k[:, None] & in_cols[None, :], other=0.0)  # fmt: skip
-                y = tl.dot(k_hat, pit, y, input_precision="ieee")
+                y = tl.dot(k_hat, pit, y, input_precision=ROTATION_PRECISION)
             # idx_d = #{m : midpoint_m <= y_d}
             codes = tl.zeros([BLOCK_T, D_CHUNK], dtype=tl.int32)
             for m in tl.static_range((1 << KEY_BITS) - 1):
@@ -362,6 +366,7 @@ def triton_turboquant_store(
         BLOCK_T=block_t,
         BLOCK_D=block_d,
         D_CHUNK=d_chunk,
+        ROTATION_PRECISION="tf32x3" if config["TF32X3"] else "ieee",
         num_warps=config["num_warps"],
     )  # fmt: skip
 

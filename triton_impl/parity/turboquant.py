@@ -26,9 +26,21 @@ The 1.01 absorbs the second-order terms of the ``(1 + delta)`` products (their f
 below ``2^-8`` for ``D <= 1024``, TF32 operands included); ``(2D + 4) 2^-53`` is golden's own
 float64 error. ``A_d <= ||k_hat|| ||PiT[:, d]|| <= 1``, about 0.8 for a Hadamard ``PiT``, so at
 ``D = 128`` the band is about ``1e-5`` wide against boundaries ~``0.02`` apart (about 0.05% of the
-codes fall in it; the errors measured are 30 to 1000 times smaller than this worst case). A rotation
-GEMM on TF32 tensor cores rounds each operand to 10 mantissa bits: ``operand_unit = 2^-10`` adds
-``2 * 2^-10 A_d`` (``compare_store(..., operand_unit=...)``). The bound needs
+codes fall in it; the errors measured are 30 to 1000 times smaller than this worst case).
+
+Tensor-core rotations (:class:`GemmRounding`, ``compare_store(..., gemm=...)``). A GEMM on TF32
+operands rounds each to 10 mantissa bits, ``operand_unit = 2^-10``, which adds ``2 * operand_unit
+* A_d`` (:data:`TF32_GEMM`). The 3xTF32 GEMM (Triton's ``input_precision="tf32x3"``, the sm_90
+store) splits ``a = big + small`` with ``big`` = ``a`` rounded to TF32 and ``small = a - big``
+(exact, ``|small| <= 2^-11 |a|``), and sums ``big*big + big*small + small*big``: ``small`` loses
+at most ``2^-10`` of itself to TF32 (``2^-21 |a|``) and the dropped ``small*small`` is at most
+``2^-22 |a b|``, so each product is within ``1.25 * 2^-20 |a b|`` (:data:`TF32X3_GEMM` takes
+``operand_unit = 2^-19``, twice that). Its fp32 accumulator sees ``3D`` addends, and a tensor
+core aligns the addends of a step to the largest exponent and truncates (Fasi et al., "Numerical
+behavior of NVIDIA tensor cores", 2021): each addition within ``2u`` of the largest magnitude,
+which is at most ``A_d``. So the dot's ``gamma_D`` becomes ``gamma(3D, 2u)``: at ``D = 128`` the
+band is about 5 times the fp32 one, still far below the narrowest code gap
+(``tests/test_turboquant.py::test_tie_bands_are_narrower_than_one_step``). The bound needs
 ``n < 2^64`` (every square finite in fp32); a key past it is outside the fp32 model, and its codes
 are not checked (its stored norm still is: it must saturate at 65504).
 
@@ -51,7 +63,11 @@ from golden import turboquant as tq
 from golden.turboquant import TurboQuantConfig, hadamard_rotation, solve_lloyd_max, turboquant_decode_attention
 from triton_impl.parity import Case, Check
 from triton_impl.tolerances import tolerance
-from triton_impl.turboquant import triton_turboquant_decode_attention_v2, triton_turboquant_store
+from triton_impl.turboquant import (
+    select_store_config,
+    triton_turboquant_decode_attention_v2,
+    triton_turboquant_store,
+)
 
 U = 2.0**-24  # fp32 unit roundoff
 U_OP = 2.0**-22  # one fp32 operation rounded within 2 ulp
@@ -60,22 +76,43 @@ SECOND_ORDER = 1.01
 FP32_MODEL_MAX_NORM = 2.0**64  # the bound's precondition: every k_d^2 finite in fp32
 
 
-def _gamma(n: int) -> float:
-    return n * U / (1 - n * U)
+def _gamma(n: int, unit: float = U) -> float:
+    return n * unit / (1 - n * unit)
 
 
-def rotation_tolerance(key: torch.Tensor, PiT: torch.Tensor, operand_unit: float = 0.0) -> torch.Tensor:
-    """``tau [T, HKV, D]`` float64: a bound on ``|y'_d - y_d|`` for any fp32 store (module docstring).
+@dataclass(frozen=True)
+class GemmRounding:
+    """How a store's rotation GEMM ``k_hat @ PiT`` rounds (module docstring).
 
-    ``operand_unit``: the relative rounding of the rotation GEMM's operands before their products, 0
-    for fp32 products; a GEMM on TF32 tensor cores keeps 10 mantissa bits of each (``2^-10`` when
-    truncated), which adds ``2 * operand_unit * A_d``.
+    ``operand_unit``: relative error of each product from rounding its operands (0: exact fp32
+    products); ``passes``: the accumulator sums ``passes * D`` addends; ``accumulation_unit``: each
+    addition's error relative to the largest magnitude summed so far.
     """
+
+    operand_unit: float = 0.0
+    passes: int = 1
+    accumulation_unit: float = U
+
+
+FP32_GEMM = GemmRounding()
+TF32_GEMM = GemmRounding(operand_unit=2.0**-10)
+TF32X3_GEMM = GemmRounding(operand_unit=2.0**-19, passes=3, accumulation_unit=2 * U)
+
+
+def kernel_store_gemm(device: torch.device) -> GemmRounding:
+    """The rounding of ``triton_turboquant_store``'s rotation on ``device`` (its launch config)."""
+    return TF32X3_GEMM if select_store_config(device)["TF32X3"] else FP32_GEMM
+
+
+def rotation_tolerance(key: torch.Tensor, PiT: torch.Tensor, gemm: GemmRounding = FP32_GEMM) -> torch.Tensor:
+    """``tau [T, HKV, D]`` float64: a bound on ``|y'_d - y_d|`` for any fp32 store whose rotation GEMM
+    rounds as ``gemm`` says (module docstring)."""
     head_dim = key.shape[-1]
     k = key.to("cpu", torch.float64)
     n = torch.linalg.vector_norm(k, dim=-1)
     a = (k.abs() / (n + tq.KEY_NORM_EPS)[..., None]) @ PiT.to("cpu", torch.float64).abs()
-    coeff = SECOND_ORDER * (1.5 * _gamma(head_dim) + U + 3 * U_OP + 2 * operand_unit + (2 * head_dim + 4) * U64)
+    dot = _gamma(gemm.passes * head_dim, gemm.accumulation_unit) + 2 * gemm.operand_unit
+    coeff = SECOND_ORDER * (_gamma(head_dim) / 2 + dot + U + 3 * U_OP + (2 * head_dim + 4) * U64)
     return coeff * a
 
 
@@ -159,7 +196,7 @@ def compare_store(
     boundaries: torch.Tensor,
     centroids: torch.Tensor,
     config: TurboQuantConfig,
-    operand_unit: float = 0.0,
+    gemm: GemmRounding = FP32_GEMM,
 ) -> StoreComparison:
     """Check a store's cache ``actual`` (written over ``before``) against golden's float64 store.
 
@@ -175,7 +212,7 @@ def compare_store(
     Args:
         actual, before: uint8 caches ``[blocks, block_size, HKV, padded_slot]``, any device.
         key, value, slot_mapping, PiT, boundaries, centroids, config: the store's arguments.
-        operand_unit: see :func:`rotation_tolerance` (0: an fp32 store).
+        gemm: how the store's rotation GEMM rounds (:func:`kernel_store_gemm` for this package's kernel).
 
     Returns:
         A :class:`StoreComparison`; ``violation_flags`` has one uint8 per compared quantity and
@@ -209,7 +246,7 @@ def compare_store(
     else:
         n, y = tq.rotate_keys(key, PiT.cpu())
         boundaries = boundaries.cpu()
-        tau = rotation_tolerance(key, PiT, operand_unit)
+        tau = rotation_tolerance(key, PiT, gemm)
         codes = tq.unpack_codes(key_bytes, config.key_quant_bits)
         golden = tq.nearest_cell(y, boundaries)
         lo = torch.maximum(tq.nearest_cell(y - tau, boundaries), golden - 1)
@@ -284,7 +321,8 @@ def _case(name: str, preset: str, head_dim: int, heads: int, kv_heads: int, bloc
         ref_out, ref_lse = turboquant_decode_attention(
             query, cache, table, seq_lens, pit, centroids.half().float(), head_dim**-0.5, config
         )  # the centroids as the kernel reads them (fp16); centroid_rounding_bound bounds the difference
-        store = compare_store(cache, before, key, value, slot_mapping, pit, midpoints, centroids, config)
+        store = compare_store(cache, before, key, value, slot_mapping, pit, midpoints, centroids, config,
+                              kernel_store_gemm(device))
         ties = f"{store.ties('key codes')} key and {store.ties('value codes')} value codes in tie bands"
         return [
             Check(f"kv_cache ({ties})", store.violation_flags, torch.zeros_like(store.violation_flags), None),
@@ -405,7 +443,8 @@ def store_case(preset: str, tokens: int, kv_heads: int = 8, head_dim: int = 128,
             few_slots = torch.randperm(few, device=device)
             triton_turboquant_store(key[:few], value[:few], small, few_slots, *quant)
             store = compare_store(small.cpu(), torch.zeros_like(small).cpu(), key[:few].cpu(), value[:few].cpu(),
-                                  few_slots.cpu(), pit.cpu(), midpoints.cpu(), centroids.cpu(), config)  # fmt: skip
+                                  few_slots.cpu(), pit.cpu(), midpoints.cpu(), centroids.cpu(), config,
+                                  kernel_store_gemm(device))  # fmt: skip
             flags = store.violation_flags
             ties = f"{store.ties('key codes')} key and {store.ties('value codes')} value codes in tie bands"
             return [Check(f"kv_cache, first {few} tokens ({ties})", flags, torch.zeros_like(flags), None)]
