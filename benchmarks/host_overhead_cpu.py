@@ -61,11 +61,18 @@ class _NoOpKernel:
 
 
 _NO_OP = _NoOpKernel()
+first_launches = 0  # JITFunction.run calls: launches that did not take a cached path
+
+
+def _first_launch(self: JITFunction, *args: object, **kwargs: object) -> _NoOpKernel:
+    global first_launches
+    first_launches += 1
+    return _NO_OP
 
 
 def stub_gpu() -> None:
     """Make compiled mode's host path run on CPU tensors with no GPU (see the module docstring)."""
-    JITFunction.run = lambda self, *args, **kwargs: _NO_OP
+    JITFunction.run = _first_launch
     knobs.runtime.launch_enter_hook = None  # as Triton 3.6 has it (3.9: an empty hook chain)
     launch._get_device = lambda: 0
     launch._get_stream = lambda index: 0
@@ -112,7 +119,10 @@ def main(argv: list[str]) -> int:
     print("| case | us per call |\n| --- | --- |")
     for name, run in cases():
         run()  # the first launch of each variant: the stand-in "compile"
+        before = first_launches
         print(f"| {name} | {per_call_us(run, args.calls):.1f} |", flush=True)
+        if first_launches != before:
+            raise RuntimeError(f"{name}: {first_launches - before} launches missed the cached path")
         if args.profile and args.profile in name:
             print(profile(name, run, args.calls))
     return 0

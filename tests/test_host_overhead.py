@@ -1,0 +1,201 @@
+"""The wrappers' per-call plans: a call layout is checked once, and every check still fires.
+
+``decode_attention_fwd``, ``decode_attention_fwd_verify``, ``merge_attn_states`` and ``merge_splits``
+key a plan on every tensor's type, dtype, shape, strides, device and 16-byte alignment and on
+every other argument (with its type where a check reads the type); a call with a known key skips
+the metadata checks. Here each check fires on a call that differs from an already planned one in
+that one fact, the content checks run on every call, plans hold no caller tensor, and the CPU
+benchmark of the host path (``benchmarks/host_overhead_cpu.py``) runs every serving case through
+the cached launch path.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.support import generator, paged_cache, randn
+from triton_impl import decode_attention as dec
+from triton_impl import lse_merge, mla_verify
+from triton_impl.validation import CONTENT_CHECKS_ENV
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = 4
+
+
+def _decode_args(device: torch.device) -> dict:
+    """A GQA decode call (4/2 heads, D 32, two splits) as keyword arguments."""
+    gen = generator(21)
+    cache = paged_cache([5, 9], PAGE, 2, 32, torch.float32, device, gen)
+    v = randn(tuple(cache.cache.shape), torch.float32, device, gen)
+    return {
+        "q": randn((2, 4, 32), torch.float32, device, gen),
+        "k_buffer": cache.cache,
+        "v_buffer": v,
+        "o": torch.empty(2, 4, 32, device=device),
+        "lse": torch.empty(2, 4, device=device),
+        "req_to_token": cache.block_table,
+        "b_seq_len": cache.seq_lens,
+        "attn_logits": torch.empty(2, 4, 2, 33, device=device),
+        "num_kv_splits": 2,
+        "sm_scale": 0.3,
+        "page_size": PAGE,
+    }
+
+
+def _verify_args(device: torch.device) -> dict:
+    """An MLA verify call (8 heads, Lk 48 = 32 + 16, qlen 2, two splits) as keyword arguments."""
+    gen = generator(22)
+    cache = paged_cache([6, 11], PAGE, 1, 48, torch.float32, device, gen)
+    k = cache.cache.to(torch.bfloat16)
+    return {
+        "q": randn((4, 8, 48), torch.bfloat16, device, gen),
+        "k_buffer": k,
+        "v_buffer": k[..., :32],
+        "o": torch.empty(4, 8, 32, dtype=torch.bfloat16, device=device),
+        "lse": torch.empty(4, 8, device=device),
+        "req_to_token": cache.block_table,
+        "seq_lens": cache.seq_lens,
+        "real_seq_lens": None,
+        "qlen": 2,
+        "attn_logits": torch.empty(4, 8, 2, 33, device=device),
+        "num_kv_splits": 2,
+        "sm_scale": 0.3,
+        "page_size": PAGE,
+    }
+
+
+def _count_plans(monkeypatch: pytest.MonkeyPatch, module, name: str) -> list[int]:
+    """Count calls of ``module.name`` (a plan builder) from now on."""
+    calls = [0]
+    builder = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return builder(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_a_repeated_layout_is_planned_once(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same layout, new tensors: one plan. A misaligned query (a view one element in) gets its own
+    (Triton compiles a pointer's 16-byte alignment into the kernel)."""
+    plans = _count_plans(monkeypatch, dec, "_plan_decode")
+    args = _decode_args(device)
+    dec.decode_attention_fwd(**args)
+    dec.decode_attention_fwd(**{**args, "q": args["q"].clone(), "o": torch.empty_like(args["o"])})
+    assert plans[0] == 1
+    shifted = torch.empty(args["q"].numel() + 1, device=device)[1:].view(args["q"].shape)
+    shifted.copy_(args["q"])
+    o = torch.empty_like(args["o"])
+    dec.decode_attention_fwd(**{**args, "q": shifted, "o": o})
+    assert plans[0] == 2
+    torch.testing.assert_close(o, args["o"], rtol=0, atol=0)
+
+
+# (what changes, the changed arguments, the error it must raise)
+DECODE_CHANGES = [
+    ("page_size as a float", lambda a: {"page_size": float(PAGE)}, (ValueError, "page_size")),
+    ("num_kv_splits as a float", lambda a: {"num_kv_splits": 2.0}, (ValueError, "num_kv_splits")),
+    ("logit_cap as a NumPy float32", lambda a: {"logit_cap": np.float32(0.0)}, (ValueError, "logit_cap")),
+    ("sliding_window as a float", lambda a: {"sliding_window": 4.0}, (ValueError, "sliding_window")),
+    ("o in int32", lambda a: {"o": a["o"].int()}, (TypeError, "o: expected dtype")),
+    ("o on another device", lambda a: {"o": a["o"].to("meta")}, (ValueError, "o: expected device")),
+    ("q not a tensor", lambda a: {"q": a["q"].numpy()}, (TypeError, "q: expected a torch.Tensor")),
+    (
+        "o with a strided last dim",
+        lambda a: {"o": torch.empty(2, 4, 64, device=a["o"].device)[..., ::2]},
+        (ValueError, "o: the last dimension"),
+    ),
+    (
+        "a workspace for 3 splits",
+        lambda a: {"attn_logits": torch.empty(2, 4, 3, 33, device=a["o"].device)},
+        (ValueError, "attn_logits"),
+    ),
+    (
+        "an integer k_scale",
+        lambda a: {"k_scale": torch.ones((), dtype=torch.int32, device=a["o"].device)},
+        (TypeError, "k_scale"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("change", "changed", "error"), DECODE_CHANGES, ids=[c[0] for c in DECODE_CHANGES])
+def test_decode_checks_a_call_that_differs_from_a_planned_one(change, changed, error, device) -> None:
+    args = _decode_args(device)
+    dec.decode_attention_fwd(**args)
+    kind, match = error
+    with pytest.raises(kind, match=match):
+        dec.decode_attention_fwd(**{**args, **changed(args)})
+
+
+def test_verify_checks_that_v_is_a_view_of_this_k(device: torch.device) -> None:
+    """A V of another cache with V's exact layout (dtype, shape, strides, alignment) is refused."""
+    args = _verify_args(device)
+    mla_verify.decode_attention_fwd_verify(**args)
+    other = args["k_buffer"].clone()
+    with pytest.raises(ValueError, match=r"v_buffer: expected k_buffer\[..., :Lv\]"):
+        mla_verify.decode_attention_fwd_verify(**{**args, "v_buffer": other[..., :32]})
+    with pytest.raises(ValueError, match="qlen"):
+        mla_verify.decode_attention_fwd_verify(**{**args, "qlen": 2.0})
+
+
+def test_merges_check_a_call_that_differs_from_a_planned_one(device: torch.device) -> None:
+    gen = generator(23)
+    outs = [randn((6, 2, 16), torch.float32, device, gen) for _ in range(3)]
+    lses = [randn((2, 6), torch.float32, device, gen) for _ in range(2)]
+    lse_merge.merge_attn_states(outs[0], outs[1], lses[0], outs[2], lses[1], prefill_tokens_with_context=3)
+    with pytest.raises(ValueError, match="prefill_tokens_with_context"):
+        lse_merge.merge_attn_states(outs[0], outs[1], lses[0], outs[2], lses[1],
+                                    prefill_tokens_with_context=np.int64(3))  # fmt: skip
+    partials = randn((3, 2, 4, 17), torch.float32, device, gen)
+    o, lse = torch.empty(3, 2, 16, device=device), torch.empty(3, 2, device=device)
+    lse_merge.merge_splits(partials, o, lse)
+    with pytest.raises(TypeError, match="lse: expected dtype"):
+        lse_merge.merge_splits(partials, o, lse.to(torch.int32))
+
+
+@pytest.mark.parametrize("op", ["decode", "verify"])
+def test_content_checks_run_on_every_call(op: str, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table entry corrupted in place, same layout as a planned call: the check still reads it."""
+    monkeypatch.setenv(CONTENT_CHECKS_ENV, "1")
+    args = _decode_args(device) if op == "decode" else _verify_args(device)
+    call = dec.decode_attention_fwd if op == "decode" else mla_verify.decode_attention_fwd_verify
+    call(**args)
+    args["req_to_token"][1, 0] = -1
+    with pytest.raises(ValueError, match=r"req_to_token: entry \[1, 0\] = -1"):
+        call(**args)
+
+
+def test_plans_keep_no_caller_tensor_alive(device: torch.device) -> None:
+    """A plan holds layouts and launch arguments, never the tensors it was made from."""
+    args = _decode_args(device)
+    dec.decode_attention_fwd(**args)
+    verify = _verify_args(device)
+    mla_verify.decode_attention_fwd_verify(**verify)
+    refs = [weakref.ref(t) for t in (*args.values(), *verify.values()) if isinstance(t, torch.Tensor)]
+    del args, verify
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+
+
+def test_cpu_benchmark_takes_the_cached_path_for_every_serving_case() -> None:
+    """The benchmark raises if a timed call launches through ``JITFunction.run`` (a missed plan or
+    launch cache); every case of ``benchmarks/serving.py`` appears in its table."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "benchmarks/host_overhead_cpu.py", "--calls", "5"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    from benchmarks.serving import CASES
+
+    for name, *_ in CASES:
+        assert f"| {name} |" in result.stdout
