@@ -104,4 +104,5 @@ def store(preset: str, config: dict[str, int]) -> None:
 if __name__ == "__main__":
     for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc"):
         decode(preset, ttq.DECODE_CONFIGS["sm90"])
-        store(preset, ttq.STORE_CONFIGS["sm90"])
+        key_fp8 = TurboQuantConfig.from_cache_dtype(preset, 128).key_fp8
+        store(preset, (ttq.FP8_KEY_STORE_CONFIGS if key_fp8 else ttq.STORE_CONFIGS)["sm90"])

@@ -29,8 +29,8 @@ COPY_GBPS = 4221.0
 # TurboQuant decode: (BLOCK_N, num_warps, num_stages, PAIR_LUT); the first is the current sm90 entry.
 TURBOQUANT_GRID = [(128, 4, 2, 0), (32, 4, 2, 0), (64, 4, 2, 0), (64, 8, 2, 0), (128, 8, 2, 0), (32, 4, 3, 0),
                    (128, 4, 1, 0), (128, 4, 2, 1)]  # fmt: skip
-# TurboQuant store: (BLOCK_T, D_CHUNK, num_warps, TF32X3); the first is the current sm90 entry, the
-# last the best fp32-FMA config of the 856a7e3..71d0e64 sweeps (23.6 ms for the MSE presets).
+# TurboQuant store: (BLOCK_T, D_CHUNK, num_warps, TF32X3), for both key kinds' tables; the sm90 entries
+# are (64, 64, 4, 1) for MSE keys and (16, 32, 4, 0) for FP8 keys (the best fp32-FMA config too).
 STORE_GRID = [(16, 32, 4, 1), (16, 16, 8, 1), (32, 32, 8, 1), (16, 32, 8, 1), (16, 64, 4, 1), (64, 64, 8, 1),
               (64, 64, 4, 1), (16, 32, 4, 0)]  # fmt: skip
 # UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps[, decode, fnuz_encode, rope_words]);
@@ -51,7 +51,8 @@ def set_turboquant(block_n: int, warps: int, stages: int, pair_lut: int) -> str:
 
 
 def set_store(block_t: int, d_chunk: int, warps: int, tf32x3: int) -> str:
-    turboquant.STORE_CONFIGS["sm90"] = {"BLOCK_T": block_t, "D_CHUNK": d_chunk, "num_warps": warps, "TF32X3": tf32x3}
+    config = {"BLOCK_T": block_t, "D_CHUNK": d_chunk, "num_warps": warps, "TF32X3": tf32x3}
+    turboquant.STORE_CONFIGS["sm90"] = turboquant.FP8_KEY_STORE_CONFIGS["sm90"] = config
     return f"T{block_t} chunk{d_chunk} w{warps}" + " tf32x3" * tf32x3
 
 

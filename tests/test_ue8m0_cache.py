@@ -32,12 +32,13 @@ from triton_impl.ue8m0_cache import dequantize_and_gather_k_cache, quantize_and_
 BF16_MAX = torch.finfo(torch.bfloat16).max  # 0x7F7F = (2 - 2^-7) * 2^127
 E4M3_MIN_EXPONENT = {False: -6, True: -7}  # smallest normal binade: OCP bias 7, FNUZ bias 8
 
-# The per-value variants of LaunchConfig, applied over the device's table entry: the defaults, and
-# every non-default option in at least one variant. The exhaustive and property tests run each.
+# The per-value variants of LaunchConfig, applied over the device's table entry (whose own choice,
+# e.g. sm90's "cvt", they override): the integer code, and every other option in at least one
+# variant. The exhaustive and property tests run each.
 VARIANTS = {
-    "int": {},
+    "int": {"decode": "int", "fnuz_encode": "int", "rope_words": False},
     "cvt": {"decode": "cvt", "fnuz_encode": "cvt", "rope_words": True},
-    "table": {"decode": "table", "rope_words": True},
+    "table": {"decode": "table", "fnuz_encode": "int", "rope_words": True},
 }
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 

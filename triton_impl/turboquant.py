@@ -61,7 +61,10 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # former to. Under the interpreter every op costs ~0.1 ms of Python whatever its size, so one
 # [D, D] step (the interpreter computes every dot in fp32). The fp32-FMA rotation is FMA- and
 # spill-bound on the H200: 23.6-46.9 ms for 1M tokens x 8 KV heads (5.4% of the copy roofline at
-# best, notebooks/results/sweep_memory_bound_h200.md), hence tensor cores on sm_90.
+# best, notebooks/results/sweep_memory_bound_h200.md). With 3xTF32 on sm_90 the best of 8 configs
+# (51b8856) is BLOCK_T 64, D_CHUNK 64, 4 warps: 19.3-20.7 ms for the MSE presets, against 22.7-23.7
+# ms for the best fp32-FMA config; FP8 keys (no rotation) are fastest at BLOCK_T 16, 4 warps
+# (2.42 ms, 58% of the copy roofline; 3.10 ms at BLOCK_T 64), hence their own table.
 # Decode: BLOCK_N tokens per tile, at least 32 (the value MMA's K; Triton 3.6 miscompiles unpacked
 # codes fed to a 16-key dot, see tests/test_turboquant.py); PAIR_LUT picks the 4-bit key table when
 # the caller leaves use_pair_lut=None (the interpreter's entry takes the pair LUT, so the CPU
@@ -71,7 +74,12 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # line of a 32-byte one), and 3-bit keys would gain ~9% at BLOCK_N 32. No config depends on the batch.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0},
-    "sm90": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 1},
+    "sm90": {"BLOCK_T": 64, "D_CHUNK": 64, "num_warps": 4, "TF32X3": 1},
+    "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0},
+}
+FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK and TF32X3 unused: no rotation
+    "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0},
+    "sm90": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0},
 }
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
@@ -81,8 +89,8 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
 }
 
 
-def select_store_config(device: torch.device) -> dict[str, int]:
-    return dict(select_config(STORE_CONFIGS, device))
+def select_store_config(device: torch.device, key_fp8: bool = False) -> dict[str, int]:
+    return dict(select_config(FP8_KEY_STORE_CONFIGS if key_fp8 else STORE_CONFIGS, device))
 
 
 def select_decode_config(device: torch.device) -> dict[str, int]:
@@ -342,7 +350,7 @@ def triton_turboquant_store(
 
     key_bits = 8 if key_fp8 else mse_bits
     unused = kv_cache  # FP8 keys never read PiT, midpoints or centroids; any pointer will do
-    config = select_store_config(device)
+    config = select_store_config(device, key_fp8)
     block_d = next_pow2(head_dim)
     block_t, d_chunk = config["BLOCK_T"], min(config["D_CHUNK"], block_d)
     # The rotation's fp32 operands k_hat [BLOCK_T, D_CHUNK] and PiT [D_CHUNK, D_CHUNK] pass through

@@ -90,8 +90,8 @@ class LaunchConfig:
     gather_workers: int  # programs per request along grid axis 1; fixed, so CUDA graphs can replay it
     num_warps: int
     # Variants of the per-value work; each gives the same bytes and bf16 bits (tests/test_ue8m0_cache.py
-    # runs every one through the exhaustive tests). None of them is timed on a GPU yet, so every table
-    # entry keeps the measured defaults; benchmarks/sweep_memory_bound.py times them against those.
+    # runs every one through the exhaustive tests, on the CPU and on the H200). The sm90 entry takes
+    # all three; the defaults stay the portable integer code.
     # gather's e4m3 -> fp32: "int" (integer decode, ~12 ops per value), "cvt" (the hardware OCP
     # conversion with integer fix-ups for NaN codes and FNUZ) or "table" (one load per value from
     # a 256-entry fp32 table, made once per device and format and kept).
@@ -107,14 +107,17 @@ class LaunchConfig:
 
 # Launch configs as data, keyed by GPU architecture ("sm90", ...). Both kernels move 584 + 1024
 # bytes per token. "default" is upstream's launch (one token per program and 4 warps; 128 gather
-# workers per request). "sm90" is the best of 8 configs in benchmarks/sweep_memory_bound.py
-# (sweep_memory_bound_h200.md, 1M tokens, block 64): 4-token tiles took insert from 1.934 to
-# 1.285 ms and gather (with 512 workers) from 1.048 to 0.995 ms. The interpreter runs programs one
+# workers per request). "sm90" is the best of 16 configs in benchmarks/sweep_memory_bound.py
+# (sweep_memory_bound_h200.md, 1M tokens, block 64, 51b8856): 4-token tiles and 512 workers, then
+# the three variants together took insert OCP 0.859 -> 0.685 ms (46.8 -> 58.6% of the copy
+# bandwidth), FNUZ 1.406 -> 0.773 ms, gather OCP 1.120 -> 0.537 ms (35.7 -> 74.4%), FNUZ gather
+# 1.063 -> 0.552 ms; each variant alone gains less (the table's other rows). The interpreter runs programs one
 # after another in Python at ~20 ms each, so it gets 16-token tiles and 2 workers (results do not
 # depend on the config; a test checks it).
 LAUNCH_CONFIGS: dict[str, LaunchConfig] = {
     "default": LaunchConfig(tokens_per_program=1, gather_workers=128, num_warps=4),
-    "sm90": LaunchConfig(tokens_per_program=4, gather_workers=512, num_warps=4),
+    "sm90": LaunchConfig(tokens_per_program=4, gather_workers=512, num_warps=4, decode="cvt", fnuz_encode="cvt",
+                         rope_words=True),
     "interpreter": LaunchConfig(tokens_per_program=16, gather_workers=2, num_warps=1),
 }
 
