@@ -509,7 +509,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     check_scale("k_scale", k_scale, device)
     check_scale("v_scale", v_scale, device)
     make_plan = partial(_DecodePlan, unit_scale=unit_scale, num_rows=num_rows, num_pages=num_pages,
-                   on_cuda=device.type == "cuda")  # fmt: skip
+                        on_cuda=device.type == "cuda")  # fmt: skip
     if num_rows == 0 or num_heads == 0:
         return make_plan(no_launch, None)
     if num_pages == 0:  # the kernels read page 0 in place of a bad entry

@@ -324,7 +324,7 @@ def merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> 
     merge(stream, partials, o, lse)
 
 
-def _plan_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> Launch | Callable[..., None]:
+def _plan_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> Callable[..., None]:
     """The argument checks of :func:`merge_splits` and its launch."""
     check_tensor("partials", partials, ndim=4, dtypes=(torch.float32,))
     rows, num_heads, num_splits, width = partials.shape
@@ -339,35 +339,26 @@ def _plan_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tenso
 
 
 def _merge_splits_launch_args(
-    rows: int,
-    partials_shape: tuple[int, ...],
-    partials_strides: tuple[int, ...],
-    o_strides: tuple[int, ...],
-    lse_strides: tuple[int, ...],
-    device: torch.device,
+    rows: int, partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
 ) -> tuple[tuple[int, int], tuple[int, ...], dict[str, int]]:
     """``(grid, runtime arguments after the three pointers, constexprs)`` of the split merge of the
     first ``rows`` rows of ``[>= rows, H, S, D+1]`` partials."""
-    _, num_heads, num_splits, width = partials_shape
+    _, num_heads, num_splits, width = partials.shape
     block_d = next_pow2(width - 1)
-    config = select_config(MERGE_CONFIGS, device)
+    config = select_config(MERGE_CONFIGS, partials.device)
     block_s = max(1, min(next_pow2(num_splits), config["MAX_BLOCK_HEADS_D"] // block_d))
-    tail = (num_heads, num_splits, width - 1, *partials_strides[:3], *o_strides[:2], *lse_strides[:2])
+    tail = (num_heads, num_splits, width - 1, *partials.stride()[:3], *o.stride()[:2], *lse.stride()[:2])
     return (rows, num_heads), tail, {"BLOCK_S": block_s, "BLOCK_D": block_d, "num_warps": config["num_warps"]}
 
 
-def merge_splits_launch(
-    rows: int, partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
-) -> Launch | Callable[..., None]:
+def merge_splits_launch(rows: int, partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> Callable[..., None]:
     """The split merge of the first ``rows`` rows of checked ``partials`` into ``o``/``lse``, to be
     called with ``(stream, partials, o, lse)``: a :class:`~triton_impl.launch.Launch`, or
     ``no_launch`` when there is no row or head. Stage 2 of the plans of ``decode_attention`` and
     ``mla_verify``."""
     if rows == 0 or partials.shape[1] == 0:
         return no_launch
-    return Launch(_merge_splits_kernel, *_merge_splits_launch_args(
-        rows, partials.shape, partials.stride(), o.stride(), lse.stride(), partials.device
-    ))  # fmt: skip
+    return Launch(_merge_splits_kernel, *_merge_splits_launch_args(rows, partials, o, lse))
 
 
 def launch_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
@@ -376,7 +367,5 @@ def launch_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tens
     rows, num_heads = partials.shape[:2]
     if rows == 0 or num_heads == 0:
         return
-    grid, tail, constexprs = _merge_splits_launch_args(
-        rows, partials.shape, partials.stride(), o.stride(), lse.stride(), partials.device
-    )
+    grid, tail, constexprs = _merge_splits_launch_args(rows, partials, o, lse)
     launch(_merge_splits_kernel, grid, partials, o, lse, *tail, **constexprs)

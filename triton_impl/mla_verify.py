@@ -564,8 +564,8 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
     value_width = v_buffer.shape[-1]
     batch = num_rows // qlen
     make_plan = partial(_VerifyPlan, sm_scale_log2=sm_scale * _LOG2E,
-                   k_scale=None if launch_scale is k_scale else launch_scale, batch=batch, num_pages=num_pages,
-                   on_cuda=q.device.type == "cuda")  # fmt: skip
+                        k_scale=None if launch_scale is k_scale else launch_scale, batch=batch, num_pages=num_pages,
+                        on_cuda=q.device.type == "cuda")  # fmt: skip
     if batch == 0:
         return make_plan(no_launch, None)
     if num_pages == 0:  # the kernel reads page 0 in place of a bad entry
