@@ -65,6 +65,11 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # (51b8856) is BLOCK_T 64, D_CHUNK 64, 4 warps: 19.3-20.7 ms for the MSE presets, against 22.7-23.7
 # ms for the best fp32-FMA config; FP8 keys (no rotation) are fastest at BLOCK_T 16, 4 warps
 # (2.42 ms, 58% of the copy roofline; 3.10 ms at BLOCK_T 64), hence their own table.
+# Since then (compile-only, not timed): one division per row, a binary-search bucketize, byte-plane
+# packing and, for 16-bit keys, two TF32 passes on exact TF32 keys instead of 3xTF32; the sm90
+# entry moved to 8 warps, where BLOCK_T 64 / D_CHUNK 64 compiles without spills for 3- and 4-bit keys
+# (4 warps spill ~170 bytes). About 610-670 warp instructions per row by the static count, against
+# ~2000 for the fp32-FMA config at BLOCK_T 16.
 # Decode: BLOCK_N tokens per tile, at least 32 (the value MMA's K; Triton 3.6 miscompiles unpacked
 # codes fed to a 16-key dot, see tests/test_turboquant.py); PAIR_LUT picks the 4-bit key table when
 # the caller leaves use_pair_lut=None (the interpreter's entry takes the pair LUT, so the CPU
@@ -74,7 +79,7 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # line of a 32-byte one), and 3-bit keys would gain ~9% at BLOCK_N 32. No config depends on the batch.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0},
-    "sm90": {"BLOCK_T": 64, "D_CHUNK": 64, "num_warps": 4, "TF32X3": 1},
+    "sm90": {"BLOCK_T": 64, "D_CHUNK": 64, "num_warps": 8, "TF32X3": 1},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0},
 }
 FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK and TF32X3 unused: no rotation
@@ -166,15 +171,22 @@ def _check_rotation(name: str, t: torch.Tensor, head_dim: int, device: torch.dev
 
 @triton.jit
 def _key_norm(k):
-    """``||k||`` of each row of an fp32 tile ``[R, D]`` (zeros in padding lanes), in fp32, each row
-    scaled by a power of two so that no square overflows or underflows: ``2^e sqrt(sum (k 2^-e)^2)``
-    with ``2^e <= max |k|``. The scaling is exact, so the result has the error of the plain fp32
-    formula wherever that one is finite. Powers of two are built from their bits (``exp2`` is
-    approximate compiled)."""
+    """``(||k||, 2^-e)`` for each row of an fp32 tile ``[R, D]`` (zeros in padding lanes), in fp32,
+    each row scaled by a power of two so that no square overflows or underflows: ``||k|| = 2^e
+    sqrt(sum (k 2^-e)^2)`` with ``2^e <= max |k|``. The scaling is exact, so the norm has the error of
+    the plain fp32 formula wherever that one is finite. Powers of two are built from their bits
+    (``exp2`` is approximate compiled)."""
     amax = tl.max(tl.abs(k), axis=1)
     e = tl.minimum(tl.maximum(((amax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32), 1) - 127, 126)
-    x = k * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]
-    return tl.sqrt(tl.sum(x * x, axis=1)) * ((127 + e) << 23).to(tl.float32, bitcast=True)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    x = k * down[:, None]
+    return tl.sqrt(tl.sum(x * x, axis=1)) * ((127 + e) << 23).to(tl.float32, bitcast=True), down
+
+
+@triton.jit
+def _tf32_part(x):
+    """``x`` with the 13 low mantissa bits cleared: a TF32 value, ``|x - part| < 2^-10 |x|``."""
+    return (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -195,10 +207,35 @@ def _store_packed(codes, dst, ok, valid, BITS: tl.constexpr, COLS: tl.constexpr)
     groups = tl.reshape(codes.to(tl.uint32), [R, COLS // 8, 8])
     words = tl.sum(groups << (tl.arange(0, 8).to(tl.uint32) * BITS)[None, None, :], axis=2)  # 8 * BITS <= 32 bits
     g = tl.arange(0, COLS // 8)
-    i = tl.arange(0, 4)  # at most 4 bytes per group (BITS <= 4)
-    packed = (words[:, :, None] >> (8 * i[None, None, :]).to(tl.uint32)) & 0xFF
-    mask = ok[:, None, None] & (g < valid // 8)[None, :, None] & (i < BITS)[None, None, :]
-    tl.store(dst[:, None, None] + (g * BITS)[None, :, None] + i[None, None, :], packed.to(tl.uint8), mask=mask)
+    group_dst = dst[:, None] + (g * BITS)[None, :]
+    mask = ok[:, None] & (g < valid // 8)[None, :]
+    for i in tl.static_range(BITS):  # byte i of each group's BITS bytes
+        tl.store(group_dst + i, ((words >> (8 * i)) & 0xFF).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _bucketize(y, midpoint_ptr, BITS: tl.constexpr):
+    """``#{m : midpoint_m <= y}`` for each element of an fp32 tile, by binary search over the
+    ``2^BITS - 1`` midpoints (sorted ascending): ``BITS`` compares, each against a midpoint chosen
+    by the bits decided so far through a tree of selects, instead of ``2^BITS - 1`` compares.
+    Equal to the count for sorted midpoints; NaN compares false at every step and gets code 0,
+    as in the count."""
+    if BITS == 3:
+        m = midpoint_ptr
+        b4 = y >= tl.load(m + 3)
+        b2 = y >= tl.where(b4, tl.load(m + 5), tl.load(m + 1))
+        b1 = y >= tl.where(b4, tl.where(b2, tl.load(m + 6), tl.load(m + 4)), tl.where(b2, tl.load(m + 2), tl.load(m)))
+        return b4.to(tl.int32) * 4 + b2.to(tl.int32) * 2 + b1.to(tl.int32)
+    else:
+        m = midpoint_ptr
+        b8 = y >= tl.load(m + 7)
+        b4 = y >= tl.where(b8, tl.load(m + 11), tl.load(m + 3))
+        b2 = y >= tl.where(b8, tl.where(b4, tl.load(m + 13), tl.load(m + 9)),
+                           tl.where(b4, tl.load(m + 5), tl.load(m + 1)))  # fmt: skip
+        t8 = tl.where(b4, tl.where(b2, tl.load(m + 14), tl.load(m + 12)), tl.where(b2, tl.load(m + 10), tl.load(m + 8)))
+        t0 = tl.where(b4, tl.where(b2, tl.load(m + 6), tl.load(m + 4)), tl.where(b2, tl.load(m + 2), tl.load(m)))
+        b1 = y >= tl.where(b8, t8, t0)
+        return b8.to(tl.int32) * 8 + b4.to(tl.int32) * 4 + b2.to(tl.int32) * 2 + b1.to(tl.int32)
 
 
 @triton.jit
@@ -215,7 +252,7 @@ def _store_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     D_CHUNK: tl.constexpr,
-    ROTATION_PRECISION: tl.constexpr,  # "ieee" (fp32 FMAs) or "tf32x3" (three TF32 tensor-core products)
+    ROTATION_PRECISION: tl.constexpr,  # "ieee" (fp32 FMAs) or "tf32x3" (3xTF32; two TF32 passes for 16-bit keys)
 ):  # fmt: skip
     """Grid ``(cdiv(T * HKV, BLOCK_T),)``: a program owns ``BLOCK_T`` (token, KV head) rows and
     writes all of their slots' bytes.
@@ -246,8 +283,12 @@ def _store_kernel(
     if KEY_BITS == 8:
         tl.store(data[:, None] + dims[None, :], f32_to_e4m3_bits(k, False), mask=tile_ok)
     else:
-        norm = _key_norm(k)
-        denom = norm + _KEY_NORM_EPS
+        norm, down = _key_norm(k)
+        inv_denom = 1.0 / (norm + _KEY_NORM_EPS)  # one division per row; each k_j / (n + eps) is k_j * inv_denom
+        # 16-bit keys on tensor cores: k 2^-e (exact) is a TF32 value, so two TF32 products, with
+        # PiT = hi + lo split by truncation, give each k_j PiT[j, d] within 2^-20 of itself (3xTF32:
+        # 1.25 * 2^-20); y is that sum times 2^e / (n + eps).
+        TWO_PASS: tl.constexpr = ROTATION_PRECISION == "tf32x3" and key_ptr.dtype.element_ty != tl.float32
         code_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
         chunk = tl.arange(0, D_CHUNK)
         for c0 in range(0, HEAD_DIM, D_CHUNK):
@@ -258,15 +299,20 @@ def _store_kernel(
             y = tl.zeros([BLOCK_T, D_CHUNK], dtype=tl.float32)
             for r0 in range(0, HEAD_DIM, D_CHUNK):
                 in_k = (r0 + chunk) < HEAD_DIM
-                k_hat = tl.load(key_rows[:, None] + (r0 + chunk)[None, :], mask=ok[:, None] & in_k[None, :],
-                                other=0.0).to(tl.float32) / denom[:, None]  # fmt: skip
+                k_chunk = tl.load(key_rows[:, None] + (r0 + chunk)[None, :], mask=ok[:, None] & in_k[None, :],
+                                  other=0.0).to(tl.float32)  # fmt: skip
                 pit = tl.load(pit_ptr + (r0 + chunk)[:, None] * stride_pit + cols[None, :],
                               mask=in_k[:, None] & in_cols[None, :], other=0.0)  # fmt: skip
-                y = tl.dot(k_hat, pit, y, input_precision=ROTATION_PRECISION)
-            # idx_d = #{m : midpoint_m <= y_d}
-            codes = tl.zeros([BLOCK_T, D_CHUNK], dtype=tl.int32)
-            for m in tl.static_range((1 << KEY_BITS) - 1):
-                codes += (y >= tl.load(midpoint_ptr + m)).to(tl.int32)
+                if TWO_PASS:
+                    k_chunk = k_chunk * down[:, None]
+                    pit_hi = _tf32_part(pit)
+                    y = tl.dot(k_chunk, _tf32_part(pit - pit_hi), y, input_precision="tf32")
+                    y = tl.dot(k_chunk, pit_hi, y, input_precision="tf32")
+                else:
+                    y = tl.dot(k_chunk * inv_denom[:, None], pit, y, input_precision=ROTATION_PRECISION)
+            if TWO_PASS:
+                y = y * (inv_denom / down)[:, None]  # 2^e / (n + eps): a power of two times inv_denom, exact
+            codes = _bucketize(y, midpoint_ptr, KEY_BITS)
             _store_packed(codes, data + c0 * KEY_BITS // 8, ok, HEAD_DIM - c0, KEY_BITS, D_CHUNK)
             if NORM_CORRECTION:
                 c = tl.load(centroid_ptr + codes)
@@ -319,7 +365,8 @@ def triton_turboquant_store(
         key, value: ``[T, HKV, D]`` float16/bfloat16/float32 (unit last stride).
         kv_cache: uint8 ``[blocks, block_size, HKV, padded_slot]``, written.
         slot_mapping: ``[T]`` int32/int64.
-        PiT: ``[D, D]`` float32 (``y = k_hat @ PiT``); midpoints: ``[2^mse_bits - 1]`` float32.
+        PiT: ``[D, D]`` float32 (``y = k_hat @ PiT``); midpoints: ``[2^mse_bits - 1]`` float32,
+            ascending.
         mse_bits: 3 or 4 (0 for FP8 keys); key_packed_size: as the preset gives it.
         value_quant_bits: 3 or 4.
         centroids: ``[2^mse_bits]`` float32, needed with ``norm_correction``.
@@ -338,6 +385,9 @@ def triton_turboquant_store(
     if not key_fp8:
         _check_rotation("PiT", PiT, head_dim, device)
         check_tensor("midpoints", midpoints, shape=(2**mse_bits - 1,), dtypes=(torch.float32,), device=device)
+        # the kernel bucketizes by binary search, which counts #{m : midpoint_m <= y} only if sorted
+        if content_checks_enabled(device) and not bool((midpoints[1:] >= midpoints[:-1]).all()):
+            raise ValueError("midpoints: expected ascending entries (no NaN)")
         if norm_correction:
             if centroids is None:
                 raise ValueError("centroids: required with norm_correction=True and MSE keys, got None")
