@@ -4,9 +4,9 @@
 key a plan on every tensor's type, dtype, shape, strides, device and 16-byte alignment and on
 every other argument (with its type where a check reads the type); a call with a known key skips
 the metadata checks. Here each check fires on a call that differs from an already planned one in
-that one fact, the content checks run on every call, plans hold no caller tensor, and the CPU
-benchmark of the host path (``benchmarks/host_overhead_cpu.py``) runs every serving case through
-the cached launch path.
+that one fact, the content checks run on every call, layouts called in turn keep their own plans,
+plans hold no caller tensor, and the CPU benchmark of the host path
+(``benchmarks/host_overhead_cpu.py``) runs every serving case through the cached launch path.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from tests.support import generator, paged_cache, randn
 from triton_impl import decode_attention as dec
 from triton_impl import lse_merge, mla_verify
+from triton_impl.launch import Plans
 from triton_impl.validation import CONTENT_CHECKS_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +75,8 @@ def _verify_args(device: torch.device) -> dict:
 
 
 def _count_plans(monkeypatch: pytest.MonkeyPatch, module, name: str) -> list[int]:
-    """Count calls of ``module.name`` (a plan builder) from now on."""
+    """Count calls of ``module.name`` (a plan builder) from now on, ``module._PLANS`` empty at first."""
+    monkeypatch.setattr(module, "_PLANS", Plans())
     calls = [0]
     builder = getattr(module, name)
 
@@ -100,6 +102,34 @@ def test_a_repeated_layout_is_planned_once(device: torch.device, monkeypatch: py
     dec.decode_attention_fwd(**{**args, "q": shifted, "o": o})
     assert plans[0] == 2
     torch.testing.assert_close(o, args["o"], rtol=0, atol=0)
+
+
+def test_plans_find_the_last_key_and_every_earlier_one() -> None:
+    plans = Plans()
+    plans.add((1, (2, 3)), "a")
+    plans.add((4,), "b")
+    assert plans.get((4,)) == "b"  # the last one, by comparison
+    assert plans.get((1, (2, 3))) == "a"  # an earlier one, from the dictionary (now the last)
+    assert plans.get((1, (2, 3))) == "a"
+    assert plans.get((4,)) == "b"
+    assert plans.get((5,)) is None
+    with pytest.raises(TypeError):
+        plans.get(([1],))
+
+
+def test_alternating_layouts_keep_their_plans(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two layouts called in turn: two plans, each call its own layout's result."""
+    plans = _count_plans(monkeypatch, dec, "_plan_decode")
+    wide = _decode_args(device)
+    narrow = {**wide, "num_kv_splits": 1, "attn_logits": None}
+    outputs = []
+    for args in (wide, narrow, wide, narrow):
+        o = torch.empty_like(wide["o"])
+        dec.decode_attention_fwd(**{**args, "o": o})
+        outputs.append(o)
+    assert plans[0] == 2
+    torch.testing.assert_close(outputs[2], outputs[0], rtol=0, atol=0)
+    torch.testing.assert_close(outputs[3], outputs[1], rtol=0, atol=0)
 
 
 # (what changes, the changed arguments, the error it must raise)

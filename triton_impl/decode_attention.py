@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.interpreter import cast_for_store, dot_dtype
-from triton_impl.launch import Launch, current_target, no_launch, remember, select_config
+from triton_impl.launch import Launch, Plans, current_target, no_launch, select_config
 from triton_impl.lse_merge import launch_merge_splits, merge_splits_launch
 from triton_impl.validation import (
     block_table_2d,
@@ -434,14 +434,14 @@ def decode_attention_fwd(
                num_kv_splits, type(num_kv_splits), sm_scale, page_size, type(page_size), logit_cap, type(logit_cap),
                tensor_facts(k_scale), tensor_facts(v_scale), is_mla, sliding_window, type(sliding_window))  # fmt: skip
         plan = _PLANS.get(key) if config is None else None
-    except (AttributeError, TypeError):  # a non-tensor or an unhashable argument: the checks name it
+    except (AttributeError, TypeError, ValueError):  # a non-tensor or unhashable argument: the checks name it
         key, plan = None, None
     if plan is None:
         plan = _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_logits, num_kv_splits,
                             sm_scale, page_size, logit_cap, k_scale, v_scale, is_mla, sliding_window,
                             config)  # fmt: skip
         if key is not None and config is None:
-            remember(_PLANS, key, plan)
+            _PLANS.add(key, plan)
     if content_checks_on(plan.on_cuda):
         table = block_table_2d("req_to_token", req_to_token, min_rows=0, device=q.device, dtypes=_INDEX_DTYPES)
         check_block_table("req_to_token", table, b_seq_len[: plan.num_rows], page_size, plan.num_pages)
@@ -464,7 +464,7 @@ class _DecodePlan(NamedTuple):
 
 
 # Plans by call key (``triton_impl.validation`` says what a key holds).
-_PLANS: dict[tuple, _DecodePlan] = {}
+_PLANS = Plans()
 
 
 def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_logits, num_kv_splits, sm_scale,

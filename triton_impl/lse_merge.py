@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.interpreter import cast_for_store, f32_to_e4m3_bits
-from triton_impl.launch import Launch, current_target, launch, no_launch, remember, select_config
+from triton_impl.launch import Launch, Plans, current_target, launch, no_launch, select_config
 from triton_impl.validation import cdiv, check_scale, check_tensor, next_pow2, tensor_facts
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -31,8 +31,8 @@ MERGE_CONFIGS: dict[str, dict[str, int]] = {
 
 # Plans by call key (``triton_impl.validation`` says what a key holds): the checked launch of each
 # call layout seen, so a repeated layout skips the checks and the launch-argument derivation.
-_MERGE_TWO_PLANS: dict[tuple, tuple[Callable[..., None], bool]] = {}
-_MERGE_SPLITS_PLANS: dict[tuple, Callable[..., None]] = {}
+_MERGE_TWO_PLANS = Plans()  # (launch, whether the output is FP8)
+_MERGE_SPLITS_PLANS = Plans()  # launches
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,13 +156,13 @@ def merge_attn_states(
                tensor_facts(suffix_output), tensor_facts(suffix_lse), tensor_facts(output_lse),
                prefill_tokens_with_context, type(prefill_tokens_with_context), tensor_facts(output_scale))  # fmt: skip
         plan = _MERGE_TWO_PLANS.get(key)
-    except (AttributeError, TypeError):  # a non-tensor or an unhashable argument: the checks name it
+    except (AttributeError, TypeError, ValueError):  # a non-tensor or unhashable argument: the checks name it
         key, plan = None, None
     if plan is None:
         plan = _plan_merge_two(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
                                prefill_tokens_with_context, output_scale)  # fmt: skip
         if key is not None:
-            remember(_MERGE_TWO_PLANS, key, plan)
+            _MERGE_TWO_PLANS.add(key, plan)
     merge, fp8_out = plan
     merge(stream, output.view(torch.uint8) if fp8_out else output,
           output_lse if output_lse is not None else prefix_lse,  # a dummy pointer when absent
@@ -315,12 +315,12 @@ def merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> 
     try:
         key = (device_index, tensor_facts(partials), tensor_facts(o), tensor_facts(lse))
         merge = _MERGE_SPLITS_PLANS.get(key)
-    except AttributeError:  # a non-tensor argument: the checks name it
+    except (AttributeError, TypeError, ValueError):  # a non-tensor argument: the checks name it
         key, merge = None, None
     if merge is None:
         merge = _plan_merge_splits(partials, o, lse)
         if key is not None:
-            remember(_MERGE_SPLITS_PLANS, key, merge)
+            _MERGE_SPLITS_PLANS.add(key, merge)
     merge(stream, partials, o, lse)
 
 

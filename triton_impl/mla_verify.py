@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.interpreter import INTERPRETING, cast_for_store, dot_dtype
-from triton_impl.launch import Launch, current_target, device_arch, no_launch, remember
+from triton_impl.launch import Launch, Plans, current_target, device_arch, no_launch
 from triton_impl.lse_merge import merge_splits_launch
 from triton_impl.validation import (
     block_table_2d,
@@ -521,13 +521,13 @@ def decode_attention_fwd_verify(
                tensor_facts(attn_logits), num_kv_splits, type(num_kv_splits), sm_scale, page_size, type(page_size),
                tensor_facts(k_scale))  # fmt: skip
         plan = _PLANS.get(key) if config is None else None
-    except (AttributeError, TypeError):  # a non-tensor or an unhashable argument: the checks name it
+    except (AttributeError, TypeError, ValueError):  # a non-tensor or unhashable argument: the checks name it
         key, plan = None, None
     if plan is None:
         plan = _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq_lens, qlen, attn_logits,
                             num_kv_splits, sm_scale, page_size, k_scale, config)  # fmt: skip
         if key is not None and config is None:
-            remember(_PLANS, key, plan)
+            _PLANS.add(key, plan)
     if content_checks_on(plan.on_cuda):
         _check_verify_table(req_to_token, seq_lens, real_seq_lens, plan.batch, page_size, plan.num_pages)
     plan.stage1(stream, q, k_buffer, plan.sm_scale_log2, req_to_token, seq_lens,
@@ -550,7 +550,7 @@ class _VerifyPlan(NamedTuple):
 
 
 # Plans by call key (``triton_impl.validation`` says what a key holds).
-_PLANS: dict[tuple, _VerifyPlan] = {}
+_PLANS = Plans()
 
 
 def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq_lens, qlen, attn_logits,
