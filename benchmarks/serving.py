@@ -121,8 +121,9 @@ def build(kind: str, batch: int, heads: int, kv_heads: int, key_width: int, valu
 
 def host_us(run: Callable[[], object], calls: int = 100, repeats: int = 5) -> float:
     """Host microseconds per call: ``calls`` calls timed from the first to the return of the last,
-    without waiting for the GPU (a few hundred launches fit in CUDA's launch queue, so the host
-    never waits on it); the median of ``repeats`` such loops, each started on an idle GPU."""
+    without waiting for the GPU; the median of ``repeats`` such loops, each started on an idle GPU.
+    The host waits on the GPU only if CUDA's queue of pending launches fills (a few hundred
+    launches here; a full queue would show as host time close to the eager time)."""
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
