@@ -337,6 +337,23 @@ def _rotate_tf32x3(key: torch.Tensor, PiT: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _rotate_two_pass_tf32(key: torch.Tensor, PiT: torch.Tensor) -> torch.Tensor:
+    """``y`` as the sm_90 store computes it for 16-bit keys: ``k 2^-e`` (``2^e <= max |k|``, exact and
+    already TF32) times ``PiT = hi + lo`` (``hi`` truncated to TF32, ``lo`` truncated by the MMA), the
+    products summed left to right in fp32 rounding toward zero, then times ``2^e / (n + eps)``."""
+    k = key.float()
+    n = k.norm(dim=-1)
+    e = torch.frexp(k.abs().amax(-1))[1] - 1  # 2^e <= max |k| < 2^(e+1)
+    scaled = torch.ldexp(k, -e[..., None])
+    hi = _tf32(PiT)
+    lo = _tf32(PiT - hi)
+    y = torch.zeros_like(k)
+    for j in range(k.shape[-1]):
+        for b in (lo, hi):
+            y = _add_toward_zero(y, (scaled[..., j, None].double() * b[j].double()).float())
+    return y * (torch.ldexp(1 / (n + tq.KEY_NORM_EPS), e))[..., None]
+
+
 @given(seed=st.integers(0, 2**31 - 1), head_dim=st.sampled_from([16, 64, 128, 1024]),
        log_scale=st.sampled_from([-60, -30, -8, 0, 8, 30]), rotation=st.sampled_from(["hadamard", "haar"]),
        dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))  # fmt: skip
@@ -348,7 +365,8 @@ def test_rotation_error_bound_holds_for_fp32_stores(seed: int, head_dim: int, lo
     left to right, at key magnitudes 2^-60 .. 2^30 and D up to 1024 (the Triton store sums in a third;
     ``test_kernel_store_matches_golden_with_every_tiling`` holds it to the bands). A GEMM on TF32
     operands breaks the bound, and keeps it with the TF32 operand term; a 3xTF32 GEMM with truncating
-    accumulation keeps :data:`~triton_impl.parity.turboquant.TF32X3_GEMM`'s."""
+    accumulation keeps :data:`~triton_impl.parity.turboquant.TF32X3_GEMM`'s, and so does the sm_90
+    store's two-pass form for 16-bit keys."""
     scale = 2.0**log_scale
     if dtype == torch.float16 and not 2.0**-8 <= scale <= 2.0**8:
         scale = 1.0  # keep fp16 keys in range
@@ -369,6 +387,10 @@ def test_rotation_error_bound_holds_for_fp32_stores(seed: int, head_dim: int, lo
     tf32x3_error = (_rotate_tf32x3(key, pit).double() - y).abs()
     ratio = float((tf32x3_error / ptq.rotation_tolerance(key, pit, ptq.TF32X3_GEMM)).max())
     assert ratio <= 1, f"3xTF32: |y' - y| reaches {ratio:.3g} tau"
+    if dtype != torch.float32:
+        two_pass_error = (_rotate_two_pass_tf32(key, pit).double() - y).abs()
+        ratio = float((two_pass_error / ptq.rotation_tolerance(key, pit, ptq.TF32X3_GEMM)).max())
+        assert ratio <= 1, f"two-pass TF32: |y' - y| reaches {ratio:.3g} tau"
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256, 1024])

@@ -40,7 +40,12 @@ core aligns the addends of a step to the largest exponent and truncates (Fasi et
 behavior of NVIDIA tensor cores", 2021): each addition within ``2u`` of the largest magnitude,
 which is at most ``A_d``. So the dot's ``gamma_D`` becomes ``gamma(3D, 2u)``: at ``D = 128`` the
 band is about 5 times the fp32 one, still far below the narrowest code gap
-(``tests/test_turboquant.py::test_tie_bands_are_narrower_than_one_step``). The bound needs
+(``tests/test_turboquant.py::test_tie_bands_are_narrower_than_one_step``). For 16-bit keys the
+sm_90 store uses two TF32 products instead: ``k 2^-e`` (``2^e <= max |k|``) is exact and already
+TF32, ``PiT = hi + lo`` with ``hi`` truncated to TF32 and ``lo`` losing at most ``2^-10`` of itself
+in the MMA, so each product is within ``2^-20 |k_j PiT[j, d]|`` of itself, with ``2D`` addends and
+the normalization ``2^e / (n + 1e-8)`` applied to the sum (one reciprocal and one product, which the
+bound already counts): :data:`TF32X3_GEMM` covers it too. The bound needs
 ``n < 2^64`` (every square finite in fp32); a key past it is outside the fp32 model, and its codes
 are not checked (its stored norm still is: it must saturate at 65504).
 
