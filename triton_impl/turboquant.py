@@ -65,11 +65,12 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # (51b8856) is BLOCK_T 64, D_CHUNK 64, 4 warps: 19.3-20.7 ms for the MSE presets, against 22.7-23.7
 # ms for the best fp32-FMA config; FP8 keys (no rotation) are fastest at BLOCK_T 16, 4 warps
 # (2.42 ms, 58% of the copy roofline; 3.10 ms at BLOCK_T 64), hence their own table.
-# Since then (compile-only, not timed): one division per row, a binary-search bucketize, byte-plane
-# packing and, for 16-bit keys, two TF32 passes on exact TF32 keys instead of 3xTF32; the sm90
-# entry moved to 8 warps, where BLOCK_T 64 / D_CHUNK 64 compiles without spills for 3- and 4-bit keys
-# (4 warps spill ~170 bytes). About 610-670 warp instructions per row by the static count, against
-# ~2000 for the fp32-FMA config at BLOCK_T 16.
+# Since then: one division per row, a binary-search bucketize and, for 16-bit keys, two TF32 passes
+# on exact TF32 keys instead of 3xTF32 (about 610-670 warp instructions per row by the static
+# count, against ~2000 for the fp32-FMA config at BLOCK_T 16). Timed at 23b7894 together with
+# byte-by-byte packing and 8 warps, the store got slower (k8v4 2.42 -> 4.79 ms, MSE presets
+# 27.9-33.2 ms, `attnref bench`); packing went back to one masked store of each group's bytes and
+# the sm90 entry back to 4 warps.
 # Decode: BLOCK_N tokens per tile, at least 32 (the value MMA's K; Triton 3.6 miscompiles unpacked
 # codes fed to a 16-key dot, see tests/test_turboquant.py); PAIR_LUT picks the 4-bit key table when
 # the caller leaves use_pair_lut=None (the interpreter's entry takes the pair LUT, so the CPU
@@ -79,7 +80,7 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # line of a 32-byte one), and 3-bit keys would gain ~9% at BLOCK_N 32. No config depends on the batch.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0},
-    "sm90": {"BLOCK_T": 64, "D_CHUNK": 64, "num_warps": 8, "TF32X3": 1},
+    "sm90": {"BLOCK_T": 64, "D_CHUNK": 64, "num_warps": 4, "TF32X3": 1},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0},
 }
 FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK and TF32X3 unused: no rotation
@@ -207,10 +208,10 @@ def _store_packed(codes, dst, ok, valid, BITS: tl.constexpr, COLS: tl.constexpr)
     groups = tl.reshape(codes.to(tl.uint32), [R, COLS // 8, 8])
     words = tl.sum(groups << (tl.arange(0, 8).to(tl.uint32) * BITS)[None, None, :], axis=2)  # 8 * BITS <= 32 bits
     g = tl.arange(0, COLS // 8)
-    group_dst = dst[:, None] + (g * BITS)[None, :]
-    mask = ok[:, None] & (g < valid // 8)[None, :]
-    for i in tl.static_range(BITS):  # byte i of each group's BITS bytes
-        tl.store(group_dst + i, ((words >> (8 * i)) & 0xFF).to(tl.uint8), mask=mask)
+    i = tl.arange(0, 4)  # at most 4 bytes per group (BITS <= 4)
+    packed = (words[:, :, None] >> (8 * i[None, None, :]).to(tl.uint32)) & 0xFF
+    mask = ok[:, None, None] & (g < valid // 8)[None, :, None] & (i < BITS)[None, None, :]
+    tl.store(dst[:, None, None] + (g * BITS)[None, :, None] + i[None, None, :], packed.to(tl.uint8), mask=mask)
 
 
 @triton.jit
