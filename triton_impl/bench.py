@@ -226,6 +226,22 @@ def check_peer(name: str, peer: Peer) -> None:
             )
 
 
+def _consume_cuda_error() -> None:
+    """Take a launch error a failed peer left pending, so that it does not surface in the next case.
+
+    A library that reports its kernel's failed launch without reading the error (``cudaPeekAtLastError``)
+    leaves it for the next launch check: at 23b7894 FlashInfer's merge failed with "invalid argument" and
+    our next case raised it. A non-sticky error is read (and reset) by the launch check of one small torch
+    kernel; a sticky one (a fault) would fail every later case anyway."""
+    if not torch.cuda.is_available():
+        return
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except Exception:
+        pass
+
+
 def time_peers(
     peers: dict[str, Callable[[], Peer]], time_fn: Callable[[Callable[[], object]], float] = _time
 ) -> tuple[dict[str, float], dict[str, str]]:
@@ -247,6 +263,7 @@ def time_peers(
             status[name] = f"WRONG: {err}"
         except Exception as err:  # a peer that cannot run here costs its own cell only
             status[name] = f"failed: {_one_line(err)}"
+            _consume_cuda_error()
         peer = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
