@@ -688,13 +688,16 @@ def test_no_host_sync_with_default_checks(name: str, monkeypatch: pytest.MonkeyP
 HOST_OVERHEAD_BUDGET_US = 25.0
 
 
-@pytest.mark.gpu
-@pytest.mark.xfail(
+_HOST_BOUND = pytest.mark.xfail(
     strict=True,
-    reason="goal not met: 40-127 us of host time per call on the H200 (notebooks/results/serving_h200.md); "
-    "the checks and two launches need a C++ wrapper to fit 25 us (notebooks/results/perf_log.md)",
+    reason="goal not met at these tiny shapes: the H200's host takes 15-46 us per call alone (serving_h200.md, "
+    "'host only'), more than the GPU work of lengths 40-129 hides",
 )
-@pytest.mark.parametrize("name", ["decode_mla", "verify", "turboquant_decode"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["decode_mla", pytest.param("verify", marks=_HOST_BOUND),
+                                  pytest.param("turboquant_decode", marks=_HOST_BOUND)])  # fmt: skip
 def test_host_overhead_per_call(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Eager minus graph-replay time per call stays within the budget (the launches included).
 
