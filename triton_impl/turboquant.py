@@ -22,15 +22,17 @@ enter the MMA as exact fp16 integers.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from triton_impl.interpreter import e4m3_bits_to_f16, f32_to_e4m3_bits
-from triton_impl.launch import launch, select_config
-from triton_impl.lse_merge import launch_merge_splits
+from triton_impl.launch import Launch, Plans, current_target, launch, no_launch, select_config
+from triton_impl.lse_merge import merge_splits_launch
 from triton_impl.validation import (
     block_table_2d,
     cdiv,
@@ -38,7 +40,9 @@ from triton_impl.validation import (
     check_lengths,
     check_tensor,
     content_checks_enabled,
+    content_checks_on,
     next_pow2,
+    tensor_facts,
 )
 
 _KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -570,7 +574,7 @@ def _load_tile(cache_ptr, cache_u16_ptr, block_row, tile_start, end, kv_head,
 
 @triton.jit
 def _decode_stage1_kernel(
-    q_ptr, cache_ptr, cache_u16_ptr, block_table_ptr, seq_lens_ptr, table_ptr, partials_ptr,
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, table_ptr, partials_ptr,
     sm_scale, num_splits, num_kv_heads, block_size, num_blocks, table_keys, stride_block, data_bytes_per_slot,
     meta_offset, stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
     KV_GROUP: tl.constexpr,
@@ -605,6 +609,7 @@ def _decode_stage1_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    cache_u16_ptr = cache_ptr.to(tl.pointer_type(tl.uint16))  # the fp16 metadata fields
     seq_len = tl.maximum(tl.load(seq_lens_ptr + b).to(tl.int32), 0)
     split_len = tl.cdiv(seq_len, num_splits)
     start = split * split_len
@@ -673,20 +678,45 @@ def _decode_stage1_kernel(
     tl.store(partial + HEAD_DIM, lse, mask=head_ok)
 
 
-def _buffer(
-    given: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-    holder: Any, attr: str,
-) -> torch.Tensor:  # fmt: skip
-    """A given buffer's leading ``shape`` view (checked), or a new one parked on ``holder``."""
-    if given is None:
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        if holder is not None:
-            setattr(holder, attr, buf)
-        return buf
+def _leading_view(
+    given: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A given buffer's leading ``shape`` view, checked."""
     check_tensor(name, given, ndim=len(shape), dtypes=(dtype,), device=device)
     if any(have < need for have, need in zip(given.shape, shape)):
         raise ValueError(f"{name}: expected every dim >= {list(shape)}, got shape {list(given.shape)}")
     return given[tuple(slice(0, n) for n in shape)]
+
+
+_ROTATE_PIT, _ROTATE_PI, _NO_ROTATION = 0, 1, 2  # q @ PiT, q @ Pi.T, FP8 keys (q as it is)
+_F16_TABLE, _PAIR_TABLE, _NO_TABLE = 0, 1, 2  # fp16 centroids, byte pair LUT, FP8 keys (none)
+
+
+class _DecodePlan(NamedTuple):
+    """A checked call layout of :func:`triton_turboquant_decode_attention_v2` and what it launches.
+
+    The launches take the caller's whole buffers: a buffer's leading part, which the kernels
+    write, starts at the buffer's address and has its strides."""
+
+    stage1: Callable[..., None]  # (stream, q_rot, kv_cache, block_table, seq_lens, table, mid_o)
+    merge: Callable[..., None]  # (stream, mid_o, output, lse)
+    launches: bool  # False: no (request, head), nothing to compute
+    rotation: int  # _ROTATE_PIT / _ROTATE_PI / _NO_ROTATION
+    table: int  # _F16_TABLE / _PAIR_TABLE / _NO_TABLE
+    contiguous_lens: bool  # seq_lens is read with unit stride: else a contiguous copy per call
+    shapes: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # mid_o, output, lse (buffers not given)
+    out_dtype: torch.dtype
+    device: torch.device
+    output_is_view: bool  # return output_buf[:B, :H, :D], not output_buf itself
+    batch: int
+    block_size: int
+    num_blocks: int
+    on_cuda: bool  # where the content checks would read (see content_checks_on)
+
+
+# Plans by call key (``triton_impl.validation`` says what a key holds).
+_PLANS = Plans()
+_KEYED_SCALES = (float, int)  # a scale of another type (a tensor, ...) is checked and planned on every call
 
 
 def triton_turboquant_decode_attention_v2(
@@ -729,6 +759,19 @@ def triton_turboquant_decode_attention_v2(
     are allocated and parked on ``buf_holder`` as ``_tq_mid_o_buf`` / ``_tq_output_buf`` /
     ``_tq_lse_buf``.
 
+    Host path: the metadata checks and launch arguments are planned once per call layout (every
+    tensor's dtype, shape, strides, device and 16-byte alignment, the cache's 4-byte alignment,
+    every other argument and the type of each int; ``triton_impl.validation``); a call with a
+    planned layout passes its tensors straight to the two launches. What depends on contents is
+    computed on every call, on the device: ``q @ PiT`` (two torch ops) and the fp16 centroid table
+    (one; the pair LUT: several). Content checks, when on, run on every call.
+
+    CUDA graphs: capture with the buffers given (then no buffer is allocated; the rotated query and
+    the centroid table are the only tensors made per call, in the graph's pool) and replay with new
+    ``query`` / ``seq_lens`` / ``block_table`` / ``kv_cache`` / ``centroids`` / ``PiT`` contents
+    written in place; the tensors (their addresses and shapes), ``scale``, the preset's sizes,
+    ``key_fp8``, ``max_num_kv_splits`` and ``use_pair_lut`` stay fixed across replays.
+
     Args:
         query: ``[B, H, D]`` float16/bfloat16.
         kv_cache: uint8 ``[blocks, block_size, HKV, padded_slot]`` starting 4-byte aligned (codes
@@ -753,6 +796,71 @@ def triton_turboquant_decode_attention_v2(
     query and the block table; writes ``B*H*S*(D+1)`` fp32 partials, then ``B*H*D`` outputs and
     ``B*H`` LSEs (stage 2 reads the partials back).
     """
+    device_index, stream = current_target()
+    try:
+        key = (device_index, tensor_facts(query), tensor_facts(kv_cache), kv_cache.data_ptr() % 4,
+               tensor_facts(block_table), tensor_facts(seq_lens), tensor_facts(Pi), tensor_facts(centroids),
+               tensor_facts(PiT), tensor_facts(mid_o_buf), tensor_facts(output_buf), tensor_facts(lse_buf),
+               scale, type(scale), mse_bits, type(mse_bits), key_packed_size, type(key_packed_size),
+               value_quant_bits, type(value_quant_bits), value_packed_size, type(value_packed_size), key_fp8,
+               max_num_kv_splits, type(max_num_kv_splits), use_pair_lut)  # fmt: skip
+        plan = _PLANS.get(key) if type(scale) in _KEYED_SCALES else None
+    except (AttributeError, TypeError, ValueError):  # a non-tensor or unhashable argument: the checks name it
+        key, plan = None, None
+    if plan is None:
+        plan = _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, mse_bits, key_packed_size,
+                            value_quant_bits, value_packed_size, key_fp8, PiT, mid_o_buf, output_buf, lse_buf,
+                            max_num_kv_splits, use_pair_lut)  # fmt: skip
+        if key is not None and type(scale) in _KEYED_SCALES:
+            _PLANS.add(key, plan)
+    if plan.batch and content_checks_on(plan.on_cuda):
+        lens = seq_lens[: plan.batch]
+        if int(lens.min()) < 0:
+            raise ValueError(f"seq_lens: expected >= 0, got {int(lens.min())}")
+        table_2d = block_table_2d("block_table", block_table, min_rows=0, device=query.device, dtypes=_INDEX_DTYPES)
+        check_block_table("block_table", table_2d, lens, plan.block_size, plan.num_blocks)
+
+    if mid_o_buf is None:
+        mid_o_buf = torch.empty(plan.shapes[0], dtype=torch.float32, device=plan.device)
+        if buf_holder is not None:
+            buf_holder._tq_mid_o_buf = mid_o_buf
+    if output_buf is None:
+        output_buf = torch.empty(plan.shapes[1], dtype=plan.out_dtype, device=plan.device)
+        if buf_holder is not None:
+            buf_holder._tq_output_buf = output_buf
+    if lse_buf is None:
+        lse_buf = torch.empty(plan.shapes[2], dtype=torch.float32, device=plan.device)
+        if buf_holder is not None:
+            buf_holder._tq_lse_buf = lse_buf
+    if plan.launches:
+        # Derived from contents, so on every call (a caller may rewrite them in place; a graph
+        # replay repeats these ops on the new contents).
+        if plan.rotation == _ROTATE_PIT:
+            q_rot = (query.float() @ PiT).contiguous()
+        elif plan.rotation == _ROTATE_PI:
+            q_rot = (query.float() @ Pi.T).contiguous()
+        else:
+            q_rot = query.float().contiguous()
+        if plan.table == _F16_TABLE:
+            table = centroids.to(torch.float16)
+        elif plan.table == _PAIR_TABLE:
+            table = _byte_pair_table(centroids)
+        else:
+            table = q_rot  # never read
+        plan.stage1(stream, q_rot, kv_cache, block_table, seq_lens if plan.contiguous_lens else seq_lens.contiguous(),
+                    table, mid_o_buf)  # fmt: skip
+        plan.merge(stream, mid_o_buf, output_buf, lse_buf)
+    if plan.output_is_view:
+        shape = plan.shapes[1]
+        return output_buf[: shape[0], : shape[1], : shape[2]]
+    return output_buf
+
+
+def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, mse_bits, key_packed_size,
+                 value_quant_bits, value_packed_size, key_fp8, PiT, mid_o_buf, output_buf, lse_buf,
+                 max_num_kv_splits, use_pair_lut) -> _DecodePlan:  # fmt: skip
+    """The argument checks of :func:`triton_turboquant_decode_attention_v2` (all but the content
+    checks) and its launches."""
     check_tensor("query", query, ndim=3, dtypes=_QUERY_DTYPES)
     batch, num_heads, head_dim = query.shape
     device = query.device
@@ -764,59 +872,59 @@ def triton_turboquant_decode_attention_v2(
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"query: {num_heads} heads is not a multiple of kv_cache's {num_kv_heads} KV heads")
     _check_cache(kv_cache, num_kv_heads, layout)
-    block_table = block_table_2d("block_table", block_table, min_rows=batch, device=device, dtypes=_INDEX_DTYPES)
+    table_2d = block_table_2d("block_table", block_table, min_rows=batch, device=device, dtypes=_INDEX_DTYPES)
     check_lengths("seq_lens", seq_lens, batch, device, _INDEX_DTYPES)
     if not isinstance(max_num_kv_splits, int) or max_num_kv_splits < 1:
         raise ValueError(f"max_num_kv_splits: expected a positive int, got {max_num_kv_splits!r}")
     if use_pair_lut and (key_fp8 or mse_bits != 4):
         raise ValueError(f"use_pair_lut: the pair LUT serves 4-bit keys, got mse_bits={mse_bits}, key_fp8={key_fp8}")
+    rotation = _NO_ROTATION
     if not key_fp8:
-        rotation = PiT if PiT is not None else Pi
-        if rotation is None:
+        rotation = _ROTATE_PIT if PiT is not None else _ROTATE_PI
+        if PiT is None and Pi is None:
             raise ValueError("Pi, PiT: MSE keys need the rotation, got None for both")
-        check_tensor("PiT" if PiT is not None else "Pi", rotation, shape=(head_dim, head_dim),
+        check_tensor("PiT" if PiT is not None else "Pi", PiT if PiT is not None else Pi, shape=(head_dim, head_dim),
                      dtypes=(torch.float32,), device=device, unit_last_stride=False)  # fmt: skip
         check_tensor("centroids", centroids, shape=(2**mse_bits,), dtypes=(torch.float32,), device=device)
-    if content_checks_enabled(device) and batch:
-        if int(seq_lens[:batch].min()) < 0:
-            raise ValueError(f"seq_lens: expected >= 0, got {int(seq_lens[:batch].min())}")
-        check_block_table("block_table", block_table, seq_lens[:batch], block_size, num_blocks)
+    if not isinstance(scale, (int, float)):
+        float(scale)  # what the launch does with it: raises for what cannot be a float
 
     num_splits = max_num_kv_splits
-    mid_o = _buffer(mid_o_buf, "mid_o_buf", (batch, num_heads, num_splits, head_dim + 1), torch.float32, device,
-                    buf_holder, "_tq_mid_o_buf")  # fmt: skip
-    output = _buffer(output_buf, "output_buf", (batch, num_heads, head_dim), query.dtype, device,
-                     buf_holder, "_tq_output_buf")  # fmt: skip
-    lse = _buffer(lse_buf, "lse_buf", (batch, num_heads), torch.float32, device, buf_holder, "_tq_lse_buf")
+    shapes = ((batch, num_heads, num_splits, head_dim + 1), (batch, num_heads, head_dim), (batch, num_heads))
+    # The leading parts the kernels write (checked), or buffers of the shapes this call will allocate.
+    mid_o, output, lse = (
+        torch.empty(shape, dtype=dtype, device=device) if given is None else _leading_view(given, name, shape, dtype,
+                                                                                            device)
+        for given, name, shape, dtype in ((mid_o_buf, "mid_o_buf", shapes[0], torch.float32),
+                                          (output_buf, "output_buf", shapes[1], query.dtype),
+                                          (lse_buf, "lse_buf", shapes[2], torch.float32))
+    )  # fmt: skip
+    make_plan = partial(_DecodePlan, rotation=rotation, table=_NO_TABLE, contiguous_lens=True, shapes=shapes,
+                        out_dtype=query.dtype, device=device,
+                        output_is_view=output_buf is not None and tuple(output_buf.shape) != shapes[1], batch=batch,
+                        block_size=block_size, num_blocks=num_blocks, on_cuda=device.type == "cuda")  # fmt: skip
     if batch * num_heads == 0:
-        return output
+        return make_plan(no_launch, no_launch, False)
     if num_blocks == 0:  # the kernel reads block 0 in place of a bad entry
         raise ValueError(f"kv_cache: expected at least one block, got shape {list(kv_cache.shape)}")
-
     if kv_cache.data_ptr() % 4:
         raise ValueError("kv_cache: expected a 4-byte aligned start (the decode reads codes as 32-bit words)")
 
-    q_rot = query.float() if key_fp8 else query.float() @ (PiT if PiT is not None else Pi.T)
-    q_rot = q_rot.contiguous()
     key_bits = 8 if key_fp8 else mse_bits
     config = select_decode_config(device)
     if use_pair_lut is None:
         use_pair_lut = key_bits == 4 and bool(config["PAIR_LUT"])
-    if key_fp8:
-        table = q_rot  # never read
-    elif use_pair_lut:
-        table = _byte_pair_table(centroids)
-    else:
-        table = centroids.to(torch.float16)
+    table = _NO_TABLE if key_fp8 else _PAIR_TABLE if use_pair_lut else _F16_TABLE
     # A field whose every 8-code group is one aligned word: 4-bit codes at 4-byte aligned offsets.
     aligned = kv_cache.stride(0) % 4 == 0 and layout["data_bytes_per_slot"] % 4 == 0
     group = num_heads // num_kv_heads
-    launch(_decode_stage1_kernel, (batch, num_kv_heads, num_splits),
-        q_rot, kv_cache, kv_cache.view(torch.uint16), block_table, seq_lens, table, mid_o,
-        float(scale), num_splits, num_kv_heads, block_size, num_blocks, block_table.shape[1] * block_size,
+    stage1 = Launch(_decode_stage1_kernel, (batch, num_kv_heads, num_splits), (
+        float(scale), num_splits, num_kv_heads, block_size, num_blocks, table_2d.shape[1] * block_size,
         kv_cache.stride(0), layout["data_bytes_per_slot"], block_size * num_kv_heads * layout["data_bytes_per_slot"],
-        q_rot.stride(0), q_rot.stride(1), block_table.stride(0), block_table.stride(1),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        num_heads * head_dim, head_dim,  # q_rot: contiguous [B, H, D]
+        table_2d.stride(0), table_2d.stride(1),
+        *mid_o.stride()[:3],
+    ), dict(
         KV_GROUP=group,
         HEAD_DIM=head_dim,
         KEY_BITS=key_bits,
@@ -831,6 +939,6 @@ def triton_turboquant_decode_attention_v2(
         BLOCK_D=max(32, next_pow2(head_dim)),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
-    )  # fmt: skip
-    launch_merge_splits(mid_o, output, lse)
-    return output
+    ))  # fmt: skip
+    return make_plan(stage1, merge_splits_launch(batch, mid_o, output, lse), True, table=table,
+                     contiguous_lens=seq_lens.shape[0] <= 1 or seq_lens.stride(0) == 1)  # fmt: skip
