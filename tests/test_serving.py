@@ -19,6 +19,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from golden import turboquant as tq
 from golden.lse_merge import merge_attn_states as golden_merge_attn_states
@@ -26,6 +30,7 @@ from tests.support import assert_bits_equal, generator, paged_cache, randn
 from triton_impl import decode_attention as dec
 from triton_impl import lse_merge, mla_verify, sparse_indices, turboquant, ue8m0_cache
 from triton_impl.bench import eager_and_graph_us
+from triton_impl.block_table import first_bad_key
 from triton_impl.validation import CONTENT_CHECKS_ENV, content_checks_enabled
 
 NAN_PAGE_GUARD = 3  # guard pages on each side of a cache
@@ -395,6 +400,31 @@ def test_turboquant_decode_poisons_only_requests_with_bad_blocks(checks_off, dev
     for b in (0, 2):
         assert_bits_equal(out[b], clean[0][b])
         assert_bits_equal(lse[b], clean[1][b])
+
+
+@triton.jit
+def _first_bad_key_kernel(table_ptr, out_ptr, start, end, num_pages, PAGE_SIZE: tl.constexpr):
+    tl.store(out_ptr, first_bad_key(table_ptr, 1, start, end, num_pages, PAGE_SIZE))
+
+
+@given(seed=st.integers(0, 2**31 - 1), page_size=st.sampled_from([1, 16, 64]), start=st.integers(0, 700),
+       length=st.integers(0, 700), bad=st.lists(st.integers(0, 44), max_size=3))  # fmt: skip
+@example(seed=0, page_size=16, start=40, length=100, bad=[2])  # the range starts inside the bad page: 40
+@example(seed=0, page_size=16, start=40, length=0, bad=[2])  # empty range: end, whatever its page holds
+@example(seed=1, page_size=64, start=0, length=700, bad=[5, 3])  # two bad pages: the first, 192
+def test_first_bad_key_finds_the_first_key_on_a_page_outside_the_cache(seed, page_size, start, length, bad,
+                                                                       device) -> None:  # fmt: skip
+    """The kernels' pre-pass (``triton_impl.block_table.first_bad_key``) against a loop over the keys:
+    entries -1, ``num_pages`` and larger are bad, on pages the range covers or not."""
+    num_pages, columns = 8, 45
+    end = min(start + length, columns * page_size)
+    table = torch.randint(0, num_pages, (columns,), generator=generator(seed), dtype=torch.int32)
+    for i, column in enumerate(bad):
+        table[column] = (-1, num_pages, 2**30)[i]
+    out = torch.empty(1, dtype=torch.int32, device=device)
+    _first_bad_key_kernel[(1,)](table.to(device), out, start, end, num_pages, PAGE_SIZE=page_size)
+    keys = [k for k in range(start, end) if not 0 <= int(table[k // page_size]) < num_pages]
+    assert int(out) == (keys[0] if keys else end)
 
 
 def test_split_merge_propagates_a_poisoned_split(device: torch.device) -> None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from triton_impl.block_table import first_bad_key
 from triton_impl.interpreter import cast_for_store, dot_dtype
 from triton_impl.launch import Launch, Plans, current_target, no_launch, select_config
 from triton_impl.lse_merge import launch_merge_splits, merge_splits_launch
@@ -227,11 +228,13 @@ def _decode_stage1_kernel(
     start = tl.minimum(lo + split * chunk, n)
     end = tl.minimum(start + chunk, n)
     # Memory safety without host checks: a row whose keys need a table column past the table
-    # (``table_keys = columns * PAGE_SIZE``) is NaN in every split (flag below), and the loop stops
-    # at the table; a key on a page outside the cache gets a NaN score, which makes the row's sums,
-    # and so o and lse, NaN. No such address is read.
+    # (``table_keys = columns * PAGE_SIZE``) is NaN in every split, and the loop stops at the table;
+    # a split that meets a table entry outside the cache is NaN (its o and lse), found before the key
+    # loop (triton_impl.block_table); the loop clamps each entry into the cache. No address outside
+    # the cache is read.
     too_long = n > table_keys
     end = tl.minimum(end, table_keys).to(tl.int32)
+    bad = first_bad_key(table_ptr + row * stride_t_r, stride_t_p, start, end, num_pages, PAGE_SIZE) < end
 
     offs_d0 = tl.arange(0, HALF)
     d0_ok = offs_d0 < D_FIRST
@@ -270,12 +273,7 @@ def _decode_stage1_kernel(
         toks = tile + tl.arange(0, BLOCK_N)
         tok_ok = toks < end
         page = tl.load(table_ptr + row * stride_t_r + (toks // PAGE_SIZE) * stride_t_p, mask=tok_ok, other=0)
-        page_ok = (page >= 0) & (page < num_pages)
-        # A bad entry reads page 0 instead (in bounds: the wrapper rejects a cache without pages).
-        # Clamping the index and poisoning the score keep the K/V loads and the loop-carried state
-        # those of the unchecked kernel: a loop-carried flag reduced after the loop cost 37% at
-        # B=32 H=16 L=32K on the H200 (notebooks/results/perf_log.md).
-        page = tl.where(page_ok, page, 0)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)  # in the cache (it has a page: wrapper)
         slot = (toks % PAGE_SIZE).to(tl.int64)
         k_rows = k_ptr + page.to(tl.int64) * stride_k_page + slot * stride_k_tok + kv_head * stride_k_head
         k0 = tl.load(k_rows[:, None] + offs_d0[None, :], mask=tok_ok[:, None] & d0_ok[None, :], other=0.0)
@@ -293,10 +291,9 @@ def _decode_stage1_kernel(
         qk = qk * qk_scale
         if HAS_CAP:
             qk = logit_cap * _tanh(qk / logit_cap) * _LOG2E
-        qk = tl.where(tok_ok[None, :], tl.where(page_ok[None, :], qk, float("nan")), float("-inf"))
+        qk = tl.where(tok_ok[None, :], qk, float("-inf"))
 
-        # Every tile holds at least one key of [start, end), so m_new is finite (finite data; a
-        # poisoned tile's NaN scores reach l_i and the accumulators whatever the max makes of them).
+        # Every tile holds at least one key of [start, end), so m_new is finite (finite data).
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -317,8 +314,8 @@ def _decode_stage1_kernel(
     empty = end <= start
     row_scale = tl.where(empty, 0.0, out_scale / tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * _LN2)
-    row_scale = tl.where(too_long, float("nan"), row_scale)
-    lse = tl.where(too_long, float("nan"), lse)
+    row_scale = tl.where(too_long | bad, float("nan"), row_scale)
+    lse = tl.where(too_long | bad, float("nan"), lse)
     head_offs = heads.to(tl.int64)
     out0 = acc0 * row_scale[:, None]
     out0_mask = head_ok[:, None] & dv_ok[None, :]

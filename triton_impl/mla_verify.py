@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_impl.block_table import first_bad_key
 from triton_impl.interpreter import INTERPRETING, cast_for_store, dot_dtype
 from triton_impl.launch import Launch, Plans, current_target, device_arch, no_launch
 from triton_impl.lse_merge import merge_splits_launch
@@ -282,10 +283,13 @@ def _fwd_verify_kernel_stage1(
     split_end = tl.minimum(split_start + chunk, seq_len)
     # Memory safety without host checks: a row whose keys need a table column past the table
     # (``table_keys = columns * PAGE_SIZE``) or a page outside the cache is poisoned (o = lse =
-    # NaN), and no such address is read. Every split of the row sees the first condition.
+    # NaN), and no such address is read. Every split of the row sees the first condition; the
+    # second is found before the key loop (triton_impl.block_table), which clamps each entry.
     too_long = limit > table_keys
     row_end = tl.minimum(tl.minimum(limit, split_end), table_keys).to(tl.int32)
     tile_end = tl.max(row_end, axis=0)
+    first_bad = first_bad_key(table_ptr + b * stride_t_b, stride_t_p, split_start, tile_end, num_pages, PAGE_SIZE)
+    poisoned = too_long | (row_end > first_bad)
 
     offs_d0 = tl.arange(0, HALF)
     offs_d1 = HALF + tl.arange(0, HALF)
@@ -316,9 +320,8 @@ def _fwd_verify_kernel_stage1(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_ok = offs_n < tile_end
         page = tl.load(table_row + (offs_n // PAGE_SIZE) * stride_t_p, mask=key_ok, other=0).to(tl.int64)
-        page_ok = (page >= 0) & (page < num_pages)
         seen = offs_n[None, :] < row_end[:, None]
-        page = tl.where(page_ok, page, 0)  # in bounds; rows that see it get a NaN score (see decode_attention)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)  # in the cache; rows that see a bad one: NaN
         k_rows = k_ptr + page * stride_k_page + (offs_n % PAGE_SIZE) * stride_k_tok
         k0 = tl.load(k_rows[:, None] + offs_d0[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
         qk = tl.dot(q0, tl.trans(k0))
@@ -330,7 +333,7 @@ def _fwd_verify_kernel_stage1(
             pe_ptrs = k_rows[:, None] + offs_pe[None, :]
             k_pe = tl.load(pe_ptrs, mask=key_ok[:, None] & pe_ok[None, :], other=0.0).to(DOT_DTYPE)
             qk += tl.dot(q_pe, tl.trans(k_pe))
-        qk = tl.where(seen, tl.where(page_ok[None, :], qk * qk_scale, float("nan")), float("-inf"))
+        qk = tl.where(seen, qk * qk_scale, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays (0, -inf)
@@ -346,8 +349,8 @@ def _fwd_verify_kernel_stage1(
     has_keys = ~(l_i <= 0)  # l_i > 0, or NaN (a bad page), which must reach o and lse
     row_scale = tl.where(has_keys, k_scale / tl.where(has_keys, l_i, 1.0), 0.0)
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    row_scale = tl.where(too_long, float("nan"), row_scale)
-    lse = tl.where(too_long, float("nan"), lse)
+    row_scale = tl.where(poisoned, float("nan"), row_scale)
+    lse = tl.where(poisoned, float("nan"), lse)
     if SINGLE_SPLIT:
         o_rows = o_ptr + r * stride_o_r + h * stride_o_h
         out_ty = o_ptr.dtype.element_ty
