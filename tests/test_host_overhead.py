@@ -1,11 +1,12 @@
 """The wrappers' per-call plans: a call layout is checked once, and every check still fires.
 
-``decode_attention_fwd``, ``decode_attention_fwd_verify``, ``merge_attn_states`` and ``merge_splits``
-key a plan on every tensor's type, dtype, shape, strides, device and 16-byte alignment and on
-every other argument (with its type where a check reads the type); a call with a known key skips
-the metadata checks. Here each check fires on a call that differs from an already planned one in
-that one fact, the content checks run on every call, layouts called in turn keep their own plans,
-plans hold no caller tensor, and the CPU benchmark of the host path
+``decode_attention_fwd``, ``decode_attention_fwd_verify``, ``merge_attn_states``, ``merge_splits`` and
+``triton_turboquant_decode_attention_v2`` key a plan on every tensor's type, dtype, shape, strides,
+device and 16-byte alignment and on every other argument (with its type where a check reads the
+type); a call with a known key skips the metadata checks. Here each check fires on a call that
+differs from an already planned one in that one fact, the content checks run on every call, layouts
+called in turn keep their own plans, plans hold no caller tensor, TurboQuant's centroids are read
+anew on every call, and the CPU benchmark of the host path
 (``benchmarks/host_overhead_cpu.py``) runs every serving case through the cached launch path.
 """
 
@@ -25,6 +26,7 @@ import torch
 from tests.support import generator, paged_cache, randn
 from triton_impl import decode_attention as dec
 from triton_impl import lse_merge, mla_verify
+from triton_impl import turboquant as ttq
 from triton_impl.launch import Plans
 from triton_impl.validation import CONTENT_CHECKS_ENV
 
@@ -74,6 +76,39 @@ def _verify_args(device: torch.device) -> dict:
     }
 
 
+def _turboquant_args(device: torch.device) -> dict:
+    """A 4-bit TurboQuant decode call (4/2 heads, D 32, three splits, given buffers with a spare
+    request) as keyword arguments, its cache written by the store."""
+    from tests.test_serving import _turboquant_case
+
+    case = _turboquant_case(device, generator(24), seq_lens=[7, 12])
+    config = case["config"]
+    return {
+        "query": case["query"],
+        "kv_cache": case["cache"],
+        "block_table": case["table"],
+        "seq_lens": case["seq_lens"],
+        "Pi": None,
+        "centroids": case["centroids"],
+        "scale": 0.3,
+        "mse_bits": config.key_mse_bits,
+        "key_packed_size": config.key_packed_size,
+        "value_quant_bits": config.value_quant_bits,
+        "value_packed_size": config.value_packed_size,
+        "PiT": case["pit"],
+        "mid_o_buf": torch.empty(3, 4, 3, 33, device=device),
+        "output_buf": torch.empty(3, 4, 32, dtype=torch.float16, device=device),
+        "lse_buf": torch.empty(3, 4, device=device),
+        "max_num_kv_splits": 3,
+    }
+
+
+def _shifted_cache(cache: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of ``cache`` starting ``offset`` bytes into a fresh allocation."""
+    moved = torch.empty(cache.numel() + offset, dtype=torch.uint8, device=cache.device)[offset:].view(cache.shape)
+    return moved.copy_(cache)
+
+
 def _count_plans(monkeypatch: pytest.MonkeyPatch, module, name: str) -> list[int]:
     """Count calls of ``module.name`` (a plan builder) from now on, ``module._PLANS`` empty at first."""
     monkeypatch.setattr(module, "_PLANS", Plans())
@@ -102,6 +137,42 @@ def test_a_repeated_layout_is_planned_once(device: torch.device, monkeypatch: py
     dec.decode_attention_fwd(**{**args, "q": shifted, "o": o})
     assert plans[0] == 2
     torch.testing.assert_close(o, args["o"], rtol=0, atol=0)
+
+
+def test_turboquant_repeated_layout_is_planned_once(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same layout, new tensors: one plan, the same result. A misaligned output buffer (a view one
+    element in, which the merge writes) gets its own plan; so does a cache that moved from a
+    16-byte to a 4-byte aligned start (the decode reads 32-bit words: the key holds the 4-byte
+    alignment too)."""
+    plans = _count_plans(monkeypatch, ttq, "_plan_decode")
+    args = _turboquant_args(device)
+    out = ttq.triton_turboquant_decode_attention_v2(**args).clone()
+    again = ttq.triton_turboquant_decode_attention_v2(**{**args, "query": args["query"].clone(),
+                                                         "centroids": args["centroids"].clone()})  # fmt: skip
+    assert plans[0] == 1
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+    buf = args["output_buf"]
+    shifted = torch.empty(buf.numel() + 1, dtype=buf.dtype, device=device)[1:].view(buf.shape)
+    got = ttq.triton_turboquant_decode_attention_v2(**{**args, "output_buf": shifted})
+    assert plans[0] == 2 and got.data_ptr() == shifted.data_ptr()
+    torch.testing.assert_close(got, out, rtol=0, atol=0)
+    moved = ttq.triton_turboquant_decode_attention_v2(**{**args, "kv_cache": _shifted_cache(args["kv_cache"], 4)})
+    assert plans[0] == 3
+    torch.testing.assert_close(moved, out, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="kv_cache: expected a 4-byte aligned start"):
+        ttq.triton_turboquant_decode_attention_v2(**{**args, "kv_cache": _shifted_cache(args["kv_cache"], 2)})
+
+
+def test_turboquant_reads_new_centroids_on_every_call(device: torch.device) -> None:
+    """Centroids rewritten in place (same tensor, same layout): the next call uses them."""
+    args = _turboquant_args(device)
+    before = ttq.triton_turboquant_decode_attention_v2(**args).clone()
+    args["centroids"].mul_(0.5)
+    halved = ttq.triton_turboquant_decode_attention_v2(**args).clone()
+    assert not torch.equal(halved, before)
+    fresh_args = {**args, "centroids": args["centroids"].clone(), "output_buf": torch.empty_like(args["output_buf"])}
+    fresh = ttq.triton_turboquant_decode_attention_v2(**fresh_args)
+    torch.testing.assert_close(halved, fresh, rtol=0, atol=0)
 
 
 def test_plans_find_the_last_key_and_every_earlier_one() -> None:
@@ -159,6 +230,41 @@ DECODE_CHANGES = [
 ]
 
 
+# (what changes, the changed arguments, the error it must raise)
+TURBOQUANT_CHANGES = [
+    ("max_num_kv_splits as a float", lambda a: {"max_num_kv_splits": 3.0}, (ValueError, "max_num_kv_splits")),
+    ("mse_bits for another preset", lambda a: {"mse_bits": 3}, (ValueError, "key_packed_size")),
+    (
+        "value_packed_size off by one",
+        lambda a: {"value_packed_size": a["value_packed_size"] + 1},
+        (ValueError, "value_packed_size"),
+    ),
+    (
+        "the cache's 4-byte alignment lost",
+        lambda a: {"kv_cache": _shifted_cache(a["kv_cache"], 2)},
+        (ValueError, "4-byte aligned"),
+    ),
+    ("no rotation", lambda a: {"PiT": None}, (ValueError, "Pi, PiT")),
+    ("centroids in float16", lambda a: {"centroids": a["centroids"].half()}, (TypeError, "centroids")),
+    ("output_buf in bfloat16", lambda a: {"output_buf": a["output_buf"].bfloat16()}, (TypeError, "output_buf")),
+    ("a mid_o_buf for 2 splits", lambda a: {"mid_o_buf": a["mid_o_buf"][:, :, :2]}, (ValueError, "mid_o_buf")),
+    ("lse_buf for one request", lambda a: {"lse_buf": a["lse_buf"][:1]}, (ValueError, "lse_buf")),
+    ("a block table one row short", lambda a: {"block_table": a["block_table"][:1]}, (ValueError, "block_table")),
+    ("seq_lens in float32", lambda a: {"seq_lens": a["seq_lens"].float()}, (TypeError, "seq_lens")),
+    ("query not a tensor", lambda a: {"query": a["query"].cpu().numpy()}, (TypeError, "query")),
+    ("a kv_cache with a strided slot", lambda a: {"kv_cache": a["kv_cache"][..., ::2]}, (ValueError, "kv_cache")),
+]
+
+
+@pytest.mark.parametrize(("change", "changed", "error"), TURBOQUANT_CHANGES, ids=[c[0] for c in TURBOQUANT_CHANGES])
+def test_turboquant_checks_a_call_that_differs_from_a_planned_one(change, changed, error, device) -> None:
+    args = _turboquant_args(device)
+    ttq.triton_turboquant_decode_attention_v2(**args)
+    kind, match = error
+    with pytest.raises(kind, match=match):
+        ttq.triton_turboquant_decode_attention_v2(**{**args, **changed(args)})
+
+
 @pytest.mark.parametrize(("change", "changed", "error"), DECODE_CHANGES, ids=[c[0] for c in DECODE_CHANGES])
 def test_decode_checks_a_call_that_differs_from_a_planned_one(change, changed, error, device) -> None:
     args = _decode_args(device)
@@ -194,6 +300,22 @@ def test_merges_check_a_call_that_differs_from_a_planned_one(device: torch.devic
         lse_merge.merge_splits(partials, o, lse.to(torch.int32))
 
 
+def test_turboquant_content_checks_run_on_every_call(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table entry and then a length corrupted in place, same layout as a planned call."""
+    monkeypatch.setenv(CONTENT_CHECKS_ENV, "1")
+    args = _turboquant_args(device)
+    ttq.triton_turboquant_decode_attention_v2(**args)
+    table = args["block_table"]
+    saved = table[1, 0].clone()
+    table[1, 0] = -1
+    with pytest.raises(ValueError, match=r"block_table: entry \[1, 0\] = -1"):
+        ttq.triton_turboquant_decode_attention_v2(**args)
+    table[1, 0] = saved
+    args["seq_lens"][0] = -3
+    with pytest.raises(ValueError, match="seq_lens: expected >= 0, got -3"):
+        ttq.triton_turboquant_decode_attention_v2(**args)
+
+
 @pytest.mark.parametrize("op", ["decode", "verify"])
 def test_content_checks_run_on_every_call(op: str, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     """A table entry corrupted in place, same layout as a planned call: the check still reads it."""
@@ -212,8 +334,12 @@ def test_plans_keep_no_caller_tensor_alive(device: torch.device) -> None:
     dec.decode_attention_fwd(**args)
     verify = _verify_args(device)
     mla_verify.decode_attention_fwd_verify(**verify)
-    refs = [weakref.ref(t) for t in (*args.values(), *verify.values()) if isinstance(t, torch.Tensor)]
-    del args, verify
+    tq_args = _turboquant_args(device)
+    ttq.triton_turboquant_decode_attention_v2(**tq_args)
+    given = [*args.values(), *verify.values(), *tq_args.values()]
+    refs = [weakref.ref(t) for t in given if isinstance(t, torch.Tensor)]
+    given.clear()
+    del args, verify, tq_args
     gc.collect()
     assert all(ref() is None for ref in refs)
 
