@@ -16,19 +16,20 @@ import triton.language as tl
 
 
 @triton.jit
-def first_bad_key(table_row_ptr, stride_t_p, start, end, num_pages, PAGE_SIZE: tl.constexpr):
+def first_bad_key(table_row_ptr, stride_t_p, start, end, num_pages, page_size):
     """The first key position in ``[start, end)`` whose table entry (``table_row_ptr[(key //
-    PAGE_SIZE) * stride_t_p]``) lies outside ``[0, num_pages)``; ``end`` when there is none or the
+    page_size) * stride_t_p]``) lies outside ``[0, num_pages)``; ``end`` when there is none or the
     range is empty. A causal row that sees keys ``[start, e)`` meets a bad page iff ``e`` exceeds it.
+    ``page_size`` may be a constexpr or a run-time value.
     """
     PAGE_BLOCK: tl.constexpr = 16
-    first = start // PAGE_SIZE
-    last = tl.where(end > start, tl.cdiv(end, PAGE_SIZE), first)
+    first = start // page_size
+    last = tl.where(end > start, tl.cdiv(end, page_size), first)
     found = tl.zeros([PAGE_BLOCK], tl.int32) + end
     for p0 in range(first, last, PAGE_BLOCK):
         p = p0 + tl.arange(0, PAGE_BLOCK)
         live = p < last
         entry = tl.load(table_row_ptr + p * stride_t_p, mask=live, other=0)
         bad = live & ((entry < 0) | (entry >= num_pages))
-        found = tl.minimum(found, tl.where(bad, tl.maximum(p * PAGE_SIZE, start), end))
+        found = tl.minimum(found, tl.where(bad, tl.maximum(p * page_size, start), end))
     return tl.min(found, axis=0)

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_impl.block_table import first_bad_key
 from triton_impl.interpreter import e4m3_bits_to_f16, f32_to_e4m3_bits
 from triton_impl.launch import Launch, Plans, current_target, launch, no_launch, select_config
 from triton_impl.lse_merge import merge_splits_launch
@@ -544,14 +545,14 @@ def _load_tile(cache_ptr, cache_u16_ptr, block_row, tile_start, end, kv_head,
                KEY_DATA_BYTES: tl.constexpr, NUM_FIELDS: tl.constexpr, WORD_ALIGNED_KEYS: tl.constexpr,
                WORD_ALIGNED_VALUES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """Everything tile ``[tile_start, tile_start + BLOCK_N)`` reads from memory, still packed:
-    ``(live, page_ok, keys, values, norm, v_scale, v_zero)``. Keys are FP8 bytes ``[BLOCK_N,
+    ``(live, keys, values, norm, v_scale, v_zero)``. Keys are FP8 bytes ``[BLOCK_N,
     BLOCK_D]`` or code groups, values code groups (:func:`_load_code_groups`). Tokens at or past
-    ``end`` read nothing."""
+    ``end`` read nothing; a table entry outside the cache reads block 0 or the last (the kernel
+    found it before its loop)."""
     tokens = tile_start + tl.arange(0, BLOCK_N)
     live = tokens < end
     page = tl.load(block_row + (tokens // block_size) * stride_btc, mask=live, other=0).to(tl.int64)
-    page_ok = (page >= 0) & (page < num_blocks)
-    page = tl.where(page_ok, page, 0)  # in bounds; its keys' scores are NaN (see decode_attention)
+    page = tl.minimum(tl.maximum(page, 0), num_blocks - 1)
     position = tokens % block_size
     block_base = page * stride_block
     field = block_base + (position * num_kv_heads + kv_head) * data_bytes_per_slot  # byte offsets
@@ -569,7 +570,7 @@ def _load_tile(cache_ptr, cache_u16_ptr, block_row, tile_start, end, kv_head,
                                WORD_ALIGNED_VALUES)  # fmt: skip
     v_scale = _load_fp16(meta + (NUM_FIELDS - 2) * block_size, live)
     v_zero = _load_fp16(meta + (NUM_FIELDS - 1) * block_size, live)
-    return live, page_ok, keys, values, norm, v_scale, v_zero
+    return live, keys, values, norm, v_scale, v_zero
 
 
 @triton.jit
@@ -616,9 +617,12 @@ def _decode_stage1_kernel(
     end = tl.minimum(start + split_len, seq_len)
     # Memory safety without host checks: a request whose keys need a table column past the table
     # (``table_keys = columns * block_size``) or a block outside the cache is poisoned (out = lse =
-    # NaN), and no such address is read. Every split of the request sees the first condition.
+    # NaN), and no such address is read. Every split of the request sees the first condition; the
+    # second is found before the key loop (triton_impl.block_table), which clamps each entry.
     too_long = seq_len > table_keys
     end = tl.minimum(end, table_keys).to(tl.int32)
+    block_row = block_table_ptr + b.to(tl.int64) * stride_bt
+    poisoned = too_long | (first_bad_key(block_row, stride_btc, start, end, num_blocks, block_size) < end)
 
     rows = tl.arange(0, BLOCK_M)
     heads = kv_head * KV_GROUP + rows
@@ -632,10 +636,9 @@ def _decode_stage1_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    block_row = block_table_ptr + b.to(tl.int64) * stride_bt
     # Software prefetch: each iteration issues the next tile's loads before it computes on this
     # one, so their latency (table entry, then the fields it points to) hides under the compute.
-    live, page_ok, keys, values, norm, v_scale, v_zero = _load_tile(
+    live, keys, values, norm, v_scale, v_zero = _load_tile(
         cache_ptr, cache_u16_ptr, block_row, start, end, kv_head, block_size, num_blocks, num_kv_heads, stride_btc,
         stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS, VALUE_BITS, KEY_DATA_BYTES, NUM_FIELDS,
         WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D)  # fmt: skip
@@ -653,7 +656,7 @@ def _decode_stage1_kernel(
             k = tl.load(table_ptr + _codes(keys, KEY_BITS, BLOCK_N, BLOCK_D))
         k = tl.trans(k)
         qk = tl.dot(q_lo, k, tl.dot(q_hi, k)) * norm[None, :]
-        s = tl.where(live[None, :], tl.where(page_ok[None, :], qk * score_scale, float("nan")), float("-inf"))
+        s = tl.where(live[None, :], qk * score_scale, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: a tile has at least one live token
         alpha = tl.exp2(m_i - m_new)
@@ -665,14 +668,14 @@ def _decode_stage1_kernel(
         acc = acc * alpha[:, None] + pv
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-        live, page_ok, keys, values, norm, v_scale, v_zero = next_tile
+        live, keys, values, norm, v_scale, v_zero = next_tile
 
     has_keys = end > start
-    l_safe = tl.where(l_i == 0, 1.0, l_i)  # NaN (a bad block) passes through
+    l_safe = tl.where(l_i == 0, 1.0, l_i)
     out = tl.where(has_keys, acc / l_safe[:, None], 0.0)
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
-    out = tl.where(too_long, float("nan"), out)
-    lse = tl.where(too_long, float("nan"), lse)
+    out = tl.where(poisoned, float("nan"), out)
+    lse = tl.where(poisoned, float("nan"), lse)
     partial = partials_ptr + b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
     tl.store(partial[:, None] + dims[None, :], out, mask=head_ok[:, None] & in_dim[None, :])
     tl.store(partial + HEAD_DIM, lse, mask=head_ok)
