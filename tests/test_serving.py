@@ -720,14 +720,13 @@ HOST_OVERHEAD_BUDGET_US = 25.0
 
 _HOST_BOUND = pytest.mark.xfail(
     strict=True,
-    reason="goal not met at these tiny shapes: the H200's host takes 15-46 us per call alone (serving_h200.md, "
-    "'host only'), more than the GPU work of lengths 40-129 hides",
+    reason="goal not met at these tiny shapes: the TurboQuant decode's host time alone is ~111 us per call on "
+    "the H200 (serving_h200.md, 'host only': the query rotation and the fp16 centroid table are torch ops per call)",
 )
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["decode_mla", pytest.param("verify", marks=_HOST_BOUND),
-                                  pytest.param("turboquant_decode", marks=_HOST_BOUND)])  # fmt: skip
+@pytest.mark.parametrize("name", ["decode_mla", "verify", pytest.param("turboquant_decode", marks=_HOST_BOUND)])
 def test_host_overhead_per_call(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Eager minus graph-replay time per call stays within the budget (the launches included).
 
