@@ -75,7 +75,7 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # count, against ~2000 for the fp32-FMA config at BLOCK_T 16). Timed at 23b7894 together with
 # byte-by-byte packing and 8 warps, the store got slower (k8v4 2.42 -> 4.79 ms, MSE presets
 # 27.9-33.2 ms, `attnref bench`); packing went back to one masked store of each group's bytes and
-# the sm90 entry back to 4 warps.
+# the sm90 entry back to 4 warps: 16.9-17.8 ms for the MSE presets (9ff0941, best of 4 configs).
 # Decode: BLOCK_N tokens per tile, at least 32 (the value MMA's K; Triton 3.6 miscompiles unpacked
 # codes fed to a 16-key dot, see tests/test_turboquant.py); PAIR_LUT picks the 4-bit key table when
 # the caller leaves use_pair_lut=None (the interpreter's entry takes the pair LUT, so the CPU
