@@ -747,7 +747,7 @@ def triton_turboquant_decode_attention_v2(
 ) -> torch.Tensor:
     """One-token decode attention over a TurboQuant SoA cache (vLLM's v2 launcher).
 
-    ``q~ = q @ PiT`` (``PiT = Pi.T`` when not given) in fp32 on the host; MSE keys score
+    ``q~ = q @ PiT`` (``PiT = Pi.T`` when not given) in fp32, by torch before the kernel; MSE keys score
     ``scale * n_j <q~, c[idx_j]>``, FP8 keys ``scale * <q, k_j>``; softmax over ``j <
     seq_lens[b]``; values ``q_j * scale_j + zero_j``. Golden:
     ``golden.turboquant.turboquant_decode_attention``. An empty request gives ``out = 0``,
