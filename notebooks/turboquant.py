@@ -290,8 +290,8 @@ plt.show()
 #
 # A 4-bit cache exists to make long-context decode cheaper: per (token, KV head) it holds 134 bytes
 # where bf16 holds 512. The cell below reads the H200 benchmark of this decode
-# (`notebooks/results/bench_turboquant_h200.json`, the data of `bench_turboquant_h200.md`) at B=32,
-# Hq=32, Hk=8, D=128, block 16, with a bf16 GQA decode of the same shape timed in the same run.
+# (`notebooks/results/bench_h200.json`, the data of `bench_h200.md`) at B=32, Hq=32, Hk=8, D=128,
+# block 16, beside this package's bf16 GQA decode of the same shape timed in the same run.
 #
 # Per key and KV head the kernel reads the slot's words, unpacks `D` key codes (shift and mask,
 # about 3 integer operations each) and gathers their fp16 centroids from a 16- or 8-entry table,
@@ -299,7 +299,7 @@ plt.show()
 # for the scores and two for the values (the query and `p * scale` as fp16 hi + lo pairs). Compiled
 # for sm_90 that is 79 warp instructions per key and KV head for 4-bit keys (96 for k8v4, 100 for
 # 3-bit; `benchmarks/sass_sm90_turboquant.py`), layout conversions through shared memory included.
-# The bytes are not the bound: every preset stays below 20% of its
+# The bytes are not the bound: every preset stays below a quarter of its
 # copy roofline, and the time still rises as the bytes fall, from FP8 keys (plain bytes, hardware
 # conversion) to 3-bit codes (a group of 8 codes straddles words). Asserted below: each of these, and
 # that the compressed decodes are all slower than bf16 today.
@@ -307,7 +307,7 @@ plt.show()
 
 # %%
 RESULTS = Path(triton_impl.__file__).resolve().parent.parent / "notebooks" / "results"
-bench = json.loads((RESULTS / "bench_turboquant_h200.json").read_text())
+bench = json.loads((RESULTS / "bench_h200.json").read_text())
 by_case = {row["case"]: row for row in bench["results"]}
 batch, q_heads, bench_kv_heads = 32, 32, 8  # the case names below hold this shape
 print(bench["header"])
@@ -321,14 +321,14 @@ for length in (8192, 32768):
         assert row["correct"], preset
         assert abs(counted - slot_bytes) < 0.01 * slot_bytes, (preset, counted, slot_bytes)
         timed.append((preset, slot_bytes, row))
-    bf16_ms = timed[0][2]["baselines_ms"]["bf16 GQA decode"]
+    bf16_ms = by_case[f"GQA 32/8 D{D} B={batch} H={q_heads} L={length} bf16"]["ms"]
     print(f"L={length}: bf16 GQA decode {bf16_ms:.3f} ms (512 cache bytes per token and KV head)")
     timed.sort(key=lambda item: -item[1])
     for preset, slot_bytes, row in timed:
         print(f"  {preset:20s} {slot_bytes:4d} bytes  {row['ms']:.3f} ms  {bf16_ms / row['ms']:.2f}x the bf16 speed  "
               f"{row['pct_roofline']:.1f}% of its copy roofline")  # fmt: skip
-        assert row["ms"] > row["baselines_ms"]["bf16 GQA decode"], preset  # slower than bf16 today
-        assert row["pct_roofline"] < 20, preset  # latency-bound, not byte-bound
+        assert row["ms"] > bf16_ms, preset  # slower than bf16 today
+        assert row["pct_roofline"] < 25, preset  # latency-bound, not byte-bound
     for (fat, _, fat_row), (lean, _, lean_row) in itertools.pairwise(timed):
         assert fat_row["ms"] < lean_row["ms"], (fat, lean)  # fewer bytes, more time
 
