@@ -36,10 +36,11 @@ store) splits ``a = big + small`` with ``big`` = ``a`` rounded to TF32 and ``sma
 at most ``2^-10`` of itself to TF32 (``2^-21 |a|``) and the dropped ``small*small`` is at most
 ``2^-22 |a b|``, so each product is within ``1.25 * 2^-20 |a b|`` (:data:`TF32X3_GEMM` takes
 ``operand_unit = 2^-19``, twice that). Its fp32 accumulator sees ``3D`` addends, and a tensor
-core aligns the addends of a step to the largest exponent and truncates (Fasi et al., "Numerical
-behavior of NVIDIA tensor cores", 2021): each addition within ``2u`` of the largest magnitude,
-which is at most ``A_d``. So the dot's ``gamma_D`` becomes ``gamma(3D, 2u)``: at ``D = 128`` the
-band is about 5 times the fp32 one, still far below the narrowest code gap
+core aligns the addends of a step to the largest exponent and keeps few extra bits (Fasi et al.,
+2021, report truncation; Valpey et al., 2025, a limited carry and no round-to-zero; ``papers.md``):
+each addition within ``2u`` of the largest magnitude, which is at most ``A_d``, covers both. So
+the dot's ``gamma_D`` becomes ``gamma(3D, 2u)``: at ``D = 128`` the band is about 5 times the
+fp32 one, still far below the narrowest code gap
 (``tests/test_turboquant.py::test_tie_bands_are_narrower_than_one_step``). For 16-bit keys the
 sm_90 store uses two TF32 products instead: ``k 2^-e`` (``2^e <= max |k|``) is exact and already
 TF32, ``PiT = hi + lo`` with ``hi`` truncated to TF32 and ``lo`` losing at most ``2^-10`` of itself
