@@ -463,3 +463,33 @@ assert any("H=128" in case for case in speedups)
 # above gives both kernels the same K/V fetches: the fetch count does not explain the gain there,
 # and this table does not say what does (the two paths also differ in split counts and in how
 # many rows and block-table copies they carry).
+
+# %% [markdown]
+# ## 6. Against FlashInfer on the same H200
+#
+# The same benchmark run also timed FlashInfer 0.7's MLA kernels (`BatchMLAPagedAttentionWrapper`,
+# the fa3 backend on sm_90, causal for `qlen > 1`) on the very same tensors, after checking their
+# output and LSE against the golden model (FlashInfer's LSE is base 2; the bench converts it).
+# The ratio is FlashInfer's time over ours: below 1 where FlashInfer is faster.
+
+# %%
+ratios = {}
+for result in bench["results"]:
+    status = result.get("peers_status", {}).get("FlashInfer")
+    if result["op"] == "mla_verify" and status is not None:
+        if status == "ok":
+            peer_ms = result["peers_ms"]["FlashInfer"]
+            ratios[result["case"]] = peer_ms / result["ms"]
+            print(f"{result['case']:42s} ours {result['ms']:.3f} ms, FlashInfer {peer_ms:.3f} ms: "
+                  f"{ratios[result['case']]:.2f}x")  # fmt: skip
+        else:
+            print(f"{result['case']:42s} FlashInfer not timed: {status[:90]}")
+geomean = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
+print(f"geomean {geomean:.2f}x over {len(ratios)} cases")
+assert ratios and max(ratios.values()) < 1  # FlashInfer is faster in every timed case today
+
+# %% [markdown]
+# FlashInfer's fa3 kernel is faster in every case it ran, 1.8-2.6x (the ratios above): it keeps
+# two warpgroups busy (one's softmax under the other's MMAs) and feeds them from a producer warp with TMA, a schedule
+# Triton does not produce for this loop today. Its FP8-cache LSE misses this package's tolerance, so
+# that case is reported and not timed: the golden check runs on the peer as on our kernels.
