@@ -237,6 +237,16 @@ def test_deepseek_mla_wide_config(device, arch) -> None:
     assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
 
 
+def test_a_register_cap_changes_no_result(device) -> None:
+    """``maxnreg`` (an optional config key, a compiler option) caps registers per thread; the
+    results are the sm90 MLA entry's bit for bit (DeepSeek widths, 16 heads, two splits)."""
+    d = make_decode(device, 7, [70, 3, 129], is_mla=True, num_heads=16, widths=(512, 64), page_size=64)
+    d.sm_scale = 192**-0.5
+    o, lse, _ = d.run(2, config=_config("sm90", True))
+    o_capped, lse_capped, _ = d.run(2, config={**_config("sm90", True), "maxnreg": 128})
+    assert torch.equal(o, o_capped) and torch.equal(lse, lse_capped)
+
+
 def test_empty_rows_are_neutral(device) -> None:
     """Extents 0 and negative: o = 0 and lse = -inf exactly, in both the one- and multi-split paths."""
     d = make_decode(device, 3, [0, 0], is_mla=False, num_heads=2, num_kv_heads=1, widths=(16, 16), page_size=4)

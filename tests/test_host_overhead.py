@@ -27,7 +27,7 @@ from tests.support import generator, paged_cache, randn
 from triton_impl import decode_attention as dec
 from triton_impl import lse_merge, mla_verify
 from triton_impl import turboquant as ttq
-from triton_impl.launch import Plans
+from triton_impl.launch import Plans, forget_plans
 from triton_impl.validation import CONTENT_CHECKS_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -356,3 +356,12 @@ def test_cpu_benchmark_takes_the_cached_path_for_every_serving_case() -> None:
 
     for name, *_ in CASES:
         assert f"| {name} |" in result.stdout
+
+
+def test_forget_plans_empties_every_wrapper_s_plans() -> None:
+    """A sweep edits a config table and calls ``forget_plans``: no plan made from the old table survives."""
+    first, second = Plans(), Plans()
+    first.add(("a",), 1)
+    second.add(("b",), 2)
+    forget_plans()
+    assert first.get(("a",)) is None and second.get(("b",)) is None

@@ -67,7 +67,8 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # (BLOCK_H 16) to 1657 us and H=16 from 470 us to 385 us. GQA keeps the upstream entry: 99.7% of
 # the roofline at H=32/8 D=128 L=32K, the best of 6 configs. The config never depends on the
 # batch, so the summation order of a row does not either (batch invariance with one split).
-_CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})  # SPLIT_LATENT is optional (0)
+# Optional keys: SPLIT_LATENT (0), maxnreg (registers per thread the compiler may use; none: its choice).
+_CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})
 DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "default": {
         "mla": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
@@ -558,6 +559,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
         DOT_PRECISION="ieee" if cache_dtypes[0] == torch.float32 else "tf32",  # fp32 queries: no TF32 truncation
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
+        **({"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}),
     ))  # fmt: skip
     return make_plan(stage1, None if single else merge_splits_launch(num_rows, attn_logits, o, lse))
 
