@@ -7,8 +7,13 @@ and last branch is counted by opcode: what one ``BLOCK_N``-key tile costs one wa
 
     TRITON_INTERPRET=0 PYTHONPATH=. .venv/bin/python benchmarks/sass_sm90_turboquant.py
 
-The numbers quoted in ``notebooks/results/perf_log.md`` come from this script (Triton 3.9 on the CPU
-machine; the H200 runs 3.6, so counts there may differ).
+The numbers quoted in ``notebooks/results/perf_log.md`` come from this script. The repository's venv
+has Triton 3.9; the H200 runs 3.6, whose code differs a lot for these kernels (k8v4 decode at BLOCK_N
+128: 255 registers, 2288 bytes of stack and 213 warp instructions per key with 3.6, no stack and 96
+with 3.9). For the H200's compiler, run the script from a separate venv::
+
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch==2.13.0 numpy einops
+    TRITON_INTERPRET=0 PYTHONPATH=. /tmp/t36/bin/python benchmarks/sass_sm90_turboquant.py
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ from triton_impl import turboquant as ttq
 from triton_impl.bench import _cuobjdump as cuobjdump_path
 
 TARGET = GPUTarget("cuda", 90, 32)
-DECODE_POINTERS = {"q_ptr": "*fp32", "cache_ptr": "*u8", "cache_u16_ptr": "*u16", "block_table_ptr": "*i32",
-                   "seq_lens_ptr": "*i32", "table_ptr": "*fp16", "partials_ptr": "*fp32"}  # fmt: skip
+DECODE_POINTERS = {"q_ptr": "*fp32", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+                   "table_ptr": "*fp16", "partials_ptr": "*fp32"}  # fmt: skip
 STORE_POINTERS = {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*u8", "cache_u16_ptr": "*u16",
                   "slot_ptr": "*i64", "pit_ptr": "*fp32", "midpoint_ptr": "*fp32", "centroid_ptr": "*fp32"}  # fmt: skip
 ADDRESS = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
