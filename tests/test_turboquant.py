@@ -322,6 +322,16 @@ def _add_toward_zero(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(r.double().abs() > exact.abs(), torch.nextafter(r, torch.zeros_like(r)), r)
 
 
+def _products_summed_toward_zero(operands: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``sum_j sum_(a, b) a[..., j] b[j, :]`` over the ``(a [..., D], b [D, D])`` pairs: each product exact,
+    the sum left to right (``j`` outer, pairs inner) in fp32 rounding toward zero."""
+    y = torch.zeros_like(operands[0][0])
+    for j in range(y.shape[-1]):
+        for a, b in operands:
+            y = _add_toward_zero(y, (a[..., j, None].double() * b[j].double()).float())
+    return y
+
+
 def _rotate_tf32x3(key: torch.Tensor, PiT: torch.Tensor) -> torch.Tensor:
     """``y`` as a 3xTF32 GEMM computes it (Triton's ``input_precision="tf32x3"``): ``a = big + small``,
     ``big`` rounded to TF32, ``small = a - big`` truncated to TF32 by the MMA; the three products
@@ -330,11 +340,7 @@ def _rotate_tf32x3(key: torch.Tensor, PiT: torch.Tensor) -> torch.Tensor:
     k_hat = k / (k.norm(dim=-1) + tq.KEY_NORM_EPS)[..., None]
     a_big, b_big = _tf32_nearest(k_hat), _tf32_nearest(PiT)
     a_small, b_small = _tf32(k_hat - a_big), _tf32(PiT - b_big)
-    y = torch.zeros_like(k)
-    for j in range(k.shape[-1]):
-        for a, b in ((a_big, b_big), (a_big, b_small), (a_small, b_big)):
-            y = _add_toward_zero(y, (a[..., j, None].double() * b[j].double()).float())
-    return y
+    return _products_summed_toward_zero([(a_big, b_big), (a_big, b_small), (a_small, b_big)])
 
 
 def _rotate_two_pass_tf32(key: torch.Tensor, PiT: torch.Tensor) -> torch.Tensor:
@@ -347,10 +353,7 @@ def _rotate_two_pass_tf32(key: torch.Tensor, PiT: torch.Tensor) -> torch.Tensor:
     scaled = torch.ldexp(k, -e[..., None])
     hi = _tf32(PiT)
     lo = _tf32(PiT - hi)
-    y = torch.zeros_like(k)
-    for j in range(k.shape[-1]):
-        for b in (lo, hi):
-            y = _add_toward_zero(y, (scaled[..., j, None].double() * b[j].double()).float())
+    y = _products_summed_toward_zero([(scaled, lo), (scaled, hi)])
     return y * (torch.ldexp(1 / (n + tq.KEY_NORM_EPS), e))[..., None]
 
 
