@@ -238,13 +238,16 @@ def test_deepseek_mla_wide_config(device, arch) -> None:
 
 
 def test_a_register_cap_changes_no_result(device) -> None:
-    """``maxnreg`` (an optional config key, a compiler option) caps registers per thread; the
-    results are the sm90 MLA entry's bit for bit (DeepSeek widths, 16 heads, two splits)."""
+    """``maxnreg`` and ``maxnreg_h16`` (optional config keys, a compiler option) cap registers per
+    thread; the results are the uncapped sm90 MLA entry's bit for bit (DeepSeek widths, 16 heads,
+    two splits)."""
     d = make_decode(device, 7, [70, 3, 129], is_mla=True, num_heads=16, widths=(512, 64), page_size=64)
     d.sm_scale = 192**-0.5
-    o, lse, _ = d.run(2, config=_config("sm90", True))
-    o_capped, lse_capped, _ = d.run(2, config={**_config("sm90", True), "maxnreg": 128})
-    assert torch.equal(o, o_capped) and torch.equal(lse, lse_capped)
+    uncapped = {k: v for k, v in _config("sm90", True).items() if not k.startswith("maxnreg")}
+    o, lse, _ = d.run(2, config=uncapped)
+    for cap in ({"maxnreg": 128}, {"maxnreg_h16": 128}, {"maxnreg": 255, "maxnreg_h16": 128}):
+        o_capped, lse_capped, _ = d.run(2, config={**uncapped, **cap})
+        assert torch.equal(o, o_capped) and torch.equal(lse, lse_capped)
 
 
 def test_empty_rows_are_neutral(device) -> None:

@@ -67,7 +67,11 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # (BLOCK_H 16) to 1657 us and H=16 from 470 us to 385 us. GQA keeps the upstream entry: 99.7% of
 # the roofline at H=32/8 D=128 L=32K, the best of 6 configs. The config never depends on the
 # batch, so the summation order of a row does not either (batch invariance with one split).
-# Optional keys: SPLIT_LATENT (0), maxnreg (registers per thread the compiler may use; none: its choice).
+# Optional keys: SPLIT_LATENT (0), maxnreg (registers per thread the compiler may use; none: its choice),
+# maxnreg_h16 (the same cap, only where the head tile clamps to 16 heads). The sm90 MLA entry caps the
+# 16-head tile at 128: uncapped, Triton 3.6 gives it 150 registers, so one 8-warp program fits an SM
+# where two fit at 128 (94 KiB of shared memory each); B=32 H=16 L=32K went 543 -> 385 us (8f5b45e,
+# sweep_decode_h200.md). The same cap on the 64-head tile (255 registers) doubled its time.
 _CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})
 DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "default": {
@@ -75,7 +79,8 @@ DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "gqa": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
     },
     "sm90": {
-        "mla": {"BLOCK_N": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1},
+        "mla": {"BLOCK_N": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1,
+                "maxnreg_h16": 128},
         "gqa": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
     },
 }
@@ -525,6 +530,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
         raise ValueError(f"config: missing keys {sorted(missing)} (expected those of DECODE_CONFIGS' entries)")
     block_h = min(config["BLOCK_H"], max(16, next_pow2(group)))
     head_blocks = cdiv(group, block_h)
+    maxnreg = config.get("maxnreg_h16") if block_h == 16 and config.get("maxnreg_h16") else config.get("maxnreg")
     split_latent = is_mla and bool(config.get("SPLIT_LATENT", 0)) and block_dv >= 32
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]  # with one split, o stands in for part
     grid = (num_rows, num_kv_heads * head_blocks, num_kv_splits)
@@ -559,7 +565,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
         DOT_PRECISION="ieee" if cache_dtypes[0] == torch.float32 else "tf32",  # fp32 queries: no TF32 truncation
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
-        **({"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}),
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     ))  # fmt: skip
     return make_plan(stage1, None if single else merge_splits_launch(num_rows, attn_logits, o, lse))
 
