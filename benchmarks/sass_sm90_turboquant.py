@@ -35,8 +35,8 @@ from triton_impl import turboquant as ttq
 from triton_impl.bench import _cuobjdump as cuobjdump_path
 
 TARGET = GPUTarget("cuda", 90, 32)
-DECODE_POINTERS = {"q_ptr": "*fp32", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-                   "table_ptr": "*fp16", "partials_ptr": "*fp32"}  # fmt: skip
+DECODE_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+                   "centroid_ptr": "*fp32", "partials_ptr": "*fp32"}  # fmt: skip
 STORE_POINTERS = {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*u8", "cache_u16_ptr": "*u16",
                   "slot_ptr": "*i64", "pit_ptr": "*fp32", "midpoint_ptr": "*fp32", "centroid_ptr": "*fp32"}  # fmt: skip
 ADDRESS = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
@@ -88,8 +88,7 @@ def decode(preset: str, config: dict[str, int]) -> None:
                       USE_PAIR_LUT=int(config["PAIR_LUT"] and key_bits == 4), WORD_ALIGNED_KEYS=int(aligned),
                       WORD_ALIGNED_VALUES=int(layout.value_quant_bits == 4), BLOCK_M=16, BLOCK_N=config["BLOCK_N"],
                       BLOCK_D=128)  # fmt: skip
-    pointers = dict(DECODE_POINTERS, table_ptr="*i32" if constexprs["USE_PAIR_LUT"] else "*fp16")
-    kernel = _compile(ttq._decode_stage1_kernel, pointers, constexprs,
+    kernel = _compile(ttq._decode_stage1_kernel, DECODE_POINTERS, constexprs,
                       {"num_warps": config["num_warps"], "num_stages": config["num_stages"]})  # fmt: skip
     count, mix = _loop_mix(kernel.asm["cubin"])
     per_key = count * config["num_warps"] / config["BLOCK_N"]

@@ -471,13 +471,6 @@ def build_pair_lut(centroids: torch.Tensor) -> torch.Tensor:
     return pairs.reshape(-1, 2).contiguous()
 
 
-def _byte_pair_table(centroids: torch.Tensor) -> torch.Tensor:
-    """The pair LUT as the kernel reads it: entry ``b`` (a packed byte, ``lo = b & 15``,
-    ``hi = b >> 4``) is ``fp16(c_lo) | fp16(c_hi) << 16``, one int32 per byte value (1 KiB)."""
-    lut = build_pair_lut(centroids).to(torch.float16)  # row lo*16 + hi
-    return lut.view(16, 16, 2).transpose(0, 1).reshape(256, 2).view(torch.int32)
-
-
 @triton.jit
 def _load_code_groups(words_ptr, field, live, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       WORD_ALIGNED: tl.constexpr):  # fmt: skip
@@ -516,11 +509,13 @@ def _small_int_to_f16(codes):
 
 
 @triton.jit
-def _pair_centroids(groups, pair_lut_ptr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """4-bit code groups -> fp16 centroids ``[BLOCK_N, BLOCK_D]`` through the byte-indexed pair LUT:
-    one 4-byte gather per packed byte returns the centroids of both of its codes."""
+def _pair_centroids(groups, pair_lut, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """4-bit code groups -> fp16 centroids ``[BLOCK_N, BLOCK_D]`` through the byte-indexed pair LUT
+    ``[256]`` uint32 (a register tensor): one 4-byte gather per packed byte returns the centroids
+    of both of its codes."""
     k = tl.arange(0, 4).to(tl.uint32)
-    pair = tl.load(pair_lut_ptr + ((groups[:, :, None] >> (8 * k)[None, None, :]) & 0xFF))
+    byte = tl.reshape((groups[:, :, None] >> (8 * k)[None, None, :]) & 0xFF, [BLOCK_N * BLOCK_D // 2])
+    pair = tl.reshape(tl.gather(pair_lut, byte.to(tl.int32), 0), [BLOCK_N, BLOCK_D // 8, 4])
     even = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)  # coordinate 2k
     odd = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)  # coordinate 2k + 1
     return tl.reshape(tl.join(even, odd), [BLOCK_N, BLOCK_D])
@@ -574,8 +569,42 @@ def _load_tile(cache_ptr, cache_u16_ptr, block_row, tile_start, end, kv_head,
 
 
 @triton.jit
+def _rotate_query_kernel(
+    q_ptr, pit_ptr, partials_ptr, num_heads, num_splits,
+    stride_qb, stride_qh, stride_pit_k, stride_pit_n, stride_pb, stride_ph, stride_ps,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(B, cdiv(H, BLOCK_M), BLOCK_D // D_CHUNK)``: ``q~ = q @ PiT`` for ``BLOCK_M`` heads and
+    ``D_CHUNK`` columns, written into the first ``D`` floats of every split slot of those heads.
+
+    The decode's own partials buffer ``[B, H, S, D+1]`` is the rotated query's home: stage 1's
+    program for split ``s`` reads ``q~`` from its slot, then overwrites the slot with its partial.
+    Nothing else is allocated and the query's rotation follows its contents on every call (a graph
+    replay included). fp32 products and sums (``input_precision="ieee"``), as an fp32 matmul; ``PiT``
+    is read through its strides (``Pi`` transposed is ``PiT`` with its strides swapped).
+    """
+    b = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    head_ok = heads < num_heads
+    k = tl.arange(0, BLOCK_D)
+    cols = tl.program_id(2) * D_CHUNK + tl.arange(0, D_CHUNK)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + k[None, :],
+                mask=head_ok[:, None] & (k < HEAD_DIM)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    pit = tl.load(pit_ptr + k[:, None] * stride_pit_k + cols[None, :] * stride_pit_n,
+                  mask=(k < HEAD_DIM)[:, None] & (cols < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
+    q_rot = tl.dot(q, pit, input_precision="ieee")
+    slot = partials_ptr + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + cols[None, :]
+    ok = head_ok[:, None] & (cols < HEAD_DIM)[None, :]
+    for split in range(num_splits):
+        tl.store(slot + split * stride_ps, q_rot, mask=ok)
+
+
+@triton.jit
 def _decode_stage1_kernel(
-    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, table_ptr, partials_ptr,
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr,
     sm_scale, num_splits, num_kv_heads, block_size, num_blocks, table_keys, stride_block, data_bytes_per_slot,
     meta_offset, stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
     KV_GROUP: tl.constexpr,
@@ -596,10 +625,15 @@ def _decode_stage1_kernel(
     It loads the group's ``KV_GROUP`` rotated queries once (``BLOCK_M >= 16`` rows for
     ``tl.dot``) and streams ``BLOCK_N``-token tiles of its split. Per tile, each token's key and
     value fields are read as 32-bit words, one word per group of 8 codes
-    (:func:`_load_code_groups`), and unpacked with shifts: key codes -> fp16 centroids (a 16- or
-    8-entry table, or the byte-indexed pair LUT) -> ``q.c`` in MMAs -> times the stored norm.
+    (:func:`_load_code_groups`), and unpacked with shifts: key codes -> fp16 centroids (the fp32
+    codebook gathered and rounded, or the byte-indexed pair LUT built from it in registers) ->
+    ``q.c`` in MMAs -> times the stored norm.
     Values enter as ``(p * scale) @ codes + p @ zero``: codes are small integers, exact in fp16
     (:func:`_small_int_to_f16`), so the MMA needs no dequantized value and no lookup.
+
+    MSE keys: the rotated query is read from this program's own slot of the partials buffer
+    (:func:`_rotate_query_kernel` put it there) before the slot is overwritten; FP8 keys: the query
+    itself, in its dtype.
 
     Numerics: the centroids are rounded to fp16 once (as upstream's kernel does); everything else
     keeps ~22 bits: the query and ``p * scale`` enter the MMAs as fp16 pairs ``hi + lo``, codes and
@@ -629,9 +663,23 @@ def _decode_stage1_kernel(
     head_ok = rows < KV_GROUP
     dims = tl.arange(0, BLOCK_D)
     in_dim = dims < HEAD_DIM
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-    q_hi, q_lo = _split_f16(tl.load(q_rows + dims[None, :], mask=head_ok[:, None] & in_dim[None, :], other=0.0))
+    partial = partials_ptr + b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
+    if KEY_BITS == 8:
+        q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    else:  # the rotated query, in this program's slot (the same pointer as the stores below: no aliasing to assume)
+        q_rows = partial[:, None]
+    q = tl.load(q_rows + dims[None, :], mask=head_ok[:, None] & in_dim[None, :], other=0.0).to(tl.float32)
+    q_hi, q_lo = _split_f16(q)
+    # Every thread's load of the slot is performed before any thread's store to it at the end:
+    # a barrier orders them (the loop's shared-memory tiles put more barriers between, but an
+    # empty split has no loop).
+    tl.debug_barrier()
     score_scale = sm_scale * _LOG2E  # scores in base 2
+    if USE_PAIR_LUT:  # entry b (a packed byte: lo = b & 15, hi = b >> 4) is fp16(c_lo) | fp16(c_hi) << 16
+        byte = tl.arange(0, 256)
+        lo = tl.load(centroid_ptr + (byte & 15)).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        hi = tl.load(centroid_ptr + (byte >> 4)).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        pair_lut = lo | (hi << 16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -651,9 +699,9 @@ def _decode_stage1_kernel(
         if KEY_BITS == 8:
             k = e4m3_bits_to_f16(keys)  # exact: every e4m3 value is an fp16 value
         elif USE_PAIR_LUT:
-            k = _pair_centroids(keys, table_ptr, BLOCK_N, BLOCK_D)
+            k = _pair_centroids(keys, pair_lut, BLOCK_N, BLOCK_D)
         else:
-            k = tl.load(table_ptr + _codes(keys, KEY_BITS, BLOCK_N, BLOCK_D))
+            k = tl.load(centroid_ptr + _codes(keys, KEY_BITS, BLOCK_N, BLOCK_D)).to(tl.float16)
         k = tl.trans(k)
         qk = tl.dot(q_lo, k, tl.dot(q_hi, k)) * norm[None, :]
         s = tl.where(live[None, :], qk * score_scale, float("-inf"))
@@ -676,7 +724,6 @@ def _decode_stage1_kernel(
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
     out = tl.where(poisoned, float("nan"), out)
     lse = tl.where(poisoned, float("nan"), lse)
-    partial = partials_ptr + b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
     tl.store(partial[:, None] + dims[None, :], out, mask=head_ok[:, None] & in_dim[None, :])
     tl.store(partial + HEAD_DIM, lse, mask=head_ok)
 
@@ -691,21 +738,17 @@ def _leading_view(
     return given[tuple(slice(0, n) for n in shape)]
 
 
-_ROTATE_PIT, _ROTATE_PI, _NO_ROTATION = 0, 1, 2  # q @ PiT, q @ Pi.T, FP8 keys (q as it is)
-_F16_TABLE, _PAIR_TABLE, _NO_TABLE = 0, 1, 2  # fp16 centroids, byte pair LUT, FP8 keys (none)
-
-
 class _DecodePlan(NamedTuple):
     """A checked call layout of :func:`triton_turboquant_decode_attention_v2` and what it launches.
 
     The launches take the caller's whole buffers: a buffer's leading part, which the kernels
     write, starts at the buffer's address and has its strides."""
 
-    stage1: Callable[..., None]  # (stream, q_rot, kv_cache, block_table, seq_lens, table, mid_o)
+    rotate: Callable[..., None]  # (stream, query, PiT or Pi, mid_o); no_launch for FP8 keys
+    stage1: Callable[..., None]  # (stream, query, kv_cache, block_table, seq_lens, centroids, mid_o)
     merge: Callable[..., None]  # (stream, mid_o, output, lse)
     launches: bool  # False: no (request, head), nothing to compute
-    rotation: int  # _ROTATE_PIT / _ROTATE_PI / _NO_ROTATION
-    table: int  # _F16_TABLE / _PAIR_TABLE / _NO_TABLE
+    rotation_from_pit: bool  # MSE keys: rotate by PiT (else by Pi, transposed through its strides)
     contiguous_lens: bool  # seq_lens is read with unit stride: else a contiguous copy per call
     shapes: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # mid_o, output, lse (buffers not given)
     out_dtype: torch.dtype
@@ -747,7 +790,7 @@ def triton_turboquant_decode_attention_v2(
 ) -> torch.Tensor:
     """One-token decode attention over a TurboQuant SoA cache (vLLM's v2 launcher).
 
-    ``q~ = q @ PiT`` (``PiT = Pi.T`` when not given) in fp32, by torch before the kernel; MSE keys score
+    ``q~ = q @ PiT`` (``PiT = Pi.T`` when not given) in fp32, by a first kernel; MSE keys score
     ``scale * n_j <q~, c[idx_j]>``, FP8 keys ``scale * <q, k_j>``; softmax over ``j <
     seq_lens[b]``; values ``q_j * scale_j + zero_j``. Golden:
     ``golden.turboquant.turboquant_decode_attention``. An empty request gives ``out = 0``,
@@ -765,12 +808,13 @@ def triton_turboquant_decode_attention_v2(
     Host path: the metadata checks and launch arguments are planned once per call layout (every
     tensor's dtype, shape, strides, device and 16-byte alignment, the cache's 4-byte alignment,
     every other argument and the type of each int; ``triton_impl.validation``); a call with a
-    planned layout passes its tensors straight to the two launches. What depends on contents is
-    computed on every call, on the device: ``q @ PiT`` (two torch ops) and the fp16 centroid table
-    (one; the pair LUT: several). Content checks, when on, run on every call.
+    planned layout passes its tensors straight to the launches: the rotation (MSE keys), stage 1
+    and the split merge. Everything derived from contents is computed by the kernels on every
+    call: the rotated query (written into ``mid_o_buf``'s split slots, which stage 1 then
+    overwrites) and the fp16 centroids (the pair LUT too, built in registers). Content checks,
+    when on, run on every call.
 
-    CUDA graphs: capture with the buffers given (then no buffer is allocated; the rotated query and
-    the centroid table are the only tensors made per call, in the graph's pool) and replay with new
+    CUDA graphs: capture with the buffers given (then nothing is allocated) and replay with new
     ``query`` / ``seq_lens`` / ``block_table`` / ``kv_cache`` / ``centroids`` / ``PiT`` contents
     written in place; the tensors (their addresses and shapes), ``scale``, the preset's sizes,
     ``key_fp8``, ``max_num_kv_splits`` and ``use_pair_lut`` stay fixed across replays.
@@ -797,7 +841,9 @@ def triton_turboquant_decode_attention_v2(
 
     Traffic: reads ``sum_b L_b * HKV * (data_bytes_per_slot + 2 * fields)`` cache bytes, the
     query and the block table; writes ``B*H*S*(D+1)`` fp32 partials, then ``B*H*D`` outputs and
-    ``B*H`` LSEs (stage 2 reads the partials back).
+    ``B*H`` LSEs (stage 2 reads the partials back). MSE keys: the rotation writes ``B*H*S*D`` fp32
+    (the rotated query in every split slot) that stage 1 reads back, and reads ``PiT`` once per
+    head block.
     """
     device_index, stream = current_target()
     try:
@@ -836,22 +882,9 @@ def triton_turboquant_decode_attention_v2(
         if buf_holder is not None:
             buf_holder._tq_lse_buf = lse_buf
     if plan.launches:
-        # Derived from contents, so on every call (a caller may rewrite them in place; a graph
-        # replay repeats these ops on the new contents).
-        if plan.rotation == _ROTATE_PIT:
-            q_rot = (query.float() @ PiT).contiguous()
-        elif plan.rotation == _ROTATE_PI:
-            q_rot = (query.float() @ Pi.T).contiguous()
-        else:
-            q_rot = query.float().contiguous()
-        if plan.table == _F16_TABLE:
-            table = centroids.to(torch.float16)
-        elif plan.table == _PAIR_TABLE:
-            table = _byte_pair_table(centroids)
-        else:
-            table = q_rot  # never read
-        plan.stage1(stream, q_rot, kv_cache, block_table, seq_lens if plan.contiguous_lens else seq_lens.contiguous(),
-                    table, mid_o_buf)  # fmt: skip
+        plan.rotate(stream, query, PiT if plan.rotation_from_pit else Pi, mid_o_buf)
+        plan.stage1(stream, query, kv_cache, block_table, seq_lens if plan.contiguous_lens else seq_lens.contiguous(),
+                    centroids, mid_o_buf)  # fmt: skip
         plan.merge(stream, mid_o_buf, output_buf, lse_buf)
     if plan.output_is_view:
         shape = plan.shapes[1]
@@ -881,13 +914,12 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         raise ValueError(f"max_num_kv_splits: expected a positive int, got {max_num_kv_splits!r}")
     if use_pair_lut and (key_fp8 or mse_bits != 4):
         raise ValueError(f"use_pair_lut: the pair LUT serves 4-bit keys, got mse_bits={mse_bits}, key_fp8={key_fp8}")
-    rotation = _NO_ROTATION
+    rotation = PiT if PiT is not None else Pi
     if not key_fp8:
-        rotation = _ROTATE_PIT if PiT is not None else _ROTATE_PI
-        if PiT is None and Pi is None:
+        if rotation is None:
             raise ValueError("Pi, PiT: MSE keys need the rotation, got None for both")
-        check_tensor("PiT" if PiT is not None else "Pi", PiT if PiT is not None else Pi, shape=(head_dim, head_dim),
-                     dtypes=(torch.float32,), device=device, unit_last_stride=False)  # fmt: skip
+        check_tensor("PiT" if PiT is not None else "Pi", rotation, shape=(head_dim, head_dim), dtypes=(torch.float32,),
+                     device=device, unit_last_stride=False)  # fmt: skip
         check_tensor("centroids", centroids, shape=(2**mse_bits,), dtypes=(torch.float32,), device=device)
     if not isinstance(scale, (int, float)):
         float(scale)  # what the launch does with it: raises for what cannot be a float
@@ -902,12 +934,12 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
                                           (output_buf, "output_buf", shapes[1], query.dtype),
                                           (lse_buf, "lse_buf", shapes[2], torch.float32))
     )  # fmt: skip
-    make_plan = partial(_DecodePlan, rotation=rotation, table=_NO_TABLE, contiguous_lens=True, shapes=shapes,
+    make_plan = partial(_DecodePlan, rotation_from_pit=PiT is not None, contiguous_lens=True, shapes=shapes,
                         out_dtype=query.dtype, device=device,
                         output_is_view=output_buf is not None and tuple(output_buf.shape) != shapes[1], batch=batch,
                         block_size=block_size, num_blocks=num_blocks, on_cuda=device.type == "cuda")  # fmt: skip
     if batch * num_heads == 0:
-        return make_plan(no_launch, no_launch, False)
+        return make_plan(no_launch, no_launch, no_launch, False)
     if num_blocks == 0:  # the kernel reads block 0 in place of a bad entry
         raise ValueError(f"kv_cache: expected at least one block, got shape {list(kv_cache.shape)}")
     if kv_cache.data_ptr() % 4:
@@ -917,14 +949,13 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
     config = select_decode_config(device)
     if use_pair_lut is None:
         use_pair_lut = key_bits == 4 and bool(config["PAIR_LUT"])
-    table = _NO_TABLE if key_fp8 else _PAIR_TABLE if use_pair_lut else _F16_TABLE
     # A field whose every 8-code group is one aligned word: 4-bit codes at 4-byte aligned offsets.
     aligned = kv_cache.stride(0) % 4 == 0 and layout["data_bytes_per_slot"] % 4 == 0
     group = num_heads // num_kv_heads
     stage1 = Launch(_decode_stage1_kernel, (batch, num_kv_heads, num_splits), (
         float(scale), num_splits, num_kv_heads, block_size, num_blocks, table_2d.shape[1] * block_size,
         kv_cache.stride(0), layout["data_bytes_per_slot"], block_size * num_kv_heads * layout["data_bytes_per_slot"],
-        num_heads * head_dim, head_dim,  # q_rot: contiguous [B, H, D]
+        *query.stride()[:2],  # read by FP8 keys only; MSE keys read the rotated query from mid_o
         table_2d.stride(0), table_2d.stride(1),
         *mid_o.stride()[:3],
     ), dict(
@@ -943,5 +974,13 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     ))  # fmt: skip
-    return make_plan(stage1, merge_splits_launch(batch, mid_o, output, lse), True, table=table,
+    rotate = no_launch
+    if not key_fp8:
+        block_m, block_d = 16, max(32, next_pow2(head_dim))
+        d_chunk = min(block_d, 32)  # [BLOCK_D, 32] fp32 of PiT per program: ~32 registers a thread
+        pit_strides = rotation.stride() if PiT is not None else rotation.stride()[::-1]
+        rotate = Launch(_rotate_query_kernel, (batch, cdiv(num_heads, block_m), block_d // d_chunk), (
+            num_heads, num_splits, *query.stride()[:2], *pit_strides, *mid_o.stride()[:3],
+        ), dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d, D_CHUNK=d_chunk, num_warps=4))  # fmt: skip
+    return make_plan(rotate, stage1, merge_splits_launch(batch, mid_o, output, lse), True,
                      contiguous_lens=seq_lens.shape[0] <= 1 or seq_lens.stride(0) == 1)  # fmt: skip
