@@ -2,7 +2,8 @@
 and gather) over their ``attnref bench`` cases; results go in ``notebooks/results/sweep_memory_bound_h200.md``.
 
 Run from the repository root on the GPU machine:
-``PYTHONPATH=. python3 benchmarks/sweep_memory_bound.py [seconds] [turboquant|store|ue8m0]``. Each line: case, config,
+``PYTHONPATH=. python3 benchmarks/sweep_memory_bound.py [seconds] [turboquant|store|ue8m0] [name part]`` (the last
+keeps only the cases whose name contains it). Each line: case, config,
 median time (``triton.testing.do_bench``, content checks off), GB/s of the case's traffic formula
 and its % of 4221 GB/s (the device copy ``attnref bench`` measured). A case is built once and timed
 under every config; the config tables are patched in place, as a sweep of data should. Each config's
@@ -27,9 +28,12 @@ from triton_impl.parity.ue8m0_cache import bench_cases as ue8m0_cases
 
 os.environ["ATTNREF_CHECK_CONTENTS"] = "0"
 COPY_GBPS = 4221.0
-# TurboQuant decode: (BLOCK_N, num_warps, num_stages, PAIR_LUT); the first is the current sm90 entry.
-TURBOQUANT_GRID = [(128, 4, 2, 0), (32, 4, 2, 0), (64, 4, 2, 0), (64, 8, 2, 0), (128, 8, 2, 0), (32, 4, 3, 0),
-                   (128, 4, 1, 0), (128, 4, 2, 1)]  # fmt: skip
+# TurboQuant decode: (BLOCK_N, num_warps, num_stages, PAIR_LUT); the first is the current sm90 entry. The pair
+# LUT is now built per program in registers and gathered with tl.gather (shared memory): Triton 3.6 compiles the
+# 4-bit loop at BLOCK_N 128 to 68 warp instructions per key and KV head against 77 for the fp32 codebook gather
+# (benchmarks/sass_sm90_turboquant.py), so the pair-LUT configs come first.
+TURBOQUANT_GRID = [(128, 4, 2, 0), (128, 4, 2, 1), (64, 4, 2, 1), (32, 4, 2, 1), (128, 8, 2, 1), (32, 4, 2, 0),
+                   (64, 4, 2, 0), (128, 4, 1, 0)]  # fmt: skip
 # TurboQuant store: (BLOCK_T, D_CHUNK, num_warps, TF32X3), for both key kinds' tables; the sm90 entries
 # are (64, 64, 8, 1) for MSE keys and (16, 32, 4, 0) for FP8 keys (the best fp32-FMA config too).
 STORE_GRID = [(64, 64, 4, 1), (64, 64, 8, 1), (128, 64, 8, 1), (16, 32, 4, 0)]
@@ -63,7 +67,7 @@ def set_ue8m0(tokens: int, workers: int, warps: int, decode: str = "int", fnuz_e
     return " ".join([f"T{tokens} workers{workers} w{warps}", *options, *["rope_words"] * rope_words])
 
 
-def main(budget_s: float, only: str | None = None) -> None:
+def main(budget_s: float, only: str | None = None, name_contains: str = "") -> None:
     device = torch.device("cuda")
     deadline = time.time() + budget_s
     cases = []
@@ -74,6 +78,8 @@ def main(budget_s: float, only: str | None = None) -> None:
     if only in (None, "ue8m0"):
         cases += [(c, set_ue8m0, UE8M0_GRID) for c in ue8m0_cases()]
     for case, apply, grid in cases:
+        if name_contains not in case.name:
+            continue
         bench = case.setup(device)
         for config in grid:
             if time.time() > deadline:
@@ -97,4 +103,5 @@ def main(budget_s: float, only: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(float(sys.argv[1]) if len(sys.argv) > 1 else 240.0, sys.argv[2] if len(sys.argv) > 2 else None)
+    main(float(sys.argv[1]) if len(sys.argv) > 1 else 240.0, sys.argv[2] if len(sys.argv) > 2 else None,
+         sys.argv[3] if len(sys.argv) > 3 else "")
