@@ -36,7 +36,7 @@ error that only the GPU's Triton raises can be missed.
 
 Environment: ``ATTNREF_COMPILE_SM90_JOBS`` (worker processes, default 1),
 ``ATTNREF_COMPILE_SM90_REPORT`` (a path: every variant and its outcome as JSON lines, with the
-HGMMA and HMMA counts of its SASS),
+HGMMA and HMMA counts of its SASS and its registers and stack bytes per thread),
 ``ATTNREF_COMPILE_SM90_TIMEOUT`` (seconds to wait for outstanding compiles at the end, default
 1800), ``ATTNREF_COMPILE_SM90_ERROR_LINES`` (lines of each error in the summary, default 12).
 Under pytest-xdist (``-n``, on by default in pyproject) every xdist worker checks its own launches
@@ -189,9 +189,10 @@ def _compile_request(req: dict[str, Any]) -> dict[str, Any]:
             shared = int(kernel.metadata.shared)
             result.update(shared=shared, stages=sorted(kernel.asm))
             if os.environ.get(f"{ENV_FLAG}_REPORT"):  # the report also counts tensor-core MMAs in the SASS
-                from triton_impl.bench import sass_mma_counts
+                from triton_impl.bench import sass_mma_counts, sass_resources
 
                 result["hgmma"], result["hmma"] = sass_mma_counts(kernel.asm["cubin"])
+                result["registers"], result["stack"] = sass_resources(kernel.asm["cubin"])
             if shared > req["max_shared"]:
                 result["error"] = (
                     f"OutOfResources: shared memory, Required: {shared}, Hardware limit: {req['max_shared']}"
@@ -427,6 +428,8 @@ class _Checker:
                     "shared": result.get("shared"),
                     "hgmma": result.get("hgmma"),
                     "hmma": result.get("hmma"),
+                    "registers": result.get("registers"),
+                    "stack": result.get("stack"),
                     "error": result.get("error"),
                 }
             )

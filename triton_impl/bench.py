@@ -24,6 +24,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -147,6 +148,18 @@ def _cuobjdump() -> str:
 
     bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     return str(bundled) if bundled.exists() else "cuobjdump"
+
+
+def sass_resources(cubin: bytes) -> tuple[int, int]:
+    """``(registers, stack bytes)`` per thread of a cubin's (last) kernel, from ``cuobjdump -res-usage``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run(
+            [_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, timeout=120, check=True
+        ).stdout
+    line = [x for x in usage.splitlines() if "REG:" in x][-1]
+    return int(re.search(r"REG:(\d+)", line).group(1)), int(re.search(r"STACK:(\d+)", line).group(1))
 
 
 def sass_mma_counts(cubin: bytes) -> tuple[int, int]:
