@@ -37,7 +37,7 @@ After: each wrapper keys a plan on its arguments' layout and launches through ``
 | MLA verify B=8 H=16 Q=4 L=4K | 37.7 | 7.1 |
 | MLA verify B=8 H=128 Q=4 L=4K (one split: one launch) | 24.7 | 6.5 |
 | GQA decode B=8 32/8 D=128 L=4K | 36.3 | 6.9 |
-| TurboQuant 4bit decode B=8 32/8 D=128 L=4K (~61 us of it the CPU computing q @ PiT) | 117.3 | 72.8 |
+| TurboQuant 4bit decode B=8 32/8 D=128 L=4K (rotation and codebook in the kernels since 14d089e; 72.8 before) | 117.3 | 9.1 |
 | merge_attn_states T=512 H=32 D=128 | 18.1 | 4.4 |
 
 Where MLA decode's 7 us go (each part timed alone): the plan key 3.8 us (ten tensor arguments,
@@ -51,7 +51,9 @@ others): ``(query.float() @ PiT).contiguous()`` 60.6 us timed alone, which here 
 the [256, 128] x [128, 128] product (on the GPU: two asynchronous torch launches); the fp16
 centroid table ``centroids.to(torch.float16)`` 2.0 us; the rest, ~10 us, is Python: the plan key
 (ten tensor arguments and thirteen others, ~5 us), the content-check switch, the two launches.
-Both torch ops derive from contents (the query, the centroids), so they run on every call.
+Both torch ops derive from contents (the query, the centroids), so they ran on every call. Since
+14d089e a first kernel rotates the query into the split slots of ``mid_o_buf`` and stage 1 rounds the
+fp32 codebook itself: 9.1 us, three launches and the plan key.
 """
 
 from __future__ import annotations
