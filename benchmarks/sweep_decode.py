@@ -28,13 +28,13 @@ SHAPES = [  # the H=16 shape first: its register cap (MLA_GRID) is the open ques
     ("MLA", 8, 128, 1, 576, 512, 8192, 64),
     ("GQA", 32, 32, 8, 128, 128, 32768, 16),
 ]
-# (BLOCK_H, BLOCK_N, num_warps, num_stages, SPLIT_LATENT[, maxnreg]). The last two MLA entries cap the
-# registers of the sm90 entry (64, 64, 8, 2, 1): at H=16 its tile loop uses 150 registers per thread
-# (Triton 3.6, sm_90 compile on a CPU), so one 8-warp program fits an SM where a30c1ca's 128 fitted two
-# (94 KiB of shared memory each); capped at 128 it compiles to 8 bytes of stack and a 681-instruction
-# loop (653 uncapped), as at a30c1ca. Predicted 0.55 -> ~0.40 ms; measured 543 -> 385 us (the sm90 entry has it now).
-MLA_GRID = [(64, 64, 8, 2, 1), (64, 64, 8, 2, 1, 128), (64, 32, 8, 2, 1, 128), (16, 32, 4, 2, 0), (16, 32, 4, 2, 1),
-            (32, 32, 4, 2, 1), (64, 32, 8, 2, 1), (64, 32, 4, 2, 1), (64, 16, 8, 2, 1), (64, 32, 8, 3, 1)]  # fmt: skip
+# (BLOCK_H, BLOCK_N, num_warps, num_stages, SPLIT_LATENT[, maxnreg]). The sm90 entry (64, 64, 8, 2, 1) caps the
+# 16-head tile at 128 registers (maxnreg_h16): uncapped, Triton 3.6 gives that tile 150 registers per thread, so
+# one 8-warp program fits an SM where two fit at 128 (94 KiB of shared memory each): 543 -> 385 us at H=16
+# (sweep_decode_h200.md). The next entries ask what else the 16-head tile gains under the cap: 4 warps, a
+# 128-key tile, 3 stages, a 32-key tile with 4 programs per SM by shared memory.
+MLA_GRID = [(64, 64, 8, 2, 1, 128), (64, 64, 4, 2, 1, 128), (64, 128, 8, 2, 1, 128), (64, 64, 8, 3, 1, 128),
+            (64, 32, 4, 2, 1, 128), (64, 64, 8, 2, 1), (16, 32, 4, 2, 1), (64, 32, 8, 2, 1)]  # fmt: skip
 GQA_GRID = [(16, 32, 4, 2, 0), (16, 64, 4, 2, 0), (16, 64, 4, 3, 0), (16, 128, 4, 2, 0), (16, 128, 8, 3, 0),
             (16, 64, 8, 2, 0)]  # fmt: skip
 
