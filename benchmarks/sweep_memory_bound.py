@@ -35,8 +35,9 @@ COPY_GBPS = 4221.0
 TURBOQUANT_GRID = [(128, 4, 2, 0), (128, 4, 2, 1), (64, 4, 2, 1), (32, 4, 2, 1), (128, 8, 2, 1), (32, 4, 2, 0),
                    (64, 4, 2, 0), (128, 4, 1, 0)]  # fmt: skip
 # TurboQuant store: (BLOCK_T, D_CHUNK, num_warps, TF32X3), for both key kinds' tables; the sm90 entries
-# are (64, 64, 8, 1) for MSE keys and (16, 32, 4, 0) for FP8 keys (the best fp32-FMA config too).
-STORE_GRID = [(64, 64, 4, 1), (64, 64, 8, 1), (128, 64, 8, 1), (16, 32, 4, 0)]
+# are (64, 64, 4, 1) for MSE keys and (16, 32, 4, 0) for FP8 keys. Then the variants the sm_90 static
+# count ranks next: T128 w8 (fewest instructions per row, one program per SM) and D_CHUNK 128.
+STORE_GRID = [(64, 64, 4, 1), (128, 64, 8, 1), (64, 128, 4, 1), (64, 64, 8, 1), (16, 32, 4, 0)]
 # UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps[, decode, fnuz_encode, rope_words]);
 # the first is the default entry, (4, 512, 4) the sm90 one. The 6-tuples time the per-value variants
 # of ue8m0.LaunchConfig (not yet timed) on the sm90 entry's launch: each option alone, then together.
