@@ -2,7 +2,7 @@
 and gather) over their ``attnref bench`` cases; results go in ``notebooks/results/sweep_memory_bound_h200.md``.
 
 Run from the repository root on the GPU machine:
-``PYTHONPATH=. python3 benchmarks/sweep_memory_bound.py [seconds] [turboquant|store|ue8m0] [name part]`` (the last
+``PYTHONPATH=. python3 benchmarks/sweep_memory_bound.py [seconds] [turboquant|store|ue8m0|merge] [name part]`` (the last
 keeps only the cases whose name contains it). Each line: case, config,
 median time (``triton.testing.do_bench``, content checks off), GB/s of the case's traffic formula
 and its % of 4221 GB/s (the device copy ``attnref bench`` measured). A case is built once and timed
@@ -19,10 +19,12 @@ import time
 import torch
 import triton.testing
 
+import triton_impl.lse_merge as lse_merge
 import triton_impl.turboquant as turboquant
 import triton_impl.ue8m0_cache as ue8m0
 from triton_impl.cases import compare_check
 from triton_impl.launch import forget_plans
+from triton_impl.parity.lse_merge import bench_cases as lse_merge_cases
 from triton_impl.parity.turboquant import bench_cases as turboquant_cases
 from triton_impl.parity.ue8m0_cache import bench_cases as ue8m0_cases
 
@@ -47,6 +49,18 @@ UE8M0_GRID = [(1, 128, 4), (4, 128, 4), (8, 128, 4), (8, 128, 8), (16, 128, 8), 
               (4, 512, 4, "int", "cvt", False), (4, 512, 4, "int", "int", True),
               (4, 512, 4, "cvt", "cvt", True), (4, 512, 4, "table", "cvt", True),
               (8, 512, 8, "cvt", "cvt", True), (2, 512, 4, "cvt", "cvt", True)]  # fmt: skip
+
+
+# Split merge (merge_splits): (MAX_BLOCK_S_D, num_warps); the first is the default entry. Warp
+# instructions per program at S=16 D=128 / S=8 D=512 (benchmarks/sass_sm90_lse_merge.py, Triton 3.6):
+# 453 / 575 with one warp, 838 / 986 with two, 1424 / 1468 with four; (2048, 1) splits D=512 into two
+# tiles of 4 (826). The kernel before it: 2488 / 2596 with four warps.
+MERGE_GRID = [(4096, 1), (4096, 2), (4096, 4), (2048, 1)]
+
+
+def set_merge(max_s_d: int, warps: int) -> str:
+    lse_merge.SPLIT_MERGE_CONFIGS["sm90"] = {"MAX_BLOCK_S_D": max_s_d, "num_warps": warps}
+    return f"S*D<={max_s_d} w{warps}"
 
 
 def set_turboquant(block_n: int, warps: int, stages: int, pair_lut: int) -> str:
@@ -78,6 +92,8 @@ def main(budget_s: float, only: str | None = None, name_contains: str = "") -> N
         cases += [(c, set_store, STORE_GRID) for c in turboquant_cases() if "store" in c.name]
     if only in (None, "ue8m0"):
         cases += [(c, set_ue8m0, UE8M0_GRID) for c in ue8m0_cases()]
+    if only in (None, "merge"):
+        cases += [(c, set_merge, MERGE_GRID) for c in lse_merge_cases() if "merge_splits" in c.name]
     for case, apply, grid in cases:
         if name_contains not in case.name:
             continue

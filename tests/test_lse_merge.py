@@ -124,6 +124,30 @@ def test_merge_splits_all_empty_is_neutral(device) -> None:
     assert torch.isneginf(lse.cpu()).all()
 
 
+@pytest.mark.parametrize(("splits", "head_dim"), [(5, 16), (40, 128)])  # one tile; two tiles of 32 splits
+def test_merge_splits_poisoned_split(device, splits, head_dim) -> None:
+    """A NaN LSE makes its whole (row, head) NaN, output and LSE, wherever the split lies (a second
+    tile too); +inf LSEs are empty; every other (row, head) merges as the golden does."""
+    gen = generator(11)
+    partials = torch.randn(3, 2, splits, head_dim + 1, generator=gen)
+    partials[..., head_dim] = _lse_pattern((3, 2, splits), gen, 0.3, 0.1)
+    partials[0, 1, splits - 1, head_dim] = float("nan")  # poisoned, in the last tile
+    partials[2, 0, 0, head_dim] = float("nan")  # poisoned, in the first tile
+    partials[1, 1, :, head_dim] = POS_INF  # every split empty (+inf-marked)
+    _poison_empty(partials[..., :head_dim], partials[..., head_dim])
+    o, lse = nan_filled((3, 2, head_dim), torch.float32, device), nan_filled((3, 2), torch.float32, device)
+    merge_splits(partials.to(device), o, lse)
+    o, lse = o.cpu(), lse.cpu()
+    poisoned = torch.zeros(3, 2, dtype=torch.bool)
+    poisoned[0, 1] = poisoned[2, 0] = True
+    assert o[poisoned].isnan().all() and lse[poisoned].isnan().all()
+    assert not o[~poisoned].isnan().any() and not lse[~poisoned].isnan().any()
+    assert torch.equal(o[1, 1], torch.zeros(head_dim)) and lse[1, 1].item() == NEG_INF
+    ref_o, ref_lse = merge_states(partials[..., :head_dim].double(), partials[..., head_dim].double())
+    assert_close(o[~poisoned], ref_o[~poisoned], ("lse_merge", "o", "float32"))
+    assert_close(lse[~poisoned], ref_lse[~poisoned], ("lse_merge", "lse", "float32"))
+
+
 def test_merge_splits_strided_partials(device) -> None:
     """A scratch view with padded strides (as carved from a workspace) merges like a dense one."""
     gen = generator(7)

@@ -21,12 +21,22 @@ from triton_impl.validation import cdiv, check_scale, check_tensor, next_pow2, t
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FP8_OUT = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
-# Launch configs as data. Both kernels are memory-bound: a program should move >= 4 KB so the
-# grid is not launch/tail-bound, and load 16 B per thread. One entry for every architecture: on
-# the H200 it reaches 89.1% of the copy bandwidth (geomean, notebooks/results/bench_h200.md), and
-# no sweep has been run for it.
+# Launch configs as data, one entry for every architecture. The two-state merge is memory-bound: a
+# program should move >= 4 KB so the grid is not launch/tail-bound, and load 16 B per thread; on the
+# H200 it reaches 96.0-96.1% of the copy bandwidth (notebooks/results/bench_h200.md), no sweep run.
 MERGE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"MAX_BLOCK_HEADS_D": 4096, "num_warps": 4},
+}
+# The split merge: a program's tile is [BLOCK_S, BLOCK_D] with BLOCK_S * BLOCK_D <= MAX_BLOCK_S_D.
+# Each thread holds a column slice of every row, so it computes all BLOCK_S weights: that work is
+# repeated per warp while the bytes are not, and one warp per (row, head) issues the fewest
+# instructions. Compiled for sm_90 by Triton 3.6 (benchmarks/sass_sm90_lse_merge.py), warp
+# instructions per program at S=16 D=128 / S=8 D=512: 453 / 575 (80 / 149 registers). The kernel
+# before it issued 2488 / 2596 with 4 warps: at S=16 D=128, 993 programs per SM of the H200 need
+# 0.31 ms at 4 warp instructions per cycle, above the 0.263 ms copy roofline; it ran 0.426 ms.
+# Not yet timed on the H200 (benchmarks/sweep_memory_bound.py merge has the alternatives).
+SPLIT_MERGE_CONFIGS: dict[str, dict[str, int]] = {
+    "default": {"MAX_BLOCK_S_D": 4096, "num_warps": 1},
 }
 
 # Plans by call key (``triton_impl.validation`` says what a key holds): the checked launch of each
@@ -235,6 +245,48 @@ def _plan_merge_two(output, prefix_output, prefix_lse, suffix_output, suffix_lse
 
 
 @triton.jit
+def _clean_lse(lse):
+    """An LSE as a weight's exponent: ``+inf`` (an empty set for some backends) and NaN (a poisoned
+    split, counted apart) give ``-inf``, weight 0."""
+    return tl.where((lse == float("inf")) | (lse != lse), float("-inf"), lse)
+
+
+@triton.jit
+def _split_lses(base, start, num_splits, head_dim, stride_p_s, BLOCK_S: tl.constexpr, LSE_COLS: tl.constexpr):
+    """The LSEs of splits ``[start, start + BLOCK_S)`` (column ``D`` of each), ``-inf`` past the last.
+
+    Loaded as the last column of a ``[BLOCK_S, LSE_COLS]`` tile whose other columns are masked off
+    (never read) and summed away. A load of fewer elements than the program has threads counts as
+    cheap to Triton's layout pass, which then repeats it, and every weight computation after it, in
+    every thread that needs a weight (each thread needs all ``BLOCK_S``); ``BLOCK_S * LSE_COLS`` at
+    least the thread count keeps one LSE per thread and moves the weights through shared memory once.
+    """
+    s = start + tl.arange(0, BLOCK_S)
+    col = tl.arange(0, LSE_COLS)
+    is_lse = col[None, :] == LSE_COLS - 1
+    tile = tl.load(
+        base + s[:, None] * stride_p_s + (head_dim - (LSE_COLS - 1)) + col[None, :],
+        mask=(s[:, None] < num_splits) & is_lse,
+        other=float("-inf"),
+    )
+    return tl.sum(tl.where(is_lse, tile, 0.0), axis=1)  # x + 0 == x for every x, NaN and infinities too
+
+
+@triton.jit
+def _weighted_tile_sum(base, start, w, head_dim, stride_p_s, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                       EVEN_D: tl.constexpr):  # fmt: skip
+    """``sum_s w_s * partial_s`` over splits ``[start, start + BLOCK_S)``, one ``[BLOCK_S, BLOCK_D]``
+    load: every row's loads are issued before the first is used. A split of weight 0 is not read."""
+    s = start + tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    mask = w[:, None] > 0
+    if not EVEN_D:
+        mask &= dims[None, :] < head_dim
+    part = tl.load(base + s[:, None] * stride_p_s + dims[None, :], mask=mask, other=0.0)
+    return tl.sum(part * w[:, None], axis=0)
+
+
+@triton.jit
 def _merge_splits_kernel(
     partials_ptr, o_ptr, lse_ptr,
     num_heads, num_splits, head_dim,
@@ -243,49 +295,51 @@ def _merge_splits_kernel(
     stride_lse_r, stride_lse_h,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    LSE_COLS: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    MULTI_TILE: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(rows, H)``: a program merges the ``S`` split states of one (row, head).
 
     Pass 1 reads the ``S`` LSEs (stored at column ``D`` of each split) and takes their max; pass 2
-    streams ``BLOCK_S`` splits at a time, weighting each normalized partial by
-    ``exp(lse_s - max)``. Splits with ``lse = -inf`` are empty: their outputs are never loaded.
-    A NaN LSE (stage 1 poisons a split that met a block-table entry outside the cache) makes the
-    whole (row, head) NaN, explicitly: a hardware max would drop the NaN.
+    reads ``BLOCK_S`` splits at a time, weighting each normalized partial by ``exp(lse_s - max)``.
+    Splits with ``lse = -inf`` are empty: their outputs are never loaded. A NaN LSE (stage 1
+    poisons a split that met a block-table entry outside the cache) makes the whole (row, head)
+    NaN, explicitly: a hardware max would drop the NaN.
+
+    The first ``BLOCK_S`` LSEs are loaded once and kept for pass 2; with ``S <= BLOCK_S``
+    (``MULTI_TILE`` false) there is no loop. ``EVEN_D``: ``D == BLOCK_D``, no column mask.
     """
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     base = partials_ptr + row * stride_p_r + head * stride_p_h
-    dims = tl.arange(0, BLOCK_D)
-    splits = tl.arange(0, BLOCK_S)
 
-    m = tl.full((BLOCK_S,), float("-inf"), tl.float32)
-    poisoned = tl.zeros((BLOCK_S,), tl.int32)
-    for start in range(0, num_splits, BLOCK_S):
-        s = start + splits
-        lse_s = tl.load(base + s * stride_p_s + head_dim, mask=s < num_splits, other=float("-inf"))
-        poisoned |= (lse_s != lse_s).to(tl.int32)
-        m = tl.maximum(m, tl.where((lse_s == float("inf")) | (lse_s != lse_s), float("-inf"), lse_s))
+    lse_first = _split_lses(base, 0, num_splits, head_dim, stride_p_s, BLOCK_S, LSE_COLS)
+    poisoned = (lse_first != lse_first).to(tl.int32)
+    m = _clean_lse(lse_first)
+    if MULTI_TILE:
+        for start in range(BLOCK_S, num_splits, BLOCK_S):
+            lse_s = _split_lses(base, start, num_splits, head_dim, stride_p_s, BLOCK_S, LSE_COLS)
+            poisoned |= (lse_s != lse_s).to(tl.int32)
+            m = tl.maximum(m, _clean_lse(lse_s))
     m_all = tl.max(m, axis=0)
     poison = tl.max(poisoned, axis=0) > 0
     empty = m_all == float("-inf")
     m_safe = tl.where(empty, 0.0, m_all)
 
-    acc = tl.zeros((BLOCK_D,), tl.float32)
-    total = tl.zeros((BLOCK_S,), tl.float32)
-    for start in range(0, num_splits, BLOCK_S):
-        s = start + splits
-        lse_s = tl.load(base + s * stride_p_s + head_dim, mask=s < num_splits, other=float("-inf"))
-        w = tl.exp(tl.where((lse_s == float("inf")) | (lse_s != lse_s), float("-inf"), lse_s) - m_safe)
-        part = tl.load(
-            base + s[:, None] * stride_p_s + dims[None, :],
-            mask=(w[:, None] > 0) & (dims[None, :] < head_dim),
-            other=0.0,
-        )
-        acc += tl.sum(part * w[:, None], axis=0)
-        total += w
+    w = tl.exp(_clean_lse(lse_first) - m_safe)
+    total = w
+    acc = _weighted_tile_sum(base, 0, w, head_dim, stride_p_s, BLOCK_S, BLOCK_D, EVEN_D)
+    if MULTI_TILE:
+        for start in range(BLOCK_S, num_splits, BLOCK_S):
+            lse_s = _split_lses(base, start, num_splits, head_dim, stride_p_s, BLOCK_S, LSE_COLS)
+            w = tl.exp(_clean_lse(lse_s) - m_safe)
+            total += w
+            acc += _weighted_tile_sum(base, start, w, head_dim, stride_p_s, BLOCK_S, BLOCK_D, EVEN_D)
     w_sum = tl.sum(total, axis=0)
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, w_sum))
     inv = tl.where(poison, float("nan"), inv)
+    dims = tl.arange(0, BLOCK_D)
     tl.store(
         o_ptr + row * stride_o_r + head * stride_o_h + dims,
         cast_for_store(acc * inv, o_ptr.dtype.element_ty),
@@ -345,10 +399,19 @@ def _merge_splits_launch_args(
     first ``rows`` rows of ``[>= rows, H, S, D+1]`` partials."""
     _, num_heads, num_splits, width = partials.shape
     block_d = next_pow2(width - 1)
-    config = select_config(MERGE_CONFIGS, partials.device)
-    block_s = max(1, min(next_pow2(num_splits), config["MAX_BLOCK_HEADS_D"] // block_d))
+    config = select_config(SPLIT_MERGE_CONFIGS, partials.device)
+    block_s = max(1, min(next_pow2(num_splits), config["MAX_BLOCK_S_D"] // block_d))
+    threads = 32 * config["num_warps"]
     tail = (num_heads, num_splits, width - 1, *partials.stride()[:3], *o.stride()[:2], *lse.stride()[:2])
-    return (rows, num_heads), tail, {"BLOCK_S": block_s, "BLOCK_D": block_d, "num_warps": config["num_warps"]}
+    constexprs = {
+        "BLOCK_S": block_s,
+        "BLOCK_D": block_d,
+        "LSE_COLS": max(2, threads // block_s),
+        "EVEN_D": block_d == width - 1,
+        "MULTI_TILE": num_splits > block_s,
+        "num_warps": config["num_warps"],
+    }
+    return (rows, num_heads), tail, constexprs
 
 
 def merge_splits_launch(rows: int, partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> Callable[..., None]:
