@@ -98,9 +98,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from triton import knobs
 
     hook = knobs.runtime.launch_enter_hook
-    if hasattr(hook, "add"):  # Triton >= 3.7: a chain of hooks
+    if hasattr(hook, "add"):  # a chain of hooks (Triton 3.6 and 3.9 both have one)
         hook.add(_count_launch)
-    else:  # Triton 3.6: a single hook
+    else:  # a single hook
         knobs.runtime.launch_enter_hook = _count_launch
 
 

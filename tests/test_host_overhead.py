@@ -365,3 +365,16 @@ def test_forget_plans_empties_every_wrapper_s_plans() -> None:
     second.add(("b",), 2)
     forget_plans()
     assert first.get(("a",)) is None and second.get(("b",)) is None
+
+
+def test_launch_hooks_count_as_active_only_when_they_would_run() -> None:
+    """``Launch`` skips ``launch_metadata`` and the hook calls when no hook would run: None, or an
+    empty ``HookChain`` (Triton's default); a chain holding a call, or a plain callable, is active."""
+    from triton import knobs
+
+    from triton_impl.launch import _hook_active
+
+    chain = knobs.HookChain()
+    assert not _hook_active(None) and not _hook_active(chain)
+    chain.add(print)
+    assert _hook_active(chain) and _hook_active(print)

@@ -147,6 +147,13 @@ def no_launch(stream: int | None, *head: Any) -> None:
     (no rows or heads)."""
 
 
+def _hook_active(hook: Any) -> bool:
+    """Whether a launch hook would do anything: not None and, for Triton's ``HookChain`` (Triton
+    3.6's default hooks are empty chains, never None), holding a call. An inactive pair skips
+    ``launch_metadata`` and both hook calls: about 3 us of host time per launch on the H200."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class Launch:
     """``kernel[grid](*head, *tail, **constexprs)`` with ``grid``, ``tail`` and ``constexprs`` fixed.
 
@@ -173,8 +180,8 @@ class Launch:
             return
         run, gx, gy, gz, function, packed = self._launcher
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        if enter is None:  # no launch hook (Triton 3.6's default): no metadata for it
-            run(gx, gy, gz, stream, function, packed, None, None, leave, *head, *self._params)
+        if not (_hook_active(enter) or _hook_active(leave)):  # no launch hook: no metadata for one
+            run(gx, gy, gz, stream, function, packed, None, None, None, *head, *self._params)
         else:
             params = (*head, *self._params)
             metadata = self._compiled.launch_metadata((gx, gy, gz), stream, *params)
@@ -219,7 +226,10 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constexprs: Any) ->
     grid3 = (*grid, 1, 1)[:3]
     params = (*args, *(constexprs[name] for name in names))
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    metadata = compiled.launch_metadata(grid3, stream, *params) if enter is not None else None
-    compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *params)
+    if not (_hook_active(enter) or _hook_active(leave)):
+        compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *params)
+    else:
+        metadata = compiled.launch_metadata(grid3, stream, *params)
+        compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *params)
     if on_launch is not None:
         on_launch(compiled)
