@@ -88,7 +88,8 @@ def decode(preset: str, config: dict[str, int]) -> None:
     aligned = key_bits == 4
     constexprs = dict(KV_GROUP=4, HEAD_DIM=128, KEY_BITS=key_bits, VALUE_BITS=layout.value_quant_bits,
                       KEY_DATA_BYTES=layout.key_data_bytes, NUM_FIELDS=2 if layout.key_fp8 else 3,
-                      USE_PAIR_LUT=int(config["PAIR_LUT"] and key_bits == 4), WORD_ALIGNED_KEYS=int(aligned),
+                      USE_PAIR_LUT=int(config["PAIR_LUT"] and key_bits == 4),
+                      SMEM_CODEBOOK=int(config["SMEM_CODEBOOK"]), WORD_ALIGNED_KEYS=int(aligned),
                       WORD_ALIGNED_VALUES=int(layout.value_quant_bits == 4), BLOCK_M=16, BLOCK_N=config["BLOCK_N"],
                       BLOCK_D=128)  # fmt: skip
     kernel = _compile(ttq._decode_stage1_kernel, DECODE_POINTERS, constexprs,

@@ -83,12 +83,15 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # benchmarks/sass_sm90_turboquant.py): 494 -> 395 (4-bit) and 459 -> 321 (3-bit) warp
 # instructions per row at BLOCK_T 64, D_CHUNK 64, 4 warps, still 255 registers (2 programs per SM).
 # Decode: BLOCK_N tokens per tile, at least 32 (the value MMA's K; Triton 3.6 miscompiles unpacked
-# codes fed to a 16-key dot, see tests/test_turboquant.py); PAIR_LUT picks the 4-bit key table when
-# the caller leaves use_pair_lut=None (the interpreter's entry takes the pair LUT, so the CPU
-# tests run both tables). The sm90 entry is the best 4-bit and k8v4 config of the 10 in
-# notebooks/results/sweep_memory_bound_h200.md (BLOCK_N 32-128, 4-8 warps, 1-3 stages, both tables):
-# the pair LUT is ~2x slower there (a warp's gathers span 8 L1 lines of a 1 KiB table instead of one
-# line of a 32-byte one), and 3-bit keys would gain ~9% at BLOCK_N 32. No config depends on the batch.
+# codes fed to a 16-key dot, see tests/test_turboquant.py). Key tables: the kernel makes them from the
+# fp32 codebook on every call. PAIR_LUT picks the 4-bit pair LUT when the caller leaves
+# use_pair_lut=None; otherwise SMEM_CODEBOOK 1 gathers from the fp16 codebook held as a register
+# tensor (tl.gather, through shared memory), 0 loads the fp32 entries and rounds them. Each entry
+# runs a different pair, so the property tests cover all three tables. The sm90 entry's BLOCK_N 128,
+# 4 warps, 2 stages is the best 4-bit and k8v4 config of 10 (sweep_memory_bound_h200.md). With the
+# tables built in the kernel (14d089e), 4-bit at L=8K / 32K: pair LUT 0.694 / 2.569 ms, fp32 loads
+# 1.169 / 4.016 ms (the old fp16 table in global memory: 0.683 / 2.515 ms, 9ff0941). No config
+# depends on the batch.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0},
     "sm90": {"BLOCK_T": 64, "D_CHUNK": 64, "num_warps": 4, "TF32X3": 1},
@@ -100,9 +103,9 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK and TF32X3 unuse
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0},
 }
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
-    "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0},
-    "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0},
-    "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1},
+    "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0},
+    "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1},
+    "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0},
 }
 
 
@@ -711,6 +714,7 @@ def _decode_stage1_kernel(
     KEY_DATA_BYTES: tl.constexpr,
     NUM_FIELDS: tl.constexpr,
     USE_PAIR_LUT: tl.constexpr,
+    SMEM_CODEBOOK: tl.constexpr,  # without the pair LUT: gather from an fp16 register tensor, else fp32 loads
     WORD_ALIGNED_KEYS: tl.constexpr,
     WORD_ALIGNED_VALUES: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -777,6 +781,8 @@ def _decode_stage1_kernel(
         lo = tl.load(centroid_ptr + (byte & 15)).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
         hi = tl.load(centroid_ptr + (byte >> 4)).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
         pair_lut = lo | (hi << 16)
+    elif SMEM_CODEBOOK and KEY_BITS != 8:  # the fp16 codebook as a register tensor, gathered from
+        codebook = tl.load(centroid_ptr + tl.arange(0, 1 << KEY_BITS)).to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -797,6 +803,9 @@ def _decode_stage1_kernel(
             k = e4m3_bits_to_f16(keys)  # exact: every e4m3 value is an fp16 value
         elif USE_PAIR_LUT:
             k = _pair_centroids(keys, pair_lut, BLOCK_N, BLOCK_D)
+        elif SMEM_CODEBOOK:
+            codes = tl.reshape(_codes(keys, KEY_BITS, BLOCK_N, BLOCK_D), [BLOCK_N * BLOCK_D])
+            k = tl.reshape(tl.gather(codebook, codes, 0), [BLOCK_N, BLOCK_D])
         else:
             k = tl.load(centroid_ptr + _codes(keys, KEY_BITS, BLOCK_N, BLOCK_D)).to(tl.float16)
         k = tl.trans(k)
@@ -1063,6 +1072,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         KEY_DATA_BYTES=layout["key_data_bytes"],
         NUM_FIELDS=layout["num_fields"],
         USE_PAIR_LUT=bool(use_pair_lut),
+        SMEM_CODEBOOK=bool(config["SMEM_CODEBOOK"]),
         WORD_ALIGNED_KEYS=aligned and key_bits == 4,
         WORD_ALIGNED_VALUES=aligned and value_quant_bits == 4 and layout["key_data_bytes"] % 4 == 0,
         BLOCK_M=max(16, next_pow2(group)),
