@@ -14,32 +14,36 @@ could round differently between compiled and interpreted Triton is done exactly 
 - bf16 is moved as int16 bits (RoPE is copied bit for bit) and the gathered NoPE value is
   rounded by ``cast_for_store`` (round-to-nearest-even in both modes).
 
-Faster variants of the per-value work, chosen by ``LaunchConfig`` fields (off in every table
-entry: none is timed on a GPU yet; ``benchmarks/sweep_memory_bound.py`` times them against the
+Faster variants of the per-value work, chosen by ``LaunchConfig`` fields (off in the default
+entry, all three in the sm90 one; ``benchmarks/sweep_memory_bound.py`` times them against the
 defaults). Each gives the same bytes and bf16 bits (NaN as NaN), and the tests run each one:
 
 - ``decode="cvt"``: the gather decodes e4m3 with the hardware OCP conversion plus integer fix-ups
   for FNUZ (:func:`triton_impl.interpreter.e4m3_bits_to_f32_cvt`); ``decode="table"``: one load
   per value from a 256-entry fp32 table of torch's decode, kept per device and format.
 - ``fnuz_encode="cvt"``: the FNUZ insert encodes ``2y`` with the hardware OCP conversion, with
-  fix-ups for FNUZ's +0 and NaN (:func:`triton_impl.interpreter.f32_to_e4m3fnuz_bits_cvt`).
+  the fix-up for FNUZ's +0 (and, in a tile with a non-finite group, for NaN:
+  :func:`triton_impl.interpreter.f32_to_e4m3fnuz_bits_cvt`).
 - ``rope_words=True``: the RoPE part is copied as 32 words per token (both kernels), where k,
   ``out`` and the cache keep it 4-byte aligned; bytes elsewhere.
 
-SASS for sm_90, compiled on a CPU at the sm90 entry's launch (4 tokens per program, 4 warps:
-16 values per thread): instructions per program (insert) or per gather loop iteration, and per
-value (no variant spills; registers 32-56 against the defaults' 40 and 64):
+SASS for sm_90 (Triton 3.6, compiled on a CPU by ``benchmarks/sass_sm90_ue8m0.py`` as the bench
+launches them: 4 tokens per program, 4 warps, 16 values per thread): instructions one thread issues
+per program (insert) or per gather loop iteration on the common path (live tokens, finite groups),
+and per value; no variant spills:
 
-================  ==============  =================================================================
-kernel            default         variants
-================  ==============  =================================================================
-insert OCP        624 (39.0)      rope_words 408 (25.5)
-insert FNUZ       983 (61.4)      fnuz_encode cvt 659 (41.2); + rope_words 440 (27.5)
-gather OCP        563 (35.2)      cvt 293 (18.3); table 305 (19.1); rope_words 449 (28.1);
-                                  cvt + rope_words 196 (12.3); table + rope_words 234 (14.6)
-gather FNUZ       579 (36.2)      cvt 458 (28.6); table 305 (19.1); cvt + rope_words 362 (22.6);
-                                  table + rope_words 234 (14.6)
-================  ==============  =================================================================
+================  ==============================  ================================================
+kernel            sm90 entry (cvt, rope_words)    all-integer variant (int, bytes)
+================  ==============================  ================================================
+insert OCP        230 (14.4), 41 registers        358 (22.4)
+insert FNUZ       266 (16.6), 52 registers        880 (55.0)
+gather OCP        223 (13.9), 40 registers        637 (39.8)
+gather FNUZ       360 (22.5), 45 registers        598 (37.4)
+================  ==============================  ================================================
+
+The insert's common path is the saturating hardware conversion alone: a tile whose groups are all
+finite needs no clamp and no NaN fix-up, so those run only in a branch taken for a tile with an
+inf or NaN group (424 -> 230 OCP, 462 -> 266 FNUZ against the previous per-value fix-ups).
 
 Fewer instructions is a proxy, not a timing: the table's loads are gathers from a 1 KB table
 (up to 8 cache lines per warp-wide load), a cost the instruction count does not see.
@@ -60,6 +64,7 @@ from triton_impl.interpreter import (
     e4m3_bits_to_f32,
     e4m3_bits_to_f32_cvt,
     f32_to_e4m3_bits,
+    f32_to_e4m3fn_bits_not_nan,
     f32_to_e4m3fnuz_bits_cvt,
 )
 from triton_impl.launch import launch, select_config
@@ -116,8 +121,9 @@ class LaunchConfig:
 # depend on the config; a test checks it).
 LAUNCH_CONFIGS: dict[str, LaunchConfig] = {
     "default": LaunchConfig(tokens_per_program=1, gather_workers=128, num_warps=4),
-    "sm90": LaunchConfig(tokens_per_program=4, gather_workers=512, num_warps=4, decode="cvt", fnuz_encode="cvt",
-                         rope_words=True),
+    "sm90": LaunchConfig(
+        tokens_per_program=4, gather_workers=512, num_warps=4, decode="cvt", fnuz_encode="cvt", rope_words=True
+    ),
     "interpreter": LaunchConfig(tokens_per_program=16, gather_workers=2, num_warps=1),
 }
 
@@ -198,6 +204,20 @@ def _block_view(k_cache: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 @triton.jit
+def _slot_record(slot, num_slots, cache_ptr, block_stride, BLOCK_SIZE: tl.constexpr):
+    """``(live, data_ptr, scale_ptr)`` of slots (int32 or int64): ``live`` where ``0 <= slot <
+    num_slots`` (padding, or a slot outside the cache, is not written); the pointers are slot 0's
+    where not live. ``num_slots`` is an int32, so a live slot fits in 32 bits: block and position
+    come from unsigned 32-bit arithmetic, and only ``block * block_stride`` is 64-bit (it passes
+    2^31 from ~57K blocks of 37440 bytes)."""
+    live = (slot >= 0) & (slot < num_slots)
+    s = tl.where(live, slot, 0).to(tl.uint32)
+    pos = s % BLOCK_SIZE
+    block_ptr = cache_ptr + (s // BLOCK_SIZE).to(tl.int64) * block_stride
+    return live, block_ptr + pos * _DATA, block_ptr + BLOCK_SIZE * _DATA + pos * _SCALES
+
+
+@triton.jit
 def _quantize_and_insert_k_kernel(
     k_ptr, k_row_stride,
     slot_mapping_ptr, num_tokens, num_slots,
@@ -220,8 +240,11 @@ def _quantize_and_insert_k_kernel(
     takes ``amax`` as the largest magnitude bit pattern (non-negative floats order like their
     bits, and inf/NaN patterns sort above every finite one, so no float max and its NaN rules are
     involved), derives the UE8M0 exponent from those bits, scales by the exact ``2^-e`` and
-    encodes e4m3 in software. It writes the fp8 bytes (groups 0..6), one scale byte per row
-    (the pad byte for group 7) and the RoPE bits as bytes (so any block stride works, odd too).
+    encodes e4m3: when every group of the tile is finite with the OCP conversion alone (FNUZ: of
+    ``2y``, and +0 for what rounds to zero), else with the exact encoder and its clamp and NaN
+    fix-ups. It writes the fp8 bytes (groups 0..6), one scale byte per row (the pad byte for
+    group 7) and the RoPE bits as bytes (so any block stride works, odd too). k is read before
+    the slots are known (a skipped token's row is read and dropped), so the two loads overlap.
 
     ``FNUZ_CVT``: FNUZ bytes through the hardware OCP conversion (``f32_to_e4m3fnuz_bits_cvt``).
     ``ROPE_WORDS`` (the host checked that k's rows and every record's RoPE part are 4-byte
@@ -232,19 +255,19 @@ def _quantize_and_insert_k_kernel(
     dim = tl.arange(0, _GROUP)
     token = tl.program_id(0) * TOKENS + row // 8
     group = row % 8
-    slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
-    live = (slot >= 0) & (slot < num_slots)  # padding, or a slot outside the cache: not written
-    # int64: block * block_stride passes 2^31 from ~57K blocks of 37440 bytes.
-    block_ptr = cache_ptr + (slot // BLOCK_SIZE) * block_stride
-    data_ptr = block_ptr + (slot % BLOCK_SIZE) * _DATA
-    scale_ptr = block_ptr + BLOCK_SIZE * _DATA + (slot % BLOCK_SIZE) * _SCALES
+    in_range = token < num_tokens
+    slot = tl.load(slot_mapping_ptr + token, mask=in_range, other=-1)
+    live, data_ptr, scale_ptr = _slot_record(slot, num_slots, cache_ptr, block_stride, BLOCK_SIZE)
 
+    # k's rows [0, num_tokens) are read whether or not their token is written, so this load does not
+    # wait for the slot load (a skipped token's row is read and dropped).
     values_ptr = k_ptr + token.to(tl.int64)[:, None] * k_row_stride + group[:, None] * _GROUP + dim[None, :]
-    if ROPE_WORDS:
-        bits = tl.load(values_ptr, mask=live[:, None] & (group[:, None] < _GROUPS), other=0).to(tl.int32) & 0xFFFF
+    if ROPE_WORDS:  # group 7 (RoPE) is copied as words below
+        bits = tl.load(values_ptr, mask=in_range[:, None] & (group[:, None] < _GROUPS), other=0)
     else:
-        bits = tl.load(values_ptr, mask=live[:, None], other=0).to(tl.int32) & 0xFFFF
-    amax_bits = tl.max(bits & 0x7FFF, axis=1)
+        bits = tl.load(values_ptr, mask=in_range[:, None], other=0)
+    x_bits = bits.to(tl.int32) << 16  # the fp32 bits of the bf16 value (the sign extension shifted out)
+    amax_bits = tl.max(x_bits & 0x7FFFFFFF, axis=1) >> 16
     finite = (amax_bits >> 7) != 0xFF
     # amax = m * 2^E, fp8_max = M * 2^F with m, M in [1, 2): ceil(log2(amax / fp8_max)) = E - F + (m > M).
     # Zero and subnormal amax give a very small e that the 1e-4 floor's exponent replaces.
@@ -253,33 +276,49 @@ def _quantize_and_insert_k_kernel(
     code = tl.where(finite, exponent + 127, 255)
     tl.store(scale_ptr + group, tl.where(group < _GROUPS, code, 0).to(tl.uint8), mask=live)
 
-    inv_scale = ((127 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact for e in [-126, 127]
-    x = (bits << 16).to(tl.float32, bitcast=True)
-    y = x * inv_scale[:, None]
-    # A no-op for finite groups (the scale rounds up); clamps inf of a non-finite group. NaN passes.
-    y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
-    if FNUZ and FNUZ_CVT:
-        fp8 = f32_to_e4m3fnuz_bits_cvt(y, True)  # |y| <= 224 or NaN
-    else:
-        fp8 = f32_to_e4m3_bits(y, FNUZ)
+    x = x_bits.to(tl.float32, bitcast=True)
     is_nope = live[:, None] & (group[:, None] < _GROUPS)
-    tl.store(data_ptr[:, None] + group[:, None] * _GROUP + dim[None, :], fp8, mask=is_nope)
+    nope_ptr = data_ptr[:, None] + group[:, None] * _GROUP + dim[None, :]
+    if FNUZ and not FNUZ_CVT:
+        y = x * ((127 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]  # 2^-e, exact for e in [-126, 127]
+        # A no-op for finite groups (the scale rounds up); clamps inf of a non-finite group. NaN passes.
+        y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
+        tl.store(nope_ptr, f32_to_e4m3_bits(y, True), mask=is_nope)
+    elif tl.min(finite.to(tl.int32)) == 1:
+        # Every group of the tile finite: |x * 2^-e| <= fp8_max and no NaN, so the saturating OCP
+        # conversion alone is exact (no clamp, no NaN fix-up). FNUZ converts 2 * x * 2^-e (the scale
+        # doubled: exact, e >= -22) and writes +0 where that rounds to +-0 (|2y| <= 2^-10; FNUZ has no -0),
+        # as f32_to_e4m3fnuz_bits_cvt does. Each branch stores its own bytes (a tile that the two
+        # branches joined would be unpacked to bytes first).
+        y = x * ((127 + FNUZ - exponent) << 23).to(tl.float32, bitcast=True)[:, None]
+        if FNUZ:
+            y = tl.where(tl.abs(y) > 0.0009765625, y, 0.0)
+        tl.store(nope_ptr, f32_to_e4m3fn_bits_not_nan(y), mask=is_nope)
+    else:
+        # A group with inf or NaN somewhere in the tile (rare): the exact encoder with its fix-ups,
+        # on the values scaled by 2^-e (2^0 in a non-finite group) and clamped to +-fp8_max.
+        y = x * ((127 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]
+        y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
+        if FNUZ:
+            tl.store(nope_ptr, f32_to_e4m3fnuz_bits_cvt(y, True), mask=is_nope)  # |y| <= 224 or NaN
+        else:
+            tl.store(nope_ptr, f32_to_e4m3_bits(y, False), mask=is_nope)
 
     if ROPE_WORDS:
         t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
         word = tl.arange(0, _GROUP // 2)
-        t_slot = tl.load(slot_mapping_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
-        t_live = (t_slot >= 0) & (t_slot < num_slots)
+        t_in_range = t < num_tokens
+        t_slot = tl.load(slot_mapping_ptr + t, mask=t_in_range, other=-1)
+        t_live, t_data_ptr, _ = _slot_record(t_slot, num_slots, cache_ptr, block_stride, BLOCK_SIZE)
         src = (k_ptr + t.to(tl.int64) * k_row_stride + _NOPE).to(tl.pointer_type(tl.int32))
-        dst = cache_ptr + (t_slot // BLOCK_SIZE) * block_stride + (t_slot % BLOCK_SIZE) * _DATA + _NOPE
-        dst = dst.to(tl.pointer_type(tl.int32))
-        words = tl.load(src[:, None] + word[None, :], mask=t_live[:, None], other=0)
+        dst = (t_data_ptr + _NOPE).to(tl.pointer_type(tl.int32))
+        words = tl.load(src[:, None] + word[None, :], mask=t_in_range[:, None], other=0)
         tl.store(dst[:, None] + word[None, :], words, mask=t_live[:, None])
     else:
         is_rope = live[:, None] & (group[:, None] == _GROUPS)
         rope_ptr = data_ptr[:, None] + _NOPE + 2 * dim[None, :]
         tl.store(rope_ptr, (bits & 0xFF).to(tl.uint8), mask=is_rope)
-        tl.store(rope_ptr + 1, (bits >> 8).to(tl.uint8), mask=is_rope)
+        tl.store(rope_ptr + 1, ((bits >> 8) & 0xFF).to(tl.uint8), mask=is_rope)
 
 
 def quantize_and_insert_k_cache(
@@ -452,9 +491,13 @@ def _dequantize_and_gather_k_kernel(
         out_row = out_ptr + req * out_stride_r + (offset + i).to(tl.int64) * out_stride_t
 
         if ROPE_WORDS:
-            values = tl.where(live[:, None], nope_bits, tl.full([1, 1], 0x7FC0, tl.int16))  # NaN: no valid block
+            # Two stores instead of a select per value: the decoded rows of tokens with a valid
+            # block, then bf16 NaN (0x7FC0) for the rows of tokens without one.
+            out_ptr_tile = out_row[:, None] + group[:, None] * _GROUP + dim[None, :]
             is_out = in_out[:, None] & (group[:, None] < _GROUPS)
-            tl.store(out_row[:, None] + group[:, None] * _GROUP + dim[None, :], values, mask=is_out)
+            tl.store(out_ptr_tile, nope_bits, mask=is_out & live[:, None])
+            no_block = tl.full([8 * TOKENS, _GROUP], 0x7FC0, tl.int16)
+            tl.store(out_ptr_tile, no_block, mask=is_out & (live[:, None] == 0))
             t = start + tl.arange(0, TOKENS)
             word = tl.arange(0, _GROUP // 2)
             t_in_out, t_live, t_pos, t_block_ptr = _gather_token_blocks(
