@@ -30,25 +30,23 @@ from triton_impl.parity.ue8m0_cache import bench_cases as ue8m0_cases
 
 os.environ["ATTNREF_CHECK_CONTENTS"] = "0"
 COPY_GBPS = 4221.0
-# TurboQuant decode: (BLOCK_N, num_warps, num_stages, PAIR_LUT); the first is the current sm90 entry. The pair
-# LUT is now built per program in registers and gathered with tl.gather (shared memory): Triton 3.6 compiles the
-# 4-bit loop at BLOCK_N 128 to 68 warp instructions per key and KV head against 77 for the fp32 codebook gather
-# (benchmarks/sass_sm90_turboquant.py), so the pair-LUT configs come first.
-TURBOQUANT_GRID = [(128, 4, 2, 0), (128, 4, 2, 1), (64, 4, 2, 1), (32, 4, 2, 1), (128, 8, 2, 1), (32, 4, 2, 0),
-                   (64, 4, 2, 0), (128, 4, 1, 0)]  # fmt: skip
+# TurboQuant decode: (BLOCK_N, num_warps, num_stages, PAIR_LUT, SMEM_CODEBOOK); the first is the current sm90
+# entry. Since the kernels build the key tables from the fp32 codebook: 4-bit at L=8K, pair LUT 0.694 ms, fp32
+# codebook loads 1.169 ms (ab21e71). The register (shared-memory) codebook is what 3-bit keys use; its time and
+# the pair LUT's at other tiles are the open questions.
+TURBOQUANT_GRID = [(128, 4, 2, 1, 1), (128, 4, 2, 0, 1), (64, 4, 2, 1, 1), (64, 4, 2, 0, 1), (32, 4, 2, 0, 1),
+                   (128, 4, 2, 0, 0), (128, 4, 1, 1, 1)]  # fmt: skip
 # TurboQuant store: (BLOCK_T, D_CHUNK, num_warps, TF32X3), for both key kinds' tables; the sm90 entries
 # are (64, 64, 4, 1) for MSE keys and (16, 32, 4, 0) for FP8 keys. Then the variants the sm_90 static
 # count ranks next: T128 w8 (fewest instructions per row, one program per SM) and D_CHUNK 128.
 STORE_GRID = [(64, 64, 4, 1), (128, 64, 8, 1), (64, 128, 4, 1), (64, 64, 8, 1), (16, 32, 4, 0)]
 # UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps[, decode, fnuz_encode, rope_words]);
-# the first is the default entry, (4, 512, 4) the sm90 one. The 6-tuples time the per-value variants
-# of ue8m0.LaunchConfig (not yet timed) on the sm90 entry's launch: each option alone, then together.
-UE8M0_GRID = [(1, 128, 4), (4, 128, 4), (8, 128, 4), (8, 128, 8), (16, 128, 8), (4, 512, 4), (8, 512, 8),
-              (16, 256, 8),
-              (4, 512, 4, "cvt", "int", False), (4, 512, 4, "table", "int", False),
-              (4, 512, 4, "int", "cvt", False), (4, 512, 4, "int", "int", True),
-              (4, 512, 4, "cvt", "cvt", True), (4, 512, 4, "table", "cvt", True),
-              (8, 512, 8, "cvt", "cvt", True), (2, 512, 4, "cvt", "cvt", True)]  # fmt: skip
+# the first is the sm90 entry. The per-value variants and tokens-per-program choices timed before are in
+# sweep_memory_bound_h200.md; after the insert's finite fast path (6561f01, sm_90 static count per token: insert
+# OCP 424 -> 230, FNUZ 462 -> 266 warp instructions) the open question is the tile: 8 tokens on 4 warps
+# counts 201 / 270, 2 tokens more programs in flight.
+UE8M0_GRID = [(4, 512, 4, "cvt", "cvt", True), (8, 512, 4, "cvt", "cvt", True), (2, 512, 4, "cvt", "cvt", True),
+              (8, 512, 8, "cvt", "cvt", True)]  # fmt: skip
 
 
 # Split merge (merge_splits): (MAX_BLOCK_S_D, num_warps); the first is the default entry. Warp
@@ -63,10 +61,10 @@ def set_merge(max_s_d: int, warps: int) -> str:
     return f"S*D<={max_s_d} w{warps}"
 
 
-def set_turboquant(block_n: int, warps: int, stages: int, pair_lut: int) -> str:
+def set_turboquant(block_n: int, warps: int, stages: int, pair_lut: int, smem_codebook: int) -> str:
     turboquant.DECODE_CONFIGS["sm90"] = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
-                                         "PAIR_LUT": pair_lut}  # fmt: skip
-    return f"BN{block_n} w{warps} s{stages} pair{pair_lut}"
+                                         "PAIR_LUT": pair_lut, "SMEM_CODEBOOK": smem_codebook}  # fmt: skip
+    return f"BN{block_n} w{warps} s{stages} pair{pair_lut} smem{smem_codebook}"
 
 
 def set_store(block_t: int, d_chunk: int, warps: int, tf32x3: int) -> str:
