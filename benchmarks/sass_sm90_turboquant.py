@@ -2,9 +2,7 @@
 
 No GPU needed: the kernels are compiled by Triton for ``GPUTarget("cuda", 90, 32)`` with the sm90 launch
 configs (or the ones given), as ``attnref bench`` launches them at D = 128, and ``cuobjdump`` (from the
-Triton wheel) reports registers and stack per thread. For the store, every instruction counts once
-per program, a loop body once per trip: the warp instructions per (token, KV head) row, its spill
-loads and stores (LDL/STL) and its issue-bound time on the H200. For the decode, the SASS between the loop's first
+Triton wheel) reports registers and stack per thread. For the decode, the SASS between the loop's first
 and last branch is counted by opcode: what one ``BLOCK_N``-key tile costs one warp. Run::
 
     TRITON_INTERPRET=0 PYTHONPATH=. .venv/bin/python benchmarks/sass_sm90_turboquant.py
@@ -21,7 +19,6 @@ with 3.9). For the H200's compiler, run the script from a separate venv::
 from __future__ import annotations
 
 import collections
-import math
 import os
 import re
 import subprocess
@@ -100,52 +97,20 @@ def decode(preset: str, config: dict[str, int]) -> None:
           f"per tile = {per_key:.0f} warp instructions per key and KV head; {mix}")  # fmt: skip
 
 
-def _store_mix(cubin: bytes, trips: tuple[int, ...]) -> tuple[float, collections.Counter]:
-    """Warp instructions one warp executes per program, straight-line code once, a loop body at
-    nesting depth ``i`` ``trips[0] * ... * trips[i]`` times (the store's column loop runs ``D /
-    D_CHUNK`` times, its K loop inside ``D / K_CHUNK``; a one-trip loop compiles to no loop), and
-    the executed count of every opcode."""
-    code = [(int(m.group(1), 16), m.group(2), line) for line in _dump(cubin, "-sass").splitlines()
-            if (m := ADDRESS.match(line))]  # fmt: skip
-    loops = [(int(b.group(1), 16), address) for address, _, line in code
-             if (b := BRANCH.search(line)) and int(b.group(1), 16) < address]  # fmt: skip
-    mix: collections.Counter = collections.Counter()
-    for address, opcode, _ in code:
-        depth = sum(head <= address <= tail for head, tail in loops)
-        mix[opcode] += math.prod(trips[:depth])
-    return sum(mix.values()), mix
-
-
 def store(preset: str, config: dict[str, int]) -> None:
     layout = TurboQuantConfig.from_cache_dtype(preset, 128)
     key_bits = 8 if layout.key_fp8 else layout.key_mse_bits
-    d_chunk = min(config["D_CHUNK"], 128)
-    k_chunk = 128 if config["TF32X3"] else d_chunk  # as triton_turboquant_store picks it at D = 128
     constexprs = dict(HEAD_DIM=128, KEY_BITS=key_bits, VALUE_BITS=layout.value_quant_bits,
                       NORM_CORRECTION=int(layout.norm_correction), KEY_DATA_BYTES=layout.key_data_bytes,
                       NUM_FIELDS=2 if layout.key_fp8 else 3, BLOCK_T=config["BLOCK_T"], BLOCK_D=128,
-                      D_CHUNK=d_chunk, K_CHUNK=k_chunk,
+                      D_CHUNK=config["D_CHUNK"],
                       ROTATION_PRECISION="tf32x3" if config["TF32X3"] else "ieee")  # fmt: skip
-    if "K_CHUNK" not in ttq._store_kernel.arg_names:  # the kernel before K was chunked apart from the columns
-        del constexprs["K_CHUNK"]
-        k_chunk = d_chunk
     # The bench's store (1M tokens, 8 KV heads, block 16, D = 128): every integer argument but the
     # KV head count is a multiple of 16, and Triton specializes on that (without it the sm90 entry spills).
     divisible = tuple(n for n in ttq._store_kernel.arg_names if n not in STORE_POINTERS and n not in constexprs
                       and n != "num_kv_heads")  # fmt: skip
-    stages = {"num_stages": 1} if "K_CHUNK" in ttq._store_kernel.arg_names else {}  # as the wrapper launches it
-    kernel = _compile(ttq._store_kernel, STORE_POINTERS, constexprs, {"num_warps": config["num_warps"], **stages},
-                      divisible)  # fmt: skip
-    cubin = kernel.asm["cubin"]
-    trips = tuple(t for t in (128 // d_chunk, 128 // k_chunk) if t > 1) if key_bits != 8 else ()
-    total, mix = _store_mix(cubin, trips)
-    per_row = total * config["num_warps"] / config["BLOCK_T"]
-    spills = {op: mix[op] for op in ("LDL", "STL") if mix[op]}
-    # Issue-bound time of the bench's store: 8M rows, 132 SMs at 1.98 GHz issuing 4 warp instructions per clock.
-    issue_ms = per_row * 8 * 2**20 / (132 * 4 * 1.98e9) * 1e3
-    print(f"store {preset} {config}: {_resources(cubin)}, shared {kernel.metadata.shared} B; {total:.0f} warp "
-          f"instructions per warp per program (loop trips {trips}) = {per_row:.0f} per row; spills {spills or 'none'}; "
-          f"issue-bound {issue_ms:.2f} ms for 1M tokens x 8 KV heads; {mix.most_common(14)}")  # fmt: skip
+    kernel = _compile(ttq._store_kernel, STORE_POINTERS, constexprs, {"num_warps": config["num_warps"]}, divisible)
+    print(f"store {preset} {config}: {_resources(kernel.asm['cubin'])}")
 
 
 if __name__ == "__main__":

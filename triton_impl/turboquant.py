@@ -76,12 +76,6 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # byte-by-byte packing and 8 warps, the store got slower (k8v4 2.42 -> 4.79 ms, MSE presets
 # 27.9-33.2 ms, `attnref bench`); packing went back to one masked store of each group's bytes and
 # the sm90 entry back to 4 warps: 16.9-17.8 ms for the MSE presets (9ff0941, best of 4 configs).
-# Then (not yet timed): grid (token blocks, KV heads) instead of a 64-bit division per row, K = D
-# in one tensor-core step (the scaled keys stay in registers), PiT columns permuted so that each
-# thread's codes are whole 8-code groups (packed in registers), halfword/byte stores of the words,
-# midpoints read once per program, no software pipelining. sm_90 compile (Triton 3.6,
-# benchmarks/sass_sm90_turboquant.py): 494 -> 395 (4-bit) and 459 -> 321 (3-bit) warp
-# instructions per row at BLOCK_T 64, D_CHUNK 64, 4 warps, still 255 registers (2 programs per SM).
 # Decode: BLOCK_N tokens per tile, at least 32 (the value MMA's K; Triton 3.6 miscompiles unpacked
 # codes fed to a 16-key dot, see tests/test_turboquant.py). Key tables: the kernel makes them from the
 # fp32 codebook on every call. PAIR_LUT picks the 4-bit pair LUT when the caller leaves
@@ -211,74 +205,44 @@ def _fp16_bits(x):
 
 
 @triton.jit
-def _store_groups(words, cache_ptr, cache_u16_ptr, offset, mask, BITS: tl.constexpr):
-    """Store each 8-code group ``words`` (``8 * BITS`` bits, LSB first) at the cache's byte ``offset``
-    (same shape): as two halfwords for 4-bit codes (the offset is even: the records' sizes and the
-    block stride are), as bytes for 3-bit ones. One store per halfword or byte of every group, with
-    no extra tile dimension, so the words stay in the layout they were packed in."""
-    if BITS == 4:
-        half = cache_u16_ptr + offset // 2
-        tl.store(half, (words & 0xFFFF).to(tl.uint16), mask=mask)
-        tl.store(half + 1, (words >> 16).to(tl.uint16), mask=mask)
-    else:
-        for i in tl.static_range(BITS):
-            tl.store(cache_ptr + offset + i, ((words >> (8 * i)) & 0xFF).to(tl.uint8), mask=mask)
+def _store_packed(codes, dst, ok, valid, BITS: tl.constexpr, COLS: tl.constexpr):
+    """Write each row of ``codes [R, COLS]`` as an LSB-first bit stream at its ``dst [R]`` (code
+    ``d`` at bits ``[BITS*d, BITS*d + BITS)``); rows where ``ok`` is false write nothing.
 
-
-@triton.jit
-def _pack_groups(codes, BITS: tl.constexpr):
-    """``codes [R, C]`` (small ints) -> ``[R, C // 8]`` words, ``word = sum_p code_(8g+p) << (BITS*p)``
-    (disjoint fields: the sum is an OR)."""
+    Per group of 8 codes: ``word = sum_p code_p << (BITS*p)`` (disjoint fields: the sum is an OR),
+    then its ``BITS`` bytes. Only the first ``valid`` codes (a multiple of 8) are stored.
+    """
     R: tl.constexpr = codes.shape[0]
-    C: tl.constexpr = codes.shape[1]
-    groups = tl.reshape(codes.to(tl.uint32), [R, C // 8, 8])
-    return tl.sum(groups << (tl.arange(0, 8).to(tl.uint32) * BITS)[None, None, :], axis=2)
+    groups = tl.reshape(codes.to(tl.uint32), [R, COLS // 8, 8])
+    words = tl.sum(groups << (tl.arange(0, 8).to(tl.uint32) * BITS)[None, None, :], axis=2)  # 8 * BITS <= 32 bits
+    g = tl.arange(0, COLS // 8)
+    i = tl.arange(0, 4)  # at most 4 bytes per group (BITS <= 4)
+    packed = (words[:, :, None] >> (8 * i[None, None, :]).to(tl.uint32)) & 0xFF
+    mask = ok[:, None, None] & (g < valid // 8)[None, :, None] & (i < BITS)[None, None, :]
+    tl.store(dst[:, None, None] + (g * BITS)[None, :, None] + i[None, None, :], packed.to(tl.uint8), mask=mask)
 
 
 @triton.jit
-def _chunk_columns(N: tl.constexpr):
-    """The rotation column that each of a chunk's ``N`` (>= 32) physical columns computes.
-
-    A Hopper/Ampere MMA accumulator gives lane quad ``q`` of a row the columns ``8g + 2q + {0, 1}``;
-    physical column ``p = 8g + 2q + r`` computes logical column ``q (N / 4) + 2g + r``, so the ``N / 4``
-    codes a thread holds for a row are consecutive (whole 8-code groups, packed in registers). Any
-    other layout gives the same bytes (:func:`_pack_permuted` undoes the permutation), with shuffles."""
-    p = tl.arange(0, N)
-    return ((p // 2) % 4) * (N // 4) + 2 * (p // 8) + p % 2
-
-
-@triton.jit
-def _pack_permuted(codes, BITS: tl.constexpr):
-    """Codes in :func:`_chunk_columns` order ``[R, N]`` -> words ``[R, N // 32, 4]``: entry ``(h, q)``
-    is logical group ``q (N / 32) + h``."""
-    R: tl.constexpr = codes.shape[0]
-    N: tl.constexpr = codes.shape[1]
-    # p = 32 h + 8 gl + 2 q + r; logical column q (N / 4) + 8 h + 2 gl + r
-    groups = tl.reshape(codes.to(tl.uint32), [R, N // 32, 4, 4, 2])
-    gl = tl.arange(0, 4).to(tl.uint32)
-    r = tl.arange(0, 2).to(tl.uint32)
-    shift = (gl[:, None, None] * (2 * BITS) + r[None, None, :] * BITS)[None, None, :, :, :]
-    return tl.sum(tl.sum(groups << shift, axis=4), axis=2)
-
-
-@triton.jit
-def _bucketize(y, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, BITS: tl.constexpr):
+def _bucketize(y, midpoint_ptr, BITS: tl.constexpr):
     """``#{m : midpoint_m <= y}`` for each element of an fp32 tile, by binary search over the
-    ``2^BITS - 1`` midpoints (sorted ascending, passed as scalars: loaded once per program):
-    ``BITS`` compares, each against a midpoint chosen by the bits decided so far through a tree
-    of selects, instead of ``2^BITS - 1`` compares. Equal to the count for sorted midpoints; NaN
-    compares false at every step and gets code 0, as in the count. 3-bit codes use ``m0 .. m6``."""
+    ``2^BITS - 1`` midpoints (sorted ascending): ``BITS`` compares, each against a midpoint chosen
+    by the bits decided so far through a tree of selects, instead of ``2^BITS - 1`` compares.
+    Equal to the count for sorted midpoints; NaN compares false at every step and gets code 0,
+    as in the count."""
     if BITS == 3:
-        b4 = y >= m3
-        b2 = y >= tl.where(b4, m5, m1)
-        b1 = y >= tl.where(b4, tl.where(b2, m6, m4), tl.where(b2, m2, m0))
+        m = midpoint_ptr
+        b4 = y >= tl.load(m + 3)
+        b2 = y >= tl.where(b4, tl.load(m + 5), tl.load(m + 1))
+        b1 = y >= tl.where(b4, tl.where(b2, tl.load(m + 6), tl.load(m + 4)), tl.where(b2, tl.load(m + 2), tl.load(m)))
         return b4.to(tl.int32) * 4 + b2.to(tl.int32) * 2 + b1.to(tl.int32)
     else:
-        b8 = y >= m7
-        b4 = y >= tl.where(b8, m11, m3)
-        b2 = y >= tl.where(b8, tl.where(b4, m13, m9), tl.where(b4, m5, m1))
-        t8 = tl.where(b4, tl.where(b2, m14, m12), tl.where(b2, m10, m8))
-        t0 = tl.where(b4, tl.where(b2, m6, m4), tl.where(b2, m2, m0))
+        m = midpoint_ptr
+        b8 = y >= tl.load(m + 7)
+        b4 = y >= tl.where(b8, tl.load(m + 11), tl.load(m + 3))
+        b2 = y >= tl.where(b8, tl.where(b4, tl.load(m + 13), tl.load(m + 9)),
+                           tl.where(b4, tl.load(m + 5), tl.load(m + 1)))  # fmt: skip
+        t8 = tl.where(b4, tl.where(b2, tl.load(m + 14), tl.load(m + 12)), tl.where(b2, tl.load(m + 10), tl.load(m + 8)))
+        t0 = tl.where(b4, tl.where(b2, tl.load(m + 6), tl.load(m + 4)), tl.where(b2, tl.load(m + 2), tl.load(m)))
         b1 = y >= tl.where(b8, t8, t0)
         return b8.to(tl.int32) * 8 + b4.to(tl.int32) * 4 + b2.to(tl.int32) * 2 + b1.to(tl.int32)
 
@@ -286,7 +250,7 @@ def _bucketize(y, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m1
 @triton.jit
 def _store_kernel(
     key_ptr, value_ptr, cache_ptr, cache_u16_ptr, slot_ptr, pit_ptr, midpoint_ptr, centroid_ptr,
-    num_tokens, num_kv_heads, block_size, num_slots, stride_block, data_bytes_per_slot, meta_offset,
+    num_rows, num_kv_heads, block_size, num_slots, stride_block, data_bytes_per_slot, meta_offset,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_pit,
     HEAD_DIM: tl.constexpr,
     KEY_BITS: tl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
@@ -297,112 +261,68 @@ def _store_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     D_CHUNK: tl.constexpr,
-    K_CHUNK: tl.constexpr,
     ROTATION_PRECISION: tl.constexpr,  # "ieee" (fp32 FMAs) or "tf32x3" (3xTF32; two TF32 passes for 16-bit keys)
 ):  # fmt: skip
-    """Grid ``(cdiv(T, BLOCK_T), HKV)``: a program owns ``BLOCK_T`` tokens of one KV head and writes
-    all of their slots' bytes.
+    """Grid ``(cdiv(T * HKV, BLOCK_T),)``: a program owns ``BLOCK_T`` (token, KV head) rows and
+    writes all of their slots' bytes.
 
-    The rotation is ``k_hat [BLOCK_T, D] @ PiT`` in ``[K_CHUNK, D_CHUNK]`` blocks (``tl.dot`` with
-    ``ROTATION_PRECISION``), so each program reads ``PiT`` once for ``BLOCK_T`` rows; with
-    ``K_CHUNK = D`` the scaled keys stay in registers from the norm to the products. Each column
-    chunk's codes are bucketized and packed as soon as its sum is complete. Any summation order,
+    The rotation is ``k_hat [BLOCK_T, D] @ PiT`` in ``[D_CHUNK, D_CHUNK]`` blocks (``tl.dot`` with
+    ``ROTATION_PRECISION``), so each program reads ``PiT`` once for ``BLOCK_T`` rows;
+    each column chunk's codes are bucketized and packed as soon as its sum is complete. Any summation order,
     fused or not, and 2-ulp divisions and square roots stay inside the error bound that
     ``triton_impl.parity.turboquant.compare_store`` holds a store to.
     """
-    head = tl.program_id(1)
-    token = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_rows = token < num_tokens
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_rows = rows < num_rows
+    token = rows // num_kv_heads
+    head = rows % num_kv_heads
     slot = tl.load(slot_ptr + token, mask=in_rows, other=-1).to(tl.int64)
     ok = in_rows & (slot >= 0) & (slot < num_slots)  # padding, or a slot outside the cache: nothing to write
     slot = tl.where(ok, slot, 0)
     block_base = (slot // block_size) * stride_block
     position = slot % block_size
-    data = block_base + (position * num_kv_heads + head) * data_bytes_per_slot  # byte offset of the record
+    data = cache_ptr + block_base + (position * num_kv_heads + head) * data_bytes_per_slot
     meta = cache_u16_ptr + (block_base + meta_offset) // 2 + head * NUM_FIELDS * block_size + position
 
     dims = tl.arange(0, BLOCK_D)
-    if BLOCK_D == HEAD_DIM:
-        tile_ok = ok[:, None] & (dims < BLOCK_D)[None, :]  # a constant-true column mask: folded away
-    else:
-        tile_ok = ok[:, None] & (dims < HEAD_DIM)[None, :]
+    in_dim = dims < HEAD_DIM
+    tile_ok = ok[:, None] & in_dim[None, :]
     key_rows = key_ptr + token * stride_kt + head * stride_kh
     k = tl.load(key_rows[:, None] + dims[None, :], mask=tile_ok, other=0.0).to(tl.float32)
     if KEY_BITS == 8:
-        tl.store(cache_ptr + data[:, None] + dims[None, :], f32_to_e4m3_bits(k, False), mask=tile_ok)
+        tl.store(data[:, None] + dims[None, :], f32_to_e4m3_bits(k, False), mask=tile_ok)
     else:
-        # The midpoints as scalars, read once per program (the 3-bit search reads the first 7).
-        m0 = tl.load(midpoint_ptr)
-        m1 = tl.load(midpoint_ptr + 1)
-        m2 = tl.load(midpoint_ptr + 2)
-        m3 = tl.load(midpoint_ptr + 3)
-        m4 = tl.load(midpoint_ptr + 4)
-        m5 = tl.load(midpoint_ptr + 5)
-        m6 = tl.load(midpoint_ptr + 6)
-        # 3-bit codes read only m0 .. m6: a masked-off load is no load.
-        FOUR: tl.constexpr = KEY_BITS == 4
-        m7 = tl.load(midpoint_ptr + 7, mask=FOUR, other=0.0)
-        m8 = tl.load(midpoint_ptr + 8, mask=FOUR, other=0.0)
-        m9 = tl.load(midpoint_ptr + 9, mask=FOUR, other=0.0)
-        m10 = tl.load(midpoint_ptr + 10, mask=FOUR, other=0.0)
-        m11 = tl.load(midpoint_ptr + 11, mask=FOUR, other=0.0)
-        m12 = tl.load(midpoint_ptr + 12, mask=FOUR, other=0.0)
-        m13 = tl.load(midpoint_ptr + 13, mask=FOUR, other=0.0)
-        m14 = tl.load(midpoint_ptr + 14, mask=FOUR, other=0.0)
         norm, down = _key_norm(k)
         inv_denom = 1.0 / (norm + _KEY_NORM_EPS)  # one division per row; each k_j / (n + eps) is k_j * inv_denom
         # 16-bit keys on tensor cores: k 2^-e (exact) is a TF32 value, so two TF32 products, with
         # PiT = hi + lo split by truncation, give each k_j PiT[j, d] within 2^-20 of itself (3xTF32:
         # 1.25 * 2^-20); y is that sum times 2^e / (n + eps).
         TWO_PASS: tl.constexpr = ROTATION_PRECISION == "tf32x3" and key_ptr.dtype.element_ty != tl.float32
-        if TWO_PASS:
-            a = k * down[:, None]
-        else:
-            a = k * inv_denom[:, None]
         code_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
-        PERMUTED: tl.constexpr = D_CHUNK >= 32
-        if PERMUTED:
-            chunk_cols = _chunk_columns(D_CHUNK)
-        else:
-            chunk_cols = tl.arange(0, D_CHUNK)
-        rows_k = tl.arange(0, K_CHUNK)
-        for c0 in tl.range(0, HEAD_DIM, D_CHUNK):
-            cols = c0 + chunk_cols
+        chunk = tl.arange(0, D_CHUNK)
+        for c0 in range(0, HEAD_DIM, D_CHUNK):
+            cols = c0 + chunk
             in_cols = cols < HEAD_DIM
-            # y[:, cols] = k_hat @ PiT[:, cols], K_CHUNK rows of PiT at a time: an FMA dot holds its
-            # whole K extent in registers, so K is chunked for wide heads (the key chunk is re-read from L1).
+            # y[:, cols] = k_hat @ PiT[:, cols], D_CHUNK rows of PiT at a time: an FMA dot holds its
+            # whole K extent in registers, so K is chunked too (the key chunk is re-read from L1).
             y = tl.zeros([BLOCK_T, D_CHUNK], dtype=tl.float32)
-            for r0 in tl.range(0, HEAD_DIM, K_CHUNK):
-                in_k = (r0 + rows_k) < HEAD_DIM
-                if K_CHUNK == BLOCK_D:
-                    a_chunk = a
-                else:
-                    a_chunk = tl.load(key_rows[:, None] + (r0 + rows_k)[None, :], mask=ok[:, None] & in_k[None, :],
-                                      other=0.0).to(tl.float32)  # fmt: skip
-                    a_chunk = a_chunk * (down if TWO_PASS else inv_denom)[:, None]
-                pit = tl.load(pit_ptr + (r0 + rows_k)[:, None] * stride_pit + cols[None, :],
+            for r0 in range(0, HEAD_DIM, D_CHUNK):
+                in_k = (r0 + chunk) < HEAD_DIM
+                k_chunk = tl.load(key_rows[:, None] + (r0 + chunk)[None, :], mask=ok[:, None] & in_k[None, :],
+                                  other=0.0).to(tl.float32)  # fmt: skip
+                pit = tl.load(pit_ptr + (r0 + chunk)[:, None] * stride_pit + cols[None, :],
                               mask=in_k[:, None] & in_cols[None, :], other=0.0)  # fmt: skip
                 if TWO_PASS:
+                    k_chunk = k_chunk * down[:, None]
                     pit_hi = _tf32_part(pit)
-                    y = tl.dot(a_chunk, _tf32_part(pit - pit_hi), y, input_precision="tf32")
-                    y = tl.dot(a_chunk, pit_hi, y, input_precision="tf32")
+                    y = tl.dot(k_chunk, _tf32_part(pit - pit_hi), y, input_precision="tf32")
+                    y = tl.dot(k_chunk, pit_hi, y, input_precision="tf32")
                 else:
-                    y = tl.dot(a_chunk, pit, y, input_precision=ROTATION_PRECISION)
+                    y = tl.dot(k_chunk * inv_denom[:, None], pit, y, input_precision=ROTATION_PRECISION)
             if TWO_PASS:
                 y = y * (inv_denom / down)[:, None]  # 2^e / (n + eps): a power of two times inv_denom, exact
-            codes = _bucketize(y, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, KEY_BITS)
-            dst = data + c0 * KEY_BITS // 8
-            if PERMUTED:
-                words = _pack_permuted(codes, KEY_BITS)  # [T, D_CHUNK // 32, 4]: group q (D_CHUNK / 32) + h
-                group = tl.arange(0, 4)[None, :] * (D_CHUNK // 32) + tl.arange(0, D_CHUNK // 32)[:, None]
-                live = ok[:, None, None] & (c0 + 8 * group < HEAD_DIM)[None, :, :]
-                offset = dst[:, None, None] + (KEY_BITS * group)[None, :, :]
-                _store_groups(words, cache_ptr, cache_u16_ptr, offset, live, KEY_BITS)
-            else:
-                group = tl.arange(0, D_CHUNK // 8)
-                live = ok[:, None] & (c0 + 8 * group < HEAD_DIM)[None, :]
-                _store_groups(_pack_groups(codes, KEY_BITS), cache_ptr, cache_u16_ptr,
-                              dst[:, None] + (KEY_BITS * group)[None, :], live, KEY_BITS)  # fmt: skip
+            codes = _bucketize(y, midpoint_ptr, KEY_BITS)
+            _store_packed(codes, data + c0 * KEY_BITS // 8, ok, HEAD_DIM - c0, KEY_BITS, D_CHUNK)
             if NORM_CORRECTION:
                 c = tl.load(centroid_ptr + codes)
                 code_sq += tl.sum(tl.where(in_cols[None, :], c * c, 0.0), axis=1)
@@ -413,26 +333,16 @@ def _store_kernel(
 
     # Values: min-max over the valid lanes, both ends clamped to fp16's range before the scale.
     LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
-    v = tl.load(value_ptr + token[:, None] * stride_vt + head * stride_vh + dims[None, :], mask=tile_ok,
+    v = tl.load(value_ptr + token[:, None] * stride_vt + head[:, None] * stride_vh + dims[None, :], mask=tile_ok,
                 other=0.0).to(tl.float32)  # fmt: skip
-    if BLOCK_D == HEAD_DIM:
-        v_min = tl.min(v, axis=1)
-        v_max = tl.max(v, axis=1)
-    else:
-        v_min = tl.min(tl.where(tile_ok, v, float("inf")), axis=1)
-        v_max = tl.max(tl.where(tile_ok, v, float("-inf")), axis=1)
+    v_min = tl.min(tl.where(in_dim[None, :], v, float("inf")), axis=1)
+    v_max = tl.max(tl.where(in_dim[None, :], v, float("-inf")), axis=1)
     v_min = tl.minimum(tl.maximum(v_min, -_FP16_MAX), _FP16_MAX)
     v_max = tl.minimum(tl.maximum(v_max, -_FP16_MAX), _FP16_MAX)
     scale = tl.maximum((v_max - v_min) / LEVELS, _MIN_VALUE_SCALE)
-    inv_scale = 1.0 / scale  # one division per row
-    # floor(t + 0.5) for the level t = (v - v_min) / scale, clamped to [0, LEVELS]: clamping first and
-    # truncating after gives the same integer (truncation is floor for x >= 0) and sends NaN to 0.
-    q = (v - v_min[:, None]) * inv_scale[:, None] + 0.5
+    q = tl.floor((v - v_min[:, None]) / scale[:, None] + 0.5)
     v_codes = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
-    group = tl.arange(0, BLOCK_D // 8)
-    live = ok[:, None] & (8 * group < HEAD_DIM)[None, :]
-    _store_groups(_pack_groups(v_codes, VALUE_BITS), cache_ptr, cache_u16_ptr,
-                  (data + KEY_DATA_BYTES)[:, None] + (VALUE_BITS * group)[None, :], live, VALUE_BITS)  # fmt: skip
+    _store_packed(v_codes, data + KEY_DATA_BYTES, ok, HEAD_DIM, VALUE_BITS, BLOCK_D)
     tl.store(meta + (NUM_FIELDS - 2) * block_size, _fp16_bits(scale), mask=ok)
     tl.store(meta + (NUM_FIELDS - 1) * block_size, _fp16_bits(v_min), mask=ok)
 
@@ -502,21 +412,16 @@ def triton_turboquant_store(
     config = select_store_config(device, key_fp8)
     block_d = next_pow2(head_dim)
     block_t, d_chunk = config["BLOCK_T"], min(config["D_CHUNK"], block_d)
-    # K chunk: an FMA dot holds its K extent in registers, so it takes D_CHUNK rows of PiT per step;
-    # a tensor-core dot takes up to 128 (at D <= 128 the scaled keys then stay in registers).
-    k_chunk = min(block_d, 128) if config["TF32X3"] else d_chunk
-    # The rotation's fp32 operands k_hat [BLOCK_T, K_CHUNK] and PiT [K_CHUNK, D_CHUNK] pass through
+    # The rotation's fp32 operands k_hat [BLOCK_T, D_CHUNK] and PiT [D_CHUNK, D_CHUNK] pass through
     # shared memory: a large chunk is halved (an sm_90 block has 227 KiB).
-    while 4 * (block_t * k_chunk + k_chunk * d_chunk) > _STORE_OPERAND_BYTES and max(d_chunk, k_chunk) > 16:
-        if d_chunk >= k_chunk:
-            d_chunk //= 2
-        else:
-            k_chunk //= 2
-    launch(_store_kernel, (cdiv(num_tokens, block_t), num_kv_heads),
+    while 4 * d_chunk * (block_t + d_chunk) > _STORE_OPERAND_BYTES and d_chunk > 16:
+        d_chunk //= 2
+    num_rows = num_tokens * num_kv_heads
+    launch(_store_kernel, (cdiv(num_rows, block_t),),
         key, value, kv_cache, kv_cache.view(torch.uint16), slot_mapping,
         unused if key_fp8 else PiT, unused if key_fp8 else midpoints,
         centroids if (norm_correction and not key_fp8) else unused,
-        num_tokens, num_kv_heads, block_size, num_blocks * block_size, kv_cache.stride(0),
+        num_rows, num_kv_heads, block_size, num_blocks * block_size, kv_cache.stride(0),
         layout["data_bytes_per_slot"], block_size * num_kv_heads * layout["data_bytes_per_slot"],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), 0 if key_fp8 else PiT.stride(0),
         HEAD_DIM=head_dim,
@@ -528,10 +433,8 @@ def triton_turboquant_store(
         BLOCK_T=block_t,
         BLOCK_D=block_d,
         D_CHUNK=d_chunk,
-        K_CHUNK=k_chunk,
         ROTATION_PRECISION="tf32x3" if config["TF32X3"] else "ieee",
         num_warps=config["num_warps"],
-        num_stages=1,  # the loops run 1-2 trips at D = 128; a pipelined PiT load doubles its shared memory
     )  # fmt: skip
 
 
