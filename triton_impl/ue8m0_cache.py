@@ -116,13 +116,17 @@ class LaunchConfig:
 # (sweep_memory_bound_h200.md, 1M tokens, block 64, 51b8856): 4-token tiles and 512 workers, then
 # the three variants together took insert OCP 0.859 -> 0.685 ms (46.8 -> 58.6% of the copy
 # bandwidth), FNUZ 1.406 -> 0.773 ms, gather OCP 1.120 -> 0.537 ms (35.7 -> 74.4%), FNUZ gather
-# 1.063 -> 0.552 ms; each variant alone gains less (the table's other rows). The interpreter runs programs one
+# 1.063 -> 0.552 ms; each variant alone gains less (the table's other rows). After the insert's finite
+# fast path (6561f01), 8-token tiles on 4 warps (of 4 tile configs, ue8m0 sweep at 0520727): insert OCP
+# 0.567 -> 0.522 ms (70.9 -> 76.9%), FNUZ 0.585 -> 0.614, gather OCP 0.536 -> 0.499 (74.5 -> 80.1%), FNUZ
+# 0.615 -> 0.584; the FNUZ gather's two-store NaN fill (64.9%, from 71.9%) went back to a select for FNUZ
+# (not yet timed). The interpreter runs programs one
 # after another in Python at ~20 ms each, so it gets 16-token tiles and 2 workers (results do not
 # depend on the config; a test checks it).
 LAUNCH_CONFIGS: dict[str, LaunchConfig] = {
     "default": LaunchConfig(tokens_per_program=1, gather_workers=128, num_warps=4),
     "sm90": LaunchConfig(
-        tokens_per_program=4, gather_workers=512, num_warps=4, decode="cvt", fnuz_encode="cvt", rope_words=True
+        tokens_per_program=8, gather_workers=512, num_warps=4, decode="cvt", fnuz_encode="cvt", rope_words=True
     ),
     "interpreter": LaunchConfig(tokens_per_program=16, gather_workers=2, num_warps=1),
 }
@@ -491,13 +495,14 @@ def _dequantize_and_gather_k_kernel(
         out_row = out_ptr + req * out_stride_r + (offset + i).to(tl.int64) * out_stride_t
 
         if ROPE_WORDS:
-            # Two stores instead of a select per value: the decoded rows of tokens with a valid
-            # block, then bf16 NaN (0x7FC0) for the rows of tokens without one.
             out_ptr_tile = out_row[:, None] + group[:, None] * _GROUP + dim[None, :]
             is_out = in_out[:, None] & (group[:, None] < _GROUPS)
-            tl.store(out_ptr_tile, nope_bits, mask=is_out & live[:, None])
-            no_block = tl.full([8 * TOKENS, _GROUP], 0x7FC0, tl.int16)
-            tl.store(out_ptr_tile, no_block, mask=is_out & (live[:, None] == 0))
+            no_block = tl.full([8 * TOKENS, _GROUP], 0x7FC0, tl.int16)  # bf16 NaN: a token without a block
+            if FNUZ:  # a select per value: two stores cost FNUZ registers, 71.9% -> 64.9% of copy BW
+                tl.store(out_ptr_tile, tl.where(live[:, None], nope_bits, no_block), mask=is_out)
+            else:  # two stores instead of a select per value: valid rows, then the rows without a block
+                tl.store(out_ptr_tile, nope_bits, mask=is_out & live[:, None])
+                tl.store(out_ptr_tile, no_block, mask=is_out & (live[:, None] == 0))
             t = start + tl.arange(0, TOKENS)
             word = tl.arange(0, _GROUP // 2)
             t_in_out, t_live, t_pos, t_block_ptr = _gather_token_blocks(
