@@ -1,7 +1,7 @@
 """Sweep stage-1 launch configs of ``decode_attention``; results go in ``notebooks/results/sweep_decode_h200.md``.
 
 Run from the repository root on the GPU machine:
-``PYTHONPATH=. python3 benchmarks/sweep_decode.py [seconds]``. Each line: shape, split count
+``PYTHONPATH=. python3 benchmarks/sweep_decode.py [seconds] [MLA|GQA]``. Each line: shape, split count
 (vLLM's ``_compute_num_kv_splits``), config, time (median CUDA-graph replay, stages 1 and 2), TFLOP/s,
 and % of the roofline max(FLOPs / 680 TFLOP/s, bytes / 4.24 TB/s), the H200 ceilings ``attnref bench``
 measured (bf16 matmul, device copy).
@@ -26,7 +26,9 @@ SHAPES = [  # the H=16 shape first: its register cap (MLA_GRID) is the open ques
     ("MLA", 32, 16, 1, 576, 512, 32768, 64),
     ("MLA", 32, 128, 1, 576, 512, 32768, 64),
     ("MLA", 8, 128, 1, 576, 512, 8192, 64),
+    ("GQA", 128, 32, 8, 128, 128, 1024, 16),
     ("GQA", 32, 32, 8, 128, 128, 32768, 16),
+    ("GQA", 32, 32, 8, 128, 128, 8192, 16),
 ]
 # (BLOCK_H, BLOCK_N, num_warps, num_stages, SPLIT_LATENT[, maxnreg]). The sm90 entry (64, 64, 8, 2, 1) caps the
 # 16-head tile at 128 registers (maxnreg_h16): uncapped, Triton 3.6 gives that tile 150 registers per thread, so
@@ -35,8 +37,9 @@ SHAPES = [  # the H=16 shape first: its register cap (MLA_GRID) is the open ques
 # 128-key tile, 3 stages, a 32-key tile with 4 programs per SM by shared memory.
 MLA_GRID = [(64, 64, 8, 2, 1, 128), (64, 64, 4, 2, 1, 128), (64, 128, 8, 2, 1, 128), (64, 64, 8, 3, 1, 128),
             (64, 32, 4, 2, 1, 128), (64, 64, 8, 2, 1), (16, 32, 4, 2, 1), (64, 32, 8, 2, 1)]  # fmt: skip
-GQA_GRID = [(16, 32, 4, 2, 0), (16, 64, 4, 2, 0), (16, 64, 4, 3, 0), (16, 128, 4, 2, 0), (16, 128, 8, 3, 0),
-            (16, 64, 8, 2, 0)]  # fmt: skip
+# GQA: the sm90 entry (16, 32, 4, 2, 0) first; B=128 L=1K ran at 80.0% of the copy roofline (bench at 62cb554).
+GQA_GRID = [(16, 32, 4, 2, 0), (16, 64, 4, 2, 0), (16, 64, 4, 3, 0), (16, 32, 4, 3, 0), (16, 128, 4, 2, 0),
+            (16, 64, 8, 2, 0), (16, 32, 2, 2, 0), (16, 16, 4, 3, 0)]  # fmt: skip
 
 
 def problem(name, batch, heads, kv_heads, key_width, value_width, length, page, device):
@@ -86,13 +89,15 @@ def sweep_shape(shape: tuple, sms: int, deadline: float) -> None:
               f"roofline {100 * roofline_ms / ms:5.1f}%", flush=True)  # fmt: skip
 
 
-def main(budget_s: float) -> None:
+def main(budget_s: float, only: str | None = None) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     deadline = time.time() + budget_s
     for shape in SHAPES:
+        if only is not None and shape[0] != only:
+            continue
         sweep_shape(shape, sms, deadline)
         torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    main(float(sys.argv[1]) if len(sys.argv) > 1 else 300.0)
+    main(float(sys.argv[1]) if len(sys.argv) > 1 else 300.0, sys.argv[2] if len(sys.argv) > 2 else None)
