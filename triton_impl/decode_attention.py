@@ -64,8 +64,10 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # them. The sm90 MLA entry comes from benchmarks/sweep_decode.py (notebooks/results/sweep_decode_h200.md):
 # 64-head tiles (the smallest M Hopper's wgmma takes; H=16 clamps the tile to 16) with the latent
 # in two 256-wide halves (SPLIT_LATENT) and 64-key tiles: at B=32 L=32K, H=128 went from 3345 us
-# (BLOCK_H 16) to 1657 us and H=16 from 470 us to 385 us. GQA keeps the upstream entry: 99.7% of
-# the roofline at H=32/8 D=128 L=32K, the best of 6 configs. The config never depends on the
+# (BLOCK_H 16) to 1657 us and H=16 from 470 us to 385 us. GQA (32/8 heads, D=128, page 16): 64-key
+# tiles, the best of 8 configs at B=128 L=1K, B=32 L=8K and L=32K (graph replay, 87.6 -> 90.8%,
+# 92.7 -> 95.0%, 98.3 -> 98.7% of the copy roofline against upstream's 32-key tiles; 62cb554,
+# sweep_decode_h200.md). The config never depends on the
 # batch, so the summation order of a row does not either (batch invariance with one split).
 # Optional keys: SPLIT_LATENT (0), maxnreg (registers per thread the compiler may use; none: its choice),
 # maxnreg_h16 (the same cap, only where the head tile clamps to 16 heads). The sm90 MLA entry caps the
@@ -81,7 +83,7 @@ DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "sm90": {
         "mla": {"BLOCK_N": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1,
                 "maxnreg_h16": 128},
-        "gqa": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
+        "gqa": {"BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
     },
 }
 
