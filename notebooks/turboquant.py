@@ -294,11 +294,14 @@ plt.show()
 # block 16, beside this package's bf16 GQA decode of the same shape timed in the same run.
 #
 # Per key and KV head the kernel reads the slot's words, unpacks `D` key codes (shift and mask,
-# about 3 integer operations each) and gathers their fp16 centroids from a 16- or 8-entry table,
-# unpacks `D` value codes into exact fp16 integers (`0x6400 | c` minus 1024), and runs two MMAs
-# for the scores and two for the values (the query and `p * scale` as fp16 hi + lo pairs). Compiled
-# for sm_90 that is 79 warp instructions per key and KV head for 4-bit keys (96 for k8v4, 100 for
-# 3-bit; `benchmarks/sass_sm90_turboquant.py`), layout conversions through shared memory included.
+# about 3 integer operations each) and gathers their fp16 centroids (4-bit keys: one pair-LUT
+# entry per packed byte; 3-bit: the 8-entry codebook; both tables made by the kernel from the
+# fp32 codebook and gathered from shared memory), unpacks `D` value codes into exact fp16
+# integers (`0x6400 | c` minus 1024), and runs two MMAs for the scores and two for the values
+# (the query and `p * scale` as fp16 hi + lo pairs). Compiled for sm_90 by the H200's Triton 3.6
+# that is 68 warp instructions per key and KV head for 4-bit keys (96 for 3-bit, 213 for k8v4,
+# whose FP8 key tile spills; `benchmarks/sass_sm90_turboquant.py`), layout conversions through
+# shared memory included.
 # The bytes are not the bound: every preset stays below a quarter of its
 # copy roofline, and the time still rises as the bytes fall, from FP8 keys (plain bytes, hardware
 # conversion) to 3-bit codes (a group of 8 codes straddles words). Asserted below: each of these, and
