@@ -37,7 +37,7 @@ After: each wrapper keys a plan on its arguments' layout and launches through ``
 | MLA verify B=8 H=16 Q=4 L=4K | 37.7 | 7.1 |
 | MLA verify B=8 H=128 Q=4 L=4K (one split: one launch) | 24.7 | 6.5 |
 | GQA decode B=8 32/8 D=128 L=4K | 36.3 | 6.9 |
-| TurboQuant 4bit decode B=8 32/8 D=128 L=4K (rotation and codebook in the kernels since 14d089e; 72.8 before) | 117.3 | 9.1 |
+| TurboQuant 4bit decode B=8 32/8 D=128 L=4K (72.8 before 14d089e moved the rotation into a kernel) | 117.3 | 9.1 |
 | merge_attn_states T=512 H=32 D=128 | 18.1 | 4.4 |
 
 Where MLA decode's 7 us go (each part timed alone): the plan key 3.8 us (ten tensor arguments,

@@ -21,8 +21,6 @@ from __future__ import annotations
 import collections
 import os
 import re
-import subprocess
-import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # before triton_impl decorates its kernels: compile, don't interpret
 
@@ -32,7 +30,7 @@ from triton.compiler import ASTSource
 from triton.compiler import compile as triton_compile
 
 from triton_impl import lse_merge
-from triton_impl.bench import _cuobjdump as cuobjdump_path
+from triton_impl.bench import cuobjdump
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
@@ -42,15 +40,8 @@ BRANCH = re.compile(r"\bBRA\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)")
 SHAPES = [(4096, 32, 16, 128), (1024, 128, 8, 512)]
 
 
-def _dump(cubin: bytes, flag: str) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([cuobjdump_path(), flag, f.name], capture_output=True, text=True, check=True).stdout
-
-
 def _resources(cubin: bytes) -> str:
-    line = [x for x in _dump(cubin, "-res-usage").splitlines() if "REG:" in x][-1]
+    line = [x for x in cuobjdump(cubin, "-res-usage").splitlines() if "REG:" in x][-1]
     return " ".join(re.findall(r"(?:REG|STACK|SHARED):\d+", line))
 
 
@@ -91,7 +82,7 @@ def _compile(rows: int, heads: int, splits: int, head_dim: int):
 def report(rows: int, heads: int, splits: int, head_dim: int) -> None:
     kernel, grid, constexprs = _compile(rows, heads, splits, head_dim)
     cubin = kernel.asm["cubin"]
-    code = [(int(m.group(1), 16), m.group(2), line) for line in _dump(cubin, "-sass").splitlines()
+    code = [(int(m.group(1), 16), m.group(2), line) for line in cuobjdump(cubin, "-sass").splitlines()
             if (m := ADDRESS.match(line))]  # fmt: skip
     opcodes = collections.Counter(op for _, op, _ in code if op != "NOP")
     loops = sum(1 for address, _, line in code if (b := BRANCH.search(line)) and int(b.group(1), 16) < address)

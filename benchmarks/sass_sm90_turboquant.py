@@ -21,8 +21,6 @@ from __future__ import annotations
 import collections
 import os
 import re
-import subprocess
-import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # before triton_impl decorates its kernels: compile, don't interpret
 
@@ -32,7 +30,7 @@ from triton.compiler import compile as triton_compile
 
 from golden.turboquant import TurboQuantConfig
 from triton_impl import turboquant as ttq
-from triton_impl.bench import _cuobjdump as cuobjdump_path
+from triton_impl.bench import cuobjdump
 
 TARGET = GPUTarget("cuda", 90, 32)
 DECODE_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -55,22 +53,15 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict[str, int], options: 
                           options={"enable_fp_fusion": True, **options})  # fmt: skip
 
 
-def _dump(cubin: bytes, flag: str) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([cuobjdump_path(), flag, f.name], capture_output=True, text=True, check=True).stdout
-
-
 def _resources(cubin: bytes) -> str:
-    line = [x for x in _dump(cubin, "-res-usage").splitlines() if "REG:" in x][-1]
+    line = [x for x in cuobjdump(cubin, "-res-usage").splitlines() if "REG:" in x][-1]
     return " ".join(re.findall(r"(?:REG|STACK):\d+", line))
 
 
 def _loop_mix(cubin: bytes) -> tuple[int, list[tuple[str, int]]]:
     """Instructions of the widest loop (a backward branch to its head, self-branches excluded): the
     decode's tile loop."""
-    code = [(int(m.group(1), 16), m.group(2), line) for line in _dump(cubin, "-sass").splitlines()
+    code = [(int(m.group(1), 16), m.group(2), line) for line in cuobjdump(cubin, "-sass").splitlines()
             if (m := ADDRESS.match(line))]  # fmt: skip
     loops = [(int(b.group(1), 16), address) for address, _, line in code
              if (b := BRANCH.search(line)) and int(b.group(1), 16) < address]  # fmt: skip

@@ -27,9 +27,7 @@ import collections
 import dataclasses
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # before triton_impl decorates its kernels: compile, don't interpret
 
@@ -38,7 +36,7 @@ from triton.compiler import ASTSource
 from triton.compiler import compile as triton_compile
 
 from triton_impl import ue8m0_cache as ue8m0
-from triton_impl.bench import _cuobjdump as cuobjdump_path
+from triton_impl.bench import cuobjdump
 
 TARGET = GPUTarget("cuda", 90, 32)
 BLOCK_SIZE = 64
@@ -64,20 +62,13 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict, num_warps: int):
                           options={"enable_fp_fusion": True, "num_warps": num_warps})  # fmt: skip
 
 
-def _dump(cubin: bytes, flag: str) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([cuobjdump_path(), flag, f.name], capture_output=True, text=True, check=True).stdout
-
-
 def _resources(cubin: bytes) -> tuple[int, int]:
-    line = [x for x in _dump(cubin, "-res-usage").splitlines() if "REG:" in x][-1]
+    line = [x for x in cuobjdump(cubin, "-res-usage").splitlines() if "REG:" in x][-1]
     return int(re.search(r"REG:(\d+)", line).group(1)), int(re.search(r"STACK:(\d+)", line).group(1))
 
 
 def _code(cubin: bytes) -> list[tuple[int, str, str]]:
-    return [(int(m.group(1), 16), m.group(2), line) for line in _dump(cubin, "-sass").splitlines()
+    return [(int(m.group(1), 16), m.group(2), line) for line in cuobjdump(cubin, "-sass").splitlines()
             if (m := ADDRESS.match(line))]  # fmt: skip
 
 

@@ -150,26 +150,24 @@ def _cuobjdump() -> str:
     return str(bundled) if bundled.exists() else "cuobjdump"
 
 
-def sass_resources(cubin: bytes) -> tuple[int, int]:
-    """``(registers, stack bytes)`` per thread of a cubin's (last) kernel, from ``cuobjdump -res-usage``."""
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """``cuobjdump <flag>`` of a cubin (``-sass``, ``-res-usage``, ...): its standard output."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run(
-            [_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, timeout=120, check=True
-        ).stdout
-    line = [x for x in usage.splitlines() if "REG:" in x][-1]
+        done = subprocess.run([_cuobjdump(), flag, f.name], capture_output=True, text=True, timeout=120, check=True)
+        return done.stdout
+
+
+def sass_resources(cubin: bytes) -> tuple[int, int]:
+    """``(registers, stack bytes)`` per thread of a cubin's (last) kernel, from ``cuobjdump -res-usage``."""
+    line = [x for x in cuobjdump(cubin, "-res-usage").splitlines() if "REG:" in x][-1]
     return int(re.search(r"REG:(\d+)", line).group(1)), int(re.search(r"STACK:(\d+)", line).group(1))
 
 
 def sass_mma_counts(cubin: bytes) -> tuple[int, int]:
     """``(HGMMA, HMMA)``: Hopper warpgroup MMAs and warp-level MMAs in a cubin's SASS."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run(
-            [_cuobjdump(), "--dump-sass", f.name], capture_output=True, text=True, timeout=120, check=True
-        ).stdout
+    sass = cuobjdump(cubin, "--dump-sass")
     return sass.count("HGMMA"), sass.count("HMMA")  # "HGMMA" does not contain "HMMA"
 
 
