@@ -629,9 +629,11 @@ def _decode_stage1_kernel(
     It loads the group's ``KV_GROUP`` rotated queries once (``BLOCK_M >= 16`` rows for
     ``tl.dot``) and streams ``BLOCK_N``-token tiles of its split. Per tile, each token's key and
     value fields are read as 32-bit words, one word per group of 8 codes
-    (:func:`_load_code_groups`), and unpacked with shifts: key codes -> fp16 centroids (the fp32
-    codebook gathered and rounded, or the byte-indexed pair LUT built from it in registers) ->
-    ``q.c`` in MMAs -> times the stored norm.
+    (:func:`_load_code_groups`), and unpacked with shifts: key codes -> fp16 centroids -> ``q.c``
+    in MMAs -> times the stored norm. The centroid tables come from the fp32 codebook in every
+    program: the byte-indexed pair LUT (``USE_PAIR_LUT``) or the fp16 codebook (``SMEM_CODEBOOK``),
+    each a register tensor gathered with ``tl.gather`` (through shared memory); or, with neither,
+    the fp32 entries loaded per code and rounded.
     Values enter as ``(p * scale) @ codes + p @ zero``: codes are small integers, exact in fp16
     (:func:`_small_int_to_f16`), so the MMA needs no dequantized value and no lookup.
 
@@ -684,7 +686,7 @@ def _decode_stage1_kernel(
         lo = tl.load(centroid_ptr + (byte & 15)).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
         hi = tl.load(centroid_ptr + (byte >> 4)).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
         pair_lut = lo | (hi << 16)
-    elif SMEM_CODEBOOK and KEY_BITS != 8:  # the fp16 codebook as a register tensor, gathered from
+    elif SMEM_CODEBOOK and KEY_BITS != 8:  # the fp16 codebook as a register tensor
         codebook = tl.load(centroid_ptr + tl.arange(0, 1 << KEY_BITS)).to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
