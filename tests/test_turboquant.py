@@ -1080,6 +1080,34 @@ def test_buffers_are_reused_and_missing_ones_parked_on_the_holder(device: torch.
     assert_bits_equal(again, out)
 
 
+def test_the_rotation_is_read_through_its_strides(device: torch.device) -> None:
+    """The first kernel rotates the query by ``PiT`` as given (any strides) or by ``Pi`` transposed
+    through its strides: the three forms agree bit for bit, and with golden. A Haar rotation, not
+    the symmetric Hadamard one, so that a transposition would show."""
+    preset, head_dim, gen = "turboquant_4bit_nc", 64, generator(22)
+    cache, table, lens = _decode_setup(preset, head_dim, [23, 7], 1, 16, gen, device)
+    config, _, centroids, _ = _quantizer(preset, head_dim)
+    query = torch.randn(2, 2, head_dim, generator=gen).half()
+    pi = tq.haar_rotation(head_dim, seed=5)
+    assert not torch.equal(pi, pi.T)
+
+    def decode(pi_arg, pit_arg):
+        return ttq.triton_turboquant_decode_attention_v2(
+            query.to(device), cache, table, lens, pi_arg, centroids.to(device), head_dim**-0.5, config.key_mse_bits,
+            config.key_packed_size, config.value_quant_bits, config.value_packed_size, PiT=pit_arg,
+            max_num_kv_splits=2,
+        )  # fmt: skip
+
+    by_pi = decode(pi.to(device), None)
+    assert_bits_equal(decode(None, pi.T.contiguous().to(device)), by_pi)
+    assert_bits_equal(decode(None, pi.to(device).T), by_pi)  # a transposed view: strides (1, D)
+    expected, _ = _decode_golden(query, cache, table, lens, preset, head_dim)  # the Hadamard rotation
+    golden_pi = tq.turboquant_decode_attention(query, cache.cpu(), table.cpu(), lens.cpu(), pi.T.contiguous(),
+                                               centroids.half().float(), head_dim**-0.5, config)  # fmt: skip
+    assert_close(by_pi, golden_pi[0], ("turboquant", "out", torch.float16))
+    assert not torch.allclose(golden_pi[0].float(), expected.float(), atol=1e-3)  # the rotation mattered
+
+
 def test_batch_invariance_and_gqa_equals_repeated_kv(device: torch.device) -> None:
     preset, head_dim, gen = "turboquant_4bit_nc", 64, generator(21)
     cache, table, lens = _decode_setup(preset, head_dim, [17, 6], 1, 16, gen, device)
