@@ -34,7 +34,9 @@ MERGE_CONFIGS: dict[str, dict[str, int]] = {
 # instructions per program at S=16 D=128 / S=8 D=512: 453 / 575 (80 / 149 registers). The kernel
 # before it issued 2488 / 2596 with 4 warps: at S=16 D=128, 993 programs per SM of the H200 need
 # 0.31 ms at 4 warp instructions per cycle, above the 0.263 ms copy roofline; it ran 0.426 ms.
-# Not yet timed on the H200 (benchmarks/sweep_memory_bound.py merge has the alternatives).
+# On the H200 (sweep_memory_bound_h200.md, 0520727) one warp took S=16 D=128 from 0.426 to 0.286 ms
+# (61.7 -> 92.3% of copy BW; 89.3% in the bench) and runs S=8 D=512 at copy BW; 2 warps are within
+# 1%, 4 warps 3% slower.
 SPLIT_MERGE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"MAX_BLOCK_S_D": 4096, "num_warps": 1},
 }
