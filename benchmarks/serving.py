@@ -29,7 +29,6 @@ import os
 import pstats
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,7 +39,7 @@ import triton.testing
 from golden import turboquant as tq
 from triton_impl import decode_attention as dec
 from triton_impl import lse_merge, mla_verify, turboquant
-from triton_impl.bench import eager_and_graph_us
+from triton_impl.bench import eager_and_graph_us, us_per_call
 from triton_impl.cases import block_table_for, device_paged_cache
 from triton_impl.validation import CONTENT_CHECKS_ENV
 
@@ -124,15 +123,7 @@ def host_us(run: Callable[[], object], calls: int = 100, repeats: int = 5) -> fl
     without waiting for the GPU; the median of ``repeats`` such loops, each started on an idle GPU.
     The host waits on the GPU only if CUDA's queue of pending launches fills (a few hundred
     launches here; a full queue would show as host time close to the eager time)."""
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            run()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
-    return sorted(times)[repeats // 2]
+    return us_per_call(run, calls, repeats, wait_for_gpu=False)
 
 
 def _no_sync(run: Callable[[], object]) -> str:

@@ -115,6 +115,23 @@ def _time(fn: Callable[[], object]) -> float:
     return ms
 
 
+def us_per_call(step: Callable[[], object], calls: int, repeats: int, *, wait_for_gpu: bool) -> float:
+    """Microseconds per call of ``step``: ``calls`` calls back to back, each loop started on an idle
+    GPU and timed to the GPU's end (``wait_for_gpu``) or to the return of the last call (the host
+    alone); the median of ``repeats`` loops."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        if wait_for_gpu:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return sorted(times)[repeats // 2]
+
+
 def eager_and_graph_us(run: Callable[[], object], iters: int = 200, repeats: int = 5) -> tuple[float, float]:
     """``(eager, graph)``: microseconds per call of ``run`` back to back, called from Python and
     replayed from one CUDA graph capture; each the median of ``repeats`` loops of ``iters`` calls.
@@ -127,19 +144,8 @@ def eager_and_graph_us(run: Callable[[], object], iters: int = 200, repeats: int
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-
-    def per_call(step: Callable[[], object]) -> float:
-        times = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(iters):
-                step()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - start) / iters * 1e6)
-        return sorted(times)[repeats // 2]
-
-    return per_call(run), per_call(graph.replay)
+    return (us_per_call(run, iters, repeats, wait_for_gpu=True),
+            us_per_call(graph.replay, iters, repeats, wait_for_gpu=True))  # fmt: skip
 
 
 def _cuobjdump() -> str:
