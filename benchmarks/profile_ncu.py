@@ -1,0 +1,57 @@
+"""Hardware-counter profile of ``attnref bench`` cases under Nsight Compute (``ncu``), for the GPU machine.
+
+Each case named on the command line (a part of its bench name; ``op:part`` to pick the op) is built and run
+twice to compile and warm up, then once between ``cudaProfilerStart``/``Stop``, with content checks off as in
+the bench. Run under ``ncu --profile-from-start off`` so only that call's kernels are profiled::
+
+    PYTHONPATH=. ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \\
+        --section WarpStateStats --section LaunchStats --csv --page details \\
+        python3 benchmarks/profile_ncu.py "turboquant:4bit_nc decode B=32 Hq=32 Hk=8 D=128 L=8192"
+
+Without ``ncu`` it just runs the cases (a check that the names match).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from triton_impl.parity import decode_attention, lse_merge, mla_verify, turboquant, ue8m0_cache
+from triton_impl.validation import CONTENT_CHECKS_ENV
+
+ALL_CASES = {
+    m.__name__.rsplit(".", 1)[-1]: m.bench_cases()
+    for m in (decode_attention, mla_verify, turboquant, ue8m0_cache, lse_merge)
+}
+
+
+def find(spec: str):
+    op, _, part = spec.rpartition(":")
+    hits = [c for name, cs in ALL_CASES.items() if not op or name == op for c in cs if part in c.name]
+    if len(hits) != 1:
+        raise SystemExit(f"{spec!r} matches {len(hits)} cases: {[c.name for c in hits]}")
+    return hits[0]
+
+
+def main(specs: list[str]) -> None:
+    os.environ[CONTENT_CHECKS_ENV] = "0"
+    cudart = torch.cuda.cudart()
+    for spec in specs:
+        case = find(spec)
+        bench = case.setup(torch.device("cuda"))
+        bench.run()
+        bench.run()
+        torch.cuda.synchronize()
+        print(f"profiling {case.op}: {case.name}", flush=True)
+        cudart.cudaProfilerStart()
+        bench.run()
+        torch.cuda.synchronize()
+        cudart.cudaProfilerStop()
+        del bench
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
