@@ -1,10 +1,11 @@
 """Sweep stage-1 launch configs of ``decode_attention``; results go in ``notebooks/results/sweep_decode_h200.md``.
 
 Run from the repository root on the GPU machine:
-``PYTHONPATH=. python3 benchmarks/sweep_decode.py [seconds] [MLA|GQA]``. Each line: shape, split count
+``PYTHONPATH=. python3 benchmarks/sweep_decode.py [seconds] [MLA|GQA|splits]``. Each line: shape, split count
 (vLLM's ``_compute_num_kv_splits``), config, time (median CUDA-graph replay, stages 1 and 2), TFLOP/s,
 and % of the roofline max(FLOPs / 680 TFLOP/s, bytes / 4.24 TB/s), the H200 ceilings ``attnref bench``
-measured (bf16 matmul, device copy).
+measured (bf16 matmul, device copy). ``splits`` times the sm90 config of every bench shape at split counts
+from vLLM's down to 1 (powers of two), and at the counts that fill 1, 2, 4 and 8 rounds of programs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ SHAPES = [  # the H=16 shape first: its register cap (MLA_GRID) is the open ques
     ("GQA", 32, 32, 8, 128, 128, 32768, 16),
     ("GQA", 32, 32, 8, 128, 128, 8192, 16),
 ]
+# The rest of the bench's decode shapes, for the split sweep.
+SPLIT_SHAPES = [*SHAPES, ("MLA", 128, 16, 1, 576, 512, 8192, 64), ("MLA", 1, 128, 1, 576, 512, 32768, 64),
+                ("MLA", 128, 128, 1, 576, 512, 1024, 64)]  # fmt: skip
+# Resident stage-1 programs per SM under the sm90 configs (Triton 3.6, Nsight Compute's occupancy): the 64-head
+# MLA tile 1 (255 registers, 221 KB shared memory), the 16-head MLA tile 2 (128 registers), GQA 4 (108 registers).
 # (BLOCK_H, BLOCK_N, num_warps, num_stages, SPLIT_LATENT[, maxnreg]). The sm90 entry (64, 64, 8, 2, 1) caps the
 # 16-head tile at 128 registers (maxnreg_h16): uncapped, Triton 3.6 gives that tile 150 registers per thread, so
 # one 8-warp program fits an SM where two fit at 128 (94 KiB of shared memory each): 543 -> 385 us at H=16
@@ -89,9 +95,41 @@ def sweep_shape(shape: tuple, sms: int, deadline: float) -> None:
               f"roofline {100 * roofline_ms / ms:5.1f}%", flush=True)  # fmt: skip
 
 
+def sweep_splits(shape: tuple, sms: int, deadline: float) -> None:
+    name, batch, heads, kv_heads, key_width, value_width, length, page = shape
+    device = torch.device("cuda")
+    (q, k, v, o, lse, table, seq_lens), is_mla, flops, nbytes = problem(*shape, device)
+    vllm = _compute_num_kv_splits(length, sms)
+    per_sm = (1 if heads > 16 else 2) if is_mla else 4
+    programs_per_split = batch * kv_heads * (triton.cdiv(heads // kv_heads, 64) if is_mla else 1)
+    fills = {max(1, rounds * per_sm * sms // programs_per_split) for rounds in (1, 2, 4, 8)}
+    counts = sorted({vllm >> i for i in range(vllm.bit_length())} | {n for n in fills if n <= vllm}, reverse=True)
+    sm_scale = 192**-0.5 if is_mla else key_width**-0.5
+    roofline_ms = max(flops / PEAK_FLOPS, nbytes / PEAK_BW) * 1e3
+    for splits in counts:
+        logits = torch.empty(batch, heads, splits, value_width + 1, device=device)
+        if time.time() > deadline:
+            return
+
+        def run(splits: int = splits, logits: torch.Tensor = logits) -> None:
+            decode_attention_fwd(q, k, v, o, lse, table, seq_lens, logits, splits, sm_scale, page, is_mla=is_mla)
+
+        run()
+        torch.cuda.synchronize()  # do_bench_cudagraph's first call runs on a new stream, unordered with this one
+        ms = triton.testing.do_bench_cudagraph(run, rep=50)
+        rounds = splits * programs_per_split / (per_sm * sms)
+        print(f"{name} B={batch} H={heads}/{kv_heads} L={length} S={splits:3d} (vLLM {vllm:3d}, {rounds:5.2f} rounds) "
+              f"{ms * 1e3:8.1f} us roofline {100 * roofline_ms / ms:5.1f}%", flush=True)  # fmt: skip
+
+
 def main(budget_s: float, only: str | None = None) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     deadline = time.time() + budget_s
+    if only == "splits":
+        for shape in SPLIT_SHAPES:
+            sweep_splits(shape, sms, deadline)
+            torch.cuda.empty_cache()
+        return
     for shape in SHAPES:
         if only is not None and shape[0] != only:
             continue

@@ -19,9 +19,10 @@ from triton_impl.decode_attention import (
     _compute_num_kv_splits,
     decode_attention_fwd,
     expand_decode_rows,
+    stage1_splits,
 )
 from triton_impl.lse_merge import merge_splits
-from triton_impl.validation import CONTENT_CHECKS_ENV
+from triton_impl.validation import CONTENT_CHECKS_ENV, cdiv, next_pow2
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # MLA (Lv, rope width P) and GQA (Lk, Lv) widths: small, with non-powers of two for GQA. MLA widths
@@ -149,6 +150,27 @@ def _config(arch: str, is_mla: bool) -> dict[str, int]:
     return DECODE_CONFIGS[arch]["mla" if is_mla else "gqa"]
 
 
+def _splits_run(d: Decode, splits: int, config: dict[str, int]) -> int:
+    """The splits stage 1 runs for ``d`` under ``config`` on its device (``stage1_splits``)."""
+    rows, heads = d.q.shape[:2]
+    kv_heads = d.k.shape[-2]
+    tile = min(config["BLOCK_H"], max(16, next_pow2(heads // kv_heads)))
+    sms = torch.cuda.get_device_properties(d.q.device).multi_processor_count if d.q.is_cuda else None
+    return stage1_splits(splits, rows * kv_heads * cdiv(heads // kv_heads, tile), sms, config, tile)
+
+
+def test_stage1_splits_cap() -> None:
+    """The cap fills SPLIT_ROUNDS rounds of resident programs and never raises the split count."""
+    config = {"SPLIT_ROUNDS": 4, "PROGRAMS_PER_SM": 1, "PROGRAMS_PER_SM_H16": 2}
+    assert stage1_splits(64, 64, 132, config) == 8  # MLA B=32 H=128: 2 head tiles of 64
+    assert stage1_splits(64, 32, 132, config, head_tile=16) == 33  # MLA B=32 H=16
+    assert stage1_splits(64, 2, 132, config) == 64  # B=1: the caller's count
+    assert stage1_splits(2, 4096, 132, config) == 1  # a full GPU: one split
+    assert stage1_splits(1, 1, 132, config) == 1
+    assert stage1_splits(64, 64, None, config) == 64  # not on CUDA: no cap
+    assert stage1_splits(64, 64, 132, {"PROGRAMS_PER_SM": 1}) == 64  # no SPLIT_ROUNDS: no cap
+
+
 # -- Triton == golden ------------------------------------------------------------------------
 
 
@@ -202,13 +224,16 @@ def test_matches_golden(
     ref_o, ref_lse = d.golden()
     assert_close(o, ref_o, ("decode_attention", "o", dtype))
     assert_close(lse, ref_lse, ("decode_attention", "lse", lse_dtype))
-    if splits > 1:
+    run = _splits_run(d, splits, _config(arch, is_mla))
+    if run > 1:
         part_o, part_lse = decode_attention_splits(
-            d.q, d.k, d.v, d.table, d.lens, splits, d.sm_scale, d.page_size, dtype=torch.float64, **d.kwargs()
+            d.q, d.k, d.v, d.table, d.lens, run, d.sm_scale, d.page_size, dtype=torch.float64, **d.kwargs()
         )
         value_width = d.v.shape[-1]
-        assert_close(logits[..., :value_width], part_o, ("decode_attention", "o", dtype))
-        assert_close(logits[..., value_width], part_lse, ("decode_attention", "lse", "float32"))
+        assert_close(logits[:, :, :run, :value_width], part_o, ("decode_attention", "o", dtype))
+        assert_close(logits[:, :, :run, value_width], part_lse, ("decode_attention", "lse", "float32"))
+    if run < splits:  # the capped splits' slots are never written
+        assert bool(torch.isnan(logits[:, :, run:]).all())
 
 
 @pytest.mark.parametrize("arch", ARCHS)

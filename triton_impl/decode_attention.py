@@ -74,6 +74,8 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # 16-head tile at 128: uncapped, Triton 3.6 gives it 150 registers, so one 8-warp program fits an SM
 # where two fit at 128 (94 KiB of shared memory each); B=32 H=16 L=32K went 543 -> 385 us (8f5b45e,
 # sweep_decode_h200.md). The same cap on the 64-head tile (255 registers) doubled its time.
+# SPLIT_ROUNDS (none: no cap) caps the splits stage 1 runs at what fills that many rounds of resident programs,
+# PROGRAMS_PER_SM (PROGRAMS_PER_SM_H16 for the 16-head tile) per SM: see stage1_splits.
 _CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})
 DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "default": {
@@ -82,8 +84,8 @@ DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     },
     "sm90": {
         "mla": {"BLOCK_N": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1,
-                "maxnreg_h16": 128},
-        "gqa": {"BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
+                "maxnreg_h16": 128, "SPLIT_ROUNDS": 4, "PROGRAMS_PER_SM": 1, "PROGRAMS_PER_SM_H16": 2},
+        "gqa": {"BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2, "SPLIT_ROUNDS": 4, "PROGRAMS_PER_SM": 4},
     },
 }
 
@@ -94,6 +96,32 @@ def select_decode_config(device: torch.device, is_mla: bool, block_dv: int) -> d
     if block_dv >= 1024:
         config["num_stages"] = 1  # a second stage of 1024-wide tiles does not fit in shared memory
     return config
+
+
+def stage1_splits(num_kv_splits: int, programs_per_split: int, sm_count: int | None, config: dict[str, int],
+                  head_tile: int = 0) -> int:  # fmt: skip
+    """The splits stage 1 runs: ``num_kv_splits``, capped where the config has ``SPLIT_ROUNDS``.
+
+    The cap is ``SPLIT_ROUNDS * PROGRAMS_PER_SM * sm_count // programs_per_split`` (at least 1):
+    the fewest splits that still give every SM that many rounds of resident programs, where a
+    program is one (row, KV-head block, split). Every split costs a query load, a partial write and
+    its read in the merge, so past a full GPU more splits only cost time. Split sweep on the H200
+    (``benchmarks/sweep_decode.py 300 splits``, ``sweep_decode_h200.md``; graph replay, vLLM's split
+    count -> the capped one): MLA B=32 H=128 L=32K 1656.5 -> 1239.5 us (64 -> 8 splits), MLA B=32
+    H=16 L=32K 389.8 -> 362.5 us (64 -> 33), GQA B=32 L=32K 1061.7 -> 997.0 us (64 -> 8). The rows
+    of a batch are assumed alike: a batch of one long row among short ones gets its long row cut
+    in fewer pieces than ``num_kv_splits``. No cap off CUDA (``sm_count`` None), with one split,
+    or without the key; the merge then reads only the splits run, and slots past them in
+    ``attn_logits`` are not written. ``head_tile``: the head tile, where 16 selects
+    ``PROGRAMS_PER_SM_H16`` (default ``PROGRAMS_PER_SM``).
+    """
+    rounds = config.get("SPLIT_ROUNDS")
+    if not rounds or sm_count is None or num_kv_splits == 1:
+        return num_kv_splits
+    per_sm = config["PROGRAMS_PER_SM"]
+    if head_tile == 16:
+        per_sm = config.get("PROGRAMS_PER_SM_H16", per_sm)
+    return max(1, min(num_kv_splits, rounds * per_sm * sm_count // max(1, programs_per_split)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,7 +438,10 @@ def decode_attention_fwd(
         attn_logits: ``[>= R, H, S, Lv+1]`` fp32 split scratch (a worst-case workspace works), or
             None when ``S == 1``.
         num_kv_splits: ``S >= 1``; splits cover the visible window, so ``S`` past the window length
-            only adds empty splits.
+            only adds empty splits. On a GPU whose config caps splits (``stage1_splits``: the H200's
+            does), stage 1 runs ``min(S, cap)`` splits when ``S`` programs per row would overfill
+            the GPU, and only those slots of ``attn_logits`` are written; with ``S == 1`` nothing
+            changes (and a row's bits then depend on that row alone).
         sm_scale: softmax scale. page_size: tokens per page (default 1: a token-level table).
         logit_cap: ``0`` (none) or ``> 0``.
         k_scale, v_scale: one-element fp32 tensors dequantizing an FP8 cache, or None (1); ignored
@@ -534,6 +565,10 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     head_blocks = cdiv(group, block_h)
     maxnreg = config.get("maxnreg_h16") if block_h == 16 and config.get("maxnreg_h16") else config.get("maxnreg")
     split_latent = is_mla and bool(config.get("SPLIT_LATENT", 0)) and block_dv >= 32
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+    num_kv_splits = stage1_splits(num_kv_splits, num_rows * num_kv_heads * head_blocks, sm_count, config, block_h)
+    if num_kv_splits == 1 and not single:
+        single = True  # capped to one split: stage 1 writes o and lse, attn_logits is not touched
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]  # with one split, o stands in for part
     grid = (num_rows, num_kv_heads * head_blocks, num_kv_splits)
     stage1 = Launch(_decode_stage1_kernel, grid, (
@@ -569,7 +604,8 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
         num_stages=config["num_stages"],
         **({"maxnreg": maxnreg} if maxnreg else {}),
     ))  # fmt: skip
-    return make_plan(stage1, None if single else merge_splits_launch(num_rows, attn_logits, o, lse))
+    merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse)
+    return make_plan(stage1, merge)
 
 
 # ----------------------------------------------------------------------------------------------
