@@ -1,11 +1,12 @@
 """Sweep stage-1 launch configs of ``decode_attention``; results go in ``notebooks/results/sweep_decode_h200.md``.
 
 Run from the repository root on the GPU machine:
-``PYTHONPATH=. python3 benchmarks/sweep_decode.py [seconds] [MLA|GQA|splits]``. Each line: shape, split count
+``PYTHONPATH=. python3 benchmarks/sweep_decode.py [seconds] [MLA|GQA|splits|tma]``. Each line: shape, split count
 (vLLM's ``_compute_num_kv_splits``), config, time (median CUDA-graph replay, stages 1 and 2), TFLOP/s,
 and % of the roofline max(FLOPs / 680 TFLOP/s, bytes / 4.24 TB/s), the H200 ceilings ``attnref bench``
 measured (bf16 matmul, device copy). ``splits`` times the sm90 config of every bench shape at split counts
-from vLLM's down to 1 (powers of two), and at the counts that fill 1, 2, 4 and 8 rounds of programs.
+from vLLM's down to 1 (powers of two), and at the counts that fill 1, 2, 4 and 8 rounds of programs; ``tma``
+times the sm90 MLA entry at vLLM's split count with and without tensor-descriptor tiles and without the split cap.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.testing
 
-from triton_impl.decode_attention import _compute_num_kv_splits, decode_attention_fwd
+from triton_impl.decode_attention import DECODE_CONFIGS, _compute_num_kv_splits, decode_attention_fwd
 
 os.environ["ATTNREF_CHECK_CONTENTS"] = "0"
 PEAK_FLOPS, PEAK_BW = 680e12, 4.24e12
@@ -122,9 +123,38 @@ def sweep_splits(shape: tuple, sms: int, deadline: float) -> None:
               f"{ms * 1e3:8.1f} us roofline {100 * roofline_ms / ms:5.1f}%", flush=True)  # fmt: skip
 
 
+def sweep_tma(shape: tuple, sms: int) -> None:
+    """The sm90 MLA entry (split cap included) with and without tensor-descriptor tiles, and with the cap off."""
+    name, batch, heads, _, _, value_width, length, page = shape
+    device = torch.device("cuda")
+    (q, k, v, o, lse, table, seq_lens), _, flops, nbytes = problem(*shape, device)
+    splits = _compute_num_kv_splits(length, sms)
+    logits = torch.empty(batch, heads, splits, value_width + 1, device=device)
+    roofline_ms = max(flops / PEAK_FLOPS, nbytes / PEAK_BW) * 1e3
+    entry = DECODE_CONFIGS["sm90"]["mla"]
+    for label, cfg in (("TMA, cap", entry), ("gathers, cap", {**entry, "TMA": 0}),
+                       ("TMA, no cap", {**entry, "SPLIT_ROUNDS": 0})):  # fmt: skip
+
+        def run(cfg: dict = cfg) -> None:
+            decode_attention_fwd(q, k, v, o, lse, table, seq_lens, logits, splits, 192**-0.5, page, is_mla=True,
+                                 config=cfg)  # fmt: skip
+
+        run()
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench_cudagraph(run, rep=50)
+        print(f"{name} B={batch} H={heads} L={length} S={splits:3d} {label:13s} {ms * 1e3:8.1f} us "
+              f"roofline {100 * roofline_ms / ms:5.1f}%", flush=True)  # fmt: skip
+
+
 def main(budget_s: float, only: str | None = None) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     deadline = time.time() + budget_s
+    if only == "tma":
+        for shape in SPLIT_SHAPES:
+            if shape[0] == "MLA" and time.time() < deadline:
+                sweep_tma(shape, sms)
+                torch.cuda.empty_cache()
+        return
     if only == "splits":
         for shape in SPLIT_SHAPES:
             sweep_splits(shape, sms, deadline)

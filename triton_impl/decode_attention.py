@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from triton_impl.block_table import first_bad_key
 from triton_impl.interpreter import cast_for_store, dot_dtype
@@ -74,6 +75,7 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # 16-head tile at 128: uncapped, Triton 3.6 gives it 150 registers, so one 8-warp program fits an SM
 # where two fit at 128 (94 KiB of shared memory each); B=32 H=16 L=32K went 543 -> 385 us (8f5b45e,
 # sweep_decode_h200.md). The same cap on the 64-head tile (255 registers) doubled its time.
+# TMA (0): load whole page-aligned MLA tiles with tensor descriptors (see _decode_stage1_kernel).
 # SPLIT_ROUNDS (none: no cap) caps the splits stage 1 runs at what fills that many rounds of resident programs,
 # PROGRAMS_PER_SM (PROGRAMS_PER_SM_H16 for the 16-head tile) per SM: see stage1_splits.
 _CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})
@@ -84,7 +86,7 @@ DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     },
     "sm90": {
         "mla": {"BLOCK_N": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1,
-                "maxnreg_h16": 128, "SPLIT_ROUNDS": 4, "PROGRAMS_PER_SM": 1, "PROGRAMS_PER_SM_H16": 2},
+                "maxnreg_h16": 128, "TMA": 1, "SPLIT_ROUNDS": 4, "PROGRAMS_PER_SM": 1, "PROGRAMS_PER_SM_H16": 2},
         "gqa": {"BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2, "SPLIT_ROUNDS": 4, "PROGRAMS_PER_SM": 4},
     },
 }
@@ -193,8 +195,69 @@ def _tanh(x):
 
 
 @triton.jit
+def _gather_tile(k_ptr, v_ptr, table_row_ptr, stride_t_p, num_pages, kv_head, tile, end,
+                 stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
+                 offs_d0, d0_ok, offs_d1, d1_ok, offs_dpe, dpe_ok, offs_dv, dv_ok,
+                 D_FIRST: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_MLA: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_DPE: tl.constexpr, SPLIT_LATENT: tl.constexpr, DOT_DTYPE: tl.constexpr):  # fmt: skip
+    """Keys ``[tile, tile + BLOCK_N)`` cut at ``end``, addressed one by one through the block table:
+    ``(k0, k1, k_pe, v, tok_ok)``, zeros past ``end`` (unused pieces repeat ``k0``)."""
+    toks = tile + tl.arange(0, BLOCK_N)
+    tok_ok = toks < end
+    page = tl.load(table_row_ptr + (toks // PAGE_SIZE) * stride_t_p, mask=tok_ok, other=0)
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1)  # in the cache (it has a page: wrapper)
+    slot = (toks % PAGE_SIZE).to(tl.int64)
+    k_rows = k_ptr + page.to(tl.int64) * stride_k_page + slot * stride_k_tok + kv_head * stride_k_head
+    k0 = tl.load(k_rows[:, None] + offs_d0[None, :], mask=tok_ok[:, None] & d0_ok[None, :], other=0.0)
+    k0 = k0.to(DOT_DTYPE)
+    k1 = k0
+    k_pe = k0
+    if SPLIT_LATENT:
+        k1 = tl.load(k_rows[:, None] + offs_d1[None, :], mask=tok_ok[:, None] & d1_ok[None, :], other=0.0)
+        k1 = k1.to(DOT_DTYPE)
+    if BLOCK_DPE > 0:
+        k_pe = tl.load(k_rows[:, None] + D_FIRST + offs_dpe[None, :], mask=tok_ok[:, None] & dpe_ok[None, :], other=0.0)
+        k_pe = k_pe.to(DOT_DTYPE)
+    if IS_MLA:
+        v = k0  # BLOCK_D == BLOCK_DV and D_FIRST == LV: the latent tile is V
+    else:
+        v_rows = v_ptr + page.to(tl.int64) * stride_v_page + slot * stride_v_tok + kv_head * stride_v_head
+        v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=tok_ok[:, None] & dv_ok[None, :], other=0.0)
+        v = v.to(DOT_DTYPE)
+    return k0, k1, k_pe, v, tok_ok
+
+
+@triton.jit
+def _attend_tile(q0, q1, q_pe, k0, k1, k_pe, v, tok_ok, m_i, l_i, acc0, acc1, qk_scale, logit_cap,
+                 HAS_CAP: tl.constexpr, BLOCK_DPE: tl.constexpr, SPLIT_LATENT: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """One key tile of the online softmax (base 2): the scores of its keys where ``tok_ok``, then the
+    running max ``m_i``, sum ``l_i`` and accumulators rescaled and updated. Every tile holds at least
+    one live key, so the new max is finite (finite data)."""
+    qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
+    if SPLIT_LATENT:
+        qk += tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+    if BLOCK_DPE > 0:
+        qk += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+    qk = qk * qk_scale
+    if HAS_CAP:
+        qk = logit_cap * _tanh(qk / logit_cap) * _LOG2E
+    qk = tl.where(tok_ok[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = p.to(DOT_DTYPE)
+    acc0 = acc0 * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    if SPLIT_LATENT:
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, k1, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc0, acc1
+
+
+@triton.jit
 def _decode_stage1_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
+    lat_desc, pe_desc,
     sm_scale, logit_cap, window, num_kv_splits, num_pages, table_keys,
     stride_q_r, stride_q_h,
     stride_k_page, stride_k_tok, stride_k_head,
@@ -219,6 +282,7 @@ def _decode_stage1_kernel(
     BLOCK_DPE: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     SPLIT_LATENT: tl.constexpr,
+    TMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -246,6 +310,14 @@ def _decode_stage1_kernel(
     verify kernel: each product then fits one wgmma (N <= 256), and in the verify sweep 64-row
     tiles without the split failed to compile at 64-key tiles (``sweep_verify_h200.md`` records a
     CompilationError for each such config and no cause).
+
+    ``TMA`` (MLA with ``SPLIT_LATENT``, pages a multiple of ``BLOCK_N`` keys, pages contiguous): the
+    tiles of the split that start on a multiple of ``BLOCK_N`` and end by ``end`` lie in one page
+    each and are loaded whole by tensor descriptors over the cache as ``[pages * PAGE_SIZE, Lk]``
+    rows (``lat_desc``: ``[BLOCK_N, BLOCK_D // 2]`` blocks, ``pe_desc``: ``[BLOCK_N, BLOCK_DPE]``),
+    one table entry a tile; the at most two partial tiles at the split's ends are gathered key by
+    key with masks, so no key outside ``[start, end)`` reaches the value product (a NaN left in an
+    unused slot of a page stays out). Otherwise every tile is gathered.
     """
     HALF: tl.constexpr = BLOCK_D // 2 if SPLIT_LATENT else BLOCK_D
     ACC_W: tl.constexpr = BLOCK_DV // 2 if SPLIT_LATENT else BLOCK_DV
@@ -301,50 +373,62 @@ def _decode_stage1_kernel(
     if not HAS_CAP:
         qk_scale = qk_scale * _LOG2E
 
+    if not SPLIT_LATENT:  # placeholders: the tile helpers take every piece
+        offs_d1, d1_ok, q1 = offs_d0, d0_ok, q0
+    if BLOCK_DPE == 0:
+        offs_dpe, dpe_ok, q_pe = offs_d0, d0_ok, q0
+    table_row = table_ptr + row * stride_t_r
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc0 = tl.zeros((BLOCK_H, ACC_W), tl.float32)
     acc1 = acc0
-    for tile in range(start, end, BLOCK_N):
-        toks = tile + tl.arange(0, BLOCK_N)
-        tok_ok = toks < end
-        page = tl.load(table_ptr + row * stride_t_r + (toks // PAGE_SIZE) * stride_t_p, mask=tok_ok, other=0)
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)  # in the cache (it has a page: wrapper)
-        slot = (toks % PAGE_SIZE).to(tl.int64)
-        k_rows = k_ptr + page.to(tl.int64) * stride_k_page + slot * stride_k_tok + kv_head * stride_k_head
-        k0 = tl.load(k_rows[:, None] + offs_d0[None, :], mask=tok_ok[:, None] & d0_ok[None, :], other=0.0)
-        k0 = k0.to(DOT_DTYPE)
-        qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
-        if SPLIT_LATENT:
-            k1 = tl.load(k_rows[:, None] + offs_d1[None, :], mask=tok_ok[:, None] & d1_ok[None, :], other=0.0)
-            k1 = k1.to(DOT_DTYPE)
-            qk += tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
-        if BLOCK_DPE > 0:
-            pe_ptrs = k_rows[:, None] + D_FIRST + offs_dpe[None, :]
-            k_pe = tl.load(pe_ptrs, mask=tok_ok[:, None] & dpe_ok[None, :], other=0.0)
-            k_pe = k_pe.to(DOT_DTYPE)
-            qk += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
-        qk = qk * qk_scale
-        if HAS_CAP:
-            qk = logit_cap * _tanh(qk / logit_cap) * _LOG2E
-        qk = tl.where(tok_ok[None, :], qk, float("-inf"))
-
-        # Every tile holds at least one key of [start, end), so m_new is finite (finite data).
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IS_MLA:
-            v = k0  # BLOCK_D == BLOCK_DV and D_FIRST == LV: the latent tile is V
-        else:
-            v_rows = v_ptr + page.to(tl.int64) * stride_v_page + slot * stride_v_tok + kv_head * stride_v_head
-            v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=tok_ok[:, None] & dv_ok[None, :], other=0.0)
-            v = v.to(DOT_DTYPE)
-        p = p.to(DOT_DTYPE)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        if SPLIT_LATENT:
-            acc1 = acc1 * alpha[:, None] + tl.dot(p, k1, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if TMA:
+        whole_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N  # tiles [whole_lo, whole_hi) lie in [start, end)
+        whole_hi = tl.maximum(end // BLOCK_N * BLOCK_N, whole_lo)
+        head_end = tl.minimum(whole_lo, end)
+        all_live = tl.full((BLOCK_N,), 1, tl.int1)
+        for tile in range(whole_lo, whole_hi, BLOCK_N):
+            page = tl.load(table_row + (tile // PAGE_SIZE) * stride_t_p)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+            key_row = page * PAGE_SIZE + tile % PAGE_SIZE
+            k0 = lat_desc.load([key_row, 0]).to(DOT_DTYPE)
+            k1 = lat_desc.load([key_row, HALF]).to(DOT_DTYPE)
+            k_pe = pe_desc.load([key_row, D_FIRST]).to(DOT_DTYPE)
+            m_i, l_i, acc0, acc1 = _attend_tile(q0, q1, q_pe, k0, k1, k_pe, k0, all_live, m_i, l_i, acc0, acc1,
+                                                qk_scale, logit_cap, HAS_CAP, BLOCK_DPE, SPLIT_LATENT, DOT_DTYPE,
+                                                DOT_PRECISION)  # fmt: skip
+        # The partial tiles, at most one at each end: [start, head_end) and [whole_hi, end).
+        for tile in tl.range(start, head_end, BLOCK_N, num_stages=1):
+            k0, k1, k_pe, v, tok_ok = _gather_tile(
+                k_ptr, v_ptr, table_row, stride_t_p, num_pages, kv_head, tile, head_end,
+                stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
+                offs_d0, d0_ok, offs_d1, d1_ok, offs_dpe, dpe_ok, offs_dv, dv_ok,
+                D_FIRST, PAGE_SIZE, IS_MLA, BLOCK_N, BLOCK_DPE, SPLIT_LATENT, DOT_DTYPE,
+            )  # fmt: skip
+            m_i, l_i, acc0, acc1 = _attend_tile(q0, q1, q_pe, k0, k1, k_pe, v, tok_ok, m_i, l_i, acc0, acc1,
+                                                qk_scale, logit_cap, HAS_CAP, BLOCK_DPE, SPLIT_LATENT, DOT_DTYPE,
+                                                DOT_PRECISION)  # fmt: skip
+        for tile in tl.range(whole_hi, end, BLOCK_N, num_stages=1):
+            k0, k1, k_pe, v, tok_ok = _gather_tile(
+                k_ptr, v_ptr, table_row, stride_t_p, num_pages, kv_head, tile, end,
+                stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
+                offs_d0, d0_ok, offs_d1, d1_ok, offs_dpe, dpe_ok, offs_dv, dv_ok,
+                D_FIRST, PAGE_SIZE, IS_MLA, BLOCK_N, BLOCK_DPE, SPLIT_LATENT, DOT_DTYPE,
+            )  # fmt: skip
+            m_i, l_i, acc0, acc1 = _attend_tile(q0, q1, q_pe, k0, k1, k_pe, v, tok_ok, m_i, l_i, acc0, acc1,
+                                                qk_scale, logit_cap, HAS_CAP, BLOCK_DPE, SPLIT_LATENT, DOT_DTYPE,
+                                                DOT_PRECISION)  # fmt: skip
+    else:
+        for tile in range(start, end, BLOCK_N):
+            k0, k1, k_pe, v, tok_ok = _gather_tile(
+                k_ptr, v_ptr, table_row, stride_t_p, num_pages, kv_head, tile, end,
+                stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
+                offs_d0, d0_ok, offs_d1, d1_ok, offs_dpe, dpe_ok, offs_dv, dv_ok,
+                D_FIRST, PAGE_SIZE, IS_MLA, BLOCK_N, BLOCK_DPE, SPLIT_LATENT, DOT_DTYPE,
+            )  # fmt: skip
+            m_i, l_i, acc0, acc1 = _attend_tile(q0, q1, q_pe, k0, k1, k_pe, v, tok_ok, m_i, l_i, acc0, acc1,
+                                                qk_scale, logit_cap, HAS_CAP, BLOCK_DPE, SPLIT_LATENT, DOT_DTYPE,
+                                                DOT_PRECISION)  # fmt: skip
 
     # An empty split is the neutral state (0, -inf): stage 2 then needs no boundaries.
     empty = end <= start
@@ -482,8 +566,14 @@ def decode_attention_fwd(
         table = block_table_2d("req_to_token", req_to_token, min_rows=0, device=q.device, dtypes=_INDEX_DTYPES)
         check_block_table("req_to_token", table, b_seq_len[: plan.num_rows], page_size, plan.num_pages)
     unit = plan.unit_scale
+    lat_desc = pe_desc = None
+    if plan.tma is not None:  # descriptors hold the cache's address: made per call, never kept in a plan
+        shape, strides, lat_block, pe_block = plan.tma
+        lat_desc = TensorDescriptor(k_buffer, shape, strides, lat_block)
+        pe_desc = TensorDescriptor(k_buffer, shape, strides, pe_block)
     plan.stage1(stream, q, k_buffer, v_buffer, o, lse, o if plan.merge is None else attn_logits, req_to_token,
-                b_seq_len, unit if k_scale is None else k_scale, unit if v_scale is None else v_scale)  # fmt: skip
+                b_seq_len, unit if k_scale is None else k_scale, unit if v_scale is None else v_scale, lat_desc,
+                pe_desc)  # fmt: skip
     if plan.merge is not None:
         plan.merge(stream, attn_logits, o, lse)
 
@@ -491,9 +581,10 @@ def decode_attention_fwd(
 class _DecodePlan(NamedTuple):
     """A checked call layout of :func:`decode_attention_fwd` and what it launches."""
 
-    stage1: Callable[..., None]  # (stream, q, k, v, o, lse, part, table, lens, k_scale, v_scale)
+    stage1: Callable[..., None]  # (stream, q, k, v, o, lse, part, table, lens, k_scale, v_scale, lat, pe)
     merge: Callable[..., None] | None  # (stream, attn_logits, o, lse); None: one split, stage 1 writes o, lse
     unit_scale: torch.Tensor  # k_scale / v_scale when None
+    tma: tuple | None  # (shape, strides, latent block, rope block) of the cache's descriptors, or None
     num_rows: int
     num_pages: int
     on_cuda: bool  # where the content checks would read (see content_checks_on)
@@ -547,7 +638,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     make_plan = partial(_DecodePlan, unit_scale=unit_scale, num_rows=num_rows, num_pages=num_pages,
                         on_cuda=device.type == "cuda")  # fmt: skip
     if num_rows == 0 or num_heads == 0:
-        return make_plan(no_launch, None)
+        return make_plan(no_launch, None, tma=None)
     if num_pages == 0:  # the kernels read page 0 in place of a bad entry
         raise ValueError(f"k_buffer: expected at least one page, got shape {list(k_buffer.shape)}")
 
@@ -569,6 +660,15 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     num_kv_splits = stage1_splits(num_kv_splits, num_rows * num_kv_heads * head_blocks, sm_count, config, block_h)
     if num_kv_splits == 1 and not single:
         single = True  # capped to one split: stage 1 writes o and lse, attn_logits is not touched
+    # Tensor descriptors (TMA on Hopper) need whole tiles inside a page, pages back to back (the cache as
+    # [pages * page_size, Lk] rows), 16-byte aligned rows and base, and int32 row coordinates.
+    tma = None
+    row_bytes = stride_k_tok * k_buffer.element_size()
+    if (split_latent and block_dpe and config.get("TMA") and page_size % config["BLOCK_N"] == 0 and row_bytes % 16 == 0
+            and stride_k_page == page_size * stride_k_tok and k_buffer.data_ptr() % 16 == 0
+            and num_pages * page_size < 2**31):  # fmt: skip
+        tma = ([num_pages * page_size, key_width], [stride_k_tok, 1], [config["BLOCK_N"], block_d // 2],
+               [config["BLOCK_N"], block_dpe])  # fmt: skip
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]  # with one split, o stands in for part
     grid = (num_rows, num_kv_heads * head_blocks, num_kv_splits)
     stage1 = Launch(_decode_stage1_kernel, grid, (
@@ -598,6 +698,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
         BLOCK_DPE=block_dpe,
         BLOCK_DV=block_dv,
         SPLIT_LATENT=split_latent,
+        TMA=tma is not None,
         DOT_DTYPE=dot_dtype(cache_dtypes[0]),
         DOT_PRECISION="ieee" if cache_dtypes[0] == torch.float32 else "tf32",  # fp32 queries: no TF32 truncation
         num_warps=config["num_warps"],
@@ -605,7 +706,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
         **({"maxnreg": maxnreg} if maxnreg else {}),
     ))  # fmt: skip
     merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse)
-    return make_plan(stage1, merge)
+    return make_plan(stage1, merge, tma=tma)
 
 
 # ----------------------------------------------------------------------------------------------
