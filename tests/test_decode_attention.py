@@ -355,19 +355,20 @@ def test_deepseek_mla_fp8_window_bf16_lse(device) -> None:
     [(64, "4d", False, None), (128, "3d", True, 150), (64, "4d", False, 150), (64, "cross_layer", False, None)],
 )
 def test_tma_tiles_and_gathered_ends(device, page_size, layout, fp8, window) -> None:
-    """The Hopper MLA config loads page-aligned tiles whole by tensor descriptors and gathers the
+    """The Hopper MLA config loads page-aligned tiles whole by tensor descriptors (head tiles wider than
+    16; the 16-head tile keeps the gathers, ``TMA_H16``) and gathers the
     partial tiles at each split's ends (unaligned starts from the window and the split bounds, rows
     shorter than a tile, an empty row), with the cache's NaN moat around every row: both paths
     match golden (a descriptor row off by one key fails the three descriptor cases: tried by hand).
     Pages not back to back (a cross-layer view) fall back to the gathers."""
-    d = make_decode(device, 41, [300, 200, 64, 63, 1, 0], is_mla=True, num_heads=16, widths=(512, 64),
+    d = make_decode(device, 41, [300, 200, 64, 63, 1, 0], is_mla=True, num_heads=32, widths=(512, 64),
                     page_size=page_size, layout=layout, fp8=fp8, window=window)  # fmt: skip
     d.sm_scale = 192**-0.5
     config = _config("sm90", True)
     assert config.get("TMA")
     rows = len(d.lens)
-    args = (d.q, d.k, d.v, torch.empty(rows, 16, 512, device=device), torch.empty(rows, 16, device=device), d.table,
-            d.lens, torch.empty(rows, 16, 2, 513, device=device), 2, d.sm_scale, page_size, 0.0, d.k_scale,
+    args = (d.q, d.k, d.v, torch.empty(rows, 32, 512, device=device), torch.empty(rows, 32, device=device), d.table,
+            d.lens, torch.empty(rows, 32, 2, 513, device=device), 2, d.sm_scale, page_size, 0.0, d.k_scale,
             d.v_scale, True, window, config)  # fmt: skip
     assert (_plan_decode(*args).tma is not None) == (layout != "cross_layer")
     ref_o, ref_lse = d.golden()

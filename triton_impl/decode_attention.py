@@ -75,7 +75,10 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # 16-head tile at 128: uncapped, Triton 3.6 gives it 150 registers, so one 8-warp program fits an SM
 # where two fit at 128 (94 KiB of shared memory each); B=32 H=16 L=32K went 543 -> 385 us (8f5b45e,
 # sweep_decode_h200.md). The same cap on the 64-head tile (255 registers) doubled its time.
-# TMA (0): load whole page-aligned MLA tiles with tensor descriptors (see _decode_stage1_kernel).
+# TMA (0): load whole page-aligned MLA tiles with tensor descriptors (see _decode_stage1_kernel); TMA_H16 the same
+# for the 16-head tile (default TMA). On the H200 (sweep_decode_h200.md, graph replay, with the split cap): MLA B=32
+# H=128 L=32K 1226.7 -> 1059.7 us, B=8 H=128 L=8K 108.3 -> 94.5 us; the 16-head tile went 365.7 -> 705.2 us (its
+# shared memory grows 94 -> 114 KiB, one program per SM instead of two), so the sm90 entry keeps it on gathers.
 # SPLIT_ROUNDS (none: no cap) caps the splits stage 1 runs at what fills that many rounds of resident programs,
 # PROGRAMS_PER_SM (PROGRAMS_PER_SM_H16 for the 16-head tile) per SM: see stage1_splits.
 _CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})
@@ -86,7 +89,8 @@ DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     },
     "sm90": {
         "mla": {"BLOCK_N": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1,
-                "maxnreg_h16": 128, "TMA": 1, "SPLIT_ROUNDS": 4, "PROGRAMS_PER_SM": 1, "PROGRAMS_PER_SM_H16": 2},
+                "maxnreg_h16": 128, "TMA": 1, "TMA_H16": 0, "SPLIT_ROUNDS": 4, "PROGRAMS_PER_SM": 1,
+                "PROGRAMS_PER_SM_H16": 2},
         "gqa": {"BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2, "SPLIT_ROUNDS": 4, "PROGRAMS_PER_SM": 4},
     },
 }
@@ -664,7 +668,8 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     # [pages * page_size, Lk] rows), 16-byte aligned rows and base, and int32 row coordinates.
     tma = None
     row_bytes = stride_k_tok * k_buffer.element_size()
-    if (split_latent and block_dpe and config.get("TMA") and page_size % config["BLOCK_N"] == 0 and row_bytes % 16 == 0
+    use_tma = config.get("TMA_H16", config.get("TMA")) if block_h == 16 else config.get("TMA")
+    if (split_latent and block_dpe and use_tma and page_size % config["BLOCK_N"] == 0 and row_bytes % 16 == 0
             and stride_k_page == page_size * stride_k_tok and k_buffer.data_ptr() % 16 == 0
             and num_pages * page_size < 2**31):  # fmt: skip
         tma = ([num_pages * page_size, key_width], [stride_k_tok, 1], [config["BLOCK_N"], block_d // 2],
