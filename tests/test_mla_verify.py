@@ -23,10 +23,12 @@ from golden.mla_verify import mla_verify, mla_verify_split_partials, row_limits,
 from tests.support import FP8_DTYPES, assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled
 from tests.support import paged_cache as build_paged_cache
 from triton_impl import mla_verify as tv
+from triton_impl.decode_attention import tma_layout
 from triton_impl.lse_merge import merge_splits
 from triton_impl.mla_verify import (
     VERIFY_CONFIGS,
     VERIFY_DEFAULT_CONFIG,
+    _page_stride,
     _storage_view,
     decode_attention_fwd_verify,
     select_verify_config,
@@ -215,6 +217,27 @@ def test_verify_deepseek_widths(device, qlen, num_kv_splits, size, fp8) -> None:
     cache_dtype = torch.float8_e4m3fn if fp8 else None
     problem = make_problem([qlen + 1, 0, 21], qlen, 16, 512, 64, 16, device, seed=qlen, cache_dtype=cache_dtype)
     check_against_golden(problem, num_kv_splits, _config(size))
+
+
+@pytest.mark.parametrize(
+    ("page_size", "layout", "fp8"), [(64, "4d", False), (128, "3d", True), (64, "cross_layer", False)]
+)
+def test_verify_tma_tiles_and_the_cut_last_tile(device, page_size, layout, fp8) -> None:
+    """Hopper's large config loads whole tiles by tensor descriptors and gathers the tile cut at the
+    split's end, with the NaN moat around every request: both paths match golden (a descriptor row
+    off by one key fails the descriptor cases: tried by hand). Pages not back to back (a cross-layer
+    view) fall back to the gathers."""
+    cache_dtype = torch.float8_e4m3fn if fp8 else None
+    problem = make_problem([300, 129, 64, 1, 0], 4, 16, 512, 64, page_size, device, seed=7, cache_dtype=cache_dtype,
+                           layout=layout)  # fmt: skip
+    config = _config("large", arch="sm90")
+    assert config["TMA"]
+    cache = problem.cache
+    pages = cache.numel() // (page_size * 576)
+    layout_ok = tma_layout(cache, page_size, _page_stride(cache, page_size), cache.stride(-3), pages, 64, 512, 64)
+    assert (layout_ok is not None) == (layout != "cross_layer")
+    for tma in (True, False):
+        check_against_golden(problem, 2, {**config, "TMA": tma})
 
 
 def test_verify_writes_fp32_output(device) -> None:

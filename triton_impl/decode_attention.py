@@ -130,6 +130,29 @@ def stage1_splits(num_kv_splits: int, programs_per_split: int, sm_count: int | N
     return max(1, min(num_kv_splits, rounds * per_sm * sm_count // max(1, programs_per_split)))
 
 
+def tma_layout(k_buffer: torch.Tensor, page_size: int, page_stride: int, token_stride: int, num_pages: int,
+               block_n: int, latent_width: int, rope_block: int) -> tuple | None:  # fmt: skip
+    """The MLA cache as ``[pages * page_size, Lk]`` rows for tensor descriptors: ``(shape, strides,
+    latent block [block_n, latent_width // 2], rope block [block_n, rope_block])``, or None where
+    descriptors cannot address it. They need whole ``block_n``-key tiles inside a page, pages back
+    to back, 16-byte aligned rows and base, a rope part, and int32 row coordinates."""
+    row_bytes = token_stride * k_buffer.element_size()
+    if (rope_block == 0 or page_size % block_n or row_bytes % 16 or page_stride != page_size * token_stride
+            or k_buffer.data_ptr() % 16 or num_pages * page_size >= 2**31):  # fmt: skip
+        return None
+    return ([num_pages * page_size, k_buffer.shape[-1]], [token_stride, 1], [block_n, latent_width // 2],
+            [block_n, rope_block])  # fmt: skip
+
+
+def tma_descriptors(k_buffer: torch.Tensor, layout: tuple | None) -> tuple:
+    """``(latent, rope)`` tensor descriptors of ``k_buffer`` for a :func:`tma_layout`, or
+    ``(None, None)``. They hold the cache's address: made per call, never kept in a plan."""
+    if layout is None:
+        return None, None
+    shape, strides, lat_block, pe_block = layout
+    return TensorDescriptor(k_buffer, shape, strides, lat_block), TensorDescriptor(k_buffer, shape, strides, pe_block)
+
+
 # ----------------------------------------------------------------------------------------------
 # Serving helpers (TritonMLAImpl.forward_mqa).
 # ----------------------------------------------------------------------------------------------
@@ -570,11 +593,7 @@ def decode_attention_fwd(
         table = block_table_2d("req_to_token", req_to_token, min_rows=0, device=q.device, dtypes=_INDEX_DTYPES)
         check_block_table("req_to_token", table, b_seq_len[: plan.num_rows], page_size, plan.num_pages)
     unit = plan.unit_scale
-    lat_desc = pe_desc = None
-    if plan.tma is not None:  # descriptors hold the cache's address: made per call, never kept in a plan
-        shape, strides, lat_block, pe_block = plan.tma
-        lat_desc = TensorDescriptor(k_buffer, shape, strides, lat_block)
-        pe_desc = TensorDescriptor(k_buffer, shape, strides, pe_block)
+    lat_desc, pe_desc = tma_descriptors(k_buffer, plan.tma)
     plan.stage1(stream, q, k_buffer, v_buffer, o, lse, o if plan.merge is None else attn_logits, req_to_token,
                 b_seq_len, unit if k_scale is None else k_scale, unit if v_scale is None else v_scale, lat_desc,
                 pe_desc)  # fmt: skip
@@ -664,16 +683,11 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     num_kv_splits = stage1_splits(num_kv_splits, num_rows * num_kv_heads * head_blocks, sm_count, config, block_h)
     if num_kv_splits == 1 and not single:
         single = True  # capped to one split: stage 1 writes o and lse, attn_logits is not touched
-    # Tensor descriptors (TMA on Hopper) need whole tiles inside a page, pages back to back (the cache as
-    # [pages * page_size, Lk] rows), 16-byte aligned rows and base, and int32 row coordinates.
-    tma = None
-    row_bytes = stride_k_tok * k_buffer.element_size()
     use_tma = config.get("TMA_H16", config.get("TMA")) if block_h == 16 else config.get("TMA")
-    if (split_latent and block_dpe and use_tma and page_size % config["BLOCK_N"] == 0 and row_bytes % 16 == 0
-            and stride_k_page == page_size * stride_k_tok and k_buffer.data_ptr() % 16 == 0
-            and num_pages * page_size < 2**31):  # fmt: skip
-        tma = ([num_pages * page_size, key_width], [stride_k_tok, 1], [config["BLOCK_N"], block_d // 2],
-               [config["BLOCK_N"], block_dpe])  # fmt: skip
+    tma = None
+    if split_latent and use_tma:
+        tma = tma_layout(k_buffer, page_size, stride_k_page, stride_k_tok, num_pages, config["BLOCK_N"], block_d,
+                         block_dpe)  # fmt: skip
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]  # with one split, o stands in for part
     grid = (num_rows, num_kv_heads * head_blocks, num_kv_splits)
     stage1 = Launch(_decode_stage1_kernel, grid, (

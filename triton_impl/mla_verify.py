@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.block_table import first_bad_key
+from triton_impl.decode_attention import tma_descriptors, tma_layout
 from triton_impl.interpreter import INTERPRETING, cast_for_store, dot_dtype
 from triton_impl.launch import Launch, Plans, current_target, device_arch, no_launch
 from triton_impl.lse_merge import merge_splits_launch
@@ -61,13 +62,15 @@ _VERIFY_SMALL_MAX_ROWS = 640
 # SPLIT_ALIGN / MIN_SPLIT_LEN: split chunks are multiples of SPLIT_ALIGN and at least MIN_SPLIT_LEN
 # keys (a multiple of SPLIT_ALIGN), so a split is never a sliver not worth its launch slot;
 # SPLIT_LATENT: hold the latent part of Q, K and the accumulator as two halves (bounds the live
-# tile sizes; the decode kernel's config key of the same name does the same).
+# tile sizes; the decode kernel's config key of the same name does the same); TMA: load whole tiles by
+# tensor descriptors where the cache allows (the decode kernel's key of the same name).
 VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
     "BLOCK_N": 32,
     "BLOCK_H": 32,
     "SPLIT_ALIGN": 64,
     "MIN_SPLIT_LEN": 256,
     "SPLIT_LATENT": False,
+    "TMA": False,
     "num_warps": 4,
     "num_stages": 2,
 }
@@ -108,6 +111,7 @@ VERIFY_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
             "SPLIT_ALIGN": 64,
             "MIN_SPLIT_LEN": 256,
             "SPLIT_LATENT": True,
+            "TMA": True,
             "num_warps": 8,
             "num_stages": 2,
         },
@@ -210,8 +214,52 @@ def _page_stride(k_buffer: torch.Tensor, page_size: int) -> int:
 
 
 @triton.jit
+def _verify_tile(q0, q1, q_pe, k0, k1, k_pe, seen, m_i, l_i, acc0, acc1, qk_scale, SPLIT_LATENT: tl.constexpr,
+                 BLOCK_DPE: tl.constexpr, DOT_DTYPE: tl.constexpr):  # fmt: skip
+    """One key tile of the online softmax (base 2) for rows whose keys are ``seen``; a row with no
+    key yet stays ``(0, -inf)``."""
+    qk = tl.dot(q0, tl.trans(k0))
+    if SPLIT_LATENT:
+        qk += tl.dot(q1, tl.trans(k1))
+    if BLOCK_DPE > 0:
+        qk += tl.dot(q_pe, tl.trans(k_pe))
+    qk = tl.where(seen, qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p_dot = p.to(DOT_DTYPE)
+    acc0 = acc0 * alpha[:, None] + tl.dot(p_dot, k0)
+    if SPLIT_LATENT:
+        acc1 = acc1 * alpha[:, None] + tl.dot(p_dot, k1)
+    return m_new, l_i, acc0, acc1
+
+
+@triton.jit
+def _verify_gather(k_ptr, table_row, stride_t_p, num_pages, stride_k_page, stride_k_tok, offs_n, key_ok, offs_d0,
+                   offs_d1, offs_pe, pe_ok, PAGE_SIZE: tl.constexpr, SPLIT_LATENT: tl.constexpr,
+                   BLOCK_DPE: tl.constexpr, DOT_DTYPE: tl.constexpr):  # fmt: skip
+    """Keys ``offs_n`` addressed one by one through the block table: ``(k0, k1, k_pe)``, zeros where
+    not ``key_ok`` (unused pieces repeat ``k0``)."""
+    page = tl.load(table_row + (offs_n // PAGE_SIZE) * stride_t_p, mask=key_ok, other=0).to(tl.int64)
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1)  # in the cache; rows that see a bad one: NaN
+    k_rows = k_ptr + page * stride_k_page + (offs_n % PAGE_SIZE) * stride_k_tok
+    k0 = tl.load(k_rows[:, None] + offs_d0[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
+    k1 = k0
+    if SPLIT_LATENT:
+        k1 = tl.load(k_rows[:, None] + offs_d1[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
+    k_pe = k0
+    if BLOCK_DPE > 0:
+        k_pe = tl.load(k_rows[:, None] + offs_pe[None, :], mask=key_ok[:, None] & pe_ok[None, :], other=0.0)
+        k_pe = k_pe.to(DOT_DTYPE)
+    return k0, k1, k_pe
+
+
+@triton.jit
 def _fwd_verify_kernel_stage1(
     q_ptr, k_ptr, sm_scale_log2, table_ptr, seq_lens_ptr, real_seq_lens_ptr, part_ptr, o_ptr, lse_ptr, k_scale_ptr,
+    lat_desc, pe_desc,
     num_pages, table_keys,
     stride_t_b, stride_t_p, stride_q_r, stride_q_h, stride_k_page, stride_k_tok,
     stride_p_r, stride_p_h, stride_p_s, stride_o_r, stride_o_h, stride_lse_r, stride_lse_h,
@@ -231,6 +279,7 @@ def _fwd_verify_kernel_stage1(
     SPLIT_LATENT: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     IS_FP8: tl.constexpr,
+    TMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(B * S * cdiv(Q*H, BLOCK_H),)``; program ``pid = (b*S + s) * row_blocks + rb``.
@@ -255,6 +304,12 @@ def _fwd_verify_kernel_stage1(
     as two halves of ``HALF = BLOCK_D // 2`` columns, ``q0``/``q1`` and ``k0``/``k1`` (the key
     halves are also V's halves) with accumulators ``acc0``/``acc1``; without it ``q0``, ``k0`` and
     ``acc0`` span the whole latent. ``q_pe``/``k_pe`` are the rope parts.
+
+    ``TMA`` (``SPLIT_LATENT``, pages and ``SPLIT_ALIGN`` multiples of ``BLOCK_N``, pages back to
+    back): split starts are multiples of ``BLOCK_N``, so every tile lies in one page; the whole
+    ones are loaded by tensor descriptors over the cache as ``[pages * PAGE_SIZE, Lk]`` rows (as in
+    the decode kernel), and the last tile, cut at ``tile_end``, is gathered with masks, so no key
+    past ``tile_end`` (a NaN in an unused slot of the page) reaches the value product.
     """
     ROWS: tl.constexpr = QLEN * NUM_HEADS
     ROW_BLOCKS: tl.constexpr = (ROWS + BLOCK_H - 1) // BLOCK_H
@@ -315,36 +370,41 @@ def _fwd_verify_kernel_stage1(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc0 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
     acc1 = acc0
+    if BLOCK_DPE == 0:  # placeholders: the tile helpers take every piece
+        offs_pe, pe_ok = offs_d0, offs_d0 < LK
     table_row = table_ptr + b * stride_t_b
-    for start_n in range(split_start, tile_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        key_ok = offs_n < tile_end
-        page = tl.load(table_row + (offs_n // PAGE_SIZE) * stride_t_p, mask=key_ok, other=0).to(tl.int64)
-        seen = offs_n[None, :] < row_end[:, None]
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)  # in the cache; rows that see a bad one: NaN
-        k_rows = k_ptr + page * stride_k_page + (offs_n % PAGE_SIZE) * stride_k_tok
-        k0 = tl.load(k_rows[:, None] + offs_d0[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
-        qk = tl.dot(q0, tl.trans(k0))
-        k1 = k0
-        if SPLIT_LATENT:
-            k1 = tl.load(k_rows[:, None] + offs_d1[None, :], mask=key_ok[:, None], other=0.0).to(DOT_DTYPE)
-            qk += tl.dot(q1, tl.trans(k1))
-        if BLOCK_DPE > 0:
-            pe_ptrs = k_rows[:, None] + offs_pe[None, :]
-            k_pe = tl.load(pe_ptrs, mask=key_ok[:, None] & pe_ok[None, :], other=0.0).to(DOT_DTYPE)
-            qk += tl.dot(q_pe, tl.trans(k_pe))
-        qk = tl.where(seen, qk * qk_scale, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays (0, -inf)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p_dot = p.to(DOT_DTYPE)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p_dot, k0)
-        if SPLIT_LATENT:
-            acc1 = acc1 * alpha[:, None] + tl.dot(p_dot, k1)
-        m_i = m_new
+    if TMA:
+        last_tile = tl.maximum(split_start + (tile_end - split_start) // BLOCK_N * BLOCK_N, split_start)
+        for start_n in range(split_start, last_tile, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            page = tl.load(table_row + (start_n // PAGE_SIZE) * stride_t_p)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+            key_row = page * PAGE_SIZE + start_n % PAGE_SIZE
+            k0 = lat_desc.load([key_row, 0]).to(DOT_DTYPE)
+            k1 = lat_desc.load([key_row, HALF]).to(DOT_DTYPE)
+            k_pe = pe_desc.load([key_row, BLOCK_D]).to(DOT_DTYPE)
+            seen = offs_n[None, :] < row_end[:, None]
+            m_i, l_i, acc0, acc1 = _verify_tile(q0, q1, q_pe, k0, k1, k_pe, seen, m_i, l_i, acc0, acc1, qk_scale,
+                                                SPLIT_LATENT, BLOCK_DPE, DOT_DTYPE)  # fmt: skip
+        for start_n in tl.range(last_tile, tile_end, BLOCK_N, num_stages=1):  # the cut tile, if any
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            key_ok = offs_n < tile_end
+            k0, k1, k_pe = _verify_gather(k_ptr, table_row, stride_t_p, num_pages, stride_k_page, stride_k_tok,
+                                          offs_n, key_ok, offs_d0, offs_d1, offs_pe, pe_ok, PAGE_SIZE, SPLIT_LATENT,
+                                          BLOCK_DPE, DOT_DTYPE)  # fmt: skip
+            seen = offs_n[None, :] < row_end[:, None]
+            m_i, l_i, acc0, acc1 = _verify_tile(q0, q1, q_pe, k0, k1, k_pe, seen, m_i, l_i, acc0, acc1, qk_scale,
+                                                SPLIT_LATENT, BLOCK_DPE, DOT_DTYPE)  # fmt: skip
+    else:
+        for start_n in range(split_start, tile_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            key_ok = offs_n < tile_end
+            k0, k1, k_pe = _verify_gather(k_ptr, table_row, stride_t_p, num_pages, stride_k_page, stride_k_tok,
+                                          offs_n, key_ok, offs_d0, offs_d1, offs_pe, pe_ok, PAGE_SIZE, SPLIT_LATENT,
+                                          BLOCK_DPE, DOT_DTYPE)  # fmt: skip
+            seen = offs_n[None, :] < row_end[:, None]
+            m_i, l_i, acc0, acc1 = _verify_tile(q0, q1, q_pe, k0, k1, k_pe, seen, m_i, l_i, acc0, acc1, qk_scale,
+                                                SPLIT_LATENT, BLOCK_DPE, DOT_DTYPE)  # fmt: skip
 
     has_keys = ~(l_i <= 0)  # l_i > 0, or NaN (a bad page), which must reach o and lse
     row_scale = tl.where(has_keys, k_scale / tl.where(has_keys, l_i, 1.0), 0.0)
@@ -535,7 +595,7 @@ def decode_attention_fwd_verify(
         _check_verify_table(req_to_token, seq_lens, real_seq_lens, plan.batch, page_size, plan.num_pages)
     plan.stage1(stream, q, k_buffer, plan.sm_scale_log2, req_to_token, seq_lens,
                 seq_lens if real_seq_lens is None else real_seq_lens, o if plan.merge is None else attn_logits, o, lse,
-                k_scale if plan.k_scale is None else plan.k_scale)  # fmt: skip
+                k_scale if plan.k_scale is None else plan.k_scale, *tma_descriptors(k_buffer, plan.tma))  # fmt: skip
     if plan.merge is not None:
         plan.merge(stream, attn_logits, o, lse)
 
@@ -543,8 +603,9 @@ def decode_attention_fwd_verify(
 class _VerifyPlan(NamedTuple):
     """A checked call layout of :func:`decode_attention_fwd_verify` and what it launches."""
 
-    stage1: Callable[..., None]  # (stream, q, k, sm_scale_log2, table, lens, real lens, part, o, lse, k_scale)
+    stage1: Callable[..., None]  # (stream, q, k, sm_scale_log2, table, lens, real lens, part, o, lse, k_scale, lat, pe)
     merge: Callable[..., None] | None  # (stream, attn_logits, o, lse); None: one split, stage 1 writes o, lse
+    tma: tuple | None  # decode_attention.tma_layout of the cache, or None
     sm_scale_log2: float
     k_scale: torch.Tensor | None  # the scale to launch with; None: the caller's (an FP8 cache's)
     batch: int
@@ -570,7 +631,7 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
                         k_scale=None if launch_scale is k_scale else launch_scale, batch=batch, num_pages=num_pages,
                         on_cuda=q.device.type == "cuda")  # fmt: skip
     if batch == 0:
-        return make_plan(no_launch, None)
+        return make_plan(no_launch, None, None)
     if num_pages == 0:  # the kernel reads page 0 in place of a bad entry
         raise ValueError(f"k_buffer: expected at least one page, got shape {list(k_buffer.shape)}")
     cfg = config if config is not None else select_verify_config(batch, qlen, num_heads)
@@ -581,6 +642,10 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
     # tl.dot needs every dim >= 16: a rope width below 16 (test shapes only) loads a 16-wide tile
     # whose extra columns are masked to zero (_check_verify_args requires Lv >= 16).
     block_dpe = max(16, next_pow2(rope_width)) if rope_width else 0
+    tma = None
+    if split_latent and cfg.get("TMA") and cfg["SPLIT_ALIGN"] % cfg["BLOCK_N"] == 0:
+        tma = tma_layout(k_buffer, page_size, _page_stride(k_buffer, page_size), k_buffer.stride(-3), num_pages,
+                         cfg["BLOCK_N"], value_width, block_dpe)  # fmt: skip
     grid = (verify_row_blocks(qlen, num_heads, cfg["BLOCK_H"]) * batch * num_kv_splits,)
     stage1 = Launch(_fwd_verify_kernel_stage1, grid, (
         num_pages, block_table.shape[1] * page_size,
@@ -604,11 +669,12 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
         SPLIT_LATENT=split_latent,
         SINGLE_SPLIT=single,
         IS_FP8=k_buffer.dtype in _FP8_CACHE_DTYPES,
+        TMA=tma is not None,
         DOT_DTYPE=dot_dtype(q.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     ))  # fmt: skip
-    return make_plan(stage1, None if single else merge_splits_launch(num_rows, attn_logits, o, lse))
+    return make_plan(stage1, None if single else merge_splits_launch(num_rows, attn_logits, o, lse), tma)
 
 
 def warmup_decode_attention_fwd_verify(
