@@ -95,7 +95,8 @@ def store(preset: str, config: dict[str, int]) -> None:
                       NORM_CORRECTION=int(layout.norm_correction), KEY_DATA_BYTES=layout.key_data_bytes,
                       NUM_FIELDS=2 if layout.key_fp8 else 3, BLOCK_T=config["BLOCK_T"], BLOCK_D=128,
                       D_CHUNK=config["D_CHUNK"],
-                      ROTATION_PRECISION="tf32x3" if config["TF32X3"] else "ieee")  # fmt: skip
+                      ROTATION_PRECISION="tf32x3" if config["TF32X3"] else "ieee", BLOCK_SIZE=16,
+                      WIDE_SLOTS=0)  # fmt: skip
     # The bench's store (1M tokens, 8 KV heads, block 16, D = 128): every integer argument but the
     # KV head count is a multiple of 16, and Triton specializes on that (without it the sm90 entry spills).
     divisible = tuple(n for n in ttq._store_kernel.arg_names if n not in STORE_POINTERS and n not in constexprs

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.block_table import first_bad_key
-from triton_impl.interpreter import e4m3_bits_to_f16, f32_to_e4m3_bits
+from triton_impl.interpreter import INTERPRET, e4m3_bits_to_f16, f32_to_e4m3_bits
 from triton_impl.launch import Launch, Plans, current_target, launch, no_launch, select_config
 from triton_impl.lse_merge import merge_splits_launch
 from triton_impl.validation import (
@@ -55,6 +55,7 @@ _FP16_MAX = tl.constexpr(65504.0)
 _KEY_NORM_EPS = tl.constexpr(1e-8)
 _NORM_CORRECTION_EPS = tl.constexpr(1e-16)
 _MIN_VALUE_SCALE = tl.constexpr(1e-8)
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it has x rounded to an integer in its low mantissa bits
 _MAX_HEAD_DIM = 1024
 _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at most
 
@@ -205,6 +206,19 @@ def _fp16_bits(x):
 
 
 @triton.jit
+def _store_words(words, dst, ok, valid, BITS: tl.constexpr):
+    """Write each row of ``words [R, G]`` (group ``g`` of 8 ``BITS``-bit codes, LSB first) as its ``BITS``
+    bytes at ``dst [R] + BITS * g``; rows where ``ok`` is false write nothing, and only the first
+    ``valid`` codes (a multiple of 8)."""
+    G: tl.constexpr = words.shape[1]
+    g = tl.arange(0, G)
+    i = tl.arange(0, 4)  # at most 4 bytes per group (BITS <= 4)
+    packed = (words[:, :, None] >> (8 * i[None, None, :]).to(tl.uint32)) & 0xFF
+    mask = ok[:, None, None] & (g < valid // 8)[None, :, None] & (i < BITS)[None, None, :]
+    tl.store(dst[:, None, None] + (g * BITS)[None, :, None] + i[None, None, :], packed.to(tl.uint8), mask=mask)
+
+
+@triton.jit
 def _store_packed(codes, dst, ok, valid, BITS: tl.constexpr, COLS: tl.constexpr):
     """Write each row of ``codes [R, COLS]`` as an LSB-first bit stream at its ``dst [R]`` (code
     ``d`` at bits ``[BITS*d, BITS*d + BITS)``); rows where ``ok`` is false write nothing.
@@ -215,11 +229,20 @@ def _store_packed(codes, dst, ok, valid, BITS: tl.constexpr, COLS: tl.constexpr)
     R: tl.constexpr = codes.shape[0]
     groups = tl.reshape(codes.to(tl.uint32), [R, COLS // 8, 8])
     words = tl.sum(groups << (tl.arange(0, 8).to(tl.uint32) * BITS)[None, None, :], axis=2)  # 8 * BITS <= 32 bits
-    g = tl.arange(0, COLS // 8)
-    i = tl.arange(0, 4)  # at most 4 bytes per group (BITS <= 4)
-    packed = (words[:, :, None] >> (8 * i[None, None, :]).to(tl.uint32)) & 0xFF
-    mask = ok[:, None, None] & (g < valid // 8)[None, :, None] & (i < BITS)[None, None, :]
-    tl.store(dst[:, None, None] + (g * BITS)[None, :, None] + i[None, None, :], packed.to(tl.uint8), mask=mask)
+    _store_words(words, dst, ok, valid, BITS)
+
+
+@triton.jit
+def _e4m3_bits(x):
+    """fp32 -> OCP e4m3 byte, as ``f32_to_e4m3_bits(x, False)``. Compiled: the hardware conversion of
+    ``|x|`` (round to nearest even and saturation are symmetric; a NaN of either sign becomes 0x7F) with
+    the sign bit of ``x`` put in bit 7: three integer operations per value and one conversion per two,
+    against a NaN test and a select per value for the conversion of ``x`` itself."""
+    if INTERPRET:
+        return f32_to_e4m3_bits(x, False)
+    bits = x.to(tl.uint32, bitcast=True)
+    magnitude = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    return magnitude.to(tl.float8e4nv).to(tl.uint8, bitcast=True) | ((bits >> 24) & 0x80).to(tl.uint8)
 
 
 @triton.jit
@@ -250,8 +273,8 @@ def _bucketize(y, midpoint_ptr, BITS: tl.constexpr):
 @triton.jit
 def _store_kernel(
     key_ptr, value_ptr, cache_ptr, cache_u16_ptr, slot_ptr, pit_ptr, midpoint_ptr, centroid_ptr,
-    num_rows, num_kv_heads, block_size, num_slots, stride_block, data_bytes_per_slot, meta_offset,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_pit,
+    num_tokens, num_kv_heads, num_slots, stride_block, stride_block_u16, data_bytes_per_slot,
+    meta_offset_u16, stride_kt, stride_kh, stride_vt, stride_vh, stride_pit,
     HEAD_DIM: tl.constexpr,
     KEY_BITS: tl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
     VALUE_BITS: tl.constexpr,
@@ -262,9 +285,11 @@ def _store_kernel(
     BLOCK_D: tl.constexpr,
     D_CHUNK: tl.constexpr,
     ROTATION_PRECISION: tl.constexpr,  # "ieee" (fp32 FMAs) or "tf32x3" (3xTF32; two TF32 passes for 16-bit keys)
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block: a constant divisor (a shift for a power of two)
+    WIDE_SLOTS: tl.constexpr,  # slot numbers past int32: block and position in int64
 ):  # fmt: skip
-    """Grid ``(cdiv(T * HKV, BLOCK_T),)``: a program owns ``BLOCK_T`` (token, KV head) rows and
-    writes all of their slots' bytes.
+    """Grid ``(cdiv(T, BLOCK_T), HKV)``: a program owns ``BLOCK_T`` tokens of one KV head and
+    writes all of their slots' bytes (no division of a row index into token and head).
 
     The rotation is ``k_hat [BLOCK_T, D] @ PiT`` in ``[D_CHUNK, D_CHUNK]`` blocks (``tl.dot`` with
     ``ROTATION_PRECISION``), so each program reads ``PiT`` once for ``BLOCK_T`` rows;
@@ -272,17 +297,20 @@ def _store_kernel(
     fused or not, and 2-ulp divisions and square roots stay inside the error bound that
     ``triton_impl.parity.turboquant.compare_store`` holds a store to.
     """
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_rows = rows < num_rows
-    token = rows // num_kv_heads
-    head = rows % num_kv_heads
-    slot = tl.load(slot_ptr + token, mask=in_rows, other=-1).to(tl.int64)
+    token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    in_rows = token < num_tokens
+    slot = tl.load(slot_ptr + token, mask=in_rows, other=-1)
     ok = in_rows & (slot >= 0) & (slot < num_slots)  # padding, or a slot outside the cache: nothing to write
     slot = tl.where(ok, slot, 0)
-    block_base = (slot // block_size) * stride_block
-    position = slot % block_size
-    data = cache_ptr + block_base + (position * num_kv_heads + head) * data_bytes_per_slot
-    meta = cache_u16_ptr + (block_base + meta_offset) // 2 + head * NUM_FIELDS * block_size + position
+    if not WIDE_SLOTS:
+        slot = slot.to(tl.uint32)  # 0 <= slot < num_slots < 2^31: unsigned 32-bit division and products
+    block = slot // BLOCK_SIZE
+    position = (slot - block * BLOCK_SIZE).to(tl.int32)
+    block = block.to(tl.int64)
+    data = cache_ptr + block * stride_block + (position * num_kv_heads + head) * data_bytes_per_slot
+    meta = cache_u16_ptr + block * stride_block_u16 + meta_offset_u16 + head * NUM_FIELDS * BLOCK_SIZE + position
+    token = token.to(tl.int64)
 
     dims = tl.arange(0, BLOCK_D)
     in_dim = dims < HEAD_DIM
@@ -290,7 +318,7 @@ def _store_kernel(
     key_rows = key_ptr + token * stride_kt + head * stride_kh
     k = tl.load(key_rows[:, None] + dims[None, :], mask=tile_ok, other=0.0).to(tl.float32)
     if KEY_BITS == 8:
-        tl.store(data[:, None] + dims[None, :], f32_to_e4m3_bits(k, False), mask=tile_ok)
+        tl.store(data[:, None] + dims[None, :], _e4m3_bits(k), mask=tile_ok)
     else:
         norm, down = _key_norm(k)
         inv_denom = 1.0 / (norm + _KEY_NORM_EPS)  # one division per row; each k_j / (n + eps) is k_j * inv_denom
@@ -333,18 +361,34 @@ def _store_kernel(
 
     # Values: min-max over the valid lanes, both ends clamped to fp16's range before the scale.
     LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
-    v = tl.load(value_ptr + token[:, None] * stride_vt + head[:, None] * stride_vh + dims[None, :], mask=tile_ok,
+    v = tl.load(value_ptr + token[:, None] * stride_vt + head * stride_vh + dims[None, :], mask=tile_ok,
                 other=0.0).to(tl.float32)  # fmt: skip
-    v_min = tl.min(tl.where(in_dim[None, :], v, float("inf")), axis=1)
-    v_max = tl.max(tl.where(in_dim[None, :], v, float("-inf")), axis=1)
+    if BLOCK_D == HEAD_DIM:
+        v_min = tl.min(v, axis=1)
+        v_max = tl.max(v, axis=1)
+    else:
+        v_min = tl.min(tl.where(in_dim[None, :], v, float("inf")), axis=1)
+        v_max = tl.max(tl.where(in_dim[None, :], v, float("-inf")), axis=1)
     v_min = tl.minimum(tl.maximum(v_min, -_FP16_MAX), _FP16_MAX)
     v_max = tl.minimum(tl.maximum(v_max, -_FP16_MAX), _FP16_MAX)
     scale = tl.maximum((v_max - v_min) / LEVELS, _MIN_VALUE_SCALE)
-    q = tl.floor((v - v_min[:, None]) / scale[:, None] + 0.5)
-    v_codes = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
-    _store_packed(v_codes, data + KEY_DATA_BYTES, ok, HEAD_DIM, VALUE_BITS, BLOCK_D)
-    tl.store(meta + (NUM_FIELDS - 2) * block_size, _fp16_bits(scale), mask=ok)
-    tl.store(meta + (NUM_FIELDS - 1) * block_size, _fp16_bits(v_min), mask=ok)
+    inv_scale = 1.0 / scale  # one division per row: t = (v - vmin) * inv_scale
+    # The level t = (v - vmin) / scale rounded half up. v is clamped to [vmin, vmax] first (only values past
+    # +-65504 move, to the level golden clamps them to), so t lies in [0, LEVELS] up to a few ulp; adding
+    # 1.5 * 2^23 rounds it to an integer in the low mantissa bits (to nearest even: a tie is inside
+    # compare_store's band), so the biased bits are 0x4B400000 + q with no floor, clamp or conversion.
+    v = tl.minimum(tl.maximum(v, v_min[:, None]), v_max[:, None])
+    biased = ((v - v_min[:, None]) * inv_scale[:, None] + _ROUND_MAGIC).to(tl.uint32, bitcast=True)
+    groups = tl.reshape(biased, [BLOCK_T, BLOCK_D // 8, 8])
+    words = tl.sum(groups << (tl.arange(0, 8).to(tl.uint32) * VALUE_BITS)[None, None, :], axis=2)
+    # sum_p (0x4B400000 + q_p) << (BITS p) = bias + sum_p q_p << (BITS p) (mod 2^32): subtract the bias once
+    if VALUE_BITS == 4:
+        words -= 0x4B400000 * 0x11111111 % 2**32  # sum_p 2^(4p) = 0x11111111
+    else:
+        words -= 0x4B400000 * 0x249249 % 2**32  # sum_p 2^(3p) = 0x249249
+    _store_words(words, data + KEY_DATA_BYTES, ok, HEAD_DIM, VALUE_BITS)
+    tl.store(meta + (NUM_FIELDS - 2) * BLOCK_SIZE, _fp16_bits(scale), mask=ok)
+    tl.store(meta + (NUM_FIELDS - 1) * BLOCK_SIZE, _fp16_bits(v_min), mask=ok)
 
 
 def triton_turboquant_store(
@@ -416,13 +460,14 @@ def triton_turboquant_store(
     # shared memory: a large chunk is halved (an sm_90 block has 227 KiB).
     while 4 * d_chunk * (block_t + d_chunk) > _STORE_OPERAND_BYTES and d_chunk > 16:
         d_chunk //= 2
-    num_rows = num_tokens * num_kv_heads
-    launch(_store_kernel, (cdiv(num_rows, block_t),),
+    num_slots = num_blocks * block_size
+    data_bytes = layout["data_bytes_per_slot"]
+    launch(_store_kernel, (cdiv(num_tokens, block_t), num_kv_heads),
         key, value, kv_cache, kv_cache.view(torch.uint16), slot_mapping,
         unused if key_fp8 else PiT, unused if key_fp8 else midpoints,
         centroids if (norm_correction and not key_fp8) else unused,
-        num_rows, num_kv_heads, block_size, num_blocks * block_size, kv_cache.stride(0),
-        layout["data_bytes_per_slot"], block_size * num_kv_heads * layout["data_bytes_per_slot"],
+        num_tokens, num_kv_heads, num_slots, kv_cache.stride(0), kv_cache.stride(0) // 2, data_bytes,
+        block_size * num_kv_heads * data_bytes // 2,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), 0 if key_fp8 else PiT.stride(0),
         HEAD_DIM=head_dim,
         KEY_BITS=key_bits,
@@ -434,6 +479,8 @@ def triton_turboquant_store(
         BLOCK_D=block_d,
         D_CHUNK=d_chunk,
         ROTATION_PRECISION="tf32x3" if config["TF32X3"] else "ieee",
+        BLOCK_SIZE=block_size,
+        WIDE_SLOTS=num_slots > 2**31 - 1,
         num_warps=config["num_warps"],
     )  # fmt: skip
 
