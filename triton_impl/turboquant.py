@@ -77,6 +77,9 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # byte-by-byte packing and 8 warps, the store got slower (k8v4 2.42 -> 4.79 ms, MSE presets
 # 27.9-33.2 ms, `attnref bench`); packing went back to one masked store of each group's bytes and
 # the sm90 entry back to 4 warps: 16.9-17.8 ms for the MSE presets (9ff0941, best of 4 configs).
+# num_stages: the depth of Triton's software pipeline over the rotation's operand loads; each stage holds
+# both operands in shared memory (sm_90, T64 chunk64: 80 KiB and 254 registers at 3 stages, 32 KiB and 230
+# registers at 1). Optional maxnreg: a cap on registers per thread (none: the compiler's choice).
 # Decode: BLOCK_N tokens per tile, at least 32 (the value MMA's K; Triton 3.6 miscompiles unpacked
 # codes fed to a 16-key dot, see tests/test_turboquant.py). Key tables: the kernel makes them from the
 # fp32 codebook on every call. PAIR_LUT picks the 4-bit pair LUT when the caller leaves
@@ -88,14 +91,14 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # 1.169 / 4.016 ms (the old fp16 table in global memory: 0.683 / 2.515 ms, 9ff0941). No config
 # depends on the batch.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
-    "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0},
-    "sm90": {"BLOCK_T": 64, "D_CHUNK": 64, "num_warps": 4, "TF32X3": 1},
-    "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0},
+    "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
+    "sm90": {"BLOCK_T": 64, "D_CHUNK": 64, "num_warps": 4, "TF32X3": 1, "num_stages": 3},
+    "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
-FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK and TF32X3 unused: no rotation
-    "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0},
-    "sm90": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0},
-    "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0},
+FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_stages unused: no rotation
+    "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
+    "sm90": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
+    "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0},
@@ -482,6 +485,8 @@ def triton_turboquant_store(
         BLOCK_SIZE=block_size,
         WIDE_SLOTS=num_slots > 2**31 - 1,
         num_warps=config["num_warps"],
+        num_stages=config.get("num_stages", 3),
+        **({"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}),
     )  # fmt: skip
 
 
