@@ -113,7 +113,7 @@ def store(preset: str, config: dict[str, int]) -> None:
                       NORM_CORRECTION=int(layout.norm_correction), KEY_DATA_BYTES=layout.key_data_bytes,
                       NUM_FIELDS=2 if layout.key_fp8 else 3, BLOCK_T=config["BLOCK_T"], BLOCK_D=128,
                       D_CHUNK=config["D_CHUNK"],
-                      ROTATION_PRECISION="tf32x3" if config["TF32X3"] else "ieee", BLOCK_SIZE=16,
+                      ROTATION_PRECISION=("ieee", "tf32x3", "bf16x3")[config["TF32X3"]], BLOCK_SIZE=16,
                       WIDE_SLOTS=0)  # fmt: skip
     # The bench's store (1M tokens, 8 KV heads, block 16, D = 128): every integer argument but the
     # KV head count is a multiple of 16, and Triton specializes on that (without it the sm90 entry spills).
@@ -132,8 +132,9 @@ def store(preset: str, config: dict[str, int]) -> None:
 
 # The store variants of benchmarks/sweep_memory_bound.py's grids, after the sm90 entries.
 STORE_VARIANTS = {
-    "mse": [{"BLOCK_T": t, "D_CHUNK": c, "num_warps": w, "TF32X3": 1, "num_stages": s, **({"maxnreg": r} if r else {})}
-            for t, c, w, s, r in ((64, 32, 4, 1, 128), (64, 32, 4, 1, 0), (64, 64, 4, 1, 168), (64, 64, 4, 1, 0))],
+    "mse": [{"BLOCK_T": t, "D_CHUNK": c, "num_warps": w, "TF32X3": x, "num_stages": 1, **({"maxnreg": r} if r else {})}
+            for t, c, w, x, r in ((64, 32, 4, 2, 0), (128, 32, 8, 2, 0), (64, 64, 4, 2, 0), (64, 32, 4, 1, 128),
+                                  (64, 64, 4, 1, 0))],
     "fp8": [{"BLOCK_T": t, "D_CHUNK": 32, "num_warps": w, "TF32X3": 0} for t, w in ((32, 4), (64, 4), (16, 2))],
 }  # fmt: skip
 

@@ -80,6 +80,10 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # num_stages: the depth of Triton's software pipeline over the rotation's operand loads; each stage holds
 # both operands in shared memory (sm_90, T64 chunk64: 80 KiB and 254 registers at 3 stages, 32 KiB and 230
 # registers at 1). Optional maxnreg: a cap on registers per thread (none: the compiler's choice).
+# TF32X3 = 2: bf16 keys enter bf16 MMAs as loaded, against PiT cut into three bf16 parts (exact products;
+# other key dtypes as TF32X3 = 1); no key conversion or scaling in registers, so no layout conversion of the
+# key chunk through shared memory (sm_90 4-bit at T64 chunk32 1 stage: 117 registers, 8 KiB, LDS 3.5 and STS
+# 11.9 per row, against 163 registers, LDS 19.6 and STS 24.4 for TF32X3 = 1), 4 programs per SM.
 # Decode: BLOCK_N tokens per tile, at least 32 (the value MMA's K; Triton 3.6 miscompiles unpacked
 # codes fed to a 16-key dot, see tests/test_turboquant.py). Key tables: the kernel makes them from the
 # fp32 codebook on every call. PAIR_LUT picks the 4-bit pair LUT when the caller leaves
@@ -203,6 +207,12 @@ def _tf32_part(x):
 
 
 @triton.jit
+def _bf16_part(x):
+    """``x`` with the 16 low mantissa bits cleared: a bf16 value."""
+    return (x.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fp16_bits(x):
     """fp32 -> fp16 (round to nearest even) clamped to +-65504, as the uint16 to store."""
     return tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX).to(tl.float16).to(tl.uint16, bitcast=True)
@@ -287,7 +297,8 @@ def _store_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     D_CHUNK: tl.constexpr,
-    ROTATION_PRECISION: tl.constexpr,  # "ieee" (fp32 FMAs) or "tf32x3" (3xTF32; two TF32 passes for 16-bit keys)
+    ROTATION_PRECISION: tl.constexpr,  # "ieee" (fp32 FMAs), "tf32x3" (3xTF32; two TF32 passes for 16-bit keys) or
+    # "bf16x3" (bf16 keys against PiT cut into three bf16 parts; other keys as "tf32x3")
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block: a constant divisor (a shift for a power of two)
     WIDE_SLOTS: tl.constexpr,  # slot numbers past int32: block and position in int64
 ):  # fmt: skip
@@ -328,7 +339,14 @@ def _store_kernel(
         # 16-bit keys on tensor cores: k 2^-e (exact) is a TF32 value, so two TF32 products, with
         # PiT = hi + lo split by truncation, give each k_j PiT[j, d] within 2^-20 of itself (3xTF32:
         # 1.25 * 2^-20); y is that sum times 2^e / (n + eps).
-        TWO_PASS: tl.constexpr = ROTATION_PRECISION == "tf32x3" and key_ptr.dtype.element_ty != tl.float32
+        TWO_PASS: tl.constexpr = ROTATION_PRECISION != "ieee" and key_ptr.dtype.element_ty != tl.float32
+        # bf16 keys on bf16 tensor cores: PiT = p1 + p2 + p3, each part the next 8 significant bits (cut by
+        # truncation, exact: 24 bits hold an fp32 significand), so every product k_j p_i is exact and y is
+        # (k @ p3 + k @ p2 + k @ p1) / (n + eps), 3D addends as in 3xTF32. The key chunk enters the MMA as
+        # loaded (no conversion, no scaling in registers).
+        BF16_PARTS: tl.constexpr = ROTATION_PRECISION == "bf16x3" and key_ptr.dtype.element_ty == tl.bfloat16
+        PART_DTYPE: tl.constexpr = tl.float32 if INTERPRET else tl.bfloat16  # interpreter: bf16 dots are wrong
+        FP32_PRECISION: tl.constexpr = "ieee" if ROTATION_PRECISION == "ieee" else "tf32x3"  # fp32 keys
         code_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
         chunk = tl.arange(0, D_CHUNK)
         for c0 in range(0, HEAD_DIM, D_CHUNK):
@@ -340,17 +358,26 @@ def _store_kernel(
             for r0 in range(0, HEAD_DIM, D_CHUNK):
                 in_k = (r0 + chunk) < HEAD_DIM
                 k_chunk = tl.load(key_rows[:, None] + (r0 + chunk)[None, :], mask=ok[:, None] & in_k[None, :],
-                                  other=0.0).to(tl.float32)  # fmt: skip
+                                  other=0.0)  # fmt: skip
                 pit = tl.load(pit_ptr + (r0 + chunk)[:, None] * stride_pit + cols[None, :],
                               mask=in_k[:, None] & in_cols[None, :], other=0.0)  # fmt: skip
-                if TWO_PASS:
-                    k_chunk = k_chunk * down[:, None]
+                if BF16_PARTS:
+                    k_chunk = k_chunk.to(PART_DTYPE)
+                    p1 = _bf16_part(pit)
+                    p2 = _bf16_part(pit - p1)
+                    y = tl.dot(k_chunk, (pit - p1 - p2).to(PART_DTYPE), y)
+                    y = tl.dot(k_chunk, p2.to(PART_DTYPE), y)
+                    y = tl.dot(k_chunk, p1.to(PART_DTYPE), y)
+                elif TWO_PASS:
+                    k_chunk = k_chunk.to(tl.float32) * down[:, None]
                     pit_hi = _tf32_part(pit)
                     y = tl.dot(k_chunk, _tf32_part(pit - pit_hi), y, input_precision="tf32")
                     y = tl.dot(k_chunk, pit_hi, y, input_precision="tf32")
                 else:
-                    y = tl.dot(k_chunk * inv_denom[:, None], pit, y, input_precision=ROTATION_PRECISION)
-            if TWO_PASS:
+                    y = tl.dot(k_chunk.to(tl.float32) * inv_denom[:, None], pit, y, input_precision=FP32_PRECISION)
+            if BF16_PARTS:
+                y = y * inv_denom[:, None]
+            elif TWO_PASS:
                 y = y * (inv_denom / down)[:, None]  # 2^e / (n + eps): a power of two times inv_denom, exact
             codes = _bucketize(y, midpoint_ptr, KEY_BITS)
             _store_packed(codes, data + c0 * KEY_BITS // 8, ok, HEAD_DIM - c0, KEY_BITS, D_CHUNK)
@@ -481,7 +508,7 @@ def triton_turboquant_store(
         BLOCK_T=block_t,
         BLOCK_D=block_d,
         D_CHUNK=d_chunk,
-        ROTATION_PRECISION="tf32x3" if config["TF32X3"] else "ieee",
+        ROTATION_PRECISION=("ieee", "tf32x3", "bf16x3")[config["TF32X3"]],
         BLOCK_SIZE=block_size,
         WIDE_SLOTS=num_slots > 2**31 - 1,
         num_warps=config["num_warps"],
