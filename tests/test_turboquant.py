@@ -709,6 +709,27 @@ def test_value_outliers_give_finite_metadata_and_bounded_error(preset: str, devi
     assert bool((body_error <= step + 1e-3).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fp8_keys_of_special_values_are_golden_bytes(dtype: torch.dtype, device: torch.device) -> None:
+    """FP8 keys: NaN of either sign keeps its sign (0x7F | s), +-inf and values past 448 saturate to +-448, -0
+    stays -0, ties round to even, values below half the smallest subnormal round to +-0 (the compiled kernel
+    converts |k| in hardware and puts the sign bit back)."""
+    special = [float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-30, -1e-30, 500.0, -500.0,
+               2.0**-10, -(2.0**-10), 2.0**-9, 3 * 2.0**-10, 1.0625, 1.1875, 240.0, -248.0]  # fmt: skip
+    head_dim = 64
+    key = torch.randn(2, 1, head_dim, generator=generator(15))
+    key[0, 0, : len(special)] = torch.tensor(special)
+    key[1, 0, :: 3] = -key[1, 0, :: 3].abs() * 1e3
+    key = key.to(dtype)
+    value = torch.randn(2, 1, head_dim, generator=generator(16))
+    slots = torch.tensor([1, 2])
+    config = _quantizer("turboquant_k8v4", head_dim)[0]
+    cache = _garbage_cache(1, 4, 1, config, generator(17), device)
+    before = cache.clone()
+    _store_triton(cache, key, value, slots, "turboquant_k8v4", head_dim)
+    _assert_store_ok(cache, before, key, value, slots, "turboquant_k8v4", head_dim)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 6e38 -> fp32 inf, on purpose
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k3v4_nc"])
 def test_large_key_norms_saturate_at_fp16_max(preset: str, device: torch.device) -> None:
