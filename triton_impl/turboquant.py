@@ -3,8 +3,8 @@
 Twin of ``golden/turboquant.py``, with the signatures of vLLM's ``turboquant_soa`` modules
 (``triton_turboquant_store``, ``triton_turboquant_decode_attention_v2``, ``build_pair_lut``).
 
-Store: one program per (token, KV head) quantizes the key (norm, rotation, bucketize, optional norm
-correction; or FP8) and the value (min-max) and writes the slot's data bytes and fp16 metadata.
+Store: a program quantizes ``BLOCK_T`` tokens of one KV head, the keys (norm, rotation, bucketize, optional
+norm correction; or FP8) and the values (min-max), and writes the slots' data bytes and fp16 metadata.
 Unlike upstream, the rotation runs inside the kernel (fp32 sums). The golden store
 (``golden.turboquant.turboquant_store``) is the float64 math; the kernel's codes equal it outside
 tie bands derived from an fp32 store's error bound (``triton_impl.parity.turboquant.compare_store``),
@@ -248,9 +248,10 @@ def _store_packed(codes, dst, ok, valid, BITS: tl.constexpr, COLS: tl.constexpr)
 @triton.jit
 def _e4m3_bits(x):
     """fp32 -> OCP e4m3 byte, as ``f32_to_e4m3_bits(x, False)``. Compiled: the hardware conversion of
-    ``|x|`` (round to nearest even and saturation are symmetric; a NaN of either sign becomes 0x7F) with
-    the sign bit of ``x`` put in bit 7: three integer operations per value and one conversion per two,
-    against a NaN test and a select per value for the conversion of ``x`` itself."""
+    ``|x|`` (round to nearest even and saturation are symmetric, and ``|NaN|`` is a positive NaN: 0x7F)
+    with the sign bit of ``x`` put in bit 7: three integer operations per value and one conversion per
+    two, against a NaN test and a select per value for the conversion of ``x`` itself
+    (``tests/test_turboquant.py::test_fp8_keys_of_special_values_are_golden_bytes`` checks it on a GPU)."""
     if INTERPRET:
         return f32_to_e4m3_bits(x, False)
     bits = x.to(tl.uint32, bitcast=True)
@@ -325,6 +326,7 @@ def _store_kernel(
     data = cache_ptr + block * stride_block + (position * num_kv_heads + head) * data_bytes_per_slot
     meta = cache_u16_ptr + block * stride_block_u16 + meta_offset_u16 + head * NUM_FIELDS * BLOCK_SIZE + position
     token = token.to(tl.int64)
+    head = head.to(tl.int64)  # head * stride_kh: a head-major view's stride may be T * D
 
     dims = tl.arange(0, BLOCK_D)
     in_dim = dims < HEAD_DIM
@@ -412,10 +414,8 @@ def _store_kernel(
     groups = tl.reshape(biased, [BLOCK_T, BLOCK_D // 8, 8])
     words = tl.sum(groups << (tl.arange(0, 8).to(tl.uint32) * VALUE_BITS)[None, None, :], axis=2)
     # sum_p (0x4B400000 + q_p) << (BITS p) = bias + sum_p q_p << (BITS p) (mod 2^32): subtract the bias once
-    if VALUE_BITS == 4:
-        words -= 0x4B400000 * 0x11111111 % 2**32  # sum_p 2^(4p) = 0x11111111
-    else:
-        words -= 0x4B400000 * 0x249249 % 2**32  # sum_p 2^(3p) = 0x249249
+    SPREAD: tl.constexpr = 0x11111111 if VALUE_BITS == 4 else 0x249249  # sum_p 2^(BITS p)
+    words -= tl.full([], 0x4B400000 * SPREAD % 2**32, tl.uint32)
     _store_words(words, data + KEY_DATA_BYTES, ok, HEAD_DIM, VALUE_BITS)
     tl.store(meta + (NUM_FIELDS - 2) * BLOCK_SIZE, _fp16_bits(scale), mask=ok)
     tl.store(meta + (NUM_FIELDS - 1) * BLOCK_SIZE, _fp16_bits(v_min), mask=ok)
