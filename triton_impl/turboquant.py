@@ -345,7 +345,9 @@ def _store_kernel(
         # bf16 keys on bf16 tensor cores: PiT = p1 + p2 + p3, each part the next 8 significant bits (cut by
         # truncation, exact: 24 bits hold an fp32 significand), so every product k_j p_i is exact and y is
         # (k @ p3 + k @ p2 + k @ p1) / (n + eps), 3D addends as in 3xTF32. The key chunk enters the MMA as
-        # loaded (no conversion, no scaling in registers).
+        # loaded (no conversion, no scaling in registers), so unlike the TF32 passes it is not scaled by
+        # 2^-e: a tensor core that flushes subnormal inputs would lose the key's elements below 2^-126,
+        # which moves y by at most sqrt(D) 2^-126 / n (past the band only for norms below ~2^-100).
         BF16_PARTS: tl.constexpr = ROTATION_PRECISION == "bf16x3" and key_ptr.dtype.element_ty == tl.bfloat16
         PART_DTYPE: tl.constexpr = tl.float32 if INTERPRET else tl.bfloat16  # interpreter: bf16 dots are wrong
         FP32_PRECISION: tl.constexpr = "ieee" if ROTATION_PRECISION == "ieee" else "tf32x3"  # fp32 keys
