@@ -79,7 +79,8 @@ def set_store(block_t: int, d_chunk: int, warps: int, tf32x3: int, stages: int =
     config = {"BLOCK_T": block_t, "D_CHUNK": d_chunk, "num_warps": warps, "TF32X3": tf32x3, "num_stages": stages,
               **({"maxnreg": maxnreg} if maxnreg else {})}  # fmt: skip
     turboquant.STORE_CONFIGS["sm90"] = turboquant.FP8_KEY_STORE_CONFIGS["sm90"] = config
-    return f"T{block_t} chunk{d_chunk} w{warps} s{stages}" + " tf32x3" * tf32x3 + f" maxnreg{maxnreg}" * bool(maxnreg)
+    rotation = ("", " tf32x3", " bf16x3")[tf32x3]
+    return f"T{block_t} chunk{d_chunk} w{warps} s{stages}{rotation}" + f" maxnreg{maxnreg}" * bool(maxnreg)
 
 
 def set_ue8m0(tokens: int, workers: int, warps: int, decode: str = "int", fnuz_encode: str = "int",
