@@ -134,7 +134,7 @@ def store(preset: str, config: dict[str, int]) -> None:
 STORE_VARIANTS = {
     "mse": [{"BLOCK_T": t, "D_CHUNK": c, "num_warps": w, "TF32X3": x, "num_stages": 1, **({"maxnreg": r} if r else {})}
             for t, c, w, x, r in ((64, 32, 4, 2, 0), (128, 32, 8, 2, 0), (64, 64, 4, 2, 0), (64, 32, 4, 1, 128),
-                                  (64, 64, 4, 1, 0))],
+                                  (64, 64, 4, 1, 0), (64, 32, 4, 2, 96))],
     "fp8": [{"BLOCK_T": t, "D_CHUNK": 32, "num_warps": w, "TF32X3": 0} for t, w in ((32, 4), (64, 4), (16, 2))],
 }  # fmt: skip
 

@@ -43,10 +43,11 @@ TURBOQUANT_GRID = [(128, 4, 2, 1, 1), (128, 4, 2, 0, 1), (64, 4, 2, 1, 1), (64, 
 # sm90 entry 254, 80 KiB, 2, ~432, 38; bf16x3 (TF32X3 = 2) T64 chunk32 w4 1 stage 117, 8 KiB, 4, ~360, 15;
 # bf16x3 T128 chunk32 w8 1 stage 124, 16 KiB, 2 (16 warps), ~332, 13; bf16x3 T64 chunk64 w4 1 stage 167, 16 KiB,
 # 3, ~347, 11; 3xTF32 T64 chunk32 w4 1 stage capped at 128 registers (8 B of stack), 8 KiB, 4, ~451, 44; 3xTF32
-# T64 chunk64 w4 1 stage 230, 32 KiB, 2, ~380, 33. FP8 keys: 106 warp instructions per row at T16 w4, 91 at T32
+# T64 chunk64 w4 1 stage 230, 32 KiB, 2, ~380, 33; bf16x3 T64 chunk32 w4 1 stage capped at 96 registers (no
+# stack), 8 KiB, 5, ~397, 15. FP8 keys: 106 warp instructions per row at T16 w4, 91 at T32
 # w4 and T16 w2, 80 at T64 w4 (228 executed at 9ff0941, Nsight Compute).
 STORE_GRID = [(64, 64, 4, 1, 3, 0), (64, 32, 4, 2, 1, 0), (128, 32, 8, 2, 1, 0), (64, 64, 4, 2, 1, 0),
-              (64, 32, 4, 1, 1, 128), (64, 64, 4, 1, 1, 0)]  # fmt: skip
+              (64, 32, 4, 1, 1, 128), (64, 64, 4, 1, 1, 0), (64, 32, 4, 2, 1, 96)]  # fmt: skip
 FP8_STORE_GRID = [(16, 32, 4, 0, 3, 0), (32, 32, 4, 0, 3, 0), (64, 32, 4, 0, 3, 0), (16, 32, 2, 0, 3, 0)]
 # UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps[, decode, fnuz_encode, rope_words]);
 # the first is the sm90 entry. The per-value variants and tokens-per-program choices timed before are in
