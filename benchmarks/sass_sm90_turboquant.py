@@ -88,24 +88,61 @@ def decode(preset: str, config: dict[str, int]) -> None:
           f"per tile = {per_key:.0f} warp instructions per key and KV head; {mix}")  # fmt: skip
 
 
+def _weighted_mix(cubin: bytes, trips: int) -> collections.Counter:
+    """Instructions by opcode, each counted ``trips`` times per loop around it (the store's column and
+    row-chunk loops both run ``HEAD_DIM / D_CHUNK`` times), padding NOPs left out: an estimate of what
+    one program executes per warp. A software-pipelined loop's prologue counts once."""
+    code = [(int(m.group(1), 16), m.group(2), line) for line in cuobjdump(cubin, "-sass").splitlines()
+            if (m := ADDRESS.match(line))]  # fmt: skip
+    loops = [(int(b.group(1), 16), address) for address, _, line in code
+             if (b := BRANCH.search(line)) and int(b.group(1), 16) < address]  # fmt: skip
+    mix: collections.Counter = collections.Counter()
+    for address, opcode, _ in code:
+        if opcode != "NOP":
+            mix[opcode] += trips ** sum(head <= address <= tail for head, tail in loops)
+    return mix
+
+
 def store(preset: str, config: dict[str, int]) -> None:
+    """Registers, stack and shared memory per program, and warp instructions per stored row (a (token, KV
+    head) pair): the whole kernel per program, loops weighted by their trip counts, times the warps, over
+    ``BLOCK_T`` rows."""
     layout = TurboQuantConfig.from_cache_dtype(preset, 128)
     key_bits = 8 if layout.key_fp8 else layout.key_mse_bits
     constexprs = dict(HEAD_DIM=128, KEY_BITS=key_bits, VALUE_BITS=layout.value_quant_bits,
                       NORM_CORRECTION=int(layout.norm_correction), KEY_DATA_BYTES=layout.key_data_bytes,
                       NUM_FIELDS=2 if layout.key_fp8 else 3, BLOCK_T=config["BLOCK_T"], BLOCK_D=128,
                       D_CHUNK=config["D_CHUNK"],
-                      ROTATION_PRECISION="tf32x3" if config["TF32X3"] else "ieee")  # fmt: skip
+                      ROTATION_PRECISION=("ieee", "tf32x3", "bf16x3")[config["TF32X3"]], BLOCK_SIZE=16,
+                      WIDE_SLOTS=0)  # fmt: skip
     # The bench's store (1M tokens, 8 KV heads, block 16, D = 128): every integer argument but the
     # KV head count is a multiple of 16, and Triton specializes on that (without it the sm90 entry spills).
     divisible = tuple(n for n in ttq._store_kernel.arg_names if n not in STORE_POINTERS and n not in constexprs
                       and n != "num_kv_heads")  # fmt: skip
-    kernel = _compile(ttq._store_kernel, STORE_POINTERS, constexprs, {"num_warps": config["num_warps"]}, divisible)
-    print(f"store {preset} {config}: {_resources(kernel.asm['cubin'])}")
+    options = {"num_warps": config["num_warps"], "num_stages": config.get("num_stages", 3),
+               **({"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {})}  # fmt: skip
+    kernel = _compile(ttq._store_kernel, STORE_POINTERS, constexprs, options, divisible)
+    mix = _weighted_mix(kernel.asm["cubin"], 1 if layout.key_fp8 else 128 // min(config["D_CHUNK"], 128))
+    per_row = config["num_warps"] / config["BLOCK_T"]
+    total, lds, sts = (per_row * sum(mix[op] for op in ops) for ops in (mix, ("LDS", "LDSM"), ("STS",)))
+    top = [(op, round(n * per_row, 1)) for op, n in mix.most_common(12)]
+    print(f"store {preset} {config}: {_resources(kernel.asm['cubin'])} SMEM:{kernel.metadata.shared}; "
+          f"{total:.0f} warp instructions per row (LDS {lds:.1f}, STS {sts:.1f}); {top}")  # fmt: skip
+
+
+# The store variants of benchmarks/sweep_memory_bound.py's grids, after the sm90 entries.
+STORE_VARIANTS = {
+    "mse": [{"BLOCK_T": t, "D_CHUNK": c, "num_warps": w, "TF32X3": x, "num_stages": 1, **({"maxnreg": r} if r else {})}
+            for t, c, w, x, r in ((64, 32, 4, 2, 0), (128, 32, 8, 2, 0), (64, 64, 4, 2, 0), (64, 32, 4, 1, 128),
+                                  (64, 64, 4, 1, 0), (64, 32, 4, 2, 96))],
+    "fp8": [{"BLOCK_T": t, "D_CHUNK": 32, "num_warps": w, "TF32X3": 0} for t, w in ((32, 4), (64, 4), (16, 2))],
+}  # fmt: skip
 
 
 if __name__ == "__main__":
     for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc"):
         decode(preset, ttq.DECODE_CONFIGS["sm90"])
         key_fp8 = TurboQuantConfig.from_cache_dtype(preset, 128).key_fp8
-        store(preset, (ttq.FP8_KEY_STORE_CONFIGS if key_fp8 else ttq.STORE_CONFIGS)["sm90"])
+        for config in [(ttq.FP8_KEY_STORE_CONFIGS if key_fp8 else ttq.STORE_CONFIGS)["sm90"],
+                       *STORE_VARIANTS["fp8" if key_fp8 else "mse"]]:  # fmt: skip
+            store(preset, config)

@@ -36,10 +36,19 @@ COPY_GBPS = 4221.0
 # the pair LUT's at other tiles are the open questions.
 TURBOQUANT_GRID = [(128, 4, 2, 1, 1), (128, 4, 2, 0, 1), (64, 4, 2, 1, 1), (64, 4, 2, 0, 1), (32, 4, 2, 0, 1),
                    (128, 4, 2, 0, 0), (128, 4, 1, 1, 1)]  # fmt: skip
-# TurboQuant store: (BLOCK_T, D_CHUNK, num_warps, TF32X3), for both key kinds' tables; the sm90 entries
-# are (64, 64, 4, 1) for MSE keys and (16, 32, 4, 0) for FP8 keys. Then the variants the sm_90 static
-# count ranks next: T128 w8 (fewest instructions per row, one program per SM) and D_CHUNK 128.
-STORE_GRID = [(64, 64, 4, 1), (128, 64, 8, 1), (64, 128, 4, 1), (64, 64, 8, 1), (16, 32, 4, 0)]
+# TurboQuant store: (BLOCK_T, D_CHUNK, num_warps, TF32X3, num_stages, maxnreg (0: none)); STORE_GRID for the
+# MSE presets, FP8_STORE_GRID for FP8 keys (no rotation: D_CHUNK, TF32X3 and num_stages unused), each first the
+# sm90 entry, then in the order to time them. sm_90 static counts (benchmarks/sass_sm90_turboquant.py, Triton
+# 3.6, 4-bit; registers, shared memory, programs per SM by both, warp instructions per row, LDS + STS per row):
+# sm90 entry 254, 80 KiB, 2, ~432, 38; bf16x3 (TF32X3 = 2) T64 chunk32 w4 1 stage 117, 8 KiB, 4, ~360, 15;
+# bf16x3 T128 chunk32 w8 1 stage 124, 16 KiB, 2 (16 warps), ~332, 13; bf16x3 T64 chunk64 w4 1 stage 167, 16 KiB,
+# 3, ~347, 11; 3xTF32 T64 chunk32 w4 1 stage capped at 128 registers (8 B of stack), 8 KiB, 4, ~451, 44; 3xTF32
+# T64 chunk64 w4 1 stage 230, 32 KiB, 2, ~380, 33; bf16x3 T64 chunk32 w4 1 stage capped at 96 registers (no
+# stack), 8 KiB, 5, ~397, 15. FP8 keys: 106 warp instructions per row at T16 w4, 91 at T32
+# w4 and T16 w2, 80 at T64 w4 (228 executed at 9ff0941, Nsight Compute).
+STORE_GRID = [(64, 64, 4, 1, 3, 0), (64, 32, 4, 2, 1, 0), (128, 32, 8, 2, 1, 0), (64, 64, 4, 2, 1, 0),
+              (64, 32, 4, 1, 1, 128), (64, 64, 4, 1, 1, 0), (64, 32, 4, 2, 1, 96)]  # fmt: skip
+FP8_STORE_GRID = [(16, 32, 4, 0, 3, 0), (32, 32, 4, 0, 3, 0), (64, 32, 4, 0, 3, 0), (16, 32, 2, 0, 3, 0)]
 # UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps[, decode, fnuz_encode, rope_words]);
 # the first is the sm90 entry. The per-value variants and tokens-per-program choices timed before are in
 # sweep_memory_bound_h200.md; after the insert's finite fast path (6561f01, sm_90 static count per token: insert
@@ -67,10 +76,12 @@ def set_turboquant(block_n: int, warps: int, stages: int, pair_lut: int, smem_co
     return f"BN{block_n} w{warps} s{stages} pair{pair_lut} smem{smem_codebook}"
 
 
-def set_store(block_t: int, d_chunk: int, warps: int, tf32x3: int) -> str:
-    config = {"BLOCK_T": block_t, "D_CHUNK": d_chunk, "num_warps": warps, "TF32X3": tf32x3}
+def set_store(block_t: int, d_chunk: int, warps: int, tf32x3: int, stages: int = 3, maxnreg: int = 0) -> str:
+    config = {"BLOCK_T": block_t, "D_CHUNK": d_chunk, "num_warps": warps, "TF32X3": tf32x3, "num_stages": stages,
+              **({"maxnreg": maxnreg} if maxnreg else {})}  # fmt: skip
     turboquant.STORE_CONFIGS["sm90"] = turboquant.FP8_KEY_STORE_CONFIGS["sm90"] = config
-    return f"T{block_t} chunk{d_chunk} w{warps}" + " tf32x3" * tf32x3
+    rotation = ("", " tf32x3", " bf16x3")[tf32x3]
+    return f"T{block_t} chunk{d_chunk} w{warps} s{stages}{rotation}" + f" maxnreg{maxnreg}" * bool(maxnreg)
 
 
 def set_ue8m0(tokens: int, workers: int, warps: int, decode: str = "int", fnuz_encode: str = "int",
@@ -87,7 +98,8 @@ def main(budget_s: float, only: str | None = None, name_contains: str = "") -> N
     if only in (None, "turboquant"):
         cases += [(c, set_turboquant, TURBOQUANT_GRID) for c in turboquant_cases() if "decode" in c.name]
     if only in (None, "turboquant", "store"):
-        cases += [(c, set_store, STORE_GRID) for c in turboquant_cases() if "store" in c.name]
+        cases += [(c, set_store, FP8_STORE_GRID if "k8v4" in c.name else STORE_GRID)
+                  for c in turboquant_cases() if "store" in c.name]  # fmt: skip
     if only in (None, "ue8m0"):
         cases += [(c, set_ue8m0, UE8M0_GRID) for c in ue8m0_cases()]
     if only in (None, "merge"):

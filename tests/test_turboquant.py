@@ -426,25 +426,32 @@ def test_fp16_saturated_rounds_once() -> None:
     assert torch.equal(got[:-1], expected[:-1]) and bool(got[-1].isnan())
 
 
-@pytest.mark.parametrize("tiling", ["interpreter", "sm90"])
+STORE_TILINGS = {"bf16x3": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1}}
+
+
+@pytest.mark.parametrize("tiling", ["interpreter", "sm90", "bf16x3"])
 def test_kernel_store_matches_golden_with_every_tiling(tiling: str, monkeypatch: pytest.MonkeyPatch,
                                                        device: torch.device) -> None:  # fmt: skip
-    """The Triton store against the golden store (``compare_store``), every preset, with the
-    interpreter's one [D, D] rotation step and the GPU's 16-row steps (two summation orders), and with
-    PiT as a row-strided view (its row stride is read, not assumed to be D)."""
-    monkeypatch.setitem(ttq.STORE_CONFIGS, "interpreter", dict(ttq.STORE_CONFIGS[tiling]))
+    """The Triton store against the golden store (``compare_store``), every preset, fp16 and bf16 keys,
+    with the interpreter's one [D, D] rotation step, the GPU's 16-row steps and the bf16x3 rotation (two
+    summation orders, three operand splits), and with PiT as a row-strided view (its row stride is read,
+    not assumed to be D)."""
+    config_entry = STORE_TILINGS.get(tiling) or ttq.STORE_CONFIGS[tiling]
+    monkeypatch.setitem(ttq.STORE_CONFIGS, "interpreter", dict(config_entry))
     gen = generator(3)
     for preset in PRESETS:
-        config, pit, centroids, midpoints = _quantizer(preset, 128)
-        cache = _garbage_cache(2, 4, 2, config, gen, device)
-        before = cache.cpu().clone()
-        key, value = torch.randn(2, 3, 2, 128, generator=gen).half()
-        slots = torch.tensor([5, 0, 2])
-        wide = torch.zeros(128, 256, device=device)  # made on the device: moving a view would make it dense
-        wide[:, :128] = pit
-        _store_triton(cache, key, value, slots, preset, 128, PiT=wide[:, :128])
-        store = ptq.compare_store(cache.cpu(), before, key, value, slots, pit, midpoints, centroids, config)
-        assert store.ok, f"{preset}: {store.summary()}"
+        for dtype in (torch.float16, torch.bfloat16):
+            config, pit, centroids, midpoints = _quantizer(preset, 128)
+            cache = _garbage_cache(2, 4, 2, config, gen, device)
+            before = cache.cpu().clone()
+            key, value = torch.randn(2, 3, 2, 128, generator=gen).to(dtype)
+            slots = torch.tensor([5, 0, 2])
+            wide = torch.zeros(128, 256, device=device)  # made on the device: moving a view would make it dense
+            wide[:, :128] = pit
+            _store_triton(cache, key, value, slots, preset, 128, PiT=wide[:, :128])
+            store = ptq.compare_store(cache.cpu(), before, key, value, slots, pit, midpoints, centroids, config,
+                                      ptq.TF32X3_GEMM if config_entry["TF32X3"] else ptq.FP32_GEMM)  # fmt: skip
+            assert store.ok, f"{preset} {dtype}: {store.summary()}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -700,6 +707,27 @@ def test_value_outliers_give_finite_metadata_and_bounded_error(preset: str, devi
     step = (clipped.amax(-1) - clipped.amin(-1)) / (2**config.value_quant_bits - 1)
     body_error = (values[:, :, 2:] - value.double()[:, :, 2:]).abs().amax(-1)
     assert bool((body_error <= step + 1e-3).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fp8_keys_of_special_values_are_golden_bytes(dtype: torch.dtype, device: torch.device) -> None:
+    """FP8 keys: NaN of either sign keeps its sign (0x7F | s), +-inf and values past 448 saturate to +-448, -0
+    stays -0, ties round to even, values below half the smallest subnormal round to +-0 (the compiled kernel
+    converts |k| in hardware and puts the sign bit back)."""
+    special = [float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-30, -1e-30, 500.0, -500.0,
+               2.0**-10, -(2.0**-10), 2.0**-9, 3 * 2.0**-10, 1.0625, 1.1875, 240.0, -248.0]  # fmt: skip
+    head_dim = 64
+    key = torch.randn(2, 1, head_dim, generator=generator(15))
+    key[0, 0, : len(special)] = torch.tensor(special)
+    key[1, 0, :: 3] = -key[1, 0, :: 3].abs() * 1e3
+    key = key.to(dtype)
+    value = torch.randn(2, 1, head_dim, generator=generator(16))
+    slots = torch.tensor([1, 2])
+    config = _quantizer("turboquant_k8v4", head_dim)[0]
+    cache = _garbage_cache(1, 4, 1, config, generator(17), device)
+    before = cache.clone()
+    _store_triton(cache, key, value, slots, "turboquant_k8v4", head_dim)
+    _assert_store_ok(cache, before, key, value, slots, "turboquant_k8v4", head_dim)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 6e38 -> fp32 inf, on purpose

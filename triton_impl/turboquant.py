@@ -3,8 +3,8 @@
 Twin of ``golden/turboquant.py``, with the signatures of vLLM's ``turboquant_soa`` modules
 (``triton_turboquant_store``, ``triton_turboquant_decode_attention_v2``, ``build_pair_lut``).
 
-Store: one program per (token, KV head) quantizes the key (norm, rotation, bucketize, optional norm
-correction; or FP8) and the value (min-max) and writes the slot's data bytes and fp16 metadata.
+Store: a program quantizes ``BLOCK_T`` tokens of one KV head, the keys (norm, rotation, bucketize, optional
+norm correction; or FP8) and the values (min-max), and writes the slots' data bytes and fp16 metadata.
 Unlike upstream, the rotation runs inside the kernel (fp32 sums). The golden store
 (``golden.turboquant.turboquant_store``) is the float64 math; the kernel's codes equal it outside
 tie bands derived from an fp32 store's error bound (``triton_impl.parity.turboquant.compare_store``),
@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.block_table import first_bad_key
-from triton_impl.interpreter import e4m3_bits_to_f16, f32_to_e4m3_bits
+from triton_impl.interpreter import INTERPRET, e4m3_bits_to_f16, f32_to_e4m3_bits
 from triton_impl.launch import Launch, Plans, current_target, launch, no_launch, select_config
 from triton_impl.lse_merge import merge_splits_launch
 from triton_impl.validation import (
@@ -55,6 +55,7 @@ _FP16_MAX = tl.constexpr(65504.0)
 _KEY_NORM_EPS = tl.constexpr(1e-8)
 _NORM_CORRECTION_EPS = tl.constexpr(1e-16)
 _MIN_VALUE_SCALE = tl.constexpr(1e-8)
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it has x rounded to an integer in its low mantissa bits
 _MAX_HEAD_DIM = 1024
 _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at most
 
@@ -76,6 +77,13 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # byte-by-byte packing and 8 warps, the store got slower (k8v4 2.42 -> 4.79 ms, MSE presets
 # 27.9-33.2 ms, `attnref bench`); packing went back to one masked store of each group's bytes and
 # the sm90 entry back to 4 warps: 16.9-17.8 ms for the MSE presets (9ff0941, best of 4 configs).
+# num_stages: the depth of Triton's software pipeline over the rotation's operand loads; each stage holds
+# both operands in shared memory (sm_90, T64 chunk64: 80 KiB and 254 registers at 3 stages, 32 KiB and 230
+# registers at 1). Optional maxnreg: a cap on registers per thread (none: the compiler's choice).
+# TF32X3 = 2: bf16 keys enter bf16 MMAs as loaded, against PiT cut into three bf16 parts (exact products;
+# other key dtypes as TF32X3 = 1); no key conversion or scaling in registers, so no layout conversion of the
+# key chunk through shared memory (sm_90 4-bit at T64 chunk32 1 stage: 117 registers, 8 KiB, LDS 3.5 and STS
+# 11.9 per row, against 163 registers, LDS 19.6 and STS 24.4 for TF32X3 = 1), 4 programs per SM.
 # Decode: BLOCK_N tokens per tile, at least 32 (the value MMA's K; Triton 3.6 miscompiles unpacked
 # codes fed to a 16-key dot, see tests/test_turboquant.py). Key tables: the kernel makes them from the
 # fp32 codebook on every call. PAIR_LUT picks the 4-bit pair LUT when the caller leaves
@@ -87,14 +95,14 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # 1.169 / 4.016 ms (the old fp16 table in global memory: 0.683 / 2.515 ms, 9ff0941). No config
 # depends on the batch.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
-    "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0},
-    "sm90": {"BLOCK_T": 64, "D_CHUNK": 64, "num_warps": 4, "TF32X3": 1},
-    "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0},
+    "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
+    "sm90": {"BLOCK_T": 64, "D_CHUNK": 64, "num_warps": 4, "TF32X3": 1, "num_stages": 3},
+    "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
-FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK and TF32X3 unused: no rotation
-    "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0},
-    "sm90": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0},
-    "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0},
+FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_stages unused: no rotation
+    "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
+    "sm90": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
+    "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0},
@@ -199,9 +207,28 @@ def _tf32_part(x):
 
 
 @triton.jit
+def _bf16_part(x):
+    """``x`` with the 16 low mantissa bits cleared: a bf16 value."""
+    return (x.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fp16_bits(x):
     """fp32 -> fp16 (round to nearest even) clamped to +-65504, as the uint16 to store."""
     return tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX).to(tl.float16).to(tl.uint16, bitcast=True)
+
+
+@triton.jit
+def _store_words(words, dst, ok, valid, BITS: tl.constexpr):
+    """Write each row of ``words [R, G]`` (group ``g`` of 8 ``BITS``-bit codes, LSB first) as its ``BITS``
+    bytes at ``dst [R] + BITS * g``; rows where ``ok`` is false write nothing, and only the first
+    ``valid`` codes (a multiple of 8)."""
+    G: tl.constexpr = words.shape[1]
+    g = tl.arange(0, G)
+    i = tl.arange(0, 4)  # at most 4 bytes per group (BITS <= 4)
+    packed = (words[:, :, None] >> (8 * i[None, None, :]).to(tl.uint32)) & 0xFF
+    mask = ok[:, None, None] & (g < valid // 8)[None, :, None] & (i < BITS)[None, None, :]
+    tl.store(dst[:, None, None] + (g * BITS)[None, :, None] + i[None, None, :], packed.to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -215,11 +242,21 @@ def _store_packed(codes, dst, ok, valid, BITS: tl.constexpr, COLS: tl.constexpr)
     R: tl.constexpr = codes.shape[0]
     groups = tl.reshape(codes.to(tl.uint32), [R, COLS // 8, 8])
     words = tl.sum(groups << (tl.arange(0, 8).to(tl.uint32) * BITS)[None, None, :], axis=2)  # 8 * BITS <= 32 bits
-    g = tl.arange(0, COLS // 8)
-    i = tl.arange(0, 4)  # at most 4 bytes per group (BITS <= 4)
-    packed = (words[:, :, None] >> (8 * i[None, None, :]).to(tl.uint32)) & 0xFF
-    mask = ok[:, None, None] & (g < valid // 8)[None, :, None] & (i < BITS)[None, None, :]
-    tl.store(dst[:, None, None] + (g * BITS)[None, :, None] + i[None, None, :], packed.to(tl.uint8), mask=mask)
+    _store_words(words, dst, ok, valid, BITS)
+
+
+@triton.jit
+def _e4m3_bits(x):
+    """fp32 -> OCP e4m3 byte, as ``f32_to_e4m3_bits(x, False)``. Compiled: the hardware conversion of
+    ``|x|`` (round to nearest even and saturation are symmetric, and ``|NaN|`` is a positive NaN: 0x7F)
+    with the sign bit of ``x`` put in bit 7: three integer operations per value and one conversion per
+    two, against a NaN test and a select per value for the conversion of ``x`` itself
+    (``tests/test_turboquant.py::test_fp8_keys_of_special_values_are_golden_bytes`` checks it on a GPU)."""
+    if INTERPRET:
+        return f32_to_e4m3_bits(x, False)
+    bits = x.to(tl.uint32, bitcast=True)
+    magnitude = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    return magnitude.to(tl.float8e4nv).to(tl.uint8, bitcast=True) | ((bits >> 24) & 0x80).to(tl.uint8)
 
 
 @triton.jit
@@ -250,8 +287,8 @@ def _bucketize(y, midpoint_ptr, BITS: tl.constexpr):
 @triton.jit
 def _store_kernel(
     key_ptr, value_ptr, cache_ptr, cache_u16_ptr, slot_ptr, pit_ptr, midpoint_ptr, centroid_ptr,
-    num_rows, num_kv_heads, block_size, num_slots, stride_block, data_bytes_per_slot, meta_offset,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_pit,
+    num_tokens, num_kv_heads, num_slots, stride_block, stride_block_u16, data_bytes_per_slot,
+    meta_offset_u16, stride_kt, stride_kh, stride_vt, stride_vh, stride_pit,
     HEAD_DIM: tl.constexpr,
     KEY_BITS: tl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
     VALUE_BITS: tl.constexpr,
@@ -261,10 +298,13 @@ def _store_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     D_CHUNK: tl.constexpr,
-    ROTATION_PRECISION: tl.constexpr,  # "ieee" (fp32 FMAs) or "tf32x3" (3xTF32; two TF32 passes for 16-bit keys)
+    ROTATION_PRECISION: tl.constexpr,  # "ieee" (fp32 FMAs), "tf32x3" (3xTF32; two TF32 passes for 16-bit keys) or
+    # "bf16x3" (bf16 keys against PiT cut into three bf16 parts; other keys as "tf32x3")
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block: a constant divisor (a shift for a power of two)
+    WIDE_SLOTS: tl.constexpr,  # slot numbers past int32: block and position in int64
 ):  # fmt: skip
-    """Grid ``(cdiv(T * HKV, BLOCK_T),)``: a program owns ``BLOCK_T`` (token, KV head) rows and
-    writes all of their slots' bytes.
+    """Grid ``(cdiv(T, BLOCK_T), HKV)``: a program owns ``BLOCK_T`` tokens of one KV head and
+    writes all of their slots' bytes (no division of a row index into token and head).
 
     The rotation is ``k_hat [BLOCK_T, D] @ PiT`` in ``[D_CHUNK, D_CHUNK]`` blocks (``tl.dot`` with
     ``ROTATION_PRECISION``), so each program reads ``PiT`` once for ``BLOCK_T`` rows;
@@ -272,17 +312,21 @@ def _store_kernel(
     fused or not, and 2-ulp divisions and square roots stay inside the error bound that
     ``triton_impl.parity.turboquant.compare_store`` holds a store to.
     """
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_rows = rows < num_rows
-    token = rows // num_kv_heads
-    head = rows % num_kv_heads
-    slot = tl.load(slot_ptr + token, mask=in_rows, other=-1).to(tl.int64)
+    token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    in_rows = token < num_tokens
+    slot = tl.load(slot_ptr + token, mask=in_rows, other=-1)
     ok = in_rows & (slot >= 0) & (slot < num_slots)  # padding, or a slot outside the cache: nothing to write
     slot = tl.where(ok, slot, 0)
-    block_base = (slot // block_size) * stride_block
-    position = slot % block_size
-    data = cache_ptr + block_base + (position * num_kv_heads + head) * data_bytes_per_slot
-    meta = cache_u16_ptr + (block_base + meta_offset) // 2 + head * NUM_FIELDS * block_size + position
+    if not WIDE_SLOTS:
+        slot = slot.to(tl.uint32)  # 0 <= slot < num_slots < 2^31: unsigned 32-bit division and products
+    block = slot // BLOCK_SIZE
+    position = (slot - block * BLOCK_SIZE).to(tl.int32)
+    block = block.to(tl.int64)
+    data = cache_ptr + block * stride_block + (position * num_kv_heads + head) * data_bytes_per_slot
+    meta = cache_u16_ptr + block * stride_block_u16 + meta_offset_u16 + head * NUM_FIELDS * BLOCK_SIZE + position
+    token = token.to(tl.int64)
+    head = head.to(tl.int64)  # head * stride_kh: a head-major view's stride may be T * D
 
     dims = tl.arange(0, BLOCK_D)
     in_dim = dims < HEAD_DIM
@@ -290,14 +334,23 @@ def _store_kernel(
     key_rows = key_ptr + token * stride_kt + head * stride_kh
     k = tl.load(key_rows[:, None] + dims[None, :], mask=tile_ok, other=0.0).to(tl.float32)
     if KEY_BITS == 8:
-        tl.store(data[:, None] + dims[None, :], f32_to_e4m3_bits(k, False), mask=tile_ok)
+        tl.store(data[:, None] + dims[None, :], _e4m3_bits(k), mask=tile_ok)
     else:
         norm, down = _key_norm(k)
         inv_denom = 1.0 / (norm + _KEY_NORM_EPS)  # one division per row; each k_j / (n + eps) is k_j * inv_denom
         # 16-bit keys on tensor cores: k 2^-e (exact) is a TF32 value, so two TF32 products, with
         # PiT = hi + lo split by truncation, give each k_j PiT[j, d] within 2^-20 of itself (3xTF32:
         # 1.25 * 2^-20); y is that sum times 2^e / (n + eps).
-        TWO_PASS: tl.constexpr = ROTATION_PRECISION == "tf32x3" and key_ptr.dtype.element_ty != tl.float32
+        TWO_PASS: tl.constexpr = ROTATION_PRECISION != "ieee" and key_ptr.dtype.element_ty != tl.float32
+        # bf16 keys on bf16 tensor cores: PiT = p1 + p2 + p3, each part the next 8 significant bits (cut by
+        # truncation, exact: 24 bits hold an fp32 significand), so every product k_j p_i is exact and y is
+        # (k @ p3 + k @ p2 + k @ p1) / (n + eps), 3D addends as in 3xTF32. The key chunk enters the MMA as
+        # loaded (no conversion, no scaling in registers), so unlike the TF32 passes it is not scaled by
+        # 2^-e: a tensor core that flushes subnormal inputs would lose the key's elements below 2^-126,
+        # which moves y by at most sqrt(D) 2^-126 / n (past the band only for norms below ~2^-100).
+        BF16_PARTS: tl.constexpr = ROTATION_PRECISION == "bf16x3" and key_ptr.dtype.element_ty == tl.bfloat16
+        PART_DTYPE: tl.constexpr = tl.float32 if INTERPRET else tl.bfloat16  # interpreter: bf16 dots are wrong
+        FP32_PRECISION: tl.constexpr = "ieee" if ROTATION_PRECISION == "ieee" else "tf32x3"  # fp32 keys
         code_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
         chunk = tl.arange(0, D_CHUNK)
         for c0 in range(0, HEAD_DIM, D_CHUNK):
@@ -309,17 +362,26 @@ def _store_kernel(
             for r0 in range(0, HEAD_DIM, D_CHUNK):
                 in_k = (r0 + chunk) < HEAD_DIM
                 k_chunk = tl.load(key_rows[:, None] + (r0 + chunk)[None, :], mask=ok[:, None] & in_k[None, :],
-                                  other=0.0).to(tl.float32)  # fmt: skip
+                                  other=0.0)  # fmt: skip
                 pit = tl.load(pit_ptr + (r0 + chunk)[:, None] * stride_pit + cols[None, :],
                               mask=in_k[:, None] & in_cols[None, :], other=0.0)  # fmt: skip
-                if TWO_PASS:
-                    k_chunk = k_chunk * down[:, None]
+                if BF16_PARTS:
+                    k_chunk = k_chunk.to(PART_DTYPE)
+                    p1 = _bf16_part(pit)
+                    p2 = _bf16_part(pit - p1)
+                    y = tl.dot(k_chunk, (pit - p1 - p2).to(PART_DTYPE), y)
+                    y = tl.dot(k_chunk, p2.to(PART_DTYPE), y)
+                    y = tl.dot(k_chunk, p1.to(PART_DTYPE), y)
+                elif TWO_PASS:
+                    k_chunk = k_chunk.to(tl.float32) * down[:, None]
                     pit_hi = _tf32_part(pit)
                     y = tl.dot(k_chunk, _tf32_part(pit - pit_hi), y, input_precision="tf32")
                     y = tl.dot(k_chunk, pit_hi, y, input_precision="tf32")
                 else:
-                    y = tl.dot(k_chunk * inv_denom[:, None], pit, y, input_precision=ROTATION_PRECISION)
-            if TWO_PASS:
+                    y = tl.dot(k_chunk.to(tl.float32) * inv_denom[:, None], pit, y, input_precision=FP32_PRECISION)
+            if BF16_PARTS:
+                y = y * inv_denom[:, None]
+            elif TWO_PASS:
                 y = y * (inv_denom / down)[:, None]  # 2^e / (n + eps): a power of two times inv_denom, exact
             codes = _bucketize(y, midpoint_ptr, KEY_BITS)
             _store_packed(codes, data + c0 * KEY_BITS // 8, ok, HEAD_DIM - c0, KEY_BITS, D_CHUNK)
@@ -333,18 +395,32 @@ def _store_kernel(
 
     # Values: min-max over the valid lanes, both ends clamped to fp16's range before the scale.
     LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
-    v = tl.load(value_ptr + token[:, None] * stride_vt + head[:, None] * stride_vh + dims[None, :], mask=tile_ok,
+    v = tl.load(value_ptr + token[:, None] * stride_vt + head * stride_vh + dims[None, :], mask=tile_ok,
                 other=0.0).to(tl.float32)  # fmt: skip
-    v_min = tl.min(tl.where(in_dim[None, :], v, float("inf")), axis=1)
-    v_max = tl.max(tl.where(in_dim[None, :], v, float("-inf")), axis=1)
+    if BLOCK_D == HEAD_DIM:
+        v_min = tl.min(v, axis=1)
+        v_max = tl.max(v, axis=1)
+    else:
+        v_min = tl.min(tl.where(in_dim[None, :], v, float("inf")), axis=1)
+        v_max = tl.max(tl.where(in_dim[None, :], v, float("-inf")), axis=1)
     v_min = tl.minimum(tl.maximum(v_min, -_FP16_MAX), _FP16_MAX)
     v_max = tl.minimum(tl.maximum(v_max, -_FP16_MAX), _FP16_MAX)
     scale = tl.maximum((v_max - v_min) / LEVELS, _MIN_VALUE_SCALE)
-    q = tl.floor((v - v_min[:, None]) / scale[:, None] + 0.5)
-    v_codes = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
-    _store_packed(v_codes, data + KEY_DATA_BYTES, ok, HEAD_DIM, VALUE_BITS, BLOCK_D)
-    tl.store(meta + (NUM_FIELDS - 2) * block_size, _fp16_bits(scale), mask=ok)
-    tl.store(meta + (NUM_FIELDS - 1) * block_size, _fp16_bits(v_min), mask=ok)
+    inv_scale = 1.0 / scale  # one division per row: t = (v - vmin) * inv_scale
+    # The level t = (v - vmin) / scale rounded half up. v is clamped to [vmin, vmax] first (only values past
+    # +-65504 move, to the level golden clamps them to), so t lies in [0, LEVELS] up to a few ulp; adding
+    # 1.5 * 2^23 rounds it to an integer in the low mantissa bits (to nearest even: a tie is inside
+    # compare_store's band), so the biased bits are 0x4B400000 + q with no floor, clamp or conversion.
+    v = tl.minimum(tl.maximum(v, v_min[:, None]), v_max[:, None])
+    biased = ((v - v_min[:, None]) * inv_scale[:, None] + _ROUND_MAGIC).to(tl.uint32, bitcast=True)
+    groups = tl.reshape(biased, [BLOCK_T, BLOCK_D // 8, 8])
+    words = tl.sum(groups << (tl.arange(0, 8).to(tl.uint32) * VALUE_BITS)[None, None, :], axis=2)
+    # sum_p (0x4B400000 + q_p) << (BITS p) = bias + sum_p q_p << (BITS p) (mod 2^32): subtract the bias once
+    SPREAD: tl.constexpr = 0x11111111 if VALUE_BITS == 4 else 0x249249  # sum_p 2^(BITS p)
+    words -= tl.full([], 0x4B400000 * SPREAD % 2**32, tl.uint32)
+    _store_words(words, data + KEY_DATA_BYTES, ok, HEAD_DIM, VALUE_BITS)
+    tl.store(meta + (NUM_FIELDS - 2) * BLOCK_SIZE, _fp16_bits(scale), mask=ok)
+    tl.store(meta + (NUM_FIELDS - 1) * BLOCK_SIZE, _fp16_bits(v_min), mask=ok)
 
 
 def triton_turboquant_store(
@@ -416,13 +492,14 @@ def triton_turboquant_store(
     # shared memory: a large chunk is halved (an sm_90 block has 227 KiB).
     while 4 * d_chunk * (block_t + d_chunk) > _STORE_OPERAND_BYTES and d_chunk > 16:
         d_chunk //= 2
-    num_rows = num_tokens * num_kv_heads
-    launch(_store_kernel, (cdiv(num_rows, block_t),),
+    num_slots = num_blocks * block_size
+    data_bytes = layout["data_bytes_per_slot"]
+    launch(_store_kernel, (cdiv(num_tokens, block_t), num_kv_heads),
         key, value, kv_cache, kv_cache.view(torch.uint16), slot_mapping,
         unused if key_fp8 else PiT, unused if key_fp8 else midpoints,
         centroids if (norm_correction and not key_fp8) else unused,
-        num_rows, num_kv_heads, block_size, num_blocks * block_size, kv_cache.stride(0),
-        layout["data_bytes_per_slot"], block_size * num_kv_heads * layout["data_bytes_per_slot"],
+        num_tokens, num_kv_heads, num_slots, kv_cache.stride(0), kv_cache.stride(0) // 2, data_bytes,
+        block_size * num_kv_heads * data_bytes // 2,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), 0 if key_fp8 else PiT.stride(0),
         HEAD_DIM=head_dim,
         KEY_BITS=key_bits,
@@ -433,8 +510,12 @@ def triton_turboquant_store(
         BLOCK_T=block_t,
         BLOCK_D=block_d,
         D_CHUNK=d_chunk,
-        ROTATION_PRECISION="tf32x3" if config["TF32X3"] else "ieee",
+        ROTATION_PRECISION=("ieee", "tf32x3", "bf16x3")[config["TF32X3"]],
+        BLOCK_SIZE=block_size,
+        WIDE_SLOTS=num_slots > 2**31 - 1,
         num_warps=config["num_warps"],
+        num_stages=config.get("num_stages", 3),
+        **({"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}),
     )  # fmt: skip
 
 
