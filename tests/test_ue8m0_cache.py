@@ -39,6 +39,10 @@ VARIANTS = {
     "int": {"decode": "int", "fnuz_encode": "int", "rope_words": False},
     "cvt": {"decode": "cvt", "fnuz_encode": "cvt", "rope_words": True},
     "table": {"decode": "table", "fnuz_encode": "int", "rope_words": True},
+    # Loops: the insert's grid capped at 1 program (looping over every tile), pipelined loads (compiled), the
+    # gather's block-table entries loaded an iteration ahead.
+    "loop": {"decode": "cvt", "fnuz_encode": "cvt", "rope_words": True, "insert_programs": 1, "stages": 2,
+             "prefetch_table": True},
 }
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 

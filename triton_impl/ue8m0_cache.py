@@ -109,6 +109,15 @@ class LaunchConfig:
     # stores per value, where every record's RoPE bytes are 4-byte aligned (cache address and block
     # stride multiples of 4; k, out rows too); otherwise bytes, as with False.
     rope_words: bool = False
+    # Programs of the insert: 0 is one per tile; P > 0 caps the grid at P programs that each loop
+    # over every P-th tile (so a pipelined loop has tiles to prefetch).
+    insert_programs: int = 0
+    # num_stages of both kernels' tile loops: 1 issues a tile's loads at the top of its iteration;
+    # S > 1 lets Triton's pipeliner load the next S - 1 tiles into shared memory (cp.async) first.
+    stages: int = 1
+    # Gather: each iteration loads the next tile's block-table entries before its own arithmetic, so a
+    # tile's data loads wait for one memory latency instead of two (table entry, then data).
+    prefetch_table: bool = False
 
 
 # Launch configs as data, keyed by GPU architecture ("sm90", ...). Both kernels move 584 + 1024
@@ -223,42 +232,14 @@ def _slot_record(slot, num_slots, cache_ptr, block_stride, BLOCK_SIZE: tl.conste
 
 
 @triton.jit
-def _quantize_and_insert_k_kernel(
-    k_ptr, k_row_stride,
-    slot_mapping_ptr, num_tokens, num_slots,
-    cache_ptr, block_stride,
-    BLOCK_SIZE: tl.constexpr,
-    TOKENS: tl.constexpr,
-    FNUZ: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    MAX_EXP_FIELD: tl.constexpr,
-    MAX_MANTISSA: tl.constexpr,
-    MIN_EXPONENT: tl.constexpr,
-    FNUZ_CVT: tl.constexpr,
-    ROPE_WORDS: tl.constexpr,
-):  # fmt: skip
-    """Grid ``(cdiv(N, TOKENS),)``: a program owns ``TOKENS`` consecutive tokens.
-
-    Its tile has ``8 * TOKENS`` rows of 64 values, row ``8t + g`` being group ``g`` of token ``t``:
-    groups 0..6 are NoPE, group 7 is the RoPE part, so one load brings each token's 512 bf16
-    values in (as int16 bits) and rows of a token with a negative slot are masked off. Per row it
-    takes ``amax`` as the largest magnitude bit pattern (non-negative floats order like their
-    bits, and inf/NaN patterns sort above every finite one, so no float max and its NaN rules are
-    involved), derives the UE8M0 exponent from those bits, scales by the exact ``2^-e`` and
-    encodes e4m3: when every group of the tile is finite with the OCP conversion alone (FNUZ: of
-    ``2y``, and +0 for what rounds to zero), else with the exact encoder and its clamp and NaN
-    fix-ups. It writes the fp8 bytes (groups 0..6), one scale byte per row (the pad byte for
-    group 7) and the RoPE bits as bytes (so any block stride works, odd too). k is read before
-    the slots are known (a skipped token's row is read and dropped), so the two loads overlap.
-
-    ``FNUZ_CVT``: FNUZ bytes through the hardware OCP conversion (``f32_to_e4m3fnuz_bits_cvt``).
-    ``ROPE_WORDS`` (the host checked that k's rows and every record's RoPE part are 4-byte
-    aligned): group 7 is not loaded in the tile; each token's 64 RoPE values are copied as 32
-    words by a ``[TOKENS, 32]`` tile instead.
-    """
+def _insert_tile(tile, k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_slots, cache_ptr, block_stride,
+                 BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, FNUZ: tl.constexpr, FP8_MAX: tl.constexpr,
+                 MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+                 FNUZ_CVT: tl.constexpr, ROPE_WORDS: tl.constexpr):  # fmt: skip
+    """Tokens ``[tile * TOKENS, (tile + 1) * TOKENS)`` of :func:`_quantize_and_insert_k_kernel`."""
     row = tl.arange(0, 8 * TOKENS)
     dim = tl.arange(0, _GROUP)
-    token = tl.program_id(0) * TOKENS + row // 8
+    token = tile * TOKENS + row // 8
     group = row % 8
     in_range = token < num_tokens
     slot = tl.load(slot_mapping_ptr + token, mask=in_range, other=-1)
@@ -310,7 +291,7 @@ def _quantize_and_insert_k_kernel(
             tl.store(nope_ptr, f32_to_e4m3_bits(y, False), mask=is_nope)
 
     if ROPE_WORDS:
-        t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+        t = tile * TOKENS + tl.arange(0, TOKENS)
         word = tl.arange(0, _GROUP // 2)
         t_in_range = t < num_tokens
         t_slot = tl.load(slot_mapping_ptr + t, mask=t_in_range, other=-1)
@@ -324,6 +305,59 @@ def _quantize_and_insert_k_kernel(
         rope_ptr = data_ptr[:, None] + _NOPE + 2 * dim[None, :]
         tl.store(rope_ptr, (bits & 0xFF).to(tl.uint8), mask=is_rope)
         tl.store(rope_ptr + 1, ((bits >> 8) & 0xFF).to(tl.uint8), mask=is_rope)
+
+
+@triton.jit
+def _quantize_and_insert_k_kernel(
+    k_ptr, k_row_stride,
+    slot_mapping_ptr, num_tokens, num_slots,
+    cache_ptr, block_stride,
+    BLOCK_SIZE: tl.constexpr,
+    TOKENS: tl.constexpr,
+    FNUZ: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MAX_EXP_FIELD: tl.constexpr,
+    MAX_MANTISSA: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+    FNUZ_CVT: tl.constexpr,
+    ROPE_WORDS: tl.constexpr,
+    LOOP: tl.constexpr,
+    STAGES: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(P,)``: program ``p`` owns tiles ``p, p + P, ...`` of ``TOKENS`` consecutive tokens
+    (``P = cdiv(N, TOKENS)`` unless the launch config caps it).
+
+    Its tile has ``8 * TOKENS`` rows of 64 values, row ``8t + g`` being group ``g`` of token ``t``:
+    groups 0..6 are NoPE, group 7 is the RoPE part, so one load brings each token's 512 bf16
+    values in (as int16 bits) and rows of a token with a negative slot are masked off. Per row it
+    takes ``amax`` as the largest magnitude bit pattern (non-negative floats order like their
+    bits, and inf/NaN patterns sort above every finite one, so no float max and its NaN rules are
+    involved), derives the UE8M0 exponent from those bits, scales by the exact ``2^-e`` and
+    encodes e4m3: when every group of the tile is finite with the OCP conversion alone (FNUZ: of
+    ``2y``, and +0 for what rounds to zero), else with the exact encoder and its clamp and NaN
+    fix-ups. It writes the fp8 bytes (groups 0..6), one scale byte per row (the pad byte for
+    group 7) and the RoPE bits as bytes (so any block stride works, odd too). k is read before
+    the slots are known (a skipped token's row is read and dropped), so the two loads overlap.
+
+    ``FNUZ_CVT``: FNUZ bytes through the hardware OCP conversion (``f32_to_e4m3fnuz_bits_cvt``).
+    ``ROPE_WORDS`` (the host checked that k's rows and every record's RoPE part are 4-byte
+    aligned): group 7 is not loaded in the tile; each token's 64 RoPE values are copied as 32
+    words by a ``[TOKENS, 32]`` tile instead.
+
+    ``LOOP``: the grid is capped (``P`` programs) and each program loops over its tiles, with
+    ``num_stages=STAGES`` (``STAGES > 1``: Triton's pipeliner loads the next ``STAGES - 1`` tiles into
+    shared memory by cp.async before a tile's arithmetic). Without it, one tile per program, no loop
+    (the loop costs registers: 56 -> 68 for OCP at 8 tokens).
+    """
+    if LOOP:
+        for tile in tl.range(tl.program_id(0), tl.cdiv(num_tokens, TOKENS), tl.num_programs(0), num_stages=STAGES):
+            _insert_tile(tile, k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_slots, cache_ptr,
+                         block_stride, BLOCK_SIZE, TOKENS, FNUZ, FP8_MAX, MAX_EXP_FIELD, MAX_MANTISSA, MIN_EXPONENT,
+                         FNUZ_CVT, ROPE_WORDS)  # fmt: skip
+    else:
+        _insert_tile(tl.program_id(0), k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_slots, cache_ptr,
+                     block_stride, BLOCK_SIZE, TOKENS, FNUZ, FP8_MAX, MAX_EXP_FIELD, MAX_MANTISSA, MIN_EXPONENT,
+                     FNUZ_CVT, ROPE_WORDS)  # fmt: skip
 
 
 def quantize_and_insert_k_cache(
@@ -380,7 +414,8 @@ def quantize_and_insert_k_cache(
     max_exp_field, max_mantissa, min_exponent = _exponent_constants(use_fnuz)
     config = select_launch_config(k.device)
     rope_words = config.rope_words and _words_aligned(k, k.stride(0) * 2) and _words_aligned(blocks, blocks.stride(0))
-    launch(_quantize_and_insert_k_kernel, (cdiv(num_tokens, config.tokens_per_program),),
+    tiles = cdiv(num_tokens, config.tokens_per_program)
+    launch(_quantize_and_insert_k_kernel, (min(tiles, config.insert_programs or tiles),),
         k.view(torch.int16), k.stride(0),
         slot_mapping, num_tokens, blocks.shape[0] * block_size,
         blocks, blocks.stride(0),
@@ -393,6 +428,8 @@ def quantize_and_insert_k_cache(
         MIN_EXPONENT=min_exponent,
         FNUZ_CVT=_option("fnuz_encode", config.fnuz_encode, ("int", "cvt")) == "cvt",
         ROPE_WORDS=rope_words,
+        LOOP=config.insert_programs > 0,
+        STAGES=config.stages,
         num_warps=config.num_warps,
     )  # fmt: skip
 
@@ -403,19 +440,24 @@ def quantize_and_insert_k_cache(
 
 
 @triton.jit
-def _gather_token_blocks(i, gather_end, first, req, block_table_ptr, block_table_stride, block_table_cols, num_blocks,
-                         cache_ptr, block_stride, BLOCK_SIZE: tl.constexpr):  # fmt: skip
-    """For gather tokens ``i`` of request ``req``: ``(in_out, live, pos, block_ptr)``. ``in_out``: the
-    token has a row in ``out``; ``live``: its position ``pos = first + i`` has a table column whose
-    block lies inside the cache; ``block_ptr``: that block's start (garbage where not ``live``)."""
-    in_out = i < gather_end
+def _gather_table_entries(i, gather_end, first, req, block_table_ptr, block_table_stride, block_table_cols,
+                          BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """For gather tokens ``i`` of request ``req``: the block-table entry of position ``first + i``,
+    or -1 where the token has no row in ``out`` (``i >= gather_end``) or no table column."""
     pos = first + i
     col = pos // BLOCK_SIZE
-    has_col = in_out & (pos >= 0) & (col < block_table_cols)
-    block = tl.load(block_table_ptr + req * block_table_stride + col, mask=has_col, other=-1)
-    live = has_col & (block >= 0) & (block < num_blocks)
+    has_col = (i < gather_end) & (pos >= 0) & (col < block_table_cols)
+    return tl.load(block_table_ptr + req * block_table_stride + col, mask=has_col, other=-1)
+
+
+@triton.jit
+def _gather_token_blocks(i, block, gather_end, first, num_blocks, cache_ptr, block_stride, BLOCK_SIZE: tl.constexpr):
+    """For gather tokens ``i`` and their ``_gather_table_entries``: ``(in_out, live, pos, block_ptr)``.
+    ``in_out``: the token has a row in ``out``; ``live``: its position ``pos = first + i`` has a table
+    column whose block lies inside the cache; ``block_ptr``: that block's start (garbage where not ``live``)."""
+    live = (block >= 0) & (block < num_blocks)  # an entry of -1 also stands for no row in out or no column
     # int64: block * block_stride passes 2^31 from ~57K blocks of 37440 bytes.
-    return in_out, live, pos, cache_ptr + block.to(tl.int64) * block_stride
+    return i < gather_end, live, first + i, cache_ptr + block.to(tl.int64) * block_stride
 
 
 @triton.jit
@@ -431,6 +473,8 @@ def _dequantize_and_gather_k_kernel(
     FNUZ: tl.constexpr,
     DECODE: tl.constexpr,
     ROPE_WORDS: tl.constexpr,
+    PREFETCH_TABLE: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(R, workers)``: worker ``w`` of request ``r`` owns the tiles of ``TOKENS`` gather
     tokens starting at ``(w + k * workers) * TOKENS``.
@@ -465,11 +509,26 @@ def _dequantize_and_gather_k_kernel(
     dim = tl.arange(0, _GROUP)
     group = row % 8
     gather_end = tl.minimum(gather_len, out_rows - offset)  # rows past the end of out are not written
-    for start in range(worker * TOKENS, gather_end, num_workers * TOKENS):
+    step = num_workers * TOKENS
+    t = worker * TOKENS + tl.arange(0, TOKENS)
+    if PREFETCH_TABLE:  # the first tile's entries; each iteration loads the next tile's
+        block = _gather_table_entries(worker * TOKENS + row // 8, gather_end, first, req, block_table_ptr,
+                                      block_table_stride, block_table_cols, BLOCK_SIZE)  # fmt: skip
+        t_block = _gather_table_entries(t, gather_end, first, req, block_table_ptr, block_table_stride,
+                                        block_table_cols, BLOCK_SIZE)  # fmt: skip
+    else:
+        block = tl.full([8 * TOKENS], -1, block_table_ptr.dtype.element_ty)
+        t_block = tl.full([TOKENS], -1, block_table_ptr.dtype.element_ty)
+    for start in tl.range(worker * TOKENS, gather_end, step, num_stages=STAGES):
         i = start + row // 8
-        in_out, live, pos, block_ptr = _gather_token_blocks(
-            i, gather_end, first, req, block_table_ptr, block_table_stride, block_table_cols, num_blocks, cache_ptr,
-            block_stride, BLOCK_SIZE)  # fmt: skip
+        t = start + tl.arange(0, TOKENS)
+        if not PREFETCH_TABLE:
+            block = _gather_table_entries(i, gather_end, first, req, block_table_ptr, block_table_stride,
+                                          block_table_cols, BLOCK_SIZE)  # fmt: skip
+            t_block = _gather_table_entries(t, gather_end, first, req, block_table_ptr, block_table_stride,
+                                            block_table_cols, BLOCK_SIZE)  # fmt: skip
+        in_out, live, pos, block_ptr = _gather_token_blocks(i, block, gather_end, first, num_blocks, cache_ptr,
+                                                            block_stride, BLOCK_SIZE)  # fmt: skip
         data_ptr = block_ptr + (pos % BLOCK_SIZE) * _DATA
         scale_ptr = block_ptr + BLOCK_SIZE * _DATA + (pos % BLOCK_SIZE) * _SCALES
         is_nope = live & (group < _GROUPS)
@@ -477,6 +536,17 @@ def _dequantize_and_gather_k_kernel(
 
         fp8 = tl.load(data_ptr[:, None] + group[:, None] * _GROUP + dim[None, :], mask=is_nope[:, None], other=0)
         code = tl.load(scale_ptr + group, mask=is_nope, other=127).to(tl.int32)
+        if ROPE_WORDS:  # the RoPE words are loaded with the tile, before its stores (which a later load waits behind)
+            word = tl.arange(0, _GROUP // 2)
+            t_in_out, t_live, t_pos, t_block_ptr = _gather_token_blocks(
+                t, t_block, gather_end, first, num_blocks, cache_ptr, block_stride, BLOCK_SIZE)  # fmt: skip
+            src = (t_block_ptr + (t_pos % BLOCK_SIZE) * _DATA + _NOPE).to(tl.pointer_type(tl.int32))
+            words = tl.load(src[:, None] + word[None, :], mask=t_live[:, None], other=0x7FC07FC0)
+        if PREFETCH_TABLE:  # the next tile's entries, loaded while this tile's data is in flight
+            block = _gather_table_entries(i + step, gather_end, first, req, block_table_ptr, block_table_stride,
+                                          block_table_cols, BLOCK_SIZE)  # fmt: skip
+            t_block = _gather_table_entries(t + step, gather_end, first, req, block_table_ptr, block_table_stride,
+                                            block_table_cols, BLOCK_SIZE)  # fmt: skip
         # 2^(code - 127) from bits: for code 1..254 the code is the fp32 exponent field; code 0 is
         # the subnormal 2^-127; code 255 is E8M0's NaN. The product has <= 4 significant bits and is
         # >= 2^-136, so fp32 holds it exactly; for codes < 10 it is subnormal. Compiled Triton on
@@ -504,14 +574,6 @@ def _dequantize_and_gather_k_kernel(
             else:  # two stores instead of a select per value: valid rows, then the rows without a block
                 tl.store(out_ptr_tile, nope_bits, mask=is_out & live[:, None])
                 tl.store(out_ptr_tile, no_block, mask=is_out & (live[:, None] == 0))
-            t = start + tl.arange(0, TOKENS)
-            word = tl.arange(0, _GROUP // 2)
-            t_in_out, t_live, t_pos, t_block_ptr = _gather_token_blocks(
-                t, gather_end, first, req, block_table_ptr, block_table_stride, block_table_cols, num_blocks,
-                cache_ptr, block_stride, BLOCK_SIZE)  # fmt: skip
-            src = t_block_ptr + (t_pos % BLOCK_SIZE) * _DATA + _NOPE
-            src = src.to(tl.pointer_type(tl.int32))
-            words = tl.load(src[:, None] + word[None, :], mask=t_live[:, None], other=0x7FC07FC0)
             dst = out_ptr + req * out_stride_r + (offset + t).to(tl.int64) * out_stride_t + _NOPE
             dst = dst.to(tl.pointer_type(tl.int32))
             tl.store(dst[:, None] + word[None, :], words, mask=t_in_out[:, None])
@@ -595,6 +657,8 @@ def dequantize_and_gather_k_cache(
         FNUZ=use_fnuz,
         DECODE=decode,
         ROPE_WORDS=rope_words,
+        PREFETCH_TABLE=config.prefetch_table,
+        STAGES=config.stages,
         num_warps=config.num_warps,
     )  # fmt: skip
 
