@@ -66,7 +66,6 @@ from triton_impl.interpreter import (
     e4m3_bits_to_f32_cvt,
     f32_to_e4m3_bits,
     f32_to_e4m3fn_bits_not_nan,
-    f32_to_e4m3fnuz_bits_cvt,
 )
 from triton_impl.launch import launch, select_config
 from triton_impl.validation import cdiv, check_positive, check_tensor, content_checks_enabled
@@ -283,11 +282,20 @@ def _insert_tile(tile, k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_sl
     else:
         # A group with inf or NaN somewhere in the tile (rare): the exact encoder with its fix-ups,
         # on the values scaled by 2^-e (2^0 in a non-finite group) and clamped to +-fp8_max.
-        y = x * ((127 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]
-        y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
-        if FNUZ:
-            tl.store(nope_ptr, f32_to_e4m3fnuz_bits_cvt(y, True), mask=is_nope)  # |y| <= 224 or NaN
+        if FNUZ and FNUZ_CVT:
+            # The FNUZ code of clamp(y, +-224) is the OCP code of clamp(2y, +-448) (as in the finite
+            # branch), with two fix-ups on the byte: OCP's -0 (0x80: what rounds to zero) is +0, and
+            # the NaN codes S.1111.111 (2y is NaN: its scaled magnitude is at most 448 = 0x7E) are
+            # FNUZ's NaN 0x80. On the bytes instead of fp32 as in f32_to_e4m3fnuz_bits_cvt: 94 -> 56
+            # registers for the whole kernel at 8 tokens (ptxas sized it for this rare branch).
+            y = x * ((128 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]
+            y = tl.where(y > 2 * FP8_MAX, 2 * FP8_MAX, tl.where(y < -2 * FP8_MAX, -2 * FP8_MAX, y))
+            fp8 = f32_to_e4m3fn_bits_not_nan(y)  # NaN: an OCP NaN code under the interpreter and compiled
+            fp8 = tl.where((fp8 & 0x7F) == 0x7F, 0x80, tl.where(fp8 == 0x80, 0, fp8)).to(tl.uint8)
+            tl.store(nope_ptr, fp8, mask=is_nope)
         else:
+            y = x * ((127 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]
+            y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
             tl.store(nope_ptr, f32_to_e4m3_bits(y, False), mask=is_nope)
 
     if ROPE_WORDS:
