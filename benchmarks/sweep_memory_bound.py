@@ -40,13 +40,26 @@ TURBOQUANT_GRID = [(128, 4, 2, 1, 1), (128, 4, 2, 0, 1), (64, 4, 2, 1, 1), (64, 
 # are (64, 64, 4, 1) for MSE keys and (16, 32, 4, 0) for FP8 keys. Then the variants the sm_90 static
 # count ranks next: T128 w8 (fewest instructions per row, one program per SM) and D_CHUNK 128.
 STORE_GRID = [(64, 64, 4, 1), (128, 64, 8, 1), (64, 128, 4, 1), (64, 64, 8, 1), (16, 32, 4, 0)]
-# UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps[, decode, fnuz_encode, rope_words]);
-# the first is the sm90 entry. The per-value variants and tokens-per-program choices timed before are in
-# sweep_memory_bound_h200.md; after the insert's finite fast path (6561f01, sm_90 static count per token: insert
-# OCP 424 -> 230, FNUZ 462 -> 266 warp instructions) the open question is the tile: 8 tokens on 4 warps
-# counts 201 / 270, 2 tokens more programs in flight.
-UE8M0_GRID = [(4, 512, 4, "cvt", "cvt", True), (8, 512, 4, "cvt", "cvt", True), (2, 512, 4, "cvt", "cvt", True),
-              (8, 512, 8, "cvt", "cvt", True)]  # fmt: skip
+# UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps[, decode, fnuz_encode, rope_words[,
+# insert_programs, stages, prefetch_table]]); the first is the sm90 entry (since 33817e6 the FNUZ insert has 58
+# registers, not 94, and the gather issues its RoPE loads before its stores). The rest, ranked by the sm_90
+# static count (benchmarks/sass_sm90_ue8m0.py; registers -> blocks per SM, warp instructions per token, insert OCP
+# / gather OCP): a capped insert grid looping over tiles with cp.async pipelined loads (stages; insert_programs =
+# 132 SMs x the blocks per SM that fit, so one wave; 16384 / 32768: many waves, in case fewer fit) and the gather
+# pipelined over more iterations per worker (fewer workers), with its block-table entries an iteration ahead.
+# insert T4 s2: 55 registers, 9 blocks, 233 per token; T4 s3: 54, 9, 265; T8 s2: 72, 7, 220 (FNUZ 80, 6: so 792
+# programs); T8 loop alone 68, 186.
+# gather T8 prefetch: 64 registers, 226; T8 s2 prefetch: 55, 236; T4 s2 prefetch: 40 (12 blocks), 251.
+UE8M0_GRID = [(8, 512, 4, "cvt", "cvt", True),
+              (4, 256, 4, "cvt", "cvt", True, 1188, 2, True),
+              (8, 128, 4, "cvt", "cvt", True, 792, 2, True),
+              (4, 128, 4, "cvt", "cvt", True, 1188, 3, False),
+              (8, 512, 4, "cvt", "cvt", True, 16384, 2, True),
+              (4, 512, 4, "cvt", "cvt", True, 32768, 3, True),
+              (4, 256, 4, "cvt", "cvt", True, 1188, 4, False),
+              (8, 512, 4, "cvt", "cvt", True, 792, 3, False),
+              (8, 128, 4, "cvt", "cvt", True, 0, 3, False),
+              (8, 512, 4, "cvt", "cvt", True, 0, 1, True)]  # fmt: skip
 
 
 # Split merge (merge_splits): (MAX_BLOCK_S_D, num_warps); the first is the default entry. Warp
@@ -74,10 +87,13 @@ def set_store(block_t: int, d_chunk: int, warps: int, tf32x3: int) -> str:
 
 
 def set_ue8m0(tokens: int, workers: int, warps: int, decode: str = "int", fnuz_encode: str = "int",
-              rope_words: bool = False) -> str:  # fmt: skip
-    ue8m0.LAUNCH_CONFIGS["sm90"] = ue8m0.LaunchConfig(tokens, workers, warps, decode, fnuz_encode, rope_words)
+              rope_words: bool = False, insert_programs: int = 0, stages: int = 1, prefetch_table: bool = False) -> str:
+    ue8m0.LAUNCH_CONFIGS["sm90"] = ue8m0.LaunchConfig(tokens, workers, warps, decode, fnuz_encode, rope_words,
+                                                      insert_programs, stages, prefetch_table)  # fmt: skip
     options = [f"decode={decode}"] * (decode != "int") + [f"fnuz_encode={fnuz_encode}"] * (fnuz_encode != "int")
-    return " ".join([f"T{tokens} workers{workers} w{warps}", *options, *["rope_words"] * rope_words])
+    options += ["rope_words"] * rope_words + [f"programs{insert_programs}"] * (insert_programs > 0)
+    options += [f"stages{stages}"] * (stages > 1) + ["prefetch_table"] * prefetch_table
+    return " ".join([f"T{tokens} workers{workers} w{warps}", *options])
 
 
 def main(budget_s: float, only: str | None = None, name_contains: str = "") -> None:

@@ -46,6 +46,17 @@ The insert's common path is the saturating hardware conversion alone: a tile who
 finite needs no clamp and no NaN fix-up, so those run only in a branch taken for a tile with an
 inf or NaN group (424 -> 230 OCP, 462 -> 266 FNUZ against the previous per-value fix-ups).
 
+At 8 tokens (the sm90 entry now; registers -> 4-warp blocks per SM): insert OCP 56 -> 9, 201 warp
+instructions per token; FNUZ 58 -> 8, 266 (94 registers and 5 blocks before its non-finite branch fixed
+up bytes instead of fp32); gather OCP 48 -> 10, 211; FNUZ 48 -> 10, 336. Every global access is as wide
+as the record allows: k and the fp8 bytes as 16-byte accesses (each token's 576 data bytes start on a
+32-byte sector, 576 = 18 * 32), RoPE as 8-byte accesses (two words per thread), the scale bytes one per
+lane (8 per token, in a sector of their own per randomly placed slot).
+
+Loop options (``insert_programs``, ``stages``, ``prefetch_table``; timed in ``UE8M0_GRID``): pipelined
+loads cost instructions (insert OCP 4-token tiles, 2 stages: 55 registers, 233 per token; 8 tokens, 2
+stages: 72, 220) and the FNUZ gather most (336 -> 436-547 per token).
+
 Fewer instructions is a proxy, not a timing: the table's loads are gathers from a 1 KB table
 (up to 8 cache lines per warp-wide load), a cost the instruction count does not see.
 """
