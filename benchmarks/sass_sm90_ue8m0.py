@@ -114,13 +114,13 @@ def _static(code: list[tuple[int, str, str]]) -> int:
     return sum(1 for address, op, _ in code if address <= last_exit and op != "NOP")
 
 
-def _report(name: str, kernel, config: ue8m0.LaunchConfig, loop: bool) -> dict:
+def _report(name: str, kernel, config: ue8m0.LaunchConfig, loop: bool, tokens: int) -> dict:
     cubin = kernel.asm["cubin"]
     registers, stack = _resources(cubin)
     code = _code(cubin)
     body = _path(code, loop)
-    per_thread_values = config.tokens_per_program * 512 / (32 * config.num_warps)
-    warp_per_token = len(body) * config.num_warps / config.tokens_per_program
+    per_thread_values = tokens * 512 / (32 * config.num_warps)
+    warp_per_token = len(body) * config.num_warps / tokens
     issue_ms = warp_per_token * TOKENS_TIMED / WARP_ISSUE_PER_S * 1e3
     memory_ms = BYTES_PER_TOKEN * TOKENS_TIMED / COPY_BYTES_PER_S * 1e3
     mix = collections.Counter(body)
@@ -128,7 +128,7 @@ def _report(name: str, kernel, config: ue8m0.LaunchConfig, loop: bool) -> dict:
     mix = collections.Counter(op.split(".")[0] for op in body)
     # Global accesses per token (warp instructions, as issued: predicated-off lanes count) and the bytes
     # their lanes would move, by direction; LDGSTS (cp.async) counts as a load.
-    per_token = config.num_warps / config.tokens_per_program
+    per_token = config.num_warps / tokens
     moved = {"LD": [0, 0], "ST": [0, 0]}
     for op, n in memory_ops.items():
         if op.startswith(("LDG", "STG")):
@@ -158,16 +158,18 @@ def insert(config: ue8m0.LaunchConfig, use_fnuz: bool) -> dict:
                       STAGES=config.stages)  # fmt: skip
     constexprs = {n: v for n, v in constexprs.items() if n in ue8m0._quantize_and_insert_k_kernel.arg_names}
     kernel = _compile(ue8m0._quantize_and_insert_k_kernel, INSERT_POINTERS, constexprs, config.num_warps)
-    return _report(f"insert {'FNUZ' if use_fnuz else 'OCP'}", kernel, config, loop=config.insert_programs > 0)
+    return _report(f"insert {'FNUZ' if use_fnuz else 'OCP'}", kernel, config, loop=config.insert_programs > 0,
+                   tokens=config.tokens_per_program)
 
 
 def gather(config: ue8m0.LaunchConfig, use_fnuz: bool) -> dict:
-    constexprs = dict(HAS_GATHER_LENS=False, BLOCK_SIZE=BLOCK_SIZE, TOKENS=config.tokens_per_program,
+    tokens = config.gather_tokens or config.tokens_per_program
+    constexprs = dict(HAS_GATHER_LENS=False, BLOCK_SIZE=BLOCK_SIZE, TOKENS=tokens,
                       FNUZ=use_fnuz, DECODE=config.decode, ROPE_WORDS=config.rope_words,
                       PREFETCH_TABLE=config.prefetch_table, STAGES=config.stages)  # fmt: skip
     constexprs = {n: v for n, v in constexprs.items() if n in ue8m0._dequantize_and_gather_k_kernel.arg_names}
     kernel = _compile(ue8m0._dequantize_and_gather_k_kernel, GATHER_POINTERS, constexprs, config.num_warps)
-    return _report(f"gather {'FNUZ' if use_fnuz else 'OCP'}", kernel, config, loop=True)
+    return _report(f"gather {'FNUZ' if use_fnuz else 'OCP'}", kernel, config, loop=True, tokens=tokens)
 
 
 def _parse(variant: str) -> dict:

@@ -41,25 +41,29 @@ TURBOQUANT_GRID = [(128, 4, 2, 1, 1), (128, 4, 2, 0, 1), (64, 4, 2, 1, 1), (64, 
 # count ranks next: T128 w8 (fewest instructions per row, one program per SM) and D_CHUNK 128.
 STORE_GRID = [(64, 64, 4, 1), (128, 64, 8, 1), (64, 128, 4, 1), (64, 64, 8, 1), (16, 32, 4, 0)]
 # UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps[, decode, fnuz_encode, rope_words[,
-# insert_programs, stages, prefetch_table]]); the first is the sm90 entry (since 33817e6 the FNUZ insert has 58
-# registers, not 94, and the gather issues its RoPE loads before its stores). The rest, ranked by the sm_90
-# static count (benchmarks/sass_sm90_ue8m0.py; registers -> blocks per SM, warp instructions per token, insert OCP
-# / gather OCP): a capped insert grid looping over tiles with cp.async pipelined loads (stages; insert_programs =
-# 132 SMs x the blocks per SM that fit, so one wave; 16384 / 32768: many waves, in case fewer fit) and the gather
-# pipelined over more iterations per worker (fewer workers), with its block-table entries an iteration ahead.
-# insert T4 s2: 55 registers, 9 blocks, 233 per token; T4 s3: 54, 9, 265; T8 s2: 72, 7, 220 (FNUZ 80, 6: so 792
-# programs); T8 loop alone 68, 186.
-# gather T8 prefetch: 64 registers, 226; T8 s2 prefetch: 55, 236; T4 s2 prefetch: 40 (12 blocks), 251.
+# insert_programs, stages, prefetch_table[, gather_tokens]]]); the first is the sm90 entry (since 33817e6 the FNUZ
+# insert has 58 registers, not 94, and the gather issues its RoPE loads before its stores). The rest, ranked by the
+# sm_90 static count (benchmarks/sass_sm90_ue8m0.py: registers, 4-warp blocks per SM, warp instructions per token):
+# - gather tiles of 4 tokens (OCP 32 registers, 16 blocks, 217 per token; FNUZ 39, 12, 345) and the FNUZ "branch"
+#   decode (no fix-ups in a tile without FNUZ's NaN / +-240 codes: FNUZ 56, 9, 268 at 4 tokens; 80, 6, 244 at 8);
+# - a capped insert grid looping over tiles with cp.async pipelined loads (insert_programs = 132 SMs x the blocks
+#   that fit, one wave; 16384 / 32768: many waves, in case fewer fit): insert OCP T4 s2 55, 9, 233; T4 s3 54, 9,
+#   265; T8 s2 72, 7, 220 (FNUZ 80, 6: so 792 programs); with the gather pipelined over more iterations per
+#   worker (fewer workers) and its block-table entries an iteration ahead (T4 s2: 40, 12, 251; FNUZ 440);
+# - the block-table prefetch alone (T8: OCP 64, 8, 226; T4: 40, 12, 239) and 2-token gather tiles (32, 16, 244).
 UE8M0_GRID = [(8, 512, 4, "cvt", "cvt", True),
+              (8, 512, 4, "branch", "cvt", True, 0, 1, False, 4),
+              (8, 512, 4, "cvt", "cvt", True, 0, 1, False, 4),
+              (8, 512, 4, "branch", "cvt", True),
               (4, 256, 4, "cvt", "cvt", True, 1188, 2, True),
               (8, 128, 4, "cvt", "cvt", True, 792, 2, True),
               (4, 128, 4, "cvt", "cvt", True, 1188, 3, False),
               (8, 512, 4, "cvt", "cvt", True, 16384, 2, True),
               (4, 512, 4, "cvt", "cvt", True, 32768, 3, True),
               (4, 256, 4, "cvt", "cvt", True, 1188, 4, False),
-              (8, 512, 4, "cvt", "cvt", True, 792, 3, False),
-              (8, 128, 4, "cvt", "cvt", True, 0, 3, False),
-              (8, 512, 4, "cvt", "cvt", True, 0, 1, True)]  # fmt: skip
+              (8, 512, 4, "cvt", "cvt", True, 0, 1, True),
+              (8, 512, 4, "cvt", "cvt", True, 0, 1, True, 4),
+              (8, 512, 4, "cvt", "cvt", True, 0, 1, False, 2)]  # fmt: skip
 
 
 # Split merge (merge_splits): (MAX_BLOCK_S_D, num_warps); the first is the default entry. Warp
@@ -87,12 +91,15 @@ def set_store(block_t: int, d_chunk: int, warps: int, tf32x3: int) -> str:
 
 
 def set_ue8m0(tokens: int, workers: int, warps: int, decode: str = "int", fnuz_encode: str = "int",
-              rope_words: bool = False, insert_programs: int = 0, stages: int = 1, prefetch_table: bool = False) -> str:
-    ue8m0.LAUNCH_CONFIGS["sm90"] = ue8m0.LaunchConfig(tokens, workers, warps, decode, fnuz_encode, rope_words,
-                                                      insert_programs, stages, prefetch_table)  # fmt: skip
+              rope_words: bool = False, insert_programs: int = 0, stages: int = 1, prefetch_table: bool = False,
+              gather_tokens: int = 0) -> str:  # fmt: skip
+    ue8m0.LAUNCH_CONFIGS["sm90"] = ue8m0.LaunchConfig(
+        tokens, workers, warps, decode, fnuz_encode, rope_words, insert_programs, stages, prefetch_table, gather_tokens
+    )
     options = [f"decode={decode}"] * (decode != "int") + [f"fnuz_encode={fnuz_encode}"] * (fnuz_encode != "int")
     options += ["rope_words"] * rope_words + [f"programs{insert_programs}"] * (insert_programs > 0)
     options += [f"stages{stages}"] * (stages > 1) + ["prefetch_table"] * prefetch_table
+    options += [f"gatherT{gather_tokens}"] * (gather_tokens > 0)
     return " ".join([f"T{tokens} workers{workers} w{warps}", *options])
 
 

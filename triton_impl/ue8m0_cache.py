@@ -109,7 +109,8 @@ class LaunchConfig:
     # runs every one through the exhaustive tests, on the CPU and on the H200). The sm90 entry takes
     # all three; the defaults stay the portable integer code.
     # gather's e4m3 -> fp32: "int" (integer decode, ~12 ops per value), "cvt" (the hardware OCP
-    # conversion with integer fix-ups for NaN codes and FNUZ) or "table" (one load per value from
+    # conversion with integer fix-ups for NaN codes and FNUZ), "branch" ("cvt", but FNUZ skips the
+    # fix-ups in a tile without FNUZ's NaN or +-240 codes) or "table" (one load per value from
     # a 256-entry fp32 table, made once per device and format and kept).
     decode: str = "int"
     # FNUZ insert's fp32 -> e4m3fnuz: "int" (integer encoder, ~35 ops per value) or "cvt" (the
@@ -128,6 +129,8 @@ class LaunchConfig:
     # Gather: each iteration loads the next tile's block-table entries before its own arithmetic, so a
     # tile's data loads wait for one memory latency instead of two (table entry, then data).
     prefetch_table: bool = False
+    # Tokens per gather tile when not tokens_per_program (0): the two kernels' best tiles may differ.
+    gather_tokens: int = 0
 
 
 # Launch configs as data, keyed by GPU architecture ("sm90", ...). Both kernels move 584 + 1024
@@ -509,7 +512,9 @@ def _dequantize_and_gather_k_kernel(
     outside the cache is written as NaN (bf16 ``0x7FC0``) without reading the cache.
 
     ``DECODE`` picks the e4m3 -> fp32 decode: ``"int"`` (:func:`e4m3_bits_to_f32`), ``"cvt"``
-    (:func:`e4m3_bits_to_f32_cvt`) or ``"table"`` (``table_ptr[byte]``, 256 fp32 values).
+    (:func:`e4m3_bits_to_f32_cvt`), ``"branch"`` (``"cvt"``; FNUZ decodes a tile without 0x80 and
+    S.1111.111 bytes as OCP times ``scale / 2``) or ``"table"`` (``table_ptr[byte]``, 256 fp32 values).
+    ``PREFETCH_TABLE``: the next tile's block-table entries are loaded during this tile's.
     ``ROPE_WORDS`` (the host checked that every record's RoPE part and ``out``'s rows are 4-byte
     aligned): the tile leaves group 7 alone; a ``[TOKENS, 32]`` tile copies each token's RoPE
     part as 32 words (``0x7FC07FC0``, two NaNs, for a token with no valid block).
@@ -575,12 +580,23 @@ def _dequantize_and_gather_k_kernel(
         scale_bits = tl.where(code == 0, 0x00400000, code << 23)
         scale = tl.where(code == 255, 0x7FC00000, scale_bits).to(tl.float32, bitcast=True)
         if DECODE == "table":
-            decoded = tl.load(table_ptr + fp8)
-        elif DECODE == "cvt":
-            decoded = e4m3_bits_to_f32_cvt(fp8, FNUZ, False)  # OCP NaN codes: a NaN, its payload free
+            nope = tl.load(table_ptr + fp8) * scale[:, None]
+        elif DECODE == "branch" and FNUZ:
+            # A FNUZ code's value is half its OCP value except at 0x80 (NaN; OCP's -0) and S.1111.111
+            # (+-240; OCP's NaN). A tile without those (the insert writes neither for finite groups)
+            # decodes as OCP times scale / 2 (exact: the product has <= 4 significant bits and is
+            # >= 2^-137); else every value takes the fix-ups. sm_90: 336 -> 244 warp instructions per
+            # token, but 48 -> 80 registers (ptxas sizes the kernel for the branch).
+            ocp = e4m3_bits_to_f32_cvt(fp8, False, False)
+            odd = (ocp.to(tl.int32, bitcast=True) == -0x80000000) | (ocp != ocp)
+            if tl.max(odd.to(tl.int32)) == 0:
+                nope = ocp * (scale * 0.5)[:, None]
+            else:
+                nope = e4m3_bits_to_f32_cvt(fp8, True, False) * scale[:, None]
+        elif DECODE != "int":  # "cvt", and "branch" for OCP; NaN codes give a NaN, its payload free
+            nope = e4m3_bits_to_f32_cvt(fp8, FNUZ, False) * scale[:, None]
         else:
-            decoded = e4m3_bits_to_f32(fp8, FNUZ)
-        nope = decoded * scale[:, None]
+            nope = e4m3_bits_to_f32(fp8, FNUZ) * scale[:, None]
         nope_bits = cast_for_store(nope, tl.bfloat16).to(tl.int16, bitcast=True)
         out_row = out_ptr + req * out_stride_r + (offset + i).to(tl.int64) * out_stride_t
 
@@ -661,7 +677,7 @@ def dequantize_and_gather_k_cache(
     if num_reqs == 0:
         return
     config = select_launch_config(out.device)
-    decode = _option("decode", config.decode, ("int", "cvt", "table"))
+    decode = _option("decode", config.decode, ("int", "cvt", "branch", "table"))
     rope_words = config.rope_words and _words_aligned(blocks, blocks.stride(0))
     rope_words = rope_words and _words_aligned(out, out.stride(0) * 2, out.stride(1) * 2)
     launch(_dequantize_and_gather_k_kernel, (num_reqs, config.gather_workers),
@@ -672,7 +688,7 @@ def dequantize_and_gather_k_cache(
         offset, _decode_table(out.device, use_fnuz) if decode == "table" else blocks,
         HAS_GATHER_LENS=gather_lens is not None,
         BLOCK_SIZE=block_size,
-        TOKENS=config.tokens_per_program,
+        TOKENS=config.gather_tokens or config.tokens_per_program,
         FNUZ=use_fnuz,
         DECODE=decode,
         ROPE_WORDS=rope_words,
