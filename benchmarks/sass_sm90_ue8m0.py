@@ -155,7 +155,8 @@ def insert(config: ue8m0.LaunchConfig, use_fnuz: bool) -> dict:
                       FP8_MAX=ue8m0._fp8_max(use_fnuz), MAX_EXP_FIELD=max_exp_field, MAX_MANTISSA=max_mantissa,
                       MIN_EXPONENT=min_exponent, FNUZ_CVT=config.fnuz_encode == "cvt",
                       ROPE_WORDS=config.rope_words, LOOP=config.insert_programs > 0,
-                      STAGES=config.stages)  # fmt: skip
+                      STAGES=config.stages, STREAM="evict_first" if config.evict else "",
+                      KEEP="evict_last" if config.evict else "")  # fmt: skip
     constexprs = {n: v for n, v in constexprs.items() if n in ue8m0._quantize_and_insert_k_kernel.arg_names}
     kernel = _compile(ue8m0._quantize_and_insert_k_kernel, INSERT_POINTERS, constexprs, config.num_warps)
     return _report(f"insert {'FNUZ' if use_fnuz else 'OCP'}", kernel, config, loop=config.insert_programs > 0,
@@ -166,7 +167,8 @@ def gather(config: ue8m0.LaunchConfig, use_fnuz: bool) -> dict:
     tokens = config.gather_tokens or config.tokens_per_program
     constexprs = dict(HAS_GATHER_LENS=False, BLOCK_SIZE=BLOCK_SIZE, TOKENS=tokens,
                       FNUZ=use_fnuz, DECODE=config.decode, ROPE_WORDS=config.rope_words,
-                      PREFETCH_TABLE=config.prefetch_table, STAGES=config.stages)  # fmt: skip
+                      PREFETCH_TABLE=config.prefetch_table, STAGES=config.stages,
+                      STREAM="evict_first" if config.evict else "")  # fmt: skip
     constexprs = {n: v for n, v in constexprs.items() if n in ue8m0._dequantize_and_gather_k_kernel.arg_names}
     kernel = _compile(ue8m0._dequantize_and_gather_k_kernel, GATHER_POINTERS, constexprs, config.num_warps)
     return _report(f"gather {'FNUZ' if use_fnuz else 'OCP'}", kernel, config, loop=True, tokens=tokens)

@@ -43,7 +43,7 @@ VARIANTS = {
     # gather's block-table entries loaded an iteration ahead, in 4-token gather tiles.
     "loop": {"decode": "cvt", "fnuz_encode": "cvt", "rope_words": True, "insert_programs": 1, "stages": 2,
              "prefetch_table": True, "gather_tokens": 4},
-    "branch": {"decode": "branch", "fnuz_encode": "cvt", "rope_words": True},
+    "branch": {"decode": "branch", "fnuz_encode": "cvt", "rope_words": True, "evict": True},
 }
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 

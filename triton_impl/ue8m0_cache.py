@@ -131,6 +131,10 @@ class LaunchConfig:
     prefetch_table: bool = False
     # Tokens per gather tile when not tokens_per_program (0): the two kernels' best tiles may differ.
     gather_tokens: int = 0
+    # L2 eviction hints: data read or written once (k, the records' 576 data bytes, the gather's cache
+    # reads) evict_first; the insert's scale bytes evict_last, so that the 8 MB of scale sectors per 1M
+    # tokens, each written 8 bytes at a time by 4 randomly placed slots, stay in L2 until whole.
+    evict: bool = False
 
 
 # Launch configs as data, keyed by GPU architecture ("sm90", ...). Both kernels move 584 + 1024
@@ -248,7 +252,8 @@ def _slot_record(slot, num_slots, cache_ptr, block_stride, BLOCK_SIZE: tl.conste
 def _insert_tile(tile, k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_slots, cache_ptr, block_stride,
                  BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, FNUZ: tl.constexpr, FP8_MAX: tl.constexpr,
                  MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr,
-                 FNUZ_CVT: tl.constexpr, ROPE_WORDS: tl.constexpr):  # fmt: skip
+                 FNUZ_CVT: tl.constexpr, ROPE_WORDS: tl.constexpr, STREAM: tl.constexpr,
+                 KEEP: tl.constexpr):  # fmt: skip
     """Tokens ``[tile * TOKENS, (tile + 1) * TOKENS)`` of :func:`_quantize_and_insert_k_kernel`."""
     row = tl.arange(0, 8 * TOKENS)
     dim = tl.arange(0, _GROUP)
@@ -262,9 +267,9 @@ def _insert_tile(tile, k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_sl
     # wait for the slot load (a skipped token's row is read and dropped).
     values_ptr = k_ptr + token.to(tl.int64)[:, None] * k_row_stride + group[:, None] * _GROUP + dim[None, :]
     if ROPE_WORDS:  # group 7 (RoPE) is copied as words below
-        bits = tl.load(values_ptr, mask=in_range[:, None] & (group[:, None] < _GROUPS), other=0)
+        bits = tl.load(values_ptr, mask=in_range[:, None] & (group[:, None] < _GROUPS), other=0, eviction_policy=STREAM)
     else:
-        bits = tl.load(values_ptr, mask=in_range[:, None], other=0)
+        bits = tl.load(values_ptr, mask=in_range[:, None], other=0, eviction_policy=STREAM)
     x_bits = bits.to(tl.int32) << 16  # the fp32 bits of the bf16 value (the sign extension shifted out)
     amax_bits = tl.max(x_bits & 0x7FFFFFFF, axis=1) >> 16
     finite = (amax_bits >> 7) != 0xFF
@@ -273,7 +278,7 @@ def _insert_tile(tile, k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_sl
     exponent = (amax_bits >> 7) - MAX_EXP_FIELD + ((amax_bits & 0x7F) > MAX_MANTISSA).to(tl.int32)
     exponent = tl.where(finite, tl.maximum(exponent, MIN_EXPONENT), 0)
     code = tl.where(finite, exponent + 127, 255)
-    tl.store(scale_ptr + group, tl.where(group < _GROUPS, code, 0).to(tl.uint8), mask=live)
+    tl.store(scale_ptr + group, tl.where(group < _GROUPS, code, 0).to(tl.uint8), mask=live, eviction_policy=KEEP)
 
     x = x_bits.to(tl.float32, bitcast=True)
     is_nope = live[:, None] & (group[:, None] < _GROUPS)
@@ -282,7 +287,7 @@ def _insert_tile(tile, k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_sl
         y = x * ((127 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]  # 2^-e, exact for e in [-126, 127]
         # A no-op for finite groups (the scale rounds up); clamps inf of a non-finite group. NaN passes.
         y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
-        tl.store(nope_ptr, f32_to_e4m3_bits(y, True), mask=is_nope)
+        tl.store(nope_ptr, f32_to_e4m3_bits(y, True), mask=is_nope, eviction_policy=STREAM)
     elif tl.min(finite.to(tl.int32)) == 1:
         # Every group of the tile finite: |x * 2^-e| <= fp8_max and no NaN, so the saturating OCP
         # conversion alone is exact (no clamp, no NaN fix-up). FNUZ converts 2 * x * 2^-e (the scale
@@ -292,7 +297,7 @@ def _insert_tile(tile, k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_sl
         y = x * ((127 + FNUZ - exponent) << 23).to(tl.float32, bitcast=True)[:, None]
         if FNUZ:
             y = tl.where(tl.abs(y) > 0.0009765625, y, 0.0)
-        tl.store(nope_ptr, f32_to_e4m3fn_bits_not_nan(y), mask=is_nope)
+        tl.store(nope_ptr, f32_to_e4m3fn_bits_not_nan(y), mask=is_nope, eviction_policy=STREAM)
     else:
         # A group with inf or NaN somewhere in the tile (rare): the exact encoder with its fix-ups,
         # on the values scaled by 2^-e (2^0 in a non-finite group) and clamped to +-fp8_max.
@@ -306,11 +311,11 @@ def _insert_tile(tile, k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_sl
             y = tl.where(y > 2 * FP8_MAX, 2 * FP8_MAX, tl.where(y < -2 * FP8_MAX, -2 * FP8_MAX, y))
             fp8 = f32_to_e4m3fn_bits_not_nan(y)  # NaN: an OCP NaN code under the interpreter and compiled
             fp8 = tl.where((fp8 & 0x7F) == 0x7F, 0x80, tl.where(fp8 == 0x80, 0, fp8)).to(tl.uint8)
-            tl.store(nope_ptr, fp8, mask=is_nope)
+            tl.store(nope_ptr, fp8, mask=is_nope, eviction_policy=STREAM)
         else:
             y = x * ((127 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]
             y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
-            tl.store(nope_ptr, f32_to_e4m3_bits(y, False), mask=is_nope)
+            tl.store(nope_ptr, f32_to_e4m3_bits(y, False), mask=is_nope, eviction_policy=STREAM)
 
     if ROPE_WORDS:
         t = tile * TOKENS + tl.arange(0, TOKENS)
@@ -320,13 +325,13 @@ def _insert_tile(tile, k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_sl
         t_live, t_data_ptr, _ = _slot_record(t_slot, num_slots, cache_ptr, block_stride, BLOCK_SIZE)
         src = (k_ptr + t.to(tl.int64) * k_row_stride + _NOPE).to(tl.pointer_type(tl.int32))
         dst = (t_data_ptr + _NOPE).to(tl.pointer_type(tl.int32))
-        words = tl.load(src[:, None] + word[None, :], mask=t_in_range[:, None], other=0)
-        tl.store(dst[:, None] + word[None, :], words, mask=t_live[:, None])
+        words = tl.load(src[:, None] + word[None, :], mask=t_in_range[:, None], other=0, eviction_policy=STREAM)
+        tl.store(dst[:, None] + word[None, :], words, mask=t_live[:, None], eviction_policy=STREAM)
     else:
         is_rope = live[:, None] & (group[:, None] == _GROUPS)
         rope_ptr = data_ptr[:, None] + _NOPE + 2 * dim[None, :]
-        tl.store(rope_ptr, (bits & 0xFF).to(tl.uint8), mask=is_rope)
-        tl.store(rope_ptr + 1, ((bits >> 8) & 0xFF).to(tl.uint8), mask=is_rope)
+        tl.store(rope_ptr, (bits & 0xFF).to(tl.uint8), mask=is_rope, eviction_policy=STREAM)
+        tl.store(rope_ptr + 1, ((bits >> 8) & 0xFF).to(tl.uint8), mask=is_rope, eviction_policy=STREAM)
 
 
 @triton.jit
@@ -345,6 +350,8 @@ def _quantize_and_insert_k_kernel(
     ROPE_WORDS: tl.constexpr,
     LOOP: tl.constexpr,
     STAGES: tl.constexpr,
+    STREAM: tl.constexpr,
+    KEEP: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P,)``: program ``p`` owns tiles ``p, p + P, ...`` of ``TOKENS`` consecutive tokens
     (``P = cdiv(N, TOKENS)`` unless the launch config caps it).
@@ -375,11 +382,11 @@ def _quantize_and_insert_k_kernel(
         for tile in tl.range(tl.program_id(0), tl.cdiv(num_tokens, TOKENS), tl.num_programs(0), num_stages=STAGES):
             _insert_tile(tile, k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_slots, cache_ptr,
                          block_stride, BLOCK_SIZE, TOKENS, FNUZ, FP8_MAX, MAX_EXP_FIELD, MAX_MANTISSA, MIN_EXPONENT,
-                         FNUZ_CVT, ROPE_WORDS)  # fmt: skip
+                         FNUZ_CVT, ROPE_WORDS, STREAM, KEEP)  # fmt: skip
     else:
         _insert_tile(tl.program_id(0), k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_slots, cache_ptr,
                      block_stride, BLOCK_SIZE, TOKENS, FNUZ, FP8_MAX, MAX_EXP_FIELD, MAX_MANTISSA, MIN_EXPONENT,
-                     FNUZ_CVT, ROPE_WORDS)  # fmt: skip
+                     FNUZ_CVT, ROPE_WORDS, STREAM, KEEP)  # fmt: skip
 
 
 def quantize_and_insert_k_cache(
@@ -452,6 +459,8 @@ def quantize_and_insert_k_cache(
         ROPE_WORDS=rope_words,
         LOOP=config.insert_programs > 0,
         STAGES=config.stages,
+        STREAM="evict_first" if config.evict else "",
+        KEEP="evict_last" if config.evict else "",
         num_warps=config.num_warps,
     )  # fmt: skip
 
@@ -497,6 +506,7 @@ def _dequantize_and_gather_k_kernel(
     ROPE_WORDS: tl.constexpr,
     PREFETCH_TABLE: tl.constexpr,
     STAGES: tl.constexpr,
+    STREAM: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(R, workers)``: worker ``w`` of request ``r`` owns the tiles of ``TOKENS`` gather
     tokens starting at ``(w + k * workers) * TOKENS``.
@@ -558,14 +568,16 @@ def _dequantize_and_gather_k_kernel(
         is_nope = live & (group < _GROUPS)
         is_rope = live & (group == _GROUPS)
 
-        fp8 = tl.load(data_ptr[:, None] + group[:, None] * _GROUP + dim[None, :], mask=is_nope[:, None], other=0)
+        fp8 = tl.load(data_ptr[:, None] + group[:, None] * _GROUP + dim[None, :], mask=is_nope[:, None], other=0,
+                      eviction_policy=STREAM)
         code = tl.load(scale_ptr + group, mask=is_nope, other=127).to(tl.int32)
         if ROPE_WORDS:  # the RoPE words are loaded with the tile, before its stores (which a later load waits behind)
             word = tl.arange(0, _GROUP // 2)
             t_in_out, t_live, t_pos, t_block_ptr = _gather_token_blocks(
                 t, t_block, gather_end, first, num_blocks, cache_ptr, block_stride, BLOCK_SIZE)  # fmt: skip
             src = (t_block_ptr + (t_pos % BLOCK_SIZE) * _DATA + _NOPE).to(tl.pointer_type(tl.int32))
-            words = tl.load(src[:, None] + word[None, :], mask=t_live[:, None], other=0x7FC07FC0)
+            words = tl.load(src[:, None] + word[None, :], mask=t_live[:, None], other=0x7FC07FC0,
+                            eviction_policy=STREAM)
         if PREFETCH_TABLE:  # the next tile's entries, loaded while this tile's data is in flight
             block = _gather_table_entries(i + step, gather_end, first, req, block_table_ptr, block_table_stride,
                                           block_table_cols, BLOCK_SIZE)  # fmt: skip
@@ -694,6 +706,7 @@ def dequantize_and_gather_k_cache(
         ROPE_WORDS=rope_words,
         PREFETCH_TABLE=config.prefetch_table,
         STAGES=config.stages,
+        STREAM="evict_first" if config.evict else "",
         num_warps=config.num_warps,
     )  # fmt: skip
 
