@@ -368,7 +368,9 @@ def _quantize_and_insert_k_kernel(
     group 7) and the RoPE bits as bytes (so any block stride works, odd too). k is read before
     the slots are known (a skipped token's row is read and dropped), so the two loads overlap.
 
-    ``FNUZ_CVT``: FNUZ bytes through the hardware OCP conversion (``f32_to_e4m3fnuz_bits_cvt``).
+    ``FNUZ_CVT``: FNUZ bytes through the hardware OCP conversion of ``2y`` (as
+    ``f32_to_e4m3fnuz_bits_cvt``; the non-finite branch fixes up bytes instead of fp32 values).
+    ``STREAM`` / ``KEEP``: the eviction policy of k and the data bytes / of the scale bytes.
     ``ROPE_WORDS`` (the host checked that k's rows and every record's RoPE part are 4-byte
     aligned): group 7 is not loaded in the tile; each token's 64 RoPE values are copied as 32
     words by a ``[TOKENS, 32]`` tile instead.
