@@ -44,7 +44,7 @@ INSERT_POINTERS = {"k_ptr": "*i16", "slot_mapping_ptr": "*i64", "cache_ptr": "*u
 GATHER_POINTERS = {"out_ptr": "*i16", "cache_ptr": "*u8", "seq_lens_ptr": "*i32", "gather_lens_ptr": "*i32",
                    "block_table_ptr": "*i32", "table_ptr": "*u8"}  # fmt: skip
 ADDRESS = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
-MEMORY = ("LDG", "STG", "LDS", "STS")
+MEMORY = ("LDG", "STG", "LDS", "STS", "LDL", "STL")  # LDL / STL: spills
 # Bytes one thread moves per global access, by the width modifier (none: 32 bits).
 WIDTH_BYTES = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
 # sm_90: 64K registers (allocated per warp in units of 256) and 228 KB of shared memory (1 KB of it
@@ -58,14 +58,15 @@ TOKENS_TIMED = 1 << 20
 BYTES_PER_TOKEN = 584 + 1024
 
 
-def _compile(fn, pointers: dict[str, str], constexprs: dict, num_warps: int):
+def _compile(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, max_registers: int = 0):
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     values = {(names.index(n),): v for n, v in constexprs.items()}
     # Every pointer 16-byte aligned and every integer argument a multiple of 16, as in the bench.
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in constexprs}
     return triton_compile(ASTSource(fn, signature, values, aligned), target=TARGET,
-                          options={"enable_fp_fusion": True, "num_warps": num_warps})  # fmt: skip
+                          options={"enable_fp_fusion": True, "num_warps": num_warps,
+                                   **({"maxnreg": max_registers} if max_registers else {})})  # fmt: skip
 
 
 def _resources(cubin: bytes) -> tuple[int, int]:
@@ -158,7 +159,8 @@ def insert(config: ue8m0.LaunchConfig, use_fnuz: bool) -> dict:
                       STAGES=config.stages, STREAM="evict_first" if config.evict else "",
                       KEEP="evict_last" if config.evict else "")  # fmt: skip
     constexprs = {n: v for n, v in constexprs.items() if n in ue8m0._quantize_and_insert_k_kernel.arg_names}
-    kernel = _compile(ue8m0._quantize_and_insert_k_kernel, INSERT_POINTERS, constexprs, config.num_warps)
+    kernel = _compile(ue8m0._quantize_and_insert_k_kernel, INSERT_POINTERS, constexprs, config.num_warps,
+                      config.insert_max_registers)
     return _report(f"insert {'FNUZ' if use_fnuz else 'OCP'}", kernel, config, loop=config.insert_programs > 0,
                    tokens=config.tokens_per_program)
 
@@ -170,7 +172,8 @@ def gather(config: ue8m0.LaunchConfig, use_fnuz: bool) -> dict:
                       PREFETCH_TABLE=config.prefetch_table, STAGES=config.stages,
                       STREAM="evict_first" if config.evict else "")  # fmt: skip
     constexprs = {n: v for n, v in constexprs.items() if n in ue8m0._dequantize_and_gather_k_kernel.arg_names}
-    kernel = _compile(ue8m0._dequantize_and_gather_k_kernel, GATHER_POINTERS, constexprs, config.num_warps)
+    kernel = _compile(ue8m0._dequantize_and_gather_k_kernel, GATHER_POINTERS, constexprs, config.num_warps,
+                      config.gather_max_registers)
     return _report(f"gather {'FNUZ' if use_fnuz else 'OCP'}", kernel, config, loop=True, tokens=tokens)
 
 

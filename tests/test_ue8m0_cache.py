@@ -40,9 +40,9 @@ VARIANTS = {
     "cvt": {"decode": "cvt", "fnuz_encode": "cvt", "rope_words": True},
     "table": {"decode": "table", "fnuz_encode": "int", "rope_words": True},
     # Loops: the insert's grid capped at 1 program (looping over every tile), pipelined loads (compiled), the
-    # gather's block-table entries loaded an iteration ahead, in 4-token gather tiles.
+    # gather's block-table entries loaded an iteration ahead, in 4-token gather tiles; register caps.
     "loop": {"decode": "cvt", "fnuz_encode": "cvt", "rope_words": True, "insert_programs": 1, "stages": 2,
-             "prefetch_table": True, "gather_tokens": 4},
+             "prefetch_table": True, "gather_tokens": 4, "insert_max_registers": 48, "gather_max_registers": 40},
     "branch": {"decode": "branch", "fnuz_encode": "cvt", "rope_words": True, "evict": True},
 }
 variants = pytest.mark.parametrize("variant", list(VARIANTS))

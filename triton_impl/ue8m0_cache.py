@@ -135,6 +135,11 @@ class LaunchConfig:
     # reads) evict_first; the insert's scale bytes evict_last, so that the 8 MB of scale sectors per 1M
     # tokens, each written 8 bytes at a time by 4 randomly placed slots, stay in L2 until whole.
     evict: bool = False
+    # ptxas register caps (maxnreg; 0: none) of the insert and the gather. sm_90 at 8 tokens, no spill: insert OCP
+    # 56 -> 48 registers (10 blocks of 4 warps per SM, from 9), FNUZ 58 -> 56 (9 from 8; 48 spills); gather 48 -> 40
+    # (12 blocks, from 10; OCP 211 -> 216 warp instructions per token).
+    insert_max_registers: int = 0
+    gather_max_registers: int = 0
 
 
 # Launch configs as data, keyed by GPU architecture ("sm90", ...). Both kernels move 584 + 1024
@@ -464,6 +469,7 @@ def quantize_and_insert_k_cache(
         STREAM="evict_first" if config.evict else "",
         KEEP="evict_last" if config.evict else "",
         num_warps=config.num_warps,
+        **({"maxnreg": config.insert_max_registers} if config.insert_max_registers else {}),
     )  # fmt: skip
 
 
@@ -710,6 +716,7 @@ def dequantize_and_gather_k_cache(
         STAGES=config.stages,
         STREAM="evict_first" if config.evict else "",
         num_warps=config.num_warps,
+        **({"maxnreg": config.gather_max_registers} if config.gather_max_registers else {}),
     )  # fmt: skip
 
 
