@@ -18,6 +18,11 @@ with Triton 3.6 (the H200's; the repository's venv has 3.9)::
 
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch==2.13.0 numpy einops
 
+Each line also gives shared memory, the 4-warp blocks that fit an SM (registers and shared memory), and
+per token the global loads and stores on that path (warp instructions, and the bytes their lanes move if every
+lane is on; each opcode with its width: ``LDG.E.128``, ``STG.E.U8``, ``LDGSTS`` for cp.async, ``LDL`` / ``STL``
+for spills).
+
 A variant is ``name=value,...`` over the sm90 entry's ``LaunchConfig`` fields (``decode=int,rope_words=0``).
 """
 
