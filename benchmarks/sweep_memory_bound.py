@@ -49,13 +49,37 @@ TURBOQUANT_GRID = [(128, 4, 2, 1, 1), (128, 4, 2, 0, 1), (64, 4, 2, 1, 1), (64, 
 STORE_GRID = [(64, 64, 4, 1, 3, 0), (64, 32, 4, 2, 1, 0), (128, 32, 8, 2, 1, 0), (64, 64, 4, 2, 1, 0),
               (64, 32, 4, 1, 1, 128), (64, 64, 4, 1, 1, 0), (64, 32, 4, 2, 1, 96)]  # fmt: skip
 FP8_STORE_GRID = [(16, 32, 4, 0, 3, 0), (32, 32, 4, 0, 3, 0), (64, 32, 4, 0, 3, 0), (16, 32, 2, 0, 3, 0)]
-# UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps[, decode, fnuz_encode, rope_words]);
-# the first is the sm90 entry. The per-value variants and tokens-per-program choices timed before are in
-# sweep_memory_bound_h200.md; after the insert's finite fast path (6561f01, sm_90 static count per token: insert
-# OCP 424 -> 230, FNUZ 462 -> 266 warp instructions) the open question is the tile: 8 tokens on 4 warps
-# counts 201 / 270, 2 tokens more programs in flight.
-UE8M0_GRID = [(4, 512, 4, "cvt", "cvt", True), (8, 512, 4, "cvt", "cvt", True), (2, 512, 4, "cvt", "cvt", True),
-              (8, 512, 8, "cvt", "cvt", True)]  # fmt: skip
+# UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps[, decode, fnuz_encode, rope_words[,
+# insert_programs, stages, prefetch_table[, gather_tokens[, evict[, insert_max_registers, gather_max_registers]]]]]);
+# the first is the sm90 entry (since 33817e6 the FNUZ insert has 58 registers, not 94, and the gather issues its
+# RoPE loads before its stores). The rest, ranked by the sm_90 static count (benchmarks/sass_sm90_ue8m0.py:
+# registers, 4-warp blocks per SM, warp instructions per token; none of these spills on the common path):
+# - gather tiles of 4 tokens (OCP 32 registers, 16 blocks, 217 per token; FNUZ 39, 12, 345), register caps (insert
+#   48: OCP 10 blocks, 204; FNUZ spills 6 words, 277; insert 56: FNUZ 9 blocks, 268; gather 40: 12 blocks, OCP 216,
+#   FNUZ 338), the FNUZ "branch" decode (no fix-ups in a tile without FNUZ's NaN / +-240 codes: 56, 9, 268 at 4
+#   tokens; 80, 6, 244 at 8) and L2 eviction hints (evict: streamed data evict_first, scale bytes evict_last);
+# - a capped insert grid looping over tiles with cp.async pipelined loads (insert_programs = 132 SMs x the blocks
+#   that fit, one wave; 16384 / 32768: many waves, in case fewer fit): insert OCP T4 s2 55, 9, 233; T4 s3 54, 9,
+#   265; T8 s2 72, 7, 220 (FNUZ 80, 6: so 792 programs); with the gather pipelined over more iterations per
+#   worker (fewer workers) and its block-table entries an iteration ahead (T4 s2: 40, 12, 251; FNUZ 440);
+# - the block-table prefetch alone (T8: OCP 64, 8, 226; T4: 40, 12, 239) and 2-token gather tiles (32, 16, 244).
+UE8M0_GRID = [(8, 512, 4, "cvt", "cvt", True),
+              (8, 512, 4, "cvt", "cvt", True, 0, 1, False, 4),
+              (8, 512, 4, "cvt", "cvt", True, 0, 1, False, 0, False, 48, 40),
+              (8, 512, 4, "branch", "cvt", True, 0, 1, False, 4),
+              (8, 512, 4, "cvt", "cvt", True, 0, 1, False, 0, True),
+              (8, 512, 4, "branch", "cvt", True, 0, 1, False, 4, True, 56, 0),
+              (8, 512, 4, "cvt", "cvt", True, 0, 1, False, 0, False, 56, 0),
+              (8, 512, 4, "branch", "cvt", True),
+              (4, 256, 4, "cvt", "cvt", True, 1188, 2, True),
+              (8, 128, 4, "cvt", "cvt", True, 792, 2, True),
+              (4, 128, 4, "cvt", "cvt", True, 1188, 3, False),
+              (8, 512, 4, "cvt", "cvt", True, 16384, 2, True),
+              (4, 512, 4, "cvt", "cvt", True, 32768, 3, True),
+              (4, 256, 4, "cvt", "cvt", True, 1188, 4, False),
+              (8, 512, 4, "cvt", "cvt", True, 0, 1, True),
+              (8, 512, 4, "cvt", "cvt", True, 0, 1, True, 4),
+              (8, 512, 4, "cvt", "cvt", True, 0, 1, False, 2)]  # fmt: skip
 
 
 # Split merge (merge_splits): (MAX_BLOCK_S_D, num_warps); the first is the default entry. Warp
@@ -85,10 +109,20 @@ def set_store(block_t: int, d_chunk: int, warps: int, tf32x3: int, stages: int =
 
 
 def set_ue8m0(tokens: int, workers: int, warps: int, decode: str = "int", fnuz_encode: str = "int",
-              rope_words: bool = False) -> str:  # fmt: skip
-    ue8m0.LAUNCH_CONFIGS["sm90"] = ue8m0.LaunchConfig(tokens, workers, warps, decode, fnuz_encode, rope_words)
+              rope_words: bool = False, insert_programs: int = 0, stages: int = 1, prefetch_table: bool = False,
+              gather_tokens: int = 0, evict: bool = False, insert_registers: int = 0,
+              gather_registers: int = 0) -> str:  # fmt: skip
+    ue8m0.LAUNCH_CONFIGS["sm90"] = ue8m0.LaunchConfig(
+        tokens, workers, warps, decode, fnuz_encode, rope_words, insert_programs, stages, prefetch_table, gather_tokens,
+        evict, insert_registers, gather_registers,
+    )
     options = [f"decode={decode}"] * (decode != "int") + [f"fnuz_encode={fnuz_encode}"] * (fnuz_encode != "int")
-    return " ".join([f"T{tokens} workers{workers} w{warps}", *options, *["rope_words"] * rope_words])
+    options += ["rope_words"] * rope_words + [f"programs{insert_programs}"] * (insert_programs > 0)
+    options += [f"stages{stages}"] * (stages > 1) + ["prefetch_table"] * prefetch_table
+    options += [f"gatherT{gather_tokens}"] * (gather_tokens > 0) + ["evict"] * evict
+    options += [f"insert<={insert_registers}regs"] * (insert_registers > 0)
+    options += [f"gather<={gather_registers}regs"] * (gather_registers > 0)
+    return " ".join([f"T{tokens} workers{workers} w{warps}", *options])
 
 
 def main(budget_s: float, only: str | None = None, name_contains: str = "") -> None:

@@ -39,6 +39,11 @@ VARIANTS = {
     "int": {"decode": "int", "fnuz_encode": "int", "rope_words": False},
     "cvt": {"decode": "cvt", "fnuz_encode": "cvt", "rope_words": True},
     "table": {"decode": "table", "fnuz_encode": "int", "rope_words": True},
+    # Loops: the insert's grid capped at 1 program (looping over every tile), pipelined loads (compiled), the
+    # gather's block-table entries loaded an iteration ahead, in 4-token gather tiles; register caps.
+    "loop": {"decode": "cvt", "fnuz_encode": "cvt", "rope_words": True, "insert_programs": 1, "stages": 2,
+             "prefetch_table": True, "gather_tokens": 4, "insert_max_registers": 48, "gather_max_registers": 40},
+    "branch": {"decode": "branch", "fnuz_encode": "cvt", "rope_words": True, "evict": True},
 }
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 
@@ -316,11 +321,17 @@ def test_gather_matches_golden(
 
 
 @variants
+@pytest.mark.parametrize("special", [True, False])
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # codes near 254 overflow bf16: inf
-def test_gather_decodes_every_byte_at_every_code(device, variant) -> None:
-    """All 256 e4m3 bytes x all 256 scale codes (0: the subnormal 2^-127, 255: E8M0 NaN), OCP and FNUZ."""
+def test_gather_decodes_every_byte_at_every_code(device, variant, special) -> None:
+    """All 256 e4m3 bytes x all 256 scale codes (0: the subnormal 2^-127, 255: E8M0 NaN), OCP and FNUZ.
+
+    ``special=False``: the bytes 0x7F, 0x80 and 0xFF (FNUZ's NaN and +-240) made 0, so every tile
+    takes the "branch" decode's path without fix-ups."""
     block_size = 16
     pairs = torch.cartesian_prod(torch.arange(256), torch.arange(256))  # (byte, code), 65536 pairs
+    if not special:  # those bytes replaced by 0, so that each group of 64 still shares a code
+        pairs[(pairs[:, 0] & 0x7F == 0x7F) | (pairs[:, 0] == 0x80), 0] = 0
     num_tokens = -(-pairs.shape[0] // NOPE_DIM)
     fp8 = torch.zeros(num_tokens * NOPE_DIM, dtype=torch.uint8)
     codes = torch.zeros(num_tokens * 7, dtype=torch.uint8)

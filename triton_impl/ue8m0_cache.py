@@ -46,6 +46,17 @@ The insert's common path is the saturating hardware conversion alone: a tile who
 finite needs no clamp and no NaN fix-up, so those run only in a branch taken for a tile with an
 inf or NaN group (424 -> 230 OCP, 462 -> 266 FNUZ against the previous per-value fix-ups).
 
+At 8 tokens (the sm90 entry now; registers -> 4-warp blocks per SM): insert OCP 56 -> 9, 201 warp
+instructions per token; FNUZ 58 -> 8, 266 (94 registers and 5 blocks before its non-finite branch fixed
+up bytes instead of fp32); gather OCP 48 -> 10, 211; FNUZ 48 -> 10, 336. Every global access is as wide
+as the record allows: k and the fp8 bytes as 16-byte accesses (each token's 576 data bytes start on a
+32-byte sector, 576 = 18 * 32), RoPE as 8-byte accesses (two words per thread), the scale bytes one per
+lane (8 per token, in a sector of their own per randomly placed slot).
+
+Loop options (``insert_programs``, ``stages``, ``prefetch_table``; timed in ``UE8M0_GRID``): pipelined
+loads cost instructions (insert OCP 4-token tiles, 2 stages: 55 registers, 233 per token; 8 tokens, 2
+stages: 72, 220) and the FNUZ gather most (336 -> 436-547 per token).
+
 Fewer instructions is a proxy, not a timing: the table's loads are gathers from a 1 KB table
 (up to 8 cache lines per warp-wide load), a cost the instruction count does not see.
 """
@@ -66,7 +77,6 @@ from triton_impl.interpreter import (
     e4m3_bits_to_f32_cvt,
     f32_to_e4m3_bits,
     f32_to_e4m3fn_bits_not_nan,
-    f32_to_e4m3fnuz_bits_cvt,
 )
 from triton_impl.launch import launch, select_config
 from triton_impl.validation import cdiv, check_positive, check_tensor, content_checks_enabled
@@ -99,7 +109,8 @@ class LaunchConfig:
     # runs every one through the exhaustive tests, on the CPU and on the H200). The sm90 entry takes
     # all three; the defaults stay the portable integer code.
     # gather's e4m3 -> fp32: "int" (integer decode, ~12 ops per value), "cvt" (the hardware OCP
-    # conversion with integer fix-ups for NaN codes and FNUZ) or "table" (one load per value from
+    # conversion with integer fix-ups for NaN codes and FNUZ), "branch" ("cvt", but FNUZ skips the
+    # fix-ups in a tile without FNUZ's NaN or +-240 codes) or "table" (one load per value from
     # a 256-entry fp32 table, made once per device and format and kept).
     decode: str = "int"
     # FNUZ insert's fp32 -> e4m3fnuz: "int" (integer encoder, ~35 ops per value) or "cvt" (the
@@ -109,6 +120,26 @@ class LaunchConfig:
     # stores per value, where every record's RoPE bytes are 4-byte aligned (cache address and block
     # stride multiples of 4; k, out rows too); otherwise bytes, as with False.
     rope_words: bool = False
+    # Programs of the insert: 0 is one per tile; P > 0 caps the grid at P programs that each loop
+    # over every P-th tile (so a pipelined loop has tiles to prefetch).
+    insert_programs: int = 0
+    # num_stages of both kernels' tile loops: 1 issues a tile's loads at the top of its iteration;
+    # S > 1 lets Triton's pipeliner load the next S - 1 tiles into shared memory (cp.async) first.
+    stages: int = 1
+    # Gather: each iteration loads the next tile's block-table entries before its own arithmetic, so a
+    # tile's data loads wait for one memory latency instead of two (table entry, then data).
+    prefetch_table: bool = False
+    # Tokens per gather tile when not tokens_per_program (0): the two kernels' best tiles may differ.
+    gather_tokens: int = 0
+    # L2 eviction hints: data read or written once (k, the records' 576 data bytes, the gather's cache
+    # reads) evict_first; the insert's scale bytes evict_last, so that the 8 MB of scale sectors per 1M
+    # tokens, each written 8 bytes at a time by 4 randomly placed slots, stay in L2 until whole.
+    evict: bool = False
+    # ptxas register caps (maxnreg; 0: none) of the insert and the gather. sm_90 at 8 tokens, no spill: insert OCP
+    # 56 -> 48 registers (10 blocks of 4 warps per SM, from 9), FNUZ 58 -> 56 (9 from 8; 48 spills); gather 48 -> 40
+    # (12 blocks, from 10; OCP 211 -> 216 warp instructions per token).
+    insert_max_registers: int = 0
+    gather_max_registers: int = 0
 
 
 # Launch configs as data, keyed by GPU architecture ("sm90", ...). Both kernels move 584 + 1024
@@ -223,6 +254,92 @@ def _slot_record(slot, num_slots, cache_ptr, block_stride, BLOCK_SIZE: tl.conste
 
 
 @triton.jit
+def _insert_tile(tile, k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_slots, cache_ptr, block_stride,
+                 BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, FNUZ: tl.constexpr, FP8_MAX: tl.constexpr,
+                 MAX_EXP_FIELD: tl.constexpr, MAX_MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+                 FNUZ_CVT: tl.constexpr, ROPE_WORDS: tl.constexpr, STREAM: tl.constexpr,
+                 KEEP: tl.constexpr):  # fmt: skip
+    """Tokens ``[tile * TOKENS, (tile + 1) * TOKENS)`` of :func:`_quantize_and_insert_k_kernel`."""
+    row = tl.arange(0, 8 * TOKENS)
+    dim = tl.arange(0, _GROUP)
+    token = tile * TOKENS + row // 8
+    group = row % 8
+    in_range = token < num_tokens
+    slot = tl.load(slot_mapping_ptr + token, mask=in_range, other=-1)
+    live, data_ptr, scale_ptr = _slot_record(slot, num_slots, cache_ptr, block_stride, BLOCK_SIZE)
+
+    # k's rows [0, num_tokens) are read whether or not their token is written, so this load does not
+    # wait for the slot load (a skipped token's row is read and dropped).
+    values_ptr = k_ptr + token.to(tl.int64)[:, None] * k_row_stride + group[:, None] * _GROUP + dim[None, :]
+    if ROPE_WORDS:  # group 7 (RoPE) is copied as words below
+        bits = tl.load(values_ptr, mask=in_range[:, None] & (group[:, None] < _GROUPS), other=0, eviction_policy=STREAM)
+    else:
+        bits = tl.load(values_ptr, mask=in_range[:, None], other=0, eviction_policy=STREAM)
+    x_bits = bits.to(tl.int32) << 16  # the fp32 bits of the bf16 value (the sign extension shifted out)
+    amax_bits = tl.max(x_bits & 0x7FFFFFFF, axis=1) >> 16
+    finite = (amax_bits >> 7) != 0xFF
+    # amax = m * 2^E, fp8_max = M * 2^F with m, M in [1, 2): ceil(log2(amax / fp8_max)) = E - F + (m > M).
+    # Zero and subnormal amax give a very small e that the 1e-4 floor's exponent replaces.
+    exponent = (amax_bits >> 7) - MAX_EXP_FIELD + ((amax_bits & 0x7F) > MAX_MANTISSA).to(tl.int32)
+    exponent = tl.where(finite, tl.maximum(exponent, MIN_EXPONENT), 0)
+    code = tl.where(finite, exponent + 127, 255)
+    tl.store(scale_ptr + group, tl.where(group < _GROUPS, code, 0).to(tl.uint8), mask=live, eviction_policy=KEEP)
+
+    x = x_bits.to(tl.float32, bitcast=True)
+    is_nope = live[:, None] & (group[:, None] < _GROUPS)
+    nope_ptr = data_ptr[:, None] + group[:, None] * _GROUP + dim[None, :]
+    if FNUZ and not FNUZ_CVT:
+        y = x * ((127 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]  # 2^-e, exact for e in [-126, 127]
+        # A no-op for finite groups (the scale rounds up); clamps inf of a non-finite group. NaN passes.
+        y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
+        tl.store(nope_ptr, f32_to_e4m3_bits(y, True), mask=is_nope, eviction_policy=STREAM)
+    elif tl.min(finite.to(tl.int32)) == 1:
+        # Every group of the tile finite: |x * 2^-e| <= fp8_max and no NaN, so the saturating OCP
+        # conversion alone is exact (no clamp, no NaN fix-up). FNUZ converts 2 * x * 2^-e (the scale
+        # doubled: exact, e >= -22) and writes +0 where that rounds to +-0 (|2y| <= 2^-10; FNUZ has no -0),
+        # as f32_to_e4m3fnuz_bits_cvt does. Each branch stores its own bytes (a tile that the two
+        # branches joined would be unpacked to bytes first).
+        y = x * ((127 + FNUZ - exponent) << 23).to(tl.float32, bitcast=True)[:, None]
+        if FNUZ:
+            y = tl.where(tl.abs(y) > 0.0009765625, y, 0.0)
+        tl.store(nope_ptr, f32_to_e4m3fn_bits_not_nan(y), mask=is_nope, eviction_policy=STREAM)
+    else:
+        # A group with inf or NaN somewhere in the tile (rare): the exact encoder with its fix-ups,
+        # on the values scaled by 2^-e (2^0 in a non-finite group) and clamped to +-fp8_max.
+        if FNUZ and FNUZ_CVT:
+            # The FNUZ code of clamp(y, +-224) is the OCP code of clamp(2y, +-448) (as in the finite
+            # branch), with two fix-ups on the byte: OCP's -0 (0x80: what rounds to zero) is +0, and
+            # the NaN codes S.1111.111 (2y is NaN: its scaled magnitude is at most 448 = 0x7E) are
+            # FNUZ's NaN 0x80. On the bytes instead of fp32 as in f32_to_e4m3fnuz_bits_cvt: 94 -> 56
+            # registers for the whole kernel at 8 tokens (ptxas sized it for this rare branch).
+            y = x * ((128 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]
+            y = tl.where(y > 2 * FP8_MAX, 2 * FP8_MAX, tl.where(y < -2 * FP8_MAX, -2 * FP8_MAX, y))
+            fp8 = f32_to_e4m3fn_bits_not_nan(y)  # NaN: an OCP NaN code under the interpreter and compiled
+            fp8 = tl.where((fp8 & 0x7F) == 0x7F, 0x80, tl.where(fp8 == 0x80, 0, fp8)).to(tl.uint8)
+            tl.store(nope_ptr, fp8, mask=is_nope, eviction_policy=STREAM)
+        else:
+            y = x * ((127 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]
+            y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
+            tl.store(nope_ptr, f32_to_e4m3_bits(y, False), mask=is_nope, eviction_policy=STREAM)
+
+    if ROPE_WORDS:
+        t = tile * TOKENS + tl.arange(0, TOKENS)
+        word = tl.arange(0, _GROUP // 2)
+        t_in_range = t < num_tokens
+        t_slot = tl.load(slot_mapping_ptr + t, mask=t_in_range, other=-1)
+        t_live, t_data_ptr, _ = _slot_record(t_slot, num_slots, cache_ptr, block_stride, BLOCK_SIZE)
+        src = (k_ptr + t.to(tl.int64) * k_row_stride + _NOPE).to(tl.pointer_type(tl.int32))
+        dst = (t_data_ptr + _NOPE).to(tl.pointer_type(tl.int32))
+        words = tl.load(src[:, None] + word[None, :], mask=t_in_range[:, None], other=0, eviction_policy=STREAM)
+        tl.store(dst[:, None] + word[None, :], words, mask=t_live[:, None], eviction_policy=STREAM)
+    else:
+        is_rope = live[:, None] & (group[:, None] == _GROUPS)
+        rope_ptr = data_ptr[:, None] + _NOPE + 2 * dim[None, :]
+        tl.store(rope_ptr, (bits & 0xFF).to(tl.uint8), mask=is_rope, eviction_policy=STREAM)
+        tl.store(rope_ptr + 1, ((bits >> 8) & 0xFF).to(tl.uint8), mask=is_rope, eviction_policy=STREAM)
+
+
+@triton.jit
 def _quantize_and_insert_k_kernel(
     k_ptr, k_row_stride,
     slot_mapping_ptr, num_tokens, num_slots,
@@ -236,8 +353,13 @@ def _quantize_and_insert_k_kernel(
     MIN_EXPONENT: tl.constexpr,
     FNUZ_CVT: tl.constexpr,
     ROPE_WORDS: tl.constexpr,
+    LOOP: tl.constexpr,
+    STAGES: tl.constexpr,
+    STREAM: tl.constexpr,
+    KEEP: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(cdiv(N, TOKENS),)``: a program owns ``TOKENS`` consecutive tokens.
+    """Grid ``(P,)``: program ``p`` owns tiles ``p, p + P, ...`` of ``TOKENS`` consecutive tokens
+    (``P = cdiv(N, TOKENS)`` unless the launch config caps it).
 
     Its tile has ``8 * TOKENS`` rows of 64 values, row ``8t + g`` being group ``g`` of token ``t``:
     groups 0..6 are NoPE, group 7 is the RoPE part, so one load brings each token's 512 bf16
@@ -251,79 +373,27 @@ def _quantize_and_insert_k_kernel(
     group 7) and the RoPE bits as bytes (so any block stride works, odd too). k is read before
     the slots are known (a skipped token's row is read and dropped), so the two loads overlap.
 
-    ``FNUZ_CVT``: FNUZ bytes through the hardware OCP conversion (``f32_to_e4m3fnuz_bits_cvt``).
+    ``FNUZ_CVT``: FNUZ bytes through the hardware OCP conversion of ``2y`` (as
+    ``f32_to_e4m3fnuz_bits_cvt``; the non-finite branch fixes up bytes instead of fp32 values).
+    ``STREAM`` / ``KEEP``: the eviction policy of k and the data bytes / of the scale bytes.
     ``ROPE_WORDS`` (the host checked that k's rows and every record's RoPE part are 4-byte
     aligned): group 7 is not loaded in the tile; each token's 64 RoPE values are copied as 32
     words by a ``[TOKENS, 32]`` tile instead.
+
+    ``LOOP``: the grid is capped (``P`` programs) and each program loops over its tiles, with
+    ``num_stages=STAGES`` (``STAGES > 1``: Triton's pipeliner loads the next ``STAGES - 1`` tiles into
+    shared memory by cp.async before a tile's arithmetic). Without it, one tile per program, no loop
+    (the loop costs registers: 56 -> 68 for OCP at 8 tokens).
     """
-    row = tl.arange(0, 8 * TOKENS)
-    dim = tl.arange(0, _GROUP)
-    token = tl.program_id(0) * TOKENS + row // 8
-    group = row % 8
-    in_range = token < num_tokens
-    slot = tl.load(slot_mapping_ptr + token, mask=in_range, other=-1)
-    live, data_ptr, scale_ptr = _slot_record(slot, num_slots, cache_ptr, block_stride, BLOCK_SIZE)
-
-    # k's rows [0, num_tokens) are read whether or not their token is written, so this load does not
-    # wait for the slot load (a skipped token's row is read and dropped).
-    values_ptr = k_ptr + token.to(tl.int64)[:, None] * k_row_stride + group[:, None] * _GROUP + dim[None, :]
-    if ROPE_WORDS:  # group 7 (RoPE) is copied as words below
-        bits = tl.load(values_ptr, mask=in_range[:, None] & (group[:, None] < _GROUPS), other=0)
+    if LOOP:
+        for tile in tl.range(tl.program_id(0), tl.cdiv(num_tokens, TOKENS), tl.num_programs(0), num_stages=STAGES):
+            _insert_tile(tile, k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_slots, cache_ptr,
+                         block_stride, BLOCK_SIZE, TOKENS, FNUZ, FP8_MAX, MAX_EXP_FIELD, MAX_MANTISSA, MIN_EXPONENT,
+                         FNUZ_CVT, ROPE_WORDS, STREAM, KEEP)  # fmt: skip
     else:
-        bits = tl.load(values_ptr, mask=in_range[:, None], other=0)
-    x_bits = bits.to(tl.int32) << 16  # the fp32 bits of the bf16 value (the sign extension shifted out)
-    amax_bits = tl.max(x_bits & 0x7FFFFFFF, axis=1) >> 16
-    finite = (amax_bits >> 7) != 0xFF
-    # amax = m * 2^E, fp8_max = M * 2^F with m, M in [1, 2): ceil(log2(amax / fp8_max)) = E - F + (m > M).
-    # Zero and subnormal amax give a very small e that the 1e-4 floor's exponent replaces.
-    exponent = (amax_bits >> 7) - MAX_EXP_FIELD + ((amax_bits & 0x7F) > MAX_MANTISSA).to(tl.int32)
-    exponent = tl.where(finite, tl.maximum(exponent, MIN_EXPONENT), 0)
-    code = tl.where(finite, exponent + 127, 255)
-    tl.store(scale_ptr + group, tl.where(group < _GROUPS, code, 0).to(tl.uint8), mask=live)
-
-    x = x_bits.to(tl.float32, bitcast=True)
-    is_nope = live[:, None] & (group[:, None] < _GROUPS)
-    nope_ptr = data_ptr[:, None] + group[:, None] * _GROUP + dim[None, :]
-    if FNUZ and not FNUZ_CVT:
-        y = x * ((127 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]  # 2^-e, exact for e in [-126, 127]
-        # A no-op for finite groups (the scale rounds up); clamps inf of a non-finite group. NaN passes.
-        y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
-        tl.store(nope_ptr, f32_to_e4m3_bits(y, True), mask=is_nope)
-    elif tl.min(finite.to(tl.int32)) == 1:
-        # Every group of the tile finite: |x * 2^-e| <= fp8_max and no NaN, so the saturating OCP
-        # conversion alone is exact (no clamp, no NaN fix-up). FNUZ converts 2 * x * 2^-e (the scale
-        # doubled: exact, e >= -22) and writes +0 where that rounds to +-0 (|2y| <= 2^-10; FNUZ has no -0),
-        # as f32_to_e4m3fnuz_bits_cvt does. Each branch stores its own bytes (a tile that the two
-        # branches joined would be unpacked to bytes first).
-        y = x * ((127 + FNUZ - exponent) << 23).to(tl.float32, bitcast=True)[:, None]
-        if FNUZ:
-            y = tl.where(tl.abs(y) > 0.0009765625, y, 0.0)
-        tl.store(nope_ptr, f32_to_e4m3fn_bits_not_nan(y), mask=is_nope)
-    else:
-        # A group with inf or NaN somewhere in the tile (rare): the exact encoder with its fix-ups,
-        # on the values scaled by 2^-e (2^0 in a non-finite group) and clamped to +-fp8_max.
-        y = x * ((127 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]
-        y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
-        if FNUZ:
-            tl.store(nope_ptr, f32_to_e4m3fnuz_bits_cvt(y, True), mask=is_nope)  # |y| <= 224 or NaN
-        else:
-            tl.store(nope_ptr, f32_to_e4m3_bits(y, False), mask=is_nope)
-
-    if ROPE_WORDS:
-        t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
-        word = tl.arange(0, _GROUP // 2)
-        t_in_range = t < num_tokens
-        t_slot = tl.load(slot_mapping_ptr + t, mask=t_in_range, other=-1)
-        t_live, t_data_ptr, _ = _slot_record(t_slot, num_slots, cache_ptr, block_stride, BLOCK_SIZE)
-        src = (k_ptr + t.to(tl.int64) * k_row_stride + _NOPE).to(tl.pointer_type(tl.int32))
-        dst = (t_data_ptr + _NOPE).to(tl.pointer_type(tl.int32))
-        words = tl.load(src[:, None] + word[None, :], mask=t_in_range[:, None], other=0)
-        tl.store(dst[:, None] + word[None, :], words, mask=t_live[:, None])
-    else:
-        is_rope = live[:, None] & (group[:, None] == _GROUPS)
-        rope_ptr = data_ptr[:, None] + _NOPE + 2 * dim[None, :]
-        tl.store(rope_ptr, (bits & 0xFF).to(tl.uint8), mask=is_rope)
-        tl.store(rope_ptr + 1, ((bits >> 8) & 0xFF).to(tl.uint8), mask=is_rope)
+        _insert_tile(tl.program_id(0), k_ptr, k_row_stride, slot_mapping_ptr, num_tokens, num_slots, cache_ptr,
+                     block_stride, BLOCK_SIZE, TOKENS, FNUZ, FP8_MAX, MAX_EXP_FIELD, MAX_MANTISSA, MIN_EXPONENT,
+                     FNUZ_CVT, ROPE_WORDS, STREAM, KEEP)  # fmt: skip
 
 
 def quantize_and_insert_k_cache(
@@ -380,7 +450,8 @@ def quantize_and_insert_k_cache(
     max_exp_field, max_mantissa, min_exponent = _exponent_constants(use_fnuz)
     config = select_launch_config(k.device)
     rope_words = config.rope_words and _words_aligned(k, k.stride(0) * 2) and _words_aligned(blocks, blocks.stride(0))
-    launch(_quantize_and_insert_k_kernel, (cdiv(num_tokens, config.tokens_per_program),),
+    tiles = cdiv(num_tokens, config.tokens_per_program)
+    launch(_quantize_and_insert_k_kernel, (min(tiles, config.insert_programs or tiles),),
         k.view(torch.int16), k.stride(0),
         slot_mapping, num_tokens, blocks.shape[0] * block_size,
         blocks, blocks.stride(0),
@@ -393,7 +464,12 @@ def quantize_and_insert_k_cache(
         MIN_EXPONENT=min_exponent,
         FNUZ_CVT=_option("fnuz_encode", config.fnuz_encode, ("int", "cvt")) == "cvt",
         ROPE_WORDS=rope_words,
+        LOOP=config.insert_programs > 0,
+        STAGES=config.stages,
+        STREAM="evict_first" if config.evict else "",
+        KEEP="evict_last" if config.evict else "",
         num_warps=config.num_warps,
+        **({"maxnreg": config.insert_max_registers} if config.insert_max_registers else {}),
     )  # fmt: skip
 
 
@@ -403,19 +479,24 @@ def quantize_and_insert_k_cache(
 
 
 @triton.jit
-def _gather_token_blocks(i, gather_end, first, req, block_table_ptr, block_table_stride, block_table_cols, num_blocks,
-                         cache_ptr, block_stride, BLOCK_SIZE: tl.constexpr):  # fmt: skip
-    """For gather tokens ``i`` of request ``req``: ``(in_out, live, pos, block_ptr)``. ``in_out``: the
-    token has a row in ``out``; ``live``: its position ``pos = first + i`` has a table column whose
-    block lies inside the cache; ``block_ptr``: that block's start (garbage where not ``live``)."""
-    in_out = i < gather_end
+def _gather_table_entries(i, gather_end, first, req, block_table_ptr, block_table_stride, block_table_cols,
+                          BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """For gather tokens ``i`` of request ``req``: the block-table entry of position ``first + i``,
+    or -1 where the token has no row in ``out`` (``i >= gather_end``) or no table column."""
     pos = first + i
     col = pos // BLOCK_SIZE
-    has_col = in_out & (pos >= 0) & (col < block_table_cols)
-    block = tl.load(block_table_ptr + req * block_table_stride + col, mask=has_col, other=-1)
-    live = has_col & (block >= 0) & (block < num_blocks)
+    has_col = (i < gather_end) & (pos >= 0) & (col < block_table_cols)
+    return tl.load(block_table_ptr + req * block_table_stride + col, mask=has_col, other=-1)
+
+
+@triton.jit
+def _gather_token_blocks(i, block, gather_end, first, num_blocks, cache_ptr, block_stride, BLOCK_SIZE: tl.constexpr):
+    """For gather tokens ``i`` and their ``_gather_table_entries``: ``(in_out, live, pos, block_ptr)``.
+    ``in_out``: the token has a row in ``out``; ``live``: its position ``pos = first + i`` has a table
+    column whose block lies inside the cache; ``block_ptr``: that block's start (garbage where not ``live``)."""
+    live = (block >= 0) & (block < num_blocks)  # an entry of -1 also stands for no row in out or no column
     # int64: block * block_stride passes 2^31 from ~57K blocks of 37440 bytes.
-    return in_out, live, pos, cache_ptr + block.to(tl.int64) * block_stride
+    return i < gather_end, live, first + i, cache_ptr + block.to(tl.int64) * block_stride
 
 
 @triton.jit
@@ -431,6 +512,9 @@ def _dequantize_and_gather_k_kernel(
     FNUZ: tl.constexpr,
     DECODE: tl.constexpr,
     ROPE_WORDS: tl.constexpr,
+    PREFETCH_TABLE: tl.constexpr,
+    STAGES: tl.constexpr,
+    STREAM: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(R, workers)``: worker ``w`` of request ``r`` owns the tiles of ``TOKENS`` gather
     tokens starting at ``(w + k * workers) * TOKENS``.
@@ -446,7 +530,9 @@ def _dequantize_and_gather_k_kernel(
     outside the cache is written as NaN (bf16 ``0x7FC0``) without reading the cache.
 
     ``DECODE`` picks the e4m3 -> fp32 decode: ``"int"`` (:func:`e4m3_bits_to_f32`), ``"cvt"``
-    (:func:`e4m3_bits_to_f32_cvt`) or ``"table"`` (``table_ptr[byte]``, 256 fp32 values).
+    (:func:`e4m3_bits_to_f32_cvt`), ``"branch"`` (``"cvt"``; FNUZ decodes a tile without 0x80 and
+    S.1111.111 bytes as OCP times ``scale / 2``) or ``"table"`` (``table_ptr[byte]``, 256 fp32 values).
+    ``PREFETCH_TABLE``: the next tile's block-table entries are loaded during this tile's.
     ``ROPE_WORDS`` (the host checked that every record's RoPE part and ``out``'s rows are 4-byte
     aligned): the tile leaves group 7 alone; a ``[TOKENS, 32]`` tile copies each token's RoPE
     part as 32 words (``0x7FC07FC0``, two NaNs, for a token with no valid block).
@@ -465,18 +551,46 @@ def _dequantize_and_gather_k_kernel(
     dim = tl.arange(0, _GROUP)
     group = row % 8
     gather_end = tl.minimum(gather_len, out_rows - offset)  # rows past the end of out are not written
-    for start in range(worker * TOKENS, gather_end, num_workers * TOKENS):
+    step = num_workers * TOKENS
+    t = worker * TOKENS + tl.arange(0, TOKENS)
+    if PREFETCH_TABLE:  # the first tile's entries; each iteration loads the next tile's
+        block = _gather_table_entries(worker * TOKENS + row // 8, gather_end, first, req, block_table_ptr,
+                                      block_table_stride, block_table_cols, BLOCK_SIZE)  # fmt: skip
+        t_block = _gather_table_entries(t, gather_end, first, req, block_table_ptr, block_table_stride,
+                                        block_table_cols, BLOCK_SIZE)  # fmt: skip
+    else:
+        block = tl.full([8 * TOKENS], -1, block_table_ptr.dtype.element_ty)
+        t_block = tl.full([TOKENS], -1, block_table_ptr.dtype.element_ty)
+    for start in tl.range(worker * TOKENS, gather_end, step, num_stages=STAGES):
         i = start + row // 8
-        in_out, live, pos, block_ptr = _gather_token_blocks(
-            i, gather_end, first, req, block_table_ptr, block_table_stride, block_table_cols, num_blocks, cache_ptr,
-            block_stride, BLOCK_SIZE)  # fmt: skip
+        t = start + tl.arange(0, TOKENS)
+        if not PREFETCH_TABLE:
+            block = _gather_table_entries(i, gather_end, first, req, block_table_ptr, block_table_stride,
+                                          block_table_cols, BLOCK_SIZE)  # fmt: skip
+            t_block = _gather_table_entries(t, gather_end, first, req, block_table_ptr, block_table_stride,
+                                            block_table_cols, BLOCK_SIZE)  # fmt: skip
+        in_out, live, pos, block_ptr = _gather_token_blocks(i, block, gather_end, first, num_blocks, cache_ptr,
+                                                            block_stride, BLOCK_SIZE)  # fmt: skip
         data_ptr = block_ptr + (pos % BLOCK_SIZE) * _DATA
         scale_ptr = block_ptr + BLOCK_SIZE * _DATA + (pos % BLOCK_SIZE) * _SCALES
         is_nope = live & (group < _GROUPS)
         is_rope = live & (group == _GROUPS)
 
-        fp8 = tl.load(data_ptr[:, None] + group[:, None] * _GROUP + dim[None, :], mask=is_nope[:, None], other=0)
+        fp8 = tl.load(data_ptr[:, None] + group[:, None] * _GROUP + dim[None, :], mask=is_nope[:, None], other=0,
+                      eviction_policy=STREAM)
         code = tl.load(scale_ptr + group, mask=is_nope, other=127).to(tl.int32)
+        if ROPE_WORDS:  # the RoPE words are loaded with the tile, before its stores (which a later load waits behind)
+            word = tl.arange(0, _GROUP // 2)
+            t_in_out, t_live, t_pos, t_block_ptr = _gather_token_blocks(
+                t, t_block, gather_end, first, num_blocks, cache_ptr, block_stride, BLOCK_SIZE)  # fmt: skip
+            src = (t_block_ptr + (t_pos % BLOCK_SIZE) * _DATA + _NOPE).to(tl.pointer_type(tl.int32))
+            words = tl.load(src[:, None] + word[None, :], mask=t_live[:, None], other=0x7FC07FC0,
+                            eviction_policy=STREAM)
+        if PREFETCH_TABLE:  # the next tile's entries, loaded while this tile's data is in flight
+            block = _gather_table_entries(i + step, gather_end, first, req, block_table_ptr, block_table_stride,
+                                          block_table_cols, BLOCK_SIZE)  # fmt: skip
+            t_block = _gather_table_entries(t + step, gather_end, first, req, block_table_ptr, block_table_stride,
+                                            block_table_cols, BLOCK_SIZE)  # fmt: skip
         # 2^(code - 127) from bits: for code 1..254 the code is the fp32 exponent field; code 0 is
         # the subnormal 2^-127; code 255 is E8M0's NaN. The product has <= 4 significant bits and is
         # >= 2^-136, so fp32 holds it exactly; for codes < 10 it is subnormal. Compiled Triton on
@@ -486,12 +600,23 @@ def _dequantize_and_gather_k_kernel(
         scale_bits = tl.where(code == 0, 0x00400000, code << 23)
         scale = tl.where(code == 255, 0x7FC00000, scale_bits).to(tl.float32, bitcast=True)
         if DECODE == "table":
-            decoded = tl.load(table_ptr + fp8)
-        elif DECODE == "cvt":
-            decoded = e4m3_bits_to_f32_cvt(fp8, FNUZ, False)  # OCP NaN codes: a NaN, its payload free
+            nope = tl.load(table_ptr + fp8) * scale[:, None]
+        elif DECODE == "branch" and FNUZ:
+            # A FNUZ code's value is half its OCP value except at 0x80 (NaN; OCP's -0) and S.1111.111
+            # (+-240; OCP's NaN). A tile without those (the insert writes neither for finite groups)
+            # decodes as OCP times scale / 2 (exact: the product has <= 4 significant bits and is
+            # >= 2^-137); else every value takes the fix-ups. sm_90: 336 -> 244 warp instructions per
+            # token, but 48 -> 80 registers (ptxas sizes the kernel for the branch).
+            ocp = e4m3_bits_to_f32_cvt(fp8, False, False)
+            odd = (ocp.to(tl.int32, bitcast=True) == -0x80000000) | (ocp != ocp)
+            if tl.max(odd.to(tl.int32)) == 0:
+                nope = ocp * (scale * 0.5)[:, None]
+            else:
+                nope = e4m3_bits_to_f32_cvt(fp8, True, False) * scale[:, None]
+        elif DECODE != "int":  # "cvt", and "branch" for OCP; NaN codes give a NaN, its payload free
+            nope = e4m3_bits_to_f32_cvt(fp8, FNUZ, False) * scale[:, None]
         else:
-            decoded = e4m3_bits_to_f32(fp8, FNUZ)
-        nope = decoded * scale[:, None]
+            nope = e4m3_bits_to_f32(fp8, FNUZ) * scale[:, None]
         nope_bits = cast_for_store(nope, tl.bfloat16).to(tl.int16, bitcast=True)
         out_row = out_ptr + req * out_stride_r + (offset + i).to(tl.int64) * out_stride_t
 
@@ -504,14 +629,6 @@ def _dequantize_and_gather_k_kernel(
             else:  # two stores instead of a select per value: valid rows, then the rows without a block
                 tl.store(out_ptr_tile, nope_bits, mask=is_out & live[:, None])
                 tl.store(out_ptr_tile, no_block, mask=is_out & (live[:, None] == 0))
-            t = start + tl.arange(0, TOKENS)
-            word = tl.arange(0, _GROUP // 2)
-            t_in_out, t_live, t_pos, t_block_ptr = _gather_token_blocks(
-                t, gather_end, first, req, block_table_ptr, block_table_stride, block_table_cols, num_blocks,
-                cache_ptr, block_stride, BLOCK_SIZE)  # fmt: skip
-            src = t_block_ptr + (t_pos % BLOCK_SIZE) * _DATA + _NOPE
-            src = src.to(tl.pointer_type(tl.int32))
-            words = tl.load(src[:, None] + word[None, :], mask=t_live[:, None], other=0x7FC07FC0)
             dst = out_ptr + req * out_stride_r + (offset + t).to(tl.int64) * out_stride_t + _NOPE
             dst = dst.to(tl.pointer_type(tl.int32))
             tl.store(dst[:, None] + word[None, :], words, mask=t_in_out[:, None])
@@ -580,7 +697,7 @@ def dequantize_and_gather_k_cache(
     if num_reqs == 0:
         return
     config = select_launch_config(out.device)
-    decode = _option("decode", config.decode, ("int", "cvt", "table"))
+    decode = _option("decode", config.decode, ("int", "cvt", "branch", "table"))
     rope_words = config.rope_words and _words_aligned(blocks, blocks.stride(0))
     rope_words = rope_words and _words_aligned(out, out.stride(0) * 2, out.stride(1) * 2)
     launch(_dequantize_and_gather_k_kernel, (num_reqs, config.gather_workers),
@@ -591,11 +708,15 @@ def dequantize_and_gather_k_cache(
         offset, _decode_table(out.device, use_fnuz) if decode == "table" else blocks,
         HAS_GATHER_LENS=gather_lens is not None,
         BLOCK_SIZE=block_size,
-        TOKENS=config.tokens_per_program,
+        TOKENS=config.gather_tokens or config.tokens_per_program,
         FNUZ=use_fnuz,
         DECODE=decode,
         ROPE_WORDS=rope_words,
+        PREFETCH_TABLE=config.prefetch_table,
+        STAGES=config.stages,
+        STREAM="evict_first" if config.evict else "",
         num_warps=config.num_warps,
+        **({"maxnreg": config.gather_max_registers} if config.gather_max_registers else {}),
     )  # fmt: skip
 
 
