@@ -3,8 +3,8 @@ and gather) over their ``attnref bench`` cases; results go in ``notebooks/result
 
 Run from the repository root on the GPU machine:
 ``PYTHONPATH=. python3 benchmarks/sweep_memory_bound.py [seconds] [turboquant|store|ue8m0|merge] [name part]`` (the last
-keeps only the cases whose name contains it). Each line: case, config,
-median time (``triton.testing.do_bench``, content checks off), GB/s of the case's traffic formula
+keeps only the cases whose name contains it; ``SWEEP_TOP=n`` times only each grid's first n configs). Each
+line: case, config, median time (``triton.testing.do_bench``, content checks off), GB/s of the case's traffic formula
 and its % of 4221 GB/s (the device copy ``attnref bench`` measured). A case is built once and timed
 under every config; the config tables are patched in place, as a sweep of data should. Each config's
 output is checked first (the case's own check, as ``attnref bench`` does); a wrong one is not timed.
@@ -138,11 +138,12 @@ def main(budget_s: float, only: str | None = None, name_contains: str = "") -> N
         cases += [(c, set_ue8m0, UE8M0_GRID) for c in ue8m0_cases()]
     if only in (None, "merge"):
         cases += [(c, set_merge, MERGE_GRID) for c in lse_merge_cases() if "merge_splits" in c.name]
+    top = int(os.environ.get("SWEEP_TOP", "0")) or None  # only each grid's first configs (they are ranked)
     for case, apply, grid in cases:
         if name_contains not in case.name:
             continue
         bench = case.setup(device)
-        for config in grid:
+        for config in grid[:top]:
             if time.time() > deadline:
                 return
             label = apply(*config)
