@@ -42,7 +42,7 @@ ADDRESS = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-
 # argument that is a multiple of 16 (these) and the block table's unit column stride (a constant 1).
 DECODE_DIVISIBLE = ("num_splits", "block_size", "num_blocks", "table_keys", "stride_block", "data_bytes_per_slot",
                     "meta_offset", "stride_qb", "stride_qh", "stride_bt", "stride_pb", "stride_ph")  # fmt: skip
-MEMORY_OPS = ("LDG", "LDS", "LDSM", "STS", "STSM", "BAR", "SHFL", "LDL", "STL")
+MEMORY_OPS = ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "STSM", "BAR", "SHFL", "LDL", "STL")
 BRANCH = re.compile(r"\bBRA\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)")
 
 
@@ -88,7 +88,7 @@ def decode(preset: str, config: dict[str, int]) -> None:
                       WORD_ALIGNED_VALUES=int(layout.value_quant_bits == 4), BLOCK_M=16, BLOCK_N=config["BLOCK_N"],
                       BLOCK_D=128, JOIN_UNPACK=int(config["JOIN_UNPACK"]),
                       PRMT_CODEBOOK=int(config["PRMT_CODEBOOK"] and key_bits == 4),
-                      GATHER_WORDS=int(config["GATHER_WORDS"]))  # fmt: skip
+                      GATHER_WORDS=int(config["GATHER_WORDS"]), KEY_SPLIT=config["KEY_SPLIT"])  # fmt: skip
     constexprs["stride_btc"] = 1
     kernel = _compile(ttq._decode_stage1_kernel, DECODE_POINTERS, constexprs,
                       {"num_warps": config["num_warps"], "num_stages": config["num_stages"]},
@@ -119,7 +119,8 @@ def store(preset: str, config: dict[str, int]) -> None:
 
 
 # Decode variants beside the sm90 entry (the TURBOQUANT_GRID of benchmarks/sweep_memory_bound.py ranks them by time).
-DECODE_VARIANTS = ({"JOIN_UNPACK": 0}, {"PAIR_LUT": 0, "PRMT_CODEBOOK": 1})
+DECODE_VARIANTS = ({"JOIN_UNPACK": 0}, {"PAIR_LUT": 0, "PRMT_CODEBOOK": 1}, {"KEY_SPLIT": 4},
+                   {"PAIR_LUT": 0, "PRMT_CODEBOOK": 1, "KEY_SPLIT": 4})
 
 if __name__ == "__main__":
     for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc"):

@@ -106,14 +106,17 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK and TF32X3 unuse
 # benchmarks/sass_sm90_turboquant.py), shared-memory loads and stores per warp per tile and warp
 # instructions per key: 4-bit reshape 357 / 64.8 (128 of them 2-byte STS), joins 225 / 61.9, joins +
 # PRMT 191 / 71.0 (no gather); k8v4 reshape 68.6, joins 65.8; 3-bit two loads (65 scalar LDG, 104 B
-# of stack) 99.6, GATHER_WORDS 72.2 (8 LDG.128, 8 B of stack). Not timed yet.
+# of stack) 99.6, GATHER_WORDS 72.2 (8 LDG.128, 8 B of stack). KEY_SPLIT 4 (a softmax stream per
+# warp, no probability exchange between warps): 4-bit 54.4 warp instructions per key, 4.03 of them
+# shared-memory loads and stores (7.03 with one stream), 14 barriers per tile (24), but 160 B of
+# stack (27 STL and 27 LDL per warp per tile); k8v4 65.0 with 248 B of stack. Not timed yet.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
-                "JOIN_UNPACK": 1, "PRMT_CODEBOOK": 0, "GATHER_WORDS": 1},
+                "JOIN_UNPACK": 1, "PRMT_CODEBOOK": 0, "GATHER_WORDS": 1, "KEY_SPLIT": 1},
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
-             "PRMT_CODEBOOK": 0, "GATHER_WORDS": 1},
+             "PRMT_CODEBOOK": 0, "GATHER_WORDS": 1, "KEY_SPLIT": 1},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
-                    "JOIN_UNPACK": 1, "PRMT_CODEBOOK": 0, "GATHER_WORDS": 1},
+                    "JOIN_UNPACK": 1, "PRMT_CODEBOOK": 0, "GATHER_WORDS": 1, "KEY_SPLIT": 1},
 }  # fmt: skip
 
 
@@ -686,6 +689,28 @@ def _load_tile(cache_ptr, cache_u16_ptr, block_row, tile_start, end, kv_head,
 
 
 @triton.jit
+def _key_tile(keys, pair_lut, codebook, centroid_ptr, KEY_BITS: tl.constexpr, USE_PAIR_LUT: tl.constexpr,
+              SMEM_CODEBOOK: tl.constexpr, JOIN_UNPACK: tl.constexpr, PRMT_CODEBOOK: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """A tile's keys ``[BLOCK_N, BLOCK_D]`` fp16: FP8 bytes converted, or codes through a table."""
+    if KEY_BITS == 8:
+        k = e4m3_bits_to_f16(keys)  # exact: every e4m3 value is an fp16 value
+    elif USE_PAIR_LUT:
+        k = _pair_centroids(keys, pair_lut, BLOCK_N, BLOCK_D)
+    elif PRMT_CODEBOOK and KEY_BITS == 4:
+        k = _prmt_centroids(keys, centroid_ptr, BLOCK_N, BLOCK_D)
+    elif SMEM_CODEBOOK:
+        if JOIN_UNPACK:
+            codes = tl.reshape(_joined_codes(keys, KEY_BITS, BLOCK_N, BLOCK_D), [BLOCK_N * BLOCK_D])
+        else:
+            codes = tl.reshape(_codes(keys, KEY_BITS, BLOCK_N, BLOCK_D), [BLOCK_N * BLOCK_D])
+        k = tl.reshape(tl.gather(codebook, codes, 0), [BLOCK_N, BLOCK_D])
+    else:
+        k = tl.load(centroid_ptr + _codes(keys, KEY_BITS, BLOCK_N, BLOCK_D)).to(tl.float16)
+    return k
+
+
+@triton.jit
 def _rotate_query_kernel(
     q_ptr, pit_ptr, partials_ptr, num_heads, num_splits,
     stride_qb, stride_qh, stride_pit_k, stride_pit_n, stride_pb, stride_ph, stride_ps,
@@ -740,6 +765,7 @@ def _decode_stage1_kernel(
     JOIN_UNPACK: tl.constexpr,  # code groups -> codes by joins, else by a reshape
     PRMT_CODEBOOK: tl.constexpr,  # 4-bit keys without the pair LUT: PRMT lookups in registers (compiled only)
     GATHER_WORDS: tl.constexpr,  # 3-bit fields: one contiguous load of the words, groups by tl.gather
+    KEY_SPLIT: tl.constexpr,  # > 1: the tile's keys as KEY_SPLIT independent softmax streams, merged at the end
 ):  # fmt: skip
     """Grid ``(B, HKV, S)``: a program owns one split of one request for one KV head.
 
@@ -798,6 +824,8 @@ def _decode_stage1_kernel(
     # empty split has no loop).
     tl.debug_barrier()
     score_scale = sm_scale * _LOG2E  # scores in base 2
+    pair_lut = 0  # the key tables a lookup below does not use
+    codebook = 0
     if USE_PAIR_LUT:  # entry b (a packed byte: lo = b & 15, hi = b >> 4) is fp16(c_lo) | fp16(c_hi) << 16
         byte = tl.arange(0, 256)
         lo = tl.load(centroid_ptr + (byte & 15)).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
@@ -806,54 +834,89 @@ def _decode_stage1_kernel(
     elif SMEM_CODEBOOK and KEY_BITS != 8:  # the fp16 codebook as a register tensor
         codebook = tl.load(centroid_ptr + tl.arange(0, 1 << KEY_BITS)).to(tl.float16)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Software prefetch: each iteration issues the next tile's loads before it computes on this
-    # one, so their latency (table entry, then the fields it points to) hides under the compute.
-    live, keys, values, norm, v_scale, v_zero = _load_tile(
-        cache_ptr, cache_u16_ptr, block_row, start, end, kv_head, block_size, num_blocks, num_kv_heads, stride_btc,
-        stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS, VALUE_BITS, KEY_DATA_BYTES, NUM_FIELDS,
-        WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D, GATHER_WORDS)  # fmt: skip
-    for tile_start in range(start, end, BLOCK_N):
-        next_tile = _load_tile(
-            cache_ptr, cache_u16_ptr, block_row, tile_start + BLOCK_N, end, kv_head, block_size, num_blocks,
-            num_kv_heads, stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS, VALUE_BITS,
+    if KEY_SPLIT > 1:
+        # Each of KEY_SPLIT chunks of NW consecutive tile keys is its own online-softmax stream (batched
+        # MMAs [KEY_SPLIT, BLOCK_M, *]); with one chunk per warp no probability crosses warps inside the
+        # loop. The streams merge after it. A chunk may have no live key: its max stays -inf, guarded.
+        NW: tl.constexpr = BLOCK_N // KEY_SPLIT
+        q_hi3 = tl.broadcast_to(q_hi[None, :, :], (KEY_SPLIT, BLOCK_M, BLOCK_D))
+        q_lo3 = tl.broadcast_to(q_lo[None, :, :], (KEY_SPLIT, BLOCK_M, BLOCK_D))
+        m3 = tl.full([KEY_SPLIT, BLOCK_M], float("-inf"), dtype=tl.float32)
+        l3 = tl.zeros([KEY_SPLIT, BLOCK_M], dtype=tl.float32)
+        acc3 = tl.zeros([KEY_SPLIT, BLOCK_M, BLOCK_D], dtype=tl.float32)
+        live, keys, values, norm, v_scale, v_zero = _load_tile(
+            cache_ptr, cache_u16_ptr, block_row, start, end, kv_head, block_size, num_blocks, num_kv_heads,
+            stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS, VALUE_BITS,
             KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D,
             GATHER_WORDS)  # fmt: skip
-
-        if KEY_BITS == 8:
-            k = e4m3_bits_to_f16(keys)  # exact: every e4m3 value is an fp16 value
-        elif USE_PAIR_LUT:
-            k = _pair_centroids(keys, pair_lut, BLOCK_N, BLOCK_D)
-        elif PRMT_CODEBOOK and KEY_BITS == 4:
-            k = _prmt_centroids(keys, centroid_ptr, BLOCK_N, BLOCK_D)
-        elif SMEM_CODEBOOK:
+        for tile_start in range(start, end, BLOCK_N):
+            next_tile = _load_tile(
+                cache_ptr, cache_u16_ptr, block_row, tile_start + BLOCK_N, end, kv_head, block_size, num_blocks,
+                num_kv_heads, stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS,
+                VALUE_BITS, KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D,
+                GATHER_WORDS)  # fmt: skip
+            k = _key_tile(keys, pair_lut, codebook, centroid_ptr, KEY_BITS, USE_PAIR_LUT, SMEM_CODEBOOK,
+                          JOIN_UNPACK, PRMT_CODEBOOK, BLOCK_N, BLOCK_D)  # fmt: skip
+            k = tl.trans(tl.reshape(k, [KEY_SPLIT, NW, BLOCK_D]), 0, 2, 1)
+            qk = tl.dot(q_lo3, k, tl.dot(q_hi3, k)) * tl.reshape(norm, [KEY_SPLIT, NW])[:, None, :]
+            s = tl.where(tl.reshape(live, [KEY_SPLIT, NW])[:, None, :], qk * score_scale, float("-inf"))
+            m_new = tl.maximum(m3, tl.max(s, axis=2))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m3 - m_use)
+            p = tl.exp2(s - m_use[:, :, None])
             if JOIN_UNPACK:
-                codes = tl.reshape(_joined_codes(keys, KEY_BITS, BLOCK_N, BLOCK_D), [BLOCK_N * BLOCK_D])
+                v_codes = _small_int_to_f16(_joined_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
             else:
-                codes = tl.reshape(_codes(keys, KEY_BITS, BLOCK_N, BLOCK_D), [BLOCK_N * BLOCK_D])
-            k = tl.reshape(tl.gather(codebook, codes, 0), [BLOCK_N, BLOCK_D])
-        else:
-            k = tl.load(centroid_ptr + _codes(keys, KEY_BITS, BLOCK_N, BLOCK_D)).to(tl.float16)
-        k = tl.trans(k)
-        qk = tl.dot(q_lo, k, tl.dot(q_hi, k)) * norm[None, :]
-        s = tl.where(live[None, :], qk * score_scale, float("-inf"))
+                v_codes = _small_int_to_f16(_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
+            v_codes = tl.reshape(v_codes, [KEY_SPLIT, NW, BLOCK_D])
+            w_hi, w_lo = _split_f16(p * tl.reshape(v_scale, [KEY_SPLIT, NW])[:, None, :])
+            pv = tl.dot(w_lo, v_codes, tl.dot(w_hi, v_codes))
+            pv += tl.sum(p * tl.reshape(v_zero, [KEY_SPLIT, NW])[:, None, :], axis=2)[:, :, None]
+            acc3 = acc3 * alpha[:, :, None] + pv
+            l3 = l3 * alpha + tl.sum(p, axis=2)
+            m3 = m_new
+            live, keys, values, norm, v_scale, v_zero = next_tile
+        m_i = tl.max(m3, axis=0)
+        f = tl.exp2(m3 - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
+        l_i = tl.sum(l3 * f, axis=0)
+        acc = tl.sum(acc3 * f[:, :, None], axis=0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        # Software prefetch: each iteration issues the next tile's loads before it computes on this
+        # one, so their latency (table entry, then the fields it points to) hides under the compute.
+        live, keys, values, norm, v_scale, v_zero = _load_tile(
+            cache_ptr, cache_u16_ptr, block_row, start, end, kv_head, block_size, num_blocks, num_kv_heads, stride_btc,
+            stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS, VALUE_BITS, KEY_DATA_BYTES, NUM_FIELDS,
+            WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D, GATHER_WORDS)  # fmt: skip
+        for tile_start in range(start, end, BLOCK_N):
+            next_tile = _load_tile(
+                cache_ptr, cache_u16_ptr, block_row, tile_start + BLOCK_N, end, kv_head, block_size, num_blocks,
+                num_kv_heads, stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS,
+                VALUE_BITS, KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D,
+                GATHER_WORDS)  # fmt: skip
 
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: a tile has at least one live token
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        if JOIN_UNPACK:
-            v_codes = _small_int_to_f16(_joined_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
-        else:
-            v_codes = _small_int_to_f16(_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
-        w_hi, w_lo = _split_f16(p * v_scale[None, :])
-        pv = tl.dot(w_lo, v_codes, tl.dot(w_hi, v_codes))
-        pv += tl.sum(p * v_zero[None, :], axis=1)[:, None]
-        acc = acc * alpha[:, None] + pv
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-        live, keys, values, norm, v_scale, v_zero = next_tile
+            k = _key_tile(keys, pair_lut, codebook, centroid_ptr, KEY_BITS, USE_PAIR_LUT, SMEM_CODEBOOK, JOIN_UNPACK,
+                          PRMT_CODEBOOK, BLOCK_N, BLOCK_D)  # fmt: skip
+            k = tl.trans(k)
+            qk = tl.dot(q_lo, k, tl.dot(q_hi, k)) * norm[None, :]
+            s = tl.where(live[None, :], qk * score_scale, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: a tile has at least one live token
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            if JOIN_UNPACK:
+                v_codes = _small_int_to_f16(_joined_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
+            else:
+                v_codes = _small_int_to_f16(_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
+            w_hi, w_lo = _split_f16(p * v_scale[None, :])
+            pv = tl.dot(w_lo, v_codes, tl.dot(w_hi, v_codes))
+            pv += tl.sum(p * v_zero[None, :], axis=1)[:, None]
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+            live, keys, values, norm, v_scale, v_zero = next_tile
 
     has_keys = end > start
     l_safe = tl.where(l_i == 0, 1.0, l_i)
@@ -1107,6 +1170,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         JOIN_UNPACK=bool(config["JOIN_UNPACK"]),
         PRMT_CODEBOOK=bool(config["PRMT_CODEBOOK"]) and key_bits == 4 and not INTERPRETING,
         GATHER_WORDS=bool(config["GATHER_WORDS"]),
+        KEY_SPLIT=config["KEY_SPLIT"],
         WORD_ALIGNED_KEYS=aligned and key_bits == 4,
         WORD_ALIGNED_VALUES=aligned and value_quant_bits == 4 and layout["key_data_bytes"] % 4 == 0,
         BLOCK_M=max(16, next_pow2(group)),
