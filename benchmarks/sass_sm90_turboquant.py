@@ -88,7 +88,8 @@ def decode(preset: str, config: dict[str, int]) -> None:
                       WORD_ALIGNED_VALUES=int(layout.value_quant_bits == 4), BLOCK_M=16, BLOCK_N=config["BLOCK_N"],
                       BLOCK_D=128, JOIN_UNPACK=int(config["JOIN_UNPACK"]),
                       PRMT_CODEBOOK=int(config["PRMT_CODEBOOK"] and key_bits == 4),
-                      GATHER_WORDS=int(config["GATHER_WORDS"]), KEY_SPLIT=config["KEY_SPLIT"])  # fmt: skip
+                      GATHER_WORDS=int(config["GATHER_WORDS"]), KEY_SPLIT=config["KEY_SPLIT"],
+                      PREFETCH=config["PREFETCH"])  # fmt: skip
     constexprs["stride_btc"] = 1
     kernel = _compile(ttq._decode_stage1_kernel, DECODE_POINTERS, constexprs,
                       {"num_warps": config["num_warps"], "num_stages": config["num_stages"]},
@@ -119,8 +120,8 @@ def store(preset: str, config: dict[str, int]) -> None:
 
 
 # Decode variants beside the sm90 entry (the TURBOQUANT_GRID of benchmarks/sweep_memory_bound.py ranks them by time).
-DECODE_VARIANTS = ({"JOIN_UNPACK": 0}, {"PAIR_LUT": 0, "PRMT_CODEBOOK": 1}, {"KEY_SPLIT": 4},
-                   {"PAIR_LUT": 0, "PRMT_CODEBOOK": 1, "KEY_SPLIT": 4})
+DECODE_VARIANTS = ({"KEY_SPLIT": 4, "PREFETCH": 0}, {"PAIR_LUT": 0, "PRMT_CODEBOOK": 1, "KEY_SPLIT": 4, "PREFETCH": 0},
+                   {"PREFETCH": 0}, {"PAIR_LUT": 0, "PRMT_CODEBOOK": 1}, {"KEY_SPLIT": 4}, {"JOIN_UNPACK": 0})
 
 if __name__ == "__main__":
     for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc"):

@@ -1054,11 +1054,12 @@ def test_prmt_lookup_asm_returns_the_table_entry_of_every_code() -> None:
 
 
 @pytest.mark.parametrize("variant", [{"JOIN_UNPACK": 0}, {"GATHER_WORDS": 0}, {"PAIR_LUT": 0, "SMEM_CODEBOOK": 1},
-                                     {"PAIR_LUT": 0, "PRMT_CODEBOOK": 1}, {"KEY_SPLIT": 4},
+                                     {"PAIR_LUT": 0, "PRMT_CODEBOOK": 1}, {"KEY_SPLIT": 4}, {"PREFETCH": 0},
+                                     {"KEY_SPLIT": 4, "PREFETCH": 0},
                                      {"BLOCK_N": 64, "num_warps": 2, "KEY_SPLIT": 2}], ids=str)  # fmt: skip
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k8v4"])
 def test_decode_variants_outside_the_config_table_match_golden(variant, preset, device: torch.device) -> None:
-    """The unpacking, lookup and key-split variants the sweep times (benchmarks/sweep_memory_bound.py)
+    """The unpacking, lookup, key-split and prefetch variants the sweep times (benchmarks/sweep_memory_bound.py)
     that no table entry selects; PRMT_CODEBOOK runs compiled only (the interpreter takes the gather).
     Lengths give tiles whose later key chunks have no live key, and an empty request."""
     config = ttq.DECODE_CONFIGS["sm90"] | variant

@@ -109,14 +109,18 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK and TF32X3 unuse
 # of stack) 99.6, GATHER_WORDS 72.2 (8 LDG.128, 8 B of stack). KEY_SPLIT 4 (a softmax stream per
 # warp, no probability exchange between warps): 4-bit 54.4 warp instructions per key, 4.03 of them
 # shared-memory loads and stores (7.03 with one stream), 14 barriers per tile (24), but 160 B of
-# stack (27 STL and 27 LDL per warp per tile); k8v4 65.0 with 248 B of stack. Not timed yet.
+# stack (27 STL and 27 LDL per warp per tile); k8v4 65.0 with 248 B of stack. PREFETCH 0 leaves the
+# tile's loads to Triton's pipeliner (num_stages 2: LDGSTS into shared memory, no words held in
+# registers across iterations): with KEY_SPLIT 4, 4-bit 54.9 (40 B of stack, no spill in the loop,
+# 11 barriers), k8v4 53.4 (8 B, 8 barriers, 2.34 shared-memory loads and stores per key); with one
+# stream 205-208 registers (from 224-240), 4-bit 64.0, k8v4 62.6. Not timed yet.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
-                "JOIN_UNPACK": 1, "PRMT_CODEBOOK": 0, "GATHER_WORDS": 1, "KEY_SPLIT": 1},
+                "JOIN_UNPACK": 1, "PRMT_CODEBOOK": 0, "GATHER_WORDS": 1, "KEY_SPLIT": 1, "PREFETCH": 1},
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
-             "PRMT_CODEBOOK": 0, "GATHER_WORDS": 1, "KEY_SPLIT": 1},
+             "PRMT_CODEBOOK": 0, "GATHER_WORDS": 1, "KEY_SPLIT": 1, "PREFETCH": 1},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
-                    "JOIN_UNPACK": 1, "PRMT_CODEBOOK": 0, "GATHER_WORDS": 1, "KEY_SPLIT": 1},
+                    "JOIN_UNPACK": 1, "PRMT_CODEBOOK": 0, "GATHER_WORDS": 1, "KEY_SPLIT": 1, "PREFETCH": 1},
 }  # fmt: skip
 
 
@@ -766,6 +770,7 @@ def _decode_stage1_kernel(
     PRMT_CODEBOOK: tl.constexpr,  # 4-bit keys without the pair LUT: PRMT lookups in registers (compiled only)
     GATHER_WORDS: tl.constexpr,  # 3-bit fields: one contiguous load of the words, groups by tl.gather
     KEY_SPLIT: tl.constexpr,  # > 1: the tile's keys as KEY_SPLIT independent softmax streams, merged at the end
+    PREFETCH: tl.constexpr,  # 1: the next tile's loads issued before this tile's compute; 0: Triton's pipeliner
 ):  # fmt: skip
     """Grid ``(B, HKV, S)``: a program owns one split of one request for one KV head.
 
@@ -844,17 +849,20 @@ def _decode_stage1_kernel(
         m3 = tl.full([KEY_SPLIT, BLOCK_M], float("-inf"), dtype=tl.float32)
         l3 = tl.zeros([KEY_SPLIT, BLOCK_M], dtype=tl.float32)
         acc3 = tl.zeros([KEY_SPLIT, BLOCK_M, BLOCK_D], dtype=tl.float32)
-        live, keys, values, norm, v_scale, v_zero = _load_tile(
-            cache_ptr, cache_u16_ptr, block_row, start, end, kv_head, block_size, num_blocks, num_kv_heads,
-            stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS, VALUE_BITS,
-            KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D,
-            GATHER_WORDS)  # fmt: skip
-        for tile_start in range(start, end, BLOCK_N):
-            next_tile = _load_tile(
-                cache_ptr, cache_u16_ptr, block_row, tile_start + BLOCK_N, end, kv_head, block_size, num_blocks,
-                num_kv_heads, stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS,
-                VALUE_BITS, KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D,
+        if PREFETCH:
+            live, keys, values, norm, v_scale, v_zero = _load_tile(
+                cache_ptr, cache_u16_ptr, block_row, start, end, kv_head, block_size, num_blocks, num_kv_heads,
+                stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS, VALUE_BITS,
+                KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D,
                 GATHER_WORDS)  # fmt: skip
+        for tile_start in range(start, end, BLOCK_N):
+            tile = _load_tile(
+                cache_ptr, cache_u16_ptr, block_row, tile_start + PREFETCH * BLOCK_N, end, kv_head, block_size,
+                num_blocks, num_kv_heads, stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM,
+                KEY_BITS, VALUE_BITS, KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N,
+                BLOCK_D, GATHER_WORDS)  # fmt: skip
+            if not PREFETCH:
+                live, keys, values, norm, v_scale, v_zero = tile
             k = _key_tile(keys, pair_lut, codebook, centroid_ptr, KEY_BITS, USE_PAIR_LUT, SMEM_CODEBOOK,
                           JOIN_UNPACK, PRMT_CODEBOOK, BLOCK_N, BLOCK_D)  # fmt: skip
             k = tl.trans(tl.reshape(k, [KEY_SPLIT, NW, BLOCK_D]), 0, 2, 1)
@@ -875,7 +883,8 @@ def _decode_stage1_kernel(
             acc3 = acc3 * alpha[:, :, None] + pv
             l3 = l3 * alpha + tl.sum(p, axis=2)
             m3 = m_new
-            live, keys, values, norm, v_scale, v_zero = next_tile
+            if PREFETCH:
+                live, keys, values, norm, v_scale, v_zero = tile
         m_i = tl.max(m3, axis=0)
         f = tl.exp2(m3 - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
         l_i = tl.sum(l3 * f, axis=0)
@@ -884,18 +893,24 @@ def _decode_stage1_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        # Software prefetch: each iteration issues the next tile's loads before it computes on this
-        # one, so their latency (table entry, then the fields it points to) hides under the compute.
-        live, keys, values, norm, v_scale, v_zero = _load_tile(
-            cache_ptr, cache_u16_ptr, block_row, start, end, kv_head, block_size, num_blocks, num_kv_heads, stride_btc,
-            stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS, VALUE_BITS, KEY_DATA_BYTES, NUM_FIELDS,
-            WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D, GATHER_WORDS)  # fmt: skip
-        for tile_start in range(start, end, BLOCK_N):
-            next_tile = _load_tile(
-                cache_ptr, cache_u16_ptr, block_row, tile_start + BLOCK_N, end, kv_head, block_size, num_blocks,
-                num_kv_heads, stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS,
-                VALUE_BITS, KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D,
+        # PREFETCH: each iteration issues the next tile's loads before it computes on this one, so
+        # their latency (table entry, then the fields it points to) hides under the compute. Without
+        # it the tile is loaded where it is used, and Triton's pipeliner may stage the loads itself
+        # (num_stages; sm_90: LDGSTS into shared memory).
+        if PREFETCH:
+            live, keys, values, norm, v_scale, v_zero = _load_tile(
+                cache_ptr, cache_u16_ptr, block_row, start, end, kv_head, block_size, num_blocks, num_kv_heads,
+                stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS, VALUE_BITS,
+                KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D,
                 GATHER_WORDS)  # fmt: skip
+        for tile_start in range(start, end, BLOCK_N):
+            tile = _load_tile(
+                cache_ptr, cache_u16_ptr, block_row, tile_start + PREFETCH * BLOCK_N, end, kv_head, block_size,
+                num_blocks, num_kv_heads, stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM,
+                KEY_BITS, VALUE_BITS, KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N,
+                BLOCK_D, GATHER_WORDS)  # fmt: skip
+            if not PREFETCH:
+                live, keys, values, norm, v_scale, v_zero = tile
 
             k = _key_tile(keys, pair_lut, codebook, centroid_ptr, KEY_BITS, USE_PAIR_LUT, SMEM_CODEBOOK, JOIN_UNPACK,
                           PRMT_CODEBOOK, BLOCK_N, BLOCK_D)  # fmt: skip
@@ -916,7 +931,8 @@ def _decode_stage1_kernel(
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-            live, keys, values, norm, v_scale, v_zero = next_tile
+            if PREFETCH:
+                live, keys, values, norm, v_scale, v_zero = tile
 
     has_keys = end > start
     l_safe = tl.where(l_i == 0, 1.0, l_i)
@@ -1171,6 +1187,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         PRMT_CODEBOOK=bool(config["PRMT_CODEBOOK"]) and key_bits == 4 and not INTERPRETING,
         GATHER_WORDS=bool(config["GATHER_WORDS"]),
         KEY_SPLIT=config["KEY_SPLIT"],
+        PREFETCH=config["PREFETCH"],
         WORD_ALIGNED_KEYS=aligned and key_bits == 4,
         WORD_ALIGNED_VALUES=aligned and value_quant_bits == 4 and layout["key_data_bytes"] % 4 == 0,
         BLOCK_M=max(16, next_pow2(group)),
