@@ -1061,11 +1061,12 @@ def test_prmt_lookup_asm_returns_the_table_entry_of_every_code() -> None:
 def test_decode_variants_outside_the_config_table_match_golden(variant, preset, device: torch.device) -> None:
     """The unpacking, lookup, key-split and prefetch variants the sweep times (benchmarks/sweep_memory_bound.py)
     that no table entry selects; PRMT_CODEBOOK runs compiled only (the interpreter takes the gather).
-    Lengths give tiles whose later key chunks have no live key, and an empty request."""
+    Lengths give tiles whose later key chunks have no live key, and an empty request; D = 64 too."""
     config = ttq.DECODE_CONFIGS["sm90"] | variant
     with mock.patch.dict(ttq.DECODE_CONFIGS, dict.fromkeys(ttq.DECODE_CONFIGS, config)):
         _check_decode_against_golden(41, preset, 128, [300, 129], 2, 4, 2, 16, torch.float16, device)
         _check_decode_against_golden(42, preset, 128, [1, 0], 1, 4, 3, 16, torch.bfloat16, device)
+        _check_decode_against_golden(43, preset, 64, [97, 200], 1, 2, 1, 32, torch.float16, device)
 
 
 def test_pair_lut_is_never_stale_when_centroids_change_in_place(device: torch.device) -> None:
