@@ -37,7 +37,12 @@ DECODE_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*u8", "block_table_ptr": "*i3
                    "centroid_ptr": "*fp32", "partials_ptr": "*fp32"}  # fmt: skip
 STORE_POINTERS = {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*u8", "cache_u16_ptr": "*u16",
                   "slot_ptr": "*i64", "pit_ptr": "*fp32", "midpoint_ptr": "*fp32", "centroid_ptr": "*fp32"}  # fmt: skip
-ADDRESS = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+ADDRESS = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
+# The bench's decode launch (B=32, H=32, HKV=8, D=128, block 16, 32 splits): Triton specializes every integer
+# argument that is a multiple of 16 (these) and the block table's unit column stride (a constant 1).
+DECODE_DIVISIBLE = ("num_splits", "block_size", "num_blocks", "table_keys", "stride_block", "data_bytes_per_slot",
+                    "meta_offset", "stride_qb", "stride_qh", "stride_bt", "stride_pb", "stride_ph")  # fmt: skip
+MEMORY_OPS = ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "STSM", "BAR", "SHFL", "LDL", "STL")
 BRANCH = re.compile(r"\bBRA\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)")
 
 
@@ -58,16 +63,18 @@ def _resources(cubin: bytes) -> str:
     return " ".join(re.findall(r"(?:REG|STACK):\d+", line))
 
 
-def _loop_mix(cubin: bytes) -> tuple[int, list[tuple[str, int]]]:
+def _loop_mix(cubin: bytes) -> tuple[int, list[tuple[str, int]], dict[str, int]]:
     """Instructions of the widest loop (a backward branch to its head, self-branches excluded): the
-    decode's tile loop."""
-    code = [(int(m.group(1), 16), m.group(2), line) for line in cuobjdump(cubin, "-sass").splitlines()
+    decode's tile loop. Returns the count, the 12 commonest opcodes and the memory and barrier
+    instructions by opcode with their width (``LDG.E.128``, ``STS.U16``, ...)."""
+    code = [(int(m.group(1), 16), m.group(2), m.group(3), line) for line in cuobjdump(cubin, "-sass").splitlines()
             if (m := ADDRESS.match(line))]  # fmt: skip
-    loops = [(int(b.group(1), 16), address) for address, _, line in code
+    loops = [(int(b.group(1), 16), address) for address, _, _, line in code
              if (b := BRANCH.search(line)) and int(b.group(1), 16) < address]  # fmt: skip
     head, tail = max(loops, key=lambda loop: loop[1] - loop[0])
-    body = [opcode for address, opcode, _ in code if head <= address <= tail]
-    return len(body), collections.Counter(body).most_common(12)
+    body = [(opcode, opcode + suffix) for address, opcode, suffix, _ in code if head <= address <= tail]
+    memory = collections.Counter(full for opcode, full in body if opcode in MEMORY_OPS)
+    return len(body), collections.Counter(opcode for opcode, _ in body).most_common(12), dict(sorted(memory.items()))
 
 
 def decode(preset: str, config: dict[str, int]) -> None:
@@ -79,13 +86,21 @@ def decode(preset: str, config: dict[str, int]) -> None:
                       USE_PAIR_LUT=int(config["PAIR_LUT"] and key_bits == 4),
                       SMEM_CODEBOOK=int(config["SMEM_CODEBOOK"]), WORD_ALIGNED_KEYS=int(aligned),
                       WORD_ALIGNED_VALUES=int(layout.value_quant_bits == 4), BLOCK_M=16, BLOCK_N=config["BLOCK_N"],
-                      BLOCK_D=128)  # fmt: skip
+                      BLOCK_D=128, JOIN_UNPACK=int(config["JOIN_UNPACK"]),
+                      PRMT_CODEBOOK=int(config["PRMT_CODEBOOK"] and key_bits == 4),
+                      GATHER_WORDS=int(config["GATHER_WORDS"]), KEY_SPLIT=config["KEY_SPLIT"],
+                      PREFETCH=config["PREFETCH"])  # fmt: skip
+    constexprs["stride_btc"] = 1
     kernel = _compile(ttq._decode_stage1_kernel, DECODE_POINTERS, constexprs,
-                      {"num_warps": config["num_warps"], "num_stages": config["num_stages"]})  # fmt: skip
-    count, mix = _loop_mix(kernel.asm["cubin"])
-    per_key = count * config["num_warps"] / config["BLOCK_N"]
-    print(f"decode {preset} {config}: {_resources(kernel.asm['cubin'])}; loop {count} instructions per warp "
-          f"per tile = {per_key:.0f} warp instructions per key and KV head; {mix}")  # fmt: skip
+                      {"num_warps": config["num_warps"], "num_stages": config["num_stages"]},
+                      DECODE_DIVISIBLE)  # fmt: skip
+    count, mix, memory = _loop_mix(kernel.asm["cubin"])
+    per_key = config["num_warps"] / config["BLOCK_N"]
+    shared = sum(n for op, n in memory.items() if op.startswith(("LDS", "STS")))
+    print(f"decode {preset} {config}: {_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
+          f"{count} instructions per warp per tile = {count * per_key:.1f} warp instructions per key and KV head, "
+          f"{shared * per_key:.2f} of them shared-memory loads and stores; {mix}; "
+          f"memory and barriers {memory}")  # fmt: skip
 
 
 def _weighted_mix(cubin: bytes, trips: int) -> collections.Counter:
@@ -139,9 +154,15 @@ STORE_VARIANTS = {
 }  # fmt: skip
 
 
+# Decode variants beside the sm90 entry (the TURBOQUANT_GRID of benchmarks/sweep_memory_bound.py ranks them by time).
+DECODE_VARIANTS = ({"KEY_SPLIT": 4, "PREFETCH": 0}, {"PAIR_LUT": 0, "PRMT_CODEBOOK": 1, "KEY_SPLIT": 4, "PREFETCH": 0},
+                   {"PREFETCH": 0}, {"PAIR_LUT": 0, "PRMT_CODEBOOK": 1}, {"KEY_SPLIT": 4}, {"JOIN_UNPACK": 0})
+
 if __name__ == "__main__":
     for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc"):
         decode(preset, ttq.DECODE_CONFIGS["sm90"])
+        for variant in DECODE_VARIANTS:
+            decode(preset, ttq.DECODE_CONFIGS["sm90"] | variant)
         key_fp8 = TurboQuantConfig.from_cache_dtype(preset, 128).key_fp8
         for config in [(ttq.FP8_KEY_STORE_CONFIGS if key_fp8 else ttq.STORE_CONFIGS)["sm90"],
                        *STORE_VARIANTS["fp8" if key_fp8 else "mse"]]:  # fmt: skip
