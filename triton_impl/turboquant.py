@@ -84,7 +84,9 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # TF32X3 = 2: bf16 keys enter bf16 MMAs as loaded, against PiT cut into three bf16 parts (exact products;
 # other key dtypes as TF32X3 = 1); no key conversion or scaling in registers, so no layout conversion of the
 # key chunk through shared memory (sm_90 4-bit at T64 chunk32 1 stage: 117 registers, 8 KiB, LDS 3.5 and STS
-# 11.9 per row, against 163 registers, LDS 19.6 and STS 24.4 for TF32X3 = 1), 4 programs per SM.
+# 11.9 per row, against 163 registers, LDS 19.6 and STS 24.4 for TF32X3 = 1), 4 programs per SM. The sm90 entry
+# is that config: 4-bit store, 1M tokens x 8 heads, 17.91 ms (TF32X3 = 1, T64 chunk64 3 stages) -> 9.55 ms on the
+# H200; T128 chunk32 w8 10.83 ms (ue8m0/store sweep at 04efc58, sweep_memory_bound_h200.md).
 # Decode: BLOCK_N tokens per tile, at least 32 (the value MMA's K; Triton 3.6 miscompiles unpacked
 # codes fed to a 16-key dot, see tests/test_turboquant.py). Key tables: the kernel makes them from the
 # fp32 codebook on every call. PAIR_LUT picks the 4-bit pair LUT when the caller leaves
@@ -97,7 +99,7 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # depends on the batch.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
-    "sm90": {"BLOCK_T": 64, "D_CHUNK": 64, "num_warps": 4, "TF32X3": 1, "num_stages": 3},
+    "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
 FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_stages unused: no rotation

@@ -152,13 +152,17 @@ class LaunchConfig:
 # fast path (6561f01), 8-token tiles on 4 warps (of 4 tile configs, ue8m0 sweep at 0520727): insert OCP
 # 0.567 -> 0.522 ms (70.9 -> 76.9%), FNUZ 0.585 -> 0.614, gather OCP 0.536 -> 0.499 (74.5 -> 80.1%), FNUZ
 # 0.615 -> 0.584; the FNUZ gather's two-store NaN fill (64.9%, from 71.9%) went back to a select for FNUZ
-# (0.556 ms, 71.5%, in the bench at 62cb554). The interpreter runs programs one
-# after another in Python at ~20 ms each, so it gets 16-token tiles and 2 workers (results do not
+# (0.556 ms, 71.5%, in the bench at 62cb554). At 04efc58 (FNUZ insert 94 -> 58 registers, the gather's loads
+# before its stores), of the 5 best-ranked configs: the FNUZ "branch" decode with 4-token gather tiles, gather OCP
+# 0.4650 -> 0.4533 ms (85.9 -> 88.1%), FNUZ 0.5205 -> 0.5121 (76.7 -> 78.0%), inserts unchanged (OCP 76.9%, FNUZ
+# 73.8%); register caps (insert 48, gather 40) gave insert OCP 78.8% but a slower gather. The interpreter runs
+# programs one after another in Python at ~20 ms each, so it gets 16-token tiles and 2 workers (results do not
 # depend on the config; a test checks it).
 LAUNCH_CONFIGS: dict[str, LaunchConfig] = {
     "default": LaunchConfig(tokens_per_program=1, gather_workers=128, num_warps=4),
     "sm90": LaunchConfig(
-        tokens_per_program=8, gather_workers=512, num_warps=4, decode="cvt", fnuz_encode="cvt", rope_words=True
+        tokens_per_program=8, gather_workers=512, num_warps=4, decode="branch", fnuz_encode="cvt", rope_words=True,
+        gather_tokens=4,
     ),
     "interpreter": LaunchConfig(tokens_per_program=16, gather_workers=2, num_warps=1),
 }
