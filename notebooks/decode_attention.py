@@ -41,6 +41,7 @@ from triton_impl.decode_attention import (
     _compute_num_kv_splits,
     decode_attention_fwd,
     expand_decode_rows,
+    stage1_splits,
 )
 from triton_impl.interpreter import INTERPRETING
 from triton_impl.lse_merge import merge_splits
@@ -624,3 +625,64 @@ assert small[1] / tflops_ceiling < small[2] / (tbps_ceiling * 1000)  # memory-bo
 # memory-bound. The committed config is the fastest of the sweep at H=128 and within 4% of it at
 # H=16 (a capped 32-key tile on 4 warps: 374 against 387 us). At H=128 what is left is the overlap of softmax and MMA
 # that FlashMLA gets from warp specialization (`notebooks/results/perf_log.md`).
+
+# %% [markdown]
+# ## 7. How many splits stage 1 runs, and whole tiles by tensor descriptors
+#
+# vLLM picks the split count from the longest row alone (`_compute_num_kv_splits`: 64 at 32K keys),
+# so at B=32 and H=128 stage 1 launches 32 rows x 2 head tiles x 64 splits = 4096 programs of 8 warps
+# on 132 SMs that hold one each: 31 rounds. Every split costs a query load (64 heads x 576 bf16),
+# a partial write (64 x 513 fp32) and its read in the merge, however few keys it has. The H200's
+# config therefore caps the splits stage 1 runs (`stage1_splits`: at most four rounds of resident
+# programs; the rows of a batch are assumed alike). The cell reads the split sweep
+# (`sweep_decode_h200.md`, CUDA-graph replay of both stages) and shows what the cap picks.
+
+# %%
+split_re = r"(MLA|GQA) B=(\d+) H=(\d+)/(\d+) L=(\d+) S=\s*(\d+) \(vLLM\s+(\d+),\s+[\d.]+ rounds\)\s+([\d.]+) us"
+split_sweep: dict[tuple, dict[int, float]] = {}
+misses = set()  # rows where the capped count is more than 10% slower than the fastest
+for m in re.finditer(split_re, text):
+    kind, batch_, heads_, kv_heads_, length_, splits_, _, us = m.groups()
+    shape = (kind, int(batch_), int(heads_), int(kv_heads_), int(length_))
+    split_sweep.setdefault(shape, {})[int(splits_)] = float(us)
+for (kind, batch_, heads_, kv_heads_, length_), times in split_sweep.items():
+    config = DECODE_CONFIGS["sm90"]["mla" if kind == "MLA" else "gqa"]
+    tile = min(config["BLOCK_H"], max(16, 1 << (heads_ // kv_heads_ - 1).bit_length()))  # next power of two
+    vllm = _compute_num_kv_splits(length_, H200_SMS)
+    capped = stage1_splits(vllm, batch_ * kv_heads_ * math.ceil(heads_ // kv_heads_ / tile), H200_SMS, config, tile)
+    fastest = min(times, key=times.get)
+    print(f"{kind} B={batch_:3d} H={heads_:3d} L={length_:5d}: vLLM {vllm:2d} splits {times[vllm]:7.1f} us, "
+          f"capped {capped:2d}" + (f" {times[capped]:7.1f} us" if capped in times else "         ")
+          + f", fastest {fastest:2d} {times[fastest]:7.1f} us")  # fmt: skip
+    if capped in times:
+        assert times[capped] <= times[vllm]
+        if times[capped] > 1.1 * times[fastest]:
+            misses.add((kind, batch_, heads_, length_))
+assert misses == {("MLA", 8, 128, 8192), ("MLA", 128, 128, 1024)}, misses
+big_splits = split_sweep[("MLA", 32, 128, 1, 32768)]
+assert big_splits[64] > 1.3 * big_splits[8]  # the headline MLA case: 1656.5 -> 1239.5 us
+
+# %% [markdown]
+# The cap is never slower than vLLM's count and within 10% of the fastest count everywhere but two
+# rows, where it keeps vLLM's count: MLA B=8 H=128 L=8K (16 splits, 1.9 rounds; 8 splits are 11%
+# faster) and B=128 H=128 L=1K (2 splits, 3.9 rounds; 1 split is 21% faster). A cap at one or two
+# rounds would take those too; four rounds is the margin kept for batches whose rows differ in length.
+# With a split per program fewer, stage 1 can also load whole tiles: when pages hold a multiple of
+# 64 keys and lie back to back, a 64-key tile that starts on a multiple of 64 lies in one page, so
+# one table entry addresses it and a tensor descriptor (TMA on Hopper) loads its three pieces
+# (two 256-column latent halves and the 64-column rope) with no per-key address math. Only the at
+# most two partial tiles at a split's ends are gathered key by key with masks, so a NaN left in an
+# unused slot of a page never meets the value product. The descriptor sweep below (the sm90 entry
+# with and without descriptors, both capped) shows the 64-head tile gaining and the 16-head tile
+# losing, which is why that tile keeps the gathers (`TMA_H16` 0): its shared memory grows past
+# what two programs per SM can share.
+
+# %%
+tma_re = r"MLA B=(\d+) H=(\d+) L=(\d+) S=\s*\d+ (TMA, cap|gathers, cap|TMA, no cap)\s+([\d.]+) us"
+tma_sweep: dict[tuple, dict[str, float]] = {}
+for m in re.finditer(tma_re, text):
+    tma_sweep.setdefault(tuple(map(int, m.groups()[:3])), {})[m[4]] = float(m[5])
+for (batch_, heads_, length_), times in tma_sweep.items():
+    print(f"MLA B={batch_:3d} H={heads_:3d} L={length_:5d}: descriptors {times['TMA, cap']:7.1f} us, "
+          f"gathers {times['gathers, cap']:7.1f} us")  # fmt: skip
+    assert (times["TMA, cap"] < times["gathers, cap"]) == (heads_ > 16)
