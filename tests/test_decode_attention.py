@@ -351,10 +351,11 @@ def test_deepseek_mla_fp8_window_bf16_lse(device) -> None:
 
 
 @pytest.mark.parametrize(
-    ("page_size", "layout", "fp8", "window"),
-    [(64, "4d", False, None), (128, "3d", True, 150), (64, "4d", False, 150), (64, "cross_layer", False, None)],
-)
-def test_tma_tiles_and_gathered_ends(device, page_size, layout, fp8, window) -> None:
+    ("page_size", "layout", "fp8", "window", "index_dtype"),
+    [(64, "4d", False, None, torch.int32), (128, "3d", True, 150, torch.int64), (64, "4d", False, 150, torch.int32),
+     (64, "cross_layer", False, None, torch.int32)],
+)  # fmt: skip
+def test_tma_tiles_and_gathered_ends(device, page_size, layout, fp8, window, index_dtype) -> None:
     """The Hopper MLA config loads page-aligned tiles whole by tensor descriptors (head tiles wider than
     16; the 16-head tile keeps the gathers, ``TMA_H16``) and gathers the
     partial tiles at each split's ends (unaligned starts from the window and the split bounds, rows
@@ -362,7 +363,7 @@ def test_tma_tiles_and_gathered_ends(device, page_size, layout, fp8, window) -> 
     match golden (a descriptor row off by one key fails the three descriptor cases: tried by hand).
     Pages not back to back (a cross-layer view) fall back to the gathers."""
     d = make_decode(device, 41, [300, 200, 64, 63, 1, 0], is_mla=True, num_heads=32, widths=(512, 64),
-                    page_size=page_size, layout=layout, fp8=fp8, window=window)  # fmt: skip
+                    page_size=page_size, layout=layout, fp8=fp8, window=window, index_dtype=index_dtype)  # fmt: skip
     d.sm_scale = 192**-0.5
     config = _config("sm90", True)
     assert config.get("TMA")

@@ -417,7 +417,7 @@ def _decode_stage1_kernel(
         for tile in range(whole_lo, whole_hi, BLOCK_N):
             page = tl.load(table_row + (tile // PAGE_SIZE) * stride_t_p)
             page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-            key_row = page * PAGE_SIZE + tile % PAGE_SIZE
+            key_row = (page * PAGE_SIZE + tile % PAGE_SIZE).to(tl.int32)  # < 2**31: the wrapper checks
             k0 = lat_desc.load([key_row, 0]).to(DOT_DTYPE)
             k1 = lat_desc.load([key_row, HALF]).to(DOT_DTYPE)
             k_pe = pe_desc.load([key_row, D_FIRST]).to(DOT_DTYPE)

@@ -379,7 +379,7 @@ def _fwd_verify_kernel_stage1(
             offs_n = start_n + tl.arange(0, BLOCK_N)
             page = tl.load(table_row + (start_n // PAGE_SIZE) * stride_t_p)
             page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-            key_row = page * PAGE_SIZE + start_n % PAGE_SIZE
+            key_row = (page * PAGE_SIZE + start_n % PAGE_SIZE).to(tl.int32)  # < 2**31: the wrapper checks
             k0 = lat_desc.load([key_row, 0]).to(DOT_DTYPE)
             k1 = lat_desc.load([key_row, HALF]).to(DOT_DTYPE)
             k_pe = pe_desc.load([key_row, BLOCK_D]).to(DOT_DTYPE)
