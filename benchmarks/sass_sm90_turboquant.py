@@ -86,9 +86,7 @@ def decode(preset: str, config: dict[str, int]) -> None:
                       USE_PAIR_LUT=int(config["PAIR_LUT"] and key_bits == 4),
                       SMEM_CODEBOOK=int(config["SMEM_CODEBOOK"]), WORD_ALIGNED_KEYS=int(aligned),
                       WORD_ALIGNED_VALUES=int(layout.value_quant_bits == 4), BLOCK_M=16, BLOCK_N=config["BLOCK_N"],
-                      BLOCK_D=128, JOIN_UNPACK=int(config["JOIN_UNPACK"]),
-                      PRMT_CODEBOOK=int(config["PRMT_CODEBOOK"] and key_bits == 4),
-                      GATHER_WORDS=int(config["GATHER_WORDS"]), KEY_SPLIT=config["KEY_SPLIT"],
+                      BLOCK_D=128, JOIN_UNPACK=int(config["JOIN_UNPACK"]), GATHER_WORDS=int(config["GATHER_WORDS"]),
                       PREFETCH=config["PREFETCH"])  # fmt: skip
     constexprs["stride_btc"] = 1
     kernel = _compile(ttq._decode_stage1_kernel, DECODE_POINTERS, constexprs,
@@ -155,8 +153,7 @@ STORE_VARIANTS = {
 
 
 # Decode variants beside the sm90 entry (the TURBOQUANT_GRID of benchmarks/sweep_memory_bound.py ranks them by time).
-DECODE_VARIANTS = ({"KEY_SPLIT": 4, "PREFETCH": 0}, {"PAIR_LUT": 0, "PRMT_CODEBOOK": 1, "KEY_SPLIT": 4, "PREFETCH": 0},
-                   {"PREFETCH": 0}, {"PAIR_LUT": 0, "PRMT_CODEBOOK": 1}, {"KEY_SPLIT": 4}, {"JOIN_UNPACK": 0})
+DECODE_VARIANTS = ({"PREFETCH": 0}, {"JOIN_UNPACK": 0})
 
 if __name__ == "__main__":
     for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc"):

@@ -30,19 +30,16 @@ from triton_impl.parity.ue8m0_cache import bench_cases as ue8m0_cases
 
 os.environ["ATTNREF_CHECK_CONTENTS"] = "0"
 COPY_GBPS = 4221.0
-# TurboQuant decode: (BLOCK_N, num_warps, num_stages, PAIR_LUT, SMEM_CODEBOOK, JOIN_UNPACK, PRMT_CODEBOOK,
-# GATHER_WORDS, KEY_SPLIT, PREFETCH); the first is the current sm90 entry. Before it (14d089e) the 4-bit stage 1
-# took 661.7 us at L=8K (Nsight Compute: L1/TEX 80.4% busy, issue 27.5%). Since then the words load is contiguous
-# per token (LDG.128 instead of one cache line per lane), the phases are unpacked by joins (no 2-byte STS) and the
-# 3-bit fields are read in one contiguous load and split by tl.gather (shuffles). The variants, in the order the
-# sm_90 static counts rank them for the L1 pipe (triton_impl/turboquant.py has the numbers): one softmax stream
-# per warp with the loads left to Triton's pipeliner (KEY_SPLIT 4, PREFETCH 0), the same with the PRMT register
-# lookup for 4-bit keys and with 3 stages, the pipeliner alone, PRMT alone, KEY_SPLIT with the manual prefetch
-# (spills), 2-warp 64-key tiles, then the older choices (codebook gather, reshape, 3-bit two loads).
-TURBOQUANT_GRID = [(128, 4, 2, 1, 1, 1, 0, 1, 1, 1), (128, 4, 2, 1, 1, 1, 0, 1, 4, 0), (128, 4, 2, 0, 1, 1, 1, 1, 4, 0),
-                   (128, 4, 3, 1, 1, 1, 0, 1, 4, 0), (128, 4, 2, 1, 1, 1, 0, 1, 1, 0), (128, 4, 2, 0, 1, 1, 1, 1, 1, 1),
-                   (128, 4, 2, 1, 1, 1, 0, 1, 4, 1), (64, 2, 2, 1, 1, 1, 0, 1, 2, 0), (128, 4, 2, 0, 1, 1, 0, 1, 1, 1),
-                   (128, 4, 2, 1, 1, 0, 0, 1, 1, 1), (128, 4, 2, 1, 1, 1, 0, 0, 1, 1)]  # fmt: skip
+# TurboQuant decode: (BLOCK_N, num_warps, num_stages, PAIR_LUT, SMEM_CODEBOOK, JOIN_UNPACK, GATHER_WORDS,
+# PREFETCH); the first is the current sm90 entry. Before it (14d089e) the 4-bit stage 1 took 661.7 us at L=8K
+# (Nsight Compute: L1/TEX 80.4% busy, issue 27.5%). Since then the words load is contiguous per token (LDG.128
+# instead of one cache line per lane), the phases are unpacked by joins (no 2-byte STS) and the 3-bit fields are
+# read in one contiguous load and split by tl.gather (shuffles). The variants: the loads left to Triton's
+# pipeliner (PREFETCH 0; 4-bit 0.5047 ms against 0.4232 on the H200), then the older choices (codebook gather,
+# reshape, 3-bit two loads); triton_impl/turboquant.py has their static counts. One softmax stream per warp
+# (KEY_SPLIT) and the PRMT register lookup were timed slower and removed after fb849fb.
+TURBOQUANT_GRID = [(128, 4, 2, 1, 1, 1, 1, 1), (128, 4, 2, 1, 1, 1, 1, 0), (128, 4, 2, 0, 1, 1, 1, 1),
+                   (128, 4, 2, 1, 1, 0, 1, 1), (128, 4, 2, 1, 1, 1, 0, 1)]  # fmt: skip
 # TurboQuant store: (BLOCK_T, D_CHUNK, num_warps, TF32X3, num_stages, maxnreg (0: none)); STORE_GRID for the
 # MSE presets, FP8_STORE_GRID for FP8 keys (no rotation: D_CHUNK, TF32X3 and num_stages unused), each first the
 # sm90 entry, then in the order to time them. sm_90 static counts (benchmarks/sass_sm90_turboquant.py, Triton
@@ -102,15 +99,13 @@ def set_merge(max_s_d: int, warps: int) -> str:
 
 
 def set_turboquant(block_n: int, warps: int, stages: int, pair_lut: int, smem_codebook: int, join_unpack: int = 1,
-                   prmt_codebook: int = 0, gather_words: int = 1, key_split: int = 1,
-                   prefetch: int = 1) -> str:  # fmt: skip
+                   gather_words: int = 1, prefetch: int = 1) -> str:  # fmt: skip
     turboquant.DECODE_CONFIGS["sm90"] = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
                                          "PAIR_LUT": pair_lut, "SMEM_CODEBOOK": smem_codebook,
-                                         "JOIN_UNPACK": join_unpack, "PRMT_CODEBOOK": prmt_codebook,
-                                         "GATHER_WORDS": gather_words, "KEY_SPLIT": key_split,
+                                         "JOIN_UNPACK": join_unpack, "GATHER_WORDS": gather_words,
                                          "PREFETCH": prefetch}  # fmt: skip
-    return (f"BN{block_n} w{warps} s{stages} pair{pair_lut} smem{smem_codebook} join{join_unpack} prmt{prmt_codebook}"
-            f" gatherwords{gather_words} split{key_split} prefetch{prefetch}")  # fmt: skip
+    return (f"BN{block_n} w{warps} s{stages} pair{pair_lut} smem{smem_codebook} join{join_unpack}"
+            f" gatherwords{gather_words} prefetch{prefetch}")  # fmt: skip
 
 
 def set_store(block_t: int, d_chunk: int, warps: int, tf32x3: int, stages: int = 3, maxnreg: int = 0) -> str:

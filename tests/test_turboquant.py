@@ -1034,62 +1034,12 @@ def test_pair_lut_path_and_the_centroid_path_both_match_golden(device: torch.dev
         assert_close(lse, expected_lse, ("turboquant", "lse", "float32"))
 
 
-def _emulate_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
-    """Run the straight-line PTX of an inline-asm block (the b32 ops the PRMT lookup uses) on ints."""
-    regs = dict(inputs)
-    value = lambda x: regs[x] if x in regs else int(x, 0)
-    for line in asm.strip("{}\n").splitlines():
-        op, _, rest = line.strip().rstrip(";").partition(" ")
-        if op.startswith(".reg") or not op:
-            continue
-        if op == "mov.b32":  # mov.b32 {h0, h1}, r
-            halves, src = rest.split("}, ")
-            lo, hi = halves.strip("{").split(", ")
-            regs[lo], regs[hi] = value(src) & 0xFFFF, value(src) >> 16
-            continue
-        dst, *args = [a.strip() for a in rest.split(",")]
-        x = [value(a) for a in args]
-        if op == "and.b32":
-            regs[dst] = x[0] & x[1]
-        elif op == "shl.b32":
-            regs[dst] = (x[0] << x[1]) & 0xFFFFFFFF
-        elif op == "shr.b32":
-            regs[dst] = x[0] >> x[1]
-        elif op == "lop3.b32":
-            regs[dst] = sum((((x[3] >> ((((x[0] >> i) & 1) << 2) | (((x[1] >> i) & 1) << 1) | ((x[2] >> i) & 1))) & 1)
-                             << i) for i in range(32))  # fmt: skip
-        elif op == "prmt.b32":  # bytes 0-3 of a, 4-7 of b; a selector nibble's bit 3 replicates the byte's sign
-            source = [(x[0] | x[1] << 32) >> (8 * i) & 0xFF for i in range(8)]
-            picked = [source[(x[2] >> (4 * i)) & 7] for i in range(4)]
-            regs[dst] = sum(((0xFF if b & 0x80 else 0) if (x[2] >> (4 * i + 3)) & 1 else b) << (8 * i)
-                            for i, b in enumerate(picked))  # fmt: skip
-        else:
-            raise AssertionError(f"no emulation for {op}")
-    return regs
-
-
-def test_prmt_lookup_asm_returns_the_table_entry_of_every_code() -> None:
-    """The PRMT lookup (inline PTX, compiled only) emulated on random words and tables: output ``j``
-    is the fp16 table entry of the word's code ``j``, the table held as the kernel builds it."""
-    gen = generator(31)
-    for _ in range(300):
-        entries = torch.randint(0, 1 << 16, (16,), generator=gen).tolist()
-        word = int(torch.randint(0, 1 << 32, (1,), generator=gen, dtype=torch.int64))
-        tables = [sum(((entries[4 * i + j] >> (8 * hi)) & 0xFF) << (8 * j) for j in range(4))
-                  for hi in (0, 1) for i in range(4)]  # fmt: skip
-        regs = _emulate_ptx(ttq._PRMT_LOOKUP_ASM.value, {"$8": word} | {f"${9 + i}": t for i, t in enumerate(tables)})
-        assert [regs[f"${j}"] for j in range(8)] == [entries[(word >> (4 * j)) & 15] for j in range(8)]
-
-
 @pytest.mark.parametrize("variant", [{"JOIN_UNPACK": 0}, {"GATHER_WORDS": 0}, {"PAIR_LUT": 0, "SMEM_CODEBOOK": 1},
-                                     {"PAIR_LUT": 0, "PRMT_CODEBOOK": 1}, {"KEY_SPLIT": 4}, {"PREFETCH": 0},
-                                     {"KEY_SPLIT": 4, "PREFETCH": 0},
-                                     {"BLOCK_N": 64, "num_warps": 2, "KEY_SPLIT": 2}], ids=str)  # fmt: skip
+                                     {"PREFETCH": 0}], ids=str)  # fmt: skip
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k8v4"])
 def test_decode_variants_outside_the_config_table_match_golden(variant, preset, device: torch.device) -> None:
-    """The unpacking, lookup, key-split and prefetch variants the sweep times (benchmarks/sweep_memory_bound.py)
-    that no table entry selects; PRMT_CODEBOOK runs compiled only (the interpreter takes the gather).
-    Lengths give tiles whose later key chunks have no live key, and an empty request; D = 64 too."""
+    """The unpacking, lookup and prefetch variants the sweep times (benchmarks/sweep_memory_bound.py) that no
+    table entry selects. Lengths give partly live tiles and an empty request; D = 64 too."""
     config = ttq.DECODE_CONFIGS["sm90"] | variant
     with mock.patch.dict(ttq.DECODE_CONFIGS, dict.fromkeys(ttq.DECODE_CONFIGS, config)):
         _check_decode_against_golden(41, preset, 128, [300, 129], 2, 4, 2, 16, torch.float16, device)

@@ -17,8 +17,7 @@ stage 2 is ``triton_impl.lse_merge.merge_splits``. Codes are read as 32-bit word
 of 8 codes (each token's words in one contiguous load), and unpacked with shifts. Key codes become
 centroids through an fp16 table: the 16- or 8-entry codebook, or for 4-bit keys the pair LUT
 (FLUTE, papers.md#turboquant), where one 4-byte gather per packed byte returns both of its
-centroids, or (compiled only) PRMT byte selects from the 16-entry table held in registers. Value
-codes need no table: they enter the MMA as exact fp16 integers.
+centroids. Value codes need no table: they enter the MMA as exact fp16 integers.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.block_table import first_bad_key
-from triton_impl.interpreter import INTERPRET, INTERPRETING, e4m3_bits_to_f16, f32_to_e4m3_bits
+from triton_impl.interpreter import INTERPRET, e4m3_bits_to_f16, f32_to_e4m3_bits
 from triton_impl.launch import Launch, Plans, current_target, launch, no_launch, select_config
 from triton_impl.lse_merge import merge_splits_launch
 from triton_impl.validation import (
@@ -108,29 +107,26 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
 # JOIN_UNPACK 1 unpacks each code group's 8 phases by joins (held in registers) instead of a
-# [BLOCK_N, D/8, 8] reshape; PRMT_CODEBOOK 1 looks 4-bit key codes up in a register-held fp16 table
-# by PRMT (inline PTX: compiled only, the interpreter takes the next table in line), when the pair
-# LUT is not chosen; GATHER_WORDS 1 reads a 3-bit field's words in one contiguous load and picks
+# [BLOCK_N, D/8, 8] reshape; GATHER_WORDS 1 reads a 3-bit field's words in one contiguous load and picks
 # each group's words by tl.gather (warp shuffles), 0 by two loads per group (one cache line per lane).
+# PREFETCH 1 issues the next tile's loads before this tile's compute; 0 leaves them to Triton's pipeliner.
 # sm_90 static counts (Triton 3.6, the bench's launch, BLOCK_N 128, 4 warps,
 # benchmarks/sass_sm90_turboquant.py), shared-memory loads and stores per warp per tile and warp
-# instructions per key: 4-bit reshape 357 / 64.8 (128 of them 2-byte STS), joins 225 / 61.9, joins +
-# PRMT 191 / 71.0 (no gather); k8v4 reshape 68.6, joins 65.8; 3-bit two loads (65 scalar LDG, 104 B
-# of stack) 99.6, GATHER_WORDS 72.2 (8 LDG.128, 8 B of stack). KEY_SPLIT 4 (a softmax stream per
-# warp, no probability exchange between warps): 4-bit 54.4 warp instructions per key, 4.03 of them
-# shared-memory loads and stores (7.03 with one stream), 14 barriers per tile (24), but 160 B of
-# stack (27 STL and 27 LDL per warp per tile); k8v4 65.0 with 248 B of stack. PREFETCH 0 leaves the
-# tile's loads to Triton's pipeliner (num_stages 2: LDGSTS into shared memory, no words held in
-# registers across iterations): with KEY_SPLIT 4, 4-bit 54.9 (40 B of stack, no spill in the loop,
-# 11 barriers), k8v4 53.4 (8 B, 8 barriers, 2.34 shared-memory loads and stores per key); with one
-# stream 205-208 registers (from 224-240), 4-bit 64.0, k8v4 62.6. Not timed yet.
+# instructions per key: 4-bit reshape 357 / 64.8 (128 of them 2-byte STS), joins 225 / 61.9; k8v4 reshape
+# 68.6, joins 65.8; 3-bit two loads (65 scalar LDG, 104 B of stack) 99.6, GATHER_WORDS 72.2 (8 LDG.128, 8 B
+# of stack). PREFETCH 0 (num_stages 2: LDGSTS into shared memory, no words held in registers across
+# iterations): 205-208 registers (from 224-240), 4-bit 64.0, k8v4 62.6; on the H200 (B=32 Hq=32 Hk=8 D=128
+# L=8K, sweep_memory_bound_h200.md) 4-bit 0.5047 ms against 0.4232 for the sm90 entry. A softmax stream per
+# warp (KEY_SPLIT 4 with PREFETCH 0: 4-bit 0.7364 ms, 0.7278 with 3 stages; k8v4 0.6250 against 0.4199) and
+# the 4-bit PRMT lookup from a register-held table (0.8166 ms, with KEY_SPLIT 4 and PREFETCH 0; never timed
+# alone) were timed slower than the sm90 entry (0.4232 ms) and removed (the code is in fb849fb).
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
-                "JOIN_UNPACK": 1, "PRMT_CODEBOOK": 0, "GATHER_WORDS": 1, "KEY_SPLIT": 1, "PREFETCH": 1},
+                "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
-             "PRMT_CODEBOOK": 0, "GATHER_WORDS": 1, "KEY_SPLIT": 1, "PREFETCH": 1},
+             "GATHER_WORDS": 1, "PREFETCH": 1},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
-                    "JOIN_UNPACK": 1, "PRMT_CODEBOOK": 0, "GATHER_WORDS": 1, "KEY_SPLIT": 1, "PREFETCH": 1},
+                    "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
 
 
@@ -644,69 +640,6 @@ def _joined_codes(groups, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl
     return tl.reshape(tl.join(tl.join(y00, y10), tl.join(y01, y11)), [BLOCK_N, BLOCK_D])
 
 
-# Per 32-bit word of 8 4-bit codes, the 8 fp16 centroids from a 16-entry fp16 table held in 8 registers:
-# lo bytes of entries 4i..4i+3 in $9+i, hi bytes in $13+i. PRMT picks a byte of a register pair by a
-# selector nibble, so each PRMT looks 4 codes up in entries 0-7 or 8-15 (code & 7); code bit 3 picks
-# between the two (a byte mask from PRMT's sign-replicate mode on the word and the word << 4, then
-# LOP3 0xD8 = m ? b : a); two more PRMTs interleave lo and hi bytes into fp16 pairs. 22 instructions
-# per word, no memory access.
-_PRMT_LOOKUP_ASM = tl.constexpr("""{
-.reg .b32 s, t, m, a, b, lo, hi, r;
-shl.b32 t, $8, 4;
-and.b32 s, $8, 0x7777;
-prmt.b32 m, t, $8, 0xD9C8;
-prmt.b32 a, $9, $10, s;
-prmt.b32 b, $11, $12, s;
-lop3.b32 lo, a, b, m, 0xD8;
-prmt.b32 a, $13, $14, s;
-prmt.b32 b, $15, $16, s;
-lop3.b32 hi, a, b, m, 0xD8;
-prmt.b32 r, lo, hi, 0x5140;
-mov.b32 {$0, $1}, r;
-prmt.b32 r, lo, hi, 0x7362;
-mov.b32 {$2, $3}, r;
-shr.b32 s, $8, 16;
-and.b32 s, s, 0x7777;
-prmt.b32 m, t, $8, 0xFBEA;
-prmt.b32 a, $9, $10, s;
-prmt.b32 b, $11, $12, s;
-lop3.b32 lo, a, b, m, 0xD8;
-prmt.b32 a, $13, $14, s;
-prmt.b32 b, $15, $16, s;
-lop3.b32 hi, a, b, m, 0xD8;
-prmt.b32 r, lo, hi, 0x5140;
-mov.b32 {$4, $5}, r;
-prmt.b32 r, lo, hi, 0x7362;
-mov.b32 {$6, $7}, r;
-}""")
-
-
-@triton.jit
-def _prmt_table(centroid_ptr, i: tl.constexpr, HI: tl.constexpr):
-    """Register ``i`` of the PRMT table: byte ``j`` is the lo (or hi) byte of fp16 entry ``4i + j``."""
-    j = tl.arange(0, 4)
-    bits = tl.load(centroid_ptr + 4 * i + j).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
-    return tl.sum(((bits >> (8 * HI)) & 0xFF) << (8 * j).to(tl.uint32), axis=0)
-
-
-@triton.jit
-def _prmt_centroids(groups, centroid_ptr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """4-bit code groups -> fp16 centroids ``[BLOCK_N, BLOCK_D]`` in dimension order, looked up in
-    registers by PRMT (GPU only: the interpreter cannot run inline assembly). The 8 phases are
-    joined as in :func:`_joined_codes`."""
-    c = tl.inline_asm_elementwise(
-        _PRMT_LOOKUP_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
-        [groups, _prmt_table(centroid_ptr, 0, 0), _prmt_table(centroid_ptr, 1, 0), _prmt_table(centroid_ptr, 2, 0),
-         _prmt_table(centroid_ptr, 3, 0), _prmt_table(centroid_ptr, 0, 1), _prmt_table(centroid_ptr, 1, 1),
-         _prmt_table(centroid_ptr, 2, 1), _prmt_table(centroid_ptr, 3, 1)],
-        dtype=(tl.float16,) * 8, is_pure=True, pack=1)  # fmt: skip
-    y00 = tl.join(c[0], c[4])
-    y10 = tl.join(c[2], c[6])
-    y01 = tl.join(c[1], c[5])
-    y11 = tl.join(c[3], c[7])
-    return tl.reshape(tl.join(tl.join(y00, y10), tl.join(y01, y11)), [BLOCK_N, BLOCK_D])
-
-
 @triton.jit
 def _small_int_to_f16(codes):
     """int32 in ``[0, 1024)`` -> fp16, exactly, without a conversion instruction: ``0x6400 | c`` is
@@ -777,15 +710,13 @@ def _load_tile(cache_ptr, cache_u16_ptr, block_row, tile_start, end, kv_head,
 
 @triton.jit
 def _key_tile(keys, pair_lut, codebook, centroid_ptr, KEY_BITS: tl.constexpr, USE_PAIR_LUT: tl.constexpr,
-              SMEM_CODEBOOK: tl.constexpr, JOIN_UNPACK: tl.constexpr, PRMT_CODEBOOK: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+              SMEM_CODEBOOK: tl.constexpr, JOIN_UNPACK: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr):  # fmt: skip
     """A tile's keys ``[BLOCK_N, BLOCK_D]`` fp16: FP8 bytes converted, or codes through a table."""
     if KEY_BITS == 8:
         k = e4m3_bits_to_f16(keys)  # exact: every e4m3 value is an fp16 value
     elif USE_PAIR_LUT:
         k = _pair_centroids(keys, pair_lut, BLOCK_N, BLOCK_D)
-    elif PRMT_CODEBOOK and KEY_BITS == 4:
-        k = _prmt_centroids(keys, centroid_ptr, BLOCK_N, BLOCK_D)
     elif SMEM_CODEBOOK:
         if JOIN_UNPACK:
             codes = tl.reshape(_joined_codes(keys, KEY_BITS, BLOCK_N, BLOCK_D), [BLOCK_N * BLOCK_D])
@@ -850,9 +781,7 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     JOIN_UNPACK: tl.constexpr,  # code groups -> codes by joins, else by a reshape
-    PRMT_CODEBOOK: tl.constexpr,  # 4-bit keys without the pair LUT: PRMT lookups in registers (compiled only)
     GATHER_WORDS: tl.constexpr,  # 3-bit fields: one contiguous load of the words, groups by tl.gather
-    KEY_SPLIT: tl.constexpr,  # > 1: the tile's keys as KEY_SPLIT independent softmax streams, merged at the end
     PREFETCH: tl.constexpr,  # 1: the next tile's loads issued before this tile's compute; 0: Triton's pipeliner
 ):  # fmt: skip
     """Grid ``(B, HKV, S)``: a program owns one split of one request for one KV head.
@@ -922,100 +851,49 @@ def _decode_stage1_kernel(
     elif SMEM_CODEBOOK and KEY_BITS != 8:  # the fp16 codebook as a register tensor
         codebook = tl.load(centroid_ptr + tl.arange(0, 1 << KEY_BITS)).to(tl.float16)
 
-    if KEY_SPLIT > 1:
-        # Each of KEY_SPLIT chunks of NW consecutive tile keys is its own online-softmax stream (batched
-        # MMAs [KEY_SPLIT, BLOCK_M, *]); with one chunk per warp no probability crosses warps inside the
-        # loop. The streams merge after it. A chunk may have no live key: its max stays -inf, guarded.
-        NW: tl.constexpr = BLOCK_N // KEY_SPLIT
-        q_hi3 = tl.broadcast_to(q_hi[None, :, :], (KEY_SPLIT, BLOCK_M, BLOCK_D))
-        q_lo3 = tl.broadcast_to(q_lo[None, :, :], (KEY_SPLIT, BLOCK_M, BLOCK_D))
-        m3 = tl.full([KEY_SPLIT, BLOCK_M], float("-inf"), dtype=tl.float32)
-        l3 = tl.zeros([KEY_SPLIT, BLOCK_M], dtype=tl.float32)
-        acc3 = tl.zeros([KEY_SPLIT, BLOCK_M, BLOCK_D], dtype=tl.float32)
-        if PREFETCH:
-            live, keys, values, norm, v_scale, v_zero = _load_tile(
-                cache_ptr, cache_u16_ptr, block_row, start, end, kv_head, block_size, num_blocks, num_kv_heads,
-                stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS, VALUE_BITS,
-                KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D,
-                GATHER_WORDS)  # fmt: skip
-        for tile_start in range(start, end, BLOCK_N):
-            tile = _load_tile(
-                cache_ptr, cache_u16_ptr, block_row, tile_start + PREFETCH * BLOCK_N, end, kv_head, block_size,
-                num_blocks, num_kv_heads, stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM,
-                KEY_BITS, VALUE_BITS, KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N,
-                BLOCK_D, GATHER_WORDS)  # fmt: skip
-            if not PREFETCH:
-                live, keys, values, norm, v_scale, v_zero = tile
-            k = _key_tile(keys, pair_lut, codebook, centroid_ptr, KEY_BITS, USE_PAIR_LUT, SMEM_CODEBOOK,
-                          JOIN_UNPACK, PRMT_CODEBOOK, BLOCK_N, BLOCK_D)  # fmt: skip
-            k = tl.trans(tl.reshape(k, [KEY_SPLIT, NW, BLOCK_D]), 0, 2, 1)
-            qk = tl.dot(q_lo3, k, tl.dot(q_hi3, k)) * tl.reshape(norm, [KEY_SPLIT, NW])[:, None, :]
-            s = tl.where(tl.reshape(live, [KEY_SPLIT, NW])[:, None, :], qk * score_scale, float("-inf"))
-            m_new = tl.maximum(m3, tl.max(s, axis=2))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m3 - m_use)
-            p = tl.exp2(s - m_use[:, :, None])
-            if JOIN_UNPACK:
-                v_codes = _small_int_to_f16(_joined_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
-            else:
-                v_codes = _small_int_to_f16(_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
-            v_codes = tl.reshape(v_codes, [KEY_SPLIT, NW, BLOCK_D])
-            w_hi, w_lo = _split_f16(p * tl.reshape(v_scale, [KEY_SPLIT, NW])[:, None, :])
-            pv = tl.dot(w_lo, v_codes, tl.dot(w_hi, v_codes))
-            pv += tl.sum(p * tl.reshape(v_zero, [KEY_SPLIT, NW])[:, None, :], axis=2)[:, :, None]
-            acc3 = acc3 * alpha[:, :, None] + pv
-            l3 = l3 * alpha + tl.sum(p, axis=2)
-            m3 = m_new
-            if PREFETCH:
-                live, keys, values, norm, v_scale, v_zero = tile
-        m_i = tl.max(m3, axis=0)
-        f = tl.exp2(m3 - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
-        l_i = tl.sum(l3 * f, axis=0)
-        acc = tl.sum(acc3 * f[:, :, None], axis=0)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        # PREFETCH: each iteration issues the next tile's loads before it computes on this one, so
-        # their latency (table entry, then the fields it points to) hides under the compute. Without
-        # it the tile is loaded where it is used, and Triton's pipeliner may stage the loads itself
-        # (num_stages; sm_90: LDGSTS into shared memory).
-        if PREFETCH:
-            live, keys, values, norm, v_scale, v_zero = _load_tile(
-                cache_ptr, cache_u16_ptr, block_row, start, end, kv_head, block_size, num_blocks, num_kv_heads,
-                stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS, VALUE_BITS,
-                KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D,
-                GATHER_WORDS)  # fmt: skip
-        for tile_start in range(start, end, BLOCK_N):
-            tile = _load_tile(
-                cache_ptr, cache_u16_ptr, block_row, tile_start + PREFETCH * BLOCK_N, end, kv_head, block_size,
-                num_blocks, num_kv_heads, stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM,
-                KEY_BITS, VALUE_BITS, KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N,
-                BLOCK_D, GATHER_WORDS)  # fmt: skip
-            if not PREFETCH:
-                live, keys, values, norm, v_scale, v_zero = tile
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # PREFETCH: each iteration issues the next tile's loads before it computes on this one, so
+    # their latency (table entry, then the fields it points to) hides under the compute. Without
+    # it the tile is loaded where it is used, and Triton's pipeliner may stage the loads itself
+    # (num_stages; sm_90: LDGSTS into shared memory).
+    if PREFETCH:
+        live, keys, values, norm, v_scale, v_zero = _load_tile(
+            cache_ptr, cache_u16_ptr, block_row, start, end, kv_head, block_size, num_blocks, num_kv_heads,
+            stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM, KEY_BITS, VALUE_BITS,
+            KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N, BLOCK_D,
+            GATHER_WORDS)  # fmt: skip
+    for tile_start in range(start, end, BLOCK_N):
+        tile = _load_tile(
+            cache_ptr, cache_u16_ptr, block_row, tile_start + PREFETCH * BLOCK_N, end, kv_head, block_size,
+            num_blocks, num_kv_heads, stride_btc, stride_block, data_bytes_per_slot, meta_offset, HEAD_DIM,
+            KEY_BITS, VALUE_BITS, KEY_DATA_BYTES, NUM_FIELDS, WORD_ALIGNED_KEYS, WORD_ALIGNED_VALUES, BLOCK_N,
+            BLOCK_D, GATHER_WORDS)  # fmt: skip
+        if not PREFETCH:
+            live, keys, values, norm, v_scale, v_zero = tile
 
-            k = _key_tile(keys, pair_lut, codebook, centroid_ptr, KEY_BITS, USE_PAIR_LUT, SMEM_CODEBOOK, JOIN_UNPACK,
-                          PRMT_CODEBOOK, BLOCK_N, BLOCK_D)  # fmt: skip
-            k = tl.trans(k)
-            qk = tl.dot(q_lo, k, tl.dot(q_hi, k)) * norm[None, :]
-            s = tl.where(live[None, :], qk * score_scale, float("-inf"))
+        k = _key_tile(keys, pair_lut, codebook, centroid_ptr, KEY_BITS, USE_PAIR_LUT, SMEM_CODEBOOK, JOIN_UNPACK,
+                      BLOCK_N, BLOCK_D)  # fmt: skip
+        k = tl.trans(k)
+        qk = tl.dot(q_lo, k, tl.dot(q_hi, k)) * norm[None, :]
+        s = tl.where(live[None, :], qk * score_scale, float("-inf"))
 
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: a tile has at least one live token
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            if JOIN_UNPACK:
-                v_codes = _small_int_to_f16(_joined_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
-            else:
-                v_codes = _small_int_to_f16(_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
-            w_hi, w_lo = _split_f16(p * v_scale[None, :])
-            pv = tl.dot(w_lo, v_codes, tl.dot(w_hi, v_codes))
-            pv += tl.sum(p * v_zero[None, :], axis=1)[:, None]
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-            if PREFETCH:
-                live, keys, values, norm, v_scale, v_zero = tile
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: a tile has at least one live token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        if JOIN_UNPACK:
+            v_codes = _small_int_to_f16(_joined_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
+        else:
+            v_codes = _small_int_to_f16(_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
+        w_hi, w_lo = _split_f16(p * v_scale[None, :])
+        pv = tl.dot(w_lo, v_codes, tl.dot(w_hi, v_codes))
+        pv += tl.sum(p * v_zero[None, :], axis=1)[:, None]
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        if PREFETCH:
+            live, keys, values, norm, v_scale, v_zero = tile
 
     has_keys = end > start
     l_safe = tl.where(l_i == 0, 1.0, l_i)
@@ -1267,9 +1145,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         USE_PAIR_LUT=bool(use_pair_lut),
         SMEM_CODEBOOK=bool(config["SMEM_CODEBOOK"]),
         JOIN_UNPACK=bool(config["JOIN_UNPACK"]),
-        PRMT_CODEBOOK=bool(config["PRMT_CODEBOOK"]) and key_bits == 4 and not INTERPRETING,
         GATHER_WORDS=bool(config["GATHER_WORDS"]),
-        KEY_SPLIT=config["KEY_SPLIT"],
         PREFETCH=config["PREFETCH"],
         WORD_ALIGNED_KEYS=aligned and key_bits == 4,
         WORD_ALIGNED_VALUES=aligned and value_quant_bits == 4 and layout["key_data_bytes"] % 4 == 0,
