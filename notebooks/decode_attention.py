@@ -21,6 +21,7 @@
 # an `assert` in the cell that shows it.
 
 # %%
+import json
 import math
 import re
 from pathlib import Path
@@ -686,3 +687,34 @@ for (batch_, heads_, length_), times in tma_sweep.items():
     print(f"MLA B={batch_:3d} H={heads_:3d} L={length_:5d}: descriptors {times['TMA, cap']:7.1f} us, "
           f"gathers {times['gathers, cap']:7.1f} us")  # fmt: skip
     assert (times["TMA, cap"] < times["gathers, cap"]) == (heads_ > 16)
+
+# %% [markdown]
+# **The schedule that remains, per tile.** One program owns 64 heads of one row and one split and
+# walks 64-key tiles; its 8 warps (two warpgroups) do everything in turn for each tile: the three
+# QK^T products (two latent halves and the rope part, wgmma), the online softmax on the scores, and
+# the two P V products (the latent halves are V). The cell below takes the H=128 B=32 L=32K bench
+# row (`bench_h200.json`) and divides it into tiles: the bytes a tile loads, its FLOPs, and the time
+# one SM spends on it.
+
+# %%
+bench_rows = {row["case"]: row for row in json.loads((RESULTS / "bench_h200.json").read_text())["results"]}
+row = bench_rows["MLA 576/512 B=32 H=128 L=32768 bf16"]
+batch_, heads_, length_, tile_keys, tile_heads = 32, 128, 32768, 64, 64
+tile_bytes = tile_keys * 576 * 2  # one K tile (bf16); V is its first 512 columns, not loaded again
+tile_flops = 2 * tile_heads * tile_keys * (576 + 512)  # QK^T over 576 columns, P V over 512
+tiles = batch_ * (heads_ // tile_heads) * (length_ // tile_keys)  # (row, head tile, key tile) triples
+per_sm_us = row["ms"] * 1e3 * H200_SMS / tiles
+per_sm_tflops = tile_flops / per_sm_us / 1e6
+print(f"a tile: {tile_bytes / 1024:.0f} KiB loaded, {tile_flops / 1e6:.1f} MFLOP "
+      f"({tile_flops / tile_bytes:.0f} FLOP per byte; the H200's ridge is about 160)")  # fmt: skip
+print(f"{tiles} tiles on {H200_SMS} SMs: {per_sm_us:.2f} us per tile per SM, {per_sm_tflops:.2f} TFLOP/s per SM, "
+      f"{100 * per_sm_tflops * H200_SMS / tflops_ceiling:.0f}% of the matmul ceiling")  # fmt: skip
+assert abs(per_sm_tflops * H200_SMS - row["tflops"]) < 0.02 * row["tflops"]
+assert tile_flops / tile_bytes > 100 and per_sm_tflops * H200_SMS < 0.5 * tflops_ceiling
+
+# %% [markdown]
+# A tile is compute-heavy (121 FLOP per byte) and the SM spends about 4 us on it at about 40% of
+# the matmul rate: the softmax between the products leaves the tensor cores idle, and nothing
+# overlaps it (Nsight Compute: issue slots 24% busy). FlashMLA's answer is two warpgroups in
+# ping-pong, one's softmax under the other's products, fed by a producer warp; Triton 3.6 does not
+# specialize this loop's warps (`perf_log.md`), so that schedule is the next step, in Gluon.
