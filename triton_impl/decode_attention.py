@@ -255,6 +255,21 @@ def _gather_tile(k_ptr, v_ptr, table_row_ptr, stride_t_p, num_pages, kv_head, ti
 
 
 @triton.jit
+def descriptor_tile(lat_desc, pe_desc, table_row_ptr, stride_t_p, num_pages, tile, PAGE_SIZE: tl.constexpr,
+                    HALF: tl.constexpr, ROPE_COL: tl.constexpr, DOT_DTYPE: tl.constexpr):  # fmt: skip
+    """The MLA key tile starting at key ``tile`` (a multiple of the tile, inside one page) by tensor
+    descriptors (``tma_layout``): ``(k0, k1, k_pe)``, the latent halves and the rope part at column
+    ``ROPE_COL``. One table entry, clamped into the cache (a bad one poisons the split before the loop)."""
+    page = tl.load(table_row_ptr + (tile // PAGE_SIZE) * stride_t_p)
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+    key_row = (page * PAGE_SIZE + tile % PAGE_SIZE).to(tl.int32)  # < 2**31: tma_layout checks
+    k0 = lat_desc.load([key_row, 0]).to(DOT_DTYPE)
+    k1 = lat_desc.load([key_row, HALF]).to(DOT_DTYPE)
+    k_pe = pe_desc.load([key_row, ROPE_COL]).to(DOT_DTYPE)
+    return k0, k1, k_pe
+
+
+@triton.jit
 def _attend_tile(q0, q1, q_pe, k0, k1, k_pe, v, tok_ok, m_i, l_i, acc0, acc1, qk_scale, logit_cap,
                  HAS_CAP: tl.constexpr, BLOCK_DPE: tl.constexpr, SPLIT_LATENT: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
@@ -415,12 +430,8 @@ def _decode_stage1_kernel(
         head_end = tl.minimum(whole_lo, end)
         all_live = tl.full((BLOCK_N,), 1, tl.int1)
         for tile in range(whole_lo, whole_hi, BLOCK_N):
-            page = tl.load(table_row + (tile // PAGE_SIZE) * stride_t_p)
-            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-            key_row = (page * PAGE_SIZE + tile % PAGE_SIZE).to(tl.int32)  # < 2**31: the wrapper checks
-            k0 = lat_desc.load([key_row, 0]).to(DOT_DTYPE)
-            k1 = lat_desc.load([key_row, HALF]).to(DOT_DTYPE)
-            k_pe = pe_desc.load([key_row, D_FIRST]).to(DOT_DTYPE)
+            k0, k1, k_pe = descriptor_tile(lat_desc, pe_desc, table_row, stride_t_p, num_pages, tile, PAGE_SIZE,
+                                           HALF, D_FIRST, DOT_DTYPE)  # fmt: skip
             m_i, l_i, acc0, acc1 = _attend_tile(q0, q1, q_pe, k0, k1, k_pe, k0, all_live, m_i, l_i, acc0, acc1,
                                                 qk_scale, logit_cap, HAS_CAP, BLOCK_DPE, SPLIT_LATENT, DOT_DTYPE,
                                                 DOT_PRECISION)  # fmt: skip

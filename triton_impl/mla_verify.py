@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from triton_impl.block_table import first_bad_key
-from triton_impl.decode_attention import tma_descriptors, tma_layout
+from triton_impl.decode_attention import descriptor_tile, tma_descriptors, tma_layout
 from triton_impl.interpreter import INTERPRETING, cast_for_store, dot_dtype
 from triton_impl.launch import Launch, Plans, current_target, device_arch, no_launch
 from triton_impl.lse_merge import merge_splits_launch
@@ -377,12 +377,8 @@ def _fwd_verify_kernel_stage1(
         last_tile = tl.maximum(split_start + (tile_end - split_start) // BLOCK_N * BLOCK_N, split_start)
         for start_n in range(split_start, last_tile, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            page = tl.load(table_row + (start_n // PAGE_SIZE) * stride_t_p)
-            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-            key_row = (page * PAGE_SIZE + start_n % PAGE_SIZE).to(tl.int32)  # < 2**31: the wrapper checks
-            k0 = lat_desc.load([key_row, 0]).to(DOT_DTYPE)
-            k1 = lat_desc.load([key_row, HALF]).to(DOT_DTYPE)
-            k_pe = pe_desc.load([key_row, BLOCK_D]).to(DOT_DTYPE)
+            k0, k1, k_pe = descriptor_tile(lat_desc, pe_desc, table_row, stride_t_p, num_pages, start_n, PAGE_SIZE,
+                                           HALF, BLOCK_D, DOT_DTYPE)  # fmt: skip
             seen = offs_n[None, :] < row_end[:, None]
             m_i, l_i, acc0, acc1 = _verify_tile(q0, q1, q_pe, k0, k1, k_pe, seen, m_i, l_i, acc0, acc1, qk_scale,
                                                 SPLIT_LATENT, BLOCK_DPE, DOT_DTYPE)  # fmt: skip
