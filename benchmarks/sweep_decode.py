@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.testing
 
-from triton_impl.decode_attention import DECODE_CONFIGS, _compute_num_kv_splits, decode_attention_fwd
+from triton_impl.decode_attention import DECODE_CONFIGS, _compute_num_kv_splits, decode_attention_fwd, tile_config
 
 os.environ["ATTNREF_CHECK_CONTENTS"] = "0"
 PEAK_FLOPS, PEAK_BW = 680e12, 4.24e12
@@ -35,8 +35,9 @@ SHAPES = [  # the H=16 shape first: its register cap (MLA_GRID) is the open ques
 # The rest of the bench's decode shapes, for the split sweep.
 SPLIT_SHAPES = [*SHAPES, ("MLA", 128, 16, 1, 576, 512, 8192, 64), ("MLA", 1, 128, 1, 576, 512, 32768, 64),
                 ("MLA", 128, 128, 1, 576, 512, 1024, 64)]  # fmt: skip
-# Resident stage-1 programs per SM under the sm90 configs (Triton 3.6, Nsight Compute's occupancy): the 64-head
-# MLA tile 1 (255 registers, 221 KB shared memory), the 16-head MLA tile 2 (128 registers), GQA 4 (108 registers).
+# The split sweep counts rounds of resident stage-1 programs with the sm90 entries' PROGRAMS_PER_SM (Triton 3.6,
+# Nsight Compute's occupancy): the 64-head MLA tile 1 (255 registers, 221 KB shared memory), the 16-head MLA tile 2
+# (128 registers), GQA 4 (108 registers).
 # (BLOCK_H, BLOCK_N, num_warps, num_stages, SPLIT_LATENT[, maxnreg]). The sm90 entry (64, 64, 8, 2, 1) caps the
 # 16-head tile at 128 registers (maxnreg_h16): uncapped, Triton 3.6 gives that tile 150 registers per thread, so
 # one 8-warp program fits an SM where two fit at 128 (94 KiB of shared memory each): 543 -> 385 us at H=16
@@ -101,8 +102,9 @@ def sweep_splits(shape: tuple, sms: int, deadline: float) -> None:
     device = torch.device("cuda")
     (q, k, v, o, lse, table, seq_lens), is_mla, flops, nbytes = problem(*shape, device)
     vllm = _compute_num_kv_splits(length, sms)
-    per_sm = (1 if heads > 16 else 2) if is_mla else 4
-    programs_per_split = batch * kv_heads * (triton.cdiv(heads // kv_heads, 64) if is_mla else 1)
+    tile, config = tile_config(DECODE_CONFIGS["sm90"]["mla" if is_mla else "gqa"], heads // kv_heads)
+    per_sm = config["PROGRAMS_PER_SM"]
+    programs_per_split = batch * kv_heads * triton.cdiv(heads // kv_heads, tile)
     fills = {max(1, rounds * per_sm * sms // programs_per_split) for rounds in (1, 2, 4, 8)}
     counts = sorted({vllm >> i for i in range(vllm.bit_length())} | {n for n in fills if n <= vllm}, reverse=True)
     sm_scale = 192**-0.5 if is_mla else key_width**-0.5

@@ -43,6 +43,7 @@ from triton_impl.decode_attention import (
     decode_attention_fwd,
     expand_decode_rows,
     stage1_splits,
+    tile_config,
 )
 from triton_impl.interpreter import INTERPRETING
 from triton_impl.lse_merge import merge_splits
@@ -91,7 +92,7 @@ def next_power_of_2(x: int) -> int:
 
 def decode_head_tile(config: dict[str, int], group: int) -> int:
     """Heads per stage-1 program: ``BLOCK_H`` clamped to the group, as ``decode_attention_fwd`` does."""
-    return min(config["BLOCK_H"], max(16, next_power_of_2(group)))
+    return tile_config(config, group)[0]
 
 
 def verify_config_sm90(batch: int, qlen: int, heads: int) -> dict:
@@ -647,10 +648,9 @@ for m in re.finditer(split_re, text):
     shape = (kind, int(batch_), int(heads_), int(kv_heads_), int(length_))
     split_sweep.setdefault(shape, {})[int(splits_)] = float(us)
 for (kind, batch_, heads_, kv_heads_, length_), times in split_sweep.items():
-    config = DECODE_CONFIGS["sm90"]["mla" if kind == "MLA" else "gqa"]
-    tile = min(config["BLOCK_H"], max(16, 1 << (heads_ // kv_heads_ - 1).bit_length()))  # next power of two
+    tile, config = tile_config(DECODE_CONFIGS["sm90"]["mla" if kind == "MLA" else "gqa"], heads_ // kv_heads_)
     vllm = _compute_num_kv_splits(length_, H200_SMS)
-    capped = stage1_splits(vllm, batch_ * kv_heads_ * math.ceil(heads_ // kv_heads_ / tile), H200_SMS, config, tile)
+    capped = stage1_splits(vllm, batch_ * kv_heads_ * math.ceil(heads_ // kv_heads_ / tile), H200_SMS, config)
     fastest = min(times, key=times.get)
     print(f"{kind} B={batch_:3d} H={heads_:3d} L={length_:5d}: vLLM {vllm:2d} splits {times[vllm]:7.1f} us, "
           f"capped {capped:2d}" + (f" {times[capped]:7.1f} us" if capped in times else "         ")

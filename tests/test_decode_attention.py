@@ -21,9 +21,10 @@ from triton_impl.decode_attention import (
     decode_attention_fwd,
     expand_decode_rows,
     stage1_splits,
+    tile_config,
 )
 from triton_impl.lse_merge import merge_splits
-from triton_impl.validation import CONTENT_CHECKS_ENV, cdiv, next_pow2
+from triton_impl.validation import CONTENT_CHECKS_ENV, cdiv
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # MLA (Lv, rope width P) and GQA (Lk, Lv) widths: small, with non-powers of two for GQA. MLA widths
@@ -155,16 +156,16 @@ def _splits_run(d: Decode, splits: int, config: dict[str, int]) -> int:
     """The splits stage 1 runs for ``d`` under ``config`` on its device (``stage1_splits``)."""
     rows, heads = d.q.shape[:2]
     kv_heads = d.k.shape[-2]
-    tile = min(config["BLOCK_H"], max(16, next_pow2(heads // kv_heads)))
+    tile, config = tile_config(config, heads // kv_heads)
     sms = torch.cuda.get_device_properties(d.q.device).multi_processor_count if d.q.is_cuda else None
-    return stage1_splits(splits, rows * kv_heads * cdiv(heads // kv_heads, tile), sms, config, tile)
+    return stage1_splits(splits, rows * kv_heads * cdiv(heads // kv_heads, tile), sms, config)
 
 
 def test_stage1_splits_cap() -> None:
     """The cap fills SPLIT_ROUNDS rounds of resident programs and never raises the split count."""
     config = {"SPLIT_ROUNDS": 4, "PROGRAMS_PER_SM": 1, "PROGRAMS_PER_SM_H16": 2}
     assert stage1_splits(64, 64, 132, config) == 8  # MLA B=32 H=128: 2 head tiles of 64
-    assert stage1_splits(64, 32, 132, config, head_tile=16) == 33  # MLA B=32 H=16
+    assert stage1_splits(64, 32, 132, tile_config({**config, "BLOCK_H": 64}, 16)[1]) == 33  # MLA B=32 H=16
     assert stage1_splits(64, 2, 132, config) == 64  # B=1: the caller's count
     assert stage1_splits(2, 4096, 132, config) == 1  # a full GPU: one split
     assert stage1_splits(1, 1, 132, config) == 1

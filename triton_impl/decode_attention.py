@@ -76,11 +76,12 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # where two fit at 128 (94 KiB of shared memory each); B=32 H=16 L=32K went 543 -> 385 us (8f5b45e,
 # sweep_decode_h200.md). The same cap on the 64-head tile (255 registers) doubled its time.
 # TMA (0): load whole page-aligned MLA tiles with tensor descriptors (see _decode_stage1_kernel); TMA_H16 the same
-# for the 16-head tile (default TMA). On the H200 (sweep_decode_h200.md, graph replay, with the split cap): MLA B=32
-# H=128 L=32K 1226.7 -> 1059.7 us, B=8 H=128 L=8K 108.3 -> 94.5 us; the 16-head tile went 365.7 -> 705.2 us (its
-# shared memory grows 94 -> 114 KiB, one program per SM instead of two), so the sm90 entry keeps it on gathers.
+# for the 16-head tile. On the H200 (sweep_decode_h200.md, graph replay, with the split cap): MLA B=32 H=128 L=32K
+# 1226.7 -> 1059.7 us, B=8 H=128 L=8K 108.3 -> 94.5 us; the 16-head tile went 365.7 -> 705.2 us (its shared memory
+# grows 94 -> 114 KiB, one program per SM instead of two), so the sm90 entry keeps it on gathers.
 # SPLIT_ROUNDS (none: no cap) caps the splits stage 1 runs at what fills that many rounds of resident programs,
 # PROGRAMS_PER_SM (PROGRAMS_PER_SM_H16 for the 16-head tile) per SM: see stage1_splits.
+# Every key ending in _h16 / _H16 replaces its base key where the head tile is 16 heads (tile_config).
 _CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})
 DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "default": {
@@ -104,8 +105,17 @@ def select_decode_config(device: torch.device, is_mla: bool, block_dv: int) -> d
     return config
 
 
-def stage1_splits(num_kv_splits: int, programs_per_split: int, sm_count: int | None, config: dict[str, int],
-                  head_tile: int = 0) -> int:  # fmt: skip
+def tile_config(config: dict[str, int], group: int) -> tuple[int, dict[str, int]]:
+    """``(BLOCK_H, config)`` for ``group`` query heads per KV head: the head tile is ``BLOCK_H``
+    clamped to the group (at least 16, ``tl.dot``'s smallest M), and where it is 16 every key
+    ending in ``_h16``/``_H16`` replaces its base key (``maxnreg_h16`` -> ``maxnreg``)."""
+    block_h = min(config["BLOCK_H"], max(16, next_pow2(group)))
+    if block_h == 16:
+        config = {**config, **{k[:-4]: v for k, v in config.items() if k.lower().endswith("_h16")}}
+    return block_h, config
+
+
+def stage1_splits(num_kv_splits: int, programs_per_split: int, sm_count: int | None, config: dict[str, int]) -> int:
     """The splits stage 1 runs: ``num_kv_splits``, capped where the config has ``SPLIT_ROUNDS``.
 
     The cap is ``SPLIT_ROUNDS * PROGRAMS_PER_SM * sm_count // programs_per_split`` (at least 1):
@@ -118,16 +128,12 @@ def stage1_splits(num_kv_splits: int, programs_per_split: int, sm_count: int | N
     of a batch are assumed alike: a batch of one long row among short ones gets its long row cut
     in fewer pieces than ``num_kv_splits``. No cap off CUDA (``sm_count`` None), with one split,
     or without the key; the merge then reads only the splits run, and slots past them in
-    ``attn_logits`` are not written. ``head_tile``: the head tile, where 16 selects
-    ``PROGRAMS_PER_SM_H16`` (default ``PROGRAMS_PER_SM``).
+    ``attn_logits`` are not written. ``config``: the head tile's (:func:`tile_config`).
     """
     rounds = config.get("SPLIT_ROUNDS")
     if not rounds or sm_count is None or num_kv_splits == 1:
         return num_kv_splits
-    per_sm = config["PROGRAMS_PER_SM"]
-    if head_tile == 16:
-        per_sm = config.get("PROGRAMS_PER_SM_H16", per_sm)
-    return max(1, min(num_kv_splits, rounds * per_sm * sm_count // max(1, programs_per_split)))
+    return max(1, min(num_kv_splits, rounds * config["PROGRAMS_PER_SM"] * sm_count // max(1, programs_per_split)))
 
 
 def tma_layout(k_buffer: torch.Tensor, page_size: int, page_stride: int, token_stride: int, num_pages: int,
@@ -686,17 +692,16 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
         config = select_decode_config(device, is_mla, block_dv)
     elif missing := _CONFIG_KEYS - set(config):
         raise ValueError(f"config: missing keys {sorted(missing)} (expected those of DECODE_CONFIGS' entries)")
-    block_h = min(config["BLOCK_H"], max(16, next_pow2(group)))
+    block_h, config = tile_config(config, group)
     head_blocks = cdiv(group, block_h)
-    maxnreg = config.get("maxnreg_h16") if block_h == 16 and config.get("maxnreg_h16") else config.get("maxnreg")
+    maxnreg = config.get("maxnreg")
     split_latent = is_mla and bool(config.get("SPLIT_LATENT", 0)) and block_dv >= 32
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-    num_kv_splits = stage1_splits(num_kv_splits, num_rows * num_kv_heads * head_blocks, sm_count, config, block_h)
+    num_kv_splits = stage1_splits(num_kv_splits, num_rows * num_kv_heads * head_blocks, sm_count, config)
     if num_kv_splits == 1 and not single:
         single = True  # capped to one split: stage 1 writes o and lse, attn_logits is not touched
-    use_tma = config.get("TMA_H16", config.get("TMA")) if block_h == 16 else config.get("TMA")
     tma = None
-    if split_latent and use_tma:
+    if split_latent and config.get("TMA"):
         tma = tma_layout(k_buffer, page_size, stride_k_page, stride_k_tok, num_pages, config["BLOCK_N"], block_d,
                          block_dpe)  # fmt: skip
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]  # with one split, o stands in for part
