@@ -265,20 +265,6 @@ def _store_packed(codes, dst, ok, valid, BITS: tl.constexpr, COLS: tl.constexpr)
 
 
 @triton.jit
-def _e4m3_bits(x):
-    """fp32 -> OCP e4m3 byte, as ``f32_to_e4m3_bits(x, False)``. Compiled: the hardware conversion of
-    ``|x|`` (round to nearest even and saturation are symmetric, and ``|NaN|`` is a positive NaN: 0x7F)
-    with the sign bit of ``x`` put in bit 7: three integer operations per value and one conversion per
-    two, against a NaN test and a select per value for the conversion of ``x`` itself
-    (``tests/test_turboquant.py::test_fp8_keys_of_special_values_are_golden_bytes`` checks it on a GPU)."""
-    if INTERPRET:
-        return f32_to_e4m3_bits(x, False)
-    bits = x.to(tl.uint32, bitcast=True)
-    magnitude = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    return magnitude.to(tl.float8e4nv).to(tl.uint8, bitcast=True) | ((bits >> 24) & 0x80).to(tl.uint8)
-
-
-@triton.jit
 def _bucketize(y, midpoint_ptr, BITS: tl.constexpr):
     """``#{m : midpoint_m <= y}`` for each element of an fp32 tile, by binary search over the
     ``2^BITS - 1`` midpoints (sorted ascending): ``BITS`` compares, each against a midpoint chosen
@@ -351,9 +337,13 @@ def _store_kernel(
     in_dim = dims < HEAD_DIM
     tile_ok = ok[:, None] & in_dim[None, :]
     key_rows = key_ptr + token * stride_kt + head * stride_kh
-    k = tl.load(key_rows[:, None] + dims[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+    k_in = tl.load(key_rows[:, None] + dims[None, :], mask=tile_ok, other=0.0)
+    k = k_in.to(tl.float32)
     if KEY_BITS == 8:
-        tl.store(data[:, None] + dims[None, :], _e4m3_bits(k), mask=tile_ok)
+        code = f32_to_e4m3_bits(k, False)
+        if k_in.dtype == tl.float16:  # the GPU's fp16 -> fp32 conversion drops a NaN's sign; e4m3 keeps k's sign
+            code = code | ((k_in.to(tl.uint16, bitcast=True) >> 8) & 0x80).to(tl.uint8)
+        tl.store(data[:, None] + dims[None, :], code, mask=tile_ok)
     else:
         norm, down = _key_norm(k)
         inv_denom = 1.0 / (norm + _KEY_NORM_EPS)  # one division per row; each k_j / (n + eps) is k_j * inv_denom
