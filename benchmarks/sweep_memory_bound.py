@@ -38,7 +38,12 @@ COPY_GBPS = 4221.0
 # pipeliner (PREFETCH 0; 4-bit 0.5047 ms against 0.4232 on the H200), then the older choices (codebook gather,
 # reshape, 3-bit two loads); triton_impl/turboquant.py has their static counts. One softmax stream per warp
 # (KEY_SPLIT) and the PRMT register lookup were timed slower and removed after fb849fb.
-TURBOQUANT_GRID = [(128, 4, 2, 1, 1, 1, 1, 1), (128, 4, 2, 1, 1, 1, 1, 0), (128, 4, 2, 0, 1, 1, 1, 1),
+# A ninth field caps the registers (maxnreg): the sm90 entry's 224 (4-bit) to 240 (k8v4) registers let two 4-warp
+# programs share an SM (8 warps), a latency-bound schedule (issue slots 27.5% busy); 168 fits three, 128 four (sm_90
+# static counts, Triton 3.6: BN128 prefetch0 at 168 registers spills 32-64 B, 62.6-73.5 warp instructions per key;
+# BN64 prefetch0 at 128 spills 8-56 B, 80.7-90.1).
+TURBOQUANT_GRID = [(128, 4, 2, 1, 1, 1, 1, 1), (128, 4, 2, 1, 1, 1, 1, 0, 168), (64, 4, 2, 1, 1, 1, 1, 0, 128),
+                   (128, 4, 2, 1, 1, 1, 1, 1, 168), (128, 4, 2, 1, 1, 1, 1, 0), (128, 4, 2, 0, 1, 1, 1, 1),
                    (128, 4, 2, 1, 1, 0, 1, 1), (128, 4, 2, 1, 1, 1, 0, 1)]  # fmt: skip
 # TurboQuant store: (BLOCK_T, D_CHUNK, num_warps, TF32X3, num_stages, maxnreg (0: none)); STORE_GRID for the
 # MSE presets, FP8_STORE_GRID for FP8 keys (no rotation: D_CHUNK, TF32X3 and num_stages unused), each first the
@@ -99,13 +104,13 @@ def set_merge(max_s_d: int, warps: int) -> str:
 
 
 def set_turboquant(block_n: int, warps: int, stages: int, pair_lut: int, smem_codebook: int, join_unpack: int = 1,
-                   gather_words: int = 1, prefetch: int = 1) -> str:  # fmt: skip
+                   gather_words: int = 1, prefetch: int = 1, maxnreg: int = 0) -> str:  # fmt: skip
     turboquant.DECODE_CONFIGS["sm90"] = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
                                          "PAIR_LUT": pair_lut, "SMEM_CODEBOOK": smem_codebook,
                                          "JOIN_UNPACK": join_unpack, "GATHER_WORDS": gather_words,
-                                         "PREFETCH": prefetch}  # fmt: skip
+                                         "PREFETCH": prefetch, **({"maxnreg": maxnreg} if maxnreg else {})}  # fmt: skip
     return (f"BN{block_n} w{warps} s{stages} pair{pair_lut} smem{smem_codebook} join{join_unpack}"
-            f" gatherwords{gather_words} prefetch{prefetch}")  # fmt: skip
+            f" gatherwords{gather_words} prefetch{prefetch}" + (f" maxnreg{maxnreg}" if maxnreg else ""))  # fmt: skip
 
 
 def set_store(block_t: int, d_chunk: int, warps: int, tf32x3: int, stages: int = 3, maxnreg: int = 0) -> str:

@@ -11,6 +11,9 @@ Hypothesis profiles (``HYPOTHESIS_PROFILE``):
   same commit. A failure also prints its ``@reproduce_failure`` blob.
 - ``dev``: random, 5 examples, for a quick local run.
 
+``HYPOTHESIS_MAX_EXAMPLES=N`` replaces the profile's example count (e.g. the ``gpu`` profile at 60
+examples, for a whole-suite run that fits one device call).
+
 The report header and the summary line name the profile and the seed. The suite turns the
 host-side content checks on (``ATTNREF_CHECK_CONTENTS=1`` unless already set).
 """
@@ -49,6 +52,9 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=5, deadline=None, print_blob=True)
 _PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+if os.environ.get("HYPOTHESIS_MAX_EXAMPLES"):
+    settings.register_profile(_PROFILE, settings.get_profile(_PROFILE),
+                              max_examples=int(os.environ["HYPOTHESIS_MAX_EXAMPLES"]))  # fmt: skip
 settings.load_profile(_PROFILE)
 
 

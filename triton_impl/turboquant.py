@@ -110,6 +110,7 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # [BLOCK_N, D/8, 8] reshape; GATHER_WORDS 1 reads a 3-bit field's words in one contiguous load and picks
 # each group's words by tl.gather (warp shuffles), 0 by two loads per group (one cache line per lane).
 # PREFETCH 1 issues the next tile's loads before this tile's compute; 0 leaves them to Triton's pipeliner.
+# Optional maxnreg: a cap on registers per thread (none: the compiler's choice), as for the store.
 # sm_90 static counts (Triton 3.6, the bench's launch, BLOCK_N 128, 4 warps,
 # benchmarks/sass_sm90_turboquant.py), shared-memory loads and stores per warp per tile and warp
 # instructions per key: 4-bit reshape 357 / 64.8 (128 of them 2-byte STS), joins 225 / 61.9; k8v4 reshape
@@ -1144,6 +1145,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         BLOCK_D=max(32, next_pow2(head_dim)),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
+        **({"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}),
     ))  # fmt: skip
     rotate = no_launch
     if not key_fp8:
