@@ -31,6 +31,7 @@ from triton.compiler import compile as triton_compile
 from golden.turboquant import TurboQuantConfig
 from triton_impl import turboquant as ttq
 from triton_impl.bench import cuobjdump
+from triton_impl.launch import with_overrides
 
 TARGET = GPUTarget("cuda", 90, 32)
 DECODE_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -80,6 +81,7 @@ def _loop_mix(cubin: bytes) -> tuple[int, list[tuple[str, int]], dict[str, int]]
 def decode(preset: str, config: dict[str, int]) -> None:
     layout = TurboQuantConfig.from_cache_dtype(preset, 128)
     key_bits = 8 if layout.key_fp8 else layout.key_mse_bits
+    config = with_overrides(config, f"_k{key_bits}")  # as select_decode_config resolves the entry
     aligned = key_bits == 4
     constexprs = dict(KV_GROUP=4, HEAD_DIM=128, KEY_BITS=key_bits, VALUE_BITS=layout.value_quant_bits,
                       KEY_DATA_BYTES=layout.key_data_bytes, NUM_FIELDS=2 if layout.key_fp8 else 3,
@@ -89,9 +91,9 @@ def decode(preset: str, config: dict[str, int]) -> None:
                       BLOCK_D=128, JOIN_UNPACK=int(config["JOIN_UNPACK"]), GATHER_WORDS=int(config["GATHER_WORDS"]),
                       PREFETCH=config["PREFETCH"])  # fmt: skip
     constexprs["stride_btc"] = 1
-    kernel = _compile(ttq._decode_stage1_kernel, DECODE_POINTERS, constexprs,
-                      {"num_warps": config["num_warps"], "num_stages": config["num_stages"]},
-                      DECODE_DIVISIBLE)  # fmt: skip
+    options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"],
+               **({"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {})}  # fmt: skip
+    kernel = _compile(ttq._decode_stage1_kernel, DECODE_POINTERS, constexprs, options, DECODE_DIVISIBLE)
     count, mix, memory = _loop_mix(kernel.asm["cubin"])
     per_key = config["num_warps"] / config["BLOCK_N"]
     shared = sum(n for op, n in memory.items() if op.startswith(("LDS", "STS")))
@@ -153,7 +155,8 @@ STORE_VARIANTS = {
 
 
 # Decode variants beside the sm90 entry (the TURBOQUANT_GRID of benchmarks/sweep_memory_bound.py ranks them by time).
-DECODE_VARIANTS = ({"PREFETCH": 0}, {"JOIN_UNPACK": 0})
+DECODE_VARIANTS = ({"PREFETCH": 1, "PREFETCH_k4": 1, "maxnreg": 0}, {"PREFETCH": 0, "PREFETCH_k4": 0},
+                   {"JOIN_UNPACK": 0})  # fmt: skip
 
 if __name__ == "__main__":
     for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc"):

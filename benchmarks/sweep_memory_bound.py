@@ -31,8 +31,9 @@ from triton_impl.parity.ue8m0_cache import bench_cases as ue8m0_cases
 os.environ["ATTNREF_CHECK_CONTENTS"] = "0"
 COPY_GBPS = 4221.0
 # TurboQuant decode: (BLOCK_N, num_warps, num_stages, PAIR_LUT, SMEM_CODEBOOK, JOIN_UNPACK, GATHER_WORDS,
-# PREFETCH); the first is the current sm90 entry. Before it (14d089e) the 4-bit stage 1 took 661.7 us at L=8K
-# (Nsight Compute: L1/TEX 80.4% busy, issue slots 27.5%). Since then the words load is contiguous per token (LDG.128
+# PREFETCH, maxnreg); the first is the sm90 entry for 4-bit keys, the second its entry for the other widths.
+# Before them (14d089e) the 4-bit stage 1 took 661.7 us at L=8K (Nsight Compute: L1/TEX 80.4% busy, issue slots
+# 27.5%). Since then the words load is contiguous per token (LDG.128
 # instead of one cache line per lane), the phases are unpacked by joins (no 2-byte STS) and the 3-bit fields are
 # read in one contiguous load and split by tl.gather (shuffles). The variants: the loads left to Triton's
 # pipeliner (PREFETCH 0; 4-bit 0.5047 ms against 0.4232 on the H200), then the older choices (codebook gather,

@@ -1039,7 +1039,8 @@ def test_pair_lut_path_and_the_centroid_path_both_match_golden(device: torch.dev
 
 
 @pytest.mark.parametrize("variant", [{"JOIN_UNPACK": 0}, {"GATHER_WORDS": 0}, {"PAIR_LUT": 0, "SMEM_CODEBOOK": 1},
-                                     {"PREFETCH": 0}], ids=str)  # fmt: skip
+                                     {"PREFETCH": 0, "PREFETCH_k4": 0},
+                                     {"PREFETCH": 1, "PREFETCH_k4": 1, "maxnreg": 0}], ids=str)  # fmt: skip
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k8v4"])
 def test_decode_variants_outside_the_config_table_match_golden(variant, preset, device: torch.device) -> None:
     """The unpacking, lookup and prefetch variants the sweep times (benchmarks/sweep_memory_bound.py) that no

@@ -30,7 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from triton_impl.block_table import first_bad_key
 from triton_impl.interpreter import cast_for_store, dot_dtype
-from triton_impl.launch import Launch, Plans, current_target, no_launch, select_config
+from triton_impl.launch import Launch, Plans, current_target, no_launch, select_config, with_overrides
 from triton_impl.lse_merge import launch_merge_splits, merge_splits_launch
 from triton_impl.validation import (
     block_table_2d,
@@ -111,7 +111,7 @@ def tile_config(config: dict[str, int], group: int) -> tuple[int, dict[str, int]
     ending in ``_h16``/``_H16`` replaces its base key (``maxnreg_h16`` -> ``maxnreg``)."""
     block_h = min(config["BLOCK_H"], max(16, next_pow2(group)))
     if block_h == 16:
-        config = {**config, **{k[:-4]: v for k, v in config.items() if k.lower().endswith("_h16")}}
+        config = with_overrides(config, "_h16")
     return block_h, config
 
 

@@ -67,6 +67,14 @@ def select_config(configs: Mapping[str, Config], device: torch.device) -> Config
     return configs.get(device_arch(device), configs["default"])
 
 
+def with_overrides(config: Config, suffix: str) -> dict:
+    """``config`` with every key ending in ``suffix`` (any case) put in place of its base key: an entry's
+    exceptions for one kind of launch, kept beside the rule (``maxnreg_h16`` -> ``maxnreg`` where the head
+    tile is 16 heads; ``PREFETCH_k4`` -> ``PREFETCH`` for 4-bit keys)."""
+    n = len(suffix)
+    return {**config, **{k[:-n]: v for k, v in config.items() if k.lower().endswith(suffix.lower())}}
+
+
 _MAX_ENTRIES = 4096  # variants (and wrapper plans) kept; a serving process uses a few dozen
 
 # ``(id(kernel), device, key) -> (CompiledKernel, names of the constexpr parameters in signature order)``.

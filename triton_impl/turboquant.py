@@ -32,7 +32,7 @@ import triton.language as tl
 
 from triton_impl.block_table import first_bad_key
 from triton_impl.interpreter import INTERPRET, e4m3_bits_to_f16, f32_to_e4m3_bits
-from triton_impl.launch import Launch, Plans, current_target, launch, no_launch, select_config
+from triton_impl.launch import Launch, Plans, current_target, launch, no_launch, select_config, with_overrides
 from triton_impl.lse_merge import merge_splits_launch
 from triton_impl.validation import (
     block_table_2d,
@@ -110,7 +110,12 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # [BLOCK_N, D/8, 8] reshape; GATHER_WORDS 1 reads a 3-bit field's words in one contiguous load and picks
 # each group's words by tl.gather (warp shuffles), 0 by two loads per group (one cache line per lane).
 # PREFETCH 1 issues the next tile's loads before this tile's compute; 0 leaves them to Triton's pipeliner.
-# Optional maxnreg: a cap on registers per thread (none: the compiler's choice), as for the store.
+# Optional maxnreg: a cap on registers per thread (none or 0: the compiler's choice), as for the store. A key
+# ending in _k<bits> replaces its base key for that key width (_k4: 4-bit keys, _k3, _k8: FP8 keys).
+# The sm90 entry at 168 registers without the manual prefetch (three 4-warp programs per SM instead of two, at 224-240
+# registers; Triton 3.6 spills 32-64 B) against the uncapped prefetch entry, H200 at L=8K
+# (benchmarks/sweep_memory_bound.py, sweep_memory_bound_h200.md): k8v4 0.4191 -> 0.3633 ms, k3v4 0.4796 -> 0.4374,
+# 3-bit 0.5303 -> 0.4386; 4-bit 0.4220 -> 0.4322 (slower: it keeps the prefetch, uncapped).
 # sm_90 static counts (Triton 3.6, the bench's launch, BLOCK_N 128, 4 warps,
 # benchmarks/sass_sm90_turboquant.py), shared-memory loads and stores per warp per tile and warp
 # instructions per key: 4-bit reshape 357 / 64.8 (128 of them 2-byte STS), joins 225 / 61.9; k8v4 reshape
@@ -125,7 +130,7 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
-             "GATHER_WORDS": 1, "PREFETCH": 1},
+             "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -135,8 +140,9 @@ def select_store_config(device: torch.device, key_fp8: bool = False) -> dict[str
     return dict(select_config(FP8_KEY_STORE_CONFIGS if key_fp8 else STORE_CONFIGS, device))
 
 
-def select_decode_config(device: torch.device) -> dict[str, int]:
-    return dict(select_config(DECODE_CONFIGS, device))
+def select_decode_config(device: torch.device, key_bits: int) -> dict[str, int]:
+    """The device's decode entry for ``key_bits`` (3, 4, or 8 for FP8 keys): its ``_k<bits>`` keys applied."""
+    return with_overrides(select_config(DECODE_CONFIGS, device), f"_k{key_bits}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1114,7 +1120,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         raise ValueError("kv_cache: expected a 4-byte aligned start (the decode reads codes as 32-bit words)")
 
     key_bits = 8 if key_fp8 else mse_bits
-    config = select_decode_config(device)
+    config = select_decode_config(device, key_bits)
     if use_pair_lut is None:
         use_pair_lut = key_bits == 4 and bool(config["PAIR_LUT"])
     # A field whose every 8-code group is one aligned word: 4-bit codes at 4-byte aligned offsets.
