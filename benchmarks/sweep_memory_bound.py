@@ -55,10 +55,13 @@ TURBOQUANT_GRID = [(128, 4, 2, 1, 1, 1, 1, 1), (128, 4, 2, 1, 1, 1, 1, 0, 168), 
 # 3, ~347, 11; 3xTF32 T64 chunk32 w4 1 stage capped at 128 registers (8 B of stack), 8 KiB, 4, ~451, 44; 3xTF32
 # T64 chunk64 w4 1 stage 230, 32 KiB, 2, ~380, 33; bf16x3 T64 chunk32 w4 1 stage capped at 96 registers (no
 # stack), 8 KiB, 5, ~397, 15. FP8 keys: 106 warp instructions per row at T16 w4, 91 at T32
-# w4 and T16 w2, 80 at T64 w4 (228 executed at 9ff0941, Nsight Compute).
+# w4 and T16 w2, 80 at T64 w4 (228 executed at 9ff0941, Nsight Compute). The sm90 FP8 entry since b4b01fc: T8 w1.
 STORE_GRID = [(64, 64, 4, 1, 3, 0), (64, 32, 4, 2, 1, 0), (128, 32, 8, 2, 1, 0), (64, 64, 4, 2, 1, 0),
-              (64, 32, 4, 1, 1, 128), (64, 64, 4, 1, 1, 0), (64, 32, 4, 2, 1, 96)]  # fmt: skip
-FP8_STORE_GRID = [(16, 32, 4, 0, 3, 0), (32, 32, 4, 0, 3, 0), (64, 32, 4, 0, 3, 0), (16, 32, 2, 0, 3, 0)]
+              (64, 32, 4, 1, 1, 128), (64, 64, 4, 1, 1, 0), (64, 32, 4, 2, 1, 96), (128, 32, 4, 2, 1, 0),
+              (128, 64, 4, 2, 1, 0)]  # fmt: skip
+FP8_STORE_GRID = [(8, 32, 1, 0, 3, 0), (16, 32, 4, 0, 3, 0), (4, 32, 1, 0, 3, 0), (16, 32, 1, 0, 3, 0),
+                  (8, 32, 1, 0, 2, 0), (8, 32, 1, 0, 3, 64), (8, 32, 2, 0, 3, 0), (32, 32, 4, 0, 3, 0),
+                  (16, 32, 2, 0, 3, 0), (16, 32, 4, 0, 3, 64)]  # fmt: skip
 # UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps[, decode, fnuz_encode, rope_words[,
 # insert_programs, stages, prefetch_table[, gather_tokens[, evict[, insert_max_registers, gather_max_registers]]]]]);
 # the first is the sm90 entry (since 33817e6 the FNUZ insert has 58 registers, not 94, and the gather issues its

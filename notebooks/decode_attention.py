@@ -48,10 +48,8 @@ from triton_impl.decode_attention import (
 from triton_impl.interpreter import INTERPRETING
 from triton_impl.lse_merge import merge_splits
 from triton_impl.mla_verify import (
-    _VERIFY_SMALL_MAX_ROWS,
-    VERIFY_CONFIGS,
-    VERIFY_DEFAULT_CONFIG,
     decode_attention_fwd_verify,
+    select_verify_config,
     verify_row_blocks,
 )
 from triton_impl.tolerances import compare, tolerance
@@ -97,8 +95,7 @@ def decode_head_tile(config: dict[str, int], group: int) -> int:
 
 def verify_config_sm90(batch: int, qlen: int, heads: int) -> dict:
     """The verify kernel's Hopper config for a batch (``select_verify_config`` on an sm_90 GPU)."""
-    size = "small" if batch * qlen * heads <= _VERIFY_SMALL_MAX_ROWS else "large"
-    return {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS["sm90"][size]}
+    return select_verify_config(batch, qlen, heads, arch="sm90")
 
 
 # %% [markdown]
@@ -148,8 +145,8 @@ assert empty_agree and bool(torch.isneginf(lse_flat[-Q:]).all())
 # (token, head) rows, each tile up to the largest causal limit among its rows, so the draft tokens
 # that share a tile share every fetch. Counted exactly below for DeepSeek's 576-wide bf16 latent,
 # 16 heads per GPU (its 128 at tensor parallelism 8), with both kernels' Hopper launch configs
-# (`DECODE_CONFIGS["sm90"]["mla"]`; verify picks `VERIFY_CONFIGS["sm90"]` small or large by the
-# batch's row count):
+# (`DECODE_CONFIGS["sm90"]["mla"]`; verify: `select_verify_config(..., arch="sm90")`, the 64-row tile
+# at every batch):
 
 # %%
 bytes_per_key, heads_per_gpu = 576 * 2, 16
@@ -635,40 +632,50 @@ assert small[1] / tflops_ceiling < small[2] / (tbps_ceiling * 1000)  # memory-bo
 # so at B=32 and H=128 stage 1 launches 32 rows x 2 head tiles x 64 splits = 4096 programs of 8 warps
 # on 132 SMs that hold one each: 31 rounds. Every split costs a query load (64 heads x 576 bf16),
 # a partial write (64 x 513 fp32) and its read in the merge, however few keys it has. The H200's
-# config therefore caps the splits stage 1 runs (`stage1_splits`: at most four rounds of resident
-# programs; the rows of a batch are assumed alike). The cell reads the split sweep
-# (`sweep_decode_h200.md`, CUDA-graph replay of both stages) and shows what the cap picks.
+# config therefore caps the splits stage 1 runs (`stage1_splits`: one round of resident programs for
+# MLA, two for GQA; the rows of a batch are assumed alike). The cell reads the two split sweeps
+# (`sweep_decode_h200.md`, CUDA-graph replay of both stages): the first, before whole-tile loads,
+# and the newest, which the cap was chosen from, and shows what the cap picks against vLLM's count
+# and the fastest count.
 
 # %%
 split_re = r"(MLA|GQA) B=(\d+) H=(\d+)/(\d+) L=(\d+) S=\s*(\d+) \(vLLM\s+(\d+),\s+[\d.]+ rounds\)\s+([\d.]+) us"
-split_sweep: dict[tuple, dict[int, float]] = {}
-misses = set()  # rows where the capped count is more than 10% slower than the fastest
-for m in re.finditer(split_re, text):
-    kind, batch_, heads_, kv_heads_, length_, splits_, _, us = m.groups()
-    shape = (kind, int(batch_), int(heads_), int(kv_heads_), int(length_))
-    split_sweep.setdefault(shape, {})[int(splits_)] = float(us)
+
+
+def split_times(section: str) -> dict[tuple, dict[int, float]]:
+    """``{(kind, B, H, HKV, L): {splits: us}}`` from one sweep section's rows."""
+    times: dict[tuple, dict[int, float]] = {}
+    for m in re.finditer(split_re, section):
+        kind, batch_, heads_, kv_heads_, length_, splits_, _, us = m.groups()
+        times.setdefault((kind, int(batch_), int(heads_), int(kv_heads_), int(length_)), {})[int(splits_)] = float(us)
+    return times
+
+
+split_sections = [split_times(part) for part in re.split(r"^## ", text, flags=re.M) if re.search(split_re, part)]
+first_splits, split_sweep = split_sections[0], split_sections[-1]
 for (kind, batch_, heads_, kv_heads_, length_), times in split_sweep.items():
     tile, config = tile_config(DECODE_CONFIGS["sm90"]["mla" if kind == "MLA" else "gqa"], heads_ // kv_heads_)
     vllm = _compute_num_kv_splits(length_, H200_SMS)
     capped = stage1_splits(vllm, batch_ * kv_heads_ * math.ceil(heads_ // kv_heads_ / tile), H200_SMS, config)
     fastest = min(times, key=times.get)
     print(f"{kind} B={batch_:3d} H={heads_:3d} L={length_:5d}: vLLM {vllm:2d} splits {times[vllm]:7.1f} us, "
-          f"capped {capped:2d}" + (f" {times[capped]:7.1f} us" if capped in times else "         ")
-          + f", fastest {fastest:2d} {times[fastest]:7.1f} us")  # fmt: skip
-    if capped in times:
-        assert times[capped] <= times[vllm]
-        if times[capped] > 1.1 * times[fastest]:
-            misses.add((kind, batch_, heads_, length_))
-assert misses == {("MLA", 8, 128, 8192), ("MLA", 128, 128, 1024)}, misses
-big_splits = split_sweep[("MLA", 32, 128, 1, 32768)]
-assert big_splits[64] > 1.3 * big_splits[8]  # the headline MLA case: 1656.5 -> 1239.5 us
+          f"capped {capped:2d} {times[capped]:7.1f} us, fastest {fastest:2d} {times[fastest]:7.1f} us")  # fmt: skip
+    assert times[capped] <= 1.05 * times[vllm]  # run-to-run differences reach 7% (sweep_decode_h200.md)
+    assert times[capped] <= 1.08 * times[fastest]
+assert first_splits[("MLA", 32, 128, 1, 32768)][64] > 1.3 * first_splits[("MLA", 32, 128, 1, 32768)][8]  # 1656 -> 1240
+assert split_sweep[("MLA", 8, 128, 1, 8192)][16] > 1.1 * split_sweep[("MLA", 8, 128, 1, 8192)][8]
+assert split_sweep[("MLA", 128, 128, 1, 1024)][2] > 1.2 * split_sweep[("MLA", 128, 128, 1, 1024)][1]
 
 # %% [markdown]
-# The cap is never slower than vLLM's count and within 10% of the fastest count everywhere but two
-# rows, where it keeps vLLM's count: MLA B=8 H=128 L=8K (16 splits, 1.9 rounds; 8 splits are 11%
-# faster) and B=128 H=128 L=1K (2 splits, 3.9 rounds; 1 split is 21% faster). A cap at one or two
-# rounds would take those too; four rounds is the margin kept for batches whose rows differ in length.
-# With a split per program fewer, stage 1 can also load whole tiles: when pages hold a multiple of
+# Before whole-tile loads, vLLM's 64 splits at MLA B=32 H=128 L=32K cost a third more than 8 (the
+# first sweep: 1656 against 1240 us); with descriptors every count from 2 to 64 lands within 5%
+# there, since a split's fixed cost shrank with the tile loads. The cap is within 5% of vLLM's count
+# everywhere and within 8% of the fastest count; it gains most where vLLM's count overfills the
+# GPU with short splits: MLA B=8 H=128 L=8K (16 -> 8 splits, 95 -> 82 us), B=128 H=128 L=1K (2 -> 1,
+# 200 -> 160 us) and GQA B=128 L=1K (2 -> 1, 142 -> 130 us). Differences under ~7% between two counts
+# moved between the two sweeps, so they are not findings; the cap is what both sweeps agree on.
+#
+# Stage 1 can also load whole tiles: when pages hold a multiple of
 # 64 keys and lie back to back, a 64-key tile that starts on a multiple of 64 lies in one page, so
 # one table entry addresses it and a tensor descriptor (TMA on Hopper) loads its three pieces
 # (two 256-column latent halves and the 64-column rope) with no per-key address math. Only the at

@@ -35,10 +35,10 @@ from golden.mla_verify import mla_verify, mla_verify_split_partials, row_limits,
 from triton_impl.decode_attention import DECODE_CONFIGS
 from triton_impl.interpreter import INTERPRETING
 from triton_impl.mla_verify import (
-    _VERIFY_SMALL_MAX_ROWS,
     VERIFY_CONFIGS,
     VERIFY_DEFAULT_CONFIG,
     decode_attention_fwd_verify,
+    select_verify_config,
     verify_row_blocks,
 )
 from triton_impl.tolerances import compare, tolerance
@@ -378,7 +378,7 @@ assert min(fp8_over_bf16) >= 5
 # key once) is the same for both. Counted exactly for DeepSeek widths (576 bf16 elements per key),
 # per request of `L = 4096` keys in a serving batch of 32 requests, with both kernels' Hopper
 # configs (decode: `DECODE_CONFIGS["sm90"]["mla"]`, its head tile clamped as the launch does;
-# verify: `VERIFY_CONFIGS["sm90"]`, small or large by the batch's row count):
+# verify: `select_verify_config(..., arch="sm90")`, the 64-row tile at every batch):
 
 # %%
 key_bytes, L, batch = 576 * 2, 4096, 32
@@ -391,8 +391,7 @@ def decode_tile(num_heads: int) -> int:
 
 
 def verify_block_h(q_len: int, num_heads: int) -> int:
-    size = "small" if batch * q_len * num_heads <= _VERIFY_SMALL_MAX_ROWS else "large"
-    return {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS["sm90"][size]}["BLOCK_H"]
+    return select_verify_config(batch, q_len, num_heads, arch="sm90")["BLOCK_H"]
 
 
 def decode_fetches(q_len: int, num_heads: int) -> int:

@@ -80,7 +80,10 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # 1226.7 -> 1059.7 us, B=8 H=128 L=8K 108.3 -> 94.5 us; the 16-head tile went 365.7 -> 705.2 us (its shared memory
 # grows 94 -> 114 KiB, one program per SM instead of two), so the sm90 entry keeps it on gathers.
 # SPLIT_ROUNDS (none: no cap) caps the splits stage 1 runs at what fills that many rounds of resident programs,
-# PROGRAMS_PER_SM (PROGRAMS_PER_SM_H16 for the 16-head tile) per SM: see stage1_splits.
+# PROGRAMS_PER_SM (PROGRAMS_PER_SM_H16 for the 16-head tile) per SM: see stage1_splits. MLA fills one round, GQA
+# two: in two split sweeps on the H200 (sweep_decode_h200.md, 2026-11-30 and 2026-12-01) MLA at 1 round of
+# programs was within 2% of the fastest count at every bench shape where the two runs agree, and GQA at B=32 ran
+# 990-1002 us (L=32K) and 250-257 us (L=8K) at 2 rounds against 998-1067 and 250-268 at 1.
 # Every key ending in _h16 / _H16 replaces its base key where the head tile is 16 heads (tile_config).
 _CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})
 DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
@@ -90,9 +93,9 @@ DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     },
     "sm90": {
         "mla": {"BLOCK_N": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1,
-                "maxnreg_h16": 128, "TMA": 1, "TMA_H16": 0, "SPLIT_ROUNDS": 4, "PROGRAMS_PER_SM": 1,
+                "maxnreg_h16": 128, "TMA": 1, "TMA_H16": 0, "SPLIT_ROUNDS": 1, "PROGRAMS_PER_SM": 1,
                 "PROGRAMS_PER_SM_H16": 2},
-        "gqa": {"BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2, "SPLIT_ROUNDS": 4, "PROGRAMS_PER_SM": 4},
+        "gqa": {"BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4},
     },
 }
 
@@ -121,10 +124,13 @@ def stage1_splits(num_kv_splits: int, programs_per_split: int, sm_count: int | N
     The cap is ``SPLIT_ROUNDS * PROGRAMS_PER_SM * sm_count // programs_per_split`` (at least 1):
     the fewest splits that still give every SM that many rounds of resident programs, where a
     program is one (row, KV-head block, split). Every split costs a query load, a partial write and
-    its read in the merge, so past a full GPU more splits only cost time. Split sweep on the H200
-    (``benchmarks/sweep_decode.py 300 splits``, ``sweep_decode_h200.md``; graph replay, vLLM's split
-    count -> the capped one): MLA B=32 H=128 L=32K 1656.5 -> 1239.5 us (64 -> 8 splits), MLA B=32
-    H=16 L=32K 389.8 -> 362.5 us (64 -> 33), GQA B=32 L=32K 1061.7 -> 997.0 us (64 -> 8). The rows
+    its read in the merge, so past a full GPU more splits only cost time. Split sweeps on the H200
+    (``benchmarks/sweep_decode.py 200 splits``, ``sweep_decode_h200.md``; graph replay of both stages,
+    vLLM's split count -> the sm90 entries' cap, one round for MLA, two for GQA, at b4b01fc): MLA B=32
+    H=128 L=32K 1067.9 -> 1081.5 us (64 -> 2 splits; 1656.5 -> 1216.2 before whole-tile loads), MLA B=32
+    H=16 L=32K 366.8 -> 338.3 us (64 -> 8), MLA B=8 H=128 L=8K 94.8 -> 82.2 (16 -> 8), MLA B=128 H=128
+    L=1K 200.2 -> 159.6 (2 -> 1), GQA B=32 L=32K 995.6 -> 990.1 us (64 -> 4), GQA B=128 L=1K 141.5 ->
+    130.1 (2 -> 1). The rows
     of a batch are assumed alike: a batch of one long row among short ones gets its long row cut
     in fewer pieces than ``num_kv_splits``. No cap off CUDA (``sm_count`` None), with one split,
     or without the key; the merge then reads only the splits run, and slots past them in

@@ -55,8 +55,12 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 # Launch configs: data, keyed by GPU architecture, chosen by select_verify_config.
 # ----------------------------------------------------------------------------------------------
 
-# B * qlen * H at or below this many rows takes the small config (the seed's rule).
-_VERIFY_SMALL_MAX_ROWS = 640
+# B * qlen * H at or below this many rows takes the small config (the seed's rule, 640 rows), per architecture.
+# sm_90: never. With the split count verify_num_kv_splits gives each tile (block_h = its BLOCK_H), the 64-row
+# tile was faster at every bench shape on the H200 (benchmarks/sweep_verify.py 120 splits at b4b01fc,
+# sweep_verify_h200.md), the smallest one included: B=8 qlen=4 H=16 L=4K, 512 rows, 36.2 us (S=16) against
+# 43.8 us for the 32-row tile (S=8), both 128 programs, the 64-row tile's with twice the warps.
+_VERIFY_SMALL_MAX_ROWS: dict[str, int] = {"sm90": 0, "default": 640, "interpreter": 640}
 
 # Keys every config has. BLOCK_H: (token, head) rows per program; BLOCK_N: keys per tile;
 # SPLIT_ALIGN / MIN_SPLIT_LEN: split chunks are multiples of SPLIT_ALIGN and at least MIN_SPLIT_LEN
@@ -88,8 +92,9 @@ VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
 #   SPLIT_LATENT won in every shape; BH64 without it failed to compile at BN64 (the sweep file records a
 #   CompilationError for each such config, no cause) and was slower at BN32. At the verify target's
 #   shape (B=32 qlen=4 H=128 L=32K) the large config is the best of six:
-#   4.70 ms (BN32 6.51 ms; 3 stages 6.95 ms). SASS: large 80 HGMMA, small 272 HMMA
-#   (notebooks/results/sass_sm90.md). 27.8% of roofline (geomean, bench_h200.md) against the
+#   4.70 ms (BN32 6.51 ms; 3 stages 6.95 ms). Since whole-tile loads (TMA) the 64-row tile also wins at 512
+#   rows, so sm_90 no longer takes the small config by row count (_VERIFY_SMALL_MAX_ROWS). SASS: large 80
+#   HGMMA, small 272 HMMA (notebooks/results/sass_sm90.md). 27.8% of roofline (geomean, bench_h200.md) against the
 #   80% target: notebooks/results/perf_log.md says what bounds it.
 # - "default": any other GPU; the same shapes, untuned.
 # - "interpreter": TRITON_INTERPRET=1 on a CPU, where a tile's cost is NumPy work: small tiles
@@ -144,12 +149,13 @@ def verify_arch() -> str:
 def select_verify_config(batch: int, qlen: int, num_heads: int, *, arch: str | None = None) -> dict[str, Any]:
     """Launch config for this batch on the current architecture (or on ``arch``, a ``VERIFY_CONFIGS`` key).
 
-    Few rows (``B * qlen * H <= 640``): 32-row tiles, so more programs (and KV splits) fill the
-    GPU. Otherwise 64-row tiles (the latent in two 256-wide halves) halve the K/V re-reads per
-    request. Configs are data: ``VERIFY_DEFAULT_CONFIG`` overlaid with ``VERIFY_CONFIGS[arch]``.
+    Few rows (``B * qlen * H <= 640``; on sm_90 none, see ``_VERIFY_SMALL_MAX_ROWS``): 32-row tiles, so more
+    programs (and KV splits) fill the GPU. Otherwise 64-row tiles (the latent in two 256-wide halves) halve
+    the K/V re-reads per request. Configs are data: ``VERIFY_DEFAULT_CONFIG`` overlaid with ``VERIFY_CONFIGS[arch]``.
     """
-    size = "small" if batch * qlen * num_heads <= _VERIFY_SMALL_MAX_ROWS else "large"
-    return {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS[arch or verify_arch()][size]}
+    arch = arch or verify_arch()
+    size = "small" if batch * qlen * num_heads <= _VERIFY_SMALL_MAX_ROWS[arch] else "large"
+    return {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS[arch][size]}
 
 
 def verify_row_blocks(qlen: int, num_heads: int, block_h: int) -> int:
@@ -702,7 +708,7 @@ def warmup_decode_attention_fwd_verify(
         return torch.empty_strided((rows, *t.shape[1:]), t.stride(), dtype=t.dtype, device=t.device)
 
     for qlen in qlens:
-        for batch in {1, _VERIFY_SMALL_MAX_ROWS // (qlen * num_heads) + 1}:
+        for batch in {1, _VERIFY_SMALL_MAX_ROWS[verify_arch()] // (qlen * num_heads) + 1}:
             rows = batch * qlen
             seq_lens = torch.full((batch,), qlen, dtype=torch.int32, device=q.device)
             block_table = torch.empty_strided(

@@ -103,9 +103,12 @@ STORE_CONFIGS: dict[str, dict[str, int]] = {
 }
 FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_stages unused: no rotation
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
-    "sm90": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
+    "sm90": {"BLOCK_T": 8, "D_CHUNK": 32, "num_warps": 1, "TF32X3": 0, "num_stages": 3},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
+# FP8 keys on sm_90: one warp per 8 tokens (T8 w1) against T16 w4, 1M tokens x 8 heads on the H200
+# (sweep_memory_bound_h200.md, b4b01fc): 2.0917 -> 1.9759 ms, 67.4 -> 71.3% of the copy roofline; T8 w2 1.9983,
+# T16 w2 2.0989, T16 w4 capped at 64 or 80 registers 2.065.
 # JOIN_UNPACK 1 unpacks each code group's 8 phases by joins (held in registers) instead of a
 # [BLOCK_N, D/8, 8] reshape; GATHER_WORDS 1 reads a 3-bit field's words in one contiguous load and picks
 # each group's words by tl.gather (warp shuffles), 0 by two loads per group (one cache line per lane).
