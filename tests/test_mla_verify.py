@@ -26,6 +26,7 @@ from triton_impl import mla_verify as tv
 from triton_impl.decode_attention import tma_layout
 from triton_impl.lse_merge import merge_splits
 from triton_impl.mla_verify import (
+    _VERIFY_SMALL_MAX_ROWS,
     VERIFY_CONFIGS,
     VERIFY_DEFAULT_CONFIG,
     _page_stride,
@@ -509,9 +510,16 @@ def test_row_blocks_and_config_rule() -> None:
     assert verify_row_blocks(4, 16, 32) == 2
     assert verify_row_blocks(3, 5, 16) == 1
     assert verify_row_blocks(8, 128, 64) == 16
-    small, large = _config("small"), _config("large")
-    assert select_verify_config(10, 4, 16) == small  # 640 rows: small
-    assert select_verify_config(641, 1, 1) == large
+    for arch, small_max_rows in _VERIFY_SMALL_MAX_ROWS.items():
+        small = {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS[arch]["small"]}
+        large = {**VERIFY_DEFAULT_CONFIG, **VERIFY_CONFIGS[arch]["large"]}
+        assert select_verify_config(small_max_rows + 1, 1, 1, arch=arch) == large
+        if small_max_rows:
+            assert select_verify_config(1, 1, small_max_rows, arch=arch) == small
+        assert select_verify_config(1, 1, 1, arch=arch) == (small if small_max_rows else large)
+    assert _VERIFY_SMALL_MAX_ROWS["default"] == 640  # the seed's rule: 640 rows (B=10 qlen=4 H=16) still small
+    assert _VERIFY_SMALL_MAX_ROWS["sm90"] == 0  # the 64-row tile at every batch (see mla_verify.py)
+    assert set(_VERIFY_SMALL_MAX_ROWS) == set(VERIFY_CONFIGS)
     for arch in VERIFY_CONFIGS.values():
         for cfg in arch.values():
             full = {**VERIFY_DEFAULT_CONFIG, **cfg}
@@ -652,10 +660,10 @@ def test_storage_view_reuses_storage_or_allocates() -> None:
 
 
 def test_warmup_runs_every_variant_and_leaves_outputs_alone(device, monkeypatch) -> None:
-    """Each qlen, both configs, one and two splits; the real outputs are untouched. On a CPU the
+    """Each qlen, every config the device can take, one and two splits; the real outputs are untouched. On a CPU the
     small/large threshold is lowered so the large-config batch stays small for the interpreter."""
     if not torch.cuda.is_available():
-        monkeypatch.setattr(tv, "_VERIFY_SMALL_MAX_ROWS", 8)
+        monkeypatch.setitem(tv._VERIFY_SMALL_MAX_ROWS, "interpreter", 8)
     problem = make_problem([9], 1, 4, 16, 16, 4, device, seed=16)
     args = _args(problem, 2)
     args["o"].fill_(7)
