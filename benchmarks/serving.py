@@ -106,7 +106,8 @@ def build(kind: str, batch: int, heads: int, kv_heads: int, key_width: int, valu
     is_mla = kv_heads == 1
     v = cache[..., :value_width] if is_mla else torch.randn_like(cache[..., :value_width])
     if kind == "verify":
-        splits = mla_verify.verify_num_kv_splits(length, batch, qlen, heads, sm_count)
+        block_h = mla_verify.select_verify_config(batch, qlen, heads)["BLOCK_H"]
+        splits = mla_verify.verify_num_kv_splits(length, batch, qlen, heads, sm_count, block_h=block_h)
         logits = torch.empty(rows, heads, splits, value_width + 1, device=device)
         return lambda: mla_verify.decode_attention_fwd_verify(
             q, cache, v, o, lse, table, lens, None, qlen, logits, splits, SM_SCALE, page

@@ -1,12 +1,13 @@
 """Sweep stage-1 launch configs of ``decode_attention``; results go in ``notebooks/results/sweep_decode_h200.md``.
 
 Run from the repository root on the GPU machine:
-``PYTHONPATH=. python3 benchmarks/sweep_decode.py [seconds] [MLA|GQA|splits|tma]``. Each line: shape, split count
+``PYTHONPATH=. python3 benchmarks/sweep_decode.py [seconds] [MLA|GQA|splits|tma|h16]``. Each line: shape, split count
 (vLLM's ``_compute_num_kv_splits``), config, time (median CUDA-graph replay, stages 1 and 2), TFLOP/s,
 and % of the roofline max(FLOPs / 680 TFLOP/s, bytes / 4.24 TB/s), the H200 ceilings ``attnref bench``
 measured (bf16 matmul, device copy). ``splits`` times the sm90 config of every bench shape at split counts
 from vLLM's down to 1 (powers of two), and at the counts that fill 1, 2, 4 and 8 rounds of programs; ``tma``
-times the sm90 MLA entry at vLLM's split count with and without tensor-descriptor tiles and without the split cap.
+times the sm90 MLA entry at vLLM's split count with and without tensor-descriptor tiles and without the split cap;
+``h16`` times the 16-head MLA tile's variants (``H16_GRID``) at the H=16 bench shapes.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ MLA_GRID = [(64, 64, 8, 2, 1, 128), (64, 64, 4, 2, 1, 128), (64, 128, 8, 2, 1, 1
 # GQA: the sm90 entry (16, 32, 4, 2, 0) first; B=128 L=1K ran at 80.0% of the copy roofline (bench at 62cb554).
 GQA_GRID = [(16, 32, 4, 2, 0), (16, 64, 4, 2, 0), (16, 64, 4, 3, 0), (16, 32, 4, 3, 0), (16, 128, 4, 2, 0),
             (16, 64, 8, 2, 0), (16, 32, 2, 2, 0), (16, 16, 4, 3, 0)]  # fmt: skip
+
+# The 16-head MLA tile (memory-bound, 83% of the copy roofline at 580e9fc): overrides of the sm90 entry. Descriptor
+# tiles at 64 keys cost it its second program per SM (114 KiB of shared memory); 32-key descriptor tiles, or 64-key
+# ones in one stage, would keep two.
+H16_GRID = [{}, {"TMA_H16": 1, "BLOCK_N_h16": 32}, {"TMA_H16": 1, "BLOCK_N_h16": 32, "num_warps_h16": 4},
+            {"TMA_H16": 1, "BLOCK_N_h16": 32, "num_stages_h16": 3}, {"TMA_H16": 1, "num_stages_h16": 1},
+            {"TMA_H16": 1, "BLOCK_N_h16": 32, "num_stages_h16": 4, "num_warps_h16": 4},
+            {"BLOCK_N_h16": 32, "num_warps_h16": 4}, {"TMA_H16": 1, "BLOCK_N_h16": 32, "maxnreg_h16": 96}]
 
 
 def problem(name, batch, heads, kv_heads, key_width, value_width, length, page, device):
@@ -148,6 +157,35 @@ def sweep_tma(shape: tuple, sms: int) -> None:
               f"roofline {100 * roofline_ms / ms:5.1f}%", flush=True)  # fmt: skip
 
 
+def sweep_h16(shape: tuple, sms: int, deadline: float) -> None:
+    """The sm90 MLA entry with each ``H16_GRID`` override, at the split count its cap gives."""
+    name, batch, heads, _, _, value_width, length, page = shape
+    device = torch.device("cuda")
+    (q, k, v, o, lse, table, seq_lens), _, flops, nbytes = problem(*shape, device)
+    splits = _compute_num_kv_splits(length, sms)
+    logits = torch.empty(batch, heads, splits, value_width + 1, device=device)
+    roofline_ms = max(flops / PEAK_FLOPS, nbytes / PEAK_BW) * 1e3
+    for override in H16_GRID:
+        if time.time() > deadline:
+            return
+        cfg = {**DECODE_CONFIGS["sm90"]["mla"], **override}
+
+        def run(cfg: dict = cfg) -> None:
+            decode_attention_fwd(q, k, v, o, lse, table, seq_lens, logits, splits, 192**-0.5, page, is_mla=True,
+                                 config=cfg)  # fmt: skip
+
+        label = " ".join(f"{key}={value}" for key, value in override.items()) or "sm90 entry"
+        try:
+            run()
+            torch.cuda.synchronize()
+            ms = triton.testing.do_bench_cudagraph(run, rep=50)
+        except Exception as err:  # a config that does not fit is a result too
+            print(f"{name} B={batch} H={heads} L={length} {label}: {type(err).__name__}", flush=True)
+            continue
+        print(f"{name} B={batch} H={heads} L={length} {label:55s} {ms * 1e3:8.1f} us "
+              f"roofline {100 * roofline_ms / ms:5.1f}%", flush=True)  # fmt: skip
+
+
 def main(budget_s: float, only: str | None = None) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     deadline = time.time() + budget_s
@@ -155,6 +193,12 @@ def main(budget_s: float, only: str | None = None) -> None:
         for shape in SPLIT_SHAPES:
             if shape[0] == "MLA" and time.time() < deadline:
                 sweep_tma(shape, sms)
+                torch.cuda.empty_cache()
+        return
+    if only == "h16":
+        for shape in SPLIT_SHAPES:
+            if shape[0] == "MLA" and shape[2] == 16:
+                sweep_h16(shape, sms, deadline)
                 torch.cuda.empty_cache()
         return
     if only == "splits":

@@ -183,6 +183,11 @@ def verify_num_kv_splits(
     ``n <= max_splits`` minimising ``rounds(n) / n`` (the idle tail of the last round), preferring
     fewer splits within 5% of the best. Always ``<= cdiv(max_seq_len, min_work_per_split)`` and
     ``<= 2 * sm_count``.
+
+    Pass the launch's tile, ``block_h=select_verify_config(batch, qlen, num_heads)["BLOCK_H"]``: the
+    default (32 rows, the seed's) counts twice the programs the sm_90 64-row tile launches, so the GPU
+    runs half full (H200, B=8 qlen=4 H=128 L=4K: 1 split and 255.5 us against 2 splits and 149.0 us,
+    ``benchmarks/sweep_verify.py 120 splits``).
     """
     programs_per_split = max(1, batch) * verify_row_blocks(qlen, num_heads, block_h)
     ideal = cdiv(max(1, max_seq_len), max(1, min_work_per_split))
