@@ -134,71 +134,53 @@ def sweep_splits(shape: tuple, sms: int, deadline: float) -> None:
               f"{ms * 1e3:8.1f} us roofline {100 * roofline_ms / ms:5.1f}%", flush=True)  # fmt: skip
 
 
-def sweep_tma(shape: tuple, sms: int) -> None:
-    """The sm90 MLA entry (split cap included) with and without tensor-descriptor tiles, and with the cap off."""
+def sweep_variants(shape: tuple, sms: int, deadline: float, variants: list[tuple[str, dict]]) -> None:
+    """Each ``(label, config)`` at the shape, at vLLM's split count (the config's cap applies)."""
     name, batch, heads, _, _, value_width, length, page = shape
     device = torch.device("cuda")
     (q, k, v, o, lse, table, seq_lens), _, flops, nbytes = problem(*shape, device)
     splits = _compute_num_kv_splits(length, sms)
     logits = torch.empty(batch, heads, splits, value_width + 1, device=device)
     roofline_ms = max(flops / PEAK_FLOPS, nbytes / PEAK_BW) * 1e3
-    entry = DECODE_CONFIGS["sm90"]["mla"]
-    for label, cfg in (("TMA, cap", entry), ("gathers, cap", {**entry, "TMA": 0}),
-                       ("TMA, no cap", {**entry, "SPLIT_ROUNDS": 0})):  # fmt: skip
+    for label, cfg in variants:
+        if time.time() > deadline:
+            return
 
         def run(cfg: dict = cfg) -> None:
             decode_attention_fwd(q, k, v, o, lse, table, seq_lens, logits, splits, 192**-0.5, page, is_mla=True,
                                  config=cfg)  # fmt: skip
 
-        run()
-        torch.cuda.synchronize()
-        ms = triton.testing.do_bench_cudagraph(run, rep=50)
+        try:
+            run()
+            torch.cuda.synchronize()  # do_bench_cudagraph's first call runs on a new stream
+            ms = triton.testing.do_bench_cudagraph(run, rep=50)
+        except Exception as err:  # a config that does not fit is a result too
+            print(f"{name} B={batch} H={heads} L={length} S={splits:3d} {label}: {type(err).__name__}", flush=True)
+            continue
         print(f"{name} B={batch} H={heads} L={length} S={splits:3d} {label:13s} {ms * 1e3:8.1f} us "
               f"roofline {100 * roofline_ms / ms:5.1f}%", flush=True)  # fmt: skip
 
 
-def sweep_h16(shape: tuple, sms: int, deadline: float) -> None:
-    """The sm90 MLA entry with each ``H16_GRID`` override, at the split count its cap gives."""
-    name, batch, heads, _, _, value_width, length, page = shape
-    device = torch.device("cuda")
-    (q, k, v, o, lse, table, seq_lens), _, flops, nbytes = problem(*shape, device)
-    splits = _compute_num_kv_splits(length, sms)
-    logits = torch.empty(batch, heads, splits, value_width + 1, device=device)
-    roofline_ms = max(flops / PEAK_FLOPS, nbytes / PEAK_BW) * 1e3
-    for override in H16_GRID:
-        if time.time() > deadline:
-            return
-        cfg = {**DECODE_CONFIGS["sm90"]["mla"], **override}
+def tma_variants() -> list[tuple[str, dict]]:
+    """The sm90 MLA entry (split cap included) with and without tensor-descriptor tiles, and with the cap off."""
+    entry = DECODE_CONFIGS["sm90"]["mla"]
+    return [("TMA, cap", entry), ("gathers, cap", {**entry, "TMA": 0}), ("TMA, no cap", {**entry, "SPLIT_ROUNDS": 0})]
 
-        def run(cfg: dict = cfg) -> None:
-            decode_attention_fwd(q, k, v, o, lse, table, seq_lens, logits, splits, 192**-0.5, page, is_mla=True,
-                                 config=cfg)  # fmt: skip
 
-        label = " ".join(f"{key}={value}" for key, value in override.items()) or "sm90 entry"
-        try:
-            run()
-            torch.cuda.synchronize()
-            ms = triton.testing.do_bench_cudagraph(run, rep=50)
-        except Exception as err:  # a config that does not fit is a result too
-            print(f"{name} B={batch} H={heads} L={length} {label}: {type(err).__name__}", flush=True)
-            continue
-        print(f"{name} B={batch} H={heads} L={length} {label:55s} {ms * 1e3:8.1f} us "
-              f"roofline {100 * roofline_ms / ms:5.1f}%", flush=True)  # fmt: skip
+def h16_variants() -> list[tuple[str, dict]]:
+    """The sm90 MLA entry with each ``H16_GRID`` override."""
+    entry = DECODE_CONFIGS["sm90"]["mla"]
+    return [(" ".join(f"{key}={value}" for key, value in override.items()) or "sm90 entry", {**entry, **override})
+            for override in H16_GRID]  # fmt: skip
 
 
 def main(budget_s: float, only: str | None = None) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     deadline = time.time() + budget_s
-    if only == "tma":
+    if only in ("tma", "h16"):
         for shape in SPLIT_SHAPES:
-            if shape[0] == "MLA" and time.time() < deadline:
-                sweep_tma(shape, sms)
-                torch.cuda.empty_cache()
-        return
-    if only == "h16":
-        for shape in SPLIT_SHAPES:
-            if shape[0] == "MLA" and shape[2] == 16:
-                sweep_h16(shape, sms, deadline)
+            if shape[0] == "MLA" and (only == "tma" or shape[2] == 16):
+                sweep_variants(shape, sms, deadline, tma_variants() if only == "tma" else h16_variants())
                 torch.cuda.empty_cache()
         return
     if only == "splits":
