@@ -52,11 +52,17 @@ GQA_GRID = [(16, 32, 4, 2, 0), (16, 64, 4, 2, 0), (16, 64, 4, 3, 0), (16, 32, 4,
 
 # The 16-head MLA tile (memory-bound, 83% of the copy roofline at 580e9fc): overrides of the sm90 entry. Descriptor
 # tiles at 64 keys cost it its second program per SM (114 KiB of shared memory); 32-key descriptor tiles, or 64-key
-# ones in one stage, would keep two.
+# ones in one stage, would keep two (all slower, at 4f3d426). Then smaller gathered tiles: a 32-key tile on 4 warps
+# at 128 registers fits four programs per SM (by registers and by shared memory), so its split cap counts four
+# (PROGRAMS_PER_SM_H16); at vLLM's 64 splits it ran 374 us against the entry's 387 (sweep at 8f5b45e).
 H16_GRID = [{}, {"TMA_H16": 1, "BLOCK_N_h16": 32}, {"TMA_H16": 1, "BLOCK_N_h16": 32, "num_warps_h16": 4},
             {"TMA_H16": 1, "BLOCK_N_h16": 32, "num_stages_h16": 3}, {"TMA_H16": 1, "num_stages_h16": 1},
             {"TMA_H16": 1, "BLOCK_N_h16": 32, "num_stages_h16": 4, "num_warps_h16": 4},
-            {"BLOCK_N_h16": 32, "num_warps_h16": 4}, {"TMA_H16": 1, "BLOCK_N_h16": 32, "maxnreg_h16": 96}]
+            {"BLOCK_N_h16": 32, "num_warps_h16": 4}, {"TMA_H16": 1, "BLOCK_N_h16": 32, "maxnreg_h16": 96},
+            {"BLOCK_N_h16": 32, "num_warps_h16": 4, "PROGRAMS_PER_SM_H16": 4},
+            {"BLOCK_N_h16": 32, "num_warps_h16": 4, "PROGRAMS_PER_SM_H16": 8},
+            {"BLOCK_N_h16": 32, "num_warps_h16": 4, "num_stages_h16": 3, "PROGRAMS_PER_SM_H16": 4},
+            {"PROGRAMS_PER_SM_H16": 4}, {"PROGRAMS_PER_SM_H16": 1}]
 
 
 def problem(name, batch, heads, kv_heads, key_width, value_width, length, page, device):
