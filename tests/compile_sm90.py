@@ -5,6 +5,14 @@ A pytest plugin, off unless ``ATTNREF_COMPILE_SM90=1``::
     ATTNREF_COMPILE_SM90=1 PYTHONPATH=. .venv/bin/python -m pytest -p tests.compile_sm90 tests/ -q \
         --ignore=tests/test_notebooks.py
 
+It also runs with the H200's Triton 3.6 from a separate venv (NumPy below 2.4, whose interpreter
+breaks 3.6's), e.g. for ``benchmarks/sass_sm90.py``'s register and stack counts as that GPU compiles them::
+
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch==2.13.0 "numpy<2.4" einops \
+        hypothesis pytest pytest-xdist
+    ATTNREF_COMPILE_SM90=1 ATTNREF_COMPILE_SM90_REPORT=/tmp/sass.jsonl PYTHONPATH=. /tmp/t36/bin/python -m pytest \
+        -q -n 0 -p tests.compile_sm90 -p no:cacheprovider benchmarks/sass_sm90.py
+
 Under the Triton interpreter a kernel is never compiled, so a kernel that the interpreter runs can
 still fail to compile on a GPU (a run-time ``if`` whose branches give tiles of different shapes,
 ``tl.dot`` with a dimension < 16, a non-power-of-two ``tl.arange``, too much shared memory ...).
@@ -347,7 +355,8 @@ class _Checker:
         kwargs = dict(kwargs)
         kwargs["debug"] = kwargs.get("debug", jit.debug) or knobs.runtime.debug
         kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+        if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # Triton 3.9 (3.6 has no such knob)
+            kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
         bound_args, specialization, options = binder(*args, **kwargs)
         with warnings.catch_warnings():  # parse_options: 3.9's TRITON_DEFAULT_FP_FUSION notice
             warnings.simplefilter("ignore")
