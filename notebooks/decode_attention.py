@@ -721,7 +721,33 @@ assert tile_flops / tile_bytes > 100 and per_sm_tflops * H200_SMS < 0.5 * tflops
 
 # %% [markdown]
 # A tile is compute-heavy (121 FLOP per byte) and the SM spends about 4 us on it at about 40% of
-# the matmul rate: the softmax between the products leaves the tensor cores idle, and nothing
-# overlaps it (Nsight Compute: issue slots 24% busy). FlashMLA's answer is two warpgroups in
-# ping-pong, one's softmax under the other's products, fed by a producer warp; Triton 3.6 does not
-# specialize this loop's warps (`perf_log.md`), so that schedule is the next step, in Gluon.
+# the matmul rate. What each warpgroup does is in the SASS of the loop (Triton 3.6, the H200's
+# compiler; `notebooks/results/sass_sm90.md` says how to get it): per 64-key tile, each of the two
+# warpgroups issues 72 `HGMMA.64x32x16` (the whole [64 heads, 64 keys] score tile over 576 columns,
+# in two 32-key halves), 34 `MUFU.EX2` per thread (the exponentials of all 64 x 64 scores), and 8
+# `HGMMA.64x128x16` (P V for its own 128 of each latent half's 256 columns). Triton splits P V
+# between the warpgroups by output columns, and each needs all of P, so both compute all of QK^T:
+# the scores are computed twice. The cell counts what the tensor cores execute.
+
+# %%
+hgmma_flops = {"64x32x16": 2 * 64 * 32 * 16, "64x128x16": 2 * 64 * 128 * 16}
+per_warpgroup = 72 * hgmma_flops["64x32x16"] + 8 * hgmma_flops["64x128x16"]  # sass_sm90.md, the loop's HGMMA
+executed = 2 * per_warpgroup  # two warpgroups
+score_flops, value_flops = 2 * tile_heads * tile_keys * 576, 2 * tile_heads * tile_keys * 512
+assert 72 * hgmma_flops["64x32x16"] == score_flops  # each warpgroup: every score of the tile
+assert 2 * 8 * hgmma_flops["64x128x16"] == value_flops  # P V: split between the two
+executed_tflops = row["tflops"] * executed / tile_flops
+print(f"tensor work per tile: {executed / 1e6:.2f} MFLOP executed for {tile_flops / 1e6:.2f} MFLOP of attention "
+      f"({executed / tile_flops:.2f}x); at the matmul ceiling the tile would reach "
+      f"{100 * tile_flops / executed:.0f}% of the roofline; measured: {row['tflops']:.0f} TFLOP/s of attention = "
+      f"{executed_tflops:.0f} TFLOP/s executed ({100 * executed_tflops / tflops_ceiling:.0f}% of the ceiling)")
+assert 1.5 < executed / tile_flops < 1.6
+
+# %% [markdown]
+# So the tensor cores run at about 60% of their rate, but a third of that work repeats the scores,
+# and even at the full rate this schedule stops at 65% of the roofline. The rest of the gap is the
+# softmax between the products, which nothing overlaps (Nsight Compute: issue slots 24% busy).
+# FlashMLA computes each tile's scores once: two warpgroups in ping-pong, one's softmax under the
+# other's products, P shared through shared memory, fed by a producer warp. Triton 3.6 does not
+# specialize this loop's warps, and its automatic warp specialization left the loop unchanged
+# (`perf_log.md`), so that schedule is the next step, in Gluon.
