@@ -55,7 +55,7 @@ TURBOQUANT_GRID = [(128, 4, 2, 1, 1, 1, 1, 1), (128, 4, 2, 1, 1, 1, 1, 0, 168), 
 # 3, ~347, 11; 3xTF32 T64 chunk32 w4 1 stage capped at 128 registers (8 B of stack), 8 KiB, 4, ~451, 44; 3xTF32
 # T64 chunk64 w4 1 stage 230, 32 KiB, 2, ~380, 33; bf16x3 T64 chunk32 w4 1 stage capped at 96 registers (no
 # stack), 8 KiB, 5, ~397, 15. FP8 keys: 106 warp instructions per row at T16 w4, 91 at T32
-# w4 and T16 w2, 80 at T64 w4 (228 executed at 9ff0941, Nsight Compute). The sm90 FP8 entry since b4b01fc: T8 w1.
+# w4 and T16 w2, 80 at T64 w4 (228 executed at 9ff0941, Nsight Compute). The sm90 FP8 entry since 580e9fc: T8 w1.
 STORE_GRID = [(64, 64, 4, 1, 3, 0), (64, 32, 4, 2, 1, 0), (128, 32, 8, 2, 1, 0), (64, 64, 4, 2, 1, 0),
               (64, 32, 4, 1, 1, 128), (64, 64, 4, 1, 1, 0), (64, 32, 4, 2, 1, 96), (128, 32, 4, 2, 1, 0),
               (128, 64, 4, 2, 1, 0)]  # fmt: skip

@@ -125,7 +125,7 @@ def stage1_splits(num_kv_splits: int, programs_per_split: int, sm_count: int | N
     the fewest splits that still give every SM that many rounds of resident programs, where a
     program is one (row, KV-head block, split). Every split costs a query load, a partial write and
     its read in the merge, so past a full GPU more splits only cost time. Split sweeps on the H200
-    (``benchmarks/sweep_decode.py 200 splits``, ``sweep_decode_h200.md``; graph replay of both stages,
+    (``benchmarks/sweep_decode.py 160 splits``, ``sweep_decode_h200.md``; graph replay of both stages,
     vLLM's split count -> the sm90 entries' cap, one round for MLA, two for GQA, at b4b01fc): MLA B=32
     H=128 L=32K 1067.9 -> 1081.5 us (64 -> 2 splits; 1656.5 -> 1216.2 before whole-tile loads), MLA B=32
     H=16 L=32K 366.8 -> 338.3 us (64 -> 8), MLA B=8 H=128 L=8K 94.8 -> 82.2 (16 -> 8), MLA B=128 H=128
