@@ -783,7 +783,6 @@ def _decode_stage1_kernel(
     JOIN_UNPACK: tl.constexpr,  # code groups -> codes by joins, else by a reshape
     GATHER_WORDS: tl.constexpr,  # 3-bit fields: one contiguous load of the words, groups by tl.gather
     PREFETCH: tl.constexpr,  # 1: the next tile's loads issued before this tile's compute; 0: Triton's pipeliner
-    PV_HI_LO: tl.constexpr = True,  # p * scale into the value MMA as fp16 hi + lo (False: one fp16 rounding)
 ):  # fmt: skip
     """Grid ``(B, HKV, S)``: a program owns one split of one request for one KV head.
 
@@ -887,11 +886,8 @@ def _decode_stage1_kernel(
             v_codes = _small_int_to_f16(_joined_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
         else:
             v_codes = _small_int_to_f16(_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
-        if PV_HI_LO:
-            w_hi, w_lo = _split_f16(p * v_scale[None, :])
-            pv = tl.dot(w_lo, v_codes, tl.dot(w_hi, v_codes))
-        else:
-            pv = tl.dot((p * v_scale[None, :]).to(tl.float16), v_codes)
+        w_hi, w_lo = _split_f16(p * v_scale[None, :])
+        pv = tl.dot(w_lo, v_codes, tl.dot(w_hi, v_codes))
         pv += tl.sum(p * v_zero[None, :], axis=1)[:, None]
         acc = acc * alpha[:, None] + pv
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -1151,7 +1147,6 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         JOIN_UNPACK=bool(config["JOIN_UNPACK"]),
         GATHER_WORDS=bool(config["GATHER_WORDS"]),
         PREFETCH=config["PREFETCH"],
-        PV_HI_LO=bool(config.get("PV_HI_LO", 1)),
         WORD_ALIGNED_KEYS=aligned and key_bits == 4,
         WORD_ALIGNED_VALUES=aligned and value_quant_bits == 4 and layout["key_data_bytes"] % 4 == 0,
         BLOCK_M=max(16, next_pow2(group)),
