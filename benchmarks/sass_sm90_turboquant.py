@@ -31,7 +31,7 @@ from triton.compiler import compile as triton_compile
 from golden.turboquant import TurboQuantConfig
 from triton_impl import turboquant as ttq
 from triton_impl.bench import cuobjdump
-from triton_impl.launch import with_overrides
+from triton_impl.launch import register_cap, with_overrides
 
 TARGET = GPUTarget("cuda", 90, 32)
 DECODE_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -92,7 +92,7 @@ def decode(preset: str, config: dict[str, int]) -> None:
                       PREFETCH=config["PREFETCH"])  # fmt: skip
     constexprs["stride_btc"] = 1
     options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"],
-               **({"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {})}  # fmt: skip
+               **register_cap(config.get("maxnreg"))}  # fmt: skip
     kernel = _compile(ttq._decode_stage1_kernel, DECODE_POINTERS, constexprs, options, DECODE_DIVISIBLE)
     count, mix, memory = _loop_mix(kernel.asm["cubin"])
     per_key = config["num_warps"] / config["BLOCK_N"]
@@ -135,7 +135,7 @@ def store(preset: str, config: dict[str, int]) -> None:
     divisible = tuple(n for n in ttq._store_kernel.arg_names if n not in STORE_POINTERS and n not in constexprs
                       and n != "num_kv_heads")  # fmt: skip
     options = {"num_warps": config["num_warps"], "num_stages": config.get("num_stages", 3),
-               **({"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {})}  # fmt: skip
+               **register_cap(config.get("maxnreg"))}  # fmt: skip
     kernel = _compile(ttq._store_kernel, STORE_POINTERS, constexprs, options, divisible)
     mix = _weighted_mix(kernel.asm["cubin"], 1 if layout.key_fp8 else 128 // min(config["D_CHUNK"], 128))
     per_row = config["num_warps"] / config["BLOCK_T"]

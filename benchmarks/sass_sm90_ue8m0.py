@@ -42,6 +42,7 @@ from triton.compiler import compile as triton_compile
 
 from triton_impl import ue8m0_cache as ue8m0
 from triton_impl.bench import cuobjdump
+from triton_impl.launch import register_cap
 
 TARGET = GPUTarget("cuda", 90, 32)
 BLOCK_SIZE = 64
@@ -71,7 +72,7 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, max
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in constexprs}
     return triton_compile(ASTSource(fn, signature, values, aligned), target=TARGET,
                           options={"enable_fp_fusion": True, "num_warps": num_warps,
-                                   **({"maxnreg": max_registers} if max_registers else {})})  # fmt: skip
+                                   **register_cap(max_registers)})  # fmt: skip
 
 
 def _resources(cubin: bytes) -> tuple[int, int]:

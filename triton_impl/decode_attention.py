@@ -30,7 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from triton_impl.block_table import first_bad_key
 from triton_impl.interpreter import cast_for_store, dot_dtype
-from triton_impl.launch import Launch, Plans, current_target, no_launch, select_config, with_overrides
+from triton_impl.launch import Launch, Plans, current_target, no_launch, register_cap, select_config, with_overrides
 from triton_impl.lse_merge import launch_merge_splits, merge_splits_launch
 from triton_impl.validation import (
     block_table_2d,
@@ -700,7 +700,6 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
         raise ValueError(f"config: missing keys {sorted(missing)} (expected those of DECODE_CONFIGS' entries)")
     block_h, config = tile_config(config, group)
     head_blocks = cdiv(group, block_h)
-    maxnreg = config.get("maxnreg")
     split_latent = is_mla and bool(config.get("SPLIT_LATENT", 0)) and block_dv >= 32
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
     num_kv_splits = stage1_splits(num_kv_splits, num_rows * num_kv_heads * head_blocks, sm_count, config)
@@ -744,7 +743,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
         DOT_PRECISION="ieee" if cache_dtypes[0] == torch.float32 else "tf32",  # fp32 queries: no TF32 truncation
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
-        **({"maxnreg": maxnreg} if maxnreg else {}),
+        **register_cap(config.get("maxnreg")),
     ))  # fmt: skip
     merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse)
     return make_plan(stage1, merge, tma=tma)

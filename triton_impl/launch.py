@@ -75,6 +75,12 @@ def with_overrides(config: Config, suffix: str) -> dict:
     return {**config, **{k[:-n]: v for k, v in config.items() if k.lower().endswith(suffix.lower())}}
 
 
+def register_cap(maxnreg: int | None) -> dict[str, int]:
+    """The launch option capping registers per thread: ``{"maxnreg": maxnreg}``, or none for 0/None
+    (the compiler's choice). Spread into a launch's keyword arguments."""
+    return {"maxnreg": maxnreg} if maxnreg else {}
+
+
 _MAX_ENTRIES = 4096  # variants (and wrapper plans) kept; a serving process uses a few dozen
 
 # ``(id(kernel), device, key) -> (CompiledKernel, names of the constexpr parameters in signature order)``.

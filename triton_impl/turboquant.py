@@ -32,7 +32,16 @@ import triton.language as tl
 
 from triton_impl.block_table import first_bad_key
 from triton_impl.interpreter import INTERPRET, e4m3_bits_to_f16, f32_to_e4m3_bits
-from triton_impl.launch import Launch, Plans, current_target, launch, no_launch, select_config, with_overrides
+from triton_impl.launch import (
+    Launch,
+    Plans,
+    current_target,
+    launch,
+    no_launch,
+    register_cap,
+    select_config,
+    with_overrides,
+)
 from triton_impl.lse_merge import merge_splits_launch
 from triton_impl.validation import (
     block_table_2d,
@@ -534,7 +543,7 @@ def triton_turboquant_store(
         WIDE_SLOTS=num_slots > 2**31 - 1,
         num_warps=config["num_warps"],
         num_stages=config.get("num_stages", 3),
-        **({"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}),
+        **register_cap(config.get("maxnreg")),
     )  # fmt: skip
 
 
@@ -1154,7 +1163,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         BLOCK_D=max(32, next_pow2(head_dim)),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
-        **({"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}),
+        **register_cap(config.get("maxnreg")),
     ))  # fmt: skip
     rotate = no_launch
     if not key_fp8:

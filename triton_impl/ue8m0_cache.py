@@ -78,7 +78,7 @@ from triton_impl.interpreter import (
     f32_to_e4m3_bits,
     f32_to_e4m3fn_bits_not_nan,
 )
-from triton_impl.launch import launch, select_config
+from triton_impl.launch import launch, register_cap, select_config
 from triton_impl.validation import cdiv, check_positive, check_tensor, content_checks_enabled
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -473,7 +473,7 @@ def quantize_and_insert_k_cache(
         STREAM="evict_first" if config.evict else "",
         KEEP="evict_last" if config.evict else "",
         num_warps=config.num_warps,
-        **({"maxnreg": config.insert_max_registers} if config.insert_max_registers else {}),
+        **register_cap(config.insert_max_registers),
     )  # fmt: skip
 
 
@@ -720,7 +720,7 @@ def dequantize_and_gather_k_cache(
         STAGES=config.stages,
         STREAM="evict_first" if config.evict else "",
         num_warps=config.num_warps,
-        **({"maxnreg": config.gather_max_registers} if config.gather_max_registers else {}),
+        **register_cap(config.gather_max_registers),
     )  # fmt: skip
 
 
