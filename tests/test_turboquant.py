@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -27,6 +32,7 @@ from golden import turboquant as tq
 from golden.lse_merge import merge_states
 from tests.support import assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled
 from triton_impl import turboquant as ttq
+from triton_impl import turboquant_sm90 as ttq_sm90
 from triton_impl.parity import turboquant as ptq
 
 PRESETS = sorted(tq.PRESETS)
@@ -852,8 +858,8 @@ DECODE_SPLITS = (1, 2, 3, 4)
 # holds cdiv(L, S) tokens) a full BLOCK_N tile and one token past it.
 EDGE_LENGTHS = sorted(
     {size + extra for size in DECODE_BLOCK_SIZES for extra in (0, 1)}
-    | {splits * (config["BLOCK_N"] + extra) for _, config in DECODE_CONFIGS for splits in DECODE_SPLITS
-       for extra in (0, 1)}
+    | {splits * (tile + extra) for tile in {c["BLOCK_N"] for _, c in DECODE_CONFIGS} | {int(ttq_sm90.BLOCK_N)}
+       for splits in DECODE_SPLITS for extra in (0, 1)}
 )  # fmt: skip
 
 
@@ -992,6 +998,33 @@ def _nibble_dot_kernel(a_ptr, packed_ptr, out_ptr, K: tl.constexpr, N: tl.conste
     tl.store(out_ptr + m[:, None] * N + n[None, :], tl.dot(a, b))
 
 
+_SM90_COMPILE = """
+import json
+from triton_impl import turboquant_sm90
+from triton_impl.bench import sass_resources
+for key_fp8 in (False, True):
+    for group in (1, 4, 16):
+        for block_size in (16, 32):
+            kernel = turboquant_sm90.compile_for_sm90(key_fp8=key_fp8, group=group, block_size=block_size)
+            resources = sass_resources(kernel.asm["cubin"])
+            print(json.dumps([key_fp8, group, block_size, *resources, kernel.metadata.shared]))
+"""
+
+
+def test_sm90_stage1_compiles_for_hopper_without_spills() -> None:
+    """The Gluon fast path never runs under the interpreter: compile it for sm_90 here (a process of its own,
+    TRITON_INTERPRET=0) for both key kinds, groups 1/4/16 and two block sizes, with no stack (no spills) and a
+    few KiB of shared memory."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    assert len(rows) == 12
+    for row in rows:
+        registers, stack, shared = row[3:]
+        assert stack == 0 and registers <= 255 and shared <= 4096, row
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a compiler defect: the interpreter has no MMA layouts")
 def test_interleaved_nibbles_into_a_16_key_dot_are_never_our_pattern() -> None:
     """Triton 3.6 miscompiles a ``tl.interleave``-fed ``tl.dot`` with K = 16 (an operand layout too
@@ -1040,12 +1073,12 @@ def test_pair_lut_path_and_the_centroid_path_both_match_golden(device: torch.dev
 
 @pytest.mark.parametrize("variant", [{"JOIN_UNPACK": 0}, {"GATHER_WORDS": 0}, {"PAIR_LUT": 0, "SMEM_CODEBOOK": 1},
                                      {"PREFETCH": 0, "PREFETCH_k4": 0},
-                                     {"PREFETCH": 1, "PREFETCH_k4": 1, "maxnreg": 0}], ids=str)  # fmt: skip
+                                     {"PREFETCH": 1, "PREFETCH_k4": 1, "maxnreg": 0}, {}], ids=str)  # fmt: skip
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k8v4"])
 def test_decode_variants_outside_the_config_table_match_golden(variant, preset, device: torch.device) -> None:
     """The unpacking, lookup and prefetch variants the sweep times (benchmarks/sweep_memory_bound.py) that no
     table entry selects. Lengths give partly live tiles and an empty request; D = 64 too."""
-    config = ttq.DECODE_CONFIGS["sm90"] | variant
+    config = ttq.DECODE_CONFIGS["sm90"] | {"GLUON": 0} | variant  # the portable kernel's variants (sm_90 too)
     with mock.patch.dict(ttq.DECODE_CONFIGS, dict.fromkeys(ttq.DECODE_CONFIGS, config)):
         _check_decode_against_golden(41, preset, 128, [300, 129], 2, 4, 2, 16, torch.float16, device)
         _check_decode_against_golden(42, preset, 128, [1, 0], 1, 4, 3, 16, torch.bfloat16, device)

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_impl import turboquant_sm90
 from triton_impl.block_table import first_bad_key
 from triton_impl.interpreter import INTERPRET, e4m3_bits_to_f16, f32_to_e4m3_bits
 from triton_impl.launch import (
@@ -142,7 +143,8 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
-             "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0},
+             "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
+             "GLUON_PREFETCH": 0},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -1133,14 +1135,48 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
 
     key_bits = 8 if key_fp8 else mse_bits
     config = select_decode_config(device, key_bits)
+    group = num_heads // num_kv_heads
+    table_keys = table_2d.shape[1] * block_size
+    meta_offset = block_size * num_kv_heads * layout["data_bytes_per_slot"]
+    if config.get("GLUON") and turboquant_sm90.supports(
+        device=device, head_dim=head_dim, key_bits=key_bits, value_bits=value_quant_bits, group=group,
+        block_size=block_size, stride_block=kv_cache.stride(0), slot_bytes=layout["data_bytes_per_slot"],
+        key_bytes=layout["key_data_bytes"],
+    ):  # the sm_90 fast path (triton_impl/turboquant_sm90.py): the same partials, tensor-core operands built in place
+        stage1 = Launch(turboquant_sm90.decode_stage1_kernel, (batch, num_kv_heads, num_splits), (
+            float(scale), num_splits, num_blocks, table_keys, kv_cache.stride(0), *query.stride()[:2],
+            table_2d.stride(0), table_2d.stride(1), *mid_o.stride()[:3],
+        ), dict(KV_GROUP=group, KEY_FP8=key_fp8, KEY_DATA_BYTES=layout["key_data_bytes"],
+                SLOT_BYTES=layout["data_bytes_per_slot"], NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size,
+                BLOCK_H=max(8, next_pow2(group)), PREFETCH=config["GLUON_PREFETCH"],
+                num_warps=int(turboquant_sm90.NUM_WARPS)))  # fmt: skip
+    else:
+        stage1 = _portable_stage1(config, query, kv_cache, table_2d, mid_o, scale, num_splits, num_kv_heads, block_size,
+                                  num_blocks, table_keys, meta_offset, layout, group, head_dim, key_bits,
+                                  value_quant_bits, key_fp8, use_pair_lut)  # fmt: skip
+    rotate = no_launch
+    if not key_fp8:
+        block_m, block_d = 16, max(32, next_pow2(head_dim))
+        d_chunk = min(block_d, 32)  # [BLOCK_D, 32] fp32 of PiT per program: ~32 registers a thread
+        pit_strides = rotation.stride() if PiT is not None else rotation.stride()[::-1]
+        rotate = Launch(_rotate_query_kernel, (batch, cdiv(num_heads, block_m), block_d // d_chunk), (
+            num_heads, num_splits, *query.stride()[:2], *pit_strides, *mid_o.stride()[:3],
+        ), dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d, D_CHUNK=d_chunk, num_warps=4))  # fmt: skip
+    return make_plan(rotate, stage1, merge_splits_launch(batch, mid_o, output, lse), True,
+                     contiguous_lens=seq_lens.shape[0] <= 1 or seq_lens.stride(0) == 1)  # fmt: skip
+
+
+def _portable_stage1(config, query, kv_cache, table_2d, mid_o, scale, num_splits, num_kv_heads, block_size, num_blocks,
+                     table_keys, meta_offset, layout, group, head_dim, key_bits, value_quant_bits, key_fp8,
+                     use_pair_lut) -> Launch:  # fmt: skip
+    """Stage 1 as the portable Triton kernel: every architecture, the interpreter, every layout."""
     if use_pair_lut is None:
         use_pair_lut = key_bits == 4 and bool(config["PAIR_LUT"])
     # A field whose every 8-code group is one aligned word: 4-bit codes at 4-byte aligned offsets.
     aligned = kv_cache.stride(0) % 4 == 0 and layout["data_bytes_per_slot"] % 4 == 0
-    group = num_heads // num_kv_heads
-    stage1 = Launch(_decode_stage1_kernel, (batch, num_kv_heads, num_splits), (
-        float(scale), num_splits, num_kv_heads, block_size, num_blocks, table_2d.shape[1] * block_size,
-        kv_cache.stride(0), layout["data_bytes_per_slot"], block_size * num_kv_heads * layout["data_bytes_per_slot"],
+    return Launch(_decode_stage1_kernel, (query.shape[0], num_kv_heads, num_splits), (
+        float(scale), num_splits, num_kv_heads, block_size, num_blocks, table_keys, kv_cache.stride(0),
+        layout["data_bytes_per_slot"], meta_offset,
         *query.stride()[:2],  # read by FP8 keys only; MSE keys read the rotated query from mid_o
         table_2d.stride(0), table_2d.stride(1),
         *mid_o.stride()[:3],
@@ -1165,13 +1201,3 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         num_stages=config["num_stages"],
         **register_cap(config.get("maxnreg")),
     ))  # fmt: skip
-    rotate = no_launch
-    if not key_fp8:
-        block_m, block_d = 16, max(32, next_pow2(head_dim))
-        d_chunk = min(block_d, 32)  # [BLOCK_D, 32] fp32 of PiT per program: ~32 registers a thread
-        pit_strides = rotation.stride() if PiT is not None else rotation.stride()[::-1]
-        rotate = Launch(_rotate_query_kernel, (batch, cdiv(num_heads, block_m), block_d // d_chunk), (
-            num_heads, num_splits, *query.stride()[:2], *pit_strides, *mid_o.stride()[:3],
-        ), dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d, D_CHUNK=d_chunk, num_warps=4))  # fmt: skip
-    return make_plan(rotate, stage1, merge_splits_launch(batch, mid_o, output, lse), True,
-                     contiguous_lens=seq_lens.shape[0] <= 1 or seq_lens.stride(0) == 1)  # fmt: skip

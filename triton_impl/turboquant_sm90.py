@@ -1,0 +1,419 @@
+"""TurboQuant decode stage 1 on NVIDIA tensor cores, in Gluon: the sm_90 fast path of
+:func:`triton_impl.turboquant.triton_turboquant_decode_attention_v2`.
+
+The portable Triton kernel (``turboquant._decode_stage1_kernel``) computes the same partials and stays
+the readable twin (it runs under the interpreter; this one does not). What this kernel does that
+Triton's layouts do not let that one do: every tensor core operand is built in the registers the
+``mma.sync.m16n8k16`` instruction reads it from, by choosing which codes each thread loads.
+
+One program owns one split of one request for one KV head (grid ``(B, HKV, S)``), 4 warps, 64-key
+tiles. Per tile:
+
+- scores as ``S^T = K q^T``: the keys are the MMA's M (16 per warp), the group's query heads its N
+  (``BLOCK_H`` >= 8): a GQA group of 4 fills half of each MMA, not a quarter. Each thread reads 16
+  contiguous key bytes (one 16-byte load; 32 for FP8 keys) and turns each byte into the register
+  the A operand wants: the pair LUT's fp16 centroids of its two codes, or the hardware e4m3x2 ->
+  f16x2 conversion. That works because the dot product does not care in which order it visits the
+  dimensions: the query is loaded in the same permuted order (:func:`_score_dim`).
+- the online softmax per head, across the 4 warps (the tile's row max is the one exchange);
+  probabilities times the value scale, as fp16 hi + lo parts, go to every warp (through shared
+  memory) as the B operand of ``O^T += V^T P^T``.
+- values: each warp owns 32 of the 128 output dimensions. A thread reads 4 codes (16 bits) of each
+  of its 16 keys and pairs the codes of two keys at one dimension into one register with integer
+  ops: ``0x6400 | c`` is the fp16 ``1024 + c``, and one ``sub.f16x2`` makes both codes exact fp16
+  (no lookup, no conversion). The output dimension order is permuted the same way
+  (:func:`_value_dim`) and undone by the final store's addresses.
+
+Numerics are the portable kernel's: centroids rounded to fp16 once, the query and ``p * scale`` as
+fp16 hi + lo pairs (two MMAs each), codes exact, fp32 sums. Supported: ``HEAD_DIM = 128``, 4-bit
+MSE keys or FP8 keys, 4-bit values, a group of at most 16 query heads, a block size that is a
+multiple of 16, 16-byte aligned slots; :func:`supports` says whether a call qualifies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from triton_impl.interpreter import INTERPRETING
+
+HEAD_DIM = gl.constexpr(128)
+BLOCK_N = gl.constexpr(64)  # keys per tile: 16 per warp for the scores
+NUM_WARPS = gl.constexpr(4)
+_LOG2E = gl.constexpr(1.4426950408889634)
+_LN2 = gl.constexpr(0.6931471805599453)
+# A CTA-wide barrier: Gluon's name for it changed (Triton 3.6 ``thread_barrier``, later ``barrier``).
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+def supports(*, device: torch.device, head_dim: int, key_bits: int, value_bits: int, group: int, block_size: int,
+             stride_block: int, slot_bytes: int, key_bytes: int) -> bool:  # fmt: skip
+    """Whether a decode call is one this kernel serves (else the portable kernel runs): compiled (not
+    interpreted) for compute capability 9.x (H100, H200), and a layout it reads with aligned vector loads."""
+    aligned = block_size % 16 == 0 and stride_block % 16 == 0 and slot_bytes % 16 == 0 and key_bytes % 16 == 0
+    served = head_dim == HEAD_DIM and key_bits in (4, 8) and value_bits == 4 and group <= 16 and aligned
+    return served and not INTERPRETING and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def compile_for_sm90(*, key_fp8: bool, group: int = 4, block_size: int = 16, prefetch: int = 0) -> Any:
+    """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a launch of the bench's
+    shapes is (16-byte aligned pointers, the integer arguments that are multiples of 16 marked so, the
+    block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = decode_stage1_kernel
+    names = fn.arg_names
+    pointers = {"q_ptr": "*bf16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "centroid_ptr": "*fp32", "partials_ptr": "*fp32"}  # fmt: skip
+    divisible = ("num_splits", "num_blocks", "table_keys", "stride_block", "stride_qb", "stride_qh", "stride_bt",
+                 "stride_pb", "stride_ph")  # fmt: skip
+    key_bytes = 128 if key_fp8 else 64
+    constexprs = dict(KV_GROUP=group, KEY_FP8=key_fp8, KEY_DATA_BYTES=key_bytes, SLOT_BYTES=key_bytes + 64,
+                      NUM_KV_HEADS=8, BLOCK_SIZE=block_size,
+                      BLOCK_H=max(8, 1 << (group - 1).bit_length()), PREFETCH=prefetch, stride_btc=1)  # fmt: skip
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "sm_scale" else "i32")
+                 for n in names}  # fmt: skip
+    values = {(names.index(n),): v for n, v in constexprs.items()}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, *divisible)}
+    return triton_compile(GluonASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": int(NUM_WARPS)})  # fmt: skip
+
+
+@gluon.constexpr_function
+def _axis_layout(layout, rank, dim):
+    """The layout of an index along ``dim`` of a rank-``rank`` tensor: ``layout`` sliced along every other dim."""
+    for d in reversed(range(rank)):
+        if d != dim:
+            layout = gl.SliceLayout(d, layout)
+    return layout
+
+
+@gluon.jit
+def _iota(N: gl.constexpr, DIM: gl.constexpr, RANK: gl.constexpr, LAYOUT: gl.constexpr):
+    """``0 .. N-1`` along ``DIM`` of a rank-``RANK`` tensor in ``LAYOUT`` (size 1 along every other dim)."""
+    x = gl.arange(0, N, layout=_axis_layout(LAYOUT, RANK, DIM))
+    for d in gl.static_range(RANK):
+        if d != DIM:
+            x = gl.expand_dims(x, d)
+    return x
+
+
+@gluon.jit
+def _score_dim(k):
+    """The head dimension the scores' MMA reads at its K index ``k``: thread ``t`` (lane % 4) of an
+    A-operand quad holds K indices ``16c + 8j + 2t + e`` (chunk ``c``, half ``j``, pair element
+    ``e``); those are dimensions ``32t + 4c + 2j + e``, so each thread's 32 are contiguous (16 bytes of
+    4-bit codes, 32 of FP8)."""
+    return ((k >> 1) & 3) * 32 + (k >> 4) * 4 + ((k >> 3) & 1) * 2 + (k & 1)
+
+
+@gluon.jit
+def _value_dim(d):
+    """The head dimension the value MMA computes in its output row ``d``: warp ``w`` owns rows ``64m +
+    16w + 8h + g`` (M tile ``m``, half ``h``, lane quad ``g``); they are dimensions ``32w + 4g + 2m + h``,
+    so each thread's four are the 4 codes of one 16-bit word."""
+    return ((d >> 4) & 3) * 32 + (d & 7) * 4 + (d >> 6) * 2 + ((d >> 3) & 1)
+
+
+@gluon.jit
+def _f16_halves(x):
+    """uint32 -> its two fp16 halves (low, high): a register reinterpretation, no instruction."""
+    return gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [x], dtype=(gl.float16, gl.float16),
+                                     is_pure=True, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _code_pair_halves(x):
+    """uint32 ``(0x6400 | c0) | (0x6400 | c1) << 16`` -> fp16 ``(c0, c1)``, exactly: the halves are the
+    fp16 ``1024 + c``, and one packed subtraction of 1024 is exact."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 t, k; mov.b32 k, 0x64006400; sub.rn.f16x2 t, $2, k; mov.b32 {$0, $1}, t; }",
+        "=h,=h,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _e4m3_pairs(x):
+    """uint16 (two e4m3 bytes) -> uint32 holding both as fp16 (low byte in the low half): the
+    hardware conversion, exact (every e4m3 value is an fp16 value; NaN codes give NaN)."""
+    return gl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x], dtype=gl.uint32, is_pure=True,
+                                     pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _first_bad_key(row_ptr, stride_btc, start, end, num_blocks, BLOCK_SIZE: gl.constexpr):
+    """The first key in ``[start, end)`` whose table entry lies outside ``[0, num_blocks)``; ``end`` if
+    none (``triton_impl.block_table.first_bad_key`` for this kernel's language)."""
+    PAGES: gl.constexpr = 128
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    first = start // BLOCK_SIZE
+    last = gl.maximum((end + BLOCK_SIZE - 1) // BLOCK_SIZE, first)
+    found = gl.full([PAGES], 0, gl.int32, layout) + end
+    for p0 in range(first, last, PAGES):
+        p = p0 + gl.arange(0, PAGES, layout=layout)
+        live = p < last
+        entry = gl.load(row_ptr + p * stride_btc, mask=live, other=0)
+        bad = live & ((entry < 0) | (entry >= num_blocks))
+        found = gl.minimum(found, gl.where(bad, gl.maximum(p * BLOCK_SIZE, start), end))
+    return gl.min(found, axis=0)
+
+
+@gluon.jit
+def _block_base(row_ptr, stride_btc, token, end, num_blocks, stride_block, BLOCK_SIZE: gl.constexpr):
+    """Byte offset of the cache block holding ``token`` (``>= 0``). The table entry is read only for
+    ``token < end`` and clamped into the cache: a request with a bad entry was poisoned before the loop."""
+    column = (token.to(gl.uint32) // BLOCK_SIZE).to(gl.int32)
+    page = gl.load(row_ptr + column * stride_btc, mask=token < end, other=0)
+    return gl.minimum(gl.maximum(page, 0), num_blocks - 1).to(gl.int64) * stride_block
+
+
+@gluon.jit
+def _chunk_slot(row_ptr, stride_btc, chunk_start, end, kv_head, num_blocks, num_kv_heads, stride_block, slot_bytes,
+                BLOCK_SIZE: gl.constexpr):  # fmt: skip
+    """Byte offset of the slot of key ``chunk_start`` (a multiple of 16) for ``kv_head``: the chunk's 16
+    keys lie in one block (16 divides ``BLOCK_SIZE``), key ``chunk_start + i`` ``i * num_kv_heads *
+    slot_bytes`` further."""
+    position = (chunk_start.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
+    return (_block_base(row_ptr, stride_btc, chunk_start, end, num_blocks, stride_block, BLOCK_SIZE)
+            + (position * num_kv_heads + kv_head) * slot_bytes)  # fmt: skip
+
+
+@gluon.jit
+def _key_words(cache_ptr, row_ptr, tile_start, end, go, kv_head, num_blocks, num_kv_heads, stride_btc, stride_block,
+               slot_bytes, KEY_FP8: gl.constexpr, BLOCK_SIZE: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
+    """The tile's packed keys as 32-bit words ``[warp, half, quad, t, w]``: key ``16 warp + 8 half + quad``
+    (a 16-key chunk per warp: one table entry), word ``w`` of the thread's key bytes from ``16t`` (4-bit,
+    4 words) or ``32t`` (FP8, 8 words). Read only where ``go``; a dead key reads its own block or block 0,
+    never past the cache."""
+    WORDS: gl.constexpr = 8 if KEY_FP8 else 4
+    warp = _iota(4, 0, 5, LAYOUT)
+    half = _iota(2, 1, 5, LAYOUT)
+    quad = _iota(8, 2, 5, LAYOUT)
+    t = _iota(4, 3, 5, LAYOUT)
+    w = _iota(WORDS, 4, 5, LAYOUT)
+    slot = _chunk_slot(row_ptr, stride_btc, tile_start + warp * 16, end, kv_head, num_blocks, num_kv_heads,
+                       stride_block, slot_bytes, BLOCK_SIZE)  # fmt: skip
+    slot += (half * 8 + quad) * (num_kv_heads * slot_bytes)
+    words = (cache_ptr + slot + t * (4 * WORDS)).to(gl.pointer_type(gl.uint32))  # byte offsets: no division
+    return gl.load(words + w, mask=go, other=0)
+
+
+@gluon.jit
+def _key_operand(words, pair_lut, KEY_FP8: gl.constexpr, BYTES_LAYOUT: gl.constexpr):
+    """Packed keys (:func:`_key_words`) -> ``[BLOCK_N, HEAD_DIM]`` fp16, K index ``k`` holding dimension
+    ``_score_dim(k)``: each byte (4-bit: the pair LUT's two centroids) or 16-bit half word (FP8: the hardware
+    e4m3x2 conversion) becomes one A-operand register of the scores' MMA. ``words`` is in ``BYTES_LAYOUT``
+    sliced along its last dim."""
+    if KEY_FP8:
+        halves = gl.join(words.to(gl.uint16), (words >> 16).to(gl.uint16))  # [..., w, 2]: u = 2w + half
+        pairs = _e4m3_pairs(gl.reshape(halves, [4, 2, 8, 4, 16]))
+    else:
+        byte = gl.reshape((words[:, :, :, :, :, None] >> (8 * _iota(4, 5, 6, BYTES_LAYOUT))) & 0xFF,
+                          [BLOCK_N * 64]).to(gl.int32)  # u = 4w + byte  # fmt: skip
+        pairs = gl.reshape(gl.gather(pair_lut, byte, 0), [4, 2, 8, 4, 16])
+    lo, hi = _f16_halves(pairs)
+    k = gl.join(lo, hi)  # [warp, half, quad, t, u, e]: dimension 32t + 2u + e
+    k = gl.reshape(k, [4, 2, 8, 4, 8, 2, 2])  # u = 2c + j
+    k = gl.permute(k, (0, 1, 2, 4, 5, 3, 6))  # [key: warp, half, quad | K: c, j, t, e]
+    return gl.reshape(k, [BLOCK_N, HEAD_DIM])
+
+
+@gluon.jit
+def _value_words(cache_ptr, row_ptr, tile_start, end, go, kv_head, num_blocks, num_kv_heads, stride_btc,
+                 stride_block, slot_bytes, KEY_DATA_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                 LAYOUT: gl.constexpr):  # fmt: skip
+    """The tile's value codes as ``[warp, quad, t, c, j, e]``: the 16-bit word at value byte ``16 warp +
+    2 quad`` (4 codes) of key ``16c + 8j + 2t + e``. Read only where ``go``, as :func:`_key_words`."""
+    warp = _iota(4, 0, 6, LAYOUT)
+    quad = _iota(8, 1, 6, LAYOUT)
+    t = _iota(4, 2, 6, LAYOUT)
+    c = _iota(4, 3, 6, LAYOUT)
+    j = _iota(2, 4, 6, LAYOUT)
+    e = _iota(2, 5, 6, LAYOUT)
+    slot = _chunk_slot(row_ptr, stride_btc, tile_start + c * 16, end, kv_head, num_blocks, num_kv_heads,
+                       stride_block, slot_bytes, BLOCK_SIZE)  # fmt: skip
+    slot += (j * 8 + t * 2 + e) * (num_kv_heads * slot_bytes)
+    words = (cache_ptr + slot + KEY_DATA_BYTES + warp * 16 + quad * 2).to(gl.pointer_type(gl.uint16))
+    return gl.load(words, mask=go, other=0)
+
+
+@gluon.jit
+def _value_operand(w):
+    """Value words (:func:`_value_words`) -> codes ``[HEAD_DIM, BLOCK_N]`` fp16 (exact), the A operand of
+    ``O^T += V^T P^T``, output row ``d`` holding dimension ``_value_dim(d)``: the words of keys ``e = 0, 1``
+    are paired (low and high halves), and each of their 4 codes becomes one register holding both keys'
+    code at one dimension."""
+    w0, w1 = gl.split(w)  # keys e = 0, 1
+    pair = w0.to(gl.uint32) | (w1.to(gl.uint32) << 16)
+    c0lo, c0hi = _code_pair_halves((pair & 0x000F000F) | 0x64006400)  # code r of each key: dimension 4 quad + r
+    c1lo, c1hi = _code_pair_halves(((pair >> 4) & 0x000F000F) | 0x64006400)
+    c2lo, c2hi = _code_pair_halves(((pair >> 8) & 0x000F000F) | 0x64006400)
+    c3lo, c3hi = _code_pair_halves(((pair >> 12) & 0x000F000F) | 0x64006400)
+    r0 = gl.join(gl.join(c0lo, c0hi), gl.join(c1lo, c1hi))  # [..., e, h]: r = h + 2m
+    r1 = gl.join(gl.join(c2lo, c2hi), gl.join(c3lo, c3hi))
+    v = gl.join(r0, r1)  # [warp, quad, t, c, j, e, h, m]
+    v = gl.permute(v, (7, 0, 6, 1, 3, 4, 2, 5))  # [row: m, warp, h, quad | key: c, j, t, e]
+    return gl.reshape(v, [HEAD_DIM, BLOCK_N])
+
+
+@gluon.jit
+def _metadata(cache_ptr, row_ptr, stride_btc, token, live, end, kv_head, num_blocks, stride_block, meta_offset,
+              NUM_FIELDS: gl.constexpr, BLOCK_SIZE: gl.constexpr):  # fmt: skip
+    """Each token's fp16 metadata fields as fp32 ``(key norm or 1, value scale, value zero)``; 0 where not
+    ``live`` (a dead key's probability is 0, and its fields must not turn that into NaN). A block holds
+    them after its data, field-major per KV head: ``[HKV, NUM_FIELDS, BLOCK_SIZE]``."""
+    position = (token.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
+    block = _block_base(row_ptr, stride_btc, token, end, num_blocks, stride_block, BLOCK_SIZE)
+    at = (cache_ptr + block + meta_offset).to(gl.pointer_type(gl.uint16))
+    at += kv_head * (NUM_FIELDS * BLOCK_SIZE) + position
+    scale = gl.load(at + (NUM_FIELDS - 2) * BLOCK_SIZE, mask=live, other=0).to(gl.float16, bitcast=True)
+    zero = gl.load(at + (NUM_FIELDS - 1) * BLOCK_SIZE, mask=live, other=0).to(gl.float16, bitcast=True)
+    if NUM_FIELDS == 3:
+        norm = gl.load(at, mask=live, other=0).to(gl.float16, bitcast=True).to(gl.float32)
+    else:
+        norm = gl.full(token.shape, 1.0, gl.float32, token.type.layout)
+    return norm, scale.to(gl.float32), zero.to(gl.float32)
+
+
+@gluon.jit
+def _tile_loads(cache_ptr, row_ptr, tile_start, start, end, kv_head, num_blocks, num_kv_heads, stride_btc,
+                stride_block, slot_bytes, meta_offset, key_rows, KEY_FP8: gl.constexpr,
+                KEY_DATA_BYTES: gl.constexpr, NUM_FIELDS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                KEY_LAYOUT: gl.constexpr, VALUE_LAYOUT: gl.constexpr):  # fmt: skip
+    """Everything tile ``[tile_start, tile_start + BLOCK_N)`` reads: ``(key words, value words, norm, value
+    scale, value zero)``. A tile at or past ``end`` reads nothing (a prefetch past the last tile)."""
+    go = tile_start < end
+    k_words = _key_words(cache_ptr, row_ptr, tile_start, end, go, kv_head, num_blocks, num_kv_heads, stride_btc,
+                         stride_block, slot_bytes, KEY_FP8, BLOCK_SIZE, KEY_LAYOUT)  # fmt: skip
+    v_words = _value_words(cache_ptr, row_ptr, tile_start, end, go, kv_head, num_blocks, num_kv_heads, stride_btc,
+                           stride_block, slot_bytes, KEY_DATA_BYTES, BLOCK_SIZE, VALUE_LAYOUT)  # fmt: skip
+    token = tile_start + key_rows
+    live = (token >= start) & (token < end)
+    norm, v_scale, v_zero = _metadata(cache_ptr, row_ptr, stride_btc, token, live, end, kv_head, num_blocks,
+                                      stride_block, meta_offset, NUM_FIELDS, BLOCK_SIZE)  # fmt: skip
+    return k_words, v_words, norm, v_scale, v_zero
+
+
+@gluon.jit
+def decode_stage1_kernel(
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr,
+    sm_scale, num_splits, num_blocks, table_keys, stride_block,
+    stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
+    KV_GROUP: gl.constexpr,
+    KEY_FP8: gl.constexpr,
+    KEY_DATA_BYTES: gl.constexpr,
+    SLOT_BYTES: gl.constexpr,  # data bytes per (token, KV head) slot
+    NUM_KV_HEADS: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    PREFETCH: gl.constexpr = 0,
+):  # fmt: skip
+    """Grid ``(B, HKV, S)``, 4 warps: the partial ``(o, lse)`` of one split of one request for one KV
+    head's group, as ``turboquant._decode_stage1_kernel`` writes it (the module docstring says how)."""
+    gl.static_assert(gl.num_warps() == NUM_WARPS)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    rows: gl.constexpr = gl.SliceLayout(1, mma)
+    cols: gl.constexpr = gl.SliceLayout(0, mma)
+    # Key words [warp, half, quad, t, w] are this sliced along its last dim (the 4 bytes of a 4-bit key word).
+    key_bytes: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 8 if KEY_FP8 else 4, 4], [1, 1, 8, 4, 1, 1],
+                                               [NUM_WARPS, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0])  # fmt: skip
+    key_layout: gl.constexpr = gl.SliceLayout(5, key_bytes)
+    value_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4, 2, 2], [1, 8, 4, 1, 1, 1], [NUM_WARPS, 1, 1, 1, 1, 1],
+                                                  [5, 4, 3, 2, 1, 0])  # fmt: skip
+    NUM_FIELDS: gl.constexpr = 2 if KEY_FP8 else 3
+    meta_offset: gl.constexpr = BLOCK_SIZE * NUM_KV_HEADS * SLOT_BYTES  # a block's metadata follows its data
+
+    b = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.maximum(gl.load(seq_lens_ptr + b).to(gl.int32), 0)
+    split_len = (seq_len + num_splits - 1) // num_splits
+    start = split * split_len
+    end = gl.minimum(start + split_len, seq_len)
+    too_long = seq_len > table_keys
+    end = gl.minimum(end, table_keys)
+    row_ptr = block_table_ptr + b.to(gl.int64) * stride_bt
+    poisoned = too_long | (_first_bad_key(row_ptr, stride_btc, start, end, num_blocks, BLOCK_SIZE) < end)
+
+    # The query as the B operand [HEAD_DIM, BLOCK_H] of the scores, K index k holding dimension _score_dim(k).
+    qk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, dot_b))
+    qh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, dot_b))
+    q_heads = kv_head * KV_GROUP + qh
+    if KEY_FP8:
+        q_at = q_ptr + b.to(gl.int64) * stride_qb + q_heads * stride_qh
+    else:  # the rotated query, in this program's partials slot
+        q_at = partials_ptr + b.to(gl.int64) * stride_pb + q_heads * stride_ph + split * stride_ps
+    q = gl.load(q_at[None, :] + _score_dim(qk)[:, None], mask=(qh < KV_GROUP)[None, :], other=0.0).to(gl.float32)
+    q_hi = q.to(gl.float16)
+    q_lo = (q - q_hi.to(gl.float32)).to(gl.float16)
+    _barrier()  # every load of the slot before any store to it
+
+    pair_lut = 0
+    if not KEY_FP8:  # entry b (a packed byte: codes b & 15, b >> 4) is fp16(c_lo) | fp16(c_hi) << 16
+        lut_layout: gl.constexpr = gl.BlockedLayout([2], [32], [NUM_WARPS], [0])
+        byte = gl.arange(0, 256, layout=lut_layout)
+        lo = gl.load(centroid_ptr + (byte & 15)).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
+        hi = gl.load(centroid_ptr + (byte >> 4)).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
+        pair_lut = lo | (hi << 16)
+
+    score_scale = sm_scale * _LOG2E
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, cols)
+    l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)  # per-thread partial sums, reduced once at the end
+    z_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
+    acc = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, mma)
+    key_rows = gl.arange(0, BLOCK_N, layout=rows)
+    tile = (start // 16) * 16  # tiles of 16-key chunks: one table entry each
+    if PREFETCH:  # the first tile's loads; each iteration issues the next tile's before computing on this one
+        k_words, v_words, norm, v_scale, v_zero = _tile_loads(
+            cache_ptr, row_ptr, tile, start, end, kv_head, num_blocks, NUM_KV_HEADS, stride_btc, stride_block,
+            SLOT_BYTES, meta_offset, key_rows, KEY_FP8, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE, key_layout,
+            value_layout)  # fmt: skip
+    for tile_start in range(tile, end, BLOCK_N):
+        loads = _tile_loads(cache_ptr, row_ptr, tile_start + PREFETCH * BLOCK_N, start, end, kv_head, num_blocks,
+                            NUM_KV_HEADS, stride_btc, stride_block, SLOT_BYTES, meta_offset, key_rows,
+                            KEY_FP8, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE, key_layout, value_layout)  # fmt: skip
+        if not PREFETCH:
+            k_words, v_words, norm, v_scale, v_zero = loads
+        k = gl.convert_layout(_key_operand(k_words, pair_lut, KEY_FP8, key_bytes), dot_a)
+        zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
+        s = mma_v2(k, q_hi, zero) + mma_v2(k, q_lo, zero)  # two independent MMA chains
+        token = tile_start + key_rows
+        live = (token >= start) & (token < end)
+        if not KEY_FP8:
+            s = s * norm[:, None]
+        s = gl.where(live[:, None], s * score_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))  # finite: a tile has a live key
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l_part = l_part * alpha[None, :] + p
+        z_part = z_part * alpha[None, :] + p * v_zero[:, None]
+        w = p * v_scale[:, None]
+        w_hi = w.to(gl.float16)
+        w_lo = (w - w_hi.to(gl.float32)).to(gl.float16)
+        v = gl.convert_layout(_value_operand(v_words), dot_a)
+        pv_lo = mma_v2(v, gl.convert_layout(w_lo, dot_b), gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, mma))
+        acc = mma_v2(v, gl.convert_layout(w_hi, dot_b), acc * alpha[None, :]) + pv_lo
+        m_i = m_new
+        if PREFETCH:
+            k_words, v_words, norm, v_scale, v_zero = loads
+
+    l_i = gl.sum(l_part, axis=0)
+    z_i = gl.sum(z_part, axis=0)
+    has_keys = end > start
+    l_safe = gl.where(l_i == 0, 1.0, l_i)
+    out = gl.where(has_keys, (acc + z_i[None, :]) / l_safe[None, :], 0.0)
+    lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * _LN2, float("-inf"))
+    out = gl.where(poisoned, float("nan"), out)
+    lse = gl.where(poisoned, float("nan"), lse)
+    h = gl.arange(0, BLOCK_H, layout=cols)
+    d = gl.arange(0, HEAD_DIM, layout=rows)
+    slot = partials_ptr + b.to(gl.int64) * stride_pb + (kv_head * KV_GROUP + h) * stride_ph + split * stride_ps
+    gl.store(slot[None, :] + _value_dim(d)[:, None], out, mask=(h < KV_GROUP)[None, :])
+    gl.store(slot + HEAD_DIM, lse, mask=h < KV_GROUP)
