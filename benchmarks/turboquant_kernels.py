@@ -19,6 +19,8 @@ import triton_impl.turboquant as turboquant
 from triton_impl.parity.turboquant import bench_cases
 
 CALLS = 20
+# Stage 1 variants: the sm90 entry's keys each sets.
+VARIANTS = {"Gluon": {"GLUON": 1}, "portable": {"GLUON": 0}}
 
 
 def kernel_times(run) -> tuple[dict[str, float], float]:
@@ -45,25 +47,28 @@ def kernel_times(run) -> tuple[dict[str, float], float]:
 
 def main(name_part: str = "") -> None:
     device = torch.device("cuda")
-    print("| case | stage 1 | rotation | stage 1 | merge | whole call (events) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| case | stage 1 | rotation | stage 1 | merge | whole call (events) | max abs difference to portable |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for case in bench_cases():
         if "decode" not in case.name or name_part not in case.name:
             continue
         bench = case.setup(device)
-        for gluon in (1, 0):
-            entry = turboquant.DECODE_CONFIGS["sm90"] | {"GLUON": gluon}
-            with mock.patch.dict(turboquant.DECODE_CONFIGS, {"sm90": entry}):
+        rows, outputs = [], {}
+        for name, keys in VARIANTS.items():
+            with mock.patch.dict(turboquant.DECODE_CONFIGS, {"sm90": turboquant.DECODE_CONFIGS["sm90"] | keys}):
                 turboquant._PLANS.clear()
                 times, whole = kernel_times(bench.run)
-            rotate = sum(t for n, t in times.items() if "rotate" in n)
-            stage1 = sum(t for n, t in times.items() if "stage1" in n)
-            merge = sum(t for n, t in times.items() if "merge" in n)
-            print(f"| {case.name} | {'Gluon' if gluon else 'portable'} | {rotate:.1f} | {stage1:.1f} | {merge:.1f} "
-                  f"| {whole:.1f} |", flush=True)  # fmt: skip
+                outputs[name] = bench.run().float().clone()
+            rotate, stage1, merge = (sum(t for n, t in times.items() if part in n) for part in ("rotate", "stage1",
+                                                                                                  "merge"))  # fmt: skip
+            rows.append((name, rotate, stage1, merge, whole))
+        turboquant._PLANS.clear()
+        for name, rotate, stage1, merge, whole in rows:
+            diff = (outputs[name] - outputs["portable"]).abs().max().item()
+            print(f"| {case.name} | {name} | {rotate:.1f} | {stage1:.1f} | {merge:.1f} | {whole:.1f} | {diff:.2e} |",
+                  flush=True)  # fmt: skip
         del bench
         torch.cuda.empty_cache()
-
 
 if __name__ == "__main__":
     main(*sys.argv[1:2])

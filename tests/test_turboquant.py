@@ -1000,12 +1000,13 @@ def _nibble_dot_kernel(a_ptr, packed_ptr, out_ptr, K: tl.constexpr, N: tl.conste
 
 _SM90_COMPILE = """
 import json
-from triton_impl import turboquant_sm90
+from triton_impl import turboquant, turboquant_sm90
 from triton_impl.bench import sass_resources
 for key_fp8 in (False, True):
+    cap = turboquant.with_overrides(turboquant.DECODE_CONFIGS["sm90"], "_k8" if key_fp8 else "_k4").get("GLUON_MAXNREG")
     for group in (1, 4, 16):
         for block_size in (16, 32):
-            kernel = turboquant_sm90.compile_for_sm90(key_fp8=key_fp8, group=group, block_size=block_size)
+            kernel = turboquant_sm90.compile_for_sm90(key_fp8=key_fp8, group=group, block_size=block_size, maxnreg=cap)
             resources = sass_resources(kernel.asm["cubin"])
             print(json.dumps([key_fp8, group, block_size, *resources, kernel.metadata.shared]))
 """
@@ -1013,8 +1014,8 @@ for key_fp8 in (False, True):
 
 def test_sm90_stage1_compiles_for_hopper_without_spills() -> None:
     """The Gluon fast path never runs under the interpreter: compile it for sm_90 here (a process of its own,
-    TRITON_INTERPRET=0) for both key kinds, groups 1/4/16 and two block sizes, with no stack (no spills) and a
-    few KiB of shared memory."""
+    TRITON_INTERPRET=0) for both key kinds (with the sm90 entry's register cap), groups 1/4/16 and two block
+    sizes, with no stack (no spills) and a few KiB of shared memory."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

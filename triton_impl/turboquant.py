@@ -144,7 +144,7 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
              "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
-             "GLUON_PREFETCH": 0},
+             "GLUON_MAXNREG_k4": 128},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -1148,8 +1148,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
             table_2d.stride(0), table_2d.stride(1), *mid_o.stride()[:3],
         ), dict(KV_GROUP=group, KEY_FP8=key_fp8, KEY_DATA_BYTES=layout["key_data_bytes"],
                 SLOT_BYTES=layout["data_bytes_per_slot"], NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size,
-                BLOCK_H=max(8, next_pow2(group)), PREFETCH=config["GLUON_PREFETCH"],
-                num_warps=int(turboquant_sm90.NUM_WARPS)))  # fmt: skip
+                **turboquant_sm90.launch_options(group, config.get("GLUON_MAXNREG"))))  # fmt: skip
     else:
         stage1 = _portable_stage1(config, query, kv_cache, table_2d, mid_o, scale, num_splits, num_kv_heads, block_size,
                                   num_blocks, table_keys, meta_offset, layout, group, head_dim, key_bits,

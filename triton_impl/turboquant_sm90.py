@@ -40,6 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from triton_impl.interpreter import INTERPRETING
+from triton_impl.launch import register_cap
 
 HEAD_DIM = gl.constexpr(128)
 BLOCK_N = gl.constexpr(64)  # keys per tile: 16 per warp for the scores
@@ -59,7 +60,14 @@ def supports(*, device: torch.device, head_dim: int, key_bits: int, value_bits: 
     return served and not INTERPRETING and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def compile_for_sm90(*, key_fp8: bool, group: int = 4, block_size: int = 16, prefetch: int = 0) -> Any:
+def launch_options(group: int, maxnreg: int | None) -> dict[str, int]:
+    """``BLOCK_H`` (the group's heads, padded to an MMA N of 8 or 16), ``num_warps`` and the register cap:
+    ``maxnreg`` holds the 8-head tile at four programs per SM (a 16-head tile spills 288 B at 128)."""
+    block_h = max(8, 1 << (group - 1).bit_length())
+    return {"BLOCK_H": block_h, "num_warps": int(NUM_WARPS), **register_cap(maxnreg if block_h == 8 else None)}
+
+
+def compile_for_sm90(*, key_fp8: bool, group: int = 4, block_size: int = 16, maxnreg: int | None = None) -> Any:
     """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a launch of the bench's
     shapes is (16-byte aligned pointers, the integer arguments that are multiples of 16 marked so, the
     block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``."""
@@ -76,13 +84,15 @@ def compile_for_sm90(*, key_fp8: bool, group: int = 4, block_size: int = 16, pre
     key_bytes = 128 if key_fp8 else 64
     constexprs = dict(KV_GROUP=group, KEY_FP8=key_fp8, KEY_DATA_BYTES=key_bytes, SLOT_BYTES=key_bytes + 64,
                       NUM_KV_HEADS=8, BLOCK_SIZE=block_size,
-                      BLOCK_H=max(8, 1 << (group - 1).bit_length()), PREFETCH=prefetch, stride_btc=1)  # fmt: skip
+                      stride_btc=1)  # fmt: skip
+    options = launch_options(group, maxnreg)
+    constexprs["BLOCK_H"] = options.pop("BLOCK_H")
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "sm_scale" else "i32")
                  for n in names}  # fmt: skip
     values = {(names.index(n),): v for n, v in constexprs.items()}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, *divisible)}
     return triton_compile(GluonASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": int(NUM_WARPS)})  # fmt: skip
+                          options=options)  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -164,30 +174,29 @@ def _first_bad_key(row_ptr, stride_btc, start, end, num_blocks, BLOCK_SIZE: gl.c
 
 
 @gluon.jit
-def _block_base(row_ptr, stride_btc, token, end, num_blocks, stride_block, BLOCK_SIZE: gl.constexpr):
-    """Byte offset of the cache block holding ``token`` (``>= 0``). The table entry is read only for
-    ``token < end`` and clamped into the cache: a request with a bad entry was poisoned before the loop."""
+def _page(row_ptr, stride_btc, token, end, num_blocks, BLOCK_SIZE: gl.constexpr):
+    """The cache block holding ``token`` (``>= 0``), from the block table. The entry is read only for
+    ``token < end`` (else block 0) and clamped into the cache: a request with a bad entry was poisoned
+    before the loop, and no address outside the cache is ever formed."""
     column = (token.to(gl.uint32) // BLOCK_SIZE).to(gl.int32)
     page = gl.load(row_ptr + column * stride_btc, mask=token < end, other=0)
-    return gl.minimum(gl.maximum(page, 0), num_blocks - 1).to(gl.int64) * stride_block
+    return gl.minimum(gl.maximum(page, 0), num_blocks - 1)
 
 
 @gluon.jit
-def _chunk_slot(row_ptr, stride_btc, chunk_start, end, kv_head, num_blocks, num_kv_heads, stride_block, slot_bytes,
-                BLOCK_SIZE: gl.constexpr):  # fmt: skip
-    """Byte offset of the slot of key ``chunk_start`` (a multiple of 16) for ``kv_head``: the chunk's 16
-    keys lie in one block (16 divides ``BLOCK_SIZE``), key ``chunk_start + i`` ``i * num_kv_heads *
-    slot_bytes`` further."""
+def _chunk_slot(page, chunk_start, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE: gl.constexpr):
+    """Byte offset of the slot of key ``chunk_start`` (a multiple of 16) for ``kv_head`` in block ``page``:
+    the chunk's 16 keys lie in one block (16 divides ``BLOCK_SIZE``), key ``chunk_start + i`` ``i *
+    num_kv_heads * slot_bytes`` further."""
     position = (chunk_start.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
-    return (_block_base(row_ptr, stride_btc, chunk_start, end, num_blocks, stride_block, BLOCK_SIZE)
-            + (position * num_kv_heads + kv_head) * slot_bytes)  # fmt: skip
+    return page.to(gl.int64) * stride_block + (position * num_kv_heads + kv_head) * slot_bytes
 
 
 @gluon.jit
-def _key_words(cache_ptr, row_ptr, tile_start, end, go, kv_head, num_blocks, num_kv_heads, stride_btc, stride_block,
-               slot_bytes, KEY_FP8: gl.constexpr, BLOCK_SIZE: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
+def _key_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes,
+               KEY_FP8: gl.constexpr, BLOCK_SIZE: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
     """The tile's packed keys as 32-bit words ``[warp, half, quad, t, w]``: key ``16 warp + 8 half + quad``
-    (a 16-key chunk per warp: one table entry), word ``w`` of the thread's key bytes from ``16t`` (4-bit,
+    (a 16-key chunk per warp, in block ``page``), word ``w`` of the thread's key bytes from ``16t`` (4-bit,
     4 words) or ``32t`` (FP8, 8 words). Read only where ``go``; a dead key reads its own block or block 0,
     never past the cache."""
     WORDS: gl.constexpr = 8 if KEY_FP8 else 4
@@ -196,8 +205,7 @@ def _key_words(cache_ptr, row_ptr, tile_start, end, go, kv_head, num_blocks, num
     quad = _iota(8, 2, 5, LAYOUT)
     t = _iota(4, 3, 5, LAYOUT)
     w = _iota(WORDS, 4, 5, LAYOUT)
-    slot = _chunk_slot(row_ptr, stride_btc, tile_start + warp * 16, end, kv_head, num_blocks, num_kv_heads,
-                       stride_block, slot_bytes, BLOCK_SIZE)  # fmt: skip
+    slot = _chunk_slot(page, tile_start + warp * 16, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE)
     slot += (half * 8 + quad) * (num_kv_heads * slot_bytes)
     words = (cache_ptr + slot + t * (4 * WORDS)).to(gl.pointer_type(gl.uint32))  # byte offsets: no division
     return gl.load(words + w, mask=go, other=0)
@@ -206,9 +214,9 @@ def _key_words(cache_ptr, row_ptr, tile_start, end, go, kv_head, num_blocks, num
 @gluon.jit
 def _key_operand(words, pair_lut, KEY_FP8: gl.constexpr, BYTES_LAYOUT: gl.constexpr):
     """Packed keys (:func:`_key_words`) -> ``[BLOCK_N, HEAD_DIM]`` fp16, K index ``k`` holding dimension
-    ``_score_dim(k)``: each byte (4-bit: the pair LUT's two centroids) or 16-bit half word (FP8: the hardware
-    e4m3x2 conversion) becomes one A-operand register of the scores' MMA. ``words`` is in ``BYTES_LAYOUT``
-    sliced along its last dim."""
+    ``_score_dim(k)``: each byte (4-bit: its two codes' centroids, one gather from the byte-indexed pair LUT)
+    or 16-bit half word (FP8: the hardware e4m3x2 conversion) becomes one A-operand register of the scores'
+    MMA. ``words`` is in ``BYTES_LAYOUT`` sliced along its last dim."""
     if KEY_FP8:
         halves = gl.join(words.to(gl.uint16), (words >> 16).to(gl.uint16))  # [..., w, 2]: u = 2w + half
         pairs = _e4m3_pairs(gl.reshape(halves, [4, 2, 8, 4, 16]))
@@ -224,19 +232,18 @@ def _key_operand(words, pair_lut, KEY_FP8: gl.constexpr, BYTES_LAYOUT: gl.conste
 
 
 @gluon.jit
-def _value_words(cache_ptr, row_ptr, tile_start, end, go, kv_head, num_blocks, num_kv_heads, stride_btc,
-                 stride_block, slot_bytes, KEY_DATA_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                 LAYOUT: gl.constexpr):  # fmt: skip
+def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes,
+                 KEY_DATA_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
     """The tile's value codes as ``[warp, quad, t, c, j, e]``: the 16-bit word at value byte ``16 warp +
-    2 quad`` (4 codes) of key ``16c + 8j + 2t + e``. Read only where ``go``, as :func:`_key_words`."""
+    2 quad`` (4 codes) of key ``16c + 8j + 2t + e`` (chunk ``c`` in block ``page``). Read only where
+    ``go``, as :func:`_key_words`."""
     warp = _iota(4, 0, 6, LAYOUT)
     quad = _iota(8, 1, 6, LAYOUT)
     t = _iota(4, 2, 6, LAYOUT)
     c = _iota(4, 3, 6, LAYOUT)
     j = _iota(2, 4, 6, LAYOUT)
     e = _iota(2, 5, 6, LAYOUT)
-    slot = _chunk_slot(row_ptr, stride_btc, tile_start + c * 16, end, kv_head, num_blocks, num_kv_heads,
-                       stride_block, slot_bytes, BLOCK_SIZE)  # fmt: skip
+    slot = _chunk_slot(page, tile_start + c * 16, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE)
     slot += (j * 8 + t * 2 + e) * (num_kv_heads * slot_bytes)
     words = (cache_ptr + slot + KEY_DATA_BYTES + warp * 16 + quad * 2).to(gl.pointer_type(gl.uint16))
     return gl.load(words, mask=go, other=0)
@@ -262,14 +269,13 @@ def _value_operand(w):
 
 
 @gluon.jit
-def _metadata(cache_ptr, row_ptr, stride_btc, token, live, end, kv_head, num_blocks, stride_block, meta_offset,
-              NUM_FIELDS: gl.constexpr, BLOCK_SIZE: gl.constexpr):  # fmt: skip
+def _metadata(cache_ptr, page, token, live, kv_head, stride_block, meta_offset, NUM_FIELDS: gl.constexpr,
+              BLOCK_SIZE: gl.constexpr):  # fmt: skip
     """Each token's fp16 metadata fields as fp32 ``(key norm or 1, value scale, value zero)``; 0 where not
     ``live`` (a dead key's probability is 0, and its fields must not turn that into NaN). A block holds
     them after its data, field-major per KV head: ``[HKV, NUM_FIELDS, BLOCK_SIZE]``."""
     position = (token.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
-    block = _block_base(row_ptr, stride_btc, token, end, num_blocks, stride_block, BLOCK_SIZE)
-    at = (cache_ptr + block + meta_offset).to(gl.pointer_type(gl.uint16))
+    at = (cache_ptr + page.to(gl.int64) * stride_block + meta_offset).to(gl.pointer_type(gl.uint16))
     at += kv_head * (NUM_FIELDS * BLOCK_SIZE) + position
     scale = gl.load(at + (NUM_FIELDS - 2) * BLOCK_SIZE, mask=live, other=0).to(gl.float16, bitcast=True)
     zero = gl.load(at + (NUM_FIELDS - 1) * BLOCK_SIZE, mask=live, other=0).to(gl.float16, bitcast=True)
@@ -281,21 +287,36 @@ def _metadata(cache_ptr, row_ptr, stride_btc, token, live, end, kv_head, num_blo
 
 
 @gluon.jit
-def _tile_loads(cache_ptr, row_ptr, tile_start, start, end, kv_head, num_blocks, num_kv_heads, stride_btc,
-                stride_block, slot_bytes, meta_offset, key_rows, KEY_FP8: gl.constexpr,
-                KEY_DATA_BYTES: gl.constexpr, NUM_FIELDS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+def _tile_pages(row_ptr, stride_btc, tile_start, end, num_blocks, key_rows, BLOCK_SIZE: gl.constexpr,
                 KEY_LAYOUT: gl.constexpr, VALUE_LAYOUT: gl.constexpr):  # fmt: skip
-    """Everything tile ``[tile_start, tile_start + BLOCK_N)`` reads: ``(key words, value words, norm, value
-    scale, value zero)``. A tile at or past ``end`` reads nothing (a prefetch past the last tile)."""
+    """The cache blocks of tile ``[tile_start, tile_start + BLOCK_N)``'s 16-key chunks, one tensor per
+    layout that reads them: the keys' (chunk per warp), the values' (4 chunks per thread) and the metadata's
+    (each thread's key rows). Block 0 past ``end``."""
+    k_page = _page(row_ptr, stride_btc, tile_start + _iota(4, 0, 5, KEY_LAYOUT) * 16, end, num_blocks, BLOCK_SIZE)
+    v_page = _page(row_ptr, stride_btc, tile_start + _iota(4, 3, 6, VALUE_LAYOUT) * 16, end, num_blocks,
+                   BLOCK_SIZE)  # fmt: skip
+    m_page = _page(row_ptr, stride_btc, tile_start + key_rows, end, num_blocks, BLOCK_SIZE)
+    return k_page, v_page, m_page
+
+
+@gluon.jit
+def _tile_loads(cache_ptr, pages, tile_start, start, end, kv_head, num_kv_heads, stride_block, slot_bytes,
+                meta_offset, key_rows, KEY_FP8: gl.constexpr, KEY_DATA_BYTES: gl.constexpr,
+                NUM_FIELDS: gl.constexpr, BLOCK_SIZE: gl.constexpr, KEY_LAYOUT: gl.constexpr,
+                VALUE_LAYOUT: gl.constexpr):  # fmt: skip
+    """Everything tile ``[tile_start, tile_start + BLOCK_N)`` reads from its blocks ``pages``
+    (:func:`_tile_pages`): ``(key words, value words, norm, value scale, value zero)``. A tile at or past
+    ``end`` reads nothing."""
+    k_page, v_page, m_page = pages
     go = tile_start < end
-    k_words = _key_words(cache_ptr, row_ptr, tile_start, end, go, kv_head, num_blocks, num_kv_heads, stride_btc,
-                         stride_block, slot_bytes, KEY_FP8, BLOCK_SIZE, KEY_LAYOUT)  # fmt: skip
-    v_words = _value_words(cache_ptr, row_ptr, tile_start, end, go, kv_head, num_blocks, num_kv_heads, stride_btc,
-                           stride_block, slot_bytes, KEY_DATA_BYTES, BLOCK_SIZE, VALUE_LAYOUT)  # fmt: skip
+    k_words = _key_words(cache_ptr, k_page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes, KEY_FP8,
+                         BLOCK_SIZE, KEY_LAYOUT)  # fmt: skip
+    v_words = _value_words(cache_ptr, v_page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes,
+                           KEY_DATA_BYTES, BLOCK_SIZE, VALUE_LAYOUT)  # fmt: skip
     token = tile_start + key_rows
     live = (token >= start) & (token < end)
-    norm, v_scale, v_zero = _metadata(cache_ptr, row_ptr, stride_btc, token, live, end, kv_head, num_blocks,
-                                      stride_block, meta_offset, NUM_FIELDS, BLOCK_SIZE)  # fmt: skip
+    norm, v_scale, v_zero = _metadata(cache_ptr, m_page, token, live, kv_head, stride_block, meta_offset, NUM_FIELDS,
+                                      BLOCK_SIZE)  # fmt: skip
     return k_words, v_words, norm, v_scale, v_zero
 
 
@@ -311,7 +332,6 @@ def decode_stage1_kernel(
     NUM_KV_HEADS: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
     BLOCK_H: gl.constexpr,
-    PREFETCH: gl.constexpr = 0,
 ):  # fmt: skip
     """Grid ``(B, HKV, S)``, 4 warps: the partial ``(o, lse)`` of one split of one request for one KV
     head's group, as ``turboquant._decode_stage1_kernel`` writes it (the module docstring says how)."""
@@ -356,7 +376,7 @@ def decode_stage1_kernel(
     _barrier()  # every load of the slot before any store to it
 
     pair_lut = 0
-    if not KEY_FP8:  # entry b (a packed byte: codes b & 15, b >> 4) is fp16(c_lo) | fp16(c_hi) << 16
+    if not KEY_FP8:  # entry b (codes b & 15, b >> 4) is fp16(c_lo) | fp16(c_hi) << 16
         lut_layout: gl.constexpr = gl.BlockedLayout([2], [32], [NUM_WARPS], [0])
         byte = gl.arange(0, 256, layout=lut_layout)
         lo = gl.load(centroid_ptr + (byte & 15)).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
@@ -367,20 +387,17 @@ def decode_stage1_kernel(
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, cols)
     l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)  # per-thread partial sums, reduced once at the end
     z_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
-    acc = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, mma)
+    acc = gl.zeros([HEAD_DIM, 2 * BLOCK_H], gl.float32, mma)  # columns [hi parts | lo parts], summed at the end
     key_rows = gl.arange(0, BLOCK_N, layout=rows)
     tile = (start // 16) * 16  # tiles of 16-key chunks: one table entry each
-    if PREFETCH:  # the first tile's loads; each iteration issues the next tile's before computing on this one
-        k_words, v_words, norm, v_scale, v_zero = _tile_loads(
-            cache_ptr, row_ptr, tile, start, end, kv_head, num_blocks, NUM_KV_HEADS, stride_btc, stride_block,
-            SLOT_BYTES, meta_offset, key_rows, KEY_FP8, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE, key_layout,
-            value_layout)  # fmt: skip
+    # Each tile's table entries are read a tile ahead: its data loads need not wait for them.
+    pages = _tile_pages(row_ptr, stride_btc, tile, end, num_blocks, key_rows, BLOCK_SIZE, key_layout, value_layout)
     for tile_start in range(tile, end, BLOCK_N):
-        loads = _tile_loads(cache_ptr, row_ptr, tile_start + PREFETCH * BLOCK_N, start, end, kv_head, num_blocks,
-                            NUM_KV_HEADS, stride_btc, stride_block, SLOT_BYTES, meta_offset, key_rows,
-                            KEY_FP8, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE, key_layout, value_layout)  # fmt: skip
-        if not PREFETCH:
-            k_words, v_words, norm, v_scale, v_zero = loads
+        k_words, v_words, norm, v_scale, v_zero = _tile_loads(
+            cache_ptr, pages, tile_start, start, end, kv_head, NUM_KV_HEADS, stride_block, SLOT_BYTES, meta_offset,
+            key_rows, KEY_FP8, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE, key_layout, value_layout)  # fmt: skip
+        pages = _tile_pages(row_ptr, stride_btc, tile_start + BLOCK_N, end, num_blocks, key_rows, BLOCK_SIZE,
+                            key_layout, value_layout)  # fmt: skip
         k = gl.convert_layout(_key_operand(k_words, pair_lut, KEY_FP8, key_bytes), dot_a)
         zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
         s = mma_v2(k, q_hi, zero) + mma_v2(k, q_lo, zero)  # two independent MMA chains
@@ -397,13 +414,14 @@ def decode_stage1_kernel(
         w = p * v_scale[:, None]
         w_hi = w.to(gl.float16)
         w_lo = (w - w_hi.to(gl.float32)).to(gl.float16)
+        # One B operand [BLOCK_N, 2 BLOCK_H] = [hi | lo]: one trip through shared memory, not two.
+        w2 = gl.reshape(gl.permute(gl.join(w_hi, w_lo), (0, 2, 1)), [BLOCK_N, 2 * BLOCK_H])
+        alpha2 = gl.reshape(gl.permute(gl.join(alpha[None, :], alpha[None, :]), (0, 2, 1)), [1, 2 * BLOCK_H])
         v = gl.convert_layout(_value_operand(v_words), dot_a)
-        pv_lo = mma_v2(v, gl.convert_layout(w_lo, dot_b), gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, mma))
-        acc = mma_v2(v, gl.convert_layout(w_hi, dot_b), acc * alpha[None, :]) + pv_lo
+        acc = mma_v2(v, gl.convert_layout(w2, dot_b), acc * gl.convert_layout(alpha2, mma))
         m_i = m_new
-        if PREFETCH:
-            k_words, v_words, norm, v_scale, v_zero = loads
 
+    acc = gl.convert_layout(gl.sum(gl.reshape(acc, [HEAD_DIM, 2, BLOCK_H]), axis=1), mma)
     l_i = gl.sum(l_part, axis=0)
     z_i = gl.sum(z_part, axis=0)
     has_keys = end > start
