@@ -20,12 +20,17 @@ EXPECTED_OPS = {"decode_attention", "lse_merge", "mla_verify", "sparse_indices",
 # Modules of triton_impl/ that are not an op's kernels.
 INFRASTRUCTURE = {"__init__", "__main__", "bench", "block_table", "cases", "cli", "interpreter", "launch", "tolerances",
                   "validation"}
+# An op's architecture-specific fast path lives beside its portable kernels as ``<op>_sm90.py`` (Gluon, Hopper).
+FAST_PATH = "_sm90"
 
 
 def test_the_ops_are_exactly_these() -> None:
     """Adding or dropping an op is a decision: this list, the README table and papers.md change with it."""
     assert set(OPS) == EXPECTED_OPS, f"golden/ ops: {OPS}"
     kernels = {p.stem for p in (ROOT / "triton_impl").glob("*.py")} - INFRASTRUCTURE
+    fast_paths = {k for k in kernels if k.endswith(FAST_PATH)}
+    assert {k.removesuffix(FAST_PATH) for k in fast_paths} <= EXPECTED_OPS, f"fast paths of no op: {fast_paths}"
+    kernels -= fast_paths
     assert kernels == EXPECTED_OPS, f"triton_impl/ modules that are neither an op nor infrastructure: {kernels}"
     parity = {p.stem for p in (ROOT / "triton_impl" / "parity").glob("*.py")} - {"__init__"}
     assert parity == EXPECTED_OPS, f"triton_impl/parity/ op modules: {sorted(parity)}"
