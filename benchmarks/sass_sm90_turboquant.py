@@ -2,8 +2,9 @@
 
 No GPU needed: the kernels are compiled by Triton for ``GPUTarget("cuda", 90, 32)`` with the sm90 launch
 configs (or the ones given), as ``attnref bench`` launches them at D = 128, and ``cuobjdump`` (from the
-Triton wheel) reports registers and stack per thread. For the decode, the SASS between the loop's first
-and last branch is counted by opcode: what one ``BLOCK_N``-key tile costs one warp. Run::
+Triton wheel) reports registers and stack per thread. For the decode (the sm_90 Gluon stage 1 where the bench
+runs it, and the portable kernel), the SASS between the loop's first and last branch is counted by opcode: what
+one ``BLOCK_N``-key tile costs one warp. Run::
 
     TRITON_INTERPRET=0 PYTHONPATH=. .venv/bin/python benchmarks/sass_sm90_turboquant.py
 
@@ -30,6 +31,7 @@ from triton.compiler import compile as triton_compile
 
 from golden.turboquant import TurboQuantConfig
 from triton_impl import turboquant as ttq
+from triton_impl import turboquant_sm90
 from triton_impl.bench import cuobjdump
 from triton_impl.launch import register_cap, with_overrides
 
@@ -103,6 +105,18 @@ def decode(preset: str, config: dict[str, int]) -> None:
           f"memory and barriers {memory}")  # fmt: skip
 
 
+def gluon_decode(preset: str) -> None:
+    """The sm_90 Gluon stage 1 (triton_impl/turboquant_sm90.py) as the bench launches it: 64-key tiles, 4 warps."""
+    key_fp8 = TurboQuantConfig.from_cache_dtype(preset, 128).key_fp8
+    config = with_overrides(ttq.DECODE_CONFIGS["sm90"], "_k8" if key_fp8 else "_k4")
+    kernel = turboquant_sm90.compile_for_sm90(key_fp8=key_fp8, maxnreg=config.get("GLUON_MAXNREG"))
+    count, mix, memory = _loop_mix(kernel.asm["cubin"])
+    per_key = int(turboquant_sm90.NUM_WARPS) / int(turboquant_sm90.BLOCK_N)
+    print(f"decode {preset} Gluon stage 1: {_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
+          f"{count} instructions per warp per tile = {count * per_key:.1f} warp instructions per key and KV head; "
+          f"{mix}; memory and barriers {memory}")  # fmt: skip
+
+
 def _weighted_mix(cubin: bytes, trips: int) -> collections.Counter:
     """Instructions by opcode, each counted ``trips`` times per loop around it (the store's column and
     row-chunk loops both run ``HEAD_DIM / D_CHUNK`` times), padding NOPs left out: an estimate of what
@@ -160,7 +174,9 @@ DECODE_VARIANTS = ({"PREFETCH": 1, "PREFETCH_k4": 1, "maxnreg": 0}, {"PREFETCH":
 
 if __name__ == "__main__":
     for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc"):
-        decode(preset, ttq.DECODE_CONFIGS["sm90"])
+        if preset != "turboquant_3bit_nc":
+            gluon_decode(preset)
+        decode(preset, ttq.DECODE_CONFIGS["sm90"] | {"GLUON": 0})
         for variant in DECODE_VARIANTS:
             decode(preset, ttq.DECODE_CONFIGS["sm90"] | variant)
         key_fp8 = TurboQuantConfig.from_cache_dtype(preset, 128).key_fp8

@@ -291,23 +291,33 @@ plt.show()
 # A 4-bit cache exists to make long-context decode cheaper: per (token, KV head) it holds 134 bytes
 # where bf16 holds 512. The cell below reads the H200 benchmark of this decode
 # (`notebooks/results/bench_h200.json`, the data of `bench_h200.md`) at B=32, Hq=32, Hk=8, D=128,
-# block 16, beside this package's bf16 GQA decode of the same shape timed in the same run.
+# block 16, beside this package's bf16 GQA decode of the same shape.
 #
-# Per key and KV head the kernel reads the slot's words, unpacks `D` key codes (shift and mask,
-# about 3 integer operations each) and gathers their fp16 centroids (4-bit keys: one pair-LUT
-# entry per packed byte; 3-bit: the 8-entry codebook; both tables made by the kernel from the
-# fp32 codebook and gathered from shared memory), unpacks `D` value codes into exact fp16
-# integers (`0x6400 | c` minus 1024), and runs two MMAs for the scores and two for the values
-# (the query and `p * scale` as fp16 hi + lo pairs). Compiled for sm_90 by the H200's Triton 3.6
-# that is 61.9 warp instructions per key and KV head for 4-bit keys (62.6 for k8v4, 73.5 for 3-bit;
-# `benchmarks/sass_sm90_turboquant.py`), layout conversions through shared memory included. 4-bit
-# programs hold 224 registers, so two 4-warp programs share an SM; 3-bit and FP8 keys are capped at
-# 168 registers (three programs: 8-17% faster than two; the 4-bit kernel got 2% slower capped).
-# The bytes are not the bound: every preset stays below 35% of its copy roofline, and at both
-# lengths the time rises as the bytes fall, from FP8 keys (plain bytes, hardware conversion) to
-# 3-bit codes (a group of 8 codes straddles words). Asserted below: each of these, and that the
-# compressed decodes are all slower than bf16 today.
-# `notebooks/results/perf_log.md` has the measurements and what is still open.
+# On the H200, 4-bit and FP8 keys with 4-bit values run stage 1 as a Gluon kernel
+# (`triton_impl/turboquant_sm90.py`); the portable Triton kernel (what this notebook runs on a CPU)
+# serves everything else, 3-bit keys included. The Gluon kernel builds every tensor-core operand in the
+# registers `mma.sync` reads it from, by choosing which bytes each thread loads:
+#
+# - scores as `S^T = K q^T`, the keys the MMA's M (16 per warp), the group's heads its N (8): a GQA
+#   group of 4 fills half of each MMA instead of a quarter;
+# - a thread's 16 key bytes are one 16-byte load, and each byte becomes one A-operand register: its
+#   two codes' fp16 centroids from the pair LUT of section 5 (FP8 keys: one hardware e4m3x2 ->
+#   f16x2 conversion). The dot product does not care in which order it visits dimensions, so the
+#   query is loaded in the same permuted order;
+# - each warp owns 32 of the 128 output dimensions of `O^T = V^T P^T`; a thread pairs two keys'
+#   16-bit code words into registers holding both keys' code at one dimension, `0x6400 | c` per
+#   half, and one packed `sub.f16x2` of 1024 makes them exact fp16: no lookup, no conversion.
+#
+# Compiled by the H200's Triton 3.6 that is 37.8 warp instructions per key and KV head for 4-bit keys
+# and 28.8 for FP8 keys (`benchmarks/sass_sm90_turboquant.py`), against 61.9 and 62.6 for the portable
+# kernel; 128 registers, four 4-warp programs per SM. Stage 1 alone (`benchmarks/turboquant_kernels.py`)
+# at L=32K: 4-bit 1344 -> 789 us, FP8 keys 1177 -> 690 us. Nsight Compute on the 4-bit kernel: the L1
+# pipe is 83% busy, 9.9M of its 16.6M shared-memory wavefronts bank conflicts of the pair-LUT gathers;
+# the FP8-key kernel reads DRAM at 41% of its peak and its warps wait mostly on global loads. What the
+# rows below show: FP8 keys now beat the bf16 decode (1.16x its speed at L=8K, 1.39x at 32K), 4-bit
+# keys beat it at 32K only, 3-bit keys (portable kernel) at neither; the goal, 4-bit at twice the bf16
+# speed, is not reached. Fewer bytes still means more time: the cost is per-key decode work, not memory.
+# `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
 
 # %%
 RESULTS = Path(triton_impl.__file__).resolve().parent.parent / "notebooks" / "results"
@@ -331,8 +341,10 @@ for length in (8192, 32768):
     for preset, slot_bytes, row in timed:
         print(f"  {preset:20s} {slot_bytes:4d} bytes  {row['ms']:.3f} ms  {bf16_ms / row['ms']:.2f}x the bf16 speed  "
               f"{row['pct_roofline']:.1f}% of its copy roofline")  # fmt: skip
-        assert row["ms"] > bf16_ms, preset  # slower than bf16 today
-        assert row["pct_roofline"] < 35, preset  # latency-bound, not byte-bound
+        faster = preset == "turboquant_k8v4" or (preset == "turboquant_4bit_nc" and length == 32768)
+        assert (row["ms"] < bf16_ms) == faster, preset  # which presets beat the bf16 decode today
+        assert row["ms"] > 0.5 * bf16_ms, preset  # none at twice its speed yet
+        assert row["pct_roofline"] < 60, preset  # not byte-bound
     for (fat, _, fat_row), (lean, _, lean_row) in itertools.pairwise(timed):
         assert fat_row["ms"] < lean_row["ms"], (fat, lean)  # fewer bytes, more time
 

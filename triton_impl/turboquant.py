@@ -139,6 +139,11 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # warp (KEY_SPLIT 4 with PREFETCH 0: 4-bit 0.7364 ms, 0.7278 with 3 stages; k8v4 0.6250 against 0.4199) and
 # the 4-bit PRMT lookup from a register-held table (0.8166 ms, with KEY_SPLIT 4 and PREFETCH 0; never timed
 # alone) were timed slower than the sm90 entry (0.4232 ms) and removed (the code is in fb849fb).
+# GLUON 1 (sm90 only): stage 1 runs triton_impl/turboquant_sm90.py, the Gluon kernel, for the layouts it serves
+# (turboquant_sm90.supports: D = 128, 4-bit or FP8 keys, 4-bit values, blocks of a multiple of 16 tokens); every other
+# call runs the portable kernel above with this entry's keys. GLUON_MAXNREG caps its registers (4-bit keys: 128, four
+# programs per SM; uncapped 128-137, and 8-9% slower). Bench at 30697ac against the portable kernel's 9b0ab61 rows
+# (L=8K / 32K): k8v4 0.3632 -> 0.2294 / 1.1904 -> 0.7121 ms, 4-bit 0.4226 -> 0.2959 / 1.3685 -> 0.8099 ms.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
@@ -993,6 +998,10 @@ def triton_turboquant_decode_attention_v2(
     are allocated and parked on ``buf_holder`` as ``_tq_mid_o_buf`` / ``_tq_output_buf`` /
     ``_tq_lse_buf``.
 
+    On sm_90 (H100, H200) stage 1 of 4-bit and FP8 keys with 4-bit values at D = 128 runs as a Gluon
+    kernel (``triton_impl.turboquant_sm90``) that writes the same partials with the same numerics;
+    the portable Triton kernel serves every other architecture and layout, and the interpreter.
+
     Host path: the metadata checks and launch arguments are planned once per call layout (every
     tensor's dtype, shape, strides, device and 16-byte alignment, the cache's 4-byte alignment,
     every other argument and the type of each int; ``triton_impl.validation``); a call with a
@@ -1019,9 +1028,9 @@ def triton_turboquant_decode_attention_v2(
         mse_bits: 3 or 4 (0 for FP8 keys); key_packed_size, value_packed_size: the preset's.
         mid_o_buf: fp32 ``[>=B, >=H, >=S, >=D+1]``; output_buf: query dtype ``[>=B, >=H, >=D]``;
         lse_buf: fp32 ``[>=B, >=H]``.
-        use_pair_lut: None (the launch config's choice for 4-bit keys: on the H200 the 16-entry
-            table, measured faster), or force the pair LUT on/off (4-bit keys only). Both read the
-            same fp16 centroids.
+        use_pair_lut: None (the launch config's choice for 4-bit keys), or force the pair LUT on/off
+            in the portable kernel (4-bit keys only); the sm_90 fast path always gathers from it. Both
+            tables hold the same fp16 centroids.
 
     Returns:
         ``[B, H, D]`` in the query dtype (a view of ``output_buf`` when given); the natural-log
