@@ -390,12 +390,16 @@ def _run_turboquant(case, *, table=None, seq_lens=None, splits=3, buffers=None, 
     return (out.clone(), lse.clone()) if clone else (out, lse)
 
 
-def test_turboquant_decode_poisons_only_requests_with_bad_blocks(checks_off, device) -> None:
+# D=128 with blocks of 16 is what the sm_90 fast path (triton_impl/turboquant_sm90.py) serves on an H100/H200.
+@pytest.mark.parametrize("shape", [dict(), dict(head_dim=128, block_size=16),
+                                   dict(preset="turboquant_k8v4", head_dim=128, block_size=16)], ids=str)  # fmt: skip
+def test_turboquant_decode_poisons_only_requests_with_bad_blocks(shape, checks_off, device) -> None:
     gen = generator(8)
-    case = _turboquant_case(device, gen, seq_lens=[5, 11, 0, 7])
+    case = _turboquant_case(device, gen, seq_lens=[5, 40, 0, 7], **shape)
     clean = _run_turboquant(case)
     num_blocks = case["cache"].shape[0]
-    table, lens = _corrupt(case["table"], case["seq_lens"], 4, num_blocks, bad_row=1, long_row=3, bad_page=-1)
+    table, lens = _corrupt(case["table"], case["seq_lens"], shape.get("block_size", 4), num_blocks, bad_row=1,
+                           long_row=3, bad_page=-1)  # fmt: skip
     out, lse = _run_turboquant(case, table=table, seq_lens=lens)
     for b in (1, 3):
         assert bool(out[b].float().isnan().all()) and bool(lse[b].isnan().all()), f"request {b} is not poisoned"

@@ -161,21 +161,13 @@ def _e4m3_pairs(x):
 
 
 @gluon.jit
-def _first_bad_key(row_ptr, stride_btc, start, end, num_blocks, BLOCK_SIZE: gl.constexpr):
-    """The first key in ``[start, end)`` whose table entry lies outside ``[0, num_blocks)``; ``end`` if
-    none (``triton_impl.block_table.first_bad_key`` for this kernel's language)."""
-    PAGES: gl.constexpr = 128
+def _bad_pages(row_ptr, stride_btc, p0, last, num_blocks):
+    """Whether each of the 128 table entries ``p0 ..`` before ``last`` lies outside ``[0, num_blocks)``
+    (``triton_impl.block_table.first_bad_key``'s test, its loads apart from its reduction)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    first = start // BLOCK_SIZE
-    last = gl.maximum((end + BLOCK_SIZE - 1) // BLOCK_SIZE, first)
-    found = gl.full([PAGES], 0, gl.int32, layout) + end
-    for p0 in range(first, last, PAGES):
-        p = p0 + gl.arange(0, PAGES, layout=layout)
-        live = p < last
-        entry = gl.load(row_ptr + p * stride_btc, mask=live, other=0)
-        bad = live & ((entry < 0) | (entry >= num_blocks))
-        found = gl.minimum(found, gl.where(bad, gl.maximum(p * BLOCK_SIZE, start), end))
-    return gl.min(found, axis=0)
+    p = p0 + gl.arange(0, 128, layout=layout)
+    entry = gl.load(row_ptr + p * stride_btc, mask=p < last, other=0)
+    return (p < last) & ((entry < 0) | (entry >= num_blocks))
 
 
 @gluon.jit
@@ -365,7 +357,13 @@ def decode_stage1_kernel(
     too_long = seq_len > table_keys
     end = gl.minimum(end, table_keys)
     row_ptr = block_table_ptr + b.to(gl.int64) * stride_bt
-    poisoned = too_long | (_first_bad_key(row_ptr, stride_btc, start, end, num_blocks, BLOCK_SIZE) < end)
+    # Memory safety without host checks: a request whose keys need a table column past the table or a
+    # block outside the cache is poisoned (out = lse = NaN), and no such address is read. The blocks of
+    # [start, end) are checked here (the first 128 entries' loads overlap the loop; their reduction waits
+    # for after it); the loop clamps each entry it reads.
+    first_page = start // BLOCK_SIZE
+    last_page = gl.maximum((end + BLOCK_SIZE - 1) // BLOCK_SIZE, first_page)
+    bad_pages = _bad_pages(row_ptr, stride_btc, first_page, last_page, num_blocks)
 
     # The query as the B operand [HEAD_DIM, BLOCK_H] of the scores, K index k holding dimension _score_dim(k).
     qk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, dot_b))
@@ -378,7 +376,6 @@ def decode_stage1_kernel(
     q = gl.load(q_at[None, :] + _score_dim(qk)[:, None], mask=(qh < KV_GROUP)[None, :], other=0.0).to(gl.float32)
     q_hi = q.to(gl.float16)
     q_lo = (q - q_hi.to(gl.float32)).to(gl.float16)
-    _barrier()  # every load of the slot before any store to it
 
     pair_lut = 0
     if not KEY_FP8:  # entry b (codes b & 15, b >> 4) is fp16(c_lo) | fp16(c_hi) << 16
@@ -427,6 +424,9 @@ def decode_stage1_kernel(
         m_i = m_new
 
     acc = gl.convert_layout(gl.sum(gl.reshape(acc, [HEAD_DIM, 2, BLOCK_H]), axis=1), mma)
+    for p0 in range(first_page + 128, last_page, 128):  # splits of more than 128 blocks
+        bad_pages |= _bad_pages(row_ptr, stride_btc, p0, last_page, num_blocks)
+    poisoned = too_long | (gl.max(bad_pages.to(gl.int32), axis=0) > 0)
     l_i = gl.sum(l_part, axis=0)
     z_i = gl.sum(z_part, axis=0)
     has_keys = end > start
@@ -438,5 +438,6 @@ def decode_stage1_kernel(
     h = gl.arange(0, BLOCK_H, layout=cols)
     d = gl.arange(0, HEAD_DIM, layout=rows)
     slot = partials_ptr + b.to(gl.int64) * stride_pb + (kv_head * KV_GROUP + h) * stride_ph + split * stride_ps
+    _barrier()  # every thread's load of the slot (MSE keys: the rotated query) before any store to it
     gl.store(slot[None, :] + _value_dim(d)[:, None], out, mask=(h < KV_GROUP)[None, :])
     gl.store(slot + HEAD_DIM, lse, mask=h < KV_GROUP)
