@@ -314,7 +314,7 @@ plt.show()
 # at L=32K: 4-bit 1344 -> 789 us, FP8 keys 1177 -> 690 us. Nsight Compute on the 4-bit kernel: the L1
 # pipe is 83% busy, 9.9M of its 16.6M shared-memory wavefronts bank conflicts of the pair-LUT gathers;
 # the FP8-key kernel reads DRAM at 41% of its peak and its warps wait mostly on global loads. What the
-# rows below show: FP8 keys now beat the bf16 decode (1.16x its speed at L=8K, 1.39x at 32K), 4-bit
+# rows below show: FP8 keys now beat the bf16 decode (1.18x its speed at L=8K, 1.40x at 32K), 4-bit
 # keys beat it at 32K only, 3-bit keys (portable kernel) at neither; the goal, 4-bit at twice the bf16
 # speed, is not reached. Fewer bytes still means more time: the cost is per-key decode work, not memory.
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.

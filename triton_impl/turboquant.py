@@ -142,8 +142,8 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # GLUON 1 (sm90 only): stage 1 runs triton_impl/turboquant_sm90.py, the Gluon kernel, for the layouts it serves
 # (turboquant_sm90.supports: D = 128, 4-bit or FP8 keys, 4-bit values, blocks of a multiple of 16 tokens); every other
 # call runs the portable kernel above with this entry's keys. GLUON_MAXNREG caps its registers (4-bit keys: 128, four
-# programs per SM; uncapped 128-137, and 8-9% slower). Bench at 30697ac against the portable kernel's 9b0ab61 rows
-# (L=8K / 32K): k8v4 0.3632 -> 0.2294 / 1.1904 -> 0.7121 ms, 4-bit 0.4226 -> 0.2959 / 1.3685 -> 0.8099 ms.
+# programs per SM; uncapped 128-137, and 8-9% slower). Bench at 8107e0d against the portable kernel's 9b0ab61 rows
+# (L=8K / 32K): k8v4 0.3632 -> 0.2262 / 1.1904 -> 0.7066 ms, 4-bit 0.4226 -> 0.2942 / 1.3685 -> 0.8199 ms.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},

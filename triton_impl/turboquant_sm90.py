@@ -29,8 +29,8 @@ fp16 hi + lo pairs (two MMAs each), codes exact, fp32 sums. Supported: ``HEAD_DI
 MSE keys or FP8 keys, 4-bit values, a group of at most 16 query heads, a block size that is a
 multiple of 16, 16-byte aligned slots; :func:`supports` says whether a call qualifies.
 
-On the H200 (``attnref bench --op turboquant --case decode``, B=32 Hq=32 Hk=8, whole call): FP8 keys 0.2294 /
-0.7121 ms at L=8K / 32K (the portable kernel: 0.3632 / 1.1904), 4-bit keys 0.2959 / 0.8099 ms (0.4226 / 1.3685).
+On the H200 (``attnref bench --op turboquant --case decode``, B=32 Hq=32 Hk=8, whole call): FP8 keys 0.2262 /
+0.7066 ms at L=8K / 32K (the portable kernel: 0.3632 / 1.1904), 4-bit keys 0.2942 / 0.8199 ms (0.4226 / 1.3685).
 ``notebooks/results/perf_log.md`` has what bounds it (the pair-LUT gathers' bank conflicts, global-load latency)
 and the variants that lost.
 """
