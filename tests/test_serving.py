@@ -556,6 +556,30 @@ def _refill(step: int, *tensors: torch.Tensor, empty_lse: torch.Tensor | None = 
         empty_lse.copy_(torch.where(empty.to(empty_lse.device), float("-inf"), empty_lse))
 
 
+def _turboquant_decode_call(device: torch.device, gen: torch.Generator, head_dim: int) -> tuple[ServingCall, dict]:
+    """A TurboQuant decode at 4 requests (one empty) with its buffers given, and its case."""
+    tq_case = _turboquant_case(device, gen, seq_lens=[40, 70, 0, 129], block_size=16, head_dim=head_dim)
+    buffers = {"mid_o_buf": torch.empty(4, 4, 8, head_dim + 1, device=device),
+               "output_buf": torch.empty(4, 4, head_dim, dtype=torch.float16, device=device),
+               "lse_buf": torch.empty(4, 4, device=device)}  # fmt: skip
+    codebook, rotation = tq_case["centroids"].clone(), tq_case["pit"].clone()
+
+    def turboquant_step(i: int) -> None:
+        """New lengths and pages, and new query, codebook and rotation contents: the kernels derive
+        the rotated query and the fp16 centroids from them on every call, a replay included."""
+        _new_lengths_and_pages(tq_case["table"], tq_case["seq_lens"], tq_case["cache"].shape[0], 16, i)
+        _refill(i, tq_case["query"])
+        tq_case["centroids"].copy_(codebook * (1 + 0.25 * i))
+        tq_case["pit"].copy_(rotation.roll(i, dims=1))
+
+    call = ServingCall(
+        lambda: _run_turboquant(tq_case, splits=8, buffers=buffers, clone=False),
+        lambda: [buffers["output_buf"], buffers["lse_buf"]],
+        turboquant_step,
+    )  # fmt: skip
+    return call, tq_case
+
+
 def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
     gen = generator(12)
     calls: dict[str, ServingCall] = {}
@@ -580,25 +604,9 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
         lambda i: _new_lengths_and_pages(vcache.block_table, vcache.seq_lens, vcache.cache.shape[0], 16, i),
     )  # fmt: skip
 
-    tq_case = _turboquant_case(device, gen, seq_lens=[40, 70, 0, 129], block_size=16)
-    buffers = {"mid_o_buf": torch.empty(4, 4, 8, 33, device=device),
-               "output_buf": torch.empty(4, 4, 32, dtype=torch.float16, device=device),
-               "lse_buf": torch.empty(4, 4, device=device)}  # fmt: skip
-    codebook, rotation = tq_case["centroids"].clone(), tq_case["pit"].clone()
-
-    def turboquant_step(i: int) -> None:
-        """New lengths and pages, and new query, codebook and rotation contents: the kernels derive
-        the rotated query and the fp16 centroids from them on every call, a replay included."""
-        _new_lengths_and_pages(tq_case["table"], tq_case["seq_lens"], tq_case["cache"].shape[0], 16, i)
-        _refill(i, tq_case["query"])
-        tq_case["centroids"].copy_(codebook * (1 + 0.25 * i))
-        tq_case["pit"].copy_(rotation.roll(i, dims=1))
-
-    calls["turboquant_decode"] = ServingCall(
-        lambda: _run_turboquant(tq_case, splits=8, buffers=buffers, clone=False),
-        lambda: [buffers["output_buf"], buffers["lse_buf"]],
-        turboquant_step,
-    )
+    calls["turboquant_decode"], tq_case = _turboquant_decode_call(device, gen, head_dim=32)
+    # D=128 with blocks of 16: on an H100/H200 the sm_90 fast path (triton_impl/turboquant_sm90.py) serves it.
+    calls["turboquant_decode_d128"], _ = _turboquant_decode_call(device, gen, head_dim=128)
 
     config = tq_case["config"]
     keys, values = torch.empty(8, 2, 32, device=device), torch.empty(8, 2, 32, device=device)
@@ -688,8 +696,9 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
     return calls
 
 
-SERVING_OPS = ["decode_mla", "verify", "turboquant_decode", "turboquant_store", "merge_attn_states", "merge_splits",
-               "ue8m0_insert", "ue8m0_gather", "combine_topk_swa_indices"]  # fmt: skip
+SERVING_OPS = ["decode_mla", "verify", "turboquant_decode", "turboquant_decode_d128", "turboquant_store",
+               "merge_attn_states", "merge_splits", "ue8m0_insert", "ue8m0_gather",
+               "combine_topk_swa_indices"]  # fmt: skip
 
 
 @pytest.mark.gpu
