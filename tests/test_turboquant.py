@@ -998,6 +998,27 @@ def _nibble_dot_kernel(a_ptr, packed_ptr, out_ptr, K: tl.constexpr, N: tl.conste
     tl.store(out_ptr + m[:, None] * N + n[None, :], tl.dot(a, b))
 
 
+def test_sm90_operand_orders_are_permutations_with_one_load_per_thread() -> None:
+    """The Gluon stage 1 reads dimensions in the order its MMAs hold them (``_score_dim``, ``_value_dim``; the
+    dot product and the stored output do not care about the order, as long as it is one permutation). In the
+    ``mma.sync.m16n8k16`` fragments thread ``4g + t`` holds K indices ``16c + 8j + 2t + e`` of the scores' A
+    operand, and rows ``64m + 16w + 8h + g`` of warp ``w``'s value output: those must be the contiguous
+    dimensions ``32t ..`` (16 bytes of 4-bit codes, one load) and ``32w + 4g ..`` (one 16-bit code word)."""
+    score_dim, value_dim = ttq_sm90._score_dim.fn, ttq_sm90._value_dim.fn  # the kernel's own arithmetic
+    k = torch.arange(128)
+    assert sorted(score_dim(k).tolist()) == list(range(128))
+    for t in range(4):
+        held = torch.tensor([16 * c + 8 * j + 2 * t + e for c in range(8) for j in range(2) for e in range(2)])
+        assert sorted(score_dim(held).tolist()) == list(range(32 * t, 32 * t + 32)), t
+        pairs = score_dim(held).view(-1, 2)  # each register's two fp16: one byte's low and high code
+        assert bool((pairs[:, 1] == pairs[:, 0] + 1).all()) and bool((pairs[:, 0] % 2 == 0).all())
+    assert sorted(value_dim(k).tolist()) == list(range(128))
+    for w in range(4):
+        for g in range(8):
+            rows = torch.tensor([64 * m + 16 * w + 8 * h + g for m in range(2) for h in range(2)])
+            assert sorted(value_dim(rows).tolist()) == list(range(32 * w + 4 * g, 32 * w + 4 * g + 4)), (w, g)
+
+
 _SM90_COMPILE = """
 import json
 from triton_impl import turboquant, turboquant_sm90
