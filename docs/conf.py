@@ -52,6 +52,16 @@ def _sync(folder: Path, pages: dict[str, str]) -> None:
 
 
 def _api_page(op: str) -> str:
+    fast_path = ""
+    if (ROOT / "triton_impl" / f"{op}_sm90.py").is_file():  # an architecture's fast path beside the portable kernel
+        fast_path = f"""
+## Fast path on sm_90 (Gluon): `triton_impl.{op}_sm90`
+
+```{{eval-rst}}
+.. automodule:: triton_impl.{op}_sm90
+   :members:
+```
+"""
     return f"""# `{op}`
 
 The kernel, `triton_impl/{op}.py`, and its definition, `golden/{op}.py`: the public functions
@@ -63,7 +73,7 @@ and classes of each module, from their docstrings.
 .. automodule:: triton_impl.{op}
    :members:
 ```
-
+{fast_path}
 ## Golden model: `golden.{op}`
 
 ```{{eval-rst}}
