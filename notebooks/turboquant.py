@@ -33,6 +33,7 @@ from golden import turboquant as tq
 from triton_impl.parity.turboquant import compare_store
 from triton_impl.tolerances import compare, tolerance
 from triton_impl.turboquant import build_pair_lut, triton_turboquant_decode_attention_v2, triton_turboquant_store
+from triton_impl.turboquant_sm90 import _score_dim, _value_dim
 
 torch.manual_seed(0)
 D = 128
@@ -318,6 +319,26 @@ plt.show()
 # keys beat it at 32K only, 3-bit keys (portable kernel) at neither; the goal, 4-bit at twice the bf16
 # speed, is not reached. Fewer bytes still means more time: the cost is per-key decode work, not memory.
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
+
+# %% [markdown]
+# Which dimensions a thread holds. In the scores' A operand, thread `t` of each lane quad holds K
+# indices `16c + 8j + 2t + e` (chunk `c`, half `j`, pair element `e`): the kernel makes them the
+# dimensions `_score_dim(k)`, 32 consecutive ones, so its 16 bytes of 4-bit codes are one load and
+# each byte (two neighbouring dimensions) fills one register. In the value product, lane quad `g` of
+# warp `w` holds output rows `64m + 16w + 8h + g`: dimensions `_value_dim(d)`, the 4 codes of one
+# 16-bit word. The cell runs the kernel's own index arithmetic (the functions' Python bodies).
+
+# %%
+for t in range(4):
+    k = torch.tensor([16 * c + 8 * j + 2 * t + e for c in range(8) for j in range(2) for e in range(2)])
+    dims = _score_dim.fn(k)
+    print(f"scores, thread t={t}: K indices {k[:4].tolist()}, ... -> dimensions {dims[:4].tolist()}, ... "
+          f"({int(dims.min())}..{int(dims.max())})")  # fmt: skip
+    assert sorted(dims.tolist()) == list(range(32 * t, 32 * t + 32))
+for g in (0, 1, 7):
+    rows = torch.tensor([64 * m + 16 * 0 + 8 * h + g for m in range(2) for h in range(2)])
+    print(f"values, warp 0, lane quad g={g}: rows {rows.tolist()} -> dimensions {_value_dim.fn(rows).tolist()}")
+    assert sorted(_value_dim.fn(rows).tolist()) == list(range(4 * g, 4 * g + 4))
 
 # %%
 RESULTS = Path(triton_impl.__file__).resolve().parent.parent / "notebooks" / "results"
