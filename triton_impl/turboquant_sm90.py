@@ -16,13 +16,14 @@ tiles. Per tile:
   f16x2 conversion. That works because the dot product does not care in which order it visits the
   dimensions: the query is loaded in the same permuted order (:func:`_score_dim`).
 - the online softmax per head, across the 4 warps (the tile's row max is the one exchange);
-  probabilities times the value scale, as fp16 hi + lo parts, go to every warp (through shared
-  memory) as the B operand of ``O^T += V^T P^T``.
+  probabilities times the value scale, as fp16 hi and lo parts side by side (one ``[64, 2 BLOCK_H]``
+  operand), go to every warp through shared memory as the B operand of ``O^T += V^T P^T``.
 - values: each warp owns 32 of the 128 output dimensions. A thread reads 4 codes (16 bits) of each
   of its 16 keys and pairs the codes of two keys at one dimension into one register with integer
   ops: ``0x6400 | c`` is the fp16 ``1024 + c``, and one ``sub.f16x2`` makes both codes exact fp16
   (no lookup, no conversion). The output dimension order is permuted the same way
   (:func:`_value_dim`) and undone by the final store's addresses.
+- each tile's block-table entries are read a tile ahead, so its data loads need not wait for them.
 
 Numerics are the portable kernel's: centroids rounded to fp16 once, the query and ``p * scale`` as
 fp16 hi + lo pairs (two MMAs each), codes exact, fp32 sums. Supported: ``HEAD_DIM = 128``, 4-bit
