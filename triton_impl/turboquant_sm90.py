@@ -89,8 +89,7 @@ def compile_for_sm90(*, key_fp8: bool, group: int = 4, block_size: int = 16, max
                  "stride_pb", "stride_ph")  # fmt: skip
     key_bytes = 128 if key_fp8 else 64
     constexprs = dict(KV_GROUP=group, KEY_FP8=key_fp8, KEY_DATA_BYTES=key_bytes, SLOT_BYTES=key_bytes + 64,
-                      NUM_KV_HEADS=8, BLOCK_SIZE=block_size,
-                      stride_btc=1)  # fmt: skip
+                      NUM_KV_HEADS=8, BLOCK_SIZE=block_size, stride_btc=1)  # fmt: skip
     options = launch_options(group, maxnreg)
     constexprs["BLOCK_H"] = options.pop("BLOCK_H")
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "sm_scale" else "i32")
@@ -174,8 +173,8 @@ def _bad_pages(row_ptr, stride_btc, p0, last, num_blocks):
 @gluon.jit
 def _page(row_ptr, stride_btc, token, end, num_blocks, BLOCK_SIZE: gl.constexpr):
     """The cache block holding ``token`` (``>= 0``), from the block table. The entry is read only for
-    ``token < end`` (else block 0) and clamped into the cache: a request with a bad entry was poisoned
-    before the loop, and no address outside the cache is ever formed."""
+    ``token < end`` (else block 0) and clamped into the cache, so no address outside the cache is ever
+    formed; a request with a bad entry is poisoned (:func:`_bad_pages`)."""
     column = (token.to(gl.uint32) // BLOCK_SIZE).to(gl.int32)
     page = gl.load(row_ptr + column * stride_btc, mask=token < end, other=0)
     return gl.minimum(gl.maximum(page, 0), num_blocks - 1)
