@@ -302,8 +302,8 @@ def _tile_loads(cache_ptr, pages, tile_start, start, end, kv_head, num_kv_heads,
                 NUM_FIELDS: gl.constexpr, BLOCK_SIZE: gl.constexpr, KEY_LAYOUT: gl.constexpr,
                 VALUE_LAYOUT: gl.constexpr):  # fmt: skip
     """Everything tile ``[tile_start, tile_start + BLOCK_N)`` reads from its blocks ``pages``
-    (:func:`_tile_pages`): ``(key words, value words, norm, value scale, value zero)``. A tile at or past
-    ``end`` reads nothing."""
+    (:func:`_tile_pages`): ``(key words, value words, norm, value scale, value zero)``, and which of its keys
+    (``key_rows``) lie in ``[start, end)``. A tile at or past ``end`` reads nothing."""
     k_page, v_page, m_page = pages
     go = tile_start < end
     k_words = _key_words(cache_ptr, k_page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes, KEY_FP8,
@@ -314,7 +314,7 @@ def _tile_loads(cache_ptr, pages, tile_start, start, end, kv_head, num_kv_heads,
     live = (token >= start) & (token < end)
     norm, v_scale, v_zero = _metadata(cache_ptr, m_page, token, live, kv_head, stride_block, meta_offset, NUM_FIELDS,
                                       BLOCK_SIZE)  # fmt: skip
-    return k_words, v_words, norm, v_scale, v_zero
+    return k_words, v_words, norm, v_scale, v_zero, live
 
 
 @gluon.jit
@@ -395,7 +395,7 @@ def decode_stage1_kernel(
     # Each tile's table entries are read a tile ahead: its data loads need not wait for them.
     pages = _tile_pages(row_ptr, stride_btc, tile, end, num_blocks, key_rows, BLOCK_SIZE, key_layout, value_layout)
     for tile_start in range(tile, end, BLOCK_N):
-        k_words, v_words, norm, v_scale, v_zero = _tile_loads(
+        k_words, v_words, norm, v_scale, v_zero, live = _tile_loads(
             cache_ptr, pages, tile_start, start, end, kv_head, NUM_KV_HEADS, stride_block, SLOT_BYTES, meta_offset,
             key_rows, KEY_FP8, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE, key_layout, value_layout)  # fmt: skip
         pages = _tile_pages(row_ptr, stride_btc, tile_start + BLOCK_N, end, num_blocks, key_rows, BLOCK_SIZE,
@@ -403,8 +403,6 @@ def decode_stage1_kernel(
         k = gl.convert_layout(_key_operand(k_words, pair_lut, KEY_FP8, key_bytes), dot_a)
         zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
         s = mma_v2(k, q_hi, zero) + mma_v2(k, q_lo, zero)  # two independent MMA chains
-        token = tile_start + key_rows
-        live = (token >= start) & (token < end)
         if not KEY_FP8:
             s = s * norm[:, None]
         s = gl.where(live[:, None], s * score_scale, float("-inf"))
