@@ -11,6 +11,7 @@ the kernel's path (a wrong store, a wrong decode input) and show each comparison
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import math
@@ -766,6 +767,26 @@ def test_large_key_norms_saturate_at_fp16_max(preset: str, device: torch.device)
         assert float(norms[i]) == pytest.approx(float(corrected[i]), rel=2.0**-11)
 
 
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
+def test_nan_and_infinite_keys_store_nan_and_saturated_norms(preset: str, device: torch.device) -> None:
+    """A key with a NaN element stores a NaN norm (as golden does; clamping would turn it into -65504), one with an
+    infinite element the saturated 65504, and neither disturbs its neighbours. D = 128 bf16: on an H100/H200 the
+    sm_90 fast path serves it."""
+    config = _quantizer(preset, 128)[0]
+    gen = generator(14)
+    cache = _garbage_cache(1, 16, 2, config, gen, device)
+    key = torch.randn(4, 2, 128, generator=gen)
+    key[0, 0, 7], key[1, 1, 0], key[2, 0, 3] = float("inf"), float("nan"), float("-inf")
+    key, value = key.to(torch.bfloat16), torch.randn(4, 2, 128, generator=gen).to(torch.bfloat16)
+    slots = torch.tensor([3, 0, 9, 14])
+    before = cache.clone()
+    _store_triton(cache, key, value, slots, preset, 128)
+    _assert_store_ok(cache, before, key, value, slots, preset, 128)
+    norms = _metadata(cache, config, slots)[:, :, 0].double()
+    assert bool(norms[1, 1].isnan()) and norms[0, 0] == norms[2, 0] == tq.FP16_MAX
+    assert int(norms.isnan().sum()) == 1
+
+
 def test_norm_correction_is_clamped_after_the_divide(device: torch.device) -> None:
     """n = 8000 fits fp16, but with ||c[idx]|| = 0.08 the corrected norm is 1e5: clamp after the divide."""
     head_dim = 64
@@ -1019,6 +1040,70 @@ def test_sm90_operand_orders_are_permutations_with_one_load_per_thread() -> None
             assert sorted(value_dim(rows).tolist()) == list(range(32 * w + 4 * g, 32 * w + 4 * g + 4)), (w, g)
 
 
+def test_bf16x2_band_lies_inside_the_tf32x3_band() -> None:
+    """The sm90 store's check uses the TF32X3 band for whichever kernel runs; at ``D = 128`` (the only width the
+    bf16x2 fast path serves) that band contains the fast path's own (``2 gamma(2D, 2u) + 2^-16`` against
+    ``gamma(3D, 2u) + 2^-18``), and at ``D = 64`` it would not."""
+    for head_dim, inside in ((128, True), (64, False)):
+        key = torch.randn(5, 2, head_dim, generator=generator(4))
+        pit = _quantizer("turboquant_4bit_nc", head_dim)[1]
+        ours = ptq.rotation_tolerance(key, pit, ptq.BF16X2_GEMM)
+        assert bool((ours <= ptq.rotation_tolerance(key, pit, ptq.TF32X3_GEMM)).all()) == inside
+
+
+def test_sm90_store_orders_are_permutations_with_whole_loads_and_stores() -> None:
+    """The Gluon store's K order (``_rotation_dim``) and accumulator column order (``_code_dim``): in the warpgroup
+    MMA's register fragments thread ``4g + t`` holds K indices ``16c + 8h + 2t + e`` and columns ``8b + 2t + e``.
+    Its keys must be 16-byte pieces of a 64-byte span the quad shares per chunk pair, its codes the 32 contiguous
+    dimensions ``32t ..`` (one 16-byte store of 4-bit codes)."""
+    rotation_dim, code_dim = ttq_sm90._rotation_dim.fn, ttq_sm90._code_dim.fn
+    k = torch.arange(128)
+    assert sorted(rotation_dim(k).tolist()) == list(range(128)) and sorted(code_dim(k).tolist()) == list(range(128))
+    for pair in range(4):  # chunks 2 pair, 2 pair + 1: each thread's 8 dimensions are 16 contiguous bytes
+        for t in range(4):
+            held = [16 * c + 8 * h + 2 * t + e for c in (2 * pair, 2 * pair + 1) for h in range(2) for e in range(2)]
+            assert sorted(rotation_dim(torch.tensor(held)).tolist()) == list(range(32 * pair + 8 * t,
+                                                                                32 * pair + 8 * t + 8))  # fmt: skip
+    for t in range(4):
+        held = torch.tensor([8 * b + 2 * t + e for b in range(16) for e in range(2)])
+        assert code_dim(held).tolist() == list(range(32 * t, 32 * t + 32))  # in register order, too
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon store runs on compute capability 9.x (its sm_90 compile is tested anywhere)")
+@pytest.mark.parametrize("norm_correction", [True, False])
+@pytest.mark.parametrize("preset", MSE_PRESETS)
+def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correction: bool) -> None:
+    """The sm_90 store (bf16 keys, D = 128) against golden with its own rounding model (``BF16X2_GEMM``): many
+    tiles per persistent program, a partial last tile, skipped slots, keys from 1e-30 to past 2^64 (inf and NaN
+    too), values past fp16's range."""
+    device = torch.device("cuda")
+    gen = generator(17)
+    config, pit, centroids, midpoints = _quantizer(preset, 128)
+    config = dataclasses.replace(config, norm_correction=norm_correction)
+    num_tokens, heads, block_size = 2300, 8, 16
+    num_blocks = -(-num_tokens // block_size) + 3
+    cache = _garbage_cache(num_blocks, block_size, heads, config, gen, device)
+    assert ttq_sm90.store_supports(device=device, key_dtype=torch.bfloat16, head_dim=128,
+                                   key_bits=config.key_mse_bits, num_rows=num_tokens * heads,
+                                   stride_block=cache.stride(0),
+                                   slot_bytes=16 * (config.key_mse_bits + config.value_quant_bits))  # fmt: skip
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::7] = -1
+    scale = torch.tensor([1.0, 1e-3, 300.0, 1e-30, 1e20])[torch.randint(0, 5, (num_tokens, heads, 1), generator=gen)]
+    key = torch.randn(num_tokens, heads, 128, generator=gen) * scale
+    key[5, 3, 7], key[9, 0, 0], key[11, 2] = float("inf"), float("nan"), 3e38
+    value = torch.randn(num_tokens, heads, 128, generator=gen) * scale.flip(0)
+    value[13, 1, 5] = 1e6
+    key, value = key.to(torch.bfloat16), value.to(torch.bfloat16)
+    before = cache.clone()
+    _store_triton(cache, key, value, slots, preset, 128, norm_correction=norm_correction)
+    cmp = ptq.compare_store(cache.cpu(), before.cpu(), key, value, slots, pit, midpoints, centroids, config,
+                            ptq.BF16X2_GEMM)  # fmt: skip
+    print(f"sm90 store {preset} nc={norm_correction}: {cmp.summary()}")
+    assert cmp.ok, cmp.summary()
+
+
 _SM90_COMPILE = """
 import json
 from triton_impl import turboquant, turboquant_sm90
@@ -1030,21 +1115,32 @@ for key_fp8 in (False, True):
             kernel = turboquant_sm90.compile_for_sm90(key_fp8=key_fp8, group=group, block_size=block_size, maxnreg=cap)
             resources = sass_resources(kernel.asm["cubin"])
             print(json.dumps([key_fp8, group, block_size, *resources, kernel.metadata.shared]))
+for key_bits in (3, 4):
+    for value_bits in (3, 4):
+        for norm_correction in (False, True):
+            kernel = turboquant_sm90.compile_store_for_sm90(key_bits=key_bits, value_bits=value_bits,
+                                                            norm_correction=norm_correction)
+            print(json.dumps(["store", key_bits, value_bits, *sass_resources(kernel.asm["cubin"]),
+                              kernel.metadata.shared]))
 """
 
 
-def test_sm90_stage1_compiles_for_hopper_without_spills() -> None:
-    """The Gluon fast path never runs under the interpreter: compile it for sm_90 here (a process of its own,
-    TRITON_INTERPRET=0) for both key kinds (with the sm90 entry's register cap), groups 1/4/16 and two block
-    sizes, with no stack (no spills) and a few KiB of shared memory."""
+def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
+    """The Gluon fast paths never run under the interpreter: compile them for sm_90 here (a process of its own,
+    TRITON_INTERPRET=0). Decode stage 1: both key kinds (with the sm90 entry's register cap), groups 1/4/16 and two
+    block sizes, with no stack (no spills) and a few KiB of shared memory. Store: 3/4-bit keys and values, with
+    and without norm correction, no stack."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
-    assert len(rows) == 12
-    for row in rows:
+    assert len(rows) == 12 + 8
+    for row in rows[:12]:
         registers, stack, shared = row[3:]
         assert stack == 0 and registers <= 255 and shared <= 4096, row
+    for row in rows[12:]:  # the store: both bf16 parts of PiT (2 x 32 KiB) in shared memory, no spills
+        registers, stack, shared = row[3:]
+        assert stack == 0 and registers <= 255 and 64 * 1024 <= shared <= 72 * 1024, row
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a compiler defect: the interpreter has no MMA layouts")

@@ -108,7 +108,8 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # depends on the batch.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
-    "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1},
+    "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1, "GLUON": 1,
+             "GLUON_PROGRAMS_PER_SM": 2},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
 FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_stages unused: no rotation
@@ -259,8 +260,10 @@ def _bf16_part(x):
 
 @triton.jit
 def _fp16_bits(x):
-    """fp32 -> fp16 (round to nearest even) clamped to +-65504, as the uint16 to store."""
-    return tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX).to(tl.float16).to(tl.uint16, bitcast=True)
+    """fp32 -> fp16 (round to nearest even) clamped to +-65504, as the uint16 to store; NaN stays NaN (a NaN key
+    or value must not be stored as a finite norm or scale)."""
+    x = tl.where(x == x, tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX), x)
+    return x.to(tl.float16).to(tl.uint16, bitcast=True)
 
 
 @triton.jit
@@ -521,14 +524,36 @@ def triton_turboquant_store(
     key_bits = 8 if key_fp8 else mse_bits
     unused = kv_cache  # FP8 keys never read PiT, midpoints or centroids; any pointer will do
     config = select_store_config(device, key_fp8)
+    num_slots = num_blocks * block_size
+    data_bytes = layout["data_bytes_per_slot"]
+    rows = num_tokens * num_kv_heads
+    if config.get("GLUON") and turboquant_sm90.store_supports(
+        device=device, key_dtype=key.dtype, head_dim=head_dim, key_bits=key_bits, num_rows=rows,
+        stride_block=kv_cache.stride(0), slot_bytes=data_bytes,
+    ):  # the sm_90 fast path (triton_impl/turboquant_sm90.py): persistent programs, the rotation on warpgroup MMAs
+        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        launch(turboquant_sm90.store_kernel, (min(cdiv(rows, int(turboquant_sm90.STORE_ROWS)),
+                                                  config["GLUON_PROGRAMS_PER_SM"] * sm_count),),
+            key, value, kv_cache, slot_mapping, PiT, midpoints, centroids if norm_correction else unused,
+            rows, num_slots, kv_cache.stride(0), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            PiT.stride(0),
+            NUM_KV_HEADS=num_kv_heads,
+            KEY_BITS=key_bits,
+            VALUE_BITS=value_quant_bits,
+            NORM_CORRECTION=bool(norm_correction),
+            SLOT_BYTES=data_bytes,
+            BLOCK_SIZE=block_size,
+            WIDE_SLOTS=num_slots > 2**31 - 1,
+            num_warps=int(turboquant_sm90.NUM_WARPS),
+            **register_cap(config.get("GLUON_MAXNREG")),
+        )  # fmt: skip
+        return
     block_d = next_pow2(head_dim)
     block_t, d_chunk = config["BLOCK_T"], min(config["D_CHUNK"], block_d)
     # The rotation's fp32 operands k_hat [BLOCK_T, D_CHUNK] and PiT [D_CHUNK, D_CHUNK] pass through
     # shared memory: a large chunk is halved (an sm_90 block has 227 KiB).
     while 4 * d_chunk * (block_t + d_chunk) > _STORE_OPERAND_BYTES and d_chunk > 16:
         d_chunk //= 2
-    num_slots = num_blocks * block_size
-    data_bytes = layout["data_bytes_per_slot"]
     launch(_store_kernel, (cdiv(num_tokens, block_t), num_kv_heads),
         key, value, kv_cache, kv_cache.view(torch.uint16), slot_mapping,
         unused if key_fp8 else PiT, unused if key_fp8 else midpoints,

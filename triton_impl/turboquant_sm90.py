@@ -44,6 +44,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from triton_impl.interpreter import INTERPRETING
 from triton_impl.launch import register_cap
@@ -98,6 +99,29 @@ def compile_for_sm90(*, key_fp8: bool, group: int = 4, block_size: int = 16, max
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, *divisible)}
     return triton_compile(GluonASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
                           options=options)  # fmt: skip
+
+
+def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_correction: bool = True,
+                           block_size: int = 16) -> Any:
+    """:func:`store_kernel` compiled for sm_90 on any machine, specialized as the bench's launch is (8 KV heads,
+    16-byte aligned pointers, the strides multiples of 16): the ``CompiledKernel``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = store_kernel
+    names = fn.arg_names
+    pointers = {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*u8", "slot_ptr": "*i64",
+                "pit_ptr": "*fp32", "midpoint_ptr": "*fp32", "centroid_ptr": "*fp32"}  # fmt: skip
+    divisible = ("num_slots", "stride_block", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_pit")
+    slot_bytes = 128 * (key_bits + value_bits) // 8
+    constexprs = dict(NUM_KV_HEADS=8, KEY_BITS=key_bits, VALUE_BITS=value_bits, NORM_CORRECTION=norm_correction,
+                      SLOT_BYTES=slot_bytes, BLOCK_SIZE=block_size, WIDE_SLOTS=False)  # fmt: skip
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
+    values = {(names.index(n),): v for n, v in constexprs.items()}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, *divisible)}
+    return triton_compile(GluonASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": int(NUM_WARPS)})  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -439,3 +463,297 @@ def decode_stage1_kernel(
     _barrier()  # every thread's load of the slot (MSE keys: the rotated query) before any store to it
     gl.store(slot[None, :] + _value_dim(d)[:, None], out, mask=(h < KV_GROUP)[None, :])
     gl.store(slot + HEAD_DIM, lse, mask=h < KV_GROUP)
+
+
+# ----------------------------------------------------------------------------------------------
+# Store: bf16 keys to 3- or 4-bit MSE codes, the rotation on warpgroup MMAs.
+# ----------------------------------------------------------------------------------------------
+
+STORE_ROWS = gl.constexpr(64)  # (token, KV head) rows per tile: one warpgroup MMA's M
+_KEY_NORM_EPS = gl.constexpr(1e-8)
+_NORM_CORRECTION_EPS = gl.constexpr(1e-16)
+_MIN_VALUE_SCALE = gl.constexpr(1e-8)
+_ROUND_MAGIC = gl.constexpr(12582912.0)  # 1.5 * 2^23: x + it has x rounded to an integer in its low mantissa bits
+_FP16_MAX = gl.constexpr(65504.0)
+
+
+def store_supports(*, device: torch.device, key_dtype: torch.dtype, head_dim: int, key_bits: int, num_rows: int,
+                   stride_block: int, slot_bytes: int) -> bool:  # fmt: skip
+    """Whether a store call is one :func:`store_kernel` serves (else the portable kernel runs): bf16 keys, D = 128,
+    3- or 4-bit MSE codes, 16-byte aligned slots, compiled for compute capability 9.x."""
+    served = key_dtype == torch.bfloat16 and head_dim == HEAD_DIM and key_bits in (3, 4) and num_rows < 2**31
+    aligned = stride_block % 16 == 0 and slot_bytes % 16 == 0
+    return served and aligned and not INTERPRETING and device.type == "cuda" and \
+        torch.cuda.get_device_capability(device)[0] == 9
+
+
+@gluon.jit
+def _rotation_dim(k):
+    """The key dimension the rotation's A operand holds at K index ``k``: thread ``t`` of a quad holds K indices
+    ``16c + 8h + 2t + e``; they are dimensions ``32 (c >> 1) + 8t + 4 (c & 1) + 2h + e``, so for each pair of
+    chunks a quad's four threads read 64 contiguous bytes of the row, 16 each."""
+    c = k >> 4
+    return (c >> 1) * 32 + ((k >> 1) & 3) * 8 + (c & 1) * 4 + ((k >> 3) & 1) * 2 + (k & 1)
+
+
+@gluon.jit
+def _code_dim(n):
+    """The rotated dimension the rotation's accumulator holds in column ``n``: thread ``t`` of a quad holds
+    columns ``8b + 2t + e``; they are dimensions ``32t + 2b + e``, so a thread's 32 codes are contiguous."""
+    return ((n >> 1) & 3) * 32 + (n >> 3) * 2 + (n & 1)
+
+
+@gluon.jit
+def _slots(slot_ptr, row, num_rows, NUM_KV_HEADS: gl.constexpr):
+    """The slot of each (token, KV head) row ``row`` (-1 past ``num_rows``: nothing to write)."""
+    return gl.load(slot_ptr + row // NUM_KV_HEADS, mask=row < num_rows, other=-1)
+
+
+@gluon.jit
+def _slot_offsets(slot, row, num_slots, stride_block, NUM_KV_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                  SLOT_BYTES: gl.constexpr, WIDE_SLOTS: gl.constexpr):  # fmt: skip
+    """``(ok, data, meta)`` for rows ``row`` with slots ``slot``: whether the slot lies in the cache (padding and
+    bad slots write nothing) and the byte offsets of its data and of its metadata field 0 (slot 0's for a bad
+    slot, never used)."""
+    ok = (slot >= 0) & (slot < num_slots)
+    slot = gl.where(ok, slot, 0)
+    if not WIDE_SLOTS:
+        slot = slot.to(gl.uint32)  # 0 <= slot < 2^31: unsigned 32-bit division
+    block = slot // BLOCK_SIZE
+    position = (slot - block * BLOCK_SIZE).to(gl.int32)
+    head = row % NUM_KV_HEADS
+    base = block.to(gl.int64) * stride_block
+    data = base + (position * NUM_KV_HEADS + head) * SLOT_BYTES
+    META_FIELDS: gl.constexpr = 3  # key norm, value scale, value zero (fp16 each), field-major per KV head
+    meta = base + BLOCK_SIZE * NUM_KV_HEADS * SLOT_BYTES + (head * (META_FIELDS * BLOCK_SIZE) + position) * 2
+    return ok, data, meta
+
+
+@gluon.jit
+def _row_loads(ptr, row, num_rows, dim, stride_t, stride_h, NUM_KV_HEADS: gl.constexpr):
+    """``ptr``'s elements ``dim`` of rows ``row`` (token ``row // HKV``, KV head ``row % HKV``); 0 past the rows."""
+    token = row // NUM_KV_HEADS
+    head = row - token * NUM_KV_HEADS
+    return gl.load(ptr + token.to(gl.int64) * stride_t + head * stride_h + dim, mask=row < num_rows, other=0.0)
+
+
+@gluon.constexpr_function
+def _pairs_shape(shape):
+    """``[..., 4]`` -> ``[..., 2, 2]``."""
+    return [*shape[:-1], 2, 2]
+
+
+@gluon.jit
+def _store_codes(cache_ptr, at, groups, ok, BITS: gl.constexpr):
+    """Write ``groups [..., 4]`` (group ``q`` of 8 ``BITS``-bit codes, LSB first) as the thread's ``4 BITS``
+    bytes at byte offset ``at`` where ``ok`` (both ``[..., 1]``, in the layout of ``groups``): 4-bit groups are
+    whole words (one 16-byte store); 3-bit groups of 24 bits are stitched into three words."""
+    if BITS == 4:
+        RANK: gl.constexpr = len(groups.shape)
+        LAYOUT: gl.constexpr = groups.type.layout
+        q = _iota(4, RANK - 1, RANK, LAYOUT)
+        gl.store((cache_ptr + at + 4 * q).to(gl.pointer_type(gl.uint32)), groups, mask=ok)
+    else:
+        even, odd = gl.split(gl.reshape(groups, _pairs_shape(groups.shape)))  # q = 2a + b: [..., a] each
+        g0, g2 = gl.split(even)
+        g1, g3 = gl.split(odd)
+        LAYOUT3: gl.constexpr = g0.type.layout
+        at = gl.convert_layout(gl.reshape(at, g0.shape), LAYOUT3)
+        ok = gl.convert_layout(gl.reshape(ok, g0.shape), LAYOUT3)
+        words = (cache_ptr + at).to(gl.pointer_type(gl.uint32))
+        gl.store(words, g0 | (g1 << 24), mask=ok)
+        gl.store(words + 1, (g1 >> 8) | (g2 << 16), mask=ok)
+        gl.store(words + 2, (g2 >> 16) | (g3 << 8), mask=ok)
+
+
+@gluon.jit
+def _bucketize(y, midpoint_ptr, BITS: gl.constexpr):
+    """``#{m : midpoint_m <= y}`` by binary search over the sorted midpoints, as the portable store's
+    ``turboquant._bucketize`` (NaN gets code 0)."""
+    m = midpoint_ptr
+    if BITS == 3:
+        b4 = y >= gl.load(m + 3)
+        b2 = y >= gl.where(b4, gl.load(m + 5), gl.load(m + 1))
+        b1 = y >= gl.where(b4, gl.where(b2, gl.load(m + 6), gl.load(m + 4)), gl.where(b2, gl.load(m + 2), gl.load(m)))
+        return b4.to(gl.int32) * 4 + b2.to(gl.int32) * 2 + b1.to(gl.int32)
+    else:
+        b8 = y >= gl.load(m + 7)
+        b4 = y >= gl.where(b8, gl.load(m + 11), gl.load(m + 3))
+        b2 = y >= gl.where(b8, gl.where(b4, gl.load(m + 13), gl.load(m + 9)),
+                           gl.where(b4, gl.load(m + 5), gl.load(m + 1)))  # fmt: skip
+        t8 = gl.where(b4, gl.where(b2, gl.load(m + 14), gl.load(m + 12)), gl.where(b2, gl.load(m + 10), gl.load(m + 8)))
+        t0 = gl.where(b4, gl.where(b2, gl.load(m + 6), gl.load(m + 4)), gl.where(b2, gl.load(m + 2), gl.load(m)))
+        b1 = y >= gl.where(b8, t8, t0)
+        return b8.to(gl.int32) * 8 + b4.to(gl.int32) * 4 + b2.to(gl.int32) * 2 + b1.to(gl.int32)
+
+
+@gluon.jit
+def _fp16_bits(x):
+    """fp32 -> fp16 (round to nearest even) clamped to +-65504, as the uint16 to store; NaN stays NaN."""
+    x = gl.where(x == x, gl.minimum(gl.maximum(x, -_FP16_MAX), _FP16_MAX), x)
+    return x.to(gl.float16).to(gl.uint16, bitcast=True)
+
+
+@gluon.constexpr_function
+def _value_layout():
+    """Values ``[warp, half, quad, t, i]``: row ``16 warp + 8 half + quad``, dimension ``32t + i`` (each thread
+    owns 32 contiguous dimensions of two rows)."""
+    return gl.BlockedLayout([1, 2, 1, 1, 32], [1, 1, 8, 4, 1], [int(NUM_WARPS), 1, 1, 1, 1], [4, 3, 2, 1, 0])
+
+
+@gluon.jit
+def _tile_rows(tile, RANK: gl.constexpr, LAYOUT: gl.constexpr):
+    """Rows ``64 tile + 16 warp + 8 half + quad`` along dims 0-2 of a rank-``RANK`` tensor in ``LAYOUT``."""
+    return tile * STORE_ROWS + _iota(4, 0, RANK, LAYOUT) * 16 + _iota(2, 1, RANK, LAYOUT) * 8 + \
+        _iota(8, 2, RANK, LAYOUT)
+
+
+@gluon.jit
+def _store_values(v, slot, tile, cache_ptr, num_slots, stride_block, NUM_KV_HEADS: gl.constexpr,
+                  BLOCK_SIZE: gl.constexpr, SLOT_BYTES: gl.constexpr, KEY_DATA_BYTES: gl.constexpr,
+                  VALUE_BITS: gl.constexpr, WIDE_SLOTS: gl.constexpr):  # fmt: skip
+    """One tile's values ``v`` (fp32, :func:`_value_layout`) min-max quantized as the portable store does it, into
+    slots ``slot``."""
+    layout: gl.constexpr = _value_layout()
+    row = _tile_rows(tile, 5, layout)
+    t = _iota(4, 3, 5, layout)
+    ok, data, meta = _slot_offsets(slot, row, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
+                                   WIDE_SLOTS)  # fmt: skip
+    LEVELS: gl.constexpr = (1 << VALUE_BITS) - 1
+    v_min = gl.min(gl.min(v, axis=4), axis=3)
+    v_max = gl.max(gl.max(v, axis=4), axis=3)
+    v_min = gl.minimum(gl.maximum(v_min, -_FP16_MAX), _FP16_MAX)
+    v_max = gl.minimum(gl.maximum(v_max, -_FP16_MAX), _FP16_MAX)
+    scale = gl.maximum((v_max - v_min) / LEVELS, _MIN_VALUE_SCALE)
+    inv_scale = 1.0 / scale
+    lo = gl.expand_dims(gl.expand_dims(v_min, 3), 4)
+    hi = gl.expand_dims(gl.expand_dims(v_max, 3), 4)
+    v = gl.minimum(gl.maximum(v, lo), hi)
+    biased = ((v - lo) * gl.expand_dims(gl.expand_dims(inv_scale, 3), 4) + _ROUND_MAGIC).to(gl.uint32, bitcast=True)
+    groups = gl.reshape(biased, [4, 2, 8, 4, 4, 8])  # [..., t, q, p]: dimension 32t + 8q + p
+    glayout: gl.constexpr = groups.type.layout
+    shift = (_iota(8, 5, 6, glayout) * VALUE_BITS).to(gl.uint32)
+    SPREAD: gl.constexpr = 0x11111111 if VALUE_BITS == 4 else 0x249249  # sum_p 2^(BITS p)
+    words = gl.sum(groups << shift, axis=5) - (0x4B400000 * SPREAD % 2**32)
+    words_layout: gl.constexpr = words.type.layout
+    at = gl.convert_layout(data + KEY_DATA_BYTES + t * (4 * VALUE_BITS), words_layout)
+    _store_codes(cache_ptr, at, words, gl.convert_layout(ok & (t < 4), words_layout), VALUE_BITS)
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    row_ok = gl.convert_layout(gl.reshape(ok, [STORE_ROWS]), one)
+    fields = (cache_ptr + gl.convert_layout(gl.reshape(meta, [STORE_ROWS]), one)).to(gl.pointer_type(gl.uint16))
+    gl.store(fields + BLOCK_SIZE, gl.convert_layout(gl.reshape(_fp16_bits(scale), [STORE_ROWS]), one), mask=row_ok)
+    gl.store(fields + 2 * BLOCK_SIZE, gl.convert_layout(gl.reshape(_fp16_bits(v_min), [STORE_ROWS]), one), mask=row_ok)
+
+
+@gluon.jit
+def _code_words(codes, BITS: gl.constexpr):
+    """Codes ``[64, HEAD_DIM]`` in the rotation's accumulator layout (column ``8b + 2t + e``: dimension ``32t + 2b
+    + e``) -> ``[64, t, q]``: thread ``t``'s group ``q`` of 8 codes (dimensions ``32t + 8q ..``), LSB first."""
+    groups = gl.reshape(codes.to(gl.uint32), [STORE_ROWS, HEAD_DIM // 8, 4, 2])  # [row, b, t, e]
+    groups = gl.reshape(gl.permute(groups, (0, 2, 1, 3)), [STORE_ROWS, 4, 4, 4, 2])  # [row, t, q, b', e]
+    LAYOUT: gl.constexpr = groups.type.layout
+    shift = (_iota(4, 3, 5, LAYOUT) * 2 + _iota(2, 4, 5, LAYOUT)) * BITS
+    return gl.sum(gl.sum(groups << shift.to(gl.uint32), axis=4), axis=3)
+
+
+@gluon.jit
+def _store_loads(key_ptr, slot_ptr, tile, num_rows, stride_kt, stride_kh, key_dim, NUM_KV_HEADS: gl.constexpr,
+                 KEY_LAYOUT: gl.constexpr, VALUE_LAYOUT: gl.constexpr, WORDS_LAYOUT: gl.constexpr,
+                 ROWS: gl.constexpr):  # fmt: skip
+    """Tile ``tile``'s keys, and its slots in the three layouts that write (key codes, metadata, value codes)."""
+    k = _row_loads(key_ptr, _tile_rows(tile, 6, KEY_LAYOUT), num_rows, key_dim, stride_kt, stride_kh, NUM_KV_HEADS)
+    slot_k = _slots(slot_ptr, tile * STORE_ROWS + _iota(STORE_ROWS, 0, 3, WORDS_LAYOUT), num_rows, NUM_KV_HEADS)
+    slot_m = _slots(slot_ptr, tile * STORE_ROWS + gl.arange(0, STORE_ROWS, layout=ROWS), num_rows, NUM_KV_HEADS)
+    slot_v = _slots(slot_ptr, _tile_rows(tile, 5, VALUE_LAYOUT), num_rows, NUM_KV_HEADS)
+    return k, slot_k, slot_m, slot_v
+
+
+@gluon.jit
+def store_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_ptr, pit_ptr, midpoint_ptr, centroid_ptr,
+    num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh, stride_pit,
+    NUM_KV_HEADS: gl.constexpr,
+    KEY_BITS: gl.constexpr,
+    VALUE_BITS: gl.constexpr,
+    NORM_CORRECTION: gl.constexpr,
+    SLOT_BYTES: gl.constexpr,  # data bytes per (token, KV head) slot
+    BLOCK_SIZE: gl.constexpr,
+    WIDE_SLOTS: gl.constexpr,  # slot numbers past int32
+):  # fmt: skip
+    """Persistent programs over tiles of 64 (token, KV head) rows, 4 warps (one warpgroup). Each program cuts
+    ``PiT`` once into two bf16 parts in shared memory (rows and columns permuted: :func:`_rotation_dim`,
+    :func:`_code_dim`); per tile, ``k @ PiT`` is two warpgroup MMAs on the keys as loaded (bf16, exact), then
+    the row's ``1 / (||k|| + eps)``, the binary-search bucketize and the packing of each thread's 32 contiguous
+    codes; the values as the portable store quantizes them."""
+    gl.static_assert(gl.num_warps() == NUM_WARPS)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                  instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    # Keys [warp, half, quad, t, j, i]: row 16 warp + 8 half + quad, dimension 32j + 8t + i.
+    key_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 4, 8], [1, 1, 8, 4, 1, 1], [NUM_WARPS, 1, 1, 1, 1, 1],
+                                                [5, 4, 3, 2, 1, 0])  # fmt: skip
+    pit_layout: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [NUM_WARPS, 1], [1, 0])
+    part_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    rows: gl.constexpr = gl.SliceLayout(1, mma)
+
+    # PiT = hi + lo, each rounded to bf16 (to nearest): |PiT - hi - lo| <= 2^-16 |PiT|, and products of bf16 keys
+    # with bf16 parts are exact in the MMA's fp32 accumulator.
+    pk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, pit_layout))
+    pn = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, pit_layout))
+    pit = gl.load(pit_ptr + _rotation_dim(pk)[:, None] * stride_pit + _code_dim(pn)[None, :])
+    hi = pit.to(gl.bfloat16)
+    lo = (pit - hi.to(gl.float32)).to(gl.bfloat16)
+    pit_hi = gl.allocate_shared_memory(gl.bfloat16, [HEAD_DIM, HEAD_DIM], part_layout, hi)
+    pit_lo = gl.allocate_shared_memory(gl.bfloat16, [HEAD_DIM, HEAD_DIM], part_layout, lo)
+    fence_async_shared()
+    _barrier()
+
+    centroid_sq = 0
+    if NORM_CORRECTION:
+        sq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        centroid = gl.load(centroid_ptr + gl.arange(0, 1 << KEY_BITS, layout=sq_layout))
+        centroid_sq = centroid * centroid
+
+    value_layout: gl.constexpr = _value_layout()
+    key_dim = _iota(4, 4, 6, key_layout) * 32 + _iota(4, 3, 6, key_layout) * 8 + _iota(8, 5, 6, key_layout)
+    value_dim = _iota(4, 3, 5, value_layout) * 32 + _iota(32, 4, 5, value_layout)
+    words_layout: gl.constexpr = _code_words(gl.zeros([STORE_ROWS, HEAD_DIM], gl.int32, mma), KEY_BITS).type.layout
+
+    # A tile's values are read first, so that they arrive while its keys are quantized (reading the keys a tile
+    # ahead instead needs 255 registers and was slower: 4-bit 3.53 -> 4.39 ms on the H200).
+    for tile in range(gl.program_id(0), gl.cdiv(num_rows, STORE_ROWS), gl.num_programs(0)):
+        k, slot_k, slot_m, slot_v = _store_loads(key_ptr, slot_ptr, tile, num_rows, stride_kt, stride_kh, key_dim,
+                                                 NUM_KV_HEADS, key_layout, value_layout, words_layout,
+                                                 rows)  # fmt: skip
+        k = gl.reshape(k, [4, 2, 8, 4, 4, 2, 2, 2])  # i = 4 c2 + 2 h + e, chunk c = 2j + c2
+        k = gl.permute(k, (0, 1, 2, 4, 5, 6, 3, 7))  # [row: warp, half, quad | K: j, c2, h, t, e]
+        k = gl.convert_layout(gl.reshape(k, [STORE_ROWS, HEAD_DIM]), dot_a)
+        acc = warpgroup_mma(k, pit_lo, gl.zeros([STORE_ROWS, HEAD_DIM], gl.float32, mma))
+        acc = warpgroup_mma(k, pit_hi, acc)
+
+        # ||k|| in plain fp32: a bf16 square overflows only for ||k|| >= 2^64, where codes are not compared with
+        # golden's and the stored norm saturates (inf -> 65504) as it must; squares below fp32's normal range
+        # belong to norms so far below the 1e-8 in 1 / (||k|| + 1e-8) that their error cannot reach the codes.
+        kf = k.to(gl.float32)
+        norm = gl.convert_layout(gl.sqrt(gl.sum(kf * kf, axis=1)), rows)
+        v = _row_loads(value_ptr, _tile_rows(tile, 5, value_layout), num_rows, value_dim, stride_vt, stride_vh,
+                       NUM_KV_HEADS)  # fmt: skip
+        codes = _bucketize(acc * (1.0 / (norm + _KEY_NORM_EPS))[:, None], midpoint_ptr, KEY_BITS)
+        words = _code_words(codes, KEY_BITS)
+        w_row = tile * STORE_ROWS + _iota(STORE_ROWS, 0, 3, words_layout)
+        w_t = _iota(4, 1, 3, words_layout)
+        w_ok, w_data, _ = _slot_offsets(slot_k, w_row, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE,
+                                        SLOT_BYTES, WIDE_SLOTS)  # fmt: skip
+        _store_codes(cache_ptr, w_data + w_t * (4 * KEY_BITS), words, w_ok & (w_t < 4), KEY_BITS)
+
+        m_row = tile * STORE_ROWS + gl.arange(0, STORE_ROWS, layout=rows)
+        m_ok, _, m_at = _slot_offsets(slot_m, m_row, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
+                                      WIDE_SLOTS)  # fmt: skip
+        if NORM_CORRECTION:
+            flat = gl.reshape(codes, [STORE_ROWS * HEAD_DIM])
+            code_sq = gl.sum(gl.reshape(gl.gather(centroid_sq, flat, 0), [STORE_ROWS, HEAD_DIM]), axis=1)
+            norm = norm / gl.sqrt(gl.convert_layout(code_sq, rows) + _NORM_CORRECTION_EPS)
+        gl.store((cache_ptr + m_at).to(gl.pointer_type(gl.uint16)), _fp16_bits(norm), mask=m_ok)
+
+        _store_values(v.to(gl.float32), slot_v, tile, cache_ptr, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE,
+                      SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS)  # fmt: skip
