@@ -162,7 +162,7 @@ LAUNCH_CONFIGS: dict[str, LaunchConfig] = {
     "default": LaunchConfig(tokens_per_program=1, gather_workers=128, num_warps=4),
     "sm90": LaunchConfig(
         tokens_per_program=8, gather_workers=512, num_warps=4, decode="branch", fnuz_encode="cvt", rope_words=True,
-        gather_tokens=4,
+        gather_tokens=4, gather_max_registers=40,
     ),
     "interpreter": LaunchConfig(tokens_per_program=16, gather_workers=2, num_warps=1),
 }
