@@ -445,13 +445,38 @@ def test_split_merge_propagates_a_poisoned_split(device: torch.device) -> None:
     assert not bool(o[1].isnan().any()) and not bool(lse[1].isnan().any())
 
 
-def test_turboquant_store_skips_slots_outside_the_cache(checks_off, device) -> None:
+def _turboquant_store_call(tq_case: dict, dtype: torch.dtype) -> ServingCall:
+    """The store of 8 tokens into ``tq_case``'s cache, new keys, values and slots (one of them -1) each step."""
+    config, cache = tq_case["config"], tq_case["cache"]
+    device = cache.device
+    keys, values = (torch.empty(8, cache.shape[2], config.head_dim, dtype=dtype, device=device) for _ in range(2))
+    slots = torch.zeros(8, dtype=torch.int64, device=device)
+    capacity = cache.shape[0] * cache.shape[1]
+
+    def store_step(i: int) -> None:
+        _refill(i, keys, values)
+        chosen = torch.randperm(capacity, generator=_step_generator(i))[:8]
+        chosen[i % 8] = -1
+        slots.copy_(chosen)
+
+    return ServingCall(
+        lambda: turboquant.triton_turboquant_store(
+            keys, values, cache, slots, tq_case["pit"], tq_case["midpoints"], config.key_mse_bits,
+            config.key_packed_size, config.value_quant_bits, config.key_fp8, tq_case["centroids"],
+            config.norm_correction),
+        lambda: [cache], store_step,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "dtype"), [(32, 4, torch.float32), (128, 16, torch.bfloat16)])
+def test_turboquant_store_skips_slots_outside_the_cache(head_dim, block_size, dtype, checks_off, device) -> None:
+    """Slots past the cache write nothing. D=128 bf16 with blocks of 16: the sm_90 store on an H100/H200."""
     gen = generator(9)
-    case = _turboquant_case(device, gen, seq_lens=[4])
+    case = _turboquant_case(device, gen, seq_lens=[4], head_dim=head_dim, block_size=block_size)
     config, cache, storage = case["config"], case["cache"], case["storage"]
     capacity = cache.shape[0] * cache.shape[1]
     before = storage.clone()
-    keys, values = case["keys"][:4] * 3, case["values"][:4] * 3
+    keys, values = (case["keys"][:4] * 3).to(dtype), (case["values"][:4] * 3).to(dtype)
     args = (case["pit"], case["midpoints"], config.key_mse_bits, config.key_packed_size, config.value_quant_bits,
             config.key_fp8, case["centroids"], config.norm_correction)  # fmt: skip
     slots = torch.tensor([capacity, 2, 2**40, capacity + 1], device=device)
@@ -605,27 +630,11 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
     )  # fmt: skip
 
     calls["turboquant_decode"], tq_case = _turboquant_decode_call(device, gen, head_dim=32)
-    # D=128 with blocks of 16: on an H100/H200 the sm_90 fast path (triton_impl/turboquant_sm90.py) serves it.
-    calls["turboquant_decode_d128"], _ = _turboquant_decode_call(device, gen, head_dim=128)
-
-    config = tq_case["config"]
-    keys, values = torch.empty(8, 2, 32, device=device), torch.empty(8, 2, 32, device=device)
-    slots = torch.zeros(8, dtype=torch.int64, device=device)
-    capacity = tq_case["cache"].shape[0] * tq_case["cache"].shape[1]
-
-    def store_step(i: int) -> None:
-        _refill(i, keys, values)
-        chosen = torch.randperm(capacity, generator=_step_generator(i))[:8]
-        chosen[i % 8] = -1
-        slots.copy_(chosen)
-
-    calls["turboquant_store"] = ServingCall(
-        lambda: turboquant.triton_turboquant_store(
-            keys, values, tq_case["cache"], slots, tq_case["pit"], tq_case["midpoints"], config.key_mse_bits,
-            config.key_packed_size, config.value_quant_bits, config.key_fp8, tq_case["centroids"],
-            config.norm_correction),
-        lambda: [tq_case["cache"]], store_step,
-    )  # fmt: skip
+    # D=128 with blocks of 16 (bf16 keys for the store): on an H100/H200 the sm_90 fast paths
+    # (triton_impl/turboquant_sm90.py) serve them.
+    calls["turboquant_decode_d128"], tq_case_d128 = _turboquant_decode_call(device, gen, head_dim=128)
+    calls["turboquant_store"] = _turboquant_store_call(tq_case, torch.float32)
+    calls["turboquant_store_d128"] = _turboquant_store_call(tq_case_d128, torch.bfloat16)
 
     p_o, s_o, m_o = (torch.empty(64, 4, 32, dtype=torch.bfloat16, device=device) for _ in range(3))
     p_lse, s_lse, m_lse = (torch.empty(4, 64, device=device) for _ in range(3))
