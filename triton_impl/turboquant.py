@@ -106,6 +106,10 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # tables built in the kernel (14d089e), 4-bit at L=8K / 32K: pair LUT 0.694 / 2.569 ms, fp32 loads
 # 1.169 / 4.016 ms (the old fp16 table in global memory: 0.683 / 2.515 ms, 9ff0941). No config
 # depends on the batch.
+# GLUON 1 (sm90): MSE keys in bf16 at D = 128 go to the Gluon store (triton_impl/turboquant_sm90.py, the rotation on
+# warpgroup MMAs), GLUON_PROGRAMS_PER_SM persistent programs per SM. On the H200 (1M tokens x 8 heads), 4-bit: 9.52 ms
+# for this table's portable config, Gluon at 1 / 2 programs per SM 6.16 / 3.53 ms; a variant of it at 1 / 2 / 3
+# 6.60 / 3.89 / 4.70 ms (over 200 registers: a third program does not fit beside two and runs as a second wave).
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
     "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1, "GLUON": 1,
@@ -483,6 +487,8 @@ def triton_turboquant_store(
     slot is skipped, and so is a slot outside the cache (checked on the device, whatever the
     content checks say). CUDA graphs: the tensors stay fixed across replays; new slots and
     keys are written into them in place. FP8 keys (``key_fp8=True``, ``mse_bits=0``) ignore ``PiT``/``midpoints``.
+    A key with a NaN stores a NaN norm; an infinite one the saturated 65504. On sm_90, MSE keys in bf16 at D = 128
+    go to the Gluon store (``triton_impl.turboquant_sm90``), whose rotation rounds as ``BF16X2_GEMM`` says.
 
     Args:
         key, value: ``[T, HKV, D]`` float16/bfloat16/float32 (unit last stride).
