@@ -59,7 +59,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from triton_impl import turboquant as portable  # the portable store's bucketize and fp16 rounding, shared
 from triton_impl.interpreter import INTERPRETING
 from triton_impl.launch import register_cap
 
@@ -484,6 +483,11 @@ def decode_stage1_kernel(
 # ----------------------------------------------------------------------------------------------
 
 STORE_ROWS = gl.constexpr(64)  # (token, KV head) rows per tile: one warpgroup MMA's M
+_KEY_NORM_EPS = gl.constexpr(1e-8)
+_NORM_CORRECTION_EPS = gl.constexpr(1e-16)
+_MIN_VALUE_SCALE = gl.constexpr(1e-8)
+_ROUND_MAGIC = gl.constexpr(12582912.0)  # 1.5 * 2^23: x + it has x rounded to an integer in its low mantissa bits
+_FP16_MAX = gl.constexpr(65504.0)
 
 
 def store_supports(*, device: torch.device, key_dtype: torch.dtype, head_dim: int, key_bits: int, num_rows: int,
@@ -575,6 +579,34 @@ def _store_codes(cache_ptr, at, groups, ok, BITS: gl.constexpr):
         gl.store(words + 2, (g2 >> 16) | (g3 << 8), mask=ok)
 
 
+@gluon.jit
+def _bucketize(y, midpoint_ptr, BITS: gl.constexpr):
+    """``#{m : midpoint_m <= y}`` by binary search over the sorted midpoints, as the portable store's
+    ``turboquant._bucketize`` (NaN gets code 0)."""
+    m = midpoint_ptr
+    if BITS == 3:
+        b4 = y >= gl.load(m + 3)
+        b2 = y >= gl.where(b4, gl.load(m + 5), gl.load(m + 1))
+        b1 = y >= gl.where(b4, gl.where(b2, gl.load(m + 6), gl.load(m + 4)), gl.where(b2, gl.load(m + 2), gl.load(m)))
+        return b4.to(gl.int32) * 4 + b2.to(gl.int32) * 2 + b1.to(gl.int32)
+    else:
+        b8 = y >= gl.load(m + 7)
+        b4 = y >= gl.where(b8, gl.load(m + 11), gl.load(m + 3))
+        b2 = y >= gl.where(b8, gl.where(b4, gl.load(m + 13), gl.load(m + 9)),
+                           gl.where(b4, gl.load(m + 5), gl.load(m + 1)))  # fmt: skip
+        t8 = gl.where(b4, gl.where(b2, gl.load(m + 14), gl.load(m + 12)), gl.where(b2, gl.load(m + 10), gl.load(m + 8)))
+        t0 = gl.where(b4, gl.where(b2, gl.load(m + 6), gl.load(m + 4)), gl.where(b2, gl.load(m + 2), gl.load(m)))
+        b1 = y >= gl.where(b8, t8, t0)
+        return b8.to(gl.int32) * 8 + b4.to(gl.int32) * 4 + b2.to(gl.int32) * 2 + b1.to(gl.int32)
+
+
+@gluon.jit
+def _fp16_bits(x):
+    """fp32 -> fp16 (round to nearest even) clamped to +-65504, as the uint16 to store; NaN stays NaN."""
+    x = gl.where(x == x, gl.minimum(gl.maximum(x, -_FP16_MAX), _FP16_MAX), x)
+    return x.to(gl.float16).to(gl.uint16, bitcast=True)
+
+
 @gluon.constexpr_function
 def _value_layout():
     """Values ``[warp, half, quad, t, i]``: row ``16 warp + 8 half + quad``, dimension ``32t + i`` (each thread
@@ -603,15 +635,14 @@ def _store_values(v, slot, tile, cache_ptr, num_slots, stride_block, NUM_KV_HEAD
     LEVELS: gl.constexpr = (1 << VALUE_BITS) - 1
     v_min = gl.min(gl.min(v, axis=4), axis=3)
     v_max = gl.max(gl.max(v, axis=4), axis=3)
-    v_min = gl.minimum(gl.maximum(v_min, -portable._FP16_MAX), portable._FP16_MAX)
-    v_max = gl.minimum(gl.maximum(v_max, -portable._FP16_MAX), portable._FP16_MAX)
-    scale = gl.maximum((v_max - v_min) / LEVELS, portable._MIN_VALUE_SCALE)
+    v_min = gl.minimum(gl.maximum(v_min, -_FP16_MAX), _FP16_MAX)
+    v_max = gl.minimum(gl.maximum(v_max, -_FP16_MAX), _FP16_MAX)
+    scale = gl.maximum((v_max - v_min) / LEVELS, _MIN_VALUE_SCALE)
     inv_scale = 1.0 / scale
     lo = gl.expand_dims(gl.expand_dims(v_min, 3), 4)
     hi = gl.expand_dims(gl.expand_dims(v_max, 3), 4)
     v = gl.minimum(gl.maximum(v, lo), hi)
-    level = (v - lo) * gl.expand_dims(gl.expand_dims(inv_scale, 3), 4)
-    biased = (level + portable._ROUND_MAGIC).to(gl.uint32, bitcast=True)
+    biased = ((v - lo) * gl.expand_dims(gl.expand_dims(inv_scale, 3), 4) + _ROUND_MAGIC).to(gl.uint32, bitcast=True)
     groups = gl.reshape(biased, [4, 2, 8, 4, 4, 8])  # [..., t, q, p]: dimension 32t + 8q + p
     glayout: gl.constexpr = groups.type.layout
     shift = (_iota(8, 5, 6, glayout) * VALUE_BITS).to(gl.uint32)
@@ -623,10 +654,8 @@ def _store_values(v, slot, tile, cache_ptr, num_slots, stride_block, NUM_KV_HEAD
     one: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
     row_ok = gl.convert_layout(gl.reshape(ok, [STORE_ROWS]), one)
     fields = (cache_ptr + gl.convert_layout(gl.reshape(meta, [STORE_ROWS]), one)).to(gl.pointer_type(gl.uint16))
-    scale16 = gl.convert_layout(gl.reshape(portable._fp16_bits(scale), [STORE_ROWS]), one)
-    gl.store(fields + BLOCK_SIZE, scale16, mask=row_ok)
-    gl.store(fields + 2 * BLOCK_SIZE, gl.convert_layout(gl.reshape(portable._fp16_bits(v_min), [STORE_ROWS]), one),
-             mask=row_ok)  # fmt: skip
+    gl.store(fields + BLOCK_SIZE, gl.convert_layout(gl.reshape(_fp16_bits(scale), [STORE_ROWS]), one), mask=row_ok)
+    gl.store(fields + 2 * BLOCK_SIZE, gl.convert_layout(gl.reshape(_fp16_bits(v_min), [STORE_ROWS]), one), mask=row_ok)
 
 
 @gluon.jit
@@ -723,7 +752,7 @@ def store_kernel(
         # belong to norms so far below the 1e-8 in 1 / (||k|| + 1e-8) that their error cannot reach the codes.
         kf = k.to(gl.float32)
         norm = gl.convert_layout(gl.sqrt(gl.sum(kf * kf, axis=1)), rows)
-        codes = portable._bucketize(acc * (1.0 / (norm + portable._KEY_NORM_EPS))[:, None], midpoint_ptr, KEY_BITS)
+        codes = _bucketize(acc * (1.0 / (norm + _KEY_NORM_EPS))[:, None], midpoint_ptr, KEY_BITS)
         words = _code_words(codes, KEY_BITS)
         w_row = tile * STORE_ROWS + _iota(STORE_ROWS, 0, 3, words_layout)
         w_t = _iota(4, 1, 3, words_layout)
@@ -737,8 +766,8 @@ def store_kernel(
         if NORM_CORRECTION:
             flat = gl.reshape(codes, [STORE_ROWS * HEAD_DIM])
             code_sq = gl.sum(gl.reshape(gl.gather(centroid_sq, flat, 0), [STORE_ROWS, HEAD_DIM]), axis=1)
-            norm = norm / gl.sqrt(gl.convert_layout(code_sq, rows) + portable._NORM_CORRECTION_EPS)
-        gl.store((cache_ptr + m_at).to(gl.pointer_type(gl.uint16)), portable._fp16_bits(norm), mask=m_ok)
+            norm = norm / gl.sqrt(gl.convert_layout(code_sq, rows) + _NORM_CORRECTION_EPS)
+        gl.store((cache_ptr + m_at).to(gl.pointer_type(gl.uint16)), _fp16_bits(norm), mask=m_ok)
 
         _store_values(v.to(gl.float32), slot_v, tile, cache_ptr, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE,
                       SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS)  # fmt: skip
