@@ -551,7 +551,6 @@ def triton_turboquant_store(
             BLOCK_SIZE=block_size,
             WIDE_SLOTS=num_slots > 2**31 - 1,
             num_warps=int(turboquant_sm90.NUM_WARPS),
-            **register_cap(config.get("GLUON_MAXNREG")),
         )  # fmt: skip
         return
     block_d = next_pow2(head_dim)

@@ -59,8 +59,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from triton_impl.interpreter import INTERPRETING
-from triton_impl.launch import register_cap
+from triton_impl.launch import device_arch, register_cap
 
 HEAD_DIM = gl.constexpr(128)
 BLOCK_N = gl.constexpr(64)  # keys per tile: 16 per warp for the scores
@@ -71,13 +70,19 @@ _LN2 = gl.constexpr(0.6931471805599453)
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
+def _hopper(device: torch.device) -> bool:
+    """Compiled (not interpreted) for a device of compute capability 9.x (H100, H200); the architecture lookup is
+    cached, so a call pays no driver query."""
+    return device_arch(device).startswith("sm9")
+
+
 def supports(*, device: torch.device, head_dim: int, key_bits: int, value_bits: int, group: int, block_size: int,
              stride_block: int, slot_bytes: int, key_bytes: int) -> bool:  # fmt: skip
     """Whether a decode call is one this kernel serves (else the portable kernel runs): compiled (not
     interpreted) for compute capability 9.x (H100, H200), and a layout it reads with aligned vector loads."""
     aligned = block_size % 16 == 0 and stride_block % 16 == 0 and slot_bytes % 16 == 0 and key_bytes % 16 == 0
     served = head_dim == HEAD_DIM and key_bits in (4, 8) and value_bits == 4 and group <= 16 and aligned
-    return served and not INTERPRETING and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return served and _hopper(device)
 
 
 def launch_options(group: int, maxnreg: int | None) -> dict[str, int]:
@@ -496,8 +501,7 @@ def store_supports(*, device: torch.device, key_dtype: torch.dtype, head_dim: in
     3- or 4-bit MSE codes, 16-byte aligned slots, compiled for compute capability 9.x."""
     served = key_dtype == torch.bfloat16 and head_dim == HEAD_DIM and key_bits in (3, 4) and num_rows < 2**31
     aligned = stride_block % 16 == 0 and slot_bytes % 16 == 0
-    return served and aligned and not INTERPRETING and device.type == "cuda" and \
-        torch.cuda.get_device_capability(device)[0] == 9
+    return served and aligned and _hopper(device)
 
 
 @gluon.jit
