@@ -674,18 +674,6 @@ def _code_words(codes, BITS: gl.constexpr):
 
 
 @gluon.jit
-def _store_loads(key_ptr, slot_ptr, tile, num_rows, stride_kt, stride_kh, key_dim, NUM_KV_HEADS: gl.constexpr,
-                 KEY_LAYOUT: gl.constexpr, VALUE_LAYOUT: gl.constexpr, WORDS_LAYOUT: gl.constexpr,
-                 ROWS: gl.constexpr):  # fmt: skip
-    """Tile ``tile``'s keys, and its slots in the three layouts that write (key codes, metadata, value codes)."""
-    k = _row_loads(key_ptr, _tile_rows(tile, 6, KEY_LAYOUT), num_rows, key_dim, stride_kt, stride_kh, NUM_KV_HEADS)
-    slot_k = _slots(slot_ptr, tile * STORE_ROWS + _iota(STORE_ROWS, 0, 3, WORDS_LAYOUT), num_rows, NUM_KV_HEADS)
-    slot_m = _slots(slot_ptr, tile * STORE_ROWS + gl.arange(0, STORE_ROWS, layout=ROWS), num_rows, NUM_KV_HEADS)
-    slot_v = _slots(slot_ptr, _tile_rows(tile, 5, VALUE_LAYOUT), num_rows, NUM_KV_HEADS)
-    return k, slot_k, slot_m, slot_v
-
-
-@gluon.jit
 def store_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr, pit_ptr, midpoint_ptr, centroid_ptr,
     num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh, stride_pit,
@@ -742,9 +730,13 @@ def store_kernel(
     for tile in range(gl.program_id(0), gl.cdiv(num_rows, STORE_ROWS), gl.num_programs(0)):
         v = _row_loads(value_ptr, _tile_rows(tile, 5, value_layout), num_rows, value_dim, stride_vt, stride_vh,
                        NUM_KV_HEADS)  # fmt: skip
-        k, slot_k, slot_m, slot_v = _store_loads(key_ptr, slot_ptr, tile, num_rows, stride_kt, stride_kh, key_dim,
-                                                 NUM_KV_HEADS, key_layout, value_layout, words_layout,
-                                                 rows)  # fmt: skip
+        k = _row_loads(key_ptr, _tile_rows(tile, 6, key_layout), num_rows, key_dim, stride_kt, stride_kh,
+                       NUM_KV_HEADS)  # fmt: skip
+        # The tile's slots in each layout that writes (key codes, metadata, values): three loads from L1, not
+        # two layout conversions through shared memory.
+        slot_k = _slots(slot_ptr, tile * STORE_ROWS + _iota(STORE_ROWS, 0, 3, words_layout), num_rows, NUM_KV_HEADS)
+        slot_m = _slots(slot_ptr, tile * STORE_ROWS + gl.arange(0, STORE_ROWS, layout=rows), num_rows, NUM_KV_HEADS)
+        slot_v = _slots(slot_ptr, _tile_rows(tile, 5, value_layout), num_rows, NUM_KV_HEADS)
         k = gl.reshape(k, [4, 2, 8, 4, 4, 2, 2, 2])  # i = 4 c2 + 2 h + e, chunk c = 2j + c2
         k = gl.permute(k, (0, 1, 2, 4, 5, 6, 3, 7))  # [row: warp, half, quad | K: j, c2, h, t, e]
         k = gl.convert_layout(gl.reshape(k, [STORE_ROWS, HEAD_DIM]), dot_a)
