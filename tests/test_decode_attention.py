@@ -14,6 +14,7 @@ from golden.decode_attention import decode_attention, decode_attention_splits, s
 from golden.decode_attention import expand_decode_rows as golden_expand_decode_rows
 from golden.lse_merge import merge_states
 from tests.support import assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled, paged_cache, paginate
+from triton_impl import decode_attention_sm90
 from triton_impl.decode_attention import (
     DECODE_CONFIGS,
     _compute_num_kv_splits,
@@ -378,6 +379,35 @@ def test_tma_tiles_and_gathered_ends(device, page_size, layout, fp8, window, ind
         o, lse, _ = d.run(2, config={**config, "TMA": tma})
         assert_close(o, ref_o, ("decode_attention", "o", "bfloat16"))
         assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon stage 1 runs on compute capability 9.x only")
+@pytest.mark.parametrize(
+    ("num_heads", "page_size", "layout", "window", "splits", "cap", "dtype"),
+    [(128, 64, "4d", None, 2, 0.0, torch.bfloat16), (128, 128, "3d", 150, 3, 0.0, torch.bfloat16),
+     (96, 64, "4d", None, 1, 0.0, torch.bfloat16), (64, 64, "4d", 150, 5, 30.0, torch.float16),
+     (128, 64, "4d", None, 1, 0.0, torch.bfloat16)],
+)  # fmt: skip
+def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout, window, splits, cap, dtype) -> None:
+    """The Gluon stage 1 (DeepSeek's widths, 64 heads or more, 16-bit cache, pages of 64k keys) against golden:
+    whole tiles and the partial tiles at each split's ends (window and split starts off a tile, rows shorter
+    than a tile, an empty row), the NaN moat around every row, a head count that leaves a half-empty head
+    block, one split (o and lse written directly) and several, a logit cap, fp16."""
+    lens = [300, 200, 64, 63, 1, 0, 1000]
+    d = make_decode(device, 43, lens, is_mla=True, num_heads=num_heads, widths=(512, 64), page_size=page_size,
+                    layout=layout, dtype=dtype, window=window, cap=cap)  # fmt: skip
+    d.sm_scale = 192**-0.5
+    config = _config("sm90", True)
+    rows = len(lens)
+    o, lse = torch.empty(rows, num_heads, 512, device=device), torch.empty(rows, num_heads, device=device)
+    args = (d.q, d.k, d.v, o, lse, d.table, d.lens, torch.empty(rows, num_heads, splits, 513, device=device), splits,
+            d.sm_scale, page_size, cap, None, None, True, window, config)  # fmt: skip
+    assert _plan_decode(*args).stage1._kernel is decode_attention_sm90.mla_decode_stage1_kernel
+    o, lse, _ = d.run(splits, config=config)
+    ref_o, ref_lse = d.golden()
+    assert_close(o, ref_o, ("decode_attention", "o", "bfloat16" if dtype == torch.bfloat16 else "float16"))
+    assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
 
 
 # -- invariances -----------------------------------------------------------------------------

@@ -313,6 +313,30 @@ def test_decode_poisons_only_rows_with_bad_pages(checks_off, is_mla, num_kv_spli
         assert_bits_equal(lse[row], clean[1][row])
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon MLA stage 1 runs on compute capability 9.x only")
+@pytest.mark.parametrize("bad_page", [-1, "num_pages", 2**30])
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_sm90_mla_decode_poisons_only_rows_with_bad_pages(checks_off, num_kv_splits, bad_page, device) -> None:
+    """The same on the Gluon MLA stage 1 (128 heads, DeepSeek's widths, pages of 64, bf16)."""
+    gen = generator(7)
+    seq_lens, page_size = [65, 300, 0, 90, 11], 64
+    cache = paged_cache(seq_lens, page_size, 1, 576, torch.bfloat16, device, gen)
+    q = randn((len(seq_lens), 128, 576), torch.bfloat16, device, gen)
+    k, _ = _guarded_cache(cache.cache)
+    num_pages = k.shape[0]
+    bad = num_pages if bad_page == "num_pages" else bad_page
+    clean = _run_decode(q, k, k[..., :512], cache.block_table, cache.seq_lens, num_kv_splits, page_size, 512, True)
+    table, lens = _corrupt(cache.block_table, cache.seq_lens, page_size, num_pages, bad_row=1, long_row=3,
+                           bad_page=bad)  # fmt: skip
+    o, lse = _run_decode(q, k, k[..., :512], table, lens, num_kv_splits, page_size, 512, True)
+    for row in (1, 3):
+        assert bool(o[row].isnan().all()) and bool(lse[row].isnan().all()), f"row {row} is not poisoned"
+    for row in (0, 2, 4):
+        assert_bits_equal(o[row], clean[0][row])
+        assert_bits_equal(lse[row], clean[1][row])
+
+
 def _verify_case(device, gen, *, seq_lens, qlen, page_size, moat=True):
     cache = paged_cache(seq_lens, page_size, 1, 48, torch.float32, device, gen, moat=moat)
     q = randn((len(seq_lens) * qlen, 8, 48), torch.bfloat16, device, gen)
@@ -618,6 +642,19 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
         lambda: [o, lse], lambda i: _new_lengths_and_pages(table, lens, pages, 16, i),
     )
 
+    # DeepSeek's widths at 128 heads, pages of 64, bf16: on an H100/H200 the Gluon stage 1
+    # (triton_impl/decode_attention_sm90.py) serves it.
+    wq = randn((4, 128, 576), torch.bfloat16, device, gen)
+    wcache = paged_cache([40, 70, 0, 129], 64, 1, 576, torch.bfloat16, device, gen, moat=False)
+    wo, wlse = torch.empty(4, 128, 512, dtype=torch.bfloat16, device=device), torch.empty(4, 128, device=device)
+    wlogits = torch.empty(4, 128, 4, 513, device=device)
+    calls["decode_mla_d576"] = ServingCall(
+        lambda: dec.decode_attention_fwd(wq, wcache.cache, wcache.cache[..., :512], wo, wlse, wcache.block_table,
+                                         wcache.seq_lens, wlogits, 4, 192**-0.5, 64, is_mla=True),
+        lambda: [wo, wlse],
+        lambda i: _new_lengths_and_pages(wcache.block_table, wcache.seq_lens, wcache.cache.shape[0], 64, i),
+    )  # fmt: skip
+
     vq, vcache, vqlen = _verify_case(device, gen, seq_lens=[40, 70, 3, 129], qlen=2, page_size=16, moat=False)
     vo, vlse = torch.empty(8, 8, 32, dtype=torch.bfloat16, device=device), torch.empty(8, 8, device=device)
     vlogits = torch.empty(8, 8, 4, 33, device=device)
@@ -705,9 +742,9 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
     return calls
 
 
-SERVING_OPS = ["decode_mla", "verify", "turboquant_decode", "turboquant_decode_d128", "turboquant_store",
-               "merge_attn_states", "merge_splits", "ue8m0_insert", "ue8m0_gather",
-               "combine_topk_swa_indices"]  # fmt: skip
+SERVING_OPS = ["decode_mla", "decode_mla_d576", "verify", "turboquant_decode", "turboquant_decode_d128",
+               "turboquant_store", "turboquant_store_d128", "merge_attn_states", "merge_splits", "ue8m0_insert",
+               "ue8m0_gather", "combine_topk_swa_indices"]  # fmt: skip
 
 
 @pytest.mark.gpu

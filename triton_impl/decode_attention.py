@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from triton_impl import decode_attention_sm90
 from triton_impl.block_table import first_bad_key
 from triton_impl.interpreter import cast_for_store, dot_dtype
 from triton_impl.launch import Launch, Plans, current_target, no_launch, register_cap, select_config, with_overrides
@@ -92,7 +93,7 @@ DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "gqa": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
     },
     "sm90": {
-        "mla": {"BLOCK_N": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1,
+        "mla": {"BLOCK_N": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1, "GLUON": 1,
                 "maxnreg_h16": 128, "TMA": 1, "TMA_H16": 0, "SPLIT_ROUNDS": 1, "PROGRAMS_PER_SM": 1,
                 "PROGRAMS_PER_SM_H16": 2},
         "gqa": {"BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4},
@@ -616,7 +617,7 @@ def decode_attention_fwd(
         table = block_table_2d("req_to_token", req_to_token, min_rows=0, device=q.device, dtypes=_INDEX_DTYPES)
         check_block_table("req_to_token", table, b_seq_len[: plan.num_rows], page_size, plan.num_pages)
     unit = plan.unit_scale
-    lat_desc, pe_desc = tma_descriptors(k_buffer, plan.tma)
+    lat_desc, pe_desc = plan.descriptors(k_buffer, plan.tma)
     plan.stage1(stream, q, k_buffer, v_buffer, o, lse, o if plan.merge is None else attn_logits, req_to_token,
                 b_seq_len, unit if k_scale is None else k_scale, unit if v_scale is None else v_scale, lat_desc,
                 pe_desc)  # fmt: skip
@@ -631,6 +632,7 @@ class _DecodePlan(NamedTuple):
     merge: Callable[..., None] | None  # (stream, attn_logits, o, lse); None: one split, stage 1 writes o, lse
     unit_scale: torch.Tensor  # k_scale / v_scale when None
     tma: tuple | None  # (shape, strides, latent block, rope block) of the cache's descriptors, or None
+    descriptors: Callable[..., tuple]  # (k_buffer, tma) -> the (latent, rope) descriptors stage 1 takes
     num_rows: int
     num_pages: int
     on_cuda: bool  # where the content checks would read (see content_checks_on)
@@ -684,7 +686,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     make_plan = partial(_DecodePlan, unit_scale=unit_scale, num_rows=num_rows, num_pages=num_pages,
                         on_cuda=device.type == "cuda")  # fmt: skip
     if num_rows == 0 or num_heads == 0:
-        return make_plan(no_launch, None, tma=None)
+        return make_plan(no_launch, None, tma=None, descriptors=tma_descriptors)
     if num_pages == 0:  # the kernels read page 0 in place of a bad entry
         raise ValueError(f"k_buffer: expected at least one page, got shape {list(k_buffer.shape)}")
 
@@ -706,10 +708,26 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     if num_kv_splits == 1 and not single:
         single = True  # capped to one split: stage 1 writes o and lse, attn_logits is not touched
     tma = None
-    if split_latent and config.get("TMA"):
+    if split_latent and (config.get("TMA") or config.get("GLUON")):
         tma = tma_layout(k_buffer, page_size, stride_k_page, stride_k_tok, num_pages, config["BLOCK_N"], block_d,
                          block_dpe)  # fmt: skip
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]  # with one split, o stands in for part
+    gluon = config.get("GLUON") and decode_attention_sm90.supports(
+        device=device, is_mla=is_mla, key_width=key_width, value_width=value_width, q_dtype=q.dtype,
+        cache_dtype=k_buffer.dtype, group=group, page_size=page_size, tma_rows=tma is not None)
+    if gluon:  # the sm_90 fast path (triton_impl/decode_attention_sm90.py): same partials, a hand-made schedule
+        stage1 = Launch(decode_attention_sm90.mla_decode_stage1_kernel,
+                        (num_rows, cdiv(group, int(decode_attention_sm90.BLOCK_H)), num_kv_splits), (
+            float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,
+            num_pages, req_to_token.shape[1] * page_size,
+            *q.stride()[:2], *o.stride()[:2], *lse.stride(), *part_strides,
+            *req_to_token.stride(), b_seq_len.stride(0),
+        ), dict(GROUP=group, PAGE_SIZE=page_size, HAS_CAP=logit_cap > 0, SINGLE_SPLIT=single,
+                num_warps=int(decode_attention_sm90.NUM_WARPS)))  # fmt: skip
+        merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse)
+        return make_plan(stage1, merge, tma=tma, descriptors=decode_attention_sm90.descriptors)
+    if not config.get("TMA"):
+        tma = None
     grid = (num_rows, num_kv_heads * head_blocks, num_kv_splits)
     stage1 = Launch(_decode_stage1_kernel, grid, (
         float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,
@@ -746,7 +764,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
         **register_cap(config.get("maxnreg")),
     ))  # fmt: skip
     merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse)
-    return make_plan(stage1, merge, tma=tma)
+    return make_plan(stage1, merge, tma=tma, descriptors=tma_descriptors)
 
 
 # ----------------------------------------------------------------------------------------------

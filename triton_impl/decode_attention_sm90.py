@@ -1,0 +1,299 @@
+"""MLA decode stage 1 on NVIDIA Hopper, in Gluon: the sm_90 fast path of
+:func:`triton_impl.decode_attention.decode_attention_fwd` for DeepSeek's latent cache (576 = 512 + 64).
+
+The portable Triton kernel (``decode_attention._decode_stage1_kernel``) computes the same partials and stays
+the readable twin (it runs under the interpreter; this one does not). This kernel writes down the schedule
+that Triton's compiler does not find for that loop:
+
+- One program owns one split of one request for 64 query heads (grid ``(R, HEAD_BLOCKS, S)``), 8 warps =
+  two warpgroups, one program per SM (227 KiB of shared memory: the query, two key tiles and ``P``).
+- Key tiles of 64 keys arrive by TMA (three boxes: latent ``[0, 256)``, ``[256, 512)``, rope) into one of two
+  shared-memory stages, one tile ahead of the one being computed; an mbarrier per stage says when a tile
+  has landed.
+- Nothing is computed twice. The scores ``S = Q K^T`` (``[64 heads, 64 keys]``, K = 576) are one warpgroup
+  MMA whose accumulator is split by columns: warpgroup 0 computes keys 0-31, warpgroup 1 keys 32-63. The
+  output ``O += P V`` (two ``[64, 256]`` accumulators, one per latent half) is split the same way: each
+  warpgroup owns 128 columns of each half. ``P`` goes through shared memory (each warpgroup writes its
+  keys' columns, both read all 64); the row max is the one other exchange between the warpgroups.
+- The row sums stay per thread (``l_part``, one per score element) and are reduced once, after the loop.
+
+Numerics are the portable kernel's: bf16 (or fp16) operands, ``P`` rounded to the query dtype, fp32
+accumulation, online softmax in base 2. Partial tiles at a split's ends are loaded whole (their page holds
+them) and their keys outside the split are zeroed in shared memory before any MMA reads them, so a NaN in
+an unused cache slot never reaches the value product.
+
+Served (:func:`supports`): compiled for compute capability 9.x, MLA with ``Lk = 576``, ``Lv = 512``, a 16-bit
+cache of the query's dtype, pages a multiple of 64 keys back to back (the cache as ``[pages * page_size,
+576]`` rows for TMA), at least 64 query heads. Everything else runs the portable kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from triton_impl.launch import device_arch
+
+LK = 576  # key width: latent + rope
+LV = 512  # latent width, which is also V
+HALF = gl.constexpr(256)  # the latent is moved and multiplied as two halves (TMA boxes and MMA N stay <= 256)
+ROPE = gl.constexpr(64)
+BLOCK_H = gl.constexpr(64)  # query heads per program: wgmma's M
+BLOCK_N = gl.constexpr(64)  # keys per tile
+NUM_WARPS = gl.constexpr(8)
+STAGES = gl.constexpr(2)
+_LOG2E = gl.constexpr(1.4426950408889634)
+_LN2 = gl.constexpr(0.6931471805599453)
+# A CTA-wide barrier: Gluon's name for it changed (Triton 3.6 ``thread_barrier``, later ``barrier``).
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+# Scores [64 heads, 64 keys] and each output half [64 heads, 256]: the two warpgroups split the columns.
+_S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]))
+_O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16]))
+# Global <-> register tiles of 64 rows: 16-byte pieces, a warp covers 4 rows x 64 columns.
+_ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
+# The swizzled shared layout of every 16-bit tile (128-byte swizzle rows: 64 columns).
+_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
+
+def supports(*, device: torch.device, is_mla: bool, key_width: int, value_width: int, q_dtype: torch.dtype,
+             cache_dtype: torch.dtype, group: int, page_size: int, tma_rows: bool) -> bool:  # fmt: skip
+    """Whether a decode call is one this kernel serves (else the portable kernel runs). ``tma_rows``: the
+    cache is addressable as ``[pages * page_size, Lk]`` rows by tensor descriptors
+    (``decode_attention.tma_layout`` is not None)."""
+    served = is_mla and key_width == LK and value_width == LV and cache_dtype == q_dtype
+    served = served and q_dtype in (torch.bfloat16, torch.float16) and group >= 64 and page_size % 64 == 0
+    return served and tma_rows and device_arch(device).startswith("sm9")
+
+
+def descriptors(k_buffer: torch.Tensor, rows: tuple) -> tuple[Any, Any]:
+    """``(latent, rope)`` tensor descriptors of the cache as rows (``rows``: ``decode_attention.tma_layout``'s
+    shape and strides first), with ``[64, 256]`` and ``[64, 64]`` boxes. They hold the cache's address: made
+    per call, never kept in a plan."""
+    shape, strides = rows[:2]
+    layout = _SMEM.value
+    return (TensorDescriptor(k_buffer, shape, strides, [64, 256], layout),
+            TensorDescriptor(k_buffer, shape, strides, [64, 64], layout))  # fmt: skip
+
+
+@gluon.jit
+def _zero_rows(buf, live):
+    """Zero the rows of a ``[64, W]`` shared tile where ``live`` (``[64]``) is false."""
+    x = buf.load(_ROWS_LAYOUT)
+    live = gl.convert_layout(live, gl.SliceLayout(1, _ROWS_LAYOUT))
+    buf.store(gl.where(live[:, None], x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _issue_tile(lat_desc, pe_desc, bar, lat0, lat1, pe, table_row_ptr, stride_t_p, num_pages, tile,
+                PAGE_SIZE: gl.constexpr):  # fmt: skip
+    """Start the TMA loads of the key tile at key ``tile`` (a multiple of 64, inside one page) into one
+    stage; ``bar`` completes when its bytes have landed. The table entry is clamped into the cache (a bad
+    entry has poisoned the split already)."""
+    page = gl.load(table_row_ptr + (tile // PAGE_SIZE) * stride_t_p)
+    page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
+    key_row = (page * PAGE_SIZE + tile % PAGE_SIZE).to(gl.int32)  # < 2**31: the host checks
+    mbarrier.expect(bar, BLOCK_N * (2 * HALF + ROPE) * lat_desc.dtype.primitive_bitwidth // 8)
+    tma.async_copy_global_to_shared(lat_desc, [key_row, 0], bar, lat0)
+    tma.async_copy_global_to_shared(lat_desc, [key_row, HALF], bar, lat1)
+    tma.async_copy_global_to_shared(pe_desc, [key_row, 2 * HALF], bar, pe)
+
+
+@gluon.jit
+def _bad_entries(table_row_ptr, stride_t_p, p0, last, num_pages):
+    """Whether each of the 256 table entries ``p0 ..`` before ``last`` lies outside ``[0, num_pages)``."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    p = p0 + gl.arange(0, 256, layout=layout)
+    entry = gl.load(table_row_ptr + p * stride_t_p, mask=p < last, other=0)
+    return (p < last) & ((entry < 0) | (entry >= num_pages))
+
+
+@gluon.jit
+def mla_decode_stage1_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
+    lat_desc, pe_desc,
+    sm_scale, logit_cap, window, num_kv_splits, num_pages, table_keys,
+    stride_q_r, stride_q_h,
+    stride_o_r, stride_o_h,
+    stride_lse_r, stride_lse_h,
+    stride_p_r, stride_p_h, stride_p_s,
+    stride_t_r, stride_t_p, stride_sl,
+    GROUP: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    HAS_CAP: gl.constexpr,
+    SINGLE_SPLIT: gl.constexpr,
+):  # fmt: skip
+    """Grid ``(R, cdiv(GROUP, 64), S)``: split ``S`` of row ``R``'s visible keys for 64 query heads; the same
+    partials (or, with ``SINGLE_SPLIT``, outputs) as ``decode_attention._decode_stage1_kernel``. ``k_ptr``,
+    ``v_ptr`` and the scales are unused (the head of the portable kernel's arguments, so one call site
+    launches either)."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    layout: gl.constexpr = _SMEM
+    row = gl.program_id(0).to(gl.int64)
+    head_block = gl.program_id(1)
+    split = gl.program_id(2)
+
+    # This row's split [start, end) of its visible keys [lo, n) (golden.decode_attention.split_bounds).
+    n = gl.maximum(gl.load(seq_lens_ptr + row * stride_sl).to(gl.int32), 0)
+    lo = gl.maximum(n - window, 0)
+    chunk = gl.cdiv(n - lo, num_kv_splits)
+    start = gl.minimum(lo + split * chunk, n)
+    end = gl.minimum(start + chunk, n)
+    # Memory safety without host checks, as the portable kernel: a row longer than its table, or a split
+    # meeting an entry outside the cache, is NaN; no address outside the cache is read.
+    too_long = n > table_keys
+    end = gl.minimum(end, table_keys)
+    table_row = table_ptr + row * stride_t_r
+    first_page = start // PAGE_SIZE
+    last_page = gl.maximum(gl.cdiv(end, PAGE_SIZE), first_page)
+    bad = _bad_entries(table_row, stride_t_p, first_page, last_page, num_pages)
+    for p0 in range(first_page + 256, last_page, 256):
+        bad |= _bad_entries(table_row, stride_t_p, p0, last_page, num_pages)
+    poisoned = too_long | (gl.max(bad.to(gl.int32), axis=0) > 0)
+
+    q_s0 = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], layout)
+    q_s1 = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], layout)
+    q_spe = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], layout)
+    k_s0 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], layout)
+    k_s1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], layout)
+    k_spe = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], layout)
+    p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(bars.index(st), count=1)
+
+    first_tile = start // BLOCK_N * BLOCK_N
+    num_tiles = gl.where(end > start, gl.cdiv(end - first_tile, BLOCK_N), 0)
+    if num_tiles > 0:
+        _issue_tile(lat_desc, pe_desc, bars.index(0), k_s0.index(0), k_s1.index(0), k_spe.index(0), table_row,
+                    stride_t_p, num_pages, first_tile, PAGE_SIZE)  # fmt: skip
+
+    heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
+    q_rows = q_ptr + row * stride_q_r + heads.to(gl.int64)[:, None] * stride_q_h
+    head_ok = heads < GROUP
+    q_s0.store(_load_q(q_rows, head_ok, 0, HALF))
+    q_s1.store(_load_q(q_rows, head_ok, HALF, HALF))
+    q_spe.store(_load_q(q_rows, head_ok, 2 * HALF, ROPE))
+    fence_async_shared()
+    _barrier()
+
+    qk_scale = sm_scale
+    if not HAS_CAP:
+        qk_scale = qk_scale * _LOG2E
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _S_LAYOUT))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, _S_LAYOUT))
+    l_part = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=_S_LAYOUT)
+    acc0 = gl.zeros([BLOCK_H, HALF], gl.float32, layout=_O_LAYOUT)
+    acc1 = gl.zeros([BLOCK_H, HALF], gl.float32, layout=_O_LAYOUT)
+    for i in range(num_tiles):
+        stage = i % STAGES
+        tile = first_tile + i * BLOCK_N
+        k0 = k_s0.index(stage)
+        k1 = k_s1.index(stage)
+        kpe = k_spe.index(stage)
+        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+        if (tile < start) | (tile + BLOCK_N > end):  # a partial tile: zero its keys outside [start, end)
+            rows = tile + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
+            live = (rows >= start) & (rows < end)
+            _zero_rows(k0, live)
+            _zero_rows(k1, live)
+            _zero_rows(kpe, live)
+            fence_async_shared()
+            _barrier()
+
+        s = warpgroup_mma(q_s0, k0.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=_S_LAYOUT),
+                          use_acc=False, is_async=True)  # fmt: skip
+        s = warpgroup_mma(q_s1, k1.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_spe, kpe.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        s = s * qk_scale
+        if HAS_CAP:
+            s = logit_cap * (2.0 / (1.0 + gl.exp2(s * (-2.0 * _LOG2E / logit_cap))) - 1.0) * _LOG2E
+        key = tile + keys
+        s = gl.where(((key >= start) & (key < end))[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))  # the exchange between the warpgroups
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_part = l_part * alpha[:, None] + p
+        m_i = m_new
+        p_s.store(p.to(dtype))
+        fence_async_shared()
+        _barrier()  # P whole; both warpgroups past the last tile's value MMAs, so its stage is free
+        if i + 1 < num_tiles:
+            nxt = (i + 1) % STAGES
+            _issue_tile(lat_desc, pe_desc, bars.index(nxt), k_s0.index(nxt), k_s1.index(nxt), k_spe.index(nxt),
+                        table_row, stride_t_p, num_pages, tile + BLOCK_N, PAGE_SIZE)  # fmt: skip
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, _O_LAYOUT))[:, None]
+        acc0 = warpgroup_mma(p_s, k0, acc0 * alpha_o, is_async=True)
+        acc1 = warpgroup_mma(p_s, k1, acc1 * alpha_o, is_async=True)
+        acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(st))
+
+    # An empty split is the neutral state (0, -inf): stage 2 then needs no boundaries.
+    l_i = gl.convert_layout(gl.sum(l_part, axis=1), gl.SliceLayout(1, _O_LAYOUT))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, _O_LAYOUT))
+    empty = end <= start
+    row_scale = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+    lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_i))) * _LN2)
+    row_scale = gl.where(poisoned, float("nan"), row_scale)
+    lse = gl.where(poisoned, float("nan"), lse)
+    out_heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, _O_LAYOUT))
+    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, _O_LAYOUT))
+    out_ok = (out_heads < GROUP)[:, None]
+    out0 = acc0 * row_scale[:, None]
+    out1 = acc1 * row_scale[:, None]
+    if SINGLE_SPLIT:
+        o_rows = o_ptr + row * stride_o_r + out_heads.to(gl.int64)[:, None] * stride_o_h
+        gl.store(o_rows + cols[None, :], out0.to(o_ptr.dtype.element_ty), mask=out_ok)
+        gl.store(o_rows + HALF + cols[None, :], out1.to(o_ptr.dtype.element_ty), mask=out_ok)
+        gl.store(lse_ptr + row * stride_lse_r + out_heads.to(gl.int64) * stride_lse_h,
+                 lse.to(lse_ptr.dtype.element_ty), mask=out_heads < GROUP)  # fmt: skip
+    else:
+        p_rows = part_ptr + row * stride_p_r + out_heads.to(gl.int64) * stride_p_h + split * stride_p_s
+        gl.store(p_rows[:, None] + cols[None, :], out0, mask=out_ok)
+        gl.store(p_rows[:, None] + HALF + cols[None, :], out1, mask=out_ok)
+        gl.store(p_rows + 2 * HALF, lse, mask=out_heads < GROUP)
+
+
+@gluon.jit
+def _load_q(q_rows, head_ok, COL0: gl.constexpr, WIDTH: gl.constexpr):
+    """``[64, WIDTH]`` query elements at columns ``COL0 ..`` of this program's heads (zeros past the group)."""
+    c = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, _ROWS_LAYOUT))
+    return gl.load(q_rows + COL0 + c[None, :], mask=head_ok[:, None], other=0.0)
+
+
+def compile_for_sm90(*, group: int = 128, page_size: int = 64, single_split: bool = False) -> Any:
+    """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a bench launch is: the
+    ``CompiledKernel``, with ``asm["cubin"]``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = mla_decode_stage1_kernel
+    names = fn.arg_names
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32",
+                "part_ptr": "*fp32", "table_ptr": "*i32", "seq_lens_ptr": "*i32", "k_scale_ptr": "*fp32",
+                "v_scale_ptr": "*fp32"}  # fmt: skip
+    layout = _SMEM.value
+    descs = {"lat_desc": f"tensordesc<bf16[64, 256],{layout!r}>", "pe_desc": f"tensordesc<bf16[64, 64],{layout!r}>"}
+    floats = ("sm_scale", "logit_cap")
+    constexprs = dict(GROUP=group, PAGE_SIZE=page_size, HAS_CAP=False, SINGLE_SPLIT=single_split, stride_t_p=1)
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n) or descs.get(n) or
+                 ("fp32" if n in floats else "i32") for n in names}  # fmt: skip
+    values = {(names.index(n),): v for n, v in constexprs.items()}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers}
+    return triton_compile(GluonASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": int(NUM_WARPS)})  # fmt: skip
