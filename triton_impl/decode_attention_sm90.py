@@ -3,19 +3,23 @@
 
 The portable Triton kernel (``decode_attention._decode_stage1_kernel``) computes the same partials and stays
 the readable twin (it runs under the interpreter; this one does not). This kernel writes down the schedule
-that Triton's compiler does not find for that loop:
+that Triton's compiler does not find for that loop. One program owns one split of one request for 64 query
+heads (grid ``(R, HEAD_BLOCKS, S)``), one program per SM (227 KiB of shared memory: the query, two key tiles
+of 64 keys and ``P``), in three warp-specialized partitions:
 
-- One program owns one split of one request for 64 query heads (grid ``(R, HEAD_BLOCKS, S)``), 8 warps =
-  two warpgroups, one program per SM (227 KiB of shared memory: the query, two key tiles and ``P``).
-- Key tiles of 64 keys arrive by TMA (three boxes: latent ``[0, 256)``, ``[256, 512)``, rope) into one of two
-  shared-memory stages, one tile ahead of the one being computed; an mbarrier per stage says when a tile
-  has landed.
-- Nothing is computed twice. The scores ``S = Q K^T`` (``[64 heads, 64 keys]``, K = 576) are one warpgroup
-  MMA whose accumulator is split by columns: warpgroup 0 computes keys 0-31, warpgroup 1 keys 32-63. The
-  output ``O += P V`` (two ``[64, 256]`` accumulators, one per latent half) is split the same way: each
-  warpgroup owns 128 columns of each half. ``P`` goes through shared memory (each warpgroup writes its
-  keys' columns, both read all 64); the row max is the one other exchange between the warpgroups.
-- The row sums stay per thread (``l_part``, one per score element) and are reduced once, after the loop.
+- the loader (1 warp) brings each key tile by TMA (three boxes: latent ``[0, 256)``, ``[256, 512)``, rope)
+  into one of two stages, as soon as both consumers have released the stage;
+- the softmax warpgroup (4 warps) computes the scores ``S = Q K^T`` (``[64 heads, 64 keys]``, K = 576,
+  ``wgmma`` from shared memory), the online softmax, hands ``P`` and the rescale factor to the other
+  warpgroup through shared memory, and accumulates the first latent half of the output, ``O[:, :256] +=
+  P V[:, :256]`` with ``P`` from its registers;
+- the value warpgroup (4 warps) accumulates the second half, ``O[:, 256:] += P V[:, 256:]``.
+
+So the tensor cores run the value warpgroup's product of tile ``i`` while the softmax warpgroup computes the
+scores and softmax of tile ``i + 1``, nothing is computed twice, and the query is read from shared memory
+once per tile. mbarriers order everything: ``k_full`` / ``k_free`` per stage (TMA landed / both warpgroups
+done with it), ``p_full`` / ``p_free`` for the ``P`` buffer (written / read), and after the loop ``p_full``
+once more, for the row scale the value warpgroup applies to its half.
 
 Numerics are the portable kernel's: bf16 (or fp16) operands, ``P`` rounded to the query dtype, fp32
 accumulation, online softmax in base 2. Partial tiles at a split's ends are loaded whole (their page holds
@@ -39,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -51,20 +56,26 @@ HALF = gl.constexpr(256)  # the latent is moved and multiplied as two halves (TM
 ROPE = gl.constexpr(64)
 BLOCK_H = gl.constexpr(64)  # query heads per program: wgmma's M
 BLOCK_N = gl.constexpr(64)  # keys per tile
-NUM_WARPS = gl.constexpr(8)
+NUM_WARPS = gl.constexpr(4)  # the softmax warpgroup; the value warpgroup and the loader are workers
 STAGES = gl.constexpr(2)
+VALUE_REGS = gl.constexpr(192)  # registers per thread of the value warpgroup
+LOADER_REGS = gl.constexpr(40)
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
-# A CTA-wide barrier: Gluon's name for it changed (Triton 3.6 ``thread_barrier``, later ``barrier``).
+# A barrier of the warps running the code: Gluon's name for it changed (Triton 3.6 ``thread_barrier``, later
+# ``barrier``).
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-# Scores [64 heads, 64 keys] and each output half [64 heads, 256]: the two warpgroups split the columns.
-_S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]))
-_O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16]))
+# Scores [64 heads, 64 keys] and each output half [64 heads, 256], one warpgroup each.
+_S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+_O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
+_P_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O_LAYOUT, k_width=2))
+_ROWS = gl.constexpr(gl.SliceLayout(1, _O_LAYOUT))
 # Global <-> register tiles of 64 rows: 16-byte pieces, a warp covers 4 rows x 64 columns.
-_ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
-# The swizzled shared layout of every 16-bit tile (128-byte swizzle rows: 64 columns).
+_ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+# The swizzled shared layout of every 16-bit tile (128-byte swizzle rows: 64 columns); per-row floats plain.
 _SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+_VEC_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
 
 def supports(*, device: torch.device, is_mla: bool, key_width: int, value_width: int, q_dtype: torch.dtype,
@@ -113,10 +124,124 @@ def _issue_tile(lat_desc, pe_desc, bar, lat0, lat1, pe, table_row_ptr, stride_t_
 @gluon.jit
 def _bad_entries(table_row_ptr, stride_t_p, p0, last, num_pages):
     """Whether each of the 256 table entries ``p0 ..`` before ``last`` lies outside ``[0, num_pages)``."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    layout: gl.constexpr = gl.BlockedLayout([2], [32], [NUM_WARPS], [0])
     p = p0 + gl.arange(0, 256, layout=layout)
     entry = gl.load(table_row_ptr + p * stride_t_p, mask=p < last, other=0)
     return (p < last) & ((entry < 0) | (entry >= num_pages))
+
+
+@gluon.jit
+def _loader(lat_desc, pe_desc, k_s0, k_s1, k_spe, k_full, k_free, table_row, stride_t_p, num_pages, first_tile,
+            num_tiles, PAGE_SIZE: gl.constexpr):  # fmt: skip
+    """The loader partition: tile ``i`` into stage ``i % STAGES`` once both warpgroups freed it."""
+    for i in range(num_tiles):
+        stage = i % STAGES
+        if i >= STAGES:
+            mbarrier.wait(k_free.index(stage), (i // STAGES - 1) & 1)
+        _issue_tile(lat_desc, pe_desc, k_full.index(stage), k_s0.index(stage), k_s1.index(stage), k_spe.index(stage),
+                    table_row, stride_t_p, num_pages, first_tile + i * BLOCK_N, PAGE_SIZE)  # fmt: skip
+
+
+@gluon.jit
+def _values(k_s1, p_s, vec_s, k_full, k_free, p_full, p_free, num_tiles, out_ptr, o_row_stride, out_heads_start,
+            GROUP: gl.constexpr):  # fmt: skip
+    """The value warpgroup: ``O[:, 256:] = sum_i alpha... (P_i V_i[:, 256:])``, then the row scale the softmax
+    warpgroup leaves in ``vec_s`` after the loop, and its half of the output stored at ``out_ptr`` (fp32
+    partials or the output's dtype)."""
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=_O_LAYOUT)
+    for i in range(num_tiles):
+        stage = i % STAGES
+        mbarrier.wait(k_full.index(stage), (i // STAGES) & 1)
+        mbarrier.wait(p_full, i & 1)
+        alpha = vec_s.load(_ROWS)
+        acc = warpgroup_mma(p_s, k_s1.index(stage), acc * alpha[:, None], is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        _barrier()
+        mbarrier.arrive(p_free, count=1)
+        mbarrier.arrive(k_free.index(stage), count=1)
+    mbarrier.wait(p_full, num_tiles & 1)
+    row_scale = vec_s.load(_ROWS)
+    heads = out_heads_start + gl.arange(0, BLOCK_H, layout=_ROWS)
+    cols = HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, _O_LAYOUT))
+    ptrs = out_ptr + heads.to(gl.int64)[:, None] * o_row_stride + cols[None, :]
+    gl.store(ptrs, (acc * row_scale[:, None]).to(out_ptr.dtype.element_ty), mask=(heads < GROUP)[:, None])
+
+
+@gluon.jit
+def _scores(q_rows, head_ok, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, p_s, vec_s, k_full, k_free, p_full, p_free,
+            first_tile, num_tiles, start, end, qk_scale, logit_cap, poisoned, HAS_CAP: gl.constexpr):  # fmt: skip
+    """The softmax warpgroup (the default partition): the query into shared memory, then per tile the scores,
+    the online softmax and ``O[:, :256]``. Returns ``(O[:, :256] * row scale, lse)`` and leaves the row scale
+    for the value warpgroup."""
+    dtype: gl.constexpr = q_s0.dtype
+    q_s0.store(_load_q(q_rows, head_ok, 0, HALF))
+    q_s1.store(_load_q(q_rows, head_ok, HALF, HALF))
+    q_spe.store(_load_q(q_rows, head_ok, 2 * HALF, ROPE))
+    fence_async_shared()
+    _barrier()
+
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _S_LAYOUT))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, _S_LAYOUT))
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, _S_LAYOUT))
+    # The value product of a tile is left running into the next tile's scores: the loop carries it pending.
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, HALF], gl.float32, layout=_O_LAYOUT))
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=_S_LAYOUT)
+    for i in range(num_tiles):
+        stage = i % STAGES
+        tile = first_tile + i * BLOCK_N
+        k0 = k_s0.index(stage)
+        k1 = k_s1.index(stage)
+        kpe = k_spe.index(stage)
+        mbarrier.wait(k_full.index(stage), (i // STAGES) & 1)
+        if (tile < start) | (tile + BLOCK_N > end):  # a partial tile: zero its keys outside [start, end)
+            rows = tile + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
+            live = (rows >= start) & (rows < end)
+            _zero_rows(k0, live)
+            _zero_rows(k1, live)
+            _zero_rows(kpe, live)
+            fence_async_shared()
+            _barrier()
+        s = warpgroup_mma(q_s0, k0.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_s1, k1.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_spe, kpe.permute((1, 0)), s, is_async=True)
+        s, acc = warpgroup_mma_wait(0, deps=[s, acc])  # the last tile's value product too
+        if i > 0:
+            mbarrier.arrive(k_free.index((i - 1) % STAGES), count=1)
+        s = s * qk_scale
+        if HAS_CAP:
+            s = logit_cap * (2.0 / (1.0 + gl.exp2(s * (-2.0 * _LOG2E / logit_cap))) - 1.0) * _LOG2E
+        key = tile + keys
+        s = gl.where(((key >= start) & (key < end))[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p = p.to(dtype)
+        alpha = gl.convert_layout(alpha, _ROWS)
+        if i > 0:
+            mbarrier.wait(p_free, (i - 1) & 1)  # the value warpgroup is done with the last P
+        p_s.store(p)
+        vec_s.store(alpha)
+        fence_async_shared()
+        _barrier()
+        mbarrier.arrive(p_full, count=1)
+        acc = warpgroup_mma(gl.convert_layout(p, _P_OPERAND), k0, acc * alpha[:, None], is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+
+    # An empty split is the neutral state (0, -inf): stage 2 then needs no boundaries.
+    l_o = gl.convert_layout(l_i, _ROWS)
+    empty = end <= start
+    row_scale = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
+    lse = gl.where(empty, float("-inf"), (gl.convert_layout(m_i, _ROWS) + gl.log2(gl.where(empty, 1.0, l_o))) * _LN2)
+    row_scale = gl.where(poisoned, float("nan"), row_scale)
+    lse = gl.where(poisoned, float("nan"), lse)
+    if num_tiles > 0:
+        mbarrier.wait(p_free, (num_tiles - 1) & 1)
+    vec_s.store(row_scale)
+    _barrier()
+    mbarrier.arrive(p_full, count=1)
+    return acc * row_scale[:, None], lse
 
 
 @gluon.jit
@@ -139,7 +264,6 @@ def mla_decode_stage1_kernel(
     ``v_ptr`` and the scales are unused (the head of the portable kernel's arguments, so one call site
     launches either)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    layout: gl.constexpr = _SMEM
     row = gl.program_id(0).to(gl.int64)
     head_block = gl.program_id(1)
     split = gl.program_id(2)
@@ -162,110 +286,58 @@ def mla_decode_stage1_kernel(
         bad |= _bad_entries(table_row, stride_t_p, p0, last_page, num_pages)
     poisoned = too_long | (gl.max(bad.to(gl.int32), axis=0) > 0)
 
-    q_s0 = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], layout)
-    q_s1 = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], layout)
-    q_spe = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], layout)
-    k_s0 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], layout)
-    k_s1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], layout)
-    k_spe = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], layout)
-    p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_s0 = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], _SMEM)
+    q_s1 = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], _SMEM)
+    q_spe = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], _SMEM)
+    k_s0 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], _SMEM)
+    k_s1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], _SMEM)
+    k_spe = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], _SMEM)
+    p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], _SMEM)
+    vec_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], _VEC_SMEM)
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for st in gl.static_range(STAGES):
-        mbarrier.init(bars.index(st), count=1)
+        mbarrier.init(k_full.index(st), count=1)
+        mbarrier.init(k_free.index(st), count=2)
+    mbarrier.init(p_full, count=1)
+    mbarrier.init(p_free, count=1)
+    fence_async_shared()
 
     first_tile = start // BLOCK_N * BLOCK_N
     num_tiles = gl.where(end > start, gl.cdiv(end - first_tile, BLOCK_N), 0)
-    if num_tiles > 0:
-        _issue_tile(lat_desc, pe_desc, bars.index(0), k_s0.index(0), k_s1.index(0), k_spe.index(0), table_row,
-                    stride_t_p, num_pages, first_tile, PAGE_SIZE)  # fmt: skip
-
-    heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
-    q_rows = q_ptr + row * stride_q_r + heads.to(gl.int64)[:, None] * stride_q_h
-    head_ok = heads < GROUP
-    q_s0.store(_load_q(q_rows, head_ok, 0, HALF))
-    q_s1.store(_load_q(q_rows, head_ok, HALF, HALF))
-    q_spe.store(_load_q(q_rows, head_ok, 2 * HALF, ROPE))
-    fence_async_shared()
-    _barrier()
-
     qk_scale = sm_scale
     if not HAS_CAP:
         qk_scale = qk_scale * _LOG2E
-    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _S_LAYOUT))
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, _S_LAYOUT))
-    l_part = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=_S_LAYOUT)
-    acc0 = gl.zeros([BLOCK_H, HALF], gl.float32, layout=_O_LAYOUT)
-    acc1 = gl.zeros([BLOCK_H, HALF], gl.float32, layout=_O_LAYOUT)
-    for i in range(num_tiles):
-        stage = i % STAGES
-        tile = first_tile + i * BLOCK_N
-        k0 = k_s0.index(stage)
-        k1 = k_s1.index(stage)
-        kpe = k_spe.index(stage)
-        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-        if (tile < start) | (tile + BLOCK_N > end):  # a partial tile: zero its keys outside [start, end)
-            rows = tile + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
-            live = (rows >= start) & (rows < end)
-            _zero_rows(k0, live)
-            _zero_rows(k1, live)
-            _zero_rows(kpe, live)
-            fence_async_shared()
-            _barrier()
-
-        s = warpgroup_mma(q_s0, k0.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=_S_LAYOUT),
-                          use_acc=False, is_async=True)  # fmt: skip
-        s = warpgroup_mma(q_s1, k1.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(q_spe, kpe.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
-        s = s * qk_scale
-        if HAS_CAP:
-            s = logit_cap * (2.0 / (1.0 + gl.exp2(s * (-2.0 * _LOG2E / logit_cap))) - 1.0) * _LOG2E
-        key = tile + keys
-        s = gl.where(((key >= start) & (key < end))[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))  # the exchange between the warpgroups
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_part = l_part * alpha[:, None] + p
-        m_i = m_new
-        p_s.store(p.to(dtype))
-        fence_async_shared()
-        _barrier()  # P whole; both warpgroups past the last tile's value MMAs, so its stage is free
-        if i + 1 < num_tiles:
-            nxt = (i + 1) % STAGES
-            _issue_tile(lat_desc, pe_desc, bars.index(nxt), k_s0.index(nxt), k_s1.index(nxt), k_spe.index(nxt),
-                        table_row, stride_t_p, num_pages, tile + BLOCK_N, PAGE_SIZE)  # fmt: skip
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, _O_LAYOUT))[:, None]
-        acc0 = warpgroup_mma(p_s, k0, acc0 * alpha_o, is_async=True)
-        acc1 = warpgroup_mma(p_s, k1, acc1 * alpha_o, is_async=True)
-        acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
-
-    for st in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(st))
-
-    # An empty split is the neutral state (0, -inf): stage 2 then needs no boundaries.
-    l_i = gl.convert_layout(gl.sum(l_part, axis=1), gl.SliceLayout(1, _O_LAYOUT))
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, _O_LAYOUT))
-    empty = end <= start
-    row_scale = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
-    lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_i))) * _LN2)
-    row_scale = gl.where(poisoned, float("nan"), row_scale)
-    lse = gl.where(poisoned, float("nan"), lse)
-    out_heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, _O_LAYOUT))
-    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, _O_LAYOUT))
-    out_ok = (out_heads < GROUP)[:, None]
-    out0 = acc0 * row_scale[:, None]
-    out1 = acc1 * row_scale[:, None]
+    heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
+    q_rows = q_ptr + row * stride_q_r + heads.to(gl.int64)[:, None] * stride_q_h
     if SINGLE_SPLIT:
-        o_rows = o_ptr + row * stride_o_r + out_heads.to(gl.int64)[:, None] * stride_o_h
-        gl.store(o_rows + cols[None, :], out0.to(o_ptr.dtype.element_ty), mask=out_ok)
-        gl.store(o_rows + HALF + cols[None, :], out1.to(o_ptr.dtype.element_ty), mask=out_ok)
-        gl.store(lse_ptr + row * stride_lse_r + out_heads.to(gl.int64) * stride_lse_h,
-                 lse.to(lse_ptr.dtype.element_ty), mask=out_heads < GROUP)  # fmt: skip
+        out_ptr = o_ptr + row * stride_o_r
+        out_row_stride = stride_o_h
     else:
-        p_rows = part_ptr + row * stride_p_r + out_heads.to(gl.int64) * stride_p_h + split * stride_p_s
-        gl.store(p_rows[:, None] + cols[None, :], out0, mask=out_ok)
-        gl.store(p_rows[:, None] + HALF + cols[None, :], out1, mask=out_ok)
-        gl.store(p_rows + 2 * HALF, lse, mask=out_heads < GROUP)
+        out_ptr = part_ptr + row * stride_p_r + split * stride_p_s
+        out_row_stride = stride_p_h
+    out_heads_start = head_block * BLOCK_H
+    acc, lse = gl.warp_specialize([
+        (_scores, (q_rows, heads < GROUP, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, p_s, vec_s, k_full, k_free, p_full,
+                   p_free, first_tile, num_tiles, start, end, qk_scale, logit_cap, poisoned, HAS_CAP)),
+        (_values, (k_s1, p_s, vec_s, k_full, k_free, p_full, p_free, num_tiles, out_ptr, out_row_stride,
+                   out_heads_start, GROUP)),
+        (_loader, (lat_desc, pe_desc, k_s0, k_s1, k_spe, k_full, k_free, table_row, stride_t_p, num_pages,
+                   first_tile, num_tiles, PAGE_SIZE)),
+    ], [4, 1], [VALUE_REGS, LOADER_REGS])  # fmt: skip
+
+    out_heads = out_heads_start + gl.arange(0, BLOCK_H, layout=_ROWS)
+    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, _O_LAYOUT))
+    out_ok = out_heads < GROUP
+    gl.store(out_ptr + out_heads.to(gl.int64)[:, None] * out_row_stride + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=out_ok[:, None])  # fmt: skip
+    if SINGLE_SPLIT:
+        gl.store(lse_ptr + row * stride_lse_r + out_heads.to(gl.int64) * stride_lse_h,
+                 lse.to(lse_ptr.dtype.element_ty), mask=out_ok)  # fmt: skip
+    else:
+        gl.store(out_ptr + out_heads.to(gl.int64) * out_row_stride + 2 * HALF, lse, mask=out_ok)
 
 
 @gluon.jit
