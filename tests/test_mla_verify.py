@@ -22,6 +22,7 @@ from golden.lse_merge import merge_states
 from golden.mla_verify import mla_verify, mla_verify_split_partials, row_limits, split_bounds
 from tests.support import FP8_DTYPES, assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled
 from tests.support import paged_cache as build_paged_cache
+from triton_impl import decode_attention_sm90
 from triton_impl import mla_verify as tv
 from triton_impl.decode_attention import tma_layout
 from triton_impl.lse_merge import merge_splits
@@ -237,8 +238,34 @@ def test_verify_tma_tiles_and_the_cut_last_tile(device, page_size, layout, fp8) 
     pages = cache.numel() // (page_size * 576)
     layout_ok = tma_layout(cache, page_size, _page_stride(cache, page_size), cache.stride(-3), pages, 64, 512, 64)
     assert (layout_ok is not None) == (layout != "cross_layer")
-    for tma in (True, False):
-        check_against_golden(problem, 2, {**config, "TMA": tma})
+    for tma in (True, False):  # the portable kernel's two paths (on an H100/H200 the Gluon kernel takes 16-bit caches)
+        check_against_golden(problem, 2, {**config, "TMA": tma, "GLUON": False})
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon stage 1 runs on compute capability 9.x only")
+@pytest.mark.parametrize(
+    ("qlen", "heads", "num_kv_splits", "real", "page_size", "layout"),
+    [(4, 16, 2, False, 64, "4d"), (4, 128, 1, False, 64, "4d"), (3, 32, 3, True, 128, "3d"),
+     (1, 64, 4, True, 64, "4d")],
+)  # fmt: skip
+def test_sm90_verify_fast_path_matches_golden(device, qlen, heads, num_kv_splits, real, page_size, layout) -> None:
+    """The Gluon stage 1 (DeepSeek's widths, 64 rows or more per request, a 16-bit cache, pages of 64k keys)
+    against golden, partials included: one row block of 4 tokens x 16 heads (per-row causal limits in one
+    tile), 8 blocks of one token each, 96 rows (a token cut across two blocks, the second half empty), real
+    lengths below the kernel's, the NaN moat around every request, the cut last tile of each split."""
+    lens = [300, 129, 64, 1, 0, 700]
+    problem = make_problem(lens, qlen, heads, 512, 64, page_size, device, seed=11, layout=layout,
+                           real_seq_lens=[250, 129, 10, 1, 0, 700] if real else None)  # fmt: skip
+    config = _config("large", arch="sm90")
+    rows = len(lens) * qlen
+    o, lse = torch.empty(rows, heads, 512, device=device), torch.empty(rows, heads, device=device)
+    plan = tv._plan_verify(problem.q, problem.cache, problem.cache[..., :512], o, lse, problem.block_table,
+                           problem.seq_lens, problem.real_seq_lens, qlen,
+                           torch.empty(rows, heads, num_kv_splits, 513, device=device), num_kv_splits,
+                           problem.sm_scale, page_size, None, config)  # fmt: skip
+    assert plan.stage1._kernel is decode_attention_sm90.mla_verify_stage1_kernel
+    check_against_golden(problem, num_kv_splits, config)
 
 
 def test_verify_writes_fp32_output(device) -> None:

@@ -707,14 +707,13 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     num_kv_splits = stage1_splits(num_kv_splits, num_rows * num_kv_heads * head_blocks, sm_count, config)
     if num_kv_splits == 1 and not single:
         single = True  # capped to one split: stage 1 writes o and lse, attn_logits is not touched
-    tma = None
-    if split_latent and (config.get("TMA") or config.get("GLUON")):
-        tma = tma_layout(k_buffer, page_size, stride_k_page, stride_k_tok, num_pages, config["BLOCK_N"], block_d,
-                         block_dpe)  # fmt: skip
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]  # with one split, o stands in for part
+    tma = None
+    if split_latent and config.get("GLUON"):
+        tma = tma_layout(k_buffer, page_size, stride_k_page, stride_k_tok, num_pages, 64, block_d, block_dpe)
     gluon = config.get("GLUON") and decode_attention_sm90.supports(
         device=device, is_mla=is_mla, key_width=key_width, value_width=value_width, q_dtype=q.dtype,
-        cache_dtype=k_buffer.dtype, group=group, page_size=page_size, tma_rows=tma is not None)
+        cache_dtype=k_buffer.dtype, rows=group, page_size=page_size, tma_rows=tma is not None)
     if gluon:  # the sm_90 fast path (triton_impl/decode_attention_sm90.py): same partials, a hand-made schedule
         stage1 = Launch(decode_attention_sm90.mla_decode_stage1_kernel,
                         (num_rows, cdiv(group, int(decode_attention_sm90.BLOCK_H)), num_kv_splits), (
@@ -726,8 +725,10 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
                 num_warps=int(decode_attention_sm90.NUM_WARPS)))  # fmt: skip
         merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse)
         return make_plan(stage1, merge, tma=tma, descriptors=decode_attention_sm90.descriptors)
-    if not config.get("TMA"):
-        tma = None
+    tma = None
+    if split_latent and config.get("TMA"):
+        tma = tma_layout(k_buffer, page_size, stride_k_page, stride_k_tok, num_pages, config["BLOCK_N"], block_d,
+                         block_dpe)  # fmt: skip
     grid = (num_rows, num_kv_heads * head_blocks, num_kv_splits)
     stage1 = Launch(_decode_stage1_kernel, grid, (
         float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,

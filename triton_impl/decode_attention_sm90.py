@@ -54,7 +54,7 @@ LK = 576  # key width: latent + rope
 LV = 512  # latent width, which is also V
 HALF = gl.constexpr(256)  # the latent is moved and multiplied as two halves (TMA boxes and MMA N stay <= 256)
 ROPE = gl.constexpr(64)
-BLOCK_H = gl.constexpr(64)  # query heads per program: wgmma's M
+BLOCK_H = gl.constexpr(64)  # (query token, head) rows per program: wgmma's M
 BLOCK_N = gl.constexpr(64)  # keys per tile
 NUM_WARPS = gl.constexpr(4)  # the softmax warpgroup; the value warpgroup and the loader are workers
 STAGES = gl.constexpr(2)
@@ -66,11 +66,12 @@ _LN2 = gl.constexpr(0.6931471805599453)
 # ``barrier``).
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-# Scores [64 heads, 64 keys] and each output half [64 heads, 256], one warpgroup each.
+# Scores [64 rows, 64 keys] and each output half [64 rows, 256], one warpgroup each.
 _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
 _O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
 _P_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O_LAYOUT, k_width=2))
 _ROWS = gl.constexpr(gl.SliceLayout(1, _O_LAYOUT))
+_S_ROWS = gl.constexpr(gl.SliceLayout(1, _S_LAYOUT))
 # Global <-> register tiles of 64 rows: 16-byte pieces, a warp covers 4 rows x 64 columns.
 _ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 # The swizzled shared layout of every 16-bit tile (128-byte swizzle rows: 64 columns); per-row floats plain.
@@ -79,19 +80,18 @@ _VEC_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
 
 def supports(*, device: torch.device, is_mla: bool, key_width: int, value_width: int, q_dtype: torch.dtype,
-             cache_dtype: torch.dtype, group: int, page_size: int, tma_rows: bool) -> bool:  # fmt: skip
-    """Whether a decode call is one this kernel serves (else the portable kernel runs). ``tma_rows``: the
-    cache is addressable as ``[pages * page_size, Lk]`` rows by tensor descriptors
-    (``decode_attention.tma_layout`` is not None)."""
+             cache_dtype: torch.dtype, rows: int, page_size: int, tma_rows: bool) -> bool:  # fmt: skip
+    """Whether a call is one this kernel serves (else the portable kernel runs). ``rows``: the (query token,
+    head) rows of one request (decode: the heads), at least 64; ``tma_rows``: the cache is addressable as
+    ``[pages * page_size, Lk]`` rows by tensor descriptors (``decode_attention.tma_layout`` is not None)."""
     served = is_mla and key_width == LK and value_width == LV and cache_dtype == q_dtype
-    served = served and q_dtype in (torch.bfloat16, torch.float16) and group >= 64 and page_size % 64 == 0
+    served = served and q_dtype in (torch.bfloat16, torch.float16) and rows >= 64 and page_size % 64 == 0
     return served and tma_rows and device_arch(device).startswith("sm9")
 
 
 def descriptors(k_buffer: torch.Tensor, rows: tuple) -> tuple[Any, Any]:
     """``(latent, rope)`` tensor descriptors of the cache as rows (``rows``: ``decode_attention.tma_layout``'s
-    shape and strides first), with ``[64, 256]`` and ``[64, 64]`` boxes. They hold the cache's address: made
-    per call, never kept in a plan."""
+    shape and strides, with 64-key tiles). They hold the cache's address: made per call, never kept in a plan."""
     shape, strides = rows[:2]
     layout = _SMEM.value
     return (TensorDescriptor(k_buffer, shape, strides, [64, 256], layout),
@@ -111,7 +111,7 @@ def _issue_tile(lat_desc, pe_desc, bar, lat0, lat1, pe, table_row_ptr, stride_t_
                 PAGE_SIZE: gl.constexpr):  # fmt: skip
     """Start the TMA loads of the key tile at key ``tile`` (a multiple of 64, inside one page) into one
     stage; ``bar`` completes when its bytes have landed. The table entry is clamped into the cache (a bad
-    entry has poisoned the split already)."""
+    entry has poisoned its rows already)."""
     page = gl.load(table_row_ptr + (tile // PAGE_SIZE) * stride_t_p)
     page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
     key_row = (page * PAGE_SIZE + tile % PAGE_SIZE).to(gl.int32)  # < 2**31: the host checks
@@ -122,12 +122,30 @@ def _issue_tile(lat_desc, pe_desc, bar, lat0, lat1, pe, table_row_ptr, stride_t_
 
 
 @gluon.jit
-def _bad_entries(table_row_ptr, stride_t_p, p0, last, num_pages):
-    """Whether each of the 256 table entries ``p0 ..`` before ``last`` lies outside ``[0, num_pages)``."""
+def _first_bad_key(table_row_ptr, stride_t_p, start, end, num_pages, PAGE_SIZE: gl.constexpr):
+    """The first key in ``[start, end)`` whose table entry lies outside ``[0, num_pages)``, else ``end``
+    (``triton_impl.block_table.first_bad_key`` for this kernel's layouts)."""
     layout: gl.constexpr = gl.BlockedLayout([2], [32], [NUM_WARPS], [0])
-    p = p0 + gl.arange(0, 256, layout=layout)
-    entry = gl.load(table_row_ptr + p * stride_t_p, mask=p < last, other=0)
-    return (p < last) & ((entry < 0) | (entry >= num_pages))
+    first = start // PAGE_SIZE
+    last = gl.where(end > start, gl.cdiv(end, PAGE_SIZE), first)
+    found = gl.full([256], 0, gl.int32, layout=layout) + end
+    for p0 in range(first, last, 256):
+        p = p0 + gl.arange(0, 256, layout=layout)
+        entry = gl.load(table_row_ptr + p * stride_t_p, mask=p < last, other=0)
+        bad = (p < last) & ((entry < 0) | (entry >= num_pages))
+        found = gl.minimum(found, gl.where(bad, gl.maximum(p * PAGE_SIZE, start), end))
+    return gl.min(found, axis=0)
+
+
+@gluon.jit
+def _rows(request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, LAYOUT: gl.constexpr):
+    """This program's 64 rows as ``(query row r, head h, token t within the request, row in range)``: row
+    ``i = row_block * 64 + m`` of request ``request`` is token ``t = i // NUM_HEADS``, head ``i % NUM_HEADS``."""
+    i = row_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=LAYOUT)
+    ok = i < QLEN * NUM_HEADS
+    i = gl.where(ok, i, 0)
+    t = i // NUM_HEADS
+    return request * QLEN + t, i % NUM_HEADS, t, ok
 
 
 @gluon.jit
@@ -143,11 +161,10 @@ def _loader(lat_desc, pe_desc, k_s0, k_s1, k_spe, k_full, k_free, table_row, str
 
 
 @gluon.jit
-def _values(k_s1, p_s, vec_s, k_full, k_free, p_full, p_free, num_tiles, out_ptr, o_row_stride, out_heads_start,
-            GROUP: gl.constexpr):  # fmt: skip
-    """The value warpgroup: ``O[:, 256:] = sum_i alpha... (P_i V_i[:, 256:])``, then the row scale the softmax
-    warpgroup leaves in ``vec_s`` after the loop, and its half of the output stored at ``out_ptr`` (fp32
-    partials or the output's dtype)."""
+def _values(k_s1, p_s, vec_s, k_full, k_free, p_full, p_free, num_tiles, out_ptr, stride_out_r, stride_out_h,
+            request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr):  # fmt: skip
+    """The value warpgroup: ``O[:, 256:]``, rescaled by each tile's factor and finally by the row scale that the
+    softmax warpgroup leaves in ``vec_s`` after the loop, stored at ``out_ptr`` (partials or the output)."""
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=_O_LAYOUT)
     for i in range(num_tiles):
         stage = i % STAGES
@@ -161,130 +178,140 @@ def _values(k_s1, p_s, vec_s, k_full, k_free, p_full, p_free, num_tiles, out_ptr
         mbarrier.arrive(k_free.index(stage), count=1)
     mbarrier.wait(p_full, num_tiles & 1)
     row_scale = vec_s.load(_ROWS)
-    heads = out_heads_start + gl.arange(0, BLOCK_H, layout=_ROWS)
-    cols = HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, _O_LAYOUT))
-    ptrs = out_ptr + heads.to(gl.int64)[:, None] * o_row_stride + cols[None, :]
-    gl.store(ptrs, (acc * row_scale[:, None]).to(out_ptr.dtype.element_ty), mask=(heads < GROUP)[:, None])
+    r, h, _, ok = _rows(request, row_block, QLEN, NUM_HEADS, _ROWS)
+    ptrs = out_ptr + (r.to(gl.int64) * stride_out_r + h * stride_out_h)[:, None] + HALF
+    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, _O_LAYOUT))
+    gl.store(ptrs + cols[None, :], (acc * row_scale[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 @gluon.jit
-def _scores(q_rows, head_ok, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, p_s, vec_s, k_full, k_free, p_full, p_free,
-            first_tile, num_tiles, start, end, qk_scale, logit_cap, poisoned, HAS_CAP: gl.constexpr):  # fmt: skip
+def _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end):
+    """Wait for tile ``i``, zero its keys outside ``[start, tile_end)`` if it is partial, and start ``S = Q K^T``
+    (three asynchronous MMAs: the latent halves and the rope part)."""
+    stage = i % STAGES
+    tile = first_tile + i * BLOCK_N
+    k0 = k_s0.index(stage)
+    k1 = k_s1.index(stage)
+    kpe = k_spe.index(stage)
+    mbarrier.wait(k_full.index(stage), (i // STAGES) & 1)
+    if (tile < start) | (tile + BLOCK_N > tile_end):  # a partial tile: zero its keys outside [start, tile_end)
+        keys = tile + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
+        live = (keys >= start) & (keys < tile_end)
+        _zero_rows(k0, live)
+        _zero_rows(k1, live)
+        _zero_rows(kpe, live)
+        fence_async_shared()
+        _barrier()
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=_S_LAYOUT)
+    s = warpgroup_mma(q_s0, k0.permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_s1, k1.permute((1, 0)), s, is_async=True)
+    return warpgroup_mma(q_spe, kpe.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _softmax(s, tile, start, row_end, m_i, l_i, qk_scale, logit_cap, HAS_CAP: gl.constexpr):
+    """A tile's scores -> ``(P, alpha, m, l)`` of the online softmax (base 2): row ``r`` sees keys ``[start,
+    row_end[r])``, the rest get probability 0. A row with no key so far keeps ``m = -inf`` and gets
+    ``alpha = 1``, ``P = 0`` (its max is taken as 0 in the exponents)."""
+    s = s * qk_scale
+    if HAS_CAP:
+        s = logit_cap * (2.0 / (1.0 + gl.exp2(s * (-2.0 * _LOG2E / logit_cap))) - 1.0) * _LOG2E
+    key = tile + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _S_LAYOUT))
+    s = gl.where((key[None, :] >= start) & (key[None, :] < row_end[:, None]), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - m_use[:, None])
+    return p, gl.convert_layout(alpha, _ROWS), m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _hand_over(p, row_values, p_s, vec_s, p_full, p_free, i):
+    """Give the value warpgroup ``P`` (if not None) and a per-row vector (the rescale factor, or after the
+    loop the row scale) through shared memory, once it is done with the last ones (``i`` hand-overs so far)."""
+    if i > 0:
+        mbarrier.wait(p_free, (i - 1) & 1)
+    if p is not None:
+        p_s.store(p)
+    vec_s.store(row_values)
+    fence_async_shared()
+    _barrier()
+    mbarrier.arrive(p_full, count=1)
+
+
+@gluon.jit
+def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, p_s, vec_s, k_full, k_free, p_full,
+            p_free, first_tile, num_tiles, start, tile_end, row_end, poisoned, qk_scale, logit_cap, request,
+            row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, HAS_CAP: gl.constexpr):  # fmt: skip
     """The softmax warpgroup (the default partition): the query into shared memory, then per tile the scores,
-    the online softmax and ``O[:, :256]``. Returns ``(O[:, :256] * row scale, lse)`` and leaves the row scale
-    for the value warpgroup."""
+    the online softmax and ``O[:, :256]``; the value product of a tile runs under the wait for the next tile
+    and its scores. Returns ``(O[:, :256] * row scale, lse)`` and leaves the row scale for the value
+    warpgroup."""
     dtype: gl.constexpr = q_s0.dtype
-    q_s0.store(_load_q(q_rows, head_ok, 0, HALF))
-    q_s1.store(_load_q(q_rows, head_ok, HALF, HALF))
-    q_spe.store(_load_q(q_rows, head_ok, 2 * HALF, ROPE))
+    r, h, _, ok = _rows(request, row_block, QLEN, NUM_HEADS, gl.SliceLayout(1, _ROWS_LAYOUT))
+    q_rows = q_ptr + r.to(gl.int64) * stride_q_r + h * stride_q_h
+    q_s0.store(_load_q(q_rows, ok, 0, HALF))
+    q_s1.store(_load_q(q_rows, ok, HALF, HALF))
+    q_spe.store(_load_q(q_rows, ok, 2 * HALF, ROPE))
     fence_async_shared()
     _barrier()
 
-    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _S_LAYOUT))
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, _S_LAYOUT))
-    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, _S_LAYOUT))
+    row_end = gl.convert_layout(row_end, _S_ROWS)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=_S_ROWS)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=_S_ROWS)
     # The value product of a tile is left running into the next tile's scores: the loop carries it pending.
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, HALF], gl.float32, layout=_O_LAYOUT))
-    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=_S_LAYOUT)
     for i in range(num_tiles):
-        stage = i % STAGES
-        tile = first_tile + i * BLOCK_N
-        k0 = k_s0.index(stage)
-        k1 = k_s1.index(stage)
-        kpe = k_spe.index(stage)
-        mbarrier.wait(k_full.index(stage), (i // STAGES) & 1)
-        if (tile < start) | (tile + BLOCK_N > end):  # a partial tile: zero its keys outside [start, end)
-            rows = tile + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
-            live = (rows >= start) & (rows < end)
-            _zero_rows(k0, live)
-            _zero_rows(k1, live)
-            _zero_rows(kpe, live)
-            fence_async_shared()
-            _barrier()
-        s = warpgroup_mma(q_s0, k0.permute((1, 0)), s, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_s1, k1.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(q_spe, kpe.permute((1, 0)), s, is_async=True)
+        s = _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end)
         s, acc = warpgroup_mma_wait(0, deps=[s, acc])  # the last tile's value product too
         if i > 0:
             mbarrier.arrive(k_free.index((i - 1) % STAGES), count=1)
-        s = s * qk_scale
-        if HAS_CAP:
-            s = logit_cap * (2.0 / (1.0 + gl.exp2(s * (-2.0 * _LOG2E / logit_cap))) - 1.0) * _LOG2E
-        key = tile + keys
-        s = gl.where(((key >= start) & (key < end))[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax(s, first_tile + i * BLOCK_N, start, row_end, m_i, l_i, qk_scale, logit_cap,
+                                      HAS_CAP)  # fmt: skip
         p = p.to(dtype)
-        alpha = gl.convert_layout(alpha, _ROWS)
-        if i > 0:
-            mbarrier.wait(p_free, (i - 1) & 1)  # the value warpgroup is done with the last P
-        p_s.store(p)
-        vec_s.store(alpha)
-        fence_async_shared()
-        _barrier()
-        mbarrier.arrive(p_full, count=1)
-        acc = warpgroup_mma(gl.convert_layout(p, _P_OPERAND), k0, acc * alpha[:, None], is_async=True)
+        _hand_over(p, alpha, p_s, vec_s, p_full, p_free, i)
+        acc = warpgroup_mma(gl.convert_layout(p, _P_OPERAND), k_s0.index(i % STAGES), acc * alpha[:, None],
+                            is_async=True)  # fmt: skip
     acc = warpgroup_mma_wait(0, deps=[acc])
 
-    # An empty split is the neutral state (0, -inf): stage 2 then needs no boundaries.
+    # A row with no key in this split is the neutral state (0, -inf): stage 2 then needs no boundaries.
     l_o = gl.convert_layout(l_i, _ROWS)
-    empty = end <= start
+    empty = gl.convert_layout(row_end <= start, _ROWS)
     row_scale = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
     lse = gl.where(empty, float("-inf"), (gl.convert_layout(m_i, _ROWS) + gl.log2(gl.where(empty, 1.0, l_o))) * _LN2)
+    poisoned = gl.convert_layout(poisoned, _ROWS)
     row_scale = gl.where(poisoned, float("nan"), row_scale)
     lse = gl.where(poisoned, float("nan"), lse)
-    if num_tiles > 0:
-        mbarrier.wait(p_free, (num_tiles - 1) & 1)
-    vec_s.store(row_scale)
-    _barrier()
-    mbarrier.arrive(p_full, count=1)
+    _hand_over(None, row_scale, p_s, vec_s, p_full, p_free, num_tiles)
     return acc * row_scale[:, None], lse
 
 
 @gluon.jit
-def mla_decode_stage1_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-    lat_desc, pe_desc,
-    sm_scale, logit_cap, window, num_kv_splits, num_pages, table_keys,
-    stride_q_r, stride_q_h,
-    stride_o_r, stride_o_h,
-    stride_lse_r, stride_lse_h,
-    stride_p_r, stride_p_h, stride_p_s,
-    stride_t_r, stride_t_p, stride_sl,
-    GROUP: gl.constexpr,
-    PAGE_SIZE: gl.constexpr,
-    HAS_CAP: gl.constexpr,
-    SINGLE_SPLIT: gl.constexpr,
-):  # fmt: skip
-    """Grid ``(R, cdiv(GROUP, 64), S)``: split ``S`` of row ``R``'s visible keys for 64 query heads; the same
-    partials (or, with ``SINGLE_SPLIT``, outputs) as ``decode_attention._decode_stage1_kernel``. ``k_ptr``,
-    ``v_ptr`` and the scales are unused (the head of the portable kernel's arguments, so one call site
-    launches either)."""
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    row = gl.program_id(0).to(gl.int64)
-    head_block = gl.program_id(1)
-    split = gl.program_id(2)
+def _load_q(q_rows, row_ok, COL0: gl.constexpr, WIDTH: gl.constexpr):
+    """``[64, WIDTH]`` query elements at columns ``COL0 ..`` of this program's rows (zeros past them)."""
+    c = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, _ROWS_LAYOUT))
+    return gl.load(q_rows[:, None] + COL0 + c[None, :], mask=row_ok[:, None], other=0.0)
 
-    # This row's split [start, end) of its visible keys [lo, n) (golden.decode_attention.split_bounds).
-    n = gl.maximum(gl.load(seq_lens_ptr + row * stride_sl).to(gl.int32), 0)
-    lo = gl.maximum(n - window, 0)
-    chunk = gl.cdiv(n - lo, num_kv_splits)
-    start = gl.minimum(lo + split * chunk, n)
-    end = gl.minimum(start + chunk, n)
-    # Memory safety without host checks, as the portable kernel: a row longer than its table, or a split
-    # meeting an entry outside the cache, is NaN; no address outside the cache is read.
-    too_long = n > table_keys
-    end = gl.minimum(end, table_keys)
-    table_row = table_ptr + row * stride_t_r
-    first_page = start // PAGE_SIZE
-    last_page = gl.maximum(gl.cdiv(end, PAGE_SIZE), first_page)
-    bad = _bad_entries(table_row, stride_t_p, first_page, last_page, num_pages)
-    for p0 in range(first_page + 256, last_page, 256):
-        bad |= _bad_entries(table_row, stride_t_p, p0, last_page, num_pages)
-    poisoned = too_long | (gl.max(bad.to(gl.int32), axis=0) > 0)
+
+@gluon.jit
+def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_t_p, num_pages, table_keys,
+            out_ptr, stride_out_r, stride_out_h, lse_ptr, stride_lse_r, stride_lse_h, seq_len, real_len, start, end,
+            qk_scale, logit_cap, request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,
+            PAGE_SIZE: gl.constexpr, HAS_CAP: gl.constexpr):  # fmt: skip
+    """One program: keys ``[start, end)`` of request ``request`` for its 64 rows, row ``r`` (token ``t``) up to
+    its causal limit ``min(seq_len - QLEN + 1 + t, real_len)``; the output halves and LSE (natural log) stored
+    at ``out_ptr`` / ``lse_ptr`` with the given row (query row) and head strides."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    _, _, t, ok = _rows(request, row_block, QLEN, NUM_HEADS, _ROWS)
+    limit = gl.where(ok, gl.maximum(gl.minimum(seq_len - QLEN + 1 + t, real_len), 0), 0)
+    # Memory safety without host checks, as the portable kernels: a row longer than its table, or one meeting
+    # a table entry outside the cache, is NaN; no address outside the cache is read.
+    row_end = gl.minimum(gl.minimum(limit, end), table_keys)
+    tile_end = gl.max(row_end, axis=0)
+    first_bad = _first_bad_key(table_row, stride_t_p, start, tile_end, num_pages, PAGE_SIZE)
+    poisoned = (limit > table_keys) | (row_end > first_bad)
+    first_tile = start // BLOCK_N * BLOCK_N
+    num_tiles = gl.where(tile_end > start, gl.cdiv(tile_end - first_tile, BLOCK_N), 0)
 
     q_s0 = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], _SMEM)
     q_s1 = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], _SMEM)
@@ -305,46 +332,106 @@ def mla_decode_stage1_kernel(
     mbarrier.init(p_free, count=1)
     fence_async_shared()
 
-    first_tile = start // BLOCK_N * BLOCK_N
-    num_tiles = gl.where(end > start, gl.cdiv(end - first_tile, BLOCK_N), 0)
-    qk_scale = sm_scale
-    if not HAS_CAP:
-        qk_scale = qk_scale * _LOG2E
-    heads = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
-    q_rows = q_ptr + row * stride_q_r + heads.to(gl.int64)[:, None] * stride_q_h
-    if SINGLE_SPLIT:
-        out_ptr = o_ptr + row * stride_o_r
-        out_row_stride = stride_o_h
-    else:
-        out_ptr = part_ptr + row * stride_p_r + split * stride_p_s
-        out_row_stride = stride_p_h
-    out_heads_start = head_block * BLOCK_H
     acc, lse = gl.warp_specialize([
-        (_scores, (q_rows, heads < GROUP, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, p_s, vec_s, k_full, k_free, p_full,
-                   p_free, first_tile, num_tiles, start, end, qk_scale, logit_cap, poisoned, HAS_CAP)),
-        (_values, (k_s1, p_s, vec_s, k_full, k_free, p_full, p_free, num_tiles, out_ptr, out_row_stride,
-                   out_heads_start, GROUP)),
+        (_scores, (q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, p_s, vec_s, k_full, k_free,
+                   p_full, p_free, first_tile, num_tiles, start, tile_end, row_end, poisoned, qk_scale, logit_cap,
+                   request, row_block, QLEN, NUM_HEADS, HAS_CAP)),
+        (_values, (k_s1, p_s, vec_s, k_full, k_free, p_full, p_free, num_tiles, out_ptr, stride_out_r, stride_out_h,
+                   request, row_block, QLEN, NUM_HEADS)),
         (_loader, (lat_desc, pe_desc, k_s0, k_s1, k_spe, k_full, k_free, table_row, stride_t_p, num_pages,
                    first_tile, num_tiles, PAGE_SIZE)),
     ], [4, 1], [VALUE_REGS, LOADER_REGS])  # fmt: skip
 
-    out_heads = out_heads_start + gl.arange(0, BLOCK_H, layout=_ROWS)
+    r, h, _, ok = _rows(request, row_block, QLEN, NUM_HEADS, _ROWS)
     cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, _O_LAYOUT))
-    out_ok = out_heads < GROUP
-    gl.store(out_ptr + out_heads.to(gl.int64)[:, None] * out_row_stride + cols[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=out_ok[:, None])  # fmt: skip
-    if SINGLE_SPLIT:
-        gl.store(lse_ptr + row * stride_lse_r + out_heads.to(gl.int64) * stride_lse_h,
-                 lse.to(lse_ptr.dtype.element_ty), mask=out_ok)  # fmt: skip
-    else:
-        gl.store(out_ptr + out_heads.to(gl.int64) * out_row_stride + 2 * HALF, lse, mask=out_ok)
+    out_rows = out_ptr + r.to(gl.int64) * stride_out_r + h * stride_out_h
+    gl.store(out_rows[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+    gl.store(lse_ptr + r.to(gl.int64) * stride_lse_r + h * stride_lse_h, lse.to(lse_ptr.dtype.element_ty), mask=ok)
 
 
 @gluon.jit
-def _load_q(q_rows, head_ok, COL0: gl.constexpr, WIDTH: gl.constexpr):
-    """``[64, WIDTH]`` query elements at columns ``COL0 ..`` of this program's heads (zeros past the group)."""
-    c = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, _ROWS_LAYOUT))
-    return gl.load(q_rows + COL0 + c[None, :], mask=head_ok[:, None], other=0.0)
+def mla_decode_stage1_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
+    lat_desc, pe_desc,
+    sm_scale, logit_cap, window, num_kv_splits, num_pages, table_keys,
+    stride_q_r, stride_q_h,
+    stride_o_r, stride_o_h,
+    stride_lse_r, stride_lse_h,
+    stride_p_r, stride_p_h, stride_p_s,
+    stride_t_r, stride_t_p, stride_sl,
+    GROUP: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    HAS_CAP: gl.constexpr,
+    SINGLE_SPLIT: gl.constexpr,
+):  # fmt: skip
+    """Decode, grid ``(R, cdiv(GROUP, 64), S)``: split ``S`` of row ``R``'s visible keys for 64 query heads; the
+    same partials (or, with ``SINGLE_SPLIT``, outputs) as ``decode_attention._decode_stage1_kernel``. ``k_ptr``,
+    ``v_ptr`` and the scales are unused (the head of the portable kernel's arguments, so one call site
+    launches either)."""
+    row = gl.program_id(0)
+    split = gl.program_id(2)
+    # This row's split [start, end) of its visible keys [lo, n) (golden.decode_attention.split_bounds).
+    n = gl.maximum(gl.load(seq_lens_ptr + row.to(gl.int64) * stride_sl).to(gl.int32), 0)
+    lo = gl.maximum(n - window, 0)
+    chunk = gl.cdiv(n - lo, num_kv_splits)
+    start = gl.minimum(lo + split * chunk, n)
+    end = gl.minimum(start + chunk, n)
+    qk_scale = sm_scale
+    if not HAS_CAP:
+        qk_scale = qk_scale * _LOG2E
+    if SINGLE_SPLIT:
+        out_ptr, stride_out_r, stride_out_h = o_ptr, stride_o_r, stride_o_h
+        lse_out_ptr, stride_lo_r, stride_lo_h = lse_ptr, stride_lse_r, stride_lse_h
+    else:
+        out_ptr, stride_out_r, stride_out_h = part_ptr + split * stride_p_s, stride_p_r, stride_p_h
+        lse_out_ptr, stride_lo_r, stride_lo_h = part_ptr + split * stride_p_s + 2 * HALF, stride_p_r, stride_p_h
+    _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_ptr + row.to(gl.int64) * stride_t_r, stride_t_p,
+            num_pages, table_keys, out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h,
+            n, n, start, end, qk_scale, logit_cap, row, gl.program_id(1), 1, GROUP, PAGE_SIZE, HAS_CAP)  # fmt: skip
+
+
+@gluon.jit
+def mla_verify_stage1_kernel(
+    q_ptr, k_ptr, sm_scale_log2, table_ptr, seq_lens_ptr, real_seq_lens_ptr, part_ptr, o_ptr, lse_ptr, k_scale_ptr,
+    lat_desc, pe_desc,
+    num_pages, table_keys,
+    stride_t_b, stride_t_p, stride_q_r, stride_q_h,
+    stride_p_r, stride_p_h, stride_p_s, stride_o_r, stride_o_h, stride_lse_r, stride_lse_h,
+    QLEN: gl.constexpr,
+    NUM_HEADS: gl.constexpr,
+    HAS_REAL: gl.constexpr,
+    NUM_KV_SPLITS: gl.constexpr,
+    SPLIT_ALIGN: gl.constexpr,
+    MIN_SPLIT_LEN: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    SINGLE_SPLIT: gl.constexpr,
+):  # fmt: skip
+    """Verify, grid ``(B * S * cdiv(QLEN * NUM_HEADS, 64),)`` as ``mla_verify._fwd_verify_kernel_stage1`` (its
+    split rule and partials; the row blocks of one request and split adjacent in the program id, so they share
+    each key tile through L2). ``k_ptr`` and ``k_scale_ptr`` are unused (a 16-bit cache)."""
+    ROW_BLOCKS: gl.constexpr = (QLEN * NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    pid = gl.program_id(0)
+    row_block = pid % ROW_BLOCKS
+    split = (pid // ROW_BLOCKS) % NUM_KV_SPLITS
+    b = pid // (ROW_BLOCKS * NUM_KV_SPLITS)
+    seq_len = gl.maximum(gl.load(seq_lens_ptr + b), 0)
+    real_len = seq_len
+    if HAS_REAL:
+        real_len = gl.load(real_seq_lens_ptr + b)
+    per_split = gl.cdiv(seq_len, NUM_KV_SPLITS)
+    chunk = gl.maximum(gl.cdiv(per_split, SPLIT_ALIGN) * SPLIT_ALIGN, MIN_SPLIT_LEN)
+    start = split * chunk
+    end = gl.minimum(start + chunk, seq_len)
+    if SINGLE_SPLIT:
+        out_ptr, stride_out_r, stride_out_h = o_ptr, stride_o_r, stride_o_h
+        lse_out_ptr, stride_lo_r, stride_lo_h = lse_ptr, stride_lse_r, stride_lse_h
+    else:
+        out_ptr, stride_out_r, stride_out_h = part_ptr + split * stride_p_s, stride_p_r, stride_p_h
+        lse_out_ptr, stride_lo_r, stride_lo_h = part_ptr + split * stride_p_s + 2 * HALF, stride_p_r, stride_p_h
+    _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_ptr + b.to(gl.int64) * stride_t_b, stride_t_p,
+            num_pages, table_keys, out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h,
+            seq_len, real_len, start, end, sm_scale_log2, 0.0, b, row_block, QLEN, NUM_HEADS, PAGE_SIZE,
+            False)  # fmt: skip
 
 
 def compile_for_sm90(*, group: int = 128, page_size: int = 64, single_split: bool = False) -> Any:

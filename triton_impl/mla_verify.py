@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_impl import decode_attention_sm90
 from triton_impl.block_table import first_bad_key
 from triton_impl.decode_attention import descriptor_tile, tma_descriptors, tma_layout
 from triton_impl.interpreter import INTERPRETING, cast_for_store, dot_dtype
@@ -75,6 +76,7 @@ VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
     "MIN_SPLIT_LEN": 256,
     "SPLIT_LATENT": False,
     "TMA": False,
+    "GLUON": False,
     "num_warps": 4,
     "num_stages": 2,
 }
@@ -117,6 +119,7 @@ VERIFY_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
             "MIN_SPLIT_LEN": 256,
             "SPLIT_LATENT": True,
             "TMA": True,
+            "GLUON": True,
             "num_warps": 8,
             "num_stages": 2,
         },
@@ -602,7 +605,7 @@ def decode_attention_fwd_verify(
         _check_verify_table(req_to_token, seq_lens, real_seq_lens, plan.batch, page_size, plan.num_pages)
     plan.stage1(stream, q, k_buffer, plan.sm_scale_log2, req_to_token, seq_lens,
                 seq_lens if real_seq_lens is None else real_seq_lens, o if plan.merge is None else attn_logits, o, lse,
-                k_scale if plan.k_scale is None else plan.k_scale, *tma_descriptors(k_buffer, plan.tma))  # fmt: skip
+                k_scale if plan.k_scale is None else plan.k_scale, *plan.descriptors(k_buffer, plan.tma))  # fmt: skip
     if plan.merge is not None:
         plan.merge(stream, attn_logits, o, lse)
 
@@ -613,6 +616,7 @@ class _VerifyPlan(NamedTuple):
     stage1: Callable[..., None]  # (stream, q, k, sm_scale_log2, table, lens, real lens, part, o, lse, k_scale, lat, pe)
     merge: Callable[..., None] | None  # (stream, attn_logits, o, lse); None: one split, stage 1 writes o, lse
     tma: tuple | None  # decode_attention.tma_layout of the cache, or None
+    descriptors: Callable[..., tuple]  # (k_buffer, tma) -> the (latent, rope) descriptors stage 1 takes
     sm_scale_log2: float
     k_scale: torch.Tensor | None  # the scale to launch with; None: the caller's (an FP8 cache's)
     batch: int
@@ -638,7 +642,7 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
                         k_scale=None if launch_scale is k_scale else launch_scale, batch=batch, num_pages=num_pages,
                         on_cuda=q.device.type == "cuda")  # fmt: skip
     if batch == 0:
-        return make_plan(no_launch, None, None)
+        return make_plan(no_launch, None, None, tma_descriptors)
     if num_pages == 0:  # the kernel reads page 0 in place of a bad entry
         raise ValueError(f"k_buffer: expected at least one page, got shape {list(k_buffer.shape)}")
     cfg = config if config is not None else select_verify_config(batch, qlen, num_heads)
@@ -649,6 +653,23 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
     # tl.dot needs every dim >= 16: a rope width below 16 (test shapes only) loads a 16-wide tile
     # whose extra columns are masked to zero (_check_verify_args requires Lv >= 16).
     block_dpe = max(16, next_pow2(rope_width)) if rope_width else 0
+    merge = None if single else merge_splits_launch(num_rows, attn_logits, o, lse)
+    tma = None
+    if split_latent and cfg.get("GLUON") and cfg["SPLIT_ALIGN"] % 64 == 0:
+        tma = tma_layout(k_buffer, page_size, _page_stride(k_buffer, page_size), k_buffer.stride(-3), num_pages,
+                         64, value_width, block_dpe)  # fmt: skip
+    if decode_attention_sm90.supports(
+        device=q.device, is_mla=True, key_width=key_width, value_width=value_width, q_dtype=q.dtype,
+        cache_dtype=k_buffer.dtype, rows=qlen * num_heads, page_size=page_size, tma_rows=tma is not None,
+    ):  # the sm_90 fast path (triton_impl/decode_attention_sm90.py): the same partials, a hand-made schedule
+        stage1 = Launch(decode_attention_sm90.mla_verify_stage1_kernel,
+                        (verify_row_blocks(qlen, num_heads, 64) * batch * num_kv_splits,), (
+            num_pages, block_table.shape[1] * page_size, block_table.stride(0), block_table.stride(1),
+            q.stride(0), q.stride(1), *part_strides, o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
+        ), dict(QLEN=qlen, NUM_HEADS=num_heads, HAS_REAL=real_seq_lens is not None, NUM_KV_SPLITS=num_kv_splits,
+                SPLIT_ALIGN=cfg["SPLIT_ALIGN"], MIN_SPLIT_LEN=cfg["MIN_SPLIT_LEN"], PAGE_SIZE=page_size,
+                SINGLE_SPLIT=single, num_warps=int(decode_attention_sm90.NUM_WARPS)))  # fmt: skip
+        return make_plan(stage1, merge, tma, decode_attention_sm90.descriptors)
     tma = None
     if split_latent and cfg.get("TMA") and cfg["SPLIT_ALIGN"] % cfg["BLOCK_N"] == 0:
         tma = tma_layout(k_buffer, page_size, _page_stride(k_buffer, page_size), k_buffer.stride(-3), num_pages,
@@ -681,7 +702,7 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     ))  # fmt: skip
-    return make_plan(stage1, None if single else merge_splits_launch(num_rows, attn_logits, o, lse), tma)
+    return make_plan(stage1, merge, tma, tma_descriptors)
 
 
 def warmup_decode_attention_fwd_verify(
