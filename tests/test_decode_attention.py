@@ -3,10 +3,16 @@ negative controls on the kernel's path, bad input."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
+import triton
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -408,6 +414,34 @@ def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout,
     ref_o, ref_lse = d.golden()
     assert_close(o, ref_o, ("decode_attention", "o", "bfloat16" if dtype == torch.bfloat16 else "float16"))
     assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
+
+
+_SM90_COMPILE = """
+import json
+from triton_impl import decode_attention_sm90
+from triton_impl.bench import sass_resources
+for verify, heads, qlen in ((False, 128, 1), (False, 64, 1), (True, 16, 4), (True, 128, 2)):
+    for single_split in (False, True):
+        kernel = decode_attention_sm90.compile_for_sm90(verify=verify, heads=heads, qlen=qlen,
+                                                        single_split=single_split)
+        print(json.dumps([verify, heads, single_split, *sass_resources(kernel.asm["cubin"]), kernel.metadata.shared]))
+"""
+
+
+def test_sm90_mla_kernels_compile_for_hopper() -> None:
+    """The Gluon MLA stage 1 never runs under the interpreter: compile the decode and verify entries for sm_90
+    here (a process of its own, TRITON_INTERPRET=0), one and several splits. Shared memory: the query, two
+    64-key stages and P (224 KiB of the 227 an H100/H200 block may take). No stack under the H200's Triton 3.6
+    (168 registers at launch; the partitions then take 256 / 192 / 40); Triton 3.9 spills 32 bytes."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    assert len(rows) == 8
+    spill = 0 if triton.__version__.startswith("3.6") else 32
+    for row in rows:
+        registers, stack, shared = row[3:]
+        assert stack <= spill and registers <= 255 and 224 * 1024 <= shared <= 232448, row
 
 
 # -- invariances -----------------------------------------------------------------------------

@@ -65,6 +65,8 @@ _LN2 = gl.constexpr(0.6931471805599453)
 # A barrier of the warps running the code: Gluon's name for it changed (Triton 3.6 ``thread_barrier``, later
 # ``barrier``).
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+# The TMA load likewise (Triton 3.6 ``async_copy_global_to_shared``, later ``async_load``).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 # Scores [64 rows, 64 keys] and each output half [64 rows, 256], one warpgroup each.
 _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
@@ -116,9 +118,9 @@ def _issue_tile(lat_desc, pe_desc, bar, lat0, lat1, pe, table_row_ptr, stride_t_
     page = gl.minimum(gl.maximum(page, 0), num_pages - 1)
     key_row = (page * PAGE_SIZE + tile % PAGE_SIZE).to(gl.int32)  # < 2**31: the host checks
     mbarrier.expect(bar, BLOCK_N * (2 * HALF + ROPE) * lat_desc.dtype.primitive_bitwidth // 8)
-    tma.async_copy_global_to_shared(lat_desc, [key_row, 0], bar, lat0)
-    tma.async_copy_global_to_shared(lat_desc, [key_row, HALF], bar, lat1)
-    tma.async_copy_global_to_shared(pe_desc, [key_row, 2 * HALF], bar, pe)
+    _tma_load(lat_desc, [key_row, 0], bar, lat0)
+    _tma_load(lat_desc, [key_row, HALF], bar, lat1)
+    _tma_load(pe_desc, [key_row, 2 * HALF], bar, pe)
 
 
 @gluon.jit
@@ -434,25 +436,32 @@ def mla_verify_stage1_kernel(
             False)  # fmt: skip
 
 
-def compile_for_sm90(*, group: int = 128, page_size: int = 64, single_split: bool = False) -> Any:
-    """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a bench launch is: the
-    ``CompiledKernel``, with ``asm["cubin"]``."""
+def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, page_size: int = 64,
+                     single_split: bool = False) -> Any:  # fmt: skip
+    """The decode (or, ``verify``, the verify) stage 1 compiled for sm_90 on any machine (no GPU needed),
+    specialized as a bench launch is (bf16, 16-byte aligned pointers, the block table's unit column stride a
+    constant): the ``CompiledKernel``, with ``asm["cubin"]``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = mla_decode_stage1_kernel
+    fn = mla_verify_stage1_kernel if verify else mla_decode_stage1_kernel
     names = fn.arg_names
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32",
-                "part_ptr": "*fp32", "table_ptr": "*i32", "seq_lens_ptr": "*i32", "k_scale_ptr": "*fp32",
-                "v_scale_ptr": "*fp32"}  # fmt: skip
+                "part_ptr": "*fp32", "table_ptr": "*i32", "seq_lens_ptr": "*i32", "real_seq_lens_ptr": "*i32",
+                "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}  # fmt: skip
     layout = _SMEM.value
     descs = {"lat_desc": f"tensordesc<bf16[64, 256],{layout!r}>", "pe_desc": f"tensordesc<bf16[64, 64],{layout!r}>"}
-    floats = ("sm_scale", "logit_cap")
-    constexprs = dict(GROUP=group, PAGE_SIZE=page_size, HAS_CAP=False, SINGLE_SPLIT=single_split, stride_t_p=1)
+    floats = ("sm_scale", "sm_scale_log2", "logit_cap")
+    if verify:
+        constexprs = dict(QLEN=qlen, NUM_HEADS=heads, HAS_REAL=True, NUM_KV_SPLITS=1 if single_split else 4,
+                          SPLIT_ALIGN=64, MIN_SPLIT_LEN=256, PAGE_SIZE=page_size, SINGLE_SPLIT=single_split)
+    else:
+        constexprs = dict(GROUP=heads, PAGE_SIZE=page_size, HAS_CAP=False, SINGLE_SPLIT=single_split)
+    constexprs["stride_t_p"] = 1
     signature = {n: "constexpr" if n in constexprs else pointers.get(n) or descs.get(n) or
                  ("fp32" if n in floats else "i32") for n in names}  # fmt: skip
     values = {(names.index(n),): v for n, v in constexprs.items()}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers if n in names}
     return triton_compile(GluonASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": int(NUM_WARPS)})  # fmt: skip
