@@ -1,11 +1,13 @@
-"""MLA decode stage 1 on NVIDIA Hopper, in Gluon: the sm_90 fast path of
-:func:`triton_impl.decode_attention.decode_attention_fwd` for DeepSeek's latent cache (576 = 512 + 64).
+"""MLA stage 1 on NVIDIA Hopper, in Gluon: the sm_90 fast path of
+:func:`triton_impl.decode_attention.decode_attention_fwd` (MLA decode) and of
+:func:`triton_impl.mla_verify.decode_attention_fwd_verify` (causal verify) for DeepSeek's latent cache (576 = 512 + 64).
 
-The portable Triton kernel (``decode_attention._decode_stage1_kernel``) computes the same partials and stays
-the readable twin (it runs under the interpreter; this one does not). This kernel writes down the schedule
-that Triton's compiler does not find for that loop. One program owns one split of one request for 64 query
-heads (grid ``(R, HEAD_BLOCKS, S)``), one program per SM (227 KiB of shared memory: the query, two key tiles
-of 64 keys and ``P``), in three warp-specialized partitions:
+The portable Triton kernels (``decode_attention._decode_stage1_kernel``, ``mla_verify._fwd_verify_kernel_stage1``)
+compute the same partials and stay the readable twins (they run under the interpreter; this one does not). This
+kernel writes down the schedule that Triton's compiler does not find for that loop. One program owns one split of
+one request for 64 rows (decode: 64 query heads; verify: 64 (draft token, head) pairs, each with its causal
+limit), one program per SM (224 KiB of shared memory: the query, two key tiles of 64 keys and ``P``), in three
+warp-specialized partitions:
 
 - the loader (1 warp) brings each key tile by TMA (three boxes: latent ``[0, 256)``, ``[256, 512)``, rope)
   into one of two stages, as soon as both consumers have released the stage;
@@ -28,7 +30,13 @@ an unused cache slot never reaches the value product.
 
 Served (:func:`supports`): compiled for compute capability 9.x, MLA with ``Lk = 576``, ``Lv = 512``, a 16-bit
 cache of the query's dtype, pages a multiple of 64 keys back to back (the cache as ``[pages * page_size,
-576]`` rows for TMA), at least 64 query heads. Everything else runs the portable kernel.
+576]`` rows for TMA), at least 64 rows per request. Everything else runs the portable kernels.
+
+On the H200 (``attnref bench --op decode_attention --op mla_verify --case MLA``, FlashInfer 0.7 in the same run):
+decode B=32 H=128 L=32K 0.625 ms (the portable kernel 1.041 ms; FlashInfer 0.573 ms), verify B=16 H=128 qlen=8
+L=4K 0.276 ms (0.514; 0.244). ``notebooks/results/perf_log.md`` has what bounds it (the tensor pipe is busy half
+the time: the softmax warpgroup's chain and two stages) and the variants that lost (the softmax pipelined under
+the value MMAs, 32-key tiles in four stages).
 """
 
 from __future__ import annotations
@@ -352,6 +360,19 @@ def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_
 
 
 @gluon.jit
+def _destinations(o_ptr, stride_o_r, stride_o_h, lse_ptr, stride_lse_r, stride_lse_h, part_ptr, stride_p_r, stride_p_h,
+                  stride_p_s, split, SINGLE_SPLIT: gl.constexpr):  # fmt: skip
+    """Where a program's rows go, as (output, its query-row and head strides, LSE, its strides): ``o`` and ``lse``
+    with one split, else split ``split``'s slot of the fp32 partials ``[rows, heads, S, 512 + 1]`` (LSE last)."""
+    if SINGLE_SPLIT:
+        where = (o_ptr, stride_o_r, stride_o_h, lse_ptr, stride_lse_r, stride_lse_h)
+    else:
+        slot = part_ptr + split * stride_p_s
+        where = (slot, stride_p_r, stride_p_h, slot + 2 * HALF, stride_p_r, stride_p_h)
+    return where
+
+
+@gluon.jit
 def mla_decode_stage1_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
     lat_desc, pe_desc,
@@ -381,12 +402,9 @@ def mla_decode_stage1_kernel(
     qk_scale = sm_scale
     if not HAS_CAP:
         qk_scale = qk_scale * _LOG2E
-    if SINGLE_SPLIT:
-        out_ptr, stride_out_r, stride_out_h = o_ptr, stride_o_r, stride_o_h
-        lse_out_ptr, stride_lo_r, stride_lo_h = lse_ptr, stride_lse_r, stride_lse_h
-    else:
-        out_ptr, stride_out_r, stride_out_h = part_ptr + split * stride_p_s, stride_p_r, stride_p_h
-        lse_out_ptr, stride_lo_r, stride_lo_h = part_ptr + split * stride_p_s + 2 * HALF, stride_p_r, stride_p_h
+    out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h = _destinations(
+        o_ptr, stride_o_r, stride_o_h, lse_ptr, stride_lse_r, stride_lse_h, part_ptr, stride_p_r, stride_p_h,
+        stride_p_s, split, SINGLE_SPLIT)  # fmt: skip
     _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_ptr + row.to(gl.int64) * stride_t_r, stride_t_p,
             num_pages, table_keys, out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h,
             n, n, start, end, qk_scale, logit_cap, row, gl.program_id(1), 1, GROUP, PAGE_SIZE, HAS_CAP)  # fmt: skip
@@ -424,12 +442,9 @@ def mla_verify_stage1_kernel(
     chunk = gl.maximum(gl.cdiv(per_split, SPLIT_ALIGN) * SPLIT_ALIGN, MIN_SPLIT_LEN)
     start = split * chunk
     end = gl.minimum(start + chunk, seq_len)
-    if SINGLE_SPLIT:
-        out_ptr, stride_out_r, stride_out_h = o_ptr, stride_o_r, stride_o_h
-        lse_out_ptr, stride_lo_r, stride_lo_h = lse_ptr, stride_lse_r, stride_lse_h
-    else:
-        out_ptr, stride_out_r, stride_out_h = part_ptr + split * stride_p_s, stride_p_r, stride_p_h
-        lse_out_ptr, stride_lo_r, stride_lo_h = part_ptr + split * stride_p_s + 2 * HALF, stride_p_r, stride_p_h
+    out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h = _destinations(
+        o_ptr, stride_o_r, stride_o_h, lse_ptr, stride_lse_r, stride_lse_h, part_ptr, stride_p_r, stride_p_h,
+        stride_p_s, split, SINGLE_SPLIT)  # fmt: skip
     _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_ptr + b.to(gl.int64) * stride_t_b, stride_t_p,
             num_pages, table_keys, out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h,
             seq_len, real_len, start, end, sm_scale_log2, 0.0, b, row_block, QLEN, NUM_HEADS, PAGE_SIZE,
