@@ -416,6 +416,26 @@ def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout,
     assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
 
 
+@pytest.mark.parametrize(
+    ("heads", "page_size", "fp8", "layout", "served"),
+    [(128, 64, False, "4d", True), (64, 128, False, "3d", True), (40, 64, False, "4d", False),
+     (128, 16, False, "4d", False), (128, 64, True, "4d", False), (128, 64, False, "cross_layer", False)],
+)  # fmt: skip
+def test_the_sm90_decode_path_takes_exactly_the_calls_it_serves(monkeypatch, heads, page_size, fp8, layout,
+                                                                served) -> None:  # fmt: skip
+    """With the device taken for an H100/H200, the plan launches the Gluon stage 1 for a 16-bit cache at DeepSeek's
+    widths, 64 heads or more and TMA-addressable pages of 64k keys, and the portable kernel otherwise (fewer heads,
+    pages of 16, FP8, pages not back to back). Nothing is launched: the plan is built on the CPU."""
+    monkeypatch.setattr(decode_attention_sm90, "device_arch", lambda device: "sm90")
+    d = make_decode(torch.device("cpu"), 3, [70, 0], is_mla=True, num_heads=heads, widths=(512, 64),
+                    page_size=page_size, fp8=fp8, layout=layout)  # fmt: skip
+    o, lse = torch.empty(2, heads, 512), torch.empty(2, heads)
+    plan = _plan_decode(d.q, d.k, d.v, o, lse, d.table, d.lens, torch.empty(2, heads, 2, 513), 2, d.sm_scale,
+                        page_size, 0.0, d.k_scale, d.v_scale, True, None, _config("sm90", True))  # fmt: skip
+    assert (plan.stage1._kernel is decode_attention_sm90.mla_decode_stage1_kernel) == served
+    assert (plan.descriptors is decode_attention_sm90.descriptors) == served
+
+
 _SM90_COMPILE = """
 import json
 from triton_impl import decode_attention_sm90

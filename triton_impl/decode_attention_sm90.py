@@ -17,11 +17,12 @@ warp-specialized partitions:
   P V[:, :256]`` with ``P`` from its registers;
 - the value warpgroup (4 warps) accumulates the second half, ``O[:, 256:] += P V[:, 256:]``.
 
-So the tensor cores run the value warpgroup's product of tile ``i`` while the softmax warpgroup computes the
-scores and softmax of tile ``i + 1``, nothing is computed twice, and the query is read from shared memory
-once per tile. mbarriers order everything: ``k_full`` / ``k_free`` per stage (TMA landed / both warpgroups
-done with it), ``p_full`` / ``p_free`` for the ``P`` buffer (written / read), and after the loop ``p_full``
-once more, for the row scale the value warpgroup applies to its half.
+Nothing is computed twice and the query is read from shared memory once per tile. Both halves of tile ``i``'s
+value product run beside the scores of tile ``i + 1`` (the softmax warpgroup leaves its half pending until it waits
+for those scores); the softmax itself runs with the tensor cores idle, which is what bounds the kernel now.
+mbarriers order everything: ``k_full`` / ``k_free`` per stage (TMA landed / both warpgroups done with it),
+``p_full`` / ``p_free`` for the ``P`` buffer (written / read), and after the loop ``p_full`` once more, for the row
+scale the value warpgroup applies to its half.
 
 Numerics are the portable kernel's: bf16 (or fp16) operands, ``P`` rounded to the query dtype, fp32
 accumulation, online softmax in base 2. Partial tiles at a split's ends are loaded whole (their page holds
