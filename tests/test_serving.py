@@ -655,6 +655,20 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
         lambda i: _new_lengths_and_pages(wcache.block_table, wcache.seq_lens, wcache.cache.shape[0], 64, i),
     )  # fmt: skip
 
+    # Verify at DeepSeek's widths, 4 draft tokens x 16 heads (one 64-row tile a request): the Gluon stage 1 on an
+    # H100/H200 as well.
+    v5q = randn((16, 16, 576), torch.bfloat16, device, gen)
+    v5cache = paged_cache([40, 70, 3, 129], 64, 1, 576, torch.bfloat16, device, gen, moat=False)
+    v5o, v5lse = torch.empty(16, 16, 512, dtype=torch.bfloat16, device=device), torch.empty(16, 16, device=device)
+    v5logits = torch.empty(16, 16, 4, 513, device=device)
+    calls["verify_d576"] = ServingCall(
+        lambda: mla_verify.decode_attention_fwd_verify(
+            v5q, v5cache.cache, v5cache.cache[..., :512], v5o, v5lse, v5cache.block_table, v5cache.seq_lens, None, 4,
+            v5logits, 4, 192**-0.5, 64),
+        lambda: [v5o, v5lse],
+        lambda i: _new_lengths_and_pages(v5cache.block_table, v5cache.seq_lens, v5cache.cache.shape[0], 64, i),
+    )  # fmt: skip
+
     vq, vcache, vqlen = _verify_case(device, gen, seq_lens=[40, 70, 3, 129], qlen=2, page_size=16, moat=False)
     vo, vlse = torch.empty(8, 8, 32, dtype=torch.bfloat16, device=device), torch.empty(8, 8, device=device)
     vlogits = torch.empty(8, 8, 4, 33, device=device)
@@ -742,7 +756,7 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
     return calls
 
 
-SERVING_OPS = ["decode_mla", "decode_mla_d576", "verify", "turboquant_decode", "turboquant_decode_d128",
+SERVING_OPS = ["decode_mla", "decode_mla_d576", "verify", "verify_d576", "turboquant_decode", "turboquant_decode_d128",
                "turboquant_store", "turboquant_store_d128", "merge_attn_states", "merge_splits", "ue8m0_insert",
                "ue8m0_gather", "combine_topk_swa_indices"]  # fmt: skip
 
