@@ -101,12 +101,12 @@ def supports(*, device: torch.device, is_mla: bool, key_width: int, value_width:
 
 
 def descriptors(k_buffer: torch.Tensor, rows: tuple) -> tuple[Any, Any]:
-    """``(latent, rope)`` tensor descriptors of the cache as rows (``rows``: ``decode_attention.tma_layout``'s
-    shape and strides, with 64-key tiles). They hold the cache's address: made per call, never kept in a plan."""
-    shape, strides = rows[:2]
-    layout = _SMEM.value
-    return (TensorDescriptor(k_buffer, shape, strides, [64, 256], layout),
-            TensorDescriptor(k_buffer, shape, strides, [64, 64], layout))  # fmt: skip
+    """``(latent, rope)`` tensor descriptors of the cache as rows (``rows``: ``decode_attention.tma_layout`` with
+    64-key tiles: shape, strides, the ``[64, 256]`` latent and ``[64, 64]`` rope boxes). They hold the cache's
+    address: made per call, never kept in a plan."""
+    shape, strides, lat_box, pe_box = rows
+    return (TensorDescriptor(k_buffer, shape, strides, lat_box, _SMEM.value),
+            TensorDescriptor(k_buffer, shape, strides, pe_box, _SMEM.value))  # fmt: skip
 
 
 @gluon.jit
