@@ -18,13 +18,8 @@ import sys
 
 import torch
 
-from triton_impl.parity import decode_attention, lse_merge, mla_verify, turboquant, ue8m0_cache
+from benchmarks.kernel_times import ALL_CASES
 from triton_impl.validation import CONTENT_CHECKS_ENV
-
-ALL_CASES = {
-    m.__name__.rsplit(".", 1)[-1]: m.bench_cases()
-    for m in (decode_attention, mla_verify, turboquant, ue8m0_cache, lse_merge)
-}
 
 
 def find(spec: str):

@@ -8,41 +8,17 @@ the table gives each kernel's mean microseconds per call, and the whole call's m
 
 from __future__ import annotations
 
-import collections
 import sys
 from unittest import mock
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import triton_impl.turboquant as turboquant
+from benchmarks.kernel_times import kernel_times
 from triton_impl.parity.turboquant import bench_cases
 
-CALLS = 20
 # Stage 1 variants: the sm90 entry's keys each sets.
 VARIANTS = {"Gluon": {"GLUON": 1}, "portable": {"GLUON": 0}}
-
-
-def kernel_times(run) -> tuple[dict[str, float], float]:
-    """(mean microseconds per call by kernel name, mean microseconds per call from CUDA events)."""
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            run()
-        torch.cuda.synchronize()
-    times: dict[str, float] = collections.defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.name] += event.device_time / CALLS
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(CALLS):
-        run()
-    stop.record()
-    torch.cuda.synchronize()
-    return dict(times), start.elapsed_time(stop) * 1000 / CALLS
 
 
 def main(name_part: str = "") -> None:

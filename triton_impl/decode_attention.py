@@ -716,7 +716,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     if split_latent and config.get("GLUON"):
         tma = tma_layout(k_buffer, page_size, stride_k_page, stride_k_tok, num_pages, 64, block_d, block_dpe)
     gluon = config.get("GLUON") and decode_attention_sm90.supports(
-        device=device, is_mla=is_mla, key_width=key_width, value_width=value_width, q_dtype=q.dtype,
+        device=device, is_mla=is_mla, key_width=key_width, value_width=value_width, q=q,
         cache_dtype=k_buffer.dtype, rows=group, page_size=page_size, tma_rows=tma is not None)
     if gluon:  # the sm_90 fast path (triton_impl/decode_attention_sm90.py): same partials, a hand-made schedule
         stage1 = Launch(decode_attention_sm90.mla_decode_stage1_kernel,

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -74,8 +75,11 @@ _LN2 = gl.constexpr(0.6931471805599453)
 # A barrier of the warps running the code: Gluon's name for it changed (Triton 3.6 ``thread_barrier``, later
 # ``barrier``).
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-# The TMA load likewise (Triton 3.6 ``async_copy_global_to_shared``, later ``async_load``).
+# The TMA load and the cp.async copy likewise (Triton 3.6 ``async_copy_global_to_shared``, later ``async_load``),
+# and a shared buffer's view as another type (3.6 ``_reinterpret``, later ``reinterpret``).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_copy_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.shared_memory_descriptor._reinterpret
 
 # Scores [64 rows, 64 keys] and each output half [64 rows, 256], one warpgroup each.
 _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
@@ -88,15 +92,21 @@ _ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 # The swizzled shared layout of every 16-bit tile (128-byte swizzle rows: 64 columns); per-row floats plain.
 _SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 _VEC_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+# An output half on its way out, [64, 256] fp32 in the 64 KiB of a latent half's two key stages: 32-byte pieces
+# swizzled by row, so the accumulator's stores (8 rows x 32 bytes a warp) and the row reads are conflict-free.
+_OUT_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 4, [1, 0]))
 
 
-def supports(*, device: torch.device, is_mla: bool, key_width: int, value_width: int, q_dtype: torch.dtype,
+def supports(*, device: torch.device, is_mla: bool, key_width: int, value_width: int, q: torch.Tensor,
              cache_dtype: torch.dtype, rows: int, page_size: int, tma_rows: bool) -> bool:  # fmt: skip
-    """Whether a call is one this kernel serves (else the portable kernel runs). ``rows``: the (query token,
-    head) rows of one request (decode: the heads), at least 64; ``tma_rows``: the cache is addressable as
+    """Whether a call is one this kernel serves (else the portable kernel runs). ``q``: the query ``[rows, heads,
+    Lk]``, whose address and row and head strides must be multiples of 16 bytes and 16 elements (it is copied
+    by ``cp.async`` in 16-byte pieces, which Triton proves aligned from those facts); ``rows``: the (query
+    token, head) rows of one request (decode: the heads), at least 64; ``tma_rows``: the cache is addressable as
     ``[pages * page_size, Lk]`` rows by tensor descriptors (``decode_attention.tma_layout`` is not None)."""
-    served = is_mla and key_width == LK and value_width == LV and cache_dtype == q_dtype
-    served = served and q_dtype in (torch.bfloat16, torch.float16) and rows >= 64 and page_size % 64 == 0
+    served = is_mla and key_width == LK and value_width == LV and cache_dtype == q.dtype
+    served = served and q.dtype in (torch.bfloat16, torch.float16) and rows >= 64 and page_size % 64 == 0
+    served = served and q.data_ptr() % 16 == 0 and all(stride % 16 == 0 for stride in q.stride()[:2])
     return served and tma_rows and device_arch(device).startswith("sm9")
 
 
@@ -187,12 +197,28 @@ def _values(k_s1, p_s, vec_s, k_full, k_free, p_full, p_free, num_tiles, out_ptr
         _barrier()
         mbarrier.arrive(p_free, count=1)
         mbarrier.arrive(k_free.index(stage), count=1)
-    mbarrier.wait(p_full, num_tiles & 1)
+    mbarrier.wait(p_full, num_tiles & 1)  # the row scale, handed over once every MMA of the loop is done
     row_scale = vec_s.load(_ROWS)
-    r, h, _, ok = _rows(request, row_block, QLEN, NUM_HEADS, _ROWS)
-    ptrs = out_ptr + (r.to(gl.int64) * stride_out_r + h * stride_out_h)[:, None] + HALF
-    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, _O_LAYOUT))
-    gl.store(ptrs + cols[None, :], (acc * row_scale[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None])
+    _store_half(acc * row_scale[:, None], k_s1, out_ptr + HALF, stride_out_r, stride_out_h, request, row_block, QLEN,
+                NUM_HEADS)  # fmt: skip
+
+
+@gluon.jit
+def _store_half(acc, stages, out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN: gl.constexpr,
+                NUM_HEADS: gl.constexpr):  # fmt: skip
+    """Store an output half ``[64, 256]`` at ``out_ptr`` (its first column) by way of shared memory: ``stages``
+    (the two key stages of one latent half, which no MMA reads any more) hold it while each warp reads whole row
+    pieces back. Stored from the accumulator's layout, a warp's store would touch 8 rows (16 cache lines for fp32
+    partials, whose rows are 4-byte aligned) per instruction; this way it touches one or two."""
+    staged = _reinterpret(stages, gl.float32, [BLOCK_H, HALF], _OUT_SMEM)
+    staged.store(acc)
+    _barrier()
+    vec: gl.constexpr = 8 if out_ptr.dtype.element_ty.primitive_bitwidth == 16 else 1
+    layout: gl.constexpr = gl.BlockedLayout([1, vec], [1, 32], [4, 1], [1, 0])
+    r, h, _, ok = _rows(request, row_block, QLEN, NUM_HEADS, gl.SliceLayout(1, layout))
+    ptrs = out_ptr + (r.to(gl.int64) * stride_out_r + h * stride_out_h)[:, None]
+    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    gl.store(ptrs + cols[None, :], staged.load(layout).to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 @gluon.jit
@@ -252,18 +278,27 @@ def _hand_over(p, row_values, p_s, vec_s, p_full, p_free, i):
 
 @gluon.jit
 def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, p_s, vec_s, k_full, k_free, p_full,
-            p_free, first_tile, num_tiles, start, tile_end, row_end, poisoned, qk_scale, logit_cap, request,
-            row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, HAS_CAP: gl.constexpr):  # fmt: skip
-    """The softmax warpgroup (the default partition): the query into shared memory, then per tile the scores,
-    the online softmax and ``O[:, :256]``; the value product of a tile runs under the wait for the next tile
-    and its scores. Returns ``(O[:, :256] * row scale, lse)`` and leaves the row scale for the value
-    warpgroup."""
+            p_free, table_row, stride_t_p, num_pages, table_keys, first_tile, num_tiles, start, tile_end, limit,
+            row_end, qk_scale, logit_cap, out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN: gl.constexpr,
+            NUM_HEADS: gl.constexpr, PAGE_SIZE: gl.constexpr, HAS_CAP: gl.constexpr):  # fmt: skip
+    """The softmax warpgroup (the default partition): the query into shared memory and the block-table check
+    (their loads in flight together, and beside the loader's first tiles), then per tile the scores, the online
+    softmax and ``O[:, :256]``; the value product of a tile runs under the wait for the next tile and its
+    scores. Stores ``O[:, :256]`` times the row scale, leaves the row scale for the value warpgroup and returns
+    ``(lse,)``."""
     dtype: gl.constexpr = q_s0.dtype
     r, h, _, ok = _rows(request, row_block, QLEN, NUM_HEADS, gl.SliceLayout(1, _ROWS_LAYOUT))
     q_rows = q_ptr + r.to(gl.int64) * stride_q_r + h * stride_q_h
-    q_s0.store(_load_q(q_rows, ok, 0, HALF))
-    q_s1.store(_load_q(q_rows, ok, HALF, HALF))
-    q_spe.store(_load_q(q_rows, ok, 2 * HALF, ROPE))
+    _copy_q(q_s0, q_rows, ok, 0, HALF)
+    _copy_q(q_s1, q_rows, ok, HALF, HALF)
+    _copy_q(q_spe, q_rows, ok, 2 * HALF, ROPE)
+    async_copy.commit_group()
+    # Memory safety without host checks, as the portable kernels: a row longer than its table, or one meeting
+    # a table entry outside the cache, is NaN (the loader clamps every entry, so no address outside the cache
+    # is read).
+    first_bad = _first_bad_key(table_row, stride_t_p, start, tile_end, num_pages, PAGE_SIZE)
+    poisoned = (limit > table_keys) | (row_end > first_bad)
+    async_copy.wait_group(0)
     fence_async_shared()
     _barrier()
 
@@ -294,14 +329,17 @@ def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe,
     row_scale = gl.where(poisoned, float("nan"), row_scale)
     lse = gl.where(poisoned, float("nan"), lse)
     _hand_over(None, row_scale, p_s, vec_s, p_full, p_free, num_tiles)
-    return acc * row_scale[:, None], lse
+    _store_half(acc * row_scale[:, None], k_s0, out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN,
+                NUM_HEADS)  # fmt: skip
+    return (lse,)  # the partition's results as a tuple
 
 
 @gluon.jit
-def _load_q(q_rows, row_ok, COL0: gl.constexpr, WIDTH: gl.constexpr):
-    """``[64, WIDTH]`` query elements at columns ``COL0 ..`` of this program's rows (zeros past them)."""
+def _copy_q(q_s, q_rows, row_ok, COL0: gl.constexpr, WIDTH: gl.constexpr):
+    """Start copying the query elements at columns ``COL0 .. COL0 + WIDTH`` of this program's rows into ``q_s``
+    (``cp.async``, no registers held; zeros for rows past the request's)."""
     c = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, _ROWS_LAYOUT))
-    return gl.load(q_rows[:, None] + COL0 + c[None, :], mask=row_ok[:, None], other=0.0)
+    _copy_async(q_s, q_rows[:, None] + COL0 + c[None, :], mask=row_ok[:, None])
 
 
 @gluon.jit
@@ -315,12 +353,8 @@ def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     _, _, t, ok = _rows(request, row_block, QLEN, NUM_HEADS, _ROWS)
     limit = gl.where(ok, gl.maximum(gl.minimum(seq_len - QLEN + 1 + t, real_len), 0), 0)
-    # Memory safety without host checks, as the portable kernels: a row longer than its table, or one meeting
-    # a table entry outside the cache, is NaN; no address outside the cache is read.
     row_end = gl.minimum(gl.minimum(limit, end), table_keys)
     tile_end = gl.max(row_end, axis=0)
-    first_bad = _first_bad_key(table_row, stride_t_p, start, tile_end, num_pages, PAGE_SIZE)
-    poisoned = (limit > table_keys) | (row_end > first_bad)
     first_tile = start // BLOCK_N * BLOCK_N
     num_tiles = gl.where(tile_end > start, gl.cdiv(tile_end - first_tile, BLOCK_N), 0)
 
@@ -343,10 +377,11 @@ def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_
     mbarrier.init(p_free, count=1)
     fence_async_shared()
 
-    acc, lse = gl.warp_specialize([
+    (lse,) = gl.warp_specialize([
         (_scores, (q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, p_s, vec_s, k_full, k_free,
-                   p_full, p_free, first_tile, num_tiles, start, tile_end, row_end, poisoned, qk_scale, logit_cap,
-                   request, row_block, QLEN, NUM_HEADS, HAS_CAP)),
+                   p_full, p_free, table_row, stride_t_p, num_pages, table_keys, first_tile, num_tiles, start, tile_end,
+                   limit, row_end, qk_scale, logit_cap, out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN,
+                   NUM_HEADS, PAGE_SIZE, HAS_CAP)),
         (_values, (k_s1, p_s, vec_s, k_full, k_free, p_full, p_free, num_tiles, out_ptr, stride_out_r, stride_out_h,
                    request, row_block, QLEN, NUM_HEADS)),
         (_loader, (lat_desc, pe_desc, k_s0, k_s1, k_spe, k_full, k_free, table_row, stride_t_p, num_pages,
@@ -354,9 +389,6 @@ def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_
     ], [4, 1], [VALUE_REGS, LOADER_REGS])  # fmt: skip
 
     r, h, _, ok = _rows(request, row_block, QLEN, NUM_HEADS, _ROWS)
-    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, _O_LAYOUT))
-    out_rows = out_ptr + r.to(gl.int64) * stride_out_r + h * stride_out_h
-    gl.store(out_rows[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok[:, None])
     gl.store(lse_ptr + r.to(gl.int64) * stride_lse_r + h * stride_lse_h, lse.to(lse_ptr.dtype.element_ty), mask=ok)
 
 
@@ -478,6 +510,7 @@ def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, p
     signature = {n: "constexpr" if n in constexprs else pointers.get(n) or descs.get(n) or
                  ("fp32" if n in floats else "i32") for n in names}  # fmt: skip
     values = {(names.index(n),): v for n, v in constexprs.items()}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers if n in names}
+    aligned = [n for n in (*pointers, "stride_q_r", "stride_q_h") if n in names]  # as supports() requires
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return triton_compile(GluonASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": int(NUM_WARPS)})  # fmt: skip

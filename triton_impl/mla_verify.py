@@ -663,7 +663,7 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
         tma = tma_layout(k_buffer, page_size, _page_stride(k_buffer, page_size), k_buffer.stride(-3), num_pages,
                          64, value_width, block_dpe)  # fmt: skip
     if cfg.get("GLUON") and decode_attention_sm90.supports(
-        device=q.device, is_mla=True, key_width=key_width, value_width=value_width, q_dtype=q.dtype,
+        device=q.device, is_mla=True, key_width=key_width, value_width=value_width, q=q,
         cache_dtype=k_buffer.dtype, rows=qlen * num_heads, page_size=page_size, tma_rows=tma is not None,
     ):  # the sm_90 fast path (triton_impl/decode_attention_sm90.py): the same partials, a hand-made schedule
         stage1 = Launch(decode_attention_sm90.mla_verify_stage1_kernel,

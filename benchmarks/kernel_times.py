@@ -1,0 +1,86 @@
+"""GPU time of each kernel of one call of ``attnref bench`` cases, from the CUDA profiler, for the GPU machine.
+
+``PYTHONPATH=. python3 benchmarks/kernel_times.py "op:name part" ...`` (a spec as ``benchmarks/profile_ncu.py``
+takes it: a part of the bench name, ``op:`` to pick the op; a part matching several cases times them all). Each
+case is set up as the bench sets it up (content checks off), run 3 times to compile, then ``CALLS`` times under
+``torch.profiler``; a row gives each kernel's mean microseconds per call, their sum, and the whole call's mean
+from CUDA events (eager: the sum plus launch gaps and host time) and in CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from triton_impl.parity import decode_attention, lse_merge, mla_verify, turboquant, ue8m0_cache
+from triton_impl.validation import CONTENT_CHECKS_ENV
+
+CALLS = 20
+OPS = (decode_attention, mla_verify, turboquant, ue8m0_cache, lse_merge)
+ALL_CASES = {m.__name__.rsplit(".", 1)[-1]: m.bench_cases() for m in OPS}
+
+
+def _mean_us(run, graph: bool) -> float:
+    """Mean microseconds per call of ``run`` from CUDA events, eager or as one captured call replayed."""
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        run = g.replay
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    run()
+    start.record()
+    for _ in range(CALLS):
+        run()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) * 1000 / CALLS
+
+
+def kernel_times(run) -> tuple[dict[str, float], float]:
+    """(mean microseconds per call by kernel name, mean microseconds per call from CUDA events, eager)."""
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            run()
+        torch.cuda.synchronize()
+    times: dict[str, float] = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] += event.device_time / CALLS
+    return dict(times), _mean_us(run, graph=False)
+
+
+def main(specs: list[str]) -> None:
+    os.environ[CONTENT_CHECKS_ENV] = "0"
+    print("| op | case | kernel: us per call | kernels' sum | eager call | graph replay |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for spec in specs:
+        op, _, part = spec.rpartition(":")
+        for name, cases in ALL_CASES.items():
+            for case in cases:
+                if (op and name != op) or part not in case.name:
+                    continue
+                bench = case.setup(torch.device("cuda"))
+                times, eager = kernel_times(bench.run)
+                graph = _mean_us(bench.run, graph=True)
+                kernels = ", ".join(f"{k[:40]} {t:.1f}" for k, t in sorted(times.items(), key=lambda kv: -kv[1]))
+                print(f"| {name} | {case.name} | {kernels} | {sum(times.values()):.1f} | {eager:.1f} | {graph:.1f} |",
+                      flush=True)  # fmt: skip
+                del bench
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
