@@ -400,14 +400,14 @@ def padded_query(q: torch.Tensor, pad: int) -> torch.Tensor:
     ("num_heads", "page_size", "layout", "window", "splits", "cap", "dtype"),
     [(128, 64, "4d", None, 2, 0.0, torch.bfloat16), (128, 128, "3d", 150, 3, 0.0, torch.bfloat16),
      (96, 64, "4d", None, 1, 0.0, torch.bfloat16), (64, 64, "4d", 150, 5, 30.0, torch.float16),
-     (128, 64, "4d", None, 1, 0.0, torch.bfloat16)],
+     (128, 64, "4d", None, 1, 0.0, torch.bfloat16), (40, 64, "4d", None, 2, 0.0, torch.bfloat16)],
 )  # fmt: skip
 def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout, window, splits, cap, dtype) -> None:
-    """The Gluon stage 1 (DeepSeek's widths, 64 heads or more, 16-bit cache, pages of 64k keys) against golden:
+    """The Gluon stage 1 (DeepSeek's widths, 32 heads or more, 16-bit cache, pages of 64k keys) against golden:
     whole tiles and the partial tiles at each split's ends (window and split starts off a tile, rows shorter
     than a tile, an empty row), the NaN moat around every row, a head count that leaves a half-empty head
-    block, one split (o and lse written directly) and several, a logit cap, fp16, a query whose heads are 592
-    elements apart (96 heads)."""
+    block and one (40 heads) with 24 empty rows, one split (o and lse written directly) and several, a logit cap,
+    fp16, a query whose heads are 592 elements apart (96 heads)."""
     lens = [300, 200, 64, 63, 1, 0, 1000]
     d = make_decode(device, 43, lens, is_mla=True, num_heads=num_heads, widths=(512, 64), page_size=page_size,
                     layout=layout, dtype=dtype, window=window, cap=cap)  # fmt: skip
@@ -427,23 +427,25 @@ def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout,
 
 @pytest.mark.parametrize(
     ("heads", "page_size", "fp8", "layout", "q_pad", "served"),
-    [(128, 64, False, "4d", 0, True), (64, 128, False, "3d", 0, True), (40, 64, False, "4d", 0, False),
+    [(128, 64, False, "4d", 0, True), (64, 128, False, "3d", 0, True), (40, 64, False, "4d", 0, True),
+     (16, 64, False, "4d", 0, False),
      (128, 16, False, "4d", 0, False), (128, 64, True, "4d", 0, False), (128, 64, False, "cross_layer", 0, False),
      (128, 64, False, "4d", 16, True), (128, 64, False, "4d", 8, False)],
 )  # fmt: skip
 def test_the_sm90_decode_path_takes_exactly_the_calls_it_serves(device, monkeypatch, heads, page_size, fp8, layout,
                                                                 q_pad, served) -> None:  # fmt: skip
     """With the device taken for an H100/H200, the plan launches the Gluon stage 1 for a 16-bit cache at DeepSeek's
-    widths, 64 heads or more, TMA-addressable pages of 64k keys and a query whose strides are multiples of 16
-    elements, and the portable kernel otherwise (fewer heads, pages of 16, FP8, pages not back to back, a head
+    widths, 32 heads or more, TMA-addressable pages of 64k keys and a query whose strides are multiples of 16
+    elements, and the portable kernel otherwise (16 heads, pages of 16, FP8, pages not back to back, a head
     stride of 584). Nothing is launched: only the plan is built (on the CPU in CI)."""
     monkeypatch.setattr(decode_attention_sm90, "device_arch", lambda device: "sm90")
     d = make_decode(device, 3, [70, 0], is_mla=True, num_heads=heads, widths=(512, 64), page_size=page_size, fp8=fp8,
                     layout=layout)  # fmt: skip
     d.q = padded_query(d.q, q_pad) if q_pad else d.q
     o, lse = torch.empty(2, heads, 512, device=device), torch.empty(2, heads, device=device)
-    plan = _plan_decode(d.q, d.k, d.v, o, lse, d.table, d.lens, torch.empty(2, heads, 2, 513, device=device), 2,
-                        d.sm_scale, page_size, 0.0, d.k_scale, d.v_scale, True, None, _config("sm90", True))  # fmt: skip
+    workspace = torch.empty(2, heads, 2, 513, device=device)
+    plan = _plan_decode(d.q, d.k, d.v, o, lse, d.table, d.lens, workspace, 2, d.sm_scale, page_size, 0.0, d.k_scale,
+                        d.v_scale, True, None, _config("sm90", True))  # fmt: skip
     assert (plan.stage1._kernel is decode_attention_sm90.mla_decode_stage1_kernel) == served
     assert (plan.descriptors is decode_attention_sm90.descriptors) == served
 

@@ -92,7 +92,7 @@ def test_merge_attn_states_edge_cases_exact(device) -> None:
     rows=st.integers(1, 12),
     heads=st.integers(1, 5),
     splits=st.integers(1, 40),
-    head_dim=st.sampled_from([1, 16, 40, 64, 128]),
+    head_dim=st.sampled_from([1, 16, 40, 64, 128, 200, 512]),  # past 128: column blocks, the last partial at 200
     o_dtype=st.sampled_from(list(DTYPES)),
     lse_dtype=st.sampled_from(["float32", "bfloat16"]),
     p_empty=st.sampled_from([0.0, 0.5, 1.0]),
@@ -124,7 +124,8 @@ def test_merge_splits_all_empty_is_neutral(device) -> None:
     assert torch.isneginf(lse.cpu()).all()
 
 
-@pytest.mark.parametrize(("splits", "head_dim"), [(5, 16), (40, 128)])  # one tile; two tiles of 32 splits
+# one tile; two tiles of 32 splits; the same in three column blocks (the last 64 wide)
+@pytest.mark.parametrize(("splits", "head_dim"), [(5, 16), (40, 128), (40, 320)])
 def test_merge_splits_poisoned_split(device, splits, head_dim) -> None:
     """A NaN LSE makes its whole (row, head) NaN, output and LSE, wherever the split lies (a second
     tile too); +inf LSEs are empty; every other (row, head) merges as the golden does."""

@@ -247,13 +247,14 @@ def test_verify_tma_tiles_and_the_cut_last_tile(device, page_size, layout, fp8) 
 @pytest.mark.parametrize(
     ("qlen", "heads", "num_kv_splits", "real", "page_size", "layout"),
     [(4, 16, 2, False, 64, "4d"), (4, 128, 1, False, 64, "4d"), (3, 32, 3, True, 128, "3d"),
-     (1, 64, 4, True, 64, "4d")],
+     (1, 64, 4, True, 64, "4d"), (2, 16, 3, True, 64, "4d"), (3, 16, 2, False, 128, "3d")],
 )  # fmt: skip
 def test_sm90_verify_fast_path_matches_golden(device, qlen, heads, num_kv_splits, real, page_size, layout) -> None:
-    """The Gluon stage 1 (DeepSeek's widths, 64 rows or more per request, a 16-bit cache, pages of 64k keys)
+    """The Gluon stage 1 (DeepSeek's widths, 32 rows or more per request, a 16-bit cache, pages of 64k keys)
     against golden, partials included: one row block of 4 tokens x 16 heads (per-row causal limits in one
-    tile), 8 blocks of one token each, 96 rows (a token cut across two blocks, the second half empty), real
-    lengths below the kernel's, the NaN moat around every request, the cut last tile of each split."""
+    tile), 8 blocks of one token each, 96 rows (a token cut across two blocks, the second half empty), 32 and
+    48 rows (one block, partly empty), real lengths below the kernel's, the NaN moat around every request, the
+    cut last tile of each split."""
     lens = [300, 129, 64, 1, 0, 700]
     problem = make_problem(lens, qlen, heads, 512, 64, page_size, device, seed=11, layout=layout,
                            real_seq_lens=[250, 129, 10, 1, 0, 700] if real else None)  # fmt: skip
@@ -270,11 +271,12 @@ def test_sm90_verify_fast_path_matches_golden(device, qlen, heads, num_kv_splits
 
 @pytest.mark.parametrize(
     ("qlen", "heads", "cache_dtype", "served"),
-    [(4, 16, None, True), (1, 64, None, True), (2, 16, None, False), (4, 128, torch.float8_e4m3fn, False)],
+    [(4, 16, None, True), (1, 64, None, True), (2, 16, None, True), (1, 16, None, False),
+     (4, 128, torch.float8_e4m3fn, False)],
 )  # fmt: skip
 def test_the_sm90_verify_path_takes_exactly_the_calls_it_serves(device, monkeypatch, qlen, heads, cache_dtype,
                                                                 served) -> None:  # fmt: skip
-    """With the device taken for an H100/H200, the plan launches the Gluon stage 1 for 64 or more (token, head)
+    """With the device taken for an H100/H200, the plan launches the Gluon stage 1 for 32 or more (token, head)
     rows per request and a 16-bit cache, the portable kernel for fewer rows or an FP8 cache. Nothing is
     launched: only the plan is built (on the CPU in CI)."""
     monkeypatch.setattr(decode_attention_sm90, "device_arch", lambda device: "sm90")

@@ -68,6 +68,11 @@ BLOCK_H = gl.constexpr(64)  # (query token, head) rows per program: wgmma's M
 BLOCK_N = gl.constexpr(64)  # keys per tile
 NUM_WARPS = gl.constexpr(4)  # the softmax warpgroup; the value warpgroup and the loader are workers
 STAGES = gl.constexpr(2)
+# The fewest (query token, head) rows per request the kernel is routed for: its wgmma tiles have 64 rows, and
+# the empty ones cost compute. On the H200 (benchmarks/kernel_times.py) it beats the portable kernel at 32 rows
+# (verify B=64 H=16 qlen=2 L=4K, stage 1 87.2 against 141.2 us) and ties at 16 (decode B=32 H=16 L=32K, 326.6
+# against 326.9 us).
+MIN_ROWS = 32
 VALUE_REGS = gl.constexpr(192)  # registers per thread of the value warpgroup
 LOADER_REGS = gl.constexpr(40)
 _LOG2E = gl.constexpr(1.4426950408889634)
@@ -102,10 +107,11 @@ def supports(*, device: torch.device, is_mla: bool, key_width: int, value_width:
     """Whether a call is one this kernel serves (else the portable kernel runs). ``q``: the query ``[rows, heads,
     Lk]``, whose address and row and head strides must be multiples of 16 bytes and 16 elements (it is copied
     by ``cp.async`` in 16-byte pieces, which Triton proves aligned from those facts); ``rows``: the (query
-    token, head) rows of one request (decode: the heads), at least 64; ``tma_rows``: the cache is addressable as
-    ``[pages * page_size, Lk]`` rows by tensor descriptors (``decode_attention.tma_layout`` is not None)."""
+    token, head) rows of one request (decode: the heads), at least ``MIN_ROWS``; ``tma_rows``: the cache is
+    addressable as ``[pages * page_size, Lk]`` rows by tensor descriptors (``decode_attention.tma_layout`` is not
+    None)."""
     served = is_mla and key_width == LK and value_width == LV and cache_dtype == q.dtype
-    served = served and q.dtype in (torch.bfloat16, torch.float16) and rows >= 64 and page_size % 64 == 0
+    served = served and q.dtype in (torch.bfloat16, torch.float16) and rows >= MIN_ROWS and page_size % 64 == 0
     served = served and q.data_ptr() % 16 == 0 and all(stride % 16 == 0 for stride in q.stride()[:2])
     return served and tma_rows and device_arch(device).startswith("sm9")
 

@@ -36,9 +36,13 @@ MERGE_CONFIGS: dict[str, dict[str, int]] = {
 # 0.31 ms at 4 warp instructions per cycle, above the 0.263 ms copy roofline; it ran 0.426 ms.
 # On the H200 (sweep_memory_bound_h200.md, 0520727) one warp took S=16 D=128 from 0.426 to 0.286 ms
 # (61.7 -> 92.3% of copy BW; 89.3% in the bench) and runs S=8 D=512 at copy BW; 2 warps are within
-# 1%, 4 warps 3% slower.
+# 1%, 4 warps 3% slower. Splits of a (row, head) that do not fit one tile are merged in column blocks (halved
+# down to MIN_BLOCK_D columns), each a program of its own, instead of one program looping over the tiles: MLA
+# decode B=1 H=128 S=64 D=512 (128 (row, head) programs) took 9.4 us, 5.0 us in four blocks of 128 columns
+# (benchmarks/kernel_times.py, H200). Column blocks of tiles that do fit are slower: four blocks at S=2 D=512
+# took 11.6 us against 4.8, at S=8 D=512 (R=1024 H=128) 668 us against ~549.
 SPLIT_MERGE_CONFIGS: dict[str, dict[str, int]] = {
-    "default": {"MAX_BLOCK_S_D": 4096, "num_warps": 1},
+    "default": {"MAX_BLOCK_S_D": 4096, "MIN_BLOCK_D": 128, "num_warps": 1},
 }
 
 # Plans by call key (``triton_impl.validation`` says what a key holds): the checked launch of each
@@ -301,7 +305,8 @@ def _merge_splits_kernel(
     EVEN_D: tl.constexpr,
     MULTI_TILE: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(rows, H)``: a program merges the ``S`` split states of one (row, head).
+    """Grid ``(rows, H, cdiv(D, BLOCK_D))``: a program merges the ``S`` split states of one (row, head) in
+    ``BLOCK_D`` of its columns (each column block reads the LSEs; the first stores the merged LSE).
 
     Pass 1 reads the ``S`` LSEs (stored at column ``D`` of each split) and takes their max; pass 2
     reads ``BLOCK_S`` splits at a time, weighting each normalized partial by ``exp(lse_s - max)``.
@@ -310,10 +315,11 @@ def _merge_splits_kernel(
     NaN, explicitly: a hardware max would drop the NaN.
 
     The first ``BLOCK_S`` LSEs are loaded once and kept for pass 2; with ``S <= BLOCK_S``
-    (``MULTI_TILE`` false) there is no loop. ``EVEN_D``: ``D == BLOCK_D``, no column mask.
+    (``MULTI_TILE`` false) there is no loop. ``EVEN_D``: ``D`` a multiple of ``BLOCK_D``, no column mask.
     """
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
+    col0 = tl.program_id(2) * BLOCK_D
     base = partials_ptr + row * stride_p_r + head * stride_p_h
 
     lse_first = _split_lses(base, 0, num_splits, head_dim, stride_p_s, BLOCK_S, LSE_COLS)
@@ -331,25 +337,27 @@ def _merge_splits_kernel(
 
     w = tl.exp(_clean_lse(lse_first) - m_safe)
     total = w
-    acc = _weighted_tile_sum(base, 0, w, head_dim, stride_p_s, BLOCK_S, BLOCK_D, EVEN_D)
+    acc = _weighted_tile_sum(base + col0, 0, w, head_dim - col0, stride_p_s, BLOCK_S, BLOCK_D, EVEN_D)
     if MULTI_TILE:
         for start in range(BLOCK_S, num_splits, BLOCK_S):
             lse_s = _split_lses(base, start, num_splits, head_dim, stride_p_s, BLOCK_S, LSE_COLS)
             w = tl.exp(_clean_lse(lse_s) - m_safe)
             total += w
-            acc += _weighted_tile_sum(base, start, w, head_dim, stride_p_s, BLOCK_S, BLOCK_D, EVEN_D)
+            acc += _weighted_tile_sum(base + col0, start, w, head_dim - col0, stride_p_s, BLOCK_S, BLOCK_D, EVEN_D)
     w_sum = tl.sum(total, axis=0)
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, w_sum))
     inv = tl.where(poison, float("nan"), inv)
-    dims = tl.arange(0, BLOCK_D)
+    dims = col0 + tl.arange(0, BLOCK_D)
     tl.store(
         o_ptr + row * stride_o_r + head * stride_o_h + dims,
         cast_for_store(acc * inv, o_ptr.dtype.element_ty),
         mask=dims < head_dim,
     )
-    merged_lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, w_sum)))
-    merged_lse = tl.where(poison, float("nan"), merged_lse)
-    tl.store(lse_ptr + row * stride_lse_r + head * stride_lse_h, cast_for_store(merged_lse, lse_ptr.dtype.element_ty))
+    if tl.program_id(2) == 0:
+        merged_lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, w_sum)))
+        merged_lse = tl.where(poison, float("nan"), merged_lse)
+        lse_out = lse_ptr + row * stride_lse_r + head * stride_lse_h
+        tl.store(lse_out, cast_for_store(merged_lse, lse_ptr.dtype.element_ty))
 
 
 def merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
@@ -400,8 +408,10 @@ def _merge_splits_launch_args(
     """``(grid, runtime arguments after the three pointers, constexprs)`` of the split merge of the
     first ``rows`` rows of ``[>= rows, H, S, D+1]`` partials."""
     _, num_heads, num_splits, width = partials.shape
-    block_d = next_pow2(width - 1)
     config = select_config(SPLIT_MERGE_CONFIGS, partials.device)
+    block_d = next_pow2(width - 1)
+    while block_d > config["MIN_BLOCK_D"] and next_pow2(num_splits) * block_d > config["MAX_BLOCK_S_D"]:
+        block_d //= 2  # splits that do not fit one tile: column blocks, each a program of its own
     block_s = max(1, min(next_pow2(num_splits), config["MAX_BLOCK_S_D"] // block_d))
     threads = 32 * config["num_warps"]
     tail = (num_heads, num_splits, width - 1, *partials.stride()[:3], *o.stride()[:2], *lse.stride()[:2])
@@ -409,11 +419,11 @@ def _merge_splits_launch_args(
         "BLOCK_S": block_s,
         "BLOCK_D": block_d,
         "LSE_COLS": max(2, threads // block_s),
-        "EVEN_D": block_d == width - 1,
+        "EVEN_D": (width - 1) % block_d == 0,
         "MULTI_TILE": num_splits > block_s,
         "num_warps": config["num_warps"],
     }
-    return (rows, num_heads), tail, constexprs
+    return (rows, num_heads, cdiv(width - 1, block_d)), tail, constexprs
 
 
 def merge_splits_launch(rows: int, partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> Callable[..., None]:
