@@ -212,6 +212,8 @@ def bench_cases(small: bool = False) -> list[BenchCase]:
         case(1, 128, 32768, is_mla=True),
         case(32, 128, 8192, is_mla=True, fp8=True),
         case(128, 128, 1024, is_mla=True),
+        case(8, 16, 4096, is_mla=True),  # small batches, as FlashInfer was first measured at
+        case(8, 128, 4096, is_mla=True),
         case(32, 32, 8192, is_mla=False),
         case(32, 32, 32768, is_mla=False),
         case(128, 32, 1024, is_mla=False),

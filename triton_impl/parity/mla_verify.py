@@ -148,4 +148,8 @@ def bench_cases(small: bool = False) -> list[BenchCase]:
         case(64, 128, 1, 2048),
         case(16, 128, 8, 4096),
         case(32, 128, 2, 8192, fp8=True),
+        # The long-context and small-batch verify shapes FlashInfer was first measured at.
+        case(32, 16, 4, 32768),
+        case(32, 128, 4, 32768),
+        case(1, 128, 4, 32768),
     ]
