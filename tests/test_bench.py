@@ -361,3 +361,29 @@ def _report(monkeypatch, tmp_path: Path, results: list[Result]) -> list[str]:
     text = write_report(results, {"copy_gbps": 4000.0, "matmul_tflops": 700.0}, tmp_path).read_text()
     lines = text.splitlines()
     return lines[lines.index(next(line for line in lines if line.startswith("| op |"))) :]
+
+
+_TIMELINE_COMPILE = """
+import json, sys
+from pathlib import Path
+from benchmarks import mla_timeline
+from triton_impl.bench import sass_resources
+kernels = mla_timeline.load_stamped(Path(sys.argv[1]))
+for verify in (False, True):
+    kernel = kernels.compile_for_sm90(verify=verify)
+    print(json.dumps([verify, *sass_resources(kernel.asm["cubin"]), kernel.metadata.shared]))
+"""
+
+
+def test_the_mla_timeline_stamps_compile_for_hopper(tmp_path: Path) -> None:
+    """``benchmarks/mla_timeline.py`` rebuilds the Gluon MLA stage 1 from its source with timer stamps: every edit
+    still finds its place in the kernel (else it stops, naming the text), and both stamped entry kernels compile
+    for sm_90 (a process of its own, TRITON_INTERPRET=0), with the unstamped kernel's shared memory."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", _TIMELINE_COMPILE, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    assert [row[0] for row in rows] == [False, True]
+    assert all(224 * 1024 <= row[3] <= 232448 for row in rows), rows

@@ -1,0 +1,166 @@
+"""Where a program of the sm_90 Gluon MLA stage 1 spends its time: a timeline per program, for the GPU machine.
+
+``PYTHONPATH=. python3 benchmarks/mla_timeline.py "op:name part" ...`` (specs as ``benchmarks/kernel_times.py``
+takes them; cases that run ``triton_impl/decode_attention_sm90.py``). The kernel is rebuilt from its own source with
+a ``%globaltimer`` stamp (nanoseconds, one clock for the whole GPU) written by each program at six points:
+
+0. ``start``: the entry kernel begins;
+1. ``bounds``: the split bounds are known (the loader and both warpgroups start next);
+2. ``query``: the softmax warpgroup has the query in shared memory and the block table checked;
+3. ``tile 0``: it has the first tile's scores;
+4. ``loop``: it has finished the last tile (its own value products included);
+5. ``stored``: the program has stored both output halves and the LSE.
+
+A case is set up as the bench sets it up (content checks off), run 3 times, then once stamped. The table gives, per
+case, the kernel's span (first start to last store) and the median and maximum over programs of each phase.
+The stamps cost a few instructions per program; nothing else changes. This is how the output halves' stores
+(8 rows a store, 13-23 us a program of fp32 partials) were found, 2026-12-01 (``notebooks/results/perf_log.md``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import triton_impl.decode_attention_sm90 as fast
+from triton_impl import launch as launch_module
+from triton_impl.validation import CONTENT_CHECKS_ENV
+
+PHASES = ("start", "bounds", "query", "tile 0", "loop", "stored")
+
+_STAMP = '''
+@gluon.jit
+def _stamp(trace_ptr, slot: gl.constexpr):
+    """Store ``%globaltimer`` at ``trace_ptr[program * 8 + slot]`` (one thread; the SM id at slot 7 with slot 0)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    lane = gl.arange(0, 32 * NUM_WARPS, layout=layout)
+    now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lane], dtype=gl.int64, is_pure=False,
+                                    pack=1)
+    program = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+    gl.store(trace_ptr + program * 8 + slot + lane * 0, now, mask=lane == 0)
+    if slot == 0:
+        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
+        gl.store(trace_ptr + program * 8 + 7 + lane * 0, sm.to(gl.int64), mask=lane == 0)
+
+
+@gluon.jit
+def _zero_rows('''
+
+def _after(where: str, slot: int, indent: str = "    ") -> tuple[str, str]:
+    """An edit that stamps ``slot`` right after ``where`` (``indent``: what precedes the stamp on its line)."""
+    return where, f"{where}{indent}_stamp(trace_ptr, {slot})\n"
+
+
+# (where, what): each ``where`` occurs once in the kernel's source and becomes ``what`` (a stamp added, or the trace
+# pointer passed down). A ``where`` that no longer matches stops the tool with its text.
+_EDITS = (
+    ("\n@gluon.jit\ndef _zero_rows(", _STAMP),
+    ("request, row_block, QLEN: gl.constexpr,\n            NUM_HEADS: gl.constexpr, PAGE_SIZE",
+     "request, row_block, trace_ptr, QLEN: gl.constexpr,\n            NUM_HEADS: gl.constexpr, PAGE_SIZE"),
+    _after("    async_copy.wait_group(0)\n    fence_async_shared()\n    _barrier()\n", 2),
+    _after("        s, acc = warpgroup_mma_wait(0, deps=[s, acc])  # the last tile's value product too\n",
+           3, "        if i == 0:\n            "),
+    _after("    acc = warpgroup_mma_wait(0, deps=[acc])\n\n", 4),
+    ("logit_cap, request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,",
+     "logit_cap, request, row_block, trace_ptr, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,"),
+    _after("    first_tile = start // BLOCK_N * BLOCK_N\n", 1),
+    ("request, row_block, QLEN,\n                   NUM_HEADS, PAGE_SIZE, HAS_CAP)),",
+     "request, row_block, trace_ptr, QLEN,\n                   NUM_HEADS, PAGE_SIZE, HAS_CAP)),"),
+    _after("lse.to(lse_ptr.dtype.element_ty), mask=ok)\n", 5),
+    ("    stride_t_r, stride_t_p, stride_sl,\n", "    stride_t_r, stride_t_p, stride_sl, trace_ptr,\n"),
+    ("    row = gl.program_id(0)\n    split = gl.program_id(2)\n",
+     "    _stamp(trace_ptr, 0)\n    row = gl.program_id(0)\n    split = gl.program_id(2)\n"),
+    ("row, gl.program_id(1), 1, GROUP,", "row, gl.program_id(1), trace_ptr, 1, GROUP,"),
+    ("stride_o_r, stride_o_h, stride_lse_r, stride_lse_h,\n    QLEN: gl.constexpr,",
+     "stride_o_r, stride_o_h, stride_lse_r, stride_lse_h, trace_ptr,\n    QLEN: gl.constexpr,"),
+    ("    pid = gl.program_id(0)\n    row_block = pid % ROW_BLOCKS",
+     "    _stamp(trace_ptr, 0)\n    pid = gl.program_id(0)\n    row_block = pid % ROW_BLOCKS"),
+    ("0.0, b, row_block, QLEN, NUM_HEADS,", "0.0, b, row_block, trace_ptr, QLEN, NUM_HEADS,"),
+    ('"v_scale_ptr": "*fp32"}', '"v_scale_ptr": "*fp32", "trace_ptr": "*i64"}'),
+)
+
+
+def stamped_source() -> str:
+    """``decode_attention_sm90``'s source with the stamps (and ``trace_ptr``, the last runtime argument of both
+    entry kernels and of ``compile_for_sm90``'s signature)."""
+    text = Path(fast.__file__).read_text()
+    for where, what in _EDITS:
+        if text.count(where) != 1:
+            raise SystemExit(f"mla_timeline: the kernel's source changed, {where!r} occurs {text.count(where)} times")
+        text = text.replace(where, what)
+    return text
+
+
+def load_stamped(folder: Path):
+    """The stamped module, written to ``folder`` (Gluon reads a kernel's source from its file)."""
+    path = folder / "mla_timeline_kernels.py"
+    path.write_text(stamped_source())
+    spec = importlib.util.spec_from_file_location("mla_timeline_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(specs: list[str]) -> None:
+    from benchmarks.kernel_times import ALL_CASES
+
+    os.environ[CONTENT_CHECKS_ENV] = "0"
+    with tempfile.TemporaryDirectory() as folder:
+        stamped = load_stamped(Path(folder))
+        trace: dict[str, torch.Tensor] = {}
+        plain_call = launch_module.Launch.__call__
+
+        def call(self, stream, *head):  # the Gluon entry kernels launch their stamped twins, with a trace buffer
+            name = getattr(getattr(self._kernel, "fn", None), "__name__", "")
+            if name not in ("mla_decode_stage1_kernel", "mla_verify_stage1_kernel"):
+                return plain_call(self, stream, *head)
+            programs = 1
+            for size in self._grid:
+                programs *= size
+            trace["t"] = torch.zeros(programs * 8, dtype=torch.int64, device="cuda")
+            getattr(stamped, name)[self._grid](*head, *self._tail, trace_ptr=trace["t"], **self._constexprs)
+            return None
+
+        launch_module.Launch.__call__ = call
+        try:
+            phases = " | ".join(f"{a} -> {b} us (median, max)" for a, b in itertools.pairwise(PHASES))
+            print(f"| op | case | programs | span us | {phases} |")
+            print("| --- " * (4 + len(PHASES) - 1) + "|")
+            for spec in specs:
+                op, _, part = spec.rpartition(":")
+                for case in (c for name, cs in ALL_CASES.items() if not op or name == op for c in cs):
+                    if part not in case.name:
+                        continue
+                    bench = case.setup(torch.device("cuda"))
+                    for _ in range(3):
+                        bench.run()
+                    trace.clear()
+                    bench.run()
+                    torch.cuda.synchronize()
+                    if "t" not in trace:
+                        print(f"| {case.op} | {case.name} | the Gluon stage 1 did not run | |")
+                        continue
+                    stamps = trace["t"].view(-1, 8).cpu().tolist()
+                    zero = min(s[0] for s in stamps)
+                    span = (max(s[5] for s in stamps) - zero) / 1e3
+                    cells = []
+                    for k in range(len(PHASES) - 1):
+                        gaps = [(s[k + 1] - s[k]) / 1e3 for s in stamps]
+                        cells.append(f"{statistics.median(gaps):.2f}, {max(gaps):.2f}")
+                    print(f"| {case.op} | {case.name} | {len(stamps)} | {span:.1f} | " + " | ".join(cells) + " |",
+                          flush=True)  # fmt: skip
+                    del bench
+                    torch.cuda.empty_cache()
+        finally:
+            launch_module.Launch.__call__ = plain_call
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
