@@ -485,16 +485,17 @@ for result in bench["results"]:
             print(f"{result['case']:42s} FlashInfer not timed: {status[:90]}")
 geomean = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
 print(f"geomean {geomean:.2f}x over {len(ratios)} cases")
-assert ratios and max(ratios.values()) < 1  # FlashInfer is faster in every timed case today
+assert ratios and min(ratios.values()) > 0.85 and max(ratios.values()) < 1  # FlashInfer is faster, by at most 1.18x
 
 # %% [markdown]
-# FlashInfer's fa3 kernel is still faster in every case it ran, by 1.14-2.4x (the ratios above; 1.5-2.1x before the
-# sm_90 kernel of the next section). Its FP8-cache LSE misses this package's tolerance, so that case is reported and
-# not timed: the golden check runs on the peer as on our kernels.
+# FlashInfer's fa3 kernel is still faster in every case it ran, by 1.03-1.16x (the ratios above; 1.14-2.4x before
+# the next section's kernel stored its outputs through shared memory, 1.5-2.1x before that kernel). Its FP8-cache
+# LSE misses this package's tolerance, so that case is reported and not timed: the golden check runs on the peer as
+# on our kernels.
 #
 # ## 7. The schedule on Hopper: three roles, one program per SM
 #
-# On an H100/H200, a 16-bit cache at DeepSeek's widths with pages of 64k keys and at least 64 (token, head) rows per
+# On an H100/H200, a 16-bit cache at DeepSeek's widths with pages of 64k keys and at least 32 (token, head) rows per
 # request runs `triton_impl/decode_attention_sm90.py`, a Gluon kernel (Triton's explicit-layout dialect: warpgroup
 # MMAs, TMA and mbarriers written out), beside the portable Triton kernel this notebook runs on a CPU. The two
 # compute the same partials; the property tests check both against the golden model. One program owns 64 rows and
@@ -538,3 +539,32 @@ assert 0.4 < tensor_cycles / cycles < 0.7
 # before this tile's value product would overlap the softmax, but with two stages a stage is then freed later and the
 # next load starts too late (measured slower, `notebooks/results/perf_log.md`). What would give the third stage
 # room is the query out of shared memory, in the softmax warpgroup's registers.
+#
+# **What a program costs besides its tiles.** Small batches have few tiles per program (B=8 qlen=4 H=16 L=4K: four),
+# so what a program does once matters as much as the loop. `benchmarks/mla_timeline.py` stamps the GPU's clock at
+# six points of every program; `notebooks/results/mla_timeline_h200.md` has the phases before and after the change
+# that the table below shows: each warpgroup's output half used to be stored straight from the MMA accumulator,
+# whose layout gives a warp 8 rows x 8 columns per store. The fp32 partials' rows are 2052 bytes apart (513 floats,
+# LSE last), so one store touched 16 cache lines. Now each half goes through the key stages, free after the loop,
+# and a warp stores 32 consecutive floats of one row.
+
+# %%
+timeline = (RESULTS / "mla_timeline_h200.md").read_text().splitlines()
+stored = {}
+for line in timeline:
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    if len(cells) == 8 and cells[0].startswith(("decode B=", "verify B=")):
+        before, after = (float(x) for x in cells[7].split("/"))
+        stored[cells[0]] = (before, after)
+        print(f"{cells[0]:38s} span {cells[2]:>6s} -> {cells[3]:>6s} us; stores {before:5.2f} -> {after:5.2f} us")
+partial_bytes = 64 * 513 * 4  # a program's fp32 partials: 64 rows of 512 outputs and the LSE
+before, after = stored["decode B=1 H=128 L=32K"]
+print(f"a program's {partial_bytes // 1024} KiB of partials: {partial_bytes / before / 1e3:.1f} GB/s per SM before, "
+      f"{partial_bytes / after / 1e3:.1f} after ({128 * partial_bytes / after / 1e3:.0f} GB/s for 128 programs)")
+assert all(a < b for b, a in stored.values()) and after < before / 4
+
+# %% [markdown]
+# The 128 programs of the B=1 call now write their 16.8 MB of partials at about 3.6 TB/s, most of the copy
+# bandwidth; before, each SM wrote 7 GB/s. The query's three loads used to sit between the block-table check and
+# the first scores: now `cp.async` copies it while the table is checked, so the first tile's wait is the first
+# tile's bytes (every SM asks for two tiles at once: 18.9 MB, 4.4 us of bandwidth).

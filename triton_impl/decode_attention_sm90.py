@@ -7,15 +7,20 @@ compute the same partials and stay the readable twins (they run under the interp
 kernel writes down the schedule that Triton's compiler does not find for that loop. One program owns one split of
 one request for 64 rows (decode: 64 query heads; verify: 64 (draft token, head) pairs, each with its causal
 limit), one program per SM (224 KiB of shared memory: the query, two key tiles of 64 keys and ``P``), in three
-warp-specialized partitions:
+warp-specialized partitions, which start as soon as the split's bounds are known:
 
 - the loader (1 warp) brings each key tile by TMA (three boxes: latent ``[0, 256)``, ``[256, 512)``, rope)
   into one of two stages, as soon as both consumers have released the stage;
-- the softmax warpgroup (4 warps) computes the scores ``S = Q K^T`` (``[64 heads, 64 keys]``, K = 576,
-  ``wgmma`` from shared memory), the online softmax, hands ``P`` and the rescale factor to the other
-  warpgroup through shared memory, and accumulates the first latent half of the output, ``O[:, :256] +=
-  P V[:, :256]`` with ``P`` from its registers;
+- the softmax warpgroup (4 warps) copies the query into shared memory (``cp.async``) while it checks the block
+  table, then computes the scores ``S = Q K^T`` (``[64 heads, 64 keys]``, K = 576, ``wgmma`` from shared
+  memory), the online softmax, hands ``P`` and the rescale factor to the other warpgroup through shared memory,
+  and accumulates the first latent half of the output, ``O[:, :256] += P V[:, :256]`` with ``P`` from its
+  registers;
 - the value warpgroup (4 warps) accumulates the second half, ``O[:, 256:] += P V[:, 256:]``.
+
+Each warpgroup stores its output half through the key stages of one latent half, free after the loop, so that a
+warp's store covers 32 consecutive elements of one row; stored from the accumulator's layout, each store touched 8
+rows (16 cache lines for fp32 partials), which took 19-20 us a program (``notebooks/results/mla_timeline_h200.md``).
 
 Nothing is computed twice and the query is read from shared memory once per tile. Both halves of tile ``i``'s
 value product run beside the scores of tile ``i + 1`` (the softmax warpgroup leaves its half pending until it waits
@@ -31,13 +36,15 @@ an unused cache slot never reaches the value product.
 
 Served (:func:`supports`): compiled for compute capability 9.x, MLA with ``Lk = 576``, ``Lv = 512``, a 16-bit
 cache of the query's dtype, pages a multiple of 64 keys back to back (the cache as ``[pages * page_size,
-576]`` rows for TMA), at least 64 rows per request. Everything else runs the portable kernels.
+576]`` rows for TMA), a query whose address and row and head strides are multiples of 16 bytes and 16 elements,
+``MIN_ROWS`` (32) rows or more per request. Everything else runs the portable kernels.
 
-On the H200 (``attnref bench --op decode_attention --op mla_verify --case MLA``, FlashInfer 0.7 in the same run):
-decode B=32 H=128 L=32K 0.625 ms (the portable kernel 1.041 ms; FlashInfer 0.573 ms), verify B=16 H=128 qlen=8
-L=4K 0.276 ms (0.514; 0.244). ``notebooks/results/perf_log.md`` has what bounds it (the tensor pipe is busy half
-the time: the softmax warpgroup's chain and two stages) and the variants that lost (the softmax pipelined under
-the value MMAs, 32-key tiles in four stages).
+On the H200 (``attnref bench --op decode_attention --op mla_verify``, FlashInfer 0.7 in the same run, 72fbe8a):
+decode B=32 H=128 L=32K 0.635 ms (the portable kernel 1.041 ms; FlashInfer 0.583 ms), B=1 H=128 L=32K 0.035 ms
+(0.062; 0.038), verify B=16 H=128 qlen=8 L=4K 0.266 ms (0.514; 0.257), B=8 H=16 qlen=4 L=4K 0.026 ms (0.036;
+0.022). ``notebooks/results/perf_log.md`` has what bounds it (the tensor pipe is busy half the time: the softmax
+warpgroup's chain and two stages) and the variants that lost (the softmax pipelined under the value MMAs, 32-key
+tiles in four stages).
 """
 
 from __future__ import annotations
