@@ -9,12 +9,17 @@ a ``%globaltimer`` stamp (nanoseconds, one clock for the whole GPU) written by e
 2. ``query``: the softmax warpgroup has the query in shared memory and the block table checked;
 3. ``tile 0``: it has the first tile's scores;
 4. ``loop``: it has finished the last tile (its own value products included);
-5. ``stored``: the program has stored both output halves and the LSE.
+5. ``stored``: the program has stored both output halves and the LSE;
+
+and, summed over the tiles, how long the softmax warpgroup waited for each tile's bytes (and issued its score
+MMAs, a few dozen cycles): with two stages a tile's load starts once both warpgroups have released the tile two
+before it, so this says whether the loads keep up.
 
 A case is set up as the bench sets it up (content checks off), run 3 times, then once stamped. The table gives, per
-case, the kernel's span (first start to last store) and the median and maximum over programs of each phase.
-The stamps cost a few instructions per program; nothing else changes. This is how the output halves' stores
-(8 rows a store, 13-23 us a program of fp32 partials) were found, 2026-12-01 (``notebooks/results/perf_log.md``).
+case, the kernel's span (first start to last store), the median and maximum over programs of each phase and of the
+time spent waiting for tiles. The stamps cost a few instructions per program and two timer reads per tile; nothing
+else changes. This is how the output halves' stores (8 rows a store, 13-23 us a program of fp32 partials) were
+found, 2026-12-01 (``notebooks/results/perf_log.md``).
 """
 
 from __future__ import annotations
@@ -37,21 +42,36 @@ PHASES = ("start", "bounds", "query", "tile 0", "loop", "stored")
 
 _STAMP = '''
 @gluon.jit
-def _stamp(trace_ptr, slot: gl.constexpr):
-    """Store ``%globaltimer`` at ``trace_ptr[program * 8 + slot]`` (one thread; the SM id at slot 7 with slot 0)."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    lane = gl.arange(0, 32 * NUM_WARPS, layout=layout)
-    now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lane], dtype=gl.int64, is_pure=False,
-                                    pack=1)
+def _now():
+    """``%globaltimer`` in every thread of a warpgroup (a tensor: no reduction, no barrier)."""
+    lane = gl.arange(0, 32 * NUM_WARPS, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lane], dtype=gl.int64, is_pure=False,
+                                     pack=1)
+
+
+@gluon.jit
+def _put(trace_ptr, slot: gl.constexpr, value):
+    """Store thread 0's ``value`` (from :func:`_now`'s layout) at ``trace_ptr[program * 8 + slot]``."""
+    lane = gl.arange(0, 32 * NUM_WARPS, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
     program = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
-    gl.store(trace_ptr + program * 8 + slot + lane * 0, now, mask=lane == 0)
+    gl.store(trace_ptr + program * 8 + slot + lane * 0, value, mask=lane == 0)
+
+
+@gluon.jit
+def _stamp(trace_ptr, slot: gl.constexpr):
+    """The time at ``slot``; with slot 0 the SM id at slot 7."""
+    _put(trace_ptr, slot, _now())
     if slot == 0:
+        lane = gl.arange(0, 32 * NUM_WARPS, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
         sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
-        gl.store(trace_ptr + program * 8 + 7 + lane * 0, sm.to(gl.int64), mask=lane == 0)
+        _put(trace_ptr, 7, sm.to(gl.int64))
 
 
 @gluon.jit
 def _zero_rows('''
+
+_SCORES_ARGS = "q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end)\n"
+
 
 def _after(where: str, slot: int, indent: str = "    ") -> tuple[str, str]:
     """An edit that stamps ``slot`` right after ``where`` (``indent``: what precedes the stamp on its line)."""
@@ -67,7 +87,11 @@ _EDITS = (
     _after("    async_copy.wait_group(0)\n    fence_async_shared()\n    _barrier()\n", 2),
     _after("        s, acc = warpgroup_mma_wait(0, deps=[s, acc])  # the last tile's value product too\n",
            3, "        if i == 0:\n            "),
-    _after("    acc = warpgroup_mma_wait(0, deps=[acc])\n\n", 4),
+    ("    acc = warpgroup_mma_wait(0, deps=[acc])\n\n",
+     "    acc = warpgroup_mma_wait(0, deps=[acc])\n    _stamp(trace_ptr, 4)\n    _put(trace_ptr, 6, waited)\n\n"),
+    ("    for i in range(num_tiles):\n        s = _issue_scores(" + _SCORES_ARGS,
+     "    waited = _now() * 0\n    for i in range(num_tiles):\n        before = _now()\n"
+     "        s = _issue_scores(" + _SCORES_ARGS + "        waited += _now() - before\n"),
     ("logit_cap, request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,",
      "logit_cap, request, row_block, trace_ptr, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,"),
     _after("    first_tile = start // BLOCK_N * BLOCK_N\n", 1),
@@ -131,8 +155,8 @@ def main(specs: list[str]) -> None:
         launch_module.Launch.__call__ = call
         try:
             phases = " | ".join(f"{a} -> {b} us (median, max)" for a, b in itertools.pairwise(PHASES))
-            print(f"| op | case | programs | span us | {phases} |")
-            print("| --- " * (4 + len(PHASES) - 1) + "|")
+            print(f"| op | case | programs | span us | {phases} | waiting for tiles us (median, max) |")
+            print("| --- " * (5 + len(PHASES) - 1) + "|")
             for spec in specs:
                 op, _, part = spec.rpartition(":")
                 for case in (c for name, cs in ALL_CASES.items() if not op or name == op for c in cs):
@@ -154,6 +178,8 @@ def main(specs: list[str]) -> None:
                     for k in range(len(PHASES) - 1):
                         gaps = [(s[k + 1] - s[k]) / 1e3 for s in stamps]
                         cells.append(f"{statistics.median(gaps):.2f}, {max(gaps):.2f}")
+                    waits = [s[6] / 1e3 for s in stamps]
+                    cells.append(f"{statistics.median(waits):.2f}, {max(waits):.2f}")
                     print(f"| {case.op} | {case.name} | {len(stamps)} | {span:.1f} | " + " | ".join(cells) + " |",
                           flush=True)  # fmt: skip
                     del bench
