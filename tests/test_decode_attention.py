@@ -453,12 +453,14 @@ def test_the_sm90_decode_path_takes_exactly_the_calls_it_serves(device, monkeypa
 _SM90_COMPILE = """
 import json
 from triton_impl import decode_attention_sm90
-from triton_impl.bench import sass_resources
+from triton_impl.bench import cuobjdump, sass_resources
 for verify, heads, qlen in ((False, 128, 1), (False, 64, 1), (True, 16, 4), (True, 128, 2)):
     for single_split in (False, True):
         kernel = decode_attention_sm90.compile_for_sm90(verify=verify, heads=heads, qlen=qlen,
                                                         single_split=single_split)
-        print(json.dumps([verify, heads, single_split, *sass_resources(kernel.asm["cubin"]), kernel.metadata.shared]))
+        sass = cuobjdump(kernel.asm["cubin"], "--dump-sass")
+        print(json.dumps([verify, heads, single_split, *sass_resources(kernel.asm["cubin"]), kernel.metadata.shared,
+                          sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR")]))
 """
 
 
@@ -466,7 +468,8 @@ def test_sm90_mla_kernels_compile_for_hopper() -> None:
     """The Gluon MLA stage 1 never runs under the interpreter: compile the decode and verify entries for sm_90
     here (a process of its own, TRITON_INTERPRET=0), one and several splits. Shared memory: the query, two
     64-key stages and P (224 KiB of the 227 an H100/H200 block may take). No stack under the H200's Triton 3.6
-    (168 registers at launch; the partitions then take 256 / 192 / 40); Triton 3.9 spills 32 bytes."""
+    (168 registers at launch; the partitions then take 256 / 192 / 40); Triton 3.9 spills 32 bytes. The MMAs
+    stay asynchronous: no wait after each one."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -474,8 +477,11 @@ def test_sm90_mla_kernels_compile_for_hopper() -> None:
     assert len(rows) == 8
     spill = 0 if triton.__version__.startswith("3.6") else 32
     for row in rows:
-        registers, stack, shared = row[3:]
+        registers, stack, shared, hgmma, waits = row[3:]
         assert stack <= spill and registers <= 255 and 224 * 1024 <= shared <= 232448, row
+        # 36 score and 8 value HGMMA, issued as groups with 3 waits; where ptxas cannot prove a group's registers
+        # untouched it waits after every HGMMA (44 waits) and the tensor cores idle between them
+        assert hgmma == 44 and waits <= 4, row
 
 
 # -- invariances -----------------------------------------------------------------------------
