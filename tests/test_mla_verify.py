@@ -271,14 +271,17 @@ def test_sm90_verify_fast_path_matches_golden(device, qlen, heads, num_kv_splits
 
 @pytest.mark.parametrize(
     ("qlen", "heads", "cache_dtype", "served"),
-    [(4, 16, None, True), (1, 64, None, True), (2, 16, None, True), (1, 16, None, False),
-     (4, 128, torch.float8_e4m3fn, False)],
+    [(4, 16, None, "gluon"), (1, 64, None, "gluon"), (2, 16, None, "gluon"), (1, 16, None, "verify"),
+     (4, 128, torch.float8_e4m3fn, "decode"), (2, 64, torch.float8_e4m3fn, "decode"),
+     (4, 16, torch.float8_e4m3fn, "verify")],
 )  # fmt: skip
 def test_the_sm90_verify_path_takes_exactly_the_calls_it_serves(device, monkeypatch, qlen, heads, cache_dtype,
                                                                 served) -> None:  # fmt: skip
     """With the device taken for an H100/H200, the plan launches the Gluon stage 1 for 32 or more (token, head)
-    rows per request and a 16-bit cache, the portable kernel for fewer rows or an FP8 cache. Nothing is
-    launched: only the plan is built (on the CPU in CI)."""
+    rows per request and a 16-bit cache; decode's stage 1 for an FP8 cache whose verify tiles hold one draft
+    token each (64 heads or a multiple); the portable verify kernel otherwise (16 rows; FP8 at 16 heads, where a
+    tile holds 4 tokens that share each key fetch). Nothing is launched: only the plan is built (on the CPU in
+    CI)."""
     monkeypatch.setattr(decode_attention_sm90, "device_arch", lambda device: "sm90")
     problem = make_problem([70, 0], qlen, heads, 512, 64, 64, device, seed=5, cache_dtype=cache_dtype)
     rows = 2 * qlen
@@ -286,7 +289,36 @@ def test_the_sm90_verify_path_takes_exactly_the_calls_it_serves(device, monkeypa
                            device=device), torch.empty(rows, heads, device=device), problem.block_table,
                            problem.seq_lens, None, qlen, torch.empty(rows, heads, 2, 513, device=device), 2,
                            problem.sm_scale, 64, problem.k_scale, _config("large", arch="sm90"))  # fmt: skip
-    assert (plan.stage1._kernel is decode_attention_sm90.mla_verify_stage1_kernel) == served
+    kernel = getattr(plan.stage1, "_kernel", None)  # decode's stage 1 runs through an argument adapter
+    assert served == ("gluon" if kernel is decode_attention_sm90.mla_verify_stage1_kernel else
+                      "verify" if kernel is tv._fwd_verify_kernel_stage1 else "decode")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("qlen", "heads", "splits", "real", "page_size", "layout"),
+    [(2, 32, 1, False, 16, "4d"), (3, 64, 3, True, 8, "3d"), (1, 32, 2, False, 16, "4d"), (4, 32, 5, True, 16, "4d")],
+)  # fmt: skip
+def test_fp8_verify_through_decodes_stage_1_matches_golden(device, qlen, heads, splits, real, page_size,
+                                                          layout) -> None:  # fmt: skip
+    """FP8_VIA_DECODE: an FP8 verify call run by decode's stage 1, its ``B * qlen`` rows over the ``B`` table rows
+    (row ``r`` is draft token ``r % qlen`` of request ``r // qlen`` and sees its causal prefix, capped by
+    ``real_seq_lens``), against golden: one and several splits (decode's split rule), 3-d and 4-d caches, an empty
+    request, rows with no visible key."""
+    lens = [40, 3, 0, 71]
+    problem = make_problem(lens, qlen, heads, 32, 16, page_size, device, seed=21, layout=layout,
+                           cache_dtype=torch.float8_e4m3fn, real_seq_lens=[35, 3, 0, 20] if real else None)  # fmt: skip
+    config = {**_config("large"), "FP8_VIA_DECODE": True, "BLOCK_H": 32}
+    rows = len(lens) * qlen
+    plan = tv._plan_verify(problem.q, problem.cache, problem.cache[..., :32], torch.empty(rows, heads, 32,
+                           device=device), torch.empty(rows, heads, device=device), problem.block_table,
+                           problem.seq_lens, problem.real_seq_lens, qlen,
+                           torch.empty(rows, heads, splits, 33, device=device), splits, problem.sm_scale, page_size,
+                           problem.k_scale, config)  # fmt: skip
+    assert getattr(plan.stage1, "_kernel", None) is None  # the adapter around decode's launch
+    o, lse, _ = problem.run(splits, config)
+    ref_o, ref_lse = problem.golden()
+    assert_close(o, ref_o, ("mla_verify", "o", _dtype_name(problem)))
+    assert_close(lse, ref_lse, ("mla_verify", "lse", "float32"))
 
 
 def test_verify_writes_fp32_output(device) -> None:

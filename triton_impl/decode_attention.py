@@ -315,7 +315,7 @@ def _attend_tile(q0, q1, q_pe, k0, k1, k_pe, v, tok_ok, m_i, l_i, acc0, acc1, qk
 
 @triton.jit
 def _decode_stage1_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, table_ptr, seq_lens_ptr, real_lens_ptr, k_scale_ptr, v_scale_ptr,
     lat_desc, pe_desc,
     sm_scale, logit_cap, window, num_kv_splits, num_pages, table_keys,
     stride_q_r, stride_q_h,
@@ -324,7 +324,9 @@ def _decode_stage1_kernel(
     stride_o_r, stride_o_h,
     stride_lse_r, stride_lse_h,
     stride_p_r, stride_p_h, stride_p_s,
-    stride_t_r, stride_t_p, stride_sl,
+    stride_t_r, stride_t_p, stride_sl, stride_rl,
+    QLEN: tl.constexpr,
+    HAS_REAL: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     LK: tl.constexpr,
@@ -347,6 +349,11 @@ def _decode_stage1_kernel(
 ):  # fmt: skip
     """Grid ``(R, HKV * HEAD_BLOCKS, S)``: a program owns one split of one row for ``BLOCK_H`` of
     the ``GROUP`` query heads that share one KV head.
+
+    Rows and table rows: with ``QLEN`` 1 (decode) row ``r`` has table row ``r`` and ``seq_lens[r]`` keys.
+    With ``QLEN`` > 1 (verify, :func:`portable_stage1`) row ``r`` is draft token ``t = r % QLEN`` of request
+    ``b = r // QLEN``: table row ``b`` and ``seq_lens[b] - QLEN + 1 + t`` keys (at most ``real_lens[b]`` with
+    ``HAS_REAL``), its causal prefix.
 
     The query tile ``[BLOCK_H, Lk]`` is loaded once. Each K tile ``[BLOCK_N, Lk]`` (and V tile, or
     for MLA the first ``Lv`` columns of the same K tile) is read once and serves all ``BLOCK_H``
@@ -381,6 +388,7 @@ def _decode_stage1_kernel(
     HALF: tl.constexpr = BLOCK_D // 2 if SPLIT_LATENT else BLOCK_D
     ACC_W: tl.constexpr = BLOCK_DV // 2 if SPLIT_LATENT else BLOCK_DV
     row = tl.program_id(0).to(tl.int64)
+    request = row // QLEN  # the table row (decode: the row itself)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
     kv_head = pid_h // HEAD_BLOCKS
@@ -389,7 +397,12 @@ def _decode_stage1_kernel(
     heads = kv_head * GROUP + in_group
 
     # This row's split [start, end) of its visible keys [lo, n): golden.decode_attention.split_bounds.
-    n = tl.maximum(tl.load(seq_lens_ptr + row * stride_sl).to(tl.int32), 0)
+    n = tl.load(seq_lens_ptr + request * stride_sl).to(tl.int32)
+    if QLEN > 1:
+        n = n - QLEN + 1 + (row % QLEN).to(tl.int32)
+    if HAS_REAL:
+        n = tl.minimum(n, tl.load(real_lens_ptr + request * stride_rl).to(tl.int32))
+    n = tl.maximum(n, 0)
     lo = tl.maximum(n - window, 0)
     chunk = tl.cdiv(n - lo, num_kv_splits)
     start = tl.minimum(lo + split * chunk, n)
@@ -401,7 +414,7 @@ def _decode_stage1_kernel(
     # the cache is read.
     too_long = n > table_keys
     end = tl.minimum(end, table_keys).to(tl.int32)
-    bad = first_bad_key(table_ptr + row * stride_t_r, stride_t_p, start, end, num_pages, PAGE_SIZE) < end
+    bad = first_bad_key(table_ptr + request * stride_t_r, stride_t_p, start, end, num_pages, PAGE_SIZE) < end
 
     offs_d0 = tl.arange(0, HALF)
     d0_ok = offs_d0 < D_FIRST
@@ -436,7 +449,7 @@ def _decode_stage1_kernel(
         offs_d1, d1_ok, q1 = offs_d0, d0_ok, q0
     if BLOCK_DPE == 0:
         offs_dpe, dpe_ok, q_pe = offs_d0, d0_ok, q0
-    table_row = table_ptr + row * stride_t_r
+    table_row = table_ptr + request * stride_t_r
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc0 = tl.zeros((BLOCK_H, ACC_W), tl.float32)
@@ -623,8 +636,8 @@ def decode_attention_fwd(
     unit = plan.unit_scale
     lat_desc, pe_desc = plan.descriptors(k_buffer, plan.tma)
     plan.stage1(stream, q, k_buffer, v_buffer, o, lse, o if plan.merge is None else attn_logits, req_to_token,
-                b_seq_len, unit if k_scale is None else k_scale, unit if v_scale is None else v_scale, lat_desc,
-                pe_desc)  # fmt: skip
+                b_seq_len, b_seq_len, unit if k_scale is None else k_scale, unit if v_scale is None else v_scale,
+                lat_desc, pe_desc)  # fmt: skip
     if plan.merge is not None:
         plan.merge(stream, attn_logits, o, lse)
 
@@ -632,7 +645,7 @@ def decode_attention_fwd(
 class _DecodePlan(NamedTuple):
     """A checked call layout of :func:`decode_attention_fwd` and what it launches."""
 
-    stage1: Callable[..., None]  # (stream, q, k, v, o, lse, part, table, lens, k_scale, v_scale, lat, pe)
+    stage1: Callable[..., None]  # (stream, q, k, v, o, lse, part, table, lens, lens, k_scale, v_scale, lat, pe)
     merge: Callable[..., None] | None  # (stream, attn_logits, o, lse); None: one split, stage 1 writes o, lse
     unit_scale: torch.Tensor  # k_scale / v_scale when None
     tma: tuple | None  # (shape, strides, latent block, rope block) of the cache's descriptors, or None
@@ -657,8 +670,8 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     check_tensor("v_buffer", v_buffer, ndim=k_buffer.dim(), dtypes=(k_buffer.dtype,), device=device)
     check_positive("page_size", page_size)
     check_positive("num_kv_splits", num_kv_splits)
-    num_pages, stride_k_page, stride_k_tok, stride_k_head = _paged_strides("k_buffer", k_buffer, page_size)
-    _, stride_v_page, stride_v_tok, stride_v_head = _paged_strides("v_buffer", v_buffer, page_size)
+    num_pages, stride_k_page, stride_k_tok, _ = _paged_strides("k_buffer", k_buffer, page_size)
+    _paged_strides("v_buffer", v_buffer, page_size)  # its layout checks; the launch takes its strides
     if k_buffer.shape[-1] != key_width:
         raise ValueError(f"k_buffer: expected key width {key_width} (q's), got {k_buffer.shape[-1]}")
     num_kv_heads, value_width = k_buffer.shape[-2], v_buffer.shape[-1]
@@ -694,11 +707,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     if num_pages == 0:  # the kernels read page 0 in place of a bad entry
         raise ValueError(f"k_buffer: expected at least one page, got shape {list(k_buffer.shape)}")
 
-    block_dv = max(16, next_pow2(value_width))
-    d_first = value_width if is_mla else key_width
-    block_d = block_dv if is_mla else max(16, next_pow2(key_width))
-    rope_width = key_width - d_first
-    block_dpe = max(16, next_pow2(rope_width)) if rope_width else 0
+    _, block_d, block_dv, block_dpe = _tile_widths(key_width, value_width, is_mla)
     group = num_heads // num_kv_heads
     if config is None:
         config = select_decode_config(device, is_mla, block_dv)
@@ -729,22 +738,62 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
                 num_warps=int(decode_attention_sm90.NUM_WARPS)))  # fmt: skip
         merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse)
         return make_plan(stage1, merge, tma=tma, descriptors=decode_attention_sm90.descriptors)
+    stage1, tma = portable_stage1(q, k_buffer, v_buffer, o, lse, req_to_token, part_strides, b_seq_len.stride(0),
+                                  num_kv_splits=num_kv_splits, sm_scale=sm_scale, logit_cap=logit_cap,
+                                  window=sliding_window, page_size=page_size, num_pages=num_pages, is_mla=is_mla,
+                                  single=single, config=config)  # fmt: skip
+    merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse)
+    return make_plan(stage1, merge, tma=tma, descriptors=tma_descriptors)
+
+
+def _tile_widths(key_width: int, value_width: int, is_mla: bool) -> tuple[int, int, int, int]:
+    """``(D_FIRST, BLOCK_D, BLOCK_DV, BLOCK_DPE)`` of :func:`_decode_stage1_kernel` (its docstring says what each
+    is): MLA's first piece is the latent (also V), GQA's all of K; tiles are powers of two of at least 16."""
+    block_dv = max(16, next_pow2(value_width))
+    d_first = value_width if is_mla else key_width
+    block_d = block_dv if is_mla else max(16, next_pow2(key_width))
+    rope_width = key_width - d_first
+    return d_first, block_d, block_dv, max(16, next_pow2(rope_width)) if rope_width else 0
+
+
+def portable_stage1(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
+                    lse: torch.Tensor, table: torch.Tensor, part_strides: tuple[int, int, int], seq_len_stride: int, *,
+                    num_kv_splits: int, sm_scale: float, logit_cap: float, window: int | None, page_size: int,
+                    num_pages: int, is_mla: bool, single: bool, config: dict[str, int], qlen: int = 1,
+                    has_real: bool = False, real_len_stride: int = 0) -> tuple[Launch, tuple | None]:  # fmt: skip
+    """The launch of :func:`_decode_stage1_kernel` for checked arguments, and the cache's :func:`tma_layout` (None:
+    gathers), to be called as ``(stream, q, k, v, o, lse, part, table, seq_lens, real_lens, k_scale, v_scale, lat,
+    pe)``. ``table``: the 2-D block table; ``part_strides``: the partials' row, head and split strides (zeros with
+    ``single``, where ``o`` stands in for them); ``config``: a ``DECODE_CONFIGS`` entry. Decode has one query row
+    per table row; ``mla_verify`` (``qlen`` > 1) passes ``B * qlen`` query rows over ``B`` table rows, each row
+    its draft token's causal prefix (``has_real``: capped by ``real_seq_lens``)."""
+    num_rows, num_heads, key_width = q.shape
+    num_kv_heads, value_width = k_buffer.shape[-2], v_buffer.shape[-1]
+    d_first, block_d, block_dv, block_dpe = _tile_widths(key_width, value_width, is_mla)
+    group = num_heads // num_kv_heads
+    block_h, config = tile_config(config, group)
+    head_blocks = cdiv(group, block_h)
+    split_latent = is_mla and bool(config.get("SPLIT_LATENT", 0)) and block_dv >= 32
+    _, stride_k_page, stride_k_tok, stride_k_head = _paged_strides("k_buffer", k_buffer, page_size)
+    _, stride_v_page, stride_v_tok, stride_v_head = _paged_strides("v_buffer", v_buffer, page_size)
     tma = None
     if split_latent and config.get("TMA"):
         tma = tma_layout(k_buffer, page_size, stride_k_page, stride_k_tok, num_pages, config["BLOCK_N"], block_d,
                          block_dpe)  # fmt: skip
     grid = (num_rows, num_kv_heads * head_blocks, num_kv_splits)
     stage1 = Launch(_decode_stage1_kernel, grid, (
-        float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,
-        num_pages, req_to_token.shape[1] * page_size,
+        float(sm_scale), float(logit_cap), window or _NO_WINDOW, num_kv_splits,
+        num_pages, table.shape[1] * page_size,
         *q.stride()[:2],
         stride_k_page, stride_k_tok, stride_k_head,
         stride_v_page, stride_v_tok, stride_v_head,
         *o.stride()[:2],
         *lse.stride(),
         *part_strides,
-        *req_to_token.stride(), b_seq_len.stride(0),
+        *table.stride(), seq_len_stride, real_len_stride,
     ), dict(
+        QLEN=qlen,
+        HAS_REAL=has_real,
         GROUP=group,
         HEAD_BLOCKS=head_blocks,
         LK=key_width,
@@ -752,7 +801,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
         D_FIRST=d_first,
         PAGE_SIZE=page_size,
         IS_MLA=is_mla,
-        IS_FP8=cache_dtypes[0] != k_buffer.dtype,
+        IS_FP8=k_buffer.dtype != q.dtype,
         HAS_CAP=logit_cap > 0,
         SINGLE_SPLIT=single,
         BLOCK_H=block_h,
@@ -762,14 +811,13 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
         BLOCK_DV=block_dv,
         SPLIT_LATENT=split_latent,
         TMA=tma is not None,
-        DOT_DTYPE=dot_dtype(cache_dtypes[0]),
-        DOT_PRECISION="ieee" if cache_dtypes[0] == torch.float32 else "tf32",  # fp32 queries: no TF32 truncation
+        DOT_DTYPE=dot_dtype(q.dtype),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 queries: no TF32 truncation
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         **register_cap(config.get("maxnreg")),
     ))  # fmt: skip
-    merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse)
-    return make_plan(stage1, merge, tma=tma, descriptors=tma_descriptors)
+    return stage1, tma
 
 
 # ----------------------------------------------------------------------------------------------

@@ -420,7 +420,7 @@ def _destinations(o_ptr, stride_o_r, stride_o_h, lse_ptr, stride_lse_r, stride_l
 
 @gluon.jit
 def mla_decode_stage1_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, table_ptr, seq_lens_ptr, real_lens_ptr, k_scale_ptr, v_scale_ptr,
     lat_desc, pe_desc,
     sm_scale, logit_cap, window, num_kv_splits, num_pages, table_keys,
     stride_q_r, stride_q_h,
@@ -435,8 +435,8 @@ def mla_decode_stage1_kernel(
 ):  # fmt: skip
     """Decode, grid ``(R, cdiv(GROUP, 64), S)``: split ``S`` of row ``R``'s visible keys for 64 query heads; the
     same partials (or, with ``SINGLE_SPLIT``, outputs) as ``decode_attention._decode_stage1_kernel``. ``k_ptr``,
-    ``v_ptr`` and the scales are unused (the head of the portable kernel's arguments, so one call site
-    launches either)."""
+    ``v_ptr``, ``real_lens_ptr`` and the scales are unused (the head of the portable kernel's arguments, so one call
+    site launches either)."""
     row = gl.program_id(0)
     split = gl.program_id(2)
     # This row's split [start, end) of its visible keys [lo, n) (golden.decode_attention.split_bounds).
@@ -510,6 +510,7 @@ def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, p
     names = fn.arg_names
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32",
                 "part_ptr": "*fp32", "table_ptr": "*i32", "seq_lens_ptr": "*i32", "real_seq_lens_ptr": "*i32",
+                "real_lens_ptr": "*i32",
                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}  # fmt: skip
     layout = _SMEM.value
     descs = {"lat_desc": f"tensordesc<bf16[64, 256],{layout!r}>", "pe_desc": f"tensordesc<bf16[64, 64],{layout!r}>"}

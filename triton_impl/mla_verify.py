@@ -9,7 +9,9 @@ Speculative decoding verifies ``Q`` tokens of every request at once, and all ``Q
 rows of a request read the same latent keys. The per-row decode kernel loads every K/V tile once
 per row; here one program owns ``BLOCK_H`` (token, head) rows of one request and one split, so a
 tile is loaded once per row *block* and feeds two tensor-core products (``QK^T`` and ``PV``).
-Stage 2 is the package's split merge, ``triton_impl.lse_merge.merge_splits``.
+Stage 2 is the package's split merge, ``triton_impl.lse_merge.merge_splits``. Where a row block holds one
+draft token, that saves nothing, and some configs (``FP8_VIA_DECODE``) run decode's stage 1 instead, each row
+seeing its token's causal prefix (``decode_attention.portable_stage1``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ import triton.language as tl
 
 from triton_impl import decode_attention_sm90
 from triton_impl.block_table import first_bad_key
-from triton_impl.decode_attention import descriptor_tile, tma_descriptors, tma_layout
+from triton_impl.decode_attention import (
+    descriptor_tile,
+    portable_stage1,
+    select_decode_config,
+    tma_descriptors,
+    tma_layout,
+)
 from triton_impl.interpreter import INTERPRETING, cast_for_store, dot_dtype
 from triton_impl.launch import Launch, Plans, current_target, device_arch, no_launch
 from triton_impl.lse_merge import merge_splits_launch
@@ -103,6 +111,10 @@ VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
 #   B=8 qlen=4 H=128 0.1533 -> 0.0862, B=64 qlen=1 H=128 0.1440 -> 0.0859, B=32 qlen=4 H=16 0.0902 -> 0.0640,
 #   B=8 qlen=4 H=16 0.0362 -> 0.0255, B=64 qlen=2 H=16 0.1526 -> 0.1007 (bench_h200.md: the portable kernel at
 #   580e9fc, 35e837f for B=64 qlen=2, against 72fbe8a).
+#   FP8_VIA_DECODE: an FP8 cache whose verify tiles hold one draft token each (heads a multiple of BLOCK_H) runs
+#   decode's stage 1 with per-token lengths (_via_decode): where a tile holds one token both kernels read the
+#   same bytes, and at 72fbe8a the flattened per-row decode took 0.758 ms against verify's 0.811 (B=32 H=128
+#   qlen=2 L=8K). Not yet timed through verify itself; expected the per-row decode's time.
 # - "default": any other GPU; the same shapes, untuned.
 # - "interpreter": TRITON_INTERPRET=1 on a CPU, where a tile's cost is NumPy work: small tiles
 #   and short splits keep tests fast and exercise many splits on short sequences.
@@ -125,6 +137,7 @@ VERIFY_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
             "SPLIT_LATENT": True,
             "TMA": True,
             "GLUON": True,
+            "FP8_VIA_DECODE": True,
             "num_warps": 8,
             "num_stages": 2,
         },
@@ -615,6 +628,26 @@ def decode_attention_fwd_verify(
         plan.merge(stream, attn_logits, o, lse)
 
 
+def _via_decode(q, k_buffer, v_buffer, o, lse, block_table, seq_lens, real_seq_lens, qlen, part_strides,
+                num_kv_splits, sm_scale, page_size, num_pages, single) -> tuple[Callable[..., None], Any]:  # fmt: skip
+    """``(stage 1, tma layout)`` of a verify call run by decode's stage 1 (``decode_attention.portable_stage1``):
+    the ``B * qlen`` rows as decode rows over the ``B`` table rows, each row its draft token's causal prefix. The
+    same keys and partials; where a verify tile holds one draft token the two kernels read the same bytes, and
+    decode's was the faster (FP8_VIA_DECODE in ``VERIFY_CONFIGS``)."""
+    config = select_decode_config(q.device, True, max(16, next_pow2(v_buffer.shape[-1])))
+    launch, tma = portable_stage1(
+        q, k_buffer, v_buffer, o, lse, block_table, part_strides, seq_lens.stride(0), num_kv_splits=num_kv_splits,
+        sm_scale=sm_scale, logit_cap=0.0, window=None, page_size=page_size, num_pages=num_pages, is_mla=True,
+        single=single, config=config, qlen=qlen, has_real=real_seq_lens is not None,
+        real_len_stride=0 if real_seq_lens is None else real_seq_lens.stride(0),
+    )  # fmt: skip
+
+    def stage1(stream, q, k, _sm_scale_log2, table, lens, real_lens, part, o, lse, k_scale, lat, pe) -> None:
+        launch(stream, q, k, k, o, lse, part, table, lens, real_lens, k_scale, k_scale, lat, pe)
+
+    return stage1, tma
+
+
 class _VerifyPlan(NamedTuple):
     """A checked call layout of :func:`decode_attention_fwd_verify` and what it launches."""
 
@@ -675,6 +708,10 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
                 SPLIT_ALIGN=cfg["SPLIT_ALIGN"], MIN_SPLIT_LEN=cfg["MIN_SPLIT_LEN"], PAGE_SIZE=page_size,
                 SINGLE_SPLIT=single, num_warps=int(decode_attention_sm90.NUM_WARPS)))  # fmt: skip
         return make_plan(stage1, merge, tma, decode_attention_sm90.descriptors)
+    if cfg.get("FP8_VIA_DECODE") and k_buffer.dtype == torch.float8_e4m3fn and num_heads % cfg["BLOCK_H"] == 0:
+        stage1, tma = _via_decode(q, k_buffer, v_buffer, o, lse, block_table, seq_lens, real_seq_lens, qlen,
+                                  part_strides, num_kv_splits, sm_scale, page_size, num_pages, single)  # fmt: skip
+        return make_plan(stage1, merge, tma, tma_descriptors)
     tma = None
     if split_latent and cfg.get("TMA") and cfg["SPLIT_ALIGN"] % cfg["BLOCK_N"] == 0:
         tma = tma_layout(k_buffer, page_size, _page_stride(k_buffer, page_size), k_buffer.stride(-3), num_pages,
