@@ -496,11 +496,11 @@ for route, extra in (("verify kernel", {}), ("decode's stage 1", {"FP8_VIA_DECOD
     assert compare(o, ref_o, tolerance("mla_verify", "o", torch.bfloat16)).ok
 between = float((results_v["verify kernel"].double() - results_v["decode's stage 1"].double()).abs().max())
 print(f"between the two routes: {between:.1e}")
-assert between < 0.05 and (between == 0 or not INTERPRETING)  # one split, the same tile order: the same bits here
+assert between < 0.05
 
 # %% [markdown]
-# Under the interpreter the two routes give the same bits: one split, 16-key tiles in the same order, the same
-# arithmetic. Compiled, each kernel has its own tile code, and the two agree to the bf16 tolerance.
+# Each kernel has its own tiles (under the interpreter decode's are 32 keys, verify's 16), so its own fp32
+# rounding inside; the two agree to the bf16 tolerance, and in this call they round to the same bf16 outputs.
 
 # %% [markdown]
 # ## 6. Against FlashInfer on the same H200
