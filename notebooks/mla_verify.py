@@ -500,7 +500,8 @@ assert between < 0.05
 
 # %% [markdown]
 # Each kernel has its own tiles (under the interpreter decode's are 32 keys, verify's 16), so its own fp32
-# rounding inside; the two agree to the bf16 tolerance, and in this call they round to the same bf16 outputs.
+# rounding inside; the two agree to the bf16 tolerance (on the CPU, in this call, to the bit: both round to the
+# same bf16 outputs).
 
 # %% [markdown]
 # ## 6. Against FlashInfer on the same H200
