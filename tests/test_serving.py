@@ -669,6 +669,21 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
         lambda i: _new_lengths_and_pages(v5cache.block_table, v5cache.seq_lens, v5cache.cache.shape[0], 64, i),
     )  # fmt: skip
 
+    # Verify with an FP8 cache, 2 draft tokens x 64 heads (one token a tile): on an H100/H200 decode's stage 1 runs it
+    # (FP8_VIA_DECODE), through an argument adapter around its launch.
+    f8q = randn((8, 64, 576), torch.bfloat16, device, gen)
+    f8cache = paged_cache([40, 70, 3, 129], 64, 1, 576, torch.float8_e4m3fn, device, gen, moat=False, scale=8.0)
+    f8o, f8lse = torch.empty(8, 64, 512, dtype=torch.bfloat16, device=device), torch.empty(8, 64, device=device)
+    f8logits = torch.empty(8, 64, 4, 513, device=device)
+    f8scale = torch.tensor(0.125, device=device)
+    calls["verify_fp8_d576"] = ServingCall(
+        lambda: mla_verify.decode_attention_fwd_verify(
+            f8q, f8cache.cache, f8cache.cache[..., :512], f8o, f8lse, f8cache.block_table, f8cache.seq_lens, None, 2,
+            f8logits, 4, 192**-0.5, 64, k_scale=f8scale),
+        lambda: [f8o, f8lse],
+        lambda i: _new_lengths_and_pages(f8cache.block_table, f8cache.seq_lens, f8cache.cache.shape[0], 64, i),
+    )  # fmt: skip
+
     vq, vcache, vqlen = _verify_case(device, gen, seq_lens=[40, 70, 3, 129], qlen=2, page_size=16, moat=False)
     vo, vlse = torch.empty(8, 8, 32, dtype=torch.bfloat16, device=device), torch.empty(8, 8, device=device)
     vlogits = torch.empty(8, 8, 4, 33, device=device)
@@ -756,9 +771,9 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
     return calls
 
 
-SERVING_OPS = ["decode_mla", "decode_mla_d576", "verify", "verify_d576", "turboquant_decode", "turboquant_decode_d128",
-               "turboquant_store", "turboquant_store_d128", "merge_attn_states", "merge_splits", "ue8m0_insert",
-               "ue8m0_gather", "combine_topk_swa_indices"]  # fmt: skip
+SERVING_OPS = ["decode_mla", "decode_mla_d576", "verify", "verify_d576", "verify_fp8_d576", "turboquant_decode",
+               "turboquant_decode_d128", "turboquant_store", "turboquant_store_d128", "merge_attn_states",
+               "merge_splits", "ue8m0_insert", "ue8m0_gather", "combine_topk_swa_indices"]  # fmt: skip
 
 
 @pytest.mark.gpu
