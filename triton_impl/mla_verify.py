@@ -632,8 +632,8 @@ def _via_decode(q, k_buffer, v_buffer, o, lse, block_table, seq_lens, real_seq_l
                 num_kv_splits, sm_scale, page_size, num_pages, single) -> tuple[Callable[..., None], Any]:  # fmt: skip
     """``(stage 1, tma layout)`` of a verify call run by decode's stage 1 (``decode_attention.portable_stage1``):
     the ``B * qlen`` rows as decode rows over the ``B`` table rows, each row its draft token's causal prefix. The
-    same keys and partials; where a verify tile holds one draft token the two kernels read the same bytes, and
-    decode's was the faster (FP8_VIA_DECODE in ``VERIFY_CONFIGS``)."""
+    same keys and merged outputs (the split slots follow decode's split rule); where a verify tile holds one draft
+    token the two kernels read the same bytes, and decode's was the faster (FP8_VIA_DECODE in ``VERIFY_CONFIGS``)."""
     config = select_decode_config(q.device, True, max(16, next_pow2(v_buffer.shape[-1])))
     launch, tma = portable_stage1(
         q, k_buffer, v_buffer, o, lse, block_table, part_strides, seq_lens.stride(0), num_kv_splits=num_kv_splits,
