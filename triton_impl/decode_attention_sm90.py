@@ -321,10 +321,13 @@ def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe,
     # The value product of a tile is left running into the next tile's scores: the loop carries it pending.
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, HALF], gl.float32, layout=_O_LAYOUT))
     for i in range(num_tiles):
-        s = _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end)
-        s, acc = warpgroup_mma_wait(0, deps=[s, acc])  # the last tile's value product too
+        # The last tile's value product done, its stage is released before these scores run (not after them), so
+        # the load two tiles ahead starts a score product earlier; the scores queue behind it on the tensor cores.
+        acc = warpgroup_mma_wait(0, deps=[acc])
         if i > 0:
             mbarrier.arrive(k_free.index((i - 1) % STAGES), count=1)
+        s = _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end)
+        s = warpgroup_mma_wait(0, deps=[s])
         p, alpha, m_i, l_i = _softmax(s, first_tile + i * BLOCK_N, start, row_end, m_i, l_i, qk_scale, logit_cap,
                                       HAS_CAP)  # fmt: skip
         p = p.to(dtype)
