@@ -24,6 +24,7 @@ from triton_impl import decode_attention_sm90
 from triton_impl.decode_attention import (
     DECODE_CONFIGS,
     _compute_num_kv_splits,
+    _decode_stage1_kernel,
     _plan_decode,
     decode_attention_fwd,
     expand_decode_rows,
@@ -400,7 +401,9 @@ def padded_query(q: torch.Tensor, pad: int) -> torch.Tensor:
     ("num_heads", "page_size", "layout", "window", "splits", "cap", "dtype"),
     [(128, 64, "4d", None, 2, 0.0, torch.bfloat16), (128, 128, "3d", 150, 3, 0.0, torch.bfloat16),
      (96, 64, "4d", None, 1, 0.0, torch.bfloat16), (64, 64, "4d", 150, 5, 30.0, torch.float16),
-     (128, 64, "4d", None, 1, 0.0, torch.bfloat16), (40, 64, "4d", None, 2, 0.0, torch.bfloat16)],
+     (128, 64, "4d", None, 1, 0.0, torch.bfloat16), (40, 64, "4d", None, 2, 0.0, torch.bfloat16),
+     (16, 64, "4d", None, 2, 0.0, torch.bfloat16), (16, 128, "3d", 150, 3, 30.0, torch.float16),
+     (10, 64, "4d", None, 1, 0.0, torch.bfloat16), (1, 64, "4d", 150, 5, 0.0, torch.bfloat16)],
 )  # fmt: skip
 def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout, window, splits, cap, dtype) -> None:
     """The Gluon stage 1 (DeepSeek's widths, 32 heads or more, 16-bit cache, pages of 64k keys) against golden:
@@ -418,7 +421,9 @@ def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout,
     o, lse = torch.empty(rows, num_heads, 512, device=device), torch.empty(rows, num_heads, device=device)
     args = (d.q, d.k, d.v, o, lse, d.table, d.lens, torch.empty(rows, num_heads, splits, 513, device=device), splits,
             d.sm_scale, page_size, cap, None, None, True, window, config)  # fmt: skip
-    assert _plan_decode(*args).stage1._kernel is decode_attention_sm90.mla_decode_stage1_kernel
+    few = num_heads <= 16
+    kernel = decode_attention_sm90.mla_decode_few_rows_kernel if few else decode_attention_sm90.mla_decode_stage1_kernel
+    assert _plan_decode(*args).stage1._kernel is kernel
     o, lse, _ = d.run(splits, config=config)
     ref_o, ref_lse = d.golden()
     assert_close(o, ref_o, ("decode_attention", "o", "bfloat16" if dtype == torch.bfloat16 else "float16"))
@@ -427,17 +432,19 @@ def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout,
 
 @pytest.mark.parametrize(
     ("heads", "page_size", "fp8", "layout", "q_pad", "served"),
-    [(128, 64, False, "4d", 0, True), (64, 128, False, "3d", 0, True), (40, 64, False, "4d", 0, True),
-     (16, 64, False, "4d", 0, False),
-     (128, 16, False, "4d", 0, False), (128, 64, True, "4d", 0, False), (128, 64, False, "cross_layer", 0, False),
-     (128, 64, False, "4d", 16, True), (128, 64, False, "4d", 8, False)],
+    [(128, 64, False, "4d", 0, "wide"), (64, 128, False, "3d", 0, "wide"), (40, 64, False, "4d", 0, "wide"),
+     (16, 64, False, "4d", 0, "few"), (20, 64, False, "4d", 0, None), (128, 16, False, "4d", 0, None),
+     (16, 16, False, "4d", 0, None), (128, 64, True, "4d", 0, None), (16, 64, True, "4d", 0, None),
+     (128, 64, False, "cross_layer", 0, None), (128, 64, False, "4d", 16, "wide"), (128, 64, False, "4d", 8, None),
+     (16, 64, False, "4d", 8, None)],
 )  # fmt: skip
 def test_the_sm90_decode_path_takes_exactly_the_calls_it_serves(device, monkeypatch, heads, page_size, fp8, layout,
                                                                 q_pad, served) -> None:  # fmt: skip
-    """With the device taken for an H100/H200, the plan launches the Gluon stage 1 for a 16-bit cache at DeepSeek's
-    widths, 32 heads or more, TMA-addressable pages of 64k keys and a query whose strides are multiples of 16
-    elements, and the portable kernel otherwise (16 heads, pages of 16, FP8, pages not back to back, a head
-    stride of 584). Nothing is launched: only the plan is built (on the CPU in CI)."""
+    """With the device taken for an H100/H200, the plan launches a Gluon stage 1 for a 16-bit cache at DeepSeek's
+    widths, TMA-addressable pages of 64k keys and a query whose strides are multiples of 16 elements: the 64-row
+    schedule for 32 heads or more, the few-rows one for 16 or fewer; the portable kernel otherwise (20 heads,
+    pages of 16, FP8, pages not back to back, a head stride of 584). Nothing is launched: only the plan is built
+    (on the CPU in CI)."""
     monkeypatch.setattr(decode_attention_sm90, "device_arch", lambda device: "sm90")
     d = make_decode(device, 3, [70, 0], is_mla=True, num_heads=heads, widths=(512, 64), page_size=page_size, fp8=fp8,
                     layout=layout)  # fmt: skip
@@ -446,18 +453,20 @@ def test_the_sm90_decode_path_takes_exactly_the_calls_it_serves(device, monkeypa
     workspace = torch.empty(2, heads, 2, 513, device=device)
     plan = _plan_decode(d.q, d.k, d.v, o, lse, d.table, d.lens, workspace, 2, d.sm_scale, page_size, 0.0, d.k_scale,
                         d.v_scale, True, None, _config("sm90", True))  # fmt: skip
-    assert (plan.stage1._kernel is decode_attention_sm90.mla_decode_stage1_kernel) == served
-    assert (plan.descriptors is decode_attention_sm90.descriptors) == served
+    kernels = {"wide": decode_attention_sm90.mla_decode_stage1_kernel,
+               "few": decode_attention_sm90.mla_decode_few_rows_kernel}  # fmt: skip
+    assert plan.stage1._kernel is kernels.get(served, _decode_stage1_kernel)
+    assert (plan.descriptors is decode_attention_sm90.descriptors) == (served is not None)
 
 
 _SM90_COMPILE = """
 import json
 from triton_impl import decode_attention_sm90
 from triton_impl.bench import cuobjdump, sass_resources
-for verify, heads, qlen in ((False, 128, 1), (False, 64, 1), (True, 16, 4), (True, 128, 2)):
+for verify, heads, qlen in ((False, 128, 1), (False, 64, 1), (True, 16, 4), (True, 128, 2), (False, 16, 1)):
     for single_split in (False, True):
         kernel = decode_attention_sm90.compile_for_sm90(verify=verify, heads=heads, qlen=qlen,
-                                                        single_split=single_split)
+                                                        single_split=single_split, few_rows=heads == 16 and not verify)
         sass = cuobjdump(kernel.asm["cubin"], "--dump-sass")
         print(json.dumps([verify, heads, single_split, *sass_resources(kernel.asm["cubin"]), kernel.metadata.shared,
                           sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR")]))
@@ -466,22 +475,24 @@ for verify, heads, qlen in ((False, 128, 1), (False, 64, 1), (True, 16, 4), (Tru
 
 def test_sm90_mla_kernels_compile_for_hopper() -> None:
     """The Gluon MLA stage 1 never runs under the interpreter: compile the decode and verify entries for sm_90
-    here (a process of its own, TRITON_INTERPRET=0), one and several splits. Shared memory: the query, two
-    64-key stages and P (224 KiB of the 227 an H100/H200 block may take). No stack under the H200's Triton 3.6
-    (168 registers at launch; the partitions then take 256 / 192 / 40); Triton 3.9 spills 32 bytes. The MMAs
-    stay asynchronous: no wait after each one."""
+    here (a process of its own, TRITON_INTERPRET=0), one and several splits, and the few-rows decode entry.
+    Shared memory: the query, two 64-key stages and P (224 KiB of the 227 an H100/H200 block may take; the
+    few-rows schedule's 16-row query leaves 164 KiB). No stack under the H200's Triton 3.6 (168 registers at
+    launch; the partitions then take 256 / 192 / 40; the few-rows kernel, one warpgroup, 242); Triton 3.9 spills
+    32 bytes (the few-rows kernel 48). The MMAs stay asynchronous: no wait after each one."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
-    assert len(rows) == 8
-    spill = 0 if triton.__version__.startswith("3.6") else 32
-    for row in rows:
-        registers, stack, shared, hgmma, waits = row[3:]
-        assert stack <= spill and registers <= 255 and 224 * 1024 <= shared <= 232448, row
-        # 36 score and 8 value HGMMA, issued as groups with 3 waits; where ptxas cannot prove a group's registers
-        # untouched it waits after every HGMMA (44 waits) and the tensor cores idle between them
-        assert hgmma == 44 and waits <= 4, row
+    assert len(rows) == 10
+    for verify, heads, _, registers, stack, shared, hgmma, waits in rows:
+        few = heads == 16 and not verify  # the few-rows schedule: a 16-row query, 48 bytes of stack under Triton 3.9
+        spill = 0 if triton.__version__.startswith("3.6") else 48 if few else 32
+        least = 160 * 1024 if few else 224 * 1024
+        assert stack <= spill and registers <= 255 and least <= shared <= 232448, rows
+        # 36 score and 8 value HGMMA (few rows: 36 and 32), issued as groups with a few waits; where ptxas cannot
+        # prove a group's registers untouched it waits after every HGMMA and the tensor cores idle between them
+        assert hgmma == (68 if few else 44) and waits <= 4, rows
 
 
 # -- invariances -----------------------------------------------------------------------------

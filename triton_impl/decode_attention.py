@@ -89,6 +89,9 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # stage 1 of triton_impl/decode_attention_sm90.py (decode_attention_sm90.supports): on the H200 (bench_h200.md,
 # 72fbe8a, against the portable kernel at 580e9fc) B=32 H=128 L=32K 1.0411 -> 0.6346 ms, B=128 H=128 L=1K 0.1513 ->
 # 0.1061, B=8 H=128 L=8K 0.0890 -> 0.0585, B=1 H=128 L=32K 0.0615 -> 0.0346. The config stays batch-independent.
+# GLUON_FEW (0): the same with at most 16 heads runs decode_attention_sm90.mla_decode_few_rows_kernel (the keys as
+# wgmma's M, a quarter of the tensor work of a 64-row tile; decode_attention_sm90.supports_few_rows), one program
+# per SM. Not yet measured on an H200.
 # Every key ending in _h16 / _H16 replaces its base key where the head tile is 16 heads (tile_config).
 _CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})
 DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
@@ -99,7 +102,7 @@ DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "sm90": {
         "mla": {"BLOCK_N": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1, "GLUON": 1,
                 "maxnreg_h16": 128, "TMA": 1, "TMA_H16": 0, "SPLIT_ROUNDS": 1, "PROGRAMS_PER_SM": 1,
-                "PROGRAMS_PER_SM_H16": 2},
+                "PROGRAMS_PER_SM_H16": 2, "GLUON_FEW": 1},
         "gqa": {"BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4},
     },
 }
@@ -717,19 +720,25 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     head_blocks = cdiv(group, block_h)
     split_latent = is_mla and bool(config.get("SPLIT_LATENT", 0)) and block_dv >= 32
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+    tma = None
+    if split_latent and config.get("GLUON"):
+        tma = tma_layout(k_buffer, page_size, stride_k_page, stride_k_tok, num_pages, 64, block_d, block_dpe)
+    # The sm_90 fast paths (triton_impl/decode_attention_sm90.py): same partials, hand-made schedules.
+    served = dict(device=device, is_mla=is_mla, key_width=key_width, value_width=value_width, q=q,
+                  cache_dtype=k_buffer.dtype, rows=group, page_size=page_size, tma_rows=tma is not None)
+    gluon = None
+    if config.get("GLUON") and decode_attention_sm90.supports(**served):
+        gluon = decode_attention_sm90.mla_decode_stage1_kernel
+        head_blocks = cdiv(group, int(decode_attention_sm90.BLOCK_H))
+    elif config.get("GLUON_FEW") and decode_attention_sm90.supports_few_rows(**served):
+        gluon, head_blocks = decode_attention_sm90.mla_decode_few_rows_kernel, 1
+        config = {**config, "PROGRAMS_PER_SM": 1}  # 164 KiB of shared memory a program
     num_kv_splits = stage1_splits(num_kv_splits, num_rows * num_kv_heads * head_blocks, sm_count, config)
     if num_kv_splits == 1 and not single:
         single = True  # capped to one split: stage 1 writes o and lse, attn_logits is not touched
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]  # with one split, o stands in for part
-    tma = None
-    if split_latent and config.get("GLUON"):
-        tma = tma_layout(k_buffer, page_size, stride_k_page, stride_k_tok, num_pages, 64, block_d, block_dpe)
-    gluon = config.get("GLUON") and decode_attention_sm90.supports(
-        device=device, is_mla=is_mla, key_width=key_width, value_width=value_width, q=q,
-        cache_dtype=k_buffer.dtype, rows=group, page_size=page_size, tma_rows=tma is not None)
-    if gluon:  # the sm_90 fast path (triton_impl/decode_attention_sm90.py): same partials, a hand-made schedule
-        stage1 = Launch(decode_attention_sm90.mla_decode_stage1_kernel,
-                        (num_rows, cdiv(group, int(decode_attention_sm90.BLOCK_H)), num_kv_splits), (
+    if gluon is not None:
+        stage1 = Launch(gluon, (num_rows, head_blocks, num_kv_splits), (
             float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,
             num_pages, req_to_token.shape[1] * page_size,
             *q.stride()[:2], *o.stride()[:2], *lse.stride(), *part_strides,

@@ -117,8 +117,20 @@ def supports(*, device: torch.device, is_mla: bool, key_width: int, value_width:
     token, head) rows of one request (decode: the heads), at least ``MIN_ROWS``; ``tma_rows``: the cache is
     addressable as ``[pages * page_size, Lk]`` rows by tensor descriptors (``decode_attention.tma_layout`` is not
     None)."""
+    return rows >= MIN_ROWS and _served(device, is_mla, key_width, value_width, q, cache_dtype, page_size, tma_rows)
+
+
+def supports_few_rows(*, device: torch.device, is_mla: bool, key_width: int, value_width: int, q: torch.Tensor,
+                      cache_dtype: torch.dtype, rows: int, page_size: int, tma_rows: bool) -> bool:  # fmt: skip
+    """Whether a decode call is one :func:`mla_decode_few_rows_kernel` serves: as :func:`supports`, with at most
+    16 heads (``rows``)."""
+    return rows <= FEW_ROWS and _served(device, is_mla, key_width, value_width, q, cache_dtype, page_size, tma_rows)
+
+
+def _served(device, is_mla, key_width, value_width, q, cache_dtype, page_size, tma_rows) -> bool:
+    """What both schedules need (:func:`supports`), the row count aside."""
     served = is_mla and key_width == LK and value_width == LV and cache_dtype == q.dtype
-    served = served and q.dtype in (torch.bfloat16, torch.float16) and rows >= MIN_ROWS and page_size % 64 == 0
+    served = served and q.dtype in (torch.bfloat16, torch.float16) and page_size % 64 == 0
     served = served and q.data_ptr() % 16 == 0 and all(stride % 16 == 0 for stride in q.stride()[:2])
     return served and tma_rows and device_arch(device).startswith("sm9")
 
@@ -500,8 +512,174 @@ def mla_verify_stage1_kernel(
             False)  # fmt: skip
 
 
+# -- Few rows: decode with at most 16 query heads (DeepSeek's 128 heads under tensor parallelism of 8) ---------------
+#
+# With 16 rows a 64-row wgmma tile is three-quarters empty, and the tile's tensor work (64 x 64 x 1088 MACs) is as
+# long as its bytes take to arrive. Here the keys are wgmma's M: the scores come as ``S^T = K Q^T`` ([64 keys, 16
+# rows]) and the output as ``O^T = V^T P^T`` ([512 dims, 16 rows], V^T the key tile read transposed), a quarter of
+# the work. One warpgroup does everything; the TMA loads run two tiles ahead.
+FEW_ROWS = gl.constexpr(16)
+_ST_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
+_KEYS = gl.constexpr(gl.SliceLayout(1, _ST_LAYOUT))  # one value per key (a row of S^T)
+_COLS = gl.constexpr(gl.SliceLayout(0, _ST_LAYOUT))  # one value per query row (a column of S^T and O^T)
+_PT_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))  # P^T [64, 16]
+# O^T [256, 16] fp32 on its way out, read back as [16, 256]: element (d, n) at column n ^ (d % 16) of row d.
+_OT_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 16, [1, 0]))
+
+
+@gluon.jit
+def _store_half_t(acc_t, stages, out_ptr, stride_out_h, group):
+    """Store an output half given transposed, ``acc_t`` ``[256 dims, 16 rows]``, at ``out_ptr`` (head 0's first
+    column) by way of shared memory (``stages``, as :func:`_store_half`): a warp stores 32 consecutive dims of
+    one head."""
+    staged = _reinterpret(stages, gl.float32, [HALF, FEW_ROWS], _OT_SMEM)
+    staged.store(acc_t)
+    _barrier()
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
+    heads = gl.arange(0, FEW_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    ptrs = out_ptr + (heads * stride_out_h)[:, None] + cols[None, :]
+    gl.store(ptrs, staged.permute((1, 0)).load(layout).to(out_ptr.dtype.element_ty), mask=(heads < group)[:, None])
+
+
+@gluon.jit
+def _attend_few(q_rows, group, lat_desc, pe_desc, table_row, stride_t_p, num_pages, table_keys, out_ptr,
+                stride_out_h, lse_ptr, stride_lse_h, seq_len, start, end, qk_scale, logit_cap,
+                PAGE_SIZE: gl.constexpr, HAS_CAP: gl.constexpr):  # fmt: skip
+    """One program: keys ``[start, end)`` of one query row for its ``group`` (<= 16) heads, ``q_rows`` their query
+    rows (``[16]`` pointers, ``_ROWS_LAYOUT`` rows); the output halves and the LSE (natural log) stored at
+    ``out_ptr`` / ``lse_ptr`` with the given head strides."""
+    dtype: gl.constexpr = q_rows.dtype.element_ty
+    q_s0 = gl.allocate_shared_memory(dtype, [FEW_ROWS, HALF], _SMEM)
+    q_s1 = gl.allocate_shared_memory(dtype, [FEW_ROWS, HALF], _SMEM)
+    q_spe = gl.allocate_shared_memory(dtype, [FEW_ROWS, ROPE], _SMEM)
+    k_s0 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], _SMEM)
+    k_s1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HALF], _SMEM)
+    k_spe = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], _SMEM)
+    p_s = gl.allocate_shared_memory(dtype, [BLOCK_N, FEW_ROWS], _PT_SMEM)
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(st), count=1)
+    fence_async_shared()
+
+    # Every row sees the same keys: a split cut to the table's keys (a row longer than its table is NaN).
+    tile_end = gl.minimum(end, table_keys)
+    first_tile = start // BLOCK_N * BLOCK_N
+    num_tiles = gl.where(tile_end > start, gl.cdiv(tile_end - first_tile, BLOCK_N), 0)
+    for st in gl.static_range(STAGES):
+        if st < num_tiles:
+            _issue_tile(lat_desc, pe_desc, k_full.index(st), k_s0.index(st), k_s1.index(st), k_spe.index(st),
+                        table_row, stride_t_p, num_pages, first_tile + st * BLOCK_N, PAGE_SIZE)  # fmt: skip
+    heads = gl.arange(0, FEW_ROWS, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
+    _copy_q(q_s0, q_rows, heads < group, 0, HALF)
+    _copy_q(q_s1, q_rows, heads < group, HALF, HALF)
+    _copy_q(q_spe, q_rows, heads < group, 2 * HALF, ROPE)
+    async_copy.commit_group()
+    first_bad = _first_bad_key(table_row, stride_t_p, start, tile_end, num_pages, PAGE_SIZE)
+    poisoned = (seq_len > table_keys) | (tile_end > first_bad)
+    async_copy.wait_group(0)
+    fence_async_shared()
+    _barrier()
+
+    m_i = gl.full([FEW_ROWS], float("-inf"), gl.float32, layout=_COLS)
+    l_part = gl.zeros([BLOCK_N, FEW_ROWS], gl.float32, layout=_ST_LAYOUT)  # per-thread sums, reduced at the end
+    o0 = gl.zeros([HALF, FEW_ROWS], gl.float32, layout=_ST_LAYOUT)
+    o1 = gl.zeros([HALF, FEW_ROWS], gl.float32, layout=_ST_LAYOUT)
+    for i in range(num_tiles):
+        stage = i % STAGES
+        tile = first_tile + i * BLOCK_N
+        k0 = k_s0.index(stage)
+        k1 = k_s1.index(stage)
+        kpe = k_spe.index(stage)
+        mbarrier.wait(k_full.index(stage), (i // STAGES) & 1)
+        if (tile < start) | (tile + BLOCK_N > tile_end):  # a partial tile: zero its keys outside [start, tile_end)
+            keys = tile + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
+            live = (keys >= start) & (keys < tile_end)
+            _zero_rows(k0, live)
+            _zero_rows(k1, live)
+            _zero_rows(kpe, live)
+            fence_async_shared()
+            _barrier()
+        s = gl.zeros([BLOCK_N, FEW_ROWS], gl.float32, layout=_ST_LAYOUT)
+        s = warpgroup_mma(k0, q_s0.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(k1, q_s1.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(kpe, q_spe.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        s = s * qk_scale
+        if HAS_CAP:
+            s = logit_cap * (2.0 / (1.0 + gl.exp2(s * (-2.0 * _LOG2E / logit_cap))) - 1.0) * _LOG2E
+        key = tile + gl.arange(0, BLOCK_N, layout=_KEYS)
+        s = gl.where(((key >= start) & (key < tile_end))[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[None, :])
+        l_part = l_part * alpha[None, :] + p
+        m_i = m_new
+        p_s.store(p.to(dtype))
+        fence_async_shared()
+        _barrier()
+        o0 = warpgroup_mma(k0.permute((1, 0)), p_s, o0 * alpha[None, :], is_async=True)
+        o1 = warpgroup_mma(k1.permute((1, 0)), p_s, o1 * alpha[None, :], is_async=True)
+        o0, o1 = warpgroup_mma_wait(0, deps=[o0, o1])
+        _barrier()  # every warp is done with this stage and with P before either is written again
+        if i + STAGES < num_tiles:
+            _issue_tile(lat_desc, pe_desc, k_full.index(stage), k0, k1, kpe, table_row, stride_t_p, num_pages,
+                        tile + STAGES * BLOCK_N, PAGE_SIZE)  # fmt: skip
+
+    # An empty split is the neutral state (0, -inf); a poisoned one NaN.
+    l_i = gl.sum(l_part, axis=0)
+    empty = tile_end <= start
+    row_scale = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * _LN2)
+    row_scale = gl.where(poisoned, float("nan"), row_scale)
+    lse = gl.where(poisoned, float("nan"), lse)
+    _store_half_t(o0 * row_scale[None, :], k_s0, out_ptr, stride_out_h, group)
+    _store_half_t(o1 * row_scale[None, :], k_s1, out_ptr + HALF, stride_out_h, group)
+    heads_c = gl.arange(0, FEW_ROWS, layout=_COLS)
+    gl.store(lse_ptr + heads_c * stride_lse_h, lse.to(lse_ptr.dtype.element_ty), mask=heads_c < group)
+
+
+@gluon.jit
+def mla_decode_few_rows_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, table_ptr, seq_lens_ptr, real_lens_ptr, k_scale_ptr, v_scale_ptr,
+    lat_desc, pe_desc,
+    sm_scale, logit_cap, window, num_kv_splits, num_pages, table_keys,
+    stride_q_r, stride_q_h,
+    stride_o_r, stride_o_h,
+    stride_lse_r, stride_lse_h,
+    stride_p_r, stride_p_h, stride_p_s,
+    stride_t_r, stride_t_p, stride_sl,
+    GROUP: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    HAS_CAP: gl.constexpr,
+    SINGLE_SPLIT: gl.constexpr,
+):  # fmt: skip
+    """Decode with ``GROUP <= 16`` heads, grid ``(R, 1, S)``: the arguments and partials of
+    :func:`mla_decode_stage1_kernel`, with the keys as wgmma's M (:func:`_attend_few`)."""
+    row = gl.program_id(0)
+    split = gl.program_id(2)
+    n = gl.maximum(gl.load(seq_lens_ptr + row.to(gl.int64) * stride_sl).to(gl.int32), 0)
+    lo = gl.maximum(n - window, 0)
+    chunk = gl.cdiv(n - lo, num_kv_splits)
+    start = gl.minimum(lo + split * chunk, n)
+    end = gl.minimum(start + chunk, n)
+    qk_scale = sm_scale
+    if not HAS_CAP:
+        qk_scale = qk_scale * _LOG2E
+    out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h = _destinations(
+        o_ptr, stride_o_r, stride_o_h, lse_ptr, stride_lse_r, stride_lse_h, part_ptr, stride_p_r, stride_p_h,
+        stride_p_s, split, SINGLE_SPLIT)  # fmt: skip
+    heads = gl.arange(0, FEW_ROWS, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
+    q_rows = q_ptr + row.to(gl.int64) * stride_q_r + heads * stride_q_h
+    _attend_few(q_rows, GROUP, lat_desc, pe_desc, table_ptr + row.to(gl.int64) * stride_t_r, stride_t_p, num_pages,
+                table_keys, out_ptr + row.to(gl.int64) * stride_out_r, stride_out_h,
+                lse_out_ptr + row.to(gl.int64) * stride_lo_r, stride_lo_h, n, start, end, qk_scale, logit_cap,
+                PAGE_SIZE, HAS_CAP)  # fmt: skip
+
+
 def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, page_size: int = 64,
-                     single_split: bool = False) -> Any:  # fmt: skip
+                     single_split: bool = False, few_rows: bool = False) -> Any:  # fmt: skip
     """The decode (or, ``verify``, the verify) stage 1 compiled for sm_90 on any machine (no GPU needed),
     specialized as a bench launch is (bf16, 16-byte aligned pointers, the block table's unit column stride a
     constant): the ``CompiledKernel``, with ``asm["cubin"]``."""
@@ -509,7 +687,7 @@ def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, p
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = mla_verify_stage1_kernel if verify else mla_decode_stage1_kernel
+    fn = mla_verify_stage1_kernel if verify else mla_decode_few_rows_kernel if few_rows else mla_decode_stage1_kernel
     names = fn.arg_names
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32",
                 "part_ptr": "*fp32", "table_ptr": "*i32", "seq_lens_ptr": "*i32", "real_seq_lens_ptr": "*i32",
