@@ -71,6 +71,7 @@ def _stamp(trace_ptr, slot: gl.constexpr):
 def _zero_rows('''
 
 _SCORES_ARGS = "q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end)\n"
+_SCORES_WAIT = "        s = warpgroup_mma_wait(0, deps=[s])\n"
 
 
 def _after(where: str, slot: int, indent: str = "    ") -> tuple[str, str]:
@@ -84,14 +85,15 @@ _EDITS = (
     ("\n@gluon.jit\ndef _zero_rows(", _STAMP),
     ("request, row_block, QLEN: gl.constexpr,\n            NUM_HEADS: gl.constexpr, PAGE_SIZE",
      "request, row_block, trace_ptr, QLEN: gl.constexpr,\n            NUM_HEADS: gl.constexpr, PAGE_SIZE"),
-    _after("    async_copy.wait_group(0)\n    fence_async_shared()\n    _barrier()\n", 2),
-    _after("        s, acc = warpgroup_mma_wait(0, deps=[s, acc])  # the last tile's value product too\n",
-           3, "        if i == 0:\n            "),
+    _after("    poisoned = (limit > table_keys) | (row_end > first_bad)\n    async_copy.wait_group(0)\n"
+           "    fence_async_shared()\n    _barrier()\n", 2),
     ("    acc = warpgroup_mma_wait(0, deps=[acc])\n\n",
      "    acc = warpgroup_mma_wait(0, deps=[acc])\n    _stamp(trace_ptr, 4)\n    _put(trace_ptr, 6, waited)\n\n"),
-    ("    for i in range(num_tiles):\n        s = _issue_scores(" + _SCORES_ARGS,
-     "    waited = _now() * 0\n    for i in range(num_tiles):\n        before = _now()\n"
-     "        s = _issue_scores(" + _SCORES_ARGS + "        waited += _now() - before\n"),
+    ("    for i in range(num_tiles):\n        # The last tile's", "    waited = _now() * 0\n"
+     "    for i in range(num_tiles):\n        # The last tile's"),
+    ("        s = _issue_scores(" + _SCORES_ARGS + _SCORES_WAIT,
+     "        before = _now()\n        s = _issue_scores(" + _SCORES_ARGS + "        waited += _now() - before\n"
+     + _SCORES_WAIT + "        if i == 0:\n            _stamp(trace_ptr, 3)\n"),
     ("logit_cap, request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,",
      "logit_cap, request, row_block, trace_ptr, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,"),
     _after("    first_tile = start // BLOCK_N * BLOCK_N\n", 1),
@@ -111,15 +113,21 @@ _EDITS = (
 )
 
 
+_FEW_ROWS_FROM, _FEW_ROWS_TO = "\nFEW_ROWS = ", "\ndef compile_for_sm90("
+
+
 def stamped_source() -> str:
     """``decode_attention_sm90``'s source with the stamps (and ``trace_ptr``, the last runtime argument of both
     entry kernels and of ``compile_for_sm90``'s signature)."""
     text = Path(fast.__file__).read_text()
+    # The few-rows kernel is not stamped: its text (which repeats some anchors) is set aside while the edits apply.
+    few_start, few_end = text.index(_FEW_ROWS_FROM), text.index(_FEW_ROWS_TO)
+    few, text = text[few_start:few_end], text[:few_start] + _FEW_ROWS_TO + text[few_end + len(_FEW_ROWS_TO) :]
     for where, what in _EDITS:
         if text.count(where) != 1:
             raise SystemExit(f"mla_timeline: the kernel's source changed, {where!r} occurs {text.count(where)} times")
         text = text.replace(where, what)
-    return text
+    return text.replace(_FEW_ROWS_TO, few + _FEW_ROWS_TO, 1)
 
 
 def load_stamped(folder: Path):
