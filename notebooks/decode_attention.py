@@ -754,3 +754,50 @@ assert 1.5 < executed / tile_flops < 1.6
 # memory, a loader warp feeds both by TMA (the verify notebook's section 7 counts its tile). It is still short of
 # FlashInfer here (0.92x): the tensor pipe idles while the softmax runs, and the query leaves room for only two
 # stages of keys (`perf_log.md`).
+
+# %% [markdown]
+# After the change in the verify notebook's section 7 (the softmax warpgroup releases each key stage before the next
+# tile's scores) this row takes 0.6072 ms, 0.95x FlashInfer's speed (0.6346 ms and 0.92x before).
+#
+# ## 8. Sixteen heads on Hopper: the keys as wgmma's M
+#
+# With 16 heads a decode row has 16 (token, head) rows, a quarter of the 64 rows wgmma wants as M. The 64-row Gluon
+# kernel would compute on 48 empty rows; the portable kernel's 16-head tile runs on warp-level MMAs at 83-84% of the
+# copy bandwidth (0.3401 ms at 72fbe8a for B=32 L=32K). `mla_decode_few_rows_kernel` turns both products around so
+# that the 64 keys of a tile are M and the 16 heads are N (wgmma takes N down to 8):
+#
+# - scores transposed, `S^T = K Q^T`: `[64 keys, 16 heads]`, K = 576, the key tile and the query from shared memory;
+# - the softmax runs down the columns (one column per head), `P^T` goes to shared memory as bf16;
+# - values transposed, `O^T = V^T P^T`: two `[256 latent dims, 16 heads]` accumulators, the key tile read as V^T
+#   (its transpose in shared memory, no copy).
+#
+# One warpgroup does all of it; the loads of the next two tiles are in flight by TMA while it works. Every MMA is the
+# full size of the data, so the tile's tensor work is the attention's, and the query's 18 KiB leave room for the two
+# 72 KiB stages at one program per SM. The cell counts a tile and reads the bench rows.
+
+# %%
+few_heads, keys_per_tile, key_width, latent_width = 16, 64, 576, 512
+mmas = {"S^T = K Q^T": (keys_per_tile, few_heads, key_width), "O^T = V^T P^T": (latent_width, few_heads, keys_per_tile)}
+instructions = sum((m // 64) * (k // 16) for m, n, k in mmas.values())  # HGMMA.64x16x16: M 64, N 16, K 16 each
+few_flops = sum(2 * m * n * k for m, n, k in mmas.values())
+few_bytes = keys_per_tile * key_width * 2
+few_smem = (few_heads * key_width + 2 * keys_per_tile * key_width + keys_per_tile * few_heads) * 2
+sm_hz = 1.76e9  # the SM clock Nsight Compute reported under load
+tensor_cycles = few_flops / 4096  # dense bf16 MMA per SM and cycle
+memory_cycles = few_bytes / (tbps_ceiling * 1e12 / H200_SMS) * sm_hz  # this SM's share of the copy bandwidth
+print(f"per tile: {instructions} HGMMA.64x16x16, {few_flops / 1e6:.2f} MFLOP, {few_bytes // 1024} KiB of keys, "
+      f"{few_smem // 1024} KiB of shared memory; {tensor_cycles:.0f} tensor-core cycles against {memory_cycles:.0f} "
+      f"cycles of this SM's share of the bandwidth")
+for case in ("B=32 H=16 L=32768", "B=128 H=16 L=8192", "B=8 H=16 L=4096"):
+    row = bench_rows[f"MLA 576/512 {case} bf16"]
+    print(f"{case:18s} {row['ms']:.4f} ms, {row['pct_roofline']:.1f}% of the copy roofline, FlashInfer "
+          f"{row['peers_ms']['FlashInfer']:.4f} ms ({row['peers_ms']['FlashInfer'] / row['ms']:.2f}x)")
+assert instructions == 68  # what tests/test_decode_attention.py counts in the kernel compiled for sm_90
+assert few_smem <= 227 * 1024 < few_smem + few_bytes and memory_cycles > 5 * tensor_cycles
+assert bench_rows["MLA 576/512 B=32 H=16 L=32768 bf16"]["pct_roofline"] > 95
+
+# %% [markdown]
+# A tile costs the tensor cores about a seventh of the time its bytes take, so the kernel is a stream of keys: B=32
+# and B=128 run at 98-100% of the measured copy bandwidth (4246 GB/s in that run), 1.04x FlashInfer's speed. At B=8
+# L=4K the call is 19 us for 38 MB (9 us of bandwidth): each program has a few tiles, and the first two loads and
+# the stores of the partials are not hidden; FlashInfer takes 18.4 us.

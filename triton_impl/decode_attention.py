@@ -89,9 +89,11 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # stage 1 of triton_impl/decode_attention_sm90.py (decode_attention_sm90.supports): on the H200 (bench_h200.md,
 # 72fbe8a, against the portable kernel at 580e9fc) B=32 H=128 L=32K 1.0411 -> 0.6346 ms, B=128 H=128 L=1K 0.1513 ->
 # 0.1061, B=8 H=128 L=8K 0.0890 -> 0.0585, B=1 H=128 L=32K 0.0615 -> 0.0346. The config stays batch-independent.
+# Releasing a key stage before the next tile's scores (c7e2fb0): 0.6072, 0.1007, 0.0518 and 0.0318 ms.
 # GLUON_FEW (0): the same with at most 16 heads runs decode_attention_sm90.mla_decode_few_rows_kernel (the keys as
 # wgmma's M, a quarter of the tensor work of a 64-row tile; decode_attention_sm90.supports_few_rows), one program
-# per SM. Not yet measured on an H200.
+# per SM. On the H200 (bench_h200.md, 72fbe8a -> c7e2fb0, the portable kernel before): B=32 H=16 L=32K 0.3401 ->
+# 0.2898 ms (83.8 -> 98.3% of copy bandwidth), B=128 H=16 L=8K 0.3440 -> 0.2864, B=8 H=16 L=4K 0.0327 -> 0.0191.
 # Every key ending in _h16 / _H16 replaces its base key where the head tile is 16 heads (tile_config).
 _CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})
 DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {

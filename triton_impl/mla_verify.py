@@ -113,8 +113,8 @@ VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
 #   580e9fc, 35e837f for B=64 qlen=2, against 72fbe8a).
 #   FP8_VIA_DECODE: an FP8 cache whose verify tiles hold one draft token each (heads a multiple of BLOCK_H) runs
 #   decode's stage 1 with per-token lengths (_via_decode): where a tile holds one token both kernels read the
-#   same bytes, and at 72fbe8a the flattened per-row decode took 0.758 ms against verify's 0.811 (B=32 H=128
-#   qlen=2 L=8K). Not yet timed through verify itself; expected the per-row decode's time.
+#   same bytes: B=32 H=128 qlen=2 L=8K 0.8114 -> 0.7510 ms (bench_h200.md, 72fbe8a -> c7e2fb0; the flattened
+#   per-row decode 0.753 in the same run).
 # - "default": any other GPU; the same shapes, untuned.
 # - "interpreter": TRITON_INTERPRET=1 on a CPU, where a tile's cost is NumPy work: small tiles
 #   and short splits keep tests fast and exercise many splits on short sequences.
