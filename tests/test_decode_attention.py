@@ -456,7 +456,7 @@ def test_the_sm90_decode_path_takes_exactly_the_calls_it_serves(device, monkeypa
     kernels = {"wide": decode_attention_sm90.mla_decode_stage1_kernel,
                "few": decode_attention_sm90.mla_decode_few_rows_kernel}  # fmt: skip
     assert plan.stage1._kernel is kernels.get(served, _decode_stage1_kernel)
-    assert (plan.descriptors is decode_attention_sm90.descriptors) == (served is not None)
+    assert (plan.descriptors.make is decode_attention_sm90.descriptors) == (served is not None)
 
 
 _SM90_COMPILE = """

@@ -25,9 +25,9 @@ import torch
 
 from tests.support import generator, paged_cache, randn
 from triton_impl import decode_attention as dec
-from triton_impl import lse_merge, mla_verify
+from triton_impl import decode_attention_sm90, launch, lse_merge, mla_verify
 from triton_impl import turboquant as ttq
-from triton_impl.launch import Plans, forget_plans
+from triton_impl.launch import DescriptorsByAddress, Plans, forget_plans
 from triton_impl.validation import CONTENT_CHECKS_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -344,6 +344,46 @@ def test_plans_keep_no_caller_tensor_alive(device: torch.device) -> None:
     gc.collect()
     assert all(ref() is None for ref in refs)
 
+
+
+def test_descriptors_are_remembered_by_address_without_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan builds a cache's tensor descriptors once per address (compiled mode): the same objects on the next
+    call, new ones for another cache, each with the address, dtype, shape, strides and boxes of descriptors built on
+    the tensor itself, and none keeps its cache alive."""
+    monkeypatch.setattr(launch, "INTERPRETING", False)
+    built: list = []
+
+    def make(cache, layout):
+        built.append(cache)
+        return decode_attention_sm90.descriptors(cache, layout)
+
+    by_address = DescriptorsByAddress(make)
+    cache = torch.zeros(4 * 64, 576, dtype=torch.bfloat16)
+    layout = dec.tma_layout(cache.view(4, 64, 1, 576), 64, 64 * 576, 576, 4, 64, 512, 64)
+    first = by_address(cache, layout)
+    assert by_address(cache, layout) is first and len(built) == 1 and not isinstance(built[0], torch.Tensor)
+    for remembered, fresh in zip(first, decode_attention_sm90.descriptors(cache, layout)):
+        assert remembered.base.data_ptr() == fresh.base.data_ptr() and remembered.base.dtype == fresh.base.dtype
+        assert (remembered.shape, remembered.strides, remembered.block_shape) == (
+            fresh.shape, fresh.strides, fresh.block_shape)  # fmt: skip
+    other = torch.zeros_like(cache)
+    assert by_address(other, layout)[0].base.data_ptr() == other.data_ptr() and len(built) == 2
+    freed = weakref.ref(cache)
+    del cache, fresh  # the test's own descriptors built on the tensor
+    gc.collect()
+    assert freed() is None
+
+
+def test_the_interpreter_builds_descriptors_on_the_cache_itself() -> None:
+    """Under the interpreter (which reads the cache through the descriptor) every call builds them on the tensor."""
+    by_address = DescriptorsByAddress(dec.tma_descriptors)
+    cache = torch.zeros(4 * 64, 576, dtype=torch.bfloat16)
+    layout = dec.tma_layout(cache.view(4, 64, 1, 576), 64, 64 * 576, 576, 4, 64, 512, 64)
+    if not launch.INTERPRETING:
+        pytest.skip("compiled mode: the descriptors are remembered (the test above)")
+    first = by_address(cache, layout)
+    assert first[0].base is cache and by_address(cache, layout)[0] is not first[0]
+    assert by_address(cache, None) == (None, None)
 
 def test_cpu_benchmark_takes_the_cached_path_for_every_serving_case() -> None:
     """The benchmark raises if a timed call launches through ``JITFunction.run`` (a missed plan or

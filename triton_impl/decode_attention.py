@@ -31,7 +31,16 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from triton_impl import decode_attention_sm90
 from triton_impl.block_table import first_bad_key
 from triton_impl.interpreter import cast_for_store, dot_dtype
-from triton_impl.launch import Launch, Plans, current_target, no_launch, register_cap, select_config, with_overrides
+from triton_impl.launch import (
+    DescriptorsByAddress,
+    Launch,
+    Plans,
+    current_target,
+    no_launch,
+    register_cap,
+    select_config,
+    with_overrides,
+)
 from triton_impl.lse_merge import launch_merge_splits, merge_splits_launch
 from triton_impl.validation import (
     block_table_2d,
@@ -168,7 +177,7 @@ def tma_layout(k_buffer: torch.Tensor, page_size: int, page_stride: int, token_s
 
 def tma_descriptors(k_buffer: torch.Tensor, layout: tuple | None) -> tuple:
     """``(latent, rope)`` tensor descriptors of ``k_buffer`` for a :func:`tma_layout`, or
-    ``(None, None)``. They hold the cache's address: made per call, never kept in a plan."""
+    ``(None, None)``. A plan remembers them by the cache's address (``launch.DescriptorsByAddress``)."""
     if layout is None:
         return None, None
     shape, strides, lat_block, pe_block = layout
@@ -748,13 +757,13 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
         ), dict(GROUP=group, PAGE_SIZE=page_size, HAS_CAP=logit_cap > 0, SINGLE_SPLIT=single,
                 num_warps=int(decode_attention_sm90.NUM_WARPS)))  # fmt: skip
         merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse)
-        return make_plan(stage1, merge, tma=tma, descriptors=decode_attention_sm90.descriptors)
+        return make_plan(stage1, merge, tma=tma, descriptors=DescriptorsByAddress(decode_attention_sm90.descriptors))
     stage1, tma = portable_stage1(q, k_buffer, v_buffer, o, lse, req_to_token, part_strides, b_seq_len.stride(0),
                                   num_kv_splits=num_kv_splits, sm_scale=sm_scale, logit_cap=logit_cap,
                                   window=sliding_window, page_size=page_size, num_pages=num_pages, is_mla=is_mla,
                                   single=single, config=config)  # fmt: skip
     merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse)
-    return make_plan(stage1, merge, tma=tma, descriptors=tma_descriptors)
+    return make_plan(stage1, merge, tma=tma, descriptors=DescriptorsByAddress(tma_descriptors))
 
 
 def _tile_widths(key_width: int, value_width: int, is_mla: bool) -> tuple[int, int, int, int]:

@@ -137,8 +137,8 @@ def _served(device, is_mla, key_width, value_width, q, cache_dtype, page_size, t
 
 def descriptors(k_buffer: torch.Tensor, rows: tuple) -> tuple[Any, Any]:
     """``(latent, rope)`` tensor descriptors of the cache as rows (``rows``: ``decode_attention.tma_layout`` with
-    64-key tiles: shape, strides, the ``[64, 256]`` latent and ``[64, 64]`` rope boxes). They hold the cache's
-    address: made per call, never kept in a plan."""
+    64-key tiles: shape, strides, the ``[64, 256]`` latent and ``[64, 64]`` rope boxes). A plan remembers them by
+    the cache's address (``launch.DescriptorsByAddress``)."""
     shape, strides, lat_box, pe_box = rows
     return (TensorDescriptor(k_buffer, shape, strides, lat_box, _SMEM.value),
             TensorDescriptor(k_buffer, shape, strides, pe_box, _SMEM.value))  # fmt: skip

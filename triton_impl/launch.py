@@ -156,6 +156,51 @@ class Plans:
         self._last = (key, plan)
 
 
+class _CacheAddress:
+    """What a tensor descriptor keeps of its tensor, without the tensor: the address (the launcher reads
+    ``data_ptr()``) and the dtype (the first launch specializes on it)."""
+
+    __slots__ = ("_address", "dtype")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._address, self.dtype = tensor.data_ptr(), tensor.dtype
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+class DescriptorsByAddress:
+    """A plan's ``(cache, layout) -> descriptors`` (``make``: ``decode_attention.tma_descriptors`` or the sm_90
+    kernels' ``descriptors``), remembered by the cache's address. A plan fixes the cache's dtype, shape and strides,
+    so the address is all that changes from call to call (each layer of a model has its own cache). The remembered
+    descriptors hold the address, not the tensor: a cache the caller frees is freed, and a new cache at that address
+    with the plan's layout gets the very same descriptors. Building two descriptors is ~3 us of host time on the
+    2-core CPU (Triton's checks in ``TensorDescriptor``), a lookup ~0.2 us. At most ``_MAX_ENTRIES`` addresses
+    (emptied when full). Under the interpreter, which reads the cache through the descriptor, every call builds them
+    on the tensor itself."""
+
+    __slots__ = ("_by_address", "_make")
+
+    def __init__(self, make: Callable[[Any, Any], tuple]) -> None:
+        self._make = make
+        self._by_address: dict[int, tuple] = {}
+
+    @property
+    def make(self) -> Callable[[Any, Any], tuple]:
+        """What builds the descriptors."""
+        return self._make
+
+    def __call__(self, cache: torch.Tensor, layout: Any) -> tuple:
+        if layout is None or INTERPRETING:
+            return self._make(cache, layout)
+        address = cache.data_ptr()
+        found = self._by_address.get(address)
+        if found is None:
+            found = self._make(_CacheAddress(cache), layout)
+            _remember(self._by_address, address, found)
+        return found
+
+
 def no_launch(stream: int | None, *head: Any) -> None:
     """Called like a :class:`Launch`, launches nothing: a plan's launch when there is no work
     (no rows or heads)."""

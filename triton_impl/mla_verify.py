@@ -35,7 +35,7 @@ from triton_impl.decode_attention import (
     tma_layout,
 )
 from triton_impl.interpreter import INTERPRETING, cast_for_store, dot_dtype
-from triton_impl.launch import Launch, Plans, current_target, device_arch, no_launch
+from triton_impl.launch import DescriptorsByAddress, Launch, Plans, current_target, device_arch, no_launch
 from triton_impl.lse_merge import merge_splits_launch
 from triton_impl.validation import (
     block_table_2d,
@@ -707,11 +707,11 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
         ), dict(QLEN=qlen, NUM_HEADS=num_heads, HAS_REAL=real_seq_lens is not None, NUM_KV_SPLITS=num_kv_splits,
                 SPLIT_ALIGN=cfg["SPLIT_ALIGN"], MIN_SPLIT_LEN=cfg["MIN_SPLIT_LEN"], PAGE_SIZE=page_size,
                 SINGLE_SPLIT=single, num_warps=int(decode_attention_sm90.NUM_WARPS)))  # fmt: skip
-        return make_plan(stage1, merge, tma, decode_attention_sm90.descriptors)
+        return make_plan(stage1, merge, tma, DescriptorsByAddress(decode_attention_sm90.descriptors))
     if cfg.get("FP8_VIA_DECODE") and k_buffer.dtype == torch.float8_e4m3fn and num_heads % cfg["BLOCK_H"] == 0:
         stage1, tma = _via_decode(q, k_buffer, v_buffer, o, lse, block_table, seq_lens, real_seq_lens, qlen,
                                   part_strides, num_kv_splits, sm_scale, page_size, num_pages, single)  # fmt: skip
-        return make_plan(stage1, merge, tma, tma_descriptors)
+        return make_plan(stage1, merge, tma, DescriptorsByAddress(tma_descriptors))
     tma = None
     if split_latent and cfg.get("TMA") and cfg["SPLIT_ALIGN"] % cfg["BLOCK_N"] == 0:
         tma = tma_layout(k_buffer, page_size, _page_stride(k_buffer, page_size), k_buffer.stride(-3), num_pages,
@@ -744,7 +744,7 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     ))  # fmt: skip
-    return make_plan(stage1, merge, tma, tma_descriptors)
+    return make_plan(stage1, merge, tma, DescriptorsByAddress(tma_descriptors))
 
 
 def warmup_decode_attention_fwd_verify(
