@@ -4,13 +4,18 @@
 takes it: a part of the bench name, ``op:`` to pick the op; a part matching several cases times them all). Each
 case is set up as the bench sets it up (content checks off), run 3 times to compile, then ``CALLS`` times under
 ``torch.profiler``; a row gives each kernel's mean microseconds per call, their sum, and the whole call's mean
-from CUDA events (eager: the sum plus launch gaps and host time) and in CUDA-graph replay.
+from CUDA events (eager: the sum plus launch gaps and host time) and in CUDA-graph replay. The last column times
+the call as the bench's ``do_bench`` does, its 256 MB L2 flush before each call and CUDA events around the call
+(median), and says where the time beyond the kernels goes: the GPU's idle gap between the flush and the call's first
+kernel, and the gaps between the call's kernels (medians, from the profiler's kernel timestamps).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import os
+import statistics
 import sys
 
 import torch
@@ -62,10 +67,39 @@ def kernel_times(run) -> tuple[dict[str, float], float]:
     return dict(times), _mean_us(run, graph=False)
 
 
+def after_flush(run) -> tuple[float, float, float]:
+    """``(call, gap before, gaps between)`` in microseconds (medians over ``CALLS``): the call timed by CUDA events
+    after an L2 flush as ``triton.testing.do_bench`` times it, the GPU idle from the flush's end to the call's first
+    kernel, and the summed idle between the call's kernels."""
+    flush = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device="cuda")  # do_bench's 256 MB
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(CALLS)]
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for start, stop in events:
+            flush.zero_()
+            start.record()
+            run()
+            stop.record()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, "fill" in e.name.lower() or "memset" in e.name.lower())
+                     for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
+    flushes = [i for i, kernel in enumerate(kernels) if kernel[2]] + [len(kernels)]
+    before, between = [], []
+    for here, following in itertools.pairwise(flushes):  # a flush, then the call's kernels
+        mine = kernels[here + 1 : following]
+        if mine:
+            before.append(mine[0][0] - kernels[here][1])
+            between.append(sum(b[0] - a[1] for a, b in itertools.pairwise(mine)))
+    calls = [start.elapsed_time(stop) * 1000 for start, stop in events]
+    return statistics.median(calls), statistics.median(before), statistics.median(between)
+
+
 def main(specs: list[str]) -> None:
     os.environ[CONTENT_CHECKS_ENV] = "0"
-    print("| op | case | kernel: us per call | kernels' sum | eager call | graph replay |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| op | case | kernel: us per call | kernels' sum | eager call | graph replay | after a flush: call us (gap "
+          "before, between) |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for spec in specs:
         op, _, part = spec.rpartition(":")
         for name, cases in ALL_CASES.items():
@@ -75,9 +109,10 @@ def main(specs: list[str]) -> None:
                 bench = case.setup(torch.device("cuda"))
                 times, eager = kernel_times(bench.run)
                 graph = _mean_us(bench.run, graph=True)
+                call, before, between = after_flush(bench.run)
                 kernels = ", ".join(f"{k[:40]} {t:.1f}" for k, t in sorted(times.items(), key=lambda kv: -kv[1]))
-                print(f"| {name} | {case.name} | {kernels} | {sum(times.values()):.1f} | {eager:.1f} | {graph:.1f} |",
-                      flush=True)  # fmt: skip
+                print(f"| {name} | {case.name} | {kernels} | {sum(times.values()):.1f} | {eager:.1f} | {graph:.1f} | "
+                      f"{call:.1f} ({before:.1f}, {between:.1f}) |", flush=True)  # fmt: skip
                 del bench
                 torch.cuda.empty_cache()
 
