@@ -247,9 +247,9 @@ def _store_half(acc, stages, out_ptr, stride_out_r, stride_out_h, request, row_b
 
 
 @gluon.jit
-def _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end):
-    """Wait for tile ``i``, zero its keys outside ``[start, tile_end)`` if it is partial, and start ``S = Q K^T``
-    (three asynchronous MMAs: the latent halves and the rope part)."""
+def _wait_tile(k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end):
+    """Wait for key tile ``i`` and zero its keys outside ``[start, tile_end)`` if it is partial: its stage's latent
+    halves and rope part."""
     stage = i % STAGES
     tile = first_tile + i * BLOCK_N
     k0 = k_s0.index(stage)
@@ -264,6 +264,14 @@ def _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, s
         _zero_rows(kpe, live)
         fence_async_shared()
         _barrier()
+    return k0, k1, kpe
+
+
+@gluon.jit
+def _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end):
+    """Wait for tile ``i`` (:func:`_wait_tile`) and start ``S = Q K^T`` (three asynchronous MMAs: the latent halves
+    and the rope part)."""
+    k0, k1, kpe = _wait_tile(k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end)
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=_S_LAYOUT)
     s = warpgroup_mma(q_s0, k0.permute((1, 0)), s, use_acc=False, is_async=True)
     s = warpgroup_mma(q_s1, k1.permute((1, 0)), s, is_async=True)
@@ -588,18 +596,7 @@ def _attend_few(q_rows, group, lat_desc, pe_desc, table_row, stride_t_p, num_pag
     for i in range(num_tiles):
         stage = i % STAGES
         tile = first_tile + i * BLOCK_N
-        k0 = k_s0.index(stage)
-        k1 = k_s1.index(stage)
-        kpe = k_spe.index(stage)
-        mbarrier.wait(k_full.index(stage), (i // STAGES) & 1)
-        if (tile < start) | (tile + BLOCK_N > tile_end):  # a partial tile: zero its keys outside [start, tile_end)
-            keys = tile + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
-            live = (keys >= start) & (keys < tile_end)
-            _zero_rows(k0, live)
-            _zero_rows(k1, live)
-            _zero_rows(kpe, live)
-            fence_async_shared()
-            _barrier()
+        k0, k1, kpe = _wait_tile(k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end)
         s = gl.zeros([BLOCK_N, FEW_ROWS], gl.float32, layout=_ST_LAYOUT)
         s = warpgroup_mma(k0, q_s0.permute((1, 0)), s, use_acc=False, is_async=True)
         s = warpgroup_mma(k1, q_s1.permute((1, 0)), s, is_async=True)
