@@ -442,6 +442,21 @@ def _destinations(o_ptr, stride_o_r, stride_o_h, lse_ptr, stride_lse_r, stride_l
 
 
 @gluon.jit
+def _decode_split(seq_lens_ptr, stride_sl, row, split, window, num_kv_splits, sm_scale, HAS_CAP: gl.constexpr):
+    """Decode row ``row``'s length ``n``, its split ``[start, end)`` of the visible keys ``[lo, n)``
+    (golden.decode_attention.split_bounds), and the score scale (base 2 unless a cap applies first)."""
+    n = gl.maximum(gl.load(seq_lens_ptr + row.to(gl.int64) * stride_sl).to(gl.int32), 0)
+    lo = gl.maximum(n - window, 0)
+    chunk = gl.cdiv(n - lo, num_kv_splits)
+    start = gl.minimum(lo + split * chunk, n)
+    end = gl.minimum(start + chunk, n)
+    qk_scale = sm_scale
+    if not HAS_CAP:
+        qk_scale = qk_scale * _LOG2E
+    return n, start, end, qk_scale
+
+
+@gluon.jit
 def mla_decode_stage1_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, table_ptr, seq_lens_ptr, real_lens_ptr, k_scale_ptr, v_scale_ptr,
     lat_desc, pe_desc,
@@ -462,15 +477,8 @@ def mla_decode_stage1_kernel(
     site launches either)."""
     row = gl.program_id(0)
     split = gl.program_id(2)
-    # This row's split [start, end) of its visible keys [lo, n) (golden.decode_attention.split_bounds).
-    n = gl.maximum(gl.load(seq_lens_ptr + row.to(gl.int64) * stride_sl).to(gl.int32), 0)
-    lo = gl.maximum(n - window, 0)
-    chunk = gl.cdiv(n - lo, num_kv_splits)
-    start = gl.minimum(lo + split * chunk, n)
-    end = gl.minimum(start + chunk, n)
-    qk_scale = sm_scale
-    if not HAS_CAP:
-        qk_scale = qk_scale * _LOG2E
+    n, start, end, qk_scale = _decode_split(seq_lens_ptr, stride_sl, row, split, window, num_kv_splits, sm_scale,
+                                            HAS_CAP)  # fmt: skip
     out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h = _destinations(
         o_ptr, stride_o_r, stride_o_h, lse_ptr, stride_lse_r, stride_lse_h, part_ptr, stride_p_r, stride_p_h,
         stride_p_s, split, SINGLE_SPLIT)  # fmt: skip
@@ -656,14 +664,8 @@ def mla_decode_few_rows_kernel(
     :func:`mla_decode_stage1_kernel`, with the keys as wgmma's M (:func:`_attend_few`)."""
     row = gl.program_id(0)
     split = gl.program_id(2)
-    n = gl.maximum(gl.load(seq_lens_ptr + row.to(gl.int64) * stride_sl).to(gl.int32), 0)
-    lo = gl.maximum(n - window, 0)
-    chunk = gl.cdiv(n - lo, num_kv_splits)
-    start = gl.minimum(lo + split * chunk, n)
-    end = gl.minimum(start + chunk, n)
-    qk_scale = sm_scale
-    if not HAS_CAP:
-        qk_scale = qk_scale * _LOG2E
+    n, start, end, qk_scale = _decode_split(seq_lens_ptr, stride_sl, row, split, window, num_kv_splits, sm_scale,
+                                            HAS_CAP)  # fmt: skip
     out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h = _destinations(
         o_ptr, stride_o_r, stride_o_h, lse_ptr, stride_lse_r, stride_lse_h, part_ptr, stride_p_r, stride_p_h,
         stride_p_s, split, SINGLE_SPLIT)  # fmt: skip
