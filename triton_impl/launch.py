@@ -174,7 +174,7 @@ class DescriptorsByAddress:
     kernels' ``descriptors``), remembered by the cache's address. A plan fixes the cache's dtype, shape and strides,
     so the address is all that changes from call to call (each layer of a model has its own cache). The remembered
     descriptors hold the address, not the tensor: a cache the caller frees is freed, and a new cache at that address
-    with the plan's layout gets the very same descriptors. Building two descriptors is ~3 us of host time on the
+    with the plan's layout gets the very same descriptors. Building two descriptors is 2.5-3 us of host time on the
     2-core CPU (Triton's checks in ``TensorDescriptor``), a lookup ~0.2 us. At most ``_MAX_ENTRIES`` addresses
     (emptied when full). Under the interpreter, which reads the cache through the descriptor, every call builds them
     on the tensor itself."""
