@@ -152,4 +152,6 @@ def bench_cases(small: bool = False) -> list[BenchCase]:
         case(32, 16, 4, 32768),
         case(32, 128, 4, 32768),
         case(1, 128, 4, 32768),
+        # Memory-bound verify at eight draft tokens: 128 (token, head) rows a request, two 64-row tiles.
+        case(32, 16, 8, 32768),
     ]
