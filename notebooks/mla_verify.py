@@ -587,10 +587,12 @@ assert 0.4 < tensor_cycles / cycles < 0.7
 # tile's value product together, and only then release the previous tile's stage to the loader. It now waits for
 # its value product alone, releases the stage, and then issues the scores: the load two tiles ahead starts one score
 # product (about 1150 cycles) earlier. Same registers, same MMAs. On the H200 (`perf_log.md`, the CUDA profiler's
-# kernel times) that took 7-13% off every Gluon call: decode B=32 H=128 L=32K 567 -> 523 us, verify B=64 H=128
-# qlen=1 78.7 -> 68.7 us, verify B=32 H=16 qlen=4 L=32K 322.9 -> 289.0 us (the copy roofline: 285.6 us). The cell
-# above uses the bench row after the change. What would give a third stage room is the query out of shared memory,
-# in the softmax warpgroup's registers.
+# kernel times) that took 3-13% off every Gluon call: decode B=32 H=128 L=32K 567 -> 523 us, verify B=64 H=128
+# qlen=1 78.7 -> 68.7 us, verify B=32 H=16 qlen=4 L=32K 322.9 -> 289.0 us (the copy roofline: 285.6 us); the longest
+# compute-bound call, verify B=32 H=128 qlen=4 L=32K, 3%. The softmax warpgroup's wait for tiles fell from 56% to 34%
+# of the loop (`mla_timeline_h200.md`). The cell above uses the bench row after the change. A third stage does not
+# fit beside the query, and 32-key tiles in four stages (the loader three tiles ahead) were 18-32% slower: each key
+# then pays twice the barriers and softmax reductions (`perf_log.md`).
 #
 # **What a program costs besides its tiles.** Small batches have few tiles per program (B=8 qlen=4 H=16 L=4K: four),
 # so what a program does once matters as much as the loop. `benchmarks/mla_timeline.py` stamps the GPU's clock at
