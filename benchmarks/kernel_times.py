@@ -4,10 +4,11 @@
 takes it: a part of the bench name, ``op:`` to pick the op; a part matching several cases times them all). Each
 case is set up as the bench sets it up (content checks off), run 3 times to compile, then ``CALLS`` times under
 ``torch.profiler``; a row gives each kernel's mean microseconds per call, their sum, and the whole call's mean
-from CUDA events (eager: the sum plus launch gaps and host time) and in CUDA-graph replay. The last column times
-the call as the bench's ``do_bench`` does, its 256 MB L2 flush before each call and CUDA events around the call
-(median), and says where the time beyond the kernels goes: the GPU's idle gap between the flush and the call's first
-kernel, and the gaps between the call's kernels (medians, from the profiler's kernel timestamps).
+from CUDA events (eager: the sum plus launch gaps and host time) and in CUDA-graph replay. The next column times
+the call as the bench's ``do_bench`` does, its 256 MB L2 flush (zeros written) before each call and CUDA events
+around the call (median), and says where the time beyond the kernels goes: the GPU's idle gap between the flush and
+the call's first kernel, and the gaps between the call's kernels (medians, from the profiler's kernel timestamps);
+the last column the same after a flush that reads the 256 MB instead (no dirty lines left to write back).
 """
 
 from __future__ import annotations
@@ -67,22 +68,31 @@ def kernel_times(run) -> tuple[dict[str, float], float]:
     return dict(times), _mean_us(run, graph=False)
 
 
-def after_flush(run) -> tuple[float, float, float]:
+def after_flush(run, dirty: bool = True) -> tuple[float, float, float]:
     """``(call, gap before, gaps between)`` in microseconds (medians over ``CALLS``): the call timed by CUDA events
     after an L2 flush as ``triton.testing.do_bench`` times it, the GPU idle from the flush's end to the call's first
-    kernel, and the summed idle between the call's kernels."""
-    flush = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device="cuda")  # do_bench's 256 MB
+    kernel, and the summed idle between the call's kernels. do_bench's flush writes zeros over 256 MB, which leaves
+    the L2 full of dirty lines that the call's own traffic then writes back; ``dirty=False`` flushes by reading the
+    256 MB instead (a sum), which evicts the same lines and leaves them clean: the difference is what the
+    write-back costs the call."""
+    flush = torch.zeros(64 * 1024 * 1024, dtype=torch.int32, device="cuda")  # do_bench's 256 MB
+    total = torch.empty((), dtype=torch.int64, device="cuda")
+    evict = flush.zero_ if dirty else lambda: torch.sum(flush, dim=0, out=total)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(CALLS)]
     run()
     torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as alone:  # the flush's own kernels, to tell them apart
+        evict()
+        torch.cuda.synchronize()
+    flush_names = {e.name for e in alone.events() if e.device_type == torch.autograd.DeviceType.CUDA}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for start, stop in events:
-            flush.zero_()
+            evict()
             start.record()
             run()
             stop.record()
         torch.cuda.synchronize()
-    kernels = sorted((e.time_range.start, e.time_range.end, "fill" in e.name.lower() or "memset" in e.name.lower())
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name in flush_names)
                      for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
     flushes = [i for i, kernel in enumerate(kernels) if kernel[2]] + [len(kernels)]
     before, between = [], []
@@ -98,8 +108,8 @@ def after_flush(run) -> tuple[float, float, float]:
 def main(specs: list[str]) -> None:
     os.environ[CONTENT_CHECKS_ENV] = "0"
     print("| op | case | kernel: us per call | kernels' sum | eager call | graph replay | after a flush: call us (gap "
-          "before, between) |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "before, between) | after a reading flush |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for spec in specs:
         op, _, part = spec.rpartition(":")
         for name, cases in ALL_CASES.items():
@@ -110,9 +120,11 @@ def main(specs: list[str]) -> None:
                 times, eager = kernel_times(bench.run)
                 graph = _mean_us(bench.run, graph=True)
                 call, before, between = after_flush(bench.run)
+                clean = after_flush(bench.run, dirty=False)
                 kernels = ", ".join(f"{k[:40]} {t:.1f}" for k, t in sorted(times.items(), key=lambda kv: -kv[1]))
                 print(f"| {name} | {case.name} | {kernels} | {sum(times.values()):.1f} | {eager:.1f} | {graph:.1f} | "
-                      f"{call:.1f} ({before:.1f}, {between:.1f}) |", flush=True)  # fmt: skip
+                      f"{call:.1f} ({before:.1f}, {between:.1f}) | {clean[0]:.1f} ({clean[1]:.1f}, {clean[2]:.1f}) |",
+                      flush=True)  # fmt: skip
                 del bench
                 torch.cuda.empty_cache()
 
