@@ -22,9 +22,11 @@ Each warpgroup stores its output half through the key stages of one latent half,
 warp's store covers 32 consecutive elements of one row; stored from the accumulator's layout, each store touched 8
 rows (16 cache lines for fp32 partials), which took 19-20 us a program (``notebooks/results/mla_timeline_h200.md``).
 
-Nothing is computed twice and the query is read from shared memory once per tile. Both halves of tile ``i``'s
-value product run beside the scores of tile ``i + 1`` (the softmax warpgroup leaves its half pending until it waits
-for those scores); the softmax itself runs with the tensor cores idle, which is what bounds the kernel now.
+Nothing is computed twice and the query is read from shared memory once per tile. The softmax warpgroup waits for
+its half of tile ``i``'s value product, releases the tile's stage to the loader and only then issues tile ``i + 1``'s
+scores, so the load two tiles ahead starts a score product (~1150 cycles) earlier than if it also waited for those
+scores (3-13% faster on the H200); the value warpgroup's half runs beside the scores. The softmax itself runs with
+the tensor cores idle, which with the wait for tiles (34% of the loop at B=32 H=128 L=32K) bounds the kernel now.
 mbarriers order everything: ``k_full`` / ``k_free`` per stage (TMA landed / both warpgroups done with it),
 ``p_full`` / ``p_free`` for the ``P`` buffer (written / read), and after the loop ``p_full`` once more, for the row
 scale the value warpgroup applies to its half.
@@ -39,12 +41,19 @@ cache of the query's dtype, pages a multiple of 64 keys back to back (the cache 
 576]`` rows for TMA), a query whose address and row and head strides are multiples of 16 bytes and 16 elements,
 ``MIN_ROWS`` (32) rows or more per request. Everything else runs the portable kernels.
 
-On the H200 (``attnref bench --op decode_attention --op mla_verify``, FlashInfer 0.7 in the same run, 72fbe8a):
-decode B=32 H=128 L=32K 0.635 ms (the portable kernel 1.041 ms; FlashInfer 0.583 ms), B=1 H=128 L=32K 0.035 ms
-(0.062; 0.038), verify B=16 H=128 qlen=8 L=4K 0.266 ms (0.514; 0.257), B=8 H=16 qlen=4 L=4K 0.026 ms (0.036;
-0.022). ``notebooks/results/perf_log.md`` has what bounds it (the tensor pipe is busy half the time: the softmax
+Decode with at most 16 heads (:func:`supports_few_rows`; a 64-row tile would be three-quarters empty) runs
+:func:`mla_decode_few_rows_kernel` instead: one warpgroup takes the keys as wgmma's M, ``S^T = K Q^T`` (``[64 keys,
+16 heads]``) and ``O^T = V^T P^T`` (two ``[256, 16]`` halves, V^T the key tile read transposed), with TMA two tiles
+ahead; 164 KiB of shared memory, one program per SM. A tile costs the tensor cores 544 cycles against ~4000 of its
+bytes at this SM's share of the copy bandwidth: the kernel streams keys.
+
+On the H200 (``attnref bench --op decode_attention --op mla_verify``, FlashInfer 0.7 in the same run, c7e2fb0):
+decode B=32 H=128 L=32K 0.607 ms (the portable kernel 1.041 ms; FlashInfer 0.576 ms), B=1 H=128 L=32K 0.032 ms
+(0.062; 0.038), verify B=16 H=128 qlen=8 L=4K 0.259 ms (0.514; 0.253), B=8 H=16 qlen=4 L=4K 0.0247 ms (0.0362;
+0.0215); few rows: decode B=32 H=16 L=32K 0.290 ms (the portable kernel 0.340; FlashInfer 0.301), 98.3% of the copy
+roofline. ``notebooks/results/perf_log.md`` has what bounds it (the tensor pipe is busy half the time: the softmax
 warpgroup's chain and two stages) and the variants that lost (the softmax pipelined under the value MMAs, 32-key
-tiles in four stages).
+tiles in four stages, twice).
 """
 
 from __future__ import annotations
