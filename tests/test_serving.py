@@ -317,12 +317,14 @@ def test_decode_poisons_only_rows_with_bad_pages(checks_off, is_mla, num_kv_spli
                     reason="the Gluon MLA stage 1 runs on compute capability 9.x only")
 @pytest.mark.parametrize("bad_page", [-1, "num_pages", 2**30])
 @pytest.mark.parametrize("num_kv_splits", [1, 3])
-def test_sm90_mla_decode_poisons_only_rows_with_bad_pages(checks_off, num_kv_splits, bad_page, device) -> None:
-    """The same on the Gluon MLA stage 1 (128 heads, DeepSeek's widths, pages of 64, bf16)."""
+@pytest.mark.parametrize("heads", [128, 16])
+def test_sm90_mla_decode_poisons_only_rows_with_bad_pages(checks_off, heads, num_kv_splits, bad_page, device) -> None:
+    """The same on the Gluon MLA stage 1 (DeepSeek's widths, pages of 64, bf16): the 64-row kernel (128 heads) and
+    the few-rows kernel (16 heads), which checks the block table its own way."""
     gen = generator(7)
     seq_lens, page_size = [65, 300, 0, 90, 11], 64
     cache = paged_cache(seq_lens, page_size, 1, 576, torch.bfloat16, device, gen)
-    q = randn((len(seq_lens), 128, 576), torch.bfloat16, device, gen)
+    q = randn((len(seq_lens), heads, 576), torch.bfloat16, device, gen)
     k, _ = _guarded_cache(cache.cache)
     num_pages = k.shape[0]
     bad = num_pages if bad_page == "num_pages" else bad_page
