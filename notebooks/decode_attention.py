@@ -751,14 +751,12 @@ assert 1.5 < executed / tile_flops < 1.6
 # scores, and even at the full rate it stops at 65% of the roofline; the softmax between the products is the rest
 # (Nsight Compute: issue slots 24% busy). The Gluon kernel computes each tile's scores once: a softmax warpgroup
 # computes the scores and the softmax and half of P V, a value warpgroup the other half with P through shared
-# memory, a loader warp feeds both by TMA (the verify notebook's section 7 counts its tile). It is still short of
-# FlashInfer here (0.92x): the tensor pipe idles while the softmax runs, and the query leaves room for only two
-# stages of keys (`perf_log.md`).
+# memory, a loader warp feeds both by TMA (the verify notebook's section 7 counts its tile). On this row it takes
+# 0.6072 ms, 0.95x FlashInfer's speed (0.6346 ms and 0.92x before the softmax warpgroup released each key stage
+# ahead of the next tile's scores, the verify notebook's section 7). What keeps it short: the tensor pipe idles while
+# the softmax runs, and the query leaves room for only two stages of keys (`perf_log.md`).
 
 # %% [markdown]
-# After the change in the verify notebook's section 7 (the softmax warpgroup releases each key stage before the next
-# tile's scores) this row takes 0.6072 ms, 0.95x FlashInfer's speed (0.6346 ms and 0.92x before).
-#
 # ## 8. Sixteen heads on Hopper: the keys as wgmma's M
 #
 # With 16 heads a decode row has 16 (token, head) rows, a quarter of the 64 rows wgmma wants as M. The 64-row Gluon
