@@ -345,7 +345,6 @@ def test_plans_keep_no_caller_tensor_alive(device: torch.device) -> None:
     assert all(ref() is None for ref in refs)
 
 
-
 def test_descriptors_are_remembered_by_address_without_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan builds a cache's tensor descriptors once per address (compiled mode): the same objects on the next
     call, new ones for another cache, each with the address, dtype, shape, strides and boxes of descriptors built on
