@@ -779,17 +779,20 @@ def _tile_widths(key_width: int, value_width: int, is_mla: bool) -> tuple[int, i
 def portable_stage1(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
                     lse: torch.Tensor, table: torch.Tensor, part_strides: tuple[int, int, int], seq_len_stride: int, *,
                     num_kv_splits: int, sm_scale: float, logit_cap: float, window: int | None, page_size: int,
-                    num_pages: int, is_mla: bool, single: bool, config: dict[str, int], qlen: int = 1,
+                    num_pages: int, is_mla: bool, single: bool, config: dict[str, int] | None, qlen: int = 1,
                     has_real: bool = False, real_len_stride: int = 0) -> tuple[Launch, tuple | None]:  # fmt: skip
     """The launch of :func:`_decode_stage1_kernel` for checked arguments, and the cache's :func:`tma_layout` (None:
     gathers), to be called as ``(stream, q, k, v, o, lse, part, table, seq_lens, real_lens, k_scale, v_scale, lat,
     pe)``. ``table``: the 2-D block table; ``part_strides``: the partials' row, head and split strides (zeros with
-    ``single``, where ``o`` stands in for them); ``config``: a ``DECODE_CONFIGS`` entry. Decode has one query row
+    ``single``, where ``o`` stands in for them); ``config``: a ``DECODE_CONFIGS`` entry (None: the device's, as
+    :func:`select_decode_config` gives it). Decode has one query row
     per table row; ``mla_verify`` (``qlen`` > 1) passes ``B * qlen`` query rows over ``B`` table rows, each row
     its draft token's causal prefix (``has_real``: capped by ``real_seq_lens``)."""
     num_rows, num_heads, key_width = q.shape
     num_kv_heads, value_width = k_buffer.shape[-2], v_buffer.shape[-1]
     d_first, block_d, block_dv, block_dpe = _tile_widths(key_width, value_width, is_mla)
+    if config is None:
+        config = select_decode_config(q.device, is_mla, block_dv)
     group = num_heads // num_kv_heads
     block_h, config = tile_config(config, group)
     head_blocks = cdiv(group, block_h)

@@ -27,13 +27,7 @@ import triton.language as tl
 
 from triton_impl import decode_attention_sm90
 from triton_impl.block_table import first_bad_key
-from triton_impl.decode_attention import (
-    descriptor_tile,
-    portable_stage1,
-    select_decode_config,
-    tma_descriptors,
-    tma_layout,
-)
+from triton_impl.decode_attention import descriptor_tile, portable_stage1, tma_descriptors, tma_layout
 from triton_impl.interpreter import INTERPRETING, cast_for_store, dot_dtype
 from triton_impl.launch import DescriptorsByAddress, Launch, Plans, current_target, device_arch, no_launch
 from triton_impl.lse_merge import merge_splits_launch
@@ -634,11 +628,10 @@ def _via_decode(q, k_buffer, v_buffer, o, lse, block_table, seq_lens, real_seq_l
     the ``B * qlen`` rows as decode rows over the ``B`` table rows, each row its draft token's causal prefix. The
     same keys and merged outputs (the split slots follow decode's split rule); where a verify tile holds one draft
     token the two kernels read the same bytes, and decode's was the faster (FP8_VIA_DECODE in ``VERIFY_CONFIGS``)."""
-    config = select_decode_config(q.device, True, max(16, next_pow2(v_buffer.shape[-1])))
     launch, tma = portable_stage1(
         q, k_buffer, v_buffer, o, lse, block_table, part_strides, seq_lens.stride(0), num_kv_splits=num_kv_splits,
         sm_scale=sm_scale, logit_cap=0.0, window=None, page_size=page_size, num_pages=num_pages, is_mla=True,
-        single=single, config=config, qlen=qlen, has_real=real_seq_lens is not None,
+        single=single, config=None, qlen=qlen, has_real=real_seq_lens is not None,
         real_len_stride=0 if real_seq_lens is None else real_seq_lens.stride(0),
     )  # fmt: skip
 
