@@ -30,6 +30,12 @@ OPS = (decode_attention, mla_verify, turboquant, ue8m0_cache, lse_merge)
 ALL_CASES = {m.__name__.rsplit(".", 1)[-1]: m.bench_cases() for m in OPS}
 
 
+def matching(spec: str) -> list:
+    """The bench cases a spec names: ``"part"`` (a part of the case's name, any op) or ``"op:part"``."""
+    op, _, part = spec.rpartition(":")
+    return [case for name, cases in ALL_CASES.items() if not op or name == op for case in cases if part in case.name]
+
+
 def _mean_us(run, graph: bool) -> float:
     """Mean microseconds per call of ``run`` from CUDA events, eager or as one captured call replayed."""
     if graph:
@@ -111,22 +117,18 @@ def main(specs: list[str]) -> None:
           "before, between) | after a reading flush |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for spec in specs:
-        op, _, part = spec.rpartition(":")
-        for name, cases in ALL_CASES.items():
-            for case in cases:
-                if (op and name != op) or part not in case.name:
-                    continue
-                bench = case.setup(torch.device("cuda"))
-                times, eager = kernel_times(bench.run)
-                graph = _mean_us(bench.run, graph=True)
-                call, before, between = after_flush(bench.run)
-                clean = after_flush(bench.run, dirty=False)
-                kernels = ", ".join(f"{k[:40]} {t:.1f}" for k, t in sorted(times.items(), key=lambda kv: -kv[1]))
-                print(f"| {name} | {case.name} | {kernels} | {sum(times.values()):.1f} | {eager:.1f} | {graph:.1f} | "
-                      f"{call:.1f} ({before:.1f}, {between:.1f}) | {clean[0]:.1f} ({clean[1]:.1f}, {clean[2]:.1f}) |",
-                      flush=True)  # fmt: skip
-                del bench
-                torch.cuda.empty_cache()
+        for case in matching(spec):
+            bench = case.setup(torch.device("cuda"))
+            times, eager = kernel_times(bench.run)
+            graph = _mean_us(bench.run, graph=True)
+            call, before, between = after_flush(bench.run)
+            clean = after_flush(bench.run, dirty=False)
+            kernels = ", ".join(f"{k[:40]} {t:.1f}" for k, t in sorted(times.items(), key=lambda kv: -kv[1]))
+            print(f"| {case.op} | {case.name} | {kernels} | {sum(times.values()):.1f} | {eager:.1f} | {graph:.1f} | "
+                  f"{call:.1f} ({before:.1f}, {between:.1f}) | {clean[0]:.1f} ({clean[1]:.1f}, {clean[2]:.1f}) |",
+                  flush=True)  # fmt: skip
+            del bench
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

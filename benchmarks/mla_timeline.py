@@ -141,7 +141,7 @@ def load_stamped(folder: Path):
 
 
 def main(specs: list[str]) -> None:
-    from benchmarks.kernel_times import ALL_CASES
+    from benchmarks.kernel_times import matching
 
     os.environ[CONTENT_CHECKS_ENV] = "0"
     with tempfile.TemporaryDirectory() as folder:
@@ -166,10 +166,7 @@ def main(specs: list[str]) -> None:
             print(f"| op | case | programs | span us | {phases} | waiting for tiles us (median, max) |")
             print("| --- " * (5 + len(PHASES) - 1) + "|")
             for spec in specs:
-                op, _, part = spec.rpartition(":")
-                for case in (c for name, cs in ALL_CASES.items() if not op or name == op for c in cs):
-                    if part not in case.name:
-                        continue
+                for case in matching(spec):
                     bench = case.setup(torch.device("cuda"))
                     for _ in range(3):
                         bench.run()

@@ -18,13 +18,12 @@ import sys
 
 import torch
 
-from benchmarks.kernel_times import ALL_CASES
+from benchmarks.kernel_times import matching
 from triton_impl.validation import CONTENT_CHECKS_ENV
 
 
 def find(spec: str):
-    op, _, part = spec.rpartition(":")
-    hits = [c for name, cs in ALL_CASES.items() if not op or name == op for c in cs if part in c.name]
+    hits = matching(spec)
     if len(hits) != 1:
         raise SystemExit(f"{spec!r} matches {len(hits)} cases: {[c.name for c in hits]}")
     return hits[0]
