@@ -5,10 +5,11 @@ takes it: a part of the bench name, ``op:`` to pick the op; a part matching seve
 case is set up as the bench sets it up (content checks off), run 3 times to compile, then ``CALLS`` times under
 ``torch.profiler``; a row gives each kernel's mean microseconds per call, their sum, and the whole call's mean
 from CUDA events (eager: the sum plus launch gaps and host time) and in CUDA-graph replay. The next column times
-the call as the bench's ``do_bench`` does, its 256 MB L2 flush (zeros written) before each call and CUDA events
+the call as ``triton.testing.do_bench`` does, its 256 MB L2 flush (zeros written) before each call and CUDA events
 around the call (median), and says where the time beyond the kernels goes: the GPU's idle gap between the flush and
 the call's first kernel, and the gaps between the call's kernels (medians, from the profiler's kernel timestamps);
-the last column the same after a flush that reads the 256 MB instead (no dirty lines left to write back).
+the last column the same after a flush that reads the 256 MB instead (no dirty lines left to write back), as the
+bench times (``triton_impl.bench.cold_ms``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from triton_impl.bench import l2_flush
 from triton_impl.parity import decode_attention, lse_merge, mla_verify, turboquant, ue8m0_cache
 from triton_impl.validation import CONTENT_CHECKS_ENV
 
@@ -81,9 +83,7 @@ def after_flush(run, dirty: bool = True) -> tuple[float, float, float]:
     the L2 full of dirty lines that the call's own traffic then writes back; ``dirty=False`` flushes by reading the
     256 MB instead (a sum), which evicts the same lines and leaves them clean: the difference is what the
     write-back costs the call."""
-    flush = torch.zeros(64 * 1024 * 1024, dtype=torch.int32, device="cuda")  # do_bench's 256 MB
-    total = torch.empty((), dtype=torch.int64, device="cuda")
-    evict = flush.zero_ if dirty else lambda: torch.sum(flush, dim=0, out=total)
+    evict = l2_flush(dirty)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(CALLS)]
     run()
     torch.cuda.synchronize()

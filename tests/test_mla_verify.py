@@ -269,29 +269,56 @@ def test_sm90_verify_fast_path_matches_golden(device, qlen, heads, num_kv_splits
     check_against_golden(problem, num_kv_splits, config)
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon few-rows kernel runs on compute capability 9.x only")
+@pytest.mark.parametrize(("heads", "num_kv_splits", "page_size"), [(16, 3, 64), (8, 1, 128), (1, 5, 64)])
+def test_sm90_one_draft_token_at_few_heads_matches_golden_as_a_decode(device, heads, num_kv_splits, page_size) -> None:
+    """qlen 1 at 16 heads or fewer runs decode's few-rows Gluon kernel (decode's split rule, so only the merged
+    outputs are compared): empty and one-key requests, a request shorter than a tile, one split and several."""
+    lens = [300, 129, 64, 1, 0, 700]
+    problem = make_problem(lens, 1, heads, 512, 64, page_size, device, seed=12)
+    config = _config("large", arch="sm90")
+    rows = len(lens)
+    plan = tv._plan_verify(problem.q, problem.cache, problem.cache[..., :512], torch.empty(rows, heads, 512,
+                           device=device), torch.empty(rows, heads, device=device), problem.block_table,
+                           problem.seq_lens, None, 1, torch.empty(rows, heads, num_kv_splits, 513, device=device),
+                           num_kv_splits, problem.sm_scale, page_size, None, config)  # fmt: skip
+    assert plan.descriptors.make is decode_attention_sm90.descriptors and not hasattr(plan.stage1, "kernel")
+    o, lse, _ = problem.run(num_kv_splits, config)
+    ref_o, ref_lse = problem.golden()
+    assert_close(o, ref_o, ("mla_verify", "o", _dtype_name(problem)))
+    assert_close(lse, ref_lse, ("mla_verify", "lse", "float32"))
+
+
 @pytest.mark.parametrize(
-    ("qlen", "heads", "cache_dtype", "served"),
-    [(4, 16, None, "gluon"), (1, 64, None, "gluon"), (2, 16, None, "gluon"), (1, 16, None, "verify"),
-     (4, 128, torch.float8_e4m3fn, "decode"), (2, 64, torch.float8_e4m3fn, "decode"),
-     (4, 16, torch.float8_e4m3fn, "verify")],
+    ("qlen", "heads", "cache_dtype", "real", "served"),
+    [(4, 16, None, False, "gluon"), (1, 64, None, False, "gluon"), (2, 16, None, False, "gluon"),
+     (1, 16, None, False, "few rows"), (1, 8, None, False, "few rows"), (1, 16, None, True, "verify"),
+     (4, 128, torch.float8_e4m3fn, False, "decode"), (2, 64, torch.float8_e4m3fn, False, "decode"),
+     (4, 16, torch.float8_e4m3fn, False, "verify"), (1, 16, torch.float8_e4m3fn, False, "verify")],
 )  # fmt: skip
-def test_the_sm90_verify_path_takes_exactly_the_calls_it_serves(device, monkeypatch, qlen, heads, cache_dtype,
+def test_the_sm90_verify_path_takes_exactly_the_calls_it_serves(device, monkeypatch, qlen, heads, cache_dtype, real,
                                                                 served) -> None:  # fmt: skip
     """With the device taken for an H100/H200, the plan launches the Gluon stage 1 for 32 or more (token, head)
-    rows per request and a 16-bit cache; decode's stage 1 for an FP8 cache whose verify tiles hold one draft
-    token each (64 heads or a multiple); the portable verify kernel otherwise (16 rows; FP8 at 16 heads, where a
-    tile holds 4 tokens that share each key fetch). Nothing is launched: only the plan is built (on the CPU in
-    CI)."""
+    rows per request and a 16-bit cache; decode's few-rows Gluon kernel for one draft token at 16 heads or fewer
+    (a decode call) unless real lengths cap it; decode's portable stage 1 for an FP8 cache whose verify tiles hold
+    one draft token each (64 heads or a multiple); the portable verify kernel otherwise (16 rows with real lengths;
+    FP8 at 16 heads, where a tile holds 4 tokens that share each key fetch). Nothing is launched: only the plan is
+    built (on the CPU in CI)."""
     monkeypatch.setattr(decode_attention_sm90, "device_arch", lambda device: "sm90")
-    problem = make_problem([70, 0], qlen, heads, 512, 64, 64, device, seed=5, cache_dtype=cache_dtype)
+    problem = make_problem([70, 0], qlen, heads, 512, 64, 64, device, seed=5, cache_dtype=cache_dtype,
+                           real_seq_lens=[60, 0] if real else None)  # fmt: skip
     rows = 2 * qlen
     plan = tv._plan_verify(problem.q, problem.cache, problem.cache[..., :512], torch.empty(rows, heads, 512,
                            device=device), torch.empty(rows, heads, device=device), problem.block_table,
-                           problem.seq_lens, None, qlen, torch.empty(rows, heads, 2, 513, device=device), 2,
-                           problem.sm_scale, 64, problem.k_scale, _config("large", arch="sm90"))  # fmt: skip
-    kernel = getattr(plan.stage1, "_kernel", None)  # decode's stage 1 runs through an argument adapter
+                           problem.seq_lens, problem.real_seq_lens, qlen, torch.empty(rows, heads, 2, 513,
+                           device=device), 2, problem.sm_scale, 64, problem.k_scale,
+                           _config("large", arch="sm90"))  # fmt: skip
+    kernel = getattr(plan.stage1, "kernel", None)  # decode's stage 1 runs through an argument adapter (no kernel)
+    gluon_descriptors = plan.descriptors.make is decode_attention_sm90.descriptors
     assert served == ("gluon" if kernel is decode_attention_sm90.mla_verify_stage1_kernel else
-                      "verify" if kernel is tv._fwd_verify_kernel_stage1 else "decode")  # fmt: skip
+                      "verify" if kernel is tv._fwd_verify_kernel_stage1 else
+                      "few rows" if gluon_descriptors else "decode")  # fmt: skip
 
 
 @pytest.mark.parametrize(

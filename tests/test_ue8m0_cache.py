@@ -745,3 +745,24 @@ def test_content_checks_can_be_switched_off(device, monkeypatch) -> None:
     monkeypatch.setenv("ATTNREF_CHECK_CONTENTS", "1")
     with pytest.raises(ValueError, match="distinct"):
         quantize_and_insert_k_cache(**_insert_args(device, slot_mapping=torch.tensor([3, 3])))
+
+
+def test_the_benchmarks_scatter_baseline_writes_the_bytes_the_insert_writes(device) -> None:
+    """The bench's insert baseline (``scatter_records``: the insert's traffic, no arithmetic) writes exactly the
+    cache bytes an insert at the same slots writes, so its time is the ceiling of the same access pattern. A byte
+    is written where a call leaves the same value over a cache of zeros and over a cache of 0xFF."""
+    from triton_impl.parity.ue8m0_cache import scatter_records
+
+    gen = generator(3)
+    k = torch.randn(128, 512, generator=gen).to(torch.bfloat16).to(device)
+    slots = torch.randperm(3 * 64, generator=gen)[:128].to(device)
+
+    def written(call) -> torch.Tensor:
+        caches = [torch.full((3, block_bytes(64)), fill, dtype=torch.uint8, device=device) for fill in (0, 255)]
+        for cache in caches:
+            call(cache)
+        return caches[0] == caches[1]
+
+    inserted = written(lambda cache: quantize_and_insert_k_cache(k, cache, slots, 64))
+    assert torch.equal(written(lambda cache: scatter_records(k, cache, slots, 64)), inserted)
+    assert int(inserted.sum()) == 128 * RECORD_BYTES

@@ -7,6 +7,10 @@ nothing from the parity package, which sits above it). A case builds its inputs 
 is never timed), the bytes and FLOPs it must move and do (from the op's ``Traffic:`` docstring
 line), and baselines timed in the same run. Ceilings are measured in the same run:
 device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3 matmul on random data.
+Times (:func:`cold_ms`) are ``triton.testing.do_bench``'s method with one change: the L2 flush before
+each call reads 256 MB instead of writing zeros over them, so a call starts on a cold L2 of clean
+lines, not on 50 MB of dirty ones whose write-back it would pay (8-9 us of a memory-bound call on
+the H200, ``benchmarks/kernel_times.py``).
 Content checks (host reads of block tables) run for the correctness check and are off while
 timing, as in serving (``ATTNREF_CHECK_CONTENTS=0``).
 
@@ -25,6 +29,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import tempfile
 import time
@@ -91,25 +96,67 @@ class Result:
     peers_status: dict[str, str] = field(default_factory=dict)  # "ok", "WRONG: ..." or "failed: ..."
 
 
+def l2_flush(dirty: bool = False) -> Callable[[], object]:
+    """A call that evicts the L2 by touching 256 MB (``triton.testing.do_bench``'s size; the H200's L2 is 50 MB):
+    by reading them, which leaves clean lines, or with ``dirty`` by writing zeros as ``do_bench`` does, which
+    leaves the L2 full of dirty lines that the next kernel's own misses write back to DRAM."""
+    buffer = torch.zeros(64 << 20, dtype=torch.int32, device="cuda")
+    if dirty:
+        return buffer.zero_
+    total = torch.empty((), dtype=torch.int64, device="cuda")
+    return lambda: torch.sum(buffer, dim=0, out=total)
+
+
+def cold_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds of ``fn`` between CUDA events, each call after a reading L2 flush (:func:`l2_flush`).
+
+    ``triton.testing.do_bench``'s method (five flushed calls to estimate the time, ``warmup_ms`` of calls, then
+    ``rep_ms`` of flushed calls), except that its flush writes zeros: on the H200 the write-back of those dirty
+    lines added 8-9 us to memory-bound calls (GQA decode B=128 L=1K 130.3 -> 139.5 us, MLA verify B=32 H=16 qlen=4
+    L=32K 284.4 -> 292.4) and nothing to a compute-bound one (MLA decode B=32 H=128 L=32K 521.4 / 520.8).
+    """
+    flush = l2_flush()
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = start.elapsed_time(end) / 5
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(max(1, int(rep_ms / estimate_ms)))]  # fmt: skip
+    for start, end in events:
+        flush()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
 def measure_ceilings() -> dict[str, float]:
     """Copy bandwidth (GB/s, read + write) and bf16 matmul rate (TFLOP/s), measured now."""
-    import triton.testing
-
     n = 1 << 30  # 1 GiB each way
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    copy_ms = cold_ms(lambda: dst.copy_(src), warmup_ms=50, rep_ms=300)
     src = dst = None
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    mm_ms = cold_ms(lambda: a @ b, warmup_ms=50, rep_ms=300)
     return {"copy_gbps": 2 * n / copy_ms / 1e6, "matmul_tflops": 2 * 8192**3 / mm_ms / 1e9}
 
 
-def _time(fn: Callable[[], object]) -> float:
+def bench_ms(fn: Callable[[], object]) -> float:
+    """The bench's time of one call: :func:`cold_ms`, or below 50 us (launch-bound) a CUDA graph's replays."""
     import triton.testing
 
-    ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    ms = cold_ms(fn)
     if ms < 0.05:  # launch-bound: replay a CUDA graph to drop the launch gaps
         ms = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     return ms
@@ -260,7 +307,7 @@ def _consume_cuda_error() -> None:
 
 
 def time_peers(
-    peers: dict[str, Callable[[], Peer]], time_fn: Callable[[Callable[[], object]], float] = _time
+    peers: dict[str, Callable[[], Peer]], time_fn: Callable[[Callable[[], object]], float] = bench_ms
 ) -> tuple[dict[str, float], dict[str, str]]:
     """``(ms, status)`` per peer: built, run once, checked (:func:`check_peer`), then timed with
     ``time_fn`` (the baselines' timing, CUDA-graph rule included). A peer that disagrees is
@@ -313,12 +360,12 @@ def run_bench(cases: Sequence[BenchCase], ceilings: dict[str, float], baselines:
             continue
         os.environ[CONTENT_CHECKS_ENV] = "0"  # time what serving runs: no host reads of the block table
         try:
-            ms = _time(bench.run)
+            ms = bench_ms(bench.run)
             base_ms = {}
             for name, fn in bench.baselines.items() if baselines else ():
                 try:
                     fn()
-                    base_ms[name] = _time(fn)
+                    base_ms[name] = bench_ms(fn)
                 except torch.cuda.OutOfMemoryError:
                     base_ms[name] = math.nan
                     torch.cuda.empty_cache()
@@ -372,7 +419,9 @@ def write_report(results: Sequence[Result], ceilings: dict[str, float], out_dir:
         f"Measured ceilings (same run): copy {ceilings['copy_gbps']:.0f} GB/s (read + write), "
         f"bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s. "
         "Roofline = max(bytes / copy BW, FLOPs / matmul rate).",
-        "Times are medians of `triton.testing.do_bench` (CUDA graphs below 50 us); baselines timed in the same run.",
+        "Times are medians over calls between CUDA events, each after an L2 flush that reads 256 MB (`bench_ms`: "
+        "`triton.testing.do_bench` with a reading flush; CUDA-graph replays below 50 us); baselines timed in the "
+        "same run.",
         f"Peers ({', '.join(PEERS)}, where installed) run on the same tensors, are checked against the same golden "
         "model first, then timed like baselines; (Nx) = peer ms / our ms, above 1 where ours is faster; "
         "`-`: no peer for the case or not installed.",

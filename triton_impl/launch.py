@@ -233,6 +233,11 @@ class Launch:
         self._launcher: tuple = ()  # (run, grid x, y, z, function, packed metadata), once compiled
         self._params: tuple = ()  # tail, then the constexpr values in signature order
 
+    @property
+    def kernel(self) -> Any:
+        """The kernel it launches."""
+        return self._kernel
+
     def __call__(self, stream: int | None, *head: Any) -> None:
         if not self._launcher:
             self._first(head)

@@ -27,7 +27,14 @@ import triton.language as tl
 
 from triton_impl import decode_attention_sm90
 from triton_impl.block_table import first_bad_key
-from triton_impl.decode_attention import descriptor_tile, portable_stage1, tma_descriptors, tma_layout
+from triton_impl.decode_attention import (
+    DECODE_CONFIGS,
+    _plan_decode,
+    descriptor_tile,
+    portable_stage1,
+    tma_descriptors,
+    tma_layout,
+)
 from triton_impl.interpreter import INTERPRETING, cast_for_store, dot_dtype
 from triton_impl.launch import DescriptorsByAddress, Launch, Plans, current_target, device_arch, no_launch
 from triton_impl.lse_merge import merge_splits_launch
@@ -109,6 +116,11 @@ VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
 #   decode's stage 1 with per-token lengths (_via_decode): where a tile holds one token both kernels read the
 #   same bytes: B=32 H=128 qlen=2 L=8K 0.8114 -> 0.7510 ms (bench_h200.md, 72fbe8a -> c7e2fb0; the flattened
 #   per-row decode 0.753 in the same run).
+#   FEW_ROWS_VIA_DECODE: one draft token (qlen 1, no real_seq_lens) at 16 heads or fewer is a decode call, and runs
+#   as one where decode's sm90 entry takes it to decode_attention_sm90.mla_decode_few_rows_kernel (the keys as wgmma's
+#   M, every head from one read of each key) instead of a 64-row verify tile three-quarters empty: B=32 H=16 qlen=1
+#   L=32K 0.5403 ms through the portable verify kernel (53.0% of the copy roofline; benchmarks/verify_qlen.py at
+#   04c9edb) against 0.2898 ms for the same call as a decode (bench_h200.md, c7e2fb0).
 # - "default": any other GPU; the same shapes, untuned.
 # - "interpreter": TRITON_INTERPRET=1 on a CPU, where a tile's cost is NumPy work: small tiles
 #   and short splits keep tests fast and exercise many splits on short sequences.
@@ -132,6 +144,7 @@ VERIFY_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
             "TMA": True,
             "GLUON": True,
             "FP8_VIA_DECODE": True,
+            "FEW_ROWS_VIA_DECODE": True,
             "num_warps": 8,
             "num_stages": 2,
         },
@@ -635,10 +648,17 @@ def _via_decode(q, k_buffer, v_buffer, o, lse, block_table, seq_lens, real_seq_l
         real_len_stride=0 if real_seq_lens is None else real_seq_lens.stride(0),
     )  # fmt: skip
 
+    return _decode_stage1(launch), tma
+
+
+def _decode_stage1(launch: Callable[..., None]) -> Callable[..., None]:
+    """A decode stage-1 launch (``(stream, q, k, v, o, lse, part, table, lens, real lens, k_scale, v_scale, lat,
+    pe)``, MLA: ``v`` is ``k``'s first ``Lv`` columns) called with verify's stage-1 arguments."""
+
     def stage1(stream, q, k, _sm_scale_log2, table, lens, real_lens, part, o, lse, k_scale, lat, pe) -> None:
         launch(stream, q, k, k, o, lse, part, table, lens, real_lens, k_scale, k_scale, lat, pe)
 
-    return stage1, tma
+    return stage1
 
 
 class _VerifyPlan(NamedTuple):
@@ -677,6 +697,11 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
     if num_pages == 0:  # the kernel reads page 0 in place of a bad entry
         raise ValueError(f"k_buffer: expected at least one page, got shape {list(k_buffer.shape)}")
     cfg = config if config is not None else select_verify_config(batch, qlen, num_heads)
+    if cfg.get("FEW_ROWS_VIA_DECODE") and qlen == 1 and real_seq_lens is None:  # a decode call: as one, if few rows
+        decode = _plan_decode(q, k_buffer, v_buffer, o, lse, block_table, seq_lens, attn_logits, num_kv_splits,
+                              sm_scale, page_size, 0.0, k_scale, k_scale, True, None, DECODE_CONFIGS["sm90"]["mla"])
+        if getattr(decode.stage1, "kernel", None) is decode_attention_sm90.mla_decode_few_rows_kernel:
+            return make_plan(_decode_stage1(decode.stage1), decode.merge, decode.tma, decode.descriptors)
     single = num_kv_splits == 1
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]  # with one split, o stands in for part
     split_latent = bool(cfg["SPLIT_LATENT"]) and value_width >= 32

@@ -7,8 +7,10 @@ inputs, so bits compare exactly).
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from golden.ue8m0_cache import block_bytes, gather_k_cache, insert_k_cache, read_records
+from golden.ue8m0_cache import SCALE_BYTES, TOKEN_DATA_BYTES, block_bytes, gather_k_cache, insert_k_cache, read_records
 from triton_impl.bench import Bench, BenchCase
 from triton_impl.cases import Check
 from triton_impl.parity import Case
@@ -89,16 +91,48 @@ def cases() -> list[Case]:
     ]
 
 
+@triton.jit
+def _scatter_kernel(k_ptr, cache_ptr, slot_ptr, block_stride, TOKENS_PER_PROGRAM: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, DATA_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr,
+                    K_WORDS: tl.constexpr):  # fmt: skip
+    """Per token: its K row read as ``K_WORDS`` 4-byte words, the first ``DATA_WORDS`` written to its record and
+    the first ``SCALE_WORDS`` to its scale bytes (the cache's layout: a block's records, then its scales)."""
+    token = tl.program_id(0) * TOKENS_PER_PROGRAM + tl.arange(0, TOKENS_PER_PROGRAM)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    block, position = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    words = tl.arange(0, K_WORDS)
+    k = tl.load(k_ptr + token[:, None].to(tl.int64) * K_WORDS + words[None, :])
+    base = block * block_stride
+    record = base + position * DATA_WORDS
+    tl.store(cache_ptr + record[:, None] + words[None, :], k, mask=words[None, :] < DATA_WORDS)
+    scale = base + BLOCK_SIZE * DATA_WORDS + position * SCALE_WORDS
+    tl.store(cache_ptr + scale[:, None] + words[None, :], k, mask=words[None, :] < SCALE_WORDS)
+
+
+def scatter_records(k: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> None:
+    """The insert's memory traffic with no arithmetic: each token's bf16 K row read (1024 bytes) and its first
+    576 and 8 bytes copied to its slot's record and scale bytes, 8 tokens a program. For ``len(slots)`` a multiple
+    of 8 and every slot in the cache (no checks: a benchmark's baseline, the ceiling of the access pattern)."""
+    _scatter_kernel[(len(slots) // 8,)](k.view(torch.int32), k_cache.view(torch.int32), slots, k_cache.stride(0) // 4,
+                                        TOKENS_PER_PROGRAM=8, BLOCK_SIZE=block_size, DATA_WORDS=TOKEN_DATA_BYTES // 4,
+                                        SCALE_WORDS=SCALE_BYTES // 4, K_WORDS=k.shape[1] // 2, num_warps=4)  # fmt: skip
+
+
 def bench_cases() -> list[BenchCase]:
-    """Insert and gather of 1M tokens (DeepSeek-V4 K cache, block 64, padded block stride)."""
+    """Insert and gather of 1M tokens (DeepSeek-V4 K cache, block 64, padded block stride).
+
+    The insert writes at slots from ``randperm`` (decode's scattered pattern) and, in a second pair of rows, at
+    consecutive slots (a prefill's); its baseline, :func:`scatter_records`, moves the same bytes to the same
+    addresses with no arithmetic: the ceiling of the access pattern, below the sequential copy for random slots.
+    """
     tokens, block_size = 1 << 20, 64
 
-    def insert(use_fnuz: bool) -> BenchCase:
+    def insert(use_fnuz: bool, sequential: bool = False) -> BenchCase:
         def setup(device: torch.device) -> Bench:
             num_blocks = tokens // block_size
             k = torch.randn(tokens, 512, device=device).to(torch.bfloat16)
             k_cache = torch.zeros(num_blocks, block_bytes(block_size), dtype=torch.uint8, device=device)
-            slots = torch.randperm(tokens, device=device)
+            slots = torch.arange(tokens, device=device) if sequential else torch.randperm(tokens, device=device)
             run = lambda: quantize_and_insert_k_cache(k, k_cache, slots, block_size, use_fnuz=use_fnuz)
 
             def check() -> list[Check]:
@@ -107,9 +141,12 @@ def bench_cases() -> list[BenchCase]:
                 return [Check("records", read_records(k_cache, few, block_size),
                               read_records(expected, few, block_size), None)]  # fmt: skip
 
-            return Bench(run, check, tokens * (512 * 2 + 584 + 8), 0.0)
+            scratch = torch.empty_like(k_cache)
+            scatter = lambda: scatter_records(k, scratch, slots, block_size)
+            return Bench(run, check, tokens * (512 * 2 + 584 + 8), 0.0, {"scatter, no arithmetic": scatter})
 
-        return BenchCase("ue8m0_cache", f"insert 1M tokens block 64 {'FNUZ' if use_fnuz else 'OCP'}", setup)
+        order = " consecutive slots" if sequential else ""
+        return BenchCase("ue8m0_cache", f"insert 1M tokens block 64 {'FNUZ' if use_fnuz else 'OCP'}{order}", setup)
 
     def gather(use_fnuz: bool) -> BenchCase:
         def setup(device: torch.device) -> Bench:
@@ -136,4 +173,4 @@ def bench_cases() -> list[BenchCase]:
             "ue8m0_cache", f"gather 1M tokens (64 requests x 16K) block 64 {'FNUZ' if use_fnuz else 'OCP'}", setup
         )
 
-    return [insert(False), insert(True), gather(False), gather(True)]
+    return [insert(False), insert(True), insert(False, True), insert(True, True), gather(False), gather(True)]
