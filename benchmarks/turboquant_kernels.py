@@ -1,9 +1,12 @@
 """GPU time of each kernel of a TurboQuant decode call (query rotation, stage 1, split merge), from the
-CUDA profiler, for the bench's decode cases, with the sm_90 Gluon stage 1 and with the portable one.
+CUDA profiler, for the bench's decode cases, under variants of the sm90 decode config: by default the sm_90
+Gluon stage 1 and the portable one; with ``splits``, split caps (``SPLIT_ROUNDS`` rounds of
+``PROGRAMS_PER_SM`` resident programs a SM, ``decode_attention.stage1_splits``) against the caller's 32.
 
-``PYTHONPATH=. python3 benchmarks/turboquant_kernels.py [name part]`` on a GPU machine. Each case is
+``PYTHONPATH=. python3 benchmarks/turboquant_kernels.py [name part] [splits]`` on a GPU machine. Each case is
 set up as ``attnref bench`` sets it up, run 3 times to compile, then 20 times under ``torch.profiler``;
-the table gives each kernel's mean microseconds per call, and the whole call's mean from CUDA events.
+the table gives each kernel's mean microseconds per call, the whole call's mean from CUDA events, and the
+call as the bench times it (``triton_impl.bench.bench_ms``).
 """
 
 from __future__ import annotations
@@ -15,36 +18,43 @@ import torch
 
 import triton_impl.turboquant as turboquant
 from benchmarks.kernel_times import kernel_times
+from triton_impl.bench import bench_ms
 from triton_impl.parity.turboquant import bench_cases
 
-# Stage 1 variants: the sm90 entry's keys each sets.
-VARIANTS = {"Gluon": {"GLUON": 1}, "portable": {"GLUON": 0}}
+# Variants: the sm90 entry's keys each sets; the last is the reference the outputs are compared with.
+STAGE1 = {"Gluon": {"GLUON": 1}, "portable": {"GLUON": 0}}
+SPLITS = {f"{rounds} rounds": {"SPLIT_ROUNDS": rounds, "PROGRAMS_PER_SM": 4} for rounds in (1, 2, 4, 8)} | {
+    "32 splits": {"SPLIT_ROUNDS": 0}}
 
 
-def main(name_part: str = "") -> None:
+def main(name_part: str = "", mode: str = "") -> None:
     device = torch.device("cuda")
-    print("| case | stage 1 | rotation | stage 1 | merge | whole call (events) | max abs difference to portable |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    variants = SPLITS if mode == "splits" else STAGE1
+    reference = list(variants)[-1]
+    print(f"| case | variant | rotation | stage 1 | merge | whole call (events) | bench ms | max abs difference to "
+          f"{reference} |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for case in bench_cases():
         if "decode" not in case.name or name_part not in case.name:
             continue
         bench = case.setup(device)
         rows, outputs = [], {}
-        for name, keys in VARIANTS.items():
+        for name, keys in variants.items():
             with mock.patch.dict(turboquant.DECODE_CONFIGS, {"sm90": turboquant.DECODE_CONFIGS["sm90"] | keys}):
                 turboquant._PLANS.clear()
                 times, whole = kernel_times(bench.run)
+                ms = bench_ms(bench.run)
                 outputs[name] = bench.run().float().clone()
             rotate, stage1, merge = (sum(t for n, t in times.items() if part in n) for part in ("rotate", "stage1",
                                                                                                   "merge"))  # fmt: skip
-            rows.append((name, rotate, stage1, merge, whole))
+            rows.append((name, rotate, stage1, merge, whole, ms))
         turboquant._PLANS.clear()
-        for name, rotate, stage1, merge, whole in rows:
-            diff = (outputs[name] - outputs["portable"]).abs().max().item()
-            print(f"| {case.name} | {name} | {rotate:.1f} | {stage1:.1f} | {merge:.1f} | {whole:.1f} | {diff:.2e} |",
-                  flush=True)  # fmt: skip
+        for name, rotate, stage1, merge, whole, ms in rows:
+            diff = (outputs[name] - outputs[reference]).abs().max().item()
+            print(f"| {case.name} | {name} | {rotate:.1f} | {stage1:.1f} | {merge:.1f} | {whole:.1f} | {ms:.4f} | "
+                  f"{diff:.2e} |", flush=True)  # fmt: skip
         del bench
         torch.cuda.empty_cache()
 
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    main(*sys.argv[1:3])

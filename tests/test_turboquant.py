@@ -32,6 +32,7 @@ from golden import _lloyd_max
 from golden import turboquant as tq
 from golden.lse_merge import merge_states
 from tests.support import assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled
+from triton_impl import launch
 from triton_impl import turboquant as ttq
 from triton_impl import turboquant_sm90 as ttq_sm90
 from triton_impl.parity import turboquant as ptq
@@ -929,13 +930,16 @@ def _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads,
     assert out.dtype == dtype and out.data_ptr() == output.data_ptr()
     assert_close(out, expected, ("turboquant", "out", dtype))
     assert_close(lse, expected_lse, ("turboquant", "lse", "float32"))
-    # Stage 1 on its own: every split slot written, an empty split as (0, -inf).
+    # Stage 1 on its own: every split slot it runs written, an empty split as (0, -inf); the slots past them (where
+    # the device's config caps the splits) untouched.
     config, pit, centroids, _ = _quantizer(preset, head_dim)
+    run = ttq.decode_num_splits(num_splits, batch, num_kv_heads, device, 8 if config.key_fp8 else config.key_mse_bits)
     split_o, split_lse = tq.turboquant_decode_split_states(query, cache.cpu(), table.cpu(), lens.cpu(), pit,
                                                            centroids.half().float(), 1 / math.sqrt(head_dim), config,
-                                                           num_splits)  # fmt: skip
-    assert_close(mid_o[..., :head_dim], split_o, ("turboquant", "split_o", "float32"))
-    assert_close(mid_o[..., head_dim], split_lse, ("turboquant", "lse", "float32"))
+                                                           run)  # fmt: skip
+    assert_close(mid_o[:, :, :run, :head_dim], split_o, ("turboquant", "split_o", "float32"))
+    assert_close(mid_o[:, :, :run, head_dim], split_lse, ("turboquant", "lse", "float32"))
+    assert bool(mid_o[:, :, run:].isnan().all())
 
 
 def test_decode_comparison_catches_planted_errors(device: torch.device) -> None:
@@ -1457,3 +1461,16 @@ def test_cpu_tensors_are_named_when_compiled(device: torch.device) -> None:
     with pytest.raises(ValueError, match="centroids: expected a CUDA tensor"):
         ttq.triton_turboquant_decode_attention_v2(**args)
     assert ttq.build_pair_lut(args["centroids"]).device == args["centroids"].device  # host code: any device
+
+
+def test_decode_split_cap_of_the_sm90_entry() -> None:
+    """The H200's decode entry runs two rounds of four resident programs a SM at most (eight for 3-bit keys, whose
+    portable kernel is fastest there): at the bench's B=32 Hk=8 on 132 SMs, 4 of the caller's 32 splits (16 for
+    3-bit keys); a batch that leaves the GPU idle keeps the caller's count; off CUDA there is no cap."""
+    from triton_impl.decode_attention import stage1_splits
+
+    sm90 = ttq.DECODE_CONFIGS["sm90"]
+    entry = {bits: launch.with_overrides(sm90, f"_k{bits}") for bits in (3, 4, 8)}
+    assert [stage1_splits(32, 32 * 8, 132, entry[bits]) for bits in (3, 4, 8)] == [16, 4, 4]
+    assert stage1_splits(32, 2 * 8, 132, entry[4]) == 32
+    assert ttq.decode_num_splits(32, 32, 8, torch.device("cpu"), 4) == 32

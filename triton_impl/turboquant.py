@@ -32,6 +32,7 @@ import triton.language as tl
 
 from triton_impl import turboquant_sm90
 from triton_impl.block_table import first_bad_key
+from triton_impl.decode_attention import stage1_splits
 from triton_impl.interpreter import INTERPRET, e4m3_bits_to_f16, f32_to_e4m3_bits
 from triton_impl.launch import (
     Launch,
@@ -149,12 +150,19 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # call runs the portable kernel above with this entry's keys. GLUON_MAXNREG caps its registers (4-bit keys: 128, four
 # programs per SM; uncapped 128-137, and 8-9% slower). Bench at 8107e0d against the portable kernel's 9b0ab61 rows
 # (L=8K / 32K): k8v4 0.3632 -> 0.2262 / 1.1904 -> 0.7066 ms, 4-bit 0.4226 -> 0.2942 / 1.3685 -> 0.8199 ms.
+# SPLIT_ROUNDS (sm90): at most that many rounds of PROGRAMS_PER_SM resident programs (decode_num_splits), whatever
+# max_num_kv_splits asks: each program pays a fixed cost (the bad-page scan, the query load, the tables, the partial's
+# write and merge), 56-84 us of stage 1 over the 8192 programs of B=32 Hk=8 at 32 splits. On the H200
+# (benchmarks/turboquant_kernels.py decode splits, ed2f980, ms as the bench times the call, L=8K / 32K; 32 splits ->
+# 2 rounds): k8v4 0.2194 -> 0.1754 / 0.6994 -> 0.6535, 4-bit 0.2872 -> 0.2162 / 0.8145 -> 0.7610 (1 round: 0.1729 /
+# 0.6593, 0.2109 / 0.7564); the portable 3-bit kernel (three programs a SM) is slower at 1-2 rounds at L=32K (3-bit
+# 1.4721 -> 1.5164 at 2) and fastest at 8 (0.4067 / 1.4641 against 0.4304 / 1.4721).
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
              "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
-             "GLUON_MAXNREG_k4": 128},
+             "GLUON_MAXNREG_k4": 128, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4, "SPLIT_ROUNDS_k3": 8},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -167,6 +175,16 @@ def select_store_config(device: torch.device, key_fp8: bool = False) -> dict[str
 def select_decode_config(device: torch.device, key_bits: int) -> dict[str, int]:
     """The device's decode entry for ``key_bits`` (3, 4, or 8 for FP8 keys): its ``_k<bits>`` keys applied."""
     return with_overrides(select_config(DECODE_CONFIGS, device), f"_k{key_bits}")
+
+
+def decode_num_splits(max_num_kv_splits: int, batch: int, num_kv_heads: int, device: torch.device,
+                      key_bits: int) -> int:  # fmt: skip
+    """The splits a decode call runs: ``max_num_kv_splits``, capped where the device's entry has ``SPLIT_ROUNDS``
+    at that many rounds of ``PROGRAMS_PER_SM`` resident programs a SM (``decode_attention.stage1_splits``), a
+    program being one (request, KV head, split)."""
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+    config = select_decode_config(device, key_bits)
+    return stage1_splits(max_num_kv_splits, batch * num_kv_heads, sm_count, config)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1022,8 +1040,11 @@ def triton_turboquant_decode_attention_v2(
     to fp16, as upstream's kernel reads them (``triton_impl.parity.turboquant.centroid_rounding_bound``
     bounds what that moves against the exact codebook).
 
-    Split-KV with exactly ``max_num_kv_splits`` splits (fixed grid: CUDA-graph safe); split ``s``
-    of request ``b`` covers ``[s*c, min((s+1)*c, L_b))``, ``c = cdiv(L_b, S)``. Buffers are used
+    Split-KV with ``S`` splits: ``max_num_kv_splits``, or fewer where the device's config caps them at
+    ``SPLIT_ROUNDS`` rounds of resident programs (``decode_attention.stage1_splits``; ``S`` depends on
+    ``B``, ``HKV`` and the GPU only, so a CUDA graph replays the same grid). Split ``s``
+    of request ``b`` covers ``[s*c, min((s+1)*c, L_b))``, ``c = cdiv(L_b, S)``; slots of ``mid_o_buf``
+    past ``S`` are not written. Buffers are used
     when given (their leading ``[B, H, S, D+1]`` / ``[B, H, D]`` / ``[B, H]`` part); missing ones
     are allocated and parked on ``buf_holder`` as ``_tq_mid_o_buf`` / ``_tq_output_buf`` /
     ``_tq_lse_buf``.
@@ -1151,8 +1172,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
     if not isinstance(scale, (int, float)):
         float(scale)  # what the launch does with it: raises for what cannot be a float
 
-    num_splits = max_num_kv_splits
-    shapes = ((batch, num_heads, num_splits, head_dim + 1), (batch, num_heads, head_dim), (batch, num_heads))
+    shapes = ((batch, num_heads, max_num_kv_splits, head_dim + 1), (batch, num_heads, head_dim), (batch, num_heads))
     # The leading parts the kernels write (checked), or buffers of the shapes this call will allocate.
     mid_o, output, lse = (
         torch.empty(shape, dtype=dtype, device=device) if given is None else _leading_view(given, name, shape, dtype,
@@ -1174,6 +1194,8 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
 
     key_bits = 8 if key_fp8 else mse_bits
     config = select_decode_config(device, key_bits)
+    num_splits = decode_num_splits(max_num_kv_splits, batch, num_kv_heads, device, key_bits)
+    mid_o = mid_o[:, :, :num_splits]  # the slots the kernels write
     group = num_heads // num_kv_heads
     table_keys = table_2d.shape[1] * block_size
     meta_offset = block_size * num_kv_heads * layout["data_bytes_per_slot"]
