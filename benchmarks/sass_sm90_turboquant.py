@@ -107,9 +107,10 @@ def decode(preset: str, config: dict[str, int]) -> None:
 
 def gluon_decode(preset: str) -> None:
     """The sm_90 Gluon stage 1 (triton_impl/turboquant_sm90.py) as the bench launches it: 64-key tiles, 4 warps."""
-    key_fp8 = TurboQuantConfig.from_cache_dtype(preset, 128).key_fp8
-    config = with_overrides(ttq.DECODE_CONFIGS["sm90"], "_k8" if key_fp8 else "_k4")
-    kernel = turboquant_sm90.compile_for_sm90(key_fp8=key_fp8, maxnreg=config.get("GLUON_MAXNREG"))
+    quantizer = TurboQuantConfig.from_cache_dtype(preset, 128)
+    key_bits = 8 if quantizer.key_fp8 else quantizer.key_mse_bits
+    config = with_overrides(ttq.DECODE_CONFIGS["sm90"], f"_k{key_bits}")
+    kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, maxnreg=config.get("GLUON_MAXNREG"))
     count, mix, memory = _loop_mix(kernel.asm["cubin"])
     per_key = int(turboquant_sm90.NUM_WARPS) / int(turboquant_sm90.BLOCK_N)
     print(f"decode {preset} Gluon stage 1: {_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
@@ -173,8 +174,8 @@ DECODE_VARIANTS = ({"PREFETCH": 1, "PREFETCH_k4": 1, "maxnreg": 0}, {"PREFETCH":
                    {"JOIN_UNPACK": 0})  # fmt: skip
 
 if __name__ == "__main__":
-    for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc"):
-        if preset != "turboquant_3bit_nc":
+    for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"):
+        if preset != "turboquant_3bit_nc":  # 3-bit values: the portable kernel only
             gluon_decode(preset)
         decode(preset, ttq.DECODE_CONFIGS["sm90"] | {"GLUON": 0})
         for variant in DECODE_VARIANTS:

@@ -933,7 +933,8 @@ def _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads,
     # Stage 1 on its own: every split slot it runs written, an empty split as (0, -inf); the slots past them (where
     # the device's config caps the splits) untouched.
     config, pit, centroids, _ = _quantizer(preset, head_dim)
-    run = ttq.decode_num_splits(num_splits, batch, num_kv_heads, device, 8 if config.key_fp8 else config.key_mse_bits)
+    run = ttq.decode_num_splits(num_splits, batch, num_kv_heads, device, 8 if config.key_fp8 else config.key_mse_bits,
+                                config.value_quant_bits)
     split_o, split_lse = tq.turboquant_decode_split_states(query, cache.cpu(), table.cpu(), lens.cpu(), pit,
                                                            centroids.half().float(), 1 / math.sqrt(head_dim), config,
                                                            run)  # fmt: skip
@@ -1112,13 +1113,14 @@ _SM90_COMPILE = """
 import json
 from triton_impl import turboquant, turboquant_sm90
 from triton_impl.bench import sass_resources
-for key_fp8 in (False, True):
-    cap = turboquant.with_overrides(turboquant.DECODE_CONFIGS["sm90"], "_k8" if key_fp8 else "_k4").get("GLUON_MAXNREG")
+for key_bits in (3, 4, 8):
+    cap = turboquant.with_overrides(turboquant.DECODE_CONFIGS["sm90"], f"_k{key_bits}").get("GLUON_MAXNREG")
     for group in (1, 4, 16):
         for block_size in (16, 32):
-            kernel = turboquant_sm90.compile_for_sm90(key_fp8=key_fp8, group=group, block_size=block_size, maxnreg=cap)
+            kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, group=group, block_size=block_size,
+                                                      maxnreg=cap)
             resources = sass_resources(kernel.asm["cubin"])
-            print(json.dumps([key_fp8, group, block_size, *resources, kernel.metadata.shared]))
+            print(json.dumps([key_bits, group, block_size, *resources, kernel.metadata.shared]))
 for key_bits in (3, 4):
     for value_bits in (3, 4):
         for norm_correction in (False, True):
@@ -1131,21 +1133,21 @@ for key_bits in (3, 4):
 
 def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     """The Gluon fast paths never run under the interpreter: compile them for sm_90 here (a process of its own,
-    TRITON_INTERPRET=0). Decode stage 1: both key kinds (with the sm90 entry's register cap), groups 1/4/16 and two
-    block sizes, with no stack (no spills) and a few KiB of shared memory. Store: 3/4-bit keys and values, with
-    and without norm correction, no stack."""
+    TRITON_INTERPRET=0). Decode stage 1: 3-bit, 4-bit and FP8 keys (with the sm90 entry's register cap), groups
+    1/4/16 and two block sizes, with no stack (no spills) and a few KiB of shared memory. Store: 3/4-bit keys and
+    values, with and without norm correction, no stack."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
-    assert len(rows) == 12 + 8
-    for row in rows[:12]:
+    assert len(rows) == 18 + 8
+    for row in rows[:18]:
         registers, stack, shared = row[3:]
         assert stack == 0 and registers <= 255 and shared <= 4096, row
     # The store: both bf16 parts of PiT (2 x 32 KiB) in shared memory. No spills under the H200's Triton 3.6
     # (181-233 registers); Triton 3.9 spills 24 bytes in the 4-bit key variants with norm correction.
     spill = 0 if triton.__version__.startswith("3.6") else 32
-    for row in rows[12:]:
+    for row in rows[18:]:
         registers, stack, shared = row[3:]
         assert stack <= spill and registers <= 255 and 64 * 1024 <= shared <= 72 * 1024, row
 
@@ -1464,13 +1466,15 @@ def test_cpu_tensors_are_named_when_compiled(device: torch.device) -> None:
 
 
 def test_decode_split_cap_of_the_sm90_entry() -> None:
-    """The H200's decode entry runs two rounds of four resident programs a SM at most (eight for 3-bit keys, whose
+    """The H200's decode entry runs two rounds of four resident programs a SM at most (eight for 3-bit values, whose
     portable kernel is fastest there): at the bench's B=32 Hk=8 on 132 SMs, 4 of the caller's 32 splits (16 for
-    3-bit keys); a batch that leaves the GPU idle keeps the caller's count; off CUDA there is no cap."""
+    3-bit values); a batch that leaves the GPU idle keeps the caller's count; off CUDA there is no cap."""
     from triton_impl.decode_attention import stage1_splits
 
     sm90 = ttq.DECODE_CONFIGS["sm90"]
-    entry = {bits: launch.with_overrides(sm90, f"_k{bits}") for bits in (3, 4, 8)}
-    assert [stage1_splits(32, 32 * 8, 132, entry[bits]) for bits in (3, 4, 8)] == [16, 4, 4]
-    assert stage1_splits(32, 2 * 8, 132, entry[4]) == 32
-    assert ttq.decode_num_splits(32, 32, 8, torch.device("cpu"), 4) == 32
+    entry = {(k, v): launch.with_overrides(launch.with_overrides(sm90, f"_k{k}"), f"_v{v}")
+             for k, v in ((3, 3), (3, 4), (4, 4), (8, 4))}  # fmt: skip
+    assert {kv: stage1_splits(32, 32 * 8, 132, e) for kv, e in entry.items()} == {(3, 3): 16, (3, 4): 4, (4, 4): 4,
+                                                                                   (8, 4): 4}  # fmt: skip
+    assert stage1_splits(32, 2 * 8, 132, entry[4, 4]) == 32
+    assert ttq.decode_num_splits(32, 32, 8, torch.device("cpu"), 4, 4) == 32

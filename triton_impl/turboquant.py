@@ -146,7 +146,7 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # the 4-bit PRMT lookup from a register-held table (0.8166 ms, with KEY_SPLIT 4 and PREFETCH 0; never timed
 # alone) were timed slower than the sm90 entry (0.4232 ms) and removed (the code is in fb849fb).
 # GLUON 1 (sm90 only): stage 1 runs triton_impl/turboquant_sm90.py, the Gluon kernel, for the layouts it serves
-# (turboquant_sm90.supports: D = 128, 4-bit or FP8 keys, 4-bit values, blocks of a multiple of 16 tokens); every other
+# (turboquant_sm90.supports: D = 128, 3/4-bit or FP8 keys, 4-bit values, blocks of a multiple of 16 tokens); every other
 # call runs the portable kernel above with this entry's keys. GLUON_MAXNREG caps its registers (4-bit keys: 128, four
 # programs per SM; uncapped 128-137, and 8-9% slower). Bench at 8107e0d against the portable kernel's 9b0ab61 rows
 # (L=8K / 32K): k8v4 0.3632 -> 0.2262 / 1.1904 -> 0.7066 ms, 4-bit 0.4226 -> 0.2942 / 1.3685 -> 0.8199 ms.
@@ -155,14 +155,16 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # write and merge), 56-84 us of stage 1 over the 8192 programs of B=32 Hk=8 at 32 splits. On the H200
 # (benchmarks/turboquant_kernels.py decode splits, ed2f980, ms as the bench times the call, L=8K / 32K; 32 splits ->
 # 2 rounds): k8v4 0.2194 -> 0.1754 / 0.6994 -> 0.6535, 4-bit 0.2872 -> 0.2162 / 0.8145 -> 0.7610 (1 round: 0.1729 /
-# 0.6593, 0.2109 / 0.7564); the portable 3-bit kernel (three programs a SM) is slower at 1-2 rounds at L=32K (3-bit
-# 1.4721 -> 1.5164 at 2) and fastest at 8 (0.4067 / 1.4641 against 0.4304 / 1.4721).
+# 0.6593, 0.2109 / 0.7564); the portable kernel with 3-bit keys (three programs a SM; 3-bit values always run it) is
+# slower at 1-2 rounds at L=32K (3-bit 1.4721 -> 1.5164 at 2) and fastest at 8 (0.4067 / 1.4641 against 0.4304 /
+# 1.4721), hence SPLIT_ROUNDS_v3.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
              "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
-             "GLUON_MAXNREG_k4": 128, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4, "SPLIT_ROUNDS_k3": 8},
+             "GLUON_MAXNREG_k4": 128, "GLUON_MAXNREG_k3": 128, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4,
+             "SPLIT_ROUNDS_v3": 8},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -177,13 +179,13 @@ def select_decode_config(device: torch.device, key_bits: int) -> dict[str, int]:
     return with_overrides(select_config(DECODE_CONFIGS, device), f"_k{key_bits}")
 
 
-def decode_num_splits(max_num_kv_splits: int, batch: int, num_kv_heads: int, device: torch.device,
-                      key_bits: int) -> int:  # fmt: skip
+def decode_num_splits(max_num_kv_splits: int, batch: int, num_kv_heads: int, device: torch.device, key_bits: int,
+                      value_bits: int) -> int:  # fmt: skip
     """The splits a decode call runs: ``max_num_kv_splits``, capped where the device's entry has ``SPLIT_ROUNDS``
-    at that many rounds of ``PROGRAMS_PER_SM`` resident programs a SM (``decode_attention.stage1_splits``), a
-    program being one (request, KV head, split)."""
+    (``SPLIT_ROUNDS_v3`` for 3-bit values) at that many rounds of ``PROGRAMS_PER_SM`` resident programs a SM
+    (``decode_attention.stage1_splits``), a program being one (request, KV head, split)."""
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-    config = select_decode_config(device, key_bits)
+    config = with_overrides(select_decode_config(device, key_bits), f"_v{value_bits}")
     return stage1_splits(max_num_kv_splits, batch * num_kv_heads, sm_count, config)
 
 
@@ -1049,7 +1051,7 @@ def triton_turboquant_decode_attention_v2(
     are allocated and parked on ``buf_holder`` as ``_tq_mid_o_buf`` / ``_tq_output_buf`` /
     ``_tq_lse_buf``.
 
-    On sm_90 (H100, H200) stage 1 of 4-bit and FP8 keys with 4-bit values at D = 128 runs as a Gluon
+    On sm_90 (H100, H200) stage 1 of 3/4-bit and FP8 keys with 4-bit values at D = 128 runs as a Gluon
     kernel (``triton_impl.turboquant_sm90``) that writes the same partials with the same numerics;
     the portable Triton kernel serves every other architecture and layout, and the interpreter.
 
@@ -1194,7 +1196,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
 
     key_bits = 8 if key_fp8 else mse_bits
     config = select_decode_config(device, key_bits)
-    num_splits = decode_num_splits(max_num_kv_splits, batch, num_kv_heads, device, key_bits)
+    num_splits = decode_num_splits(max_num_kv_splits, batch, num_kv_heads, device, key_bits, value_quant_bits)
     mid_o = mid_o[:, :, :num_splits]  # the slots the kernels write
     group = num_heads // num_kv_heads
     table_keys = table_2d.shape[1] * block_size
@@ -1207,7 +1209,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         stage1 = Launch(turboquant_sm90.decode_stage1_kernel, (batch, num_kv_heads, num_splits), (
             float(scale), num_splits, num_blocks, table_keys, kv_cache.stride(0), *query.stride()[:2],
             table_2d.stride(0), table_2d.stride(1), *mid_o.stride()[:3],
-        ), dict(KV_GROUP=group, KEY_FP8=key_fp8, KEY_DATA_BYTES=layout["key_data_bytes"],
+        ), dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=layout["key_data_bytes"],
                 SLOT_BYTES=layout["data_bytes_per_slot"], NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size,
                 **turboquant_sm90.launch_options(group, config.get("GLUON_MAXNREG"))))  # fmt: skip
     else:

@@ -11,9 +11,10 @@ One program owns one split of one request for one KV head (grid ``(B, HKV, S)``)
 tiles. Per tile:
 
 - scores as ``S^T = K q^T``: the keys are the MMA's M (16 per warp), the group's query heads its N
-  (``BLOCK_H`` >= 8): a GQA group of 4 fills half of each MMA, not a quarter. Each thread reads 16
-  contiguous key bytes (one 16-byte load; 32 for FP8 keys) and turns each byte into the register
-  the A operand wants: the pair LUT's fp16 centroids of its two codes, or the hardware e4m3x2 ->
+  (``BLOCK_H`` >= 8): a GQA group of 4 fills half of each MMA, not a quarter. Each thread reads the
+  contiguous key bytes of 32 dimensions (16 for 4-bit keys, one 16-byte load; 12 for 3-bit; 32 for
+  FP8) and turns each pair of codes into the register the A operand wants: the pair LUT's fp16
+  centroids of its two codes (a byte of 4-bit codes, 6 bits of 3-bit ones), or the hardware e4m3x2 ->
   f16x2 conversion. That works because the dot product does not care in which order it visits the
   dimensions: the query is loaded in the same permuted order (:func:`_score_dim`).
 - the online softmax per head, across the 4 warps (the tile's row max is the one exchange);
@@ -27,8 +28,8 @@ tiles. Per tile:
 - each tile's block-table entries are read a tile ahead, so its data loads need not wait for them.
 
 Numerics are the portable kernel's: centroids rounded to fp16 once, the query and ``p * scale`` as
-fp16 hi + lo pairs (two MMAs each), codes exact, fp32 sums. Supported: ``HEAD_DIM = 128``, 4-bit
-MSE keys or FP8 keys, 4-bit values, a group of at most 16 query heads, a block size that is a
+fp16 hi + lo pairs (two MMAs each), codes exact, fp32 sums. Supported: ``HEAD_DIM = 128``, 3- or
+4-bit MSE keys or FP8 keys, 4-bit values, a group of at most 16 query heads, a block size that is a
 multiple of 16, 16-byte aligned slots; :func:`supports` says whether a call qualifies.
 
 On the H200 (``attnref bench --op turboquant --case decode``, B=32 Hq=32 Hk=8, whole call): FP8 keys 0.2262 /
@@ -81,7 +82,7 @@ def supports(*, device: torch.device, head_dim: int, key_bits: int, value_bits: 
     """Whether a decode call is one this kernel serves (else the portable kernel runs): compiled (not
     interpreted) for compute capability 9.x (H100, H200), and a layout it reads with aligned vector loads."""
     aligned = block_size % 16 == 0 and stride_block % 16 == 0 and slot_bytes % 16 == 0 and key_bytes % 16 == 0
-    served = head_dim == HEAD_DIM and key_bits in (4, 8) and value_bits == 4 and group <= 16 and aligned
+    served = head_dim == HEAD_DIM and key_bits in (3, 4, 8) and value_bits == 4 and group <= 16 and aligned
     return served and _hopper(device)
 
 
@@ -92,7 +93,7 @@ def launch_options(group: int, maxnreg: int | None) -> dict[str, int]:
     return {"BLOCK_H": block_h, "num_warps": int(NUM_WARPS), **register_cap(maxnreg if block_h == 8 else None)}
 
 
-def compile_for_sm90(*, key_fp8: bool, group: int = 4, block_size: int = 16, maxnreg: int | None = None) -> Any:
+def compile_for_sm90(*, key_bits: int, group: int = 4, block_size: int = 16, maxnreg: int | None = None) -> Any:
     """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a launch of the bench's
     shapes is (16-byte aligned pointers, the integer arguments that are multiples of 16 marked so, the
     block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``."""
@@ -106,8 +107,8 @@ def compile_for_sm90(*, key_fp8: bool, group: int = 4, block_size: int = 16, max
                 "centroid_ptr": "*fp32", "partials_ptr": "*fp32"}  # fmt: skip
     divisible = ("num_splits", "num_blocks", "table_keys", "stride_block", "stride_qb", "stride_qh", "stride_bt",
                  "stride_pb", "stride_ph")  # fmt: skip
-    key_bytes = 128 if key_fp8 else 64
-    constexprs = dict(KV_GROUP=group, KEY_FP8=key_fp8, KEY_DATA_BYTES=key_bytes, SLOT_BYTES=key_bytes + 64,
+    key_bytes = 16 * key_bits  # D = 128 codes of key_bits bits (FP8 keys: 8)
+    constexprs = dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=key_bytes, SLOT_BYTES=key_bytes + 64,
                       NUM_KV_HEADS=8, BLOCK_SIZE=block_size, stride_btc=1)  # fmt: skip
     options = launch_options(group, maxnreg)
     constexprs["BLOCK_H"] = options.pop("BLOCK_H")
@@ -233,12 +234,13 @@ def _chunk_slot(page, chunk_start, kv_head, stride_block, num_kv_heads, slot_byt
 
 @gluon.jit
 def _key_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes,
-               KEY_FP8: gl.constexpr, BLOCK_SIZE: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
+               KEY_BITS: gl.constexpr, BLOCK_SIZE: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
     """The tile's packed keys as 32-bit words ``[warp, half, quad, t, w]``: key ``16 warp + 8 half + quad``
-    (a 16-key chunk per warp, in block ``page``), word ``w`` of the thread's key bytes from ``16t`` (4-bit,
-    4 words) or ``32t`` (FP8, 8 words). Read only where ``go``; a dead key reads its own block or block 0,
-    never past the cache."""
-    WORDS: gl.constexpr = 8 if KEY_FP8 else 4
+    (a 16-key chunk per warp, in block ``page``), word ``w`` of the thread's key bytes from ``4 KEY_BITS t``:
+    ``16t`` (4-bit, 4 words), ``12t`` (3-bit, 4 words, of which the fourth is the next thread's first: the last
+    thread's reaches 4 bytes into the slot's values) or ``32t`` (FP8, 8 words). Read only where ``go``; a dead
+    key reads its own block or block 0, never past the cache."""
+    WORDS: gl.constexpr = 8 if KEY_BITS == 8 else 4
     warp = _iota(4, 0, 5, LAYOUT)
     half = _iota(2, 1, 5, LAYOUT)
     quad = _iota(8, 2, 5, LAYOUT)
@@ -246,23 +248,37 @@ def _key_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_bl
     w = _iota(WORDS, 4, 5, LAYOUT)
     slot = _chunk_slot(page, tile_start + warp * 16, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE)
     slot += (half * 8 + quad) * (num_kv_heads * slot_bytes)
-    words = (cache_ptr + slot + t * (4 * WORDS)).to(gl.pointer_type(gl.uint32))  # byte offsets: no division
+    words = (cache_ptr + slot + t * (4 * KEY_BITS)).to(gl.pointer_type(gl.uint32))  # byte offsets: no division
     return gl.load(words + w, mask=go, other=0)
 
 
 @gluon.jit
-def _key_operand(words, pair_lut, KEY_FP8: gl.constexpr, BYTES_LAYOUT: gl.constexpr):
+def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.constexpr):
     """Packed keys (:func:`_key_words`) -> ``[BLOCK_N, HEAD_DIM]`` fp16, K index ``k`` holding dimension
-    ``_score_dim(k)``: each byte (4-bit: its two codes' centroids, one gather from the byte-indexed pair LUT)
-    or 16-bit half word (FP8: the hardware e4m3x2 conversion) becomes one A-operand register of the scores'
-    MMA. ``words`` is in ``BYTES_LAYOUT`` sliced along its last dim."""
-    if KEY_FP8:
+    ``_score_dim(k)``: each pair of codes (4-bit: a byte; 3-bit: 6 bits; their two centroids, one gather from
+    the pair LUT) or 16-bit half word (FP8: the hardware e4m3x2 conversion) becomes one A-operand register of the
+    scores' MMA. ``words`` is in ``BYTES_LAYOUT`` sliced along its last dim."""
+    if KEY_BITS == 8:
         halves = gl.join(words.to(gl.uint16), (words >> 16).to(gl.uint16))  # [..., w, 2]: u = 2w + half
         pairs = _e4m3_pairs(gl.reshape(halves, [4, 2, 8, 4, 16]))
     else:
-        byte = gl.reshape((words[:, :, :, :, :, None] >> (8 * _iota(4, 5, 6, BYTES_LAYOUT))) & 0xFF,
-                          [BLOCK_N * 64]).to(gl.int32)  # u = 4w + byte  # fmt: skip
-        pairs = gl.reshape(gl.gather(pair_lut, byte, 0), [4, 2, 8, 4, 16])
+        if KEY_BITS == 4:
+            pair_bits: gl.constexpr = 8
+            groups = words  # word w holds pairs u = 4w .. 4w + 3, a byte each
+        else:
+            # A thread's 32 codes are the 96 bits of its words 0-2: pair u (codes 2u, 2u + 1) is bits [6u, 6u + 6),
+            # in the 24-bit group u // 4 (groups g at bits 24g: parts of one or two words).
+            pair_bits: gl.constexpr = 6
+            w02, w13 = gl.split(gl.reshape(words, [4, 2, 8, 4, 2, 2]))  # word 2a + b: split by b, then by a
+            w0, w2 = gl.split(w02)
+            w1, _ = gl.split(w13)
+            g01 = gl.join(w0 & 0xFFFFFF, ((w0 >> 24) | (w1 << 8)) & 0xFFFFFF)
+            g23 = gl.join(((w1 >> 16) | (w2 << 16)) & 0xFFFFFF, w2 >> 8)
+            groups = gl.reshape(gl.permute(gl.join(g01, g23), (0, 1, 2, 3, 5, 4)), [4, 2, 8, 4, 4])
+            groups = gl.convert_layout(groups, words.type.layout)
+        pair = (groups[:, :, :, :, :, None] >> (pair_bits * _iota(4, 5, 6, BYTES_LAYOUT))) & ((1 << pair_bits) - 1)
+        pair = gl.reshape(pair, [BLOCK_N * 64]).to(gl.int32)  # u = 4w + j
+        pairs = gl.reshape(gl.gather(pair_lut, pair, 0), [4, 2, 8, 4, 16])
     lo, hi = _f16_halves(pairs)
     k = gl.join(lo, hi)  # [warp, half, quad, t, u, e]: dimension 32t + 2u + e
     k = gl.reshape(k, [4, 2, 8, 4, 8, 2, 2])  # u = 2c + j
@@ -340,7 +356,7 @@ def _tile_pages(row_ptr, stride_btc, tile_start, end, num_blocks, key_rows, BLOC
 
 @gluon.jit
 def _tile_loads(cache_ptr, pages, tile_start, start, end, kv_head, num_kv_heads, stride_block, slot_bytes,
-                meta_offset, key_rows, KEY_FP8: gl.constexpr, KEY_DATA_BYTES: gl.constexpr,
+                meta_offset, key_rows, KEY_BITS: gl.constexpr, KEY_DATA_BYTES: gl.constexpr,
                 NUM_FIELDS: gl.constexpr, BLOCK_SIZE: gl.constexpr, KEY_LAYOUT: gl.constexpr,
                 VALUE_LAYOUT: gl.constexpr):  # fmt: skip
     """Everything tile ``[tile_start, tile_start + BLOCK_N)`` reads from its blocks ``pages``
@@ -348,7 +364,7 @@ def _tile_loads(cache_ptr, pages, tile_start, start, end, kv_head, num_kv_heads,
     (``key_rows``) lie in ``[start, end)``. A tile at or past ``end`` reads nothing."""
     k_page, v_page, m_page = pages
     go = tile_start < end
-    k_words = _key_words(cache_ptr, k_page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes, KEY_FP8,
+    k_words = _key_words(cache_ptr, k_page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes, KEY_BITS,
                          BLOCK_SIZE, KEY_LAYOUT)  # fmt: skip
     v_words = _value_words(cache_ptr, v_page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes,
                            KEY_DATA_BYTES, BLOCK_SIZE, VALUE_LAYOUT)  # fmt: skip
@@ -365,7 +381,7 @@ def decode_stage1_kernel(
     sm_scale, num_splits, num_blocks, table_keys, stride_block,
     stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
     KV_GROUP: gl.constexpr,
-    KEY_FP8: gl.constexpr,
+    KEY_BITS: gl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
     KEY_DATA_BYTES: gl.constexpr,
     SLOT_BYTES: gl.constexpr,  # data bytes per (token, KV head) slot
     NUM_KV_HEADS: gl.constexpr,
@@ -375,6 +391,7 @@ def decode_stage1_kernel(
     """Grid ``(B, HKV, S)``, 4 warps: the partial ``(o, lse)`` of one split of one request for one KV
     head's group, as ``turboquant._decode_stage1_kernel`` writes it (the module docstring says how)."""
     gl.static_assert(gl.num_warps() == NUM_WARPS)
+    KEY_FP8: gl.constexpr = KEY_BITS == 8
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -420,11 +437,12 @@ def decode_stage1_kernel(
     q_lo = (q - q_hi.to(gl.float32)).to(gl.float16)
 
     pair_lut = 0
-    if not KEY_FP8:  # entry b (codes b & 15, b >> 4) is fp16(c_lo) | fp16(c_hi) << 16
-        lut_layout: gl.constexpr = gl.BlockedLayout([2], [32], [NUM_WARPS], [0])
-        byte = gl.arange(0, 256, layout=lut_layout)
-        lo = gl.load(centroid_ptr + (byte & 15)).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
-        hi = gl.load(centroid_ptr + (byte >> 4)).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
+    if not KEY_FP8:  # entry e (codes e & (2^bits - 1), e >> bits) is fp16(c_lo) | fp16(c_hi) << 16
+        lut_layout: gl.constexpr = gl.BlockedLayout([2 if KEY_BITS == 4 else 1], [32], [NUM_WARPS], [0])
+        entry = gl.arange(0, 1 << (2 * KEY_BITS), layout=lut_layout)
+        code_lo = entry & ((1 << KEY_BITS) - 1)
+        lo = gl.load(centroid_ptr + code_lo).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
+        hi = gl.load(centroid_ptr + (entry >> KEY_BITS)).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
         pair_lut = lo | (hi << 16)
 
     score_scale = sm_scale * _LOG2E
@@ -439,10 +457,10 @@ def decode_stage1_kernel(
     for tile_start in range(tile, end, BLOCK_N):
         k_words, v_words, norm, v_scale, v_zero, live = _tile_loads(
             cache_ptr, pages, tile_start, start, end, kv_head, NUM_KV_HEADS, stride_block, SLOT_BYTES, meta_offset,
-            key_rows, KEY_FP8, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE, key_layout, value_layout)  # fmt: skip
+            key_rows, KEY_BITS, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE, key_layout, value_layout)  # fmt: skip
         pages = _tile_pages(row_ptr, stride_btc, tile_start + BLOCK_N, end, num_blocks, key_rows, BLOCK_SIZE,
                             key_layout, value_layout)  # fmt: skip
-        k = gl.convert_layout(_key_operand(k_words, pair_lut, KEY_FP8, key_bytes), dot_a)
+        k = gl.convert_layout(_key_operand(k_words, pair_lut, KEY_BITS, key_bytes), dot_a)
         zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
         s = mma_v2(k, q_hi, zero) + mma_v2(k, q_lo, zero)  # two independent MMA chains
         if not KEY_FP8:
