@@ -118,19 +118,51 @@ def gluon_decode(preset: str) -> None:
           f"{mix}; memory and barriers {memory}")  # fmt: skip
 
 
-def _weighted_mix(cubin: bytes, trips: int) -> collections.Counter:
+def _sass(cubin: bytes) -> tuple[list[tuple[int, str, str, str]], list[tuple[int, int]]]:
+    """The SASS as ``(address, opcode, suffixes, line)`` and its loops as ``(head, tail)`` addresses (a backward
+    branch to the head; self-branches excluded)."""
+    code = [(int(m.group(1), 16), m.group(2), m.group(3), line) for line in cuobjdump(cubin, "-sass").splitlines()
+            if (m := ADDRESS.match(line))]  # fmt: skip
+    loops = [(int(b.group(1), 16), address) for address, _, _, line in code
+             if (b := BRANCH.search(line)) and int(b.group(1), 16) < address]  # fmt: skip
+    return code, loops
+
+
+def _outer_loops(loops: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The loops no other loop contains, in address order."""
+    return sorted({(h, t) for h, t in loops if not any(h2 <= h and t <= t2 and (h2, t2) != (h, t) for h2, t2 in loops)})
+
+
+# The grid bucketize's one instruction that nothing else in the stores emits (``min.NaN.f32``): it tells the loop
+# (nest) of the grid's lookup from the binary-search copy of the same loop.
+GRID_MARK = "FMNMX.NAN"
+
+
+def _grid_paths(code, loops) -> dict[str, list[tuple[int, int]]]:
+    """The stores' two copies of their key loop: ``{"grid": nests to skip, "search": nests to skip}`` for the run
+    of each path (a program runs one copy); one path ``"all"`` (nothing skipped) where no loop has the mark."""
+    nests = _outer_loops(loops)
+    grid = [n for n in nests if any(n[0] <= a <= n[1] and op + sfx == GRID_MARK for a, op, sfx, _ in code)]
+    if not grid:
+        return {"all": []}
+    search = [n for n in nests if n not in grid and sum(n[0] <= a <= n[1] for a, _, _, _ in code) > 200]
+    return {"grid": search, "search": grid}
+
+
+def _weighted_mix(cubin: bytes, trips: int) -> dict[str, collections.Counter]:
     """Instructions by opcode, each counted ``trips`` times per loop around it (the store's column and
     row-chunk loops both run ``HEAD_DIM / D_CHUNK`` times), padding NOPs left out: an estimate of what
-    one program executes per warp. A software-pipelined loop's prologue counts once."""
-    code = [(int(m.group(1), 16), m.group(2), line) for line in cuobjdump(cubin, "-sass").splitlines()
-            if (m := ADDRESS.match(line))]  # fmt: skip
-    loops = [(int(b.group(1), 16), address) for address, _, line in code
-             if (b := BRANCH.search(line)) and int(b.group(1), 16) < address]  # fmt: skip
-    mix: collections.Counter = collections.Counter()
-    for address, opcode, _ in code:
-        if opcode != "NOP":
-            mix[opcode] += trips ** sum(head <= address <= tail for head, tail in loops)
-    return mix
+    one program executes per warp. A software-pipelined loop's prologue counts once. One count per path
+    (:func:`_grid_paths`: the grid's lookup or the binary search), each without the other path's loop nest."""
+    code, loops = _sass(cubin)
+    mixes = {}
+    for path, skip in _grid_paths(code, loops).items():
+        mix: collections.Counter = collections.Counter()
+        for address, opcode, _, _ in code:
+            if opcode != "NOP" and not any(h <= address <= t for h, t in skip):
+                mix[opcode] += trips ** sum(head <= address <= tail for head, tail in loops)
+        mixes[path] = mix
+    return mixes
 
 
 def store(preset: str, config: dict[str, int]) -> None:
@@ -152,12 +184,32 @@ def store(preset: str, config: dict[str, int]) -> None:
     options = {"num_warps": config["num_warps"], "num_stages": config.get("num_stages", 3),
                **register_cap(config.get("maxnreg"))}  # fmt: skip
     kernel = _compile(ttq._store_kernel, STORE_POINTERS, constexprs, options, divisible)
-    mix = _weighted_mix(kernel.asm["cubin"], 1 if layout.key_fp8 else 128 // min(config["D_CHUNK"], 128))
+    mixes = _weighted_mix(kernel.asm["cubin"], 1 if layout.key_fp8 else 128 // min(config["D_CHUNK"], 128))
     per_row = config["num_warps"] / config["BLOCK_T"]
-    total, lds, sts = (per_row * sum(mix[op] for op in ops) for ops in (mix, ("LDS", "LDSM"), ("STS",)))
-    top = [(op, round(n * per_row, 1)) for op, n in mix.most_common(12)]
-    print(f"store {preset} {config}: {_resources(kernel.asm['cubin'])} SMEM:{kernel.metadata.shared}; "
-          f"{total:.0f} warp instructions per row (LDS {lds:.1f}, STS {sts:.1f}); {top}")  # fmt: skip
+    for path, mix in mixes.items():
+        total, lds, sts = (per_row * sum(mix[op] for op in ops) for ops in (mix, ("LDS", "LDSM"), ("STS",)))
+        top = [(op, round(n * per_row, 1)) for op, n in mix.most_common(12)]
+        print(f"store {preset} {config}: {_resources(kernel.asm['cubin'])} SMEM:{kernel.metadata.shared}; "
+              f"{path} path {total:.0f} warp instructions per row (LDS {lds:.1f}, STS {sts:.1f}); {top}")  # fmt: skip
+
+
+def gluon_store(preset: str) -> None:
+    """The sm_90 Gluon store (triton_impl/turboquant_sm90.py) as the bench launches it: registers, stack and, for
+    each copy of its tile loop (the grid's lookup, the binary search: :func:`_grid_paths`), the loop's SASS
+    between its first and last branch, what one 64-row tile costs each thread."""
+    layout = TurboQuantConfig.from_cache_dtype(preset, 128)
+    kernel = turboquant_sm90.compile_store_for_sm90(key_bits=layout.key_mse_bits, value_bits=layout.value_quant_bits,
+                                                    norm_correction=layout.norm_correction)  # fmt: skip
+    cubin = kernel.asm["cubin"]
+    code, loops = _sass(cubin)
+    nests = _outer_loops(loops)
+    for path, skip in _grid_paths(code, loops).items():
+        head, tail = max((n for n in nests if n not in skip), key=lambda n: n[1] - n[0])
+        body = [op for address, op, _, _ in code if head <= address <= tail]
+        mix = collections.Counter(body).most_common(12)
+        print(f"store {preset} Gluon: {_resources(cubin)}, {kernel.metadata.shared} B shared; {path} path loop "
+              f"{len(body)} instructions per thread per 64-row tile = {len(body) * 4 / 64:.1f} warp instructions "
+              f"per row; {mix}")  # fmt: skip
 
 
 # The store variants of benchmarks/sweep_memory_bound.py's grids, after the sm90 entries.
@@ -181,6 +233,8 @@ if __name__ == "__main__":
         for variant in DECODE_VARIANTS:
             decode(preset, ttq.DECODE_CONFIGS["sm90"] | variant)
         key_fp8 = TurboQuantConfig.from_cache_dtype(preset, 128).key_fp8
+        if not key_fp8:
+            gluon_store(preset)
         for config in [(ttq.FP8_KEY_STORE_CONFIGS if key_fp8 else ttq.STORE_CONFIGS)["sm90"],
                        *STORE_VARIANTS["fp8" if key_fp8 else "mse"]]:  # fmt: skip
             store(preset, config)

@@ -463,6 +463,182 @@ def test_kernel_store_matches_golden_with_every_tiling(tiling: str, monkeypatch:
 
 
 # ----------------------------------------------------------------------------------------------
+# Bucketize: the stores' grid table against searchsorted, on every kind of fp32 value.
+# ----------------------------------------------------------------------------------------------
+
+_U = 2.0**-149  # the least subnormal fp32; the grid's scale and offset are integer multiples of it
+_CODEBOOK_KINDS = ("lloyd_gaussian_128", "lloyd_gaussian_64", "lloyd_beta_64", "uneven", "very_uneven",
+                   "negative_only", "positive_from_zero", "from_negative_zero", "tiny_span", "close_pair",
+                   "equal_pair", "outlier", "huge_span")  # fmt: skip
+_FALLBACK_KINDS = ("close_pair", "equal_pair", "outlier", "huge_span")  # no grid separates these midpoints
+_EITHER_KINDS = ("very_uneven", "negative_only", "positive_from_zero", "from_negative_zero")  # random gaps
+
+
+def _grid_params(midpoints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``turboquant_sm90.grid_table``'s ``(scale, offset)``, by the same fp32 operations (unfused, as the
+    interpreter runs them)."""
+    unit = torch.tensor(_U, dtype=torch.float32)
+    scale = (torch.tensor(60.0) / (midpoints[-1] - midpoints[0])) * unit
+    offset = -midpoints[0] * scale + unit
+    return scale, torch.where(offset == 0, torch.zeros(()), offset)
+
+
+def _grid_slot_model(y: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """``grid_slot`` in float64: the fma's exact value ``y S + C`` (``S``, ``C`` the integers ``scale / u``,
+    ``offset / u``; ``y S`` is exact in float64, 24 x 24 bits) rounded to nearest even; a negative value rounds
+    to -0 or below, slot 63, and so does NaN; clamped at 62 above."""
+    big, low = scale.double() / _U, offset.double() / _U
+    p = y.double() * big
+    whole = torch.floor(p)
+    frac = p - whole
+    base = whole + low
+    rounded = base + ((frac > 0.5) | ((frac == 0.5) & (torch.remainder(base, 2) == 1))).double()
+    slot = torch.where(p < -low, 63.0, rounded.clamp(max=62.0))
+    return torch.where(slot.isnan() | y.isnan(), 63.0, slot).long()  # NaN p: 0 times an infinite scale, or y NaN
+
+
+def _grid_model(midpoints: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The grid bucketize in PyTorch: ``(below[k] + (y >= mid[k]) for k = slot(y), whether the grid is used)``,
+    the table built from the midpoints' own slots."""
+    scale, offset = _grid_params(midpoints)
+    slots = _grid_slot_model(midpoints, scale, offset)
+    ok = bool(0 < scale < math.inf) and int(slots[0]) < 63 and bool((slots[1:] > slots[:-1]).all())
+    k = torch.arange(64)
+    below = (slots[None, :] < torch.where(k == 63, 0, k)[:, None]).sum(dim=1)
+    mid = torch.full((64,), float("nan"))
+    mid[slots] = midpoints  # one midpoint per slot where ok
+    at = _grid_slot_model(y, scale, offset)
+    return below[at] + (y >= mid[at]).long(), ok
+
+
+def _codebook(kind: str, bits: int, gen: torch.Generator) -> torch.Tensor:
+    """``2^bits - 1`` ascending fp32 midpoints of one kind (``_CODEBOOK_KINDS``)."""
+    n = 2**bits - 1
+    if kind.startswith("lloyd"):
+        _, model, d = kind.split("_")
+        return tq.solve_lloyd_max(int(d), bits, model)[1].clone()
+    lloyd = tq.solve_lloyd_max(128, bits)[1].clone()
+    if kind in ("uneven", "very_uneven"):  # gaps within a factor 2.2 (separable), or three orders of magnitude
+        noise = torch.rand(n - 1, generator=gen, dtype=torch.float64)
+        gaps = 1 + 1.2 * noise if kind == "uneven" else torch.exp(torch.randn(n - 1, generator=gen) * 2).double()
+        points = torch.cat([torch.zeros(1, dtype=torch.float64), gaps.cumsum(0)]) / gaps.sum()
+        return (points * 0.6 - 0.3 + torch.rand(1, generator=gen, dtype=torch.float64) * 0.1).float()
+    if kind == "negative_only":
+        return -torch.sort(torch.rand(n, generator=gen) * 0.3 + 0.01, descending=True).values
+    if kind in ("positive_from_zero", "from_negative_zero"):
+        points = torch.sort(torch.rand(n, generator=gen) * 0.3 + 0.01).values
+        points[0] = 0.0 if kind == "positive_from_zero" else -0.0
+        return points
+    if kind == "tiny_span":
+        return lloyd * 1e-30
+    if kind == "huge_span":
+        return lloyd * 1e30
+    if kind == "outlier":  # every midpoint but the first within 1e-3: they share cells
+        return torch.cat([torch.tensor([-1.0]), torch.sort(torch.rand(n - 1, generator=gen) * 1e-3).values])
+    j = int(torch.randint(0, n - 1, (1,), generator=gen))
+    lloyd[j + 1] = torch.nextafter(lloyd[j], torch.tensor(1.0)) if kind == "close_pair" else lloyd[j]
+    return lloyd
+
+
+def _float_bits(bits: list[int]) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def _grid_probes(midpoints: torch.Tensor, gen: torch.Generator, count: int = 2048) -> torch.Tensor:
+    """``count`` fp32 values that probe the grid where it can go wrong: every midpoint and every cell edge
+    (``y S + C = k + 1/2``) with their two neighbours either side, +-0, +-inf, NaNs of both signs, subnormals,
+    the extremes, then random bit patterns and random values across the midpoints' range."""
+    scale, offset = _grid_params(midpoints)
+    edges = (torch.arange(-2, 64, dtype=torch.float64) + 0.5 - offset.double() / _U) / (scale.double() / _U)
+    special = _float_bits([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF,
+                           1, 0x80000001, 0x007FFFFF, 0x807FFFFF, 0x00800000, 0x7F7FFFFF, 0xFF7FFFFF])  # fmt: skip
+    base = torch.cat([midpoints, edges.float(), special])
+    up, down = torch.full_like(base, math.inf), torch.full_like(base, -math.inf)
+    once_up, once_down = torch.nextafter(base, up), torch.nextafter(base, down)
+    probes = torch.cat([base, once_up, once_down, torch.nextafter(once_up, up), torch.nextafter(once_down, down)])
+    rest = count - probes.numel()
+    random_bits = torch.randint(-(2**31), 2**31, (rest // 2,), generator=gen, dtype=torch.int32).view(torch.float32)
+    low, high = float(midpoints.min()), float(midpoints.max())
+    spread = (high - low) if math.isfinite(high - low) else 1.0
+    uniform = (torch.rand(rest - rest // 2, generator=gen, dtype=torch.float64) * 1.2 - 0.1) * spread + low
+    return torch.cat([probes, random_bits, uniform.float()])
+
+
+def _searchsorted(midpoints: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``#{m : m <= y}``; NaN y: 0 (``searchsorted`` would place NaN last)."""
+    return torch.where(y.isnan(), 0, torch.searchsorted(midpoints, y, right=True))
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@given(seed=st.integers(0, 2**31 - 1))
+def test_grid_model_equals_searchsorted_on_adversarial_values(bits: int, seed: int) -> None:
+    """The grid's design, modelled in PyTorch, gives ``#{m : m <= y}`` for every probe and every kind of codebook
+    where it takes the grid, and it takes the grid for every real TurboQuant codebook; the kinds that cannot be
+    separated fall back."""
+    gen = generator(seed)
+    for kind in _CODEBOOK_KINDS:
+        midpoints = _codebook(kind, bits, gen)
+        y = _grid_probes(midpoints, gen)
+        codes, ok = _grid_model(midpoints, y)
+        assert ok == (kind not in _FALLBACK_KINDS) or kind in _EITHER_KINDS, kind
+        if ok:
+            assert_bits_equal(codes, _searchsorted(midpoints, y))
+
+
+@triton.jit
+def _bucketize_probe_kernel(y_ptr, midpoint_ptr, grid_ptr, search_ptr, ok_ptr, BITS: tl.constexpr,
+                            ROWS: tl.constexpr, COLS: tl.constexpr):  # fmt: skip
+    """Program ``b``: codebook ``b``'s codes of its ``[ROWS, COLS]`` probes by the stores' grid lookup (used or
+    not) and by their binary search, and whether the stores would take the grid."""
+    book = tl.program_id(0)
+    midpoints = midpoint_ptr + book * ((1 << BITS) - 1)
+    table, scale, offset, ok = ttq_sm90.grid_table(midpoints, tl.arange(0, ttq_sm90.GRID_SLOTS), BITS)
+    at = book * ROWS * COLS + tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    y = tl.load(y_ptr + at)
+    tl.store(grid_ptr + at, ttq._key_codes(y, midpoints, table, scale, offset, True, BITS))
+    tl.store(search_ptr + at, ttq._key_codes(y, midpoints, table, scale, offset, False, BITS))
+    tl.store(ok_ptr + book, ok.to(tl.int32))
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@given(seed=st.integers(0, 2**31 - 1))
+def test_kernel_bucketize_equals_searchsorted_on_adversarial_values(bits: int, seed: int) -> None:
+    """The Triton bucketize of both stores (``turboquant_sm90.grid_table``, ``grid_slot``, ``grid_code``; the
+    portable store's ``_key_codes``) on the probes of every kind of codebook: the grid's codes are
+    ``#{m : m <= y}`` wherever the kernel takes the grid, it takes it exactly where the model does, and the
+    binary search (the fallback) is exact everywhere."""
+    gen = generator(seed)
+    books = [_codebook(kind, bits, gen) for kind in _CODEBOOK_KINDS]
+    y = torch.stack([_grid_probes(m, gen) for m in books])
+    grid, search = torch.empty_like(y, dtype=torch.int32), torch.empty_like(y, dtype=torch.int32)
+    ok = torch.empty(len(books), dtype=torch.int32)
+    _bucketize_probe_kernel[(len(books),)](y, torch.stack(books), grid, search, ok, BITS=bits, ROWS=64, COLS=32)
+    for kind, m, probes, grid_codes, search_codes, used in zip(_CODEBOOK_KINDS, books, y, grid, search, ok.tolist()):
+        expected = _searchsorted(m, probes)
+        assert bool(used) == _grid_model(m, probes)[1], kind
+        if used:
+            assert_bits_equal(grid_codes.long(), expected)
+        assert_bits_equal(search_codes.long(), expected)
+
+
+@pytest.mark.parametrize("kind", ["close_pair", "uneven"])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
+def test_store_matches_golden_with_odd_codebooks(preset: str, kind: str, device: torch.device) -> None:
+    """The whole store against golden with midpoints no grid separates (two adjacent fp32 values: the binary
+    search runs) and with unevenly spaced ones (the grid runs)."""
+    gen = generator(11)
+    config, _, _, midpoints = _quantizer(preset, 128)
+    midpoints = _codebook(kind, config.key_mse_bits, gen)
+    assert _grid_model(midpoints, midpoints)[1] == (kind == "uneven")
+    cache = _garbage_cache(2, 16, 2, config, gen, device)
+    key, value = torch.randn(2, 20, 2, 128, generator=gen) * 0.1
+    slots = torch.randperm(32, generator=gen)[:20]
+    before = cache.clone()
+    _store_triton(cache, key, value, slots, preset, 128, midpoints=midpoints)
+    _assert_store_ok(cache, before, key, value, slots, preset, 128, boundaries=midpoints)
+
+
+# ----------------------------------------------------------------------------------------------
 # Packing.
 # ----------------------------------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ from triton_impl.launch import (
     with_overrides,
 )
 from triton_impl.lse_merge import merge_splits_launch
+from triton_impl.turboquant_sm90 import GRID_SLOTS, grid_code, grid_slot, grid_table
 from triton_impl.validation import (
     block_table_2d,
     cdiv,
@@ -323,7 +324,7 @@ def _bucketize(y, midpoint_ptr, BITS: tl.constexpr):
     ``2^BITS - 1`` midpoints (sorted ascending): ``BITS`` compares, each against a midpoint chosen
     by the bits decided so far through a tree of selects, instead of ``2^BITS - 1`` compares.
     Equal to the count for sorted midpoints; NaN compares false at every step and gets code 0,
-    as in the count."""
+    as in the count. The store's fallback when the grid (:func:`_key_codes`) cannot separate the midpoints."""
     if BITS == 3:
         m = midpoint_ptr
         b4 = y >= tl.load(m + 3)
@@ -340,6 +341,80 @@ def _bucketize(y, midpoint_ptr, BITS: tl.constexpr):
         t0 = tl.where(b4, tl.where(b2, tl.load(m + 6), tl.load(m + 4)), tl.where(b2, tl.load(m + 2), tl.load(m)))
         b1 = y >= tl.where(b8, t8, t0)
         return b8.to(tl.int32) * 8 + b4.to(tl.int32) * 4 + b2.to(tl.int32) * 2 + b1.to(tl.int32)
+
+
+@triton.jit
+def _key_codes(y, midpoint_ptr, table, scale, offset, GRID: tl.constexpr, BITS: tl.constexpr):
+    """``#{m : midpoint_m <= y}`` for a tile ``y``: one lookup per element in the grid's table (``GRID``, where
+    it separates the midpoints; ``turboquant_sm90.grid_table`` says why that is exact), else :func:`_bucketize`."""
+    if GRID:
+        flat = tl.reshape(y, [y.numel])
+        codes = tl.reshape(grid_code(flat, tl.gather(table, grid_slot(flat, scale, offset), 0)), y.shape)
+    else:
+        codes = _bucketize(y, midpoint_ptr, BITS)
+    return codes
+
+
+@triton.jit
+def _key_columns(key_rows, ok, down, inv_denom, pit_ptr, stride_pit, data, midpoint_ptr, centroid_ptr, table,
+                 grid_scale, grid_offset, HEAD_DIM: tl.constexpr, KEY_BITS: tl.constexpr,
+                 NORM_CORRECTION: tl.constexpr, BLOCK_T: tl.constexpr, D_CHUNK: tl.constexpr,
+                 ROTATION_PRECISION: tl.constexpr, GRID: tl.constexpr):  # fmt: skip
+    """:func:`_store_kernel`'s MSE keys, ``D_CHUNK`` rotated columns at a time: ``y = k_hat @ PiT[:, cols]``,
+    its codes (by the grid's table where ``GRID``, else by binary search) packed and stored; returns each row's
+    ``sum c[code]^2`` (zeros without ``NORM_CORRECTION``). ``down``: each row's ``2^-e`` (:func:`_key_norm`),
+    ``inv_denom``: ``1 / (||k|| + eps)``."""
+    # 16-bit keys on tensor cores: k 2^-e (exact) is a TF32 value, so two TF32 products, with
+    # PiT = hi + lo split by truncation, give each k_j PiT[j, d] within 2^-20 of itself (3xTF32:
+    # 1.25 * 2^-20); y is that sum times 2^e / (n + eps).
+    TWO_PASS: tl.constexpr = ROTATION_PRECISION != "ieee" and key_rows.dtype.element_ty != tl.float32
+    # bf16 keys on bf16 tensor cores: PiT = p1 + p2 + p3, each part the next 8 significant bits (cut by
+    # truncation, exact: 24 bits hold an fp32 significand), so every product k_j p_i is exact and y is
+    # (k @ p3 + k @ p2 + k @ p1) / (n + eps), 3D addends as in 3xTF32. The key chunk enters the MMA as
+    # loaded (no conversion, no scaling in registers), so unlike the TF32 passes it is not scaled by
+    # 2^-e: a tensor core that flushes subnormal inputs would lose the key's elements below 2^-126,
+    # which moves y by at most sqrt(D) 2^-126 / n (past the band only for norms below ~2^-100).
+    BF16_PARTS: tl.constexpr = ROTATION_PRECISION == "bf16x3" and key_rows.dtype.element_ty == tl.bfloat16
+    PART_DTYPE: tl.constexpr = tl.float32 if INTERPRET else tl.bfloat16  # interpreter: bf16 dots are wrong
+    FP32_PRECISION: tl.constexpr = "ieee" if ROTATION_PRECISION == "ieee" else "tf32x3"  # fp32 keys
+    code_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    chunk = tl.arange(0, D_CHUNK)
+    for c0 in range(0, HEAD_DIM, D_CHUNK):
+        cols = c0 + chunk
+        in_cols = cols < HEAD_DIM
+        # y[:, cols] = k_hat @ PiT[:, cols], D_CHUNK rows of PiT at a time: an FMA dot holds its
+        # whole K extent in registers, so K is chunked too (the key chunk is re-read from L1).
+        y = tl.zeros([BLOCK_T, D_CHUNK], dtype=tl.float32)
+        for r0 in range(0, HEAD_DIM, D_CHUNK):
+            in_k = (r0 + chunk) < HEAD_DIM
+            k_chunk = tl.load(key_rows[:, None] + (r0 + chunk)[None, :], mask=ok[:, None] & in_k[None, :],
+                              other=0.0)  # fmt: skip
+            pit = tl.load(pit_ptr + (r0 + chunk)[:, None] * stride_pit + cols[None, :],
+                          mask=in_k[:, None] & in_cols[None, :], other=0.0)  # fmt: skip
+            if BF16_PARTS:
+                k_chunk = k_chunk.to(PART_DTYPE)
+                p1 = _bf16_part(pit)
+                p2 = _bf16_part(pit - p1)
+                y = tl.dot(k_chunk, (pit - p1 - p2).to(PART_DTYPE), y)
+                y = tl.dot(k_chunk, p2.to(PART_DTYPE), y)
+                y = tl.dot(k_chunk, p1.to(PART_DTYPE), y)
+            elif TWO_PASS:
+                k_chunk = k_chunk.to(tl.float32) * down[:, None]
+                pit_hi = _tf32_part(pit)
+                y = tl.dot(k_chunk, _tf32_part(pit - pit_hi), y, input_precision="tf32")
+                y = tl.dot(k_chunk, pit_hi, y, input_precision="tf32")
+            else:
+                y = tl.dot(k_chunk.to(tl.float32) * inv_denom[:, None], pit, y, input_precision=FP32_PRECISION)
+        if BF16_PARTS:
+            y = y * inv_denom[:, None]
+        elif TWO_PASS:
+            y = y * (inv_denom / down)[:, None]  # 2^e / (n + eps): a power of two times inv_denom, exact
+        codes = _key_codes(y, midpoint_ptr, table, grid_scale, grid_offset, GRID, KEY_BITS)
+        _store_packed(codes, data + c0 * KEY_BITS // 8, ok, HEAD_DIM - c0, KEY_BITS, D_CHUNK)
+        if NORM_CORRECTION:
+            c = tl.load(centroid_ptr + codes)
+            code_sq += tl.sum(tl.where(in_cols[None, :], c * c, 0.0), axis=1)
+    return code_sq
 
 
 @triton.jit
@@ -400,56 +475,17 @@ def _store_kernel(
     else:
         norm, down = _key_norm(k)
         inv_denom = 1.0 / (norm + _KEY_NORM_EPS)  # one division per row; each k_j / (n + eps) is k_j * inv_denom
-        # 16-bit keys on tensor cores: k 2^-e (exact) is a TF32 value, so two TF32 products, with
-        # PiT = hi + lo split by truncation, give each k_j PiT[j, d] within 2^-20 of itself (3xTF32:
-        # 1.25 * 2^-20); y is that sum times 2^e / (n + eps).
-        TWO_PASS: tl.constexpr = ROTATION_PRECISION != "ieee" and key_ptr.dtype.element_ty != tl.float32
-        # bf16 keys on bf16 tensor cores: PiT = p1 + p2 + p3, each part the next 8 significant bits (cut by
-        # truncation, exact: 24 bits hold an fp32 significand), so every product k_j p_i is exact and y is
-        # (k @ p3 + k @ p2 + k @ p1) / (n + eps), 3D addends as in 3xTF32. The key chunk enters the MMA as
-        # loaded (no conversion, no scaling in registers), so unlike the TF32 passes it is not scaled by
-        # 2^-e: a tensor core that flushes subnormal inputs would lose the key's elements below 2^-126,
-        # which moves y by at most sqrt(D) 2^-126 / n (past the band only for norms below ~2^-100).
-        BF16_PARTS: tl.constexpr = ROTATION_PRECISION == "bf16x3" and key_ptr.dtype.element_ty == tl.bfloat16
-        PART_DTYPE: tl.constexpr = tl.float32 if INTERPRET else tl.bfloat16  # interpreter: bf16 dots are wrong
-        FP32_PRECISION: tl.constexpr = "ieee" if ROTATION_PRECISION == "ieee" else "tf32x3"  # fp32 keys
-        code_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
-        chunk = tl.arange(0, D_CHUNK)
-        for c0 in range(0, HEAD_DIM, D_CHUNK):
-            cols = c0 + chunk
-            in_cols = cols < HEAD_DIM
-            # y[:, cols] = k_hat @ PiT[:, cols], D_CHUNK rows of PiT at a time: an FMA dot holds its
-            # whole K extent in registers, so K is chunked too (the key chunk is re-read from L1).
-            y = tl.zeros([BLOCK_T, D_CHUNK], dtype=tl.float32)
-            for r0 in range(0, HEAD_DIM, D_CHUNK):
-                in_k = (r0 + chunk) < HEAD_DIM
-                k_chunk = tl.load(key_rows[:, None] + (r0 + chunk)[None, :], mask=ok[:, None] & in_k[None, :],
-                                  other=0.0)  # fmt: skip
-                pit = tl.load(pit_ptr + (r0 + chunk)[:, None] * stride_pit + cols[None, :],
-                              mask=in_k[:, None] & in_cols[None, :], other=0.0)  # fmt: skip
-                if BF16_PARTS:
-                    k_chunk = k_chunk.to(PART_DTYPE)
-                    p1 = _bf16_part(pit)
-                    p2 = _bf16_part(pit - p1)
-                    y = tl.dot(k_chunk, (pit - p1 - p2).to(PART_DTYPE), y)
-                    y = tl.dot(k_chunk, p2.to(PART_DTYPE), y)
-                    y = tl.dot(k_chunk, p1.to(PART_DTYPE), y)
-                elif TWO_PASS:
-                    k_chunk = k_chunk.to(tl.float32) * down[:, None]
-                    pit_hi = _tf32_part(pit)
-                    y = tl.dot(k_chunk, _tf32_part(pit - pit_hi), y, input_precision="tf32")
-                    y = tl.dot(k_chunk, pit_hi, y, input_precision="tf32")
-                else:
-                    y = tl.dot(k_chunk.to(tl.float32) * inv_denom[:, None], pit, y, input_precision=FP32_PRECISION)
-            if BF16_PARTS:
-                y = y * inv_denom[:, None]
-            elif TWO_PASS:
-                y = y * (inv_denom / down)[:, None]  # 2^e / (n + eps): a power of two times inv_denom, exact
-            codes = _bucketize(y, midpoint_ptr, KEY_BITS)
-            _store_packed(codes, data + c0 * KEY_BITS // 8, ok, HEAD_DIM - c0, KEY_BITS, D_CHUNK)
-            if NORM_CORRECTION:
-                c = tl.load(centroid_ptr + codes)
-                code_sq += tl.sum(tl.where(in_cols[None, :], c * c, 0.0), axis=1)
+        # The grid's table, built once per program; where it cannot separate the midpoints, the binary search
+        # (a second copy of the column loop, so that neither has a branch inside).
+        table, grid_scale, grid_offset, grid_ok = grid_table(midpoint_ptr, tl.arange(0, GRID_SLOTS), KEY_BITS)
+        if grid_ok:
+            code_sq = _key_columns(key_rows, ok, down, inv_denom, pit_ptr, stride_pit, data, midpoint_ptr,
+                                   centroid_ptr, table, grid_scale, grid_offset, HEAD_DIM, KEY_BITS, NORM_CORRECTION,
+                                   BLOCK_T, D_CHUNK, ROTATION_PRECISION, True)  # fmt: skip
+        else:
+            code_sq = _key_columns(key_rows, ok, down, inv_denom, pit_ptr, stride_pit, data, midpoint_ptr,
+                                   centroid_ptr, table, grid_scale, grid_offset, HEAD_DIM, KEY_BITS, NORM_CORRECTION,
+                                   BLOCK_T, D_CHUNK, ROTATION_PRECISION, False)  # fmt: skip
         stored_norm = norm
         if NORM_CORRECTION:
             stored_norm = norm / tl.sqrt(code_sq + _NORM_CORRECTION_EPS)

@@ -55,6 +55,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -601,6 +603,75 @@ def _store_codes(cache_ptr, at, groups, ok, BITS: gl.constexpr):
         gl.store(words + 2, (g2 >> 16) | (g3 << 8), mask=ok)
 
 
+# Bucketize by a uniform grid, shared by this store and the portable one (``turboquant._store_kernel``): written
+# with triton.language ops, which Gluon compiles too (the caller gives the table's index tensor its layout).
+GRID_SLOTS = tl.constexpr(64)  # table entries: 63 grid cells, and slot 63 for NaN and everything below the grid
+_GRID_SPAN = tl.constexpr(60.0)  # cells from the first midpoint (cell 1) to the last (cell 61)
+
+
+@triton.jit
+def grid_slot(y, scale, offset):
+    """The table slot of each fp32 ``y``: ``min(bits(min(fma(y, scale, offset), 62 u)), 63)`` (unsigned), with
+    ``u = 2^-149`` the least subnormal and ``scale``, ``offset`` multiples of it (:func:`grid_table`).
+
+    The fma rounds once, to a multiple of ``u`` whose bit pattern is that integer, ``round(y S + C)`` (``S =
+    scale / u``, ``C = offset / u``; to nearest even): slots ``0 .. 62`` are the grid's cells, clamped above by a
+    float min that keeps NaN. A result with the sign bit set (negative, or -0) and NaN have bits above 63: slot
+    63. In the order ``63 < 0 < 1 < .. < 62`` the slot is a nondecreasing function of ``y``'s value (``offset``
+    is never -0, so -0 and +0 share a slot). Subnormals must not be flushed: ``fma.rn.f32`` and ``min.NaN.f32``
+    have no ``.ftz`` in the PTX Triton emits."""
+    top = tl.cast(GRID_SLOTS - 2, tl.uint32).to(tl.float32, bitcast=True)  # 62 u
+    t = tl.minimum(tl.fma(y, scale, offset), top, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(t.to(tl.uint32, bitcast=True), GRID_SLOTS - 1).to(tl.int32)
+
+
+@triton.jit
+def grid_table(midpoint_ptr, slot, BITS: tl.constexpr):
+    """The grid's table for the ``2^BITS - 1`` ascending midpoints ``m``: ``(table, scale, offset, ok)``; ``slot``
+    is ``0 .. 63`` (any layout: the table's).
+
+    ``scale = 60 / (m_last - m_0)`` and ``offset = 1 - m_0 scale``, in units of ``u`` and rounded
+    (:func:`grid_slot`): ``y``'s cell is ``round(1 + 60 (y - m_0) / (m_last - m_0))`` up to that rounding, so
+    ``m_0`` is in cell 0, 1 or 2 and no midpoint is in slot 63. Entry ``k`` packs ``below_k = #{m : slot(m) <
+    k}`` (high word; 0 for slot 63) and ``mid_k``, the midpoint in slot ``k`` (NaN if none), and
+    :func:`grid_code` gives ``#{m : m <= y} = below_k + (y >= mid_k)`` for ``k = slot(y)``, exactly for every fp32
+    ``y``: the midpoints get their slots from the same nondecreasing :func:`grid_slot`, so a midpoint in an
+    earlier slot than ``y``'s is below ``y`` and one in a later slot above it; only the one sharing ``y``'s slot
+    is in doubt, and it is compared. NaN ``y`` is in slot 63: ``below = 0`` and the compare is false, code 0.
+    ``ok``: the scale is positive and finite and the midpoints' slots increase strictly from below 63 (no two
+    share one, none is NaN or in slot 63); else the caller takes the binary search."""
+    NUM: tl.constexpr = (1 << BITS) - 1
+    m_first = tl.load(midpoint_ptr)
+    unit = tl.cast(1, tl.uint32).to(tl.float32, bitcast=True)  # u = 2^-149
+    scale = (_GRID_SPAN / (tl.load(midpoint_ptr + NUM - 1) - m_first)) * unit
+    offset = -m_first * scale + unit
+    offset = tl.where(offset == 0, 0.0, offset)  # +0, never -0 (a fused multiply-add could round to -0)
+    ok = (scale > 0) & (scale < float("inf"))
+    limit = tl.where(slot == GRID_SLOTS - 1, 0, slot)  # slot 63 comes first: no midpoint is before it
+    below = slot * 0
+    mid = tl.where(slot < 0, 0.0, float("nan"))
+    previous = GRID_SLOTS - 1  # m_0 must not be in slot 63 either
+    for j in tl.static_range(NUM):
+        m = tl.load(midpoint_ptr + j)
+        m_slot = grid_slot(m, scale, offset)
+        below += (m_slot < limit).to(tl.int32)
+        mid = tl.where(m_slot == slot, m, mid)
+        if j == 0:
+            ok = ok & (m_slot < previous)
+        else:
+            ok = ok & (m_slot > previous)
+        previous = m_slot
+    table = (below.to(tl.int64) << 32) | mid.to(tl.uint32, bitcast=True).to(tl.int64)
+    return table, scale, offset, ok
+
+
+@triton.jit
+def grid_code(y, entry):
+    """``below + (y >= mid)`` from ``y``'s table entry (:func:`grid_table`)."""
+    mid = (entry & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    return (entry >> 32).to(tl.int32) + (y >= mid).to(tl.int32)
+
+
 @gluon.jit
 def _bucketize(y, midpoint_ptr, BITS: gl.constexpr):
     """``#{m : midpoint_m <= y}`` by binary search over the sorted midpoints, as the portable store's
@@ -706,18 +777,12 @@ def store_kernel(
     """Persistent programs over tiles of 64 (token, KV head) rows, 4 warps (one warpgroup). Each program cuts
     ``PiT`` once into two bf16 parts in shared memory (rows and columns permuted: :func:`_rotation_dim`,
     :func:`_code_dim`); per tile, ``k @ PiT`` is two warpgroup MMAs on the keys as loaded (bf16, exact), then
-    the row's ``1 / (||k|| + eps)``, the binary-search bucketize and the packing of each thread's 32 contiguous
-    codes; the values as the portable store quantizes them."""
+    the row's ``1 / (||k|| + eps)``, the bucketize (one lookup in the grid's table per code, :func:`grid_table`,
+    or where the grid cannot separate the midpoints the binary search) and the packing of each thread's 32
+    contiguous codes; the values as the portable store quantizes them."""
     gl.static_assert(gl.num_warps() == NUM_WARPS)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                  instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
-    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    # Keys [warp, half, quad, t, j, i]: row 16 warp + 8 half + quad, dimension 32j + 8t + i.
-    key_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 4, 8], [1, 1, 8, 4, 1, 1], [NUM_WARPS, 1, 1, 1, 1, 1],
-                                                [5, 4, 3, 2, 1, 0])  # fmt: skip
     pit_layout: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [NUM_WARPS, 1], [1, 0])
     part_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    rows: gl.constexpr = gl.SliceLayout(1, mma)
 
     # PiT = hi + lo, each rounded to bf16 (to nearest): |PiT - hi - lo| <= 2^-16 |PiT|, and products of bf16 keys
     # with bf16 parts are exact in the MMA's fp32 accumulator.
@@ -737,6 +802,38 @@ def store_kernel(
         centroid = gl.load(centroid_ptr + gl.arange(0, 1 << KEY_BITS, layout=sq_layout))
         centroid_sq = centroid * centroid
 
+    # The grid's table (grid_table), one entry per thread, built once per program; where it cannot separate the
+    # midpoints, every tile of the program takes the binary search (a second copy of the tile loop: no branch in it).
+    table_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    table, grid_scale, grid_offset, grid_ok = grid_table(midpoint_ptr, gl.arange(0, GRID_SLOTS, layout=table_layout),
+                                                         KEY_BITS)  # fmt: skip
+    if grid_ok:
+        _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, pit_lo, centroid_sq, table,
+                     grid_scale, grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt,
+                     stride_vh, NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE,
+                     WIDE_SLOTS, True)  # fmt: skip
+    else:
+        _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, pit_lo, centroid_sq, table,
+                     grid_scale, grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt,
+                     stride_vh, NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE,
+                     WIDE_SLOTS, False)  # fmt: skip
+
+
+@gluon.jit
+def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, pit_lo, centroid_sq, table,
+                 grid_scale, grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt,
+                 stride_vh, NUM_KV_HEADS: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr,
+                 NORM_CORRECTION: gl.constexpr, SLOT_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                 WIDE_SLOTS: gl.constexpr, GRID: gl.constexpr):  # fmt: skip
+    """:func:`store_kernel`'s loop over its tiles; the key codes by the grid's table (``GRID``) or by binary
+    search."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                  instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    # Keys [warp, half, quad, t, j, i]: row 16 warp + 8 half + quad, dimension 32j + 8t + i.
+    key_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 4, 8], [1, 1, 8, 4, 1, 1], [NUM_WARPS, 1, 1, 1, 1, 1],
+                                                [5, 4, 3, 2, 1, 0])  # fmt: skip
+    rows: gl.constexpr = gl.SliceLayout(1, mma)
     value_layout: gl.constexpr = _value_layout()
     key_dim = _iota(4, 4, 6, key_layout) * 32 + _iota(4, 3, 6, key_layout) * 8 + _iota(8, 5, 6, key_layout)
     value_dim = _iota(4, 3, 5, value_layout) * 32 + _iota(32, 4, 5, value_layout)
@@ -766,7 +863,13 @@ def store_kernel(
         # belong to norms so far below the 1e-8 in 1 / (||k|| + 1e-8) that their error cannot reach the codes.
         kf = k.to(gl.float32)
         norm = gl.convert_layout(gl.sqrt(gl.sum(kf * kf, axis=1)), rows)
-        codes = _bucketize(acc * (1.0 / (norm + _KEY_NORM_EPS))[:, None], midpoint_ptr, KEY_BITS)
+        y = acc * (1.0 / (norm + _KEY_NORM_EPS))[:, None]
+        if GRID:
+            flat = gl.reshape(y, [STORE_ROWS * HEAD_DIM])
+            entry = gl.gather(table, grid_slot(flat, grid_scale, grid_offset), 0)
+            codes = gl.reshape(grid_code(flat, entry), [STORE_ROWS, HEAD_DIM])
+        else:
+            codes = _bucketize(y, midpoint_ptr, KEY_BITS)
         words = _code_words(codes, KEY_BITS)
         w_row = tile * STORE_ROWS + _iota(STORE_ROWS, 0, 3, words_layout)
         w_t = _iota(4, 1, 3, words_layout)
