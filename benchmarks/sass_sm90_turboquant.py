@@ -4,7 +4,9 @@ No GPU needed: the kernels are compiled by Triton for ``GPUTarget("cuda", 90, 32
 configs (or the ones given), as ``attnref bench`` launches them at D = 128, and ``cuobjdump`` (from the
 Triton wheel) reports registers and stack per thread. For the decode (the sm_90 Gluon stage 1 where the bench
 runs it, and the portable kernel), the SASS between the loop's first and last branch is counted by opcode: what
-one ``BLOCK_N``-key tile costs one warp. Run::
+one ``BLOCK_N``-key tile costs one warp; for the sm_90 Gluon store, what one 64-row tile costs each thread. The
+stores keep two copies of their key loop (the grid's table lookup, and the binary search for midpoints the grid
+cannot separate): each copy is counted as the path a program takes. Run::
 
     TRITON_INTERPRET=0 PYTHONPATH=. .venv/bin/python benchmarks/sass_sm90_turboquant.py
 

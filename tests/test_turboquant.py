@@ -1302,8 +1302,10 @@ for key_bits in (3, 4):
         for norm_correction in (False, True):
             kernel = turboquant_sm90.compile_store_for_sm90(key_bits=key_bits, value_bits=value_bits,
                                                             norm_correction=norm_correction)
+            flushing = [x.strip() for x in kernel.asm["ptx"].splitlines()
+                        if ".ftz" in x and x.split()[0].split(".")[0] in ("fma", "min", "mul")]
             print(json.dumps(["store", key_bits, value_bits, *sass_resources(kernel.asm["cubin"]),
-                              kernel.metadata.shared]))
+                              kernel.metadata.shared, flushing]))
 """
 
 
@@ -1311,7 +1313,8 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     """The Gluon fast paths never run under the interpreter: compile them for sm_90 here (a process of its own,
     TRITON_INTERPRET=0). Decode stage 1: 3-bit, 4-bit and FP8 keys (with the sm90 entry's register cap), groups
     1/4/16 and two block sizes, with no stack (no spills) and a few KiB of shared memory. Store: 3/4-bit keys and
-    values, with and without norm correction, no stack."""
+    values, with and without norm correction, no stack, and no multiply, fma or min that flushes subnormals (the
+    grid bucketize reads the bits of subnormal results: ``turboquant_sm90.grid_slot``)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -1324,8 +1327,9 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     # (181-233 registers); Triton 3.9 spills 24 bytes in the 4-bit key variants with norm correction.
     spill = 0 if triton.__version__.startswith("3.6") else 32
     for row in rows[18:]:
-        registers, stack, shared = row[3:]
+        registers, stack, shared, flushing = row[3:]
         assert stack <= spill and registers <= 255 and 64 * 1024 <= shared <= 72 * 1024, row
+        assert not flushing, row
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a compiler defect: the interpreter has no MMA layouts")

@@ -89,6 +89,10 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # byte-by-byte packing and 8 warps, the store got slower (k8v4 2.42 -> 4.79 ms, MSE presets
 # 27.9-33.2 ms, `attnref bench`); packing went back to one masked store of each group's bytes and
 # the sm90 entry back to 4 warps: 16.9-17.8 ms for the MSE presets (9ff0941, best of 4 configs).
+# The bucketize is now one lookup per code in a 64-slot table built per program (turboquant_sm90.grid_table; the
+# binary search stays as the fallback for midpoints no such grid separates): static counts on sm_90 (Triton 3.6,
+# benchmarks/sass_sm90_turboquant.py), sm90 entry, 361 -> 312 (4-bit), 328 -> 316 (k3v4), 330 -> 320 (3-bit) warp
+# instructions per row. Not timed on the H200.
 # num_stages: the depth of Triton's software pipeline over the rotation's operand loads; each stage holds
 # both operands in shared memory (sm_90, T64 chunk64: 80 KiB and 254 registers at 3 stages, 32 KiB and 230
 # registers at 1). Optional maxnreg: a cap on registers per thread (none: the compiler's choice).
@@ -570,7 +574,7 @@ def triton_turboquant_store(
     if not key_fp8:
         _check_rotation("PiT", PiT, head_dim, device)
         check_tensor("midpoints", midpoints, shape=(2**mse_bits - 1,), dtypes=(torch.float32,), device=device)
-        # the kernel bucketizes by binary search, which counts #{m : midpoint_m <= y} only if sorted
+        # the grid's table and the binary search (its fallback) count #{m : midpoint_m <= y} only if sorted
         if content_checks_enabled(device) and not bool((midpoints[1:] >= midpoints[:-1]).all()):
             raise ValueError("midpoints: expected ascending entries (no NaN)")
         if norm_correction:

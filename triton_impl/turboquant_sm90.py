@@ -45,9 +45,12 @@ parts (``hi`` to nearest, ``lo`` the rest to nearest: each product within ``2^-1
 same two permutations make the MMA's fragments line up with memory: the K order (:func:`_rotation_dim`) gives
 each thread 16-byte pieces of its rows' keys, the column order (:func:`_code_dim`) gives each thread 32
 contiguous codes of a row (a 16-byte store of 4-bit codes). Norms, bucketize, norm correction and the values'
-min-max quantization are the portable store's arithmetic. On the H200 (``attnref bench --op turboquant --case
-store``, 1M tokens x 8 KV heads): 4-bit 3.61 ms, k3v4 3.00, 3-bit 2.90 (35-42% of the copy roofline; the
-portable kernel 9.52-9.93 ms).
+min-max quantization are the portable store's arithmetic; the bucketize is a lookup in a 64-slot table per code
+(:func:`grid_table`, shared with the portable store), the binary search where the table cannot separate the
+midpoints. On the H200 (``attnref bench --op turboquant --case store``, 1M tokens x 8 KV heads), with the binary
+search: 4-bit 3.61 ms, k3v4 3.00, 3-bit 2.90 (35-42% of the copy roofline; the portable kernel 9.52-9.93 ms).
+The table cut the tile loop from 2879 to 2073 SASS instructions per thread (4-bit; k3v4 2232 -> 2035, 3-bit
+2248 -> 2053; Triton 3.6, ``benchmarks/sass_sm90_turboquant.py``); not timed yet.
 """
 
 from __future__ import annotations
