@@ -32,8 +32,10 @@ fp16 hi + lo pairs (two MMAs each), codes exact, fp32 sums. Supported: ``HEAD_DI
 4-bit MSE keys or FP8 keys, 4-bit values, a group of at most 16 query heads, a block size that is a
 multiple of 16, 16-byte aligned slots; :func:`supports` says whether a call qualifies.
 
-On the H200 (``attnref bench --op turboquant --case decode``, B=32 Hq=32 Hk=8, whole call): FP8 keys 0.2262 /
-0.7066 ms at L=8K / 32K (the portable kernel: 0.3632 / 1.1904), 4-bit keys 0.2942 / 0.8199 ms (0.4226 / 1.3685).
+On the H200 (``attnref bench --op turboquant --case decode``, B=32 Hq=32 Hk=8, whole call, at e8603a5 with 4 splits):
+FP8 keys 0.1740 / 0.6450 ms at L=8K / 32K, 4-bit keys 0.2177 / 0.7630, 3-bit keys 0.2002 / 0.6902 (the portable
+kernel with the same splits: 3-bit keys 0.4019 / 1.5005; at vLLM's 32 splits and 8107e0d: FP8 0.3632 / 1.1904,
+4-bit 0.4226 / 1.3685).
 ``notebooks/results/perf_log.md`` has what bounds it (the pair-LUT gathers' bank conflicts, global-load latency)
 and the variants that lost.
 
@@ -50,7 +52,8 @@ min-max quantization are the portable store's arithmetic; the bucketize is a loo
 midpoints. On the H200 (``attnref bench --op turboquant --case store``, 1M tokens x 8 KV heads), with the binary
 search: 4-bit 3.61 ms, k3v4 3.00, 3-bit 2.90 (35-42% of the copy roofline; the portable kernel 9.52-9.93 ms).
 The table cut the tile loop from 2879 to 2073 SASS instructions per thread (4-bit; k3v4 2232 -> 2035, 3-bit
-2248 -> 2053; Triton 3.6, ``benchmarks/sass_sm90_turboquant.py``); not timed yet.
+2248 -> 2053; Triton 3.6, ``benchmarks/sass_sm90_turboquant.py``); timed at edb6bfc: 4-bit 2.98 ms (42.6%),
+k3v4 3.01, 3-bit 2.98 (41.1% and 40.5%: no gain for 3-bit keys).
 """
 
 from __future__ import annotations
