@@ -119,8 +119,8 @@ VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
 #   FEW_ROWS_VIA_DECODE: one draft token (qlen 1, no real_seq_lens) at 16 heads or fewer is a decode call, and runs
 #   as one where decode's sm90 entry takes it to decode_attention_sm90.mla_decode_few_rows_kernel (the keys as wgmma's
 #   M, every head from one read of each key) instead of a 64-row verify tile three-quarters empty: B=32 H=16 qlen=1
-#   L=32K 0.5403 ms through the portable verify kernel (53.0% of the copy roofline; benchmarks/verify_qlen.py at
-#   04c9edb) against 0.2898 ms for the same call as a decode (bench_h200.md, c7e2fb0).
+#   L=32K 0.5403 ms through the portable verify kernel (53.0% of the copy roofline) -> 0.2841 ms (99.4%;
+#   benchmarks/verify_qlen.py at 04c9edb and ed2f980).
 # - "default": any other GPU; the same shapes, untuned.
 # - "interpreter": TRITON_INTERPRET=1 on a CPU, where a tile's cost is NumPy work: small tiles
 #   and short splits keep tests fast and exercise many splits on short sequences.
