@@ -117,6 +117,8 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # warpgroup MMAs), GLUON_PROGRAMS_PER_SM persistent programs per SM. On the H200 (1M tokens x 8 heads), 4-bit: 9.52 ms
 # for this table's portable config, Gluon at 1 / 2 programs per SM 6.16 / 3.53 ms; a variant of it at 1 / 2 / 3
 # 6.60 / 3.89 / 4.70 ms (over 200 registers: a third program does not fit beside two and runs as a second wave).
+# Optional GLUON_MAXNREG caps the Gluon store's registers: at 168 (Triton 3.6) three programs fit a SM (3 x 64.5 KiB of
+# shared memory), spilling 32 bytes a thread (4-bit keys) or 8 (3-bit); not timed (perf_log.md, what to measure next).
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
     "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1, "GLUON": 1,
@@ -612,6 +614,7 @@ def triton_turboquant_store(
             BLOCK_SIZE=block_size,
             WIDE_SLOTS=num_slots > 2**31 - 1,
             num_warps=int(turboquant_sm90.NUM_WARPS),
+            **register_cap(config.get("GLUON_MAXNREG")),
         )  # fmt: skip
         return
     block_d = next_pow2(head_dim)
