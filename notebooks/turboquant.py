@@ -346,6 +346,23 @@ for g in (0, 1, 7):
     print(f"values, warp 0, lane quad g={g}: rows {rows.tolist()} -> dimensions {_value_dim.fn(rows).tolist()}")
     assert sorted(_value_dim.fn(rows).tolist()) == list(range(4 * g, 4 * g + 4))
 
+# %% [markdown]
+# With 3-bit keys a thread's 32 codes are 96 bits, 12 bytes read as three 32-bit words, and a pair of codes (the
+# two dimensions one A-operand register holds) is 6 bits, bits `[6u, 6u + 6)` for pair `u`: two of the sixteen
+# pairs (`u = 5`, `10`) cross a word. The Gluon kernel first joins the words into four 24-bit groups (bits `24g`:
+# `w0`, `w0 >> 24 | w1 << 8`, `w1 >> 16 | w2 << 16`, `w2 >> 8`), then takes four 6-bit pairs of each; every pair
+# indexes a 64-entry pair LUT. The cell does that arithmetic on codes packed by the golden model.
+
+# %%
+gen = torch.Generator().manual_seed(3)
+codes = torch.randint(0, 8, (32,), generator=gen)  # one thread's 32 dimensions of one key
+words = torch.cat([tq.pack_codes(codes, 3), torch.zeros(4, dtype=torch.uint8)]).view(torch.int32).long() & 0xFFFFFFFF
+w0, w1, w2 = words[:3].tolist()
+groups = [w0 & 0xFFFFFF, ((w0 >> 24) | (w1 << 8)) & 0xFFFFFF, ((w1 >> 16) | (w2 << 16)) & 0xFFFFFF, w2 >> 8]
+pairs = [(group >> (6 * j)) & 63 for group in groups for j in range(4)]  # pair u = 4g + j
+print("pairs (lo code | hi code << 3):", pairs[:6], "...")
+assert pairs == [int(codes[2 * u]) | int(codes[2 * u + 1]) << 3 for u in range(16)]
+
 # %%
 RESULTS = Path(triton_impl.__file__).resolve().parent.parent / "notebooks" / "results"
 bench = json.loads((RESULTS / "bench_h200.json").read_text())
