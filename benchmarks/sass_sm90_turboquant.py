@@ -35,7 +35,7 @@ from golden.turboquant import TurboQuantConfig
 from triton_impl import turboquant as ttq
 from triton_impl import turboquant_sm90
 from triton_impl.bench import cuobjdump
-from triton_impl.launch import register_cap, with_overrides
+from triton_impl.launch import register_cap
 
 TARGET = GPUTarget("cuda", 90, 32)
 DECODE_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -85,7 +85,7 @@ def _loop_mix(cubin: bytes) -> tuple[int, list[tuple[str, int]], dict[str, int]]
 def decode(preset: str, config: dict[str, int]) -> None:
     layout = TurboQuantConfig.from_cache_dtype(preset, 128)
     key_bits = 8 if layout.key_fp8 else layout.key_mse_bits
-    config = with_overrides(config, f"_k{key_bits}")  # as select_decode_config resolves the entry
+    config = ttq.decode_entry(config, key_bits, layout.value_quant_bits)  # as select_decode_config resolves it
     aligned = key_bits == 4
     constexprs = dict(KV_GROUP=4, HEAD_DIM=128, KEY_BITS=key_bits, VALUE_BITS=layout.value_quant_bits,
                       KEY_DATA_BYTES=layout.key_data_bytes, NUM_FIELDS=2 if layout.key_fp8 else 3,
@@ -111,8 +111,9 @@ def gluon_decode(preset: str) -> None:
     """The sm_90 Gluon stage 1 (triton_impl/turboquant_sm90.py) as the bench launches it: 64-key tiles, 4 warps."""
     quantizer = TurboQuantConfig.from_cache_dtype(preset, 128)
     key_bits = 8 if quantizer.key_fp8 else quantizer.key_mse_bits
-    config = with_overrides(ttq.DECODE_CONFIGS["sm90"], f"_k{key_bits}")
-    kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, maxnreg=config.get("GLUON_MAXNREG"))
+    config = ttq.decode_entry(ttq.DECODE_CONFIGS["sm90"], key_bits, quantizer.value_quant_bits)
+    kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=quantizer.value_quant_bits,
+                                              maxnreg=config.get("GLUON_MAXNREG"))
     count, mix, memory = _loop_mix(kernel.asm["cubin"])
     per_key = int(turboquant_sm90.NUM_WARPS) / int(turboquant_sm90.BLOCK_N)
     print(f"decode {preset} Gluon stage 1: {_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
@@ -229,8 +230,7 @@ DECODE_VARIANTS = ({"PREFETCH": 1, "PREFETCH_k4": 1, "maxnreg": 0}, {"PREFETCH":
 
 if __name__ == "__main__":
     for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"):
-        if preset != "turboquant_3bit_nc":  # 3-bit values: the portable kernel only
-            gluon_decode(preset)
+        gluon_decode(preset)
         decode(preset, ttq.DECODE_CONFIGS["sm90"] | {"GLUON": 0})
         for variant in DECODE_VARIANTS:
             decode(preset, ttq.DECODE_CONFIGS["sm90"] | variant)

@@ -117,12 +117,15 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # warpgroup MMAs), GLUON_PROGRAMS_PER_SM persistent programs per SM. On the H200 (1M tokens x 8 heads), 4-bit: 9.52 ms
 # for this table's portable config, Gluon at 1 / 2 programs per SM 6.16 / 3.53 ms; a variant of it at 1 / 2 / 3
 # 6.60 / 3.89 / 4.70 ms (over 200 registers: a third program does not fit beside two and runs as a second wave).
-# Optional GLUON_MAXNREG caps the Gluon store's registers: at 168 (Triton 3.6) three programs fit a SM (3 x 64.5 KiB of
-# shared memory), spilling 32 bytes a thread (4-bit keys) or 8 (3-bit); not timed (perf_log.md, what to measure next).
+# Optional GLUON_MAXNREG caps the Gluon store's registers: at 168 three programs fit a SM (3 x 64.5 KiB of shared
+# memory); Triton 3.6 (the H200's) spills 8-48 bytes a thread, Triton 3.9 136-528 (not timed: the H200 machine has no
+# Triton but 3.6; tests/test_turboquant.py compiles both ways). Uncapped at 2 programs per SM against capped
+# at 3, H200 at 4208a61 (1M tokens x 8 KV heads, one call): 4-bit 2.9679 -> 2.7997 ms (42.8 -> 45.4% of the copy
+# roofline), k3v4 3.0098 -> 2.7885, 3-bit 2.9625 -> 2.6630 (41.2 / 40.8 -> 44.5 / 45.4%).
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
     "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1, "GLUON": 1,
-             "GLUON_PROGRAMS_PER_SM": 2},
+             "GLUON_PROGRAMS_PER_SM": 3, "GLUON_MAXNREG": 168},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
 FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_stages unused: no rotation
@@ -154,25 +157,25 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # the 4-bit PRMT lookup from a register-held table (0.8166 ms, with KEY_SPLIT 4 and PREFETCH 0; never timed
 # alone) were timed slower than the sm90 entry (0.4232 ms) and removed (the code is in fb849fb).
 # GLUON 1 (sm90 only): stage 1 runs triton_impl/turboquant_sm90.py, the Gluon kernel, for the layouts it serves
-# (turboquant_sm90.supports: D = 128, 3/4-bit or FP8 keys, 4-bit values, blocks of a multiple of 16 tokens); every other
-# call runs the portable kernel above with this entry's keys. GLUON_MAXNREG caps its registers (4-bit keys: 128, four
-# programs per SM; uncapped 128-137, and 8-9% slower). Bench at 8107e0d against the portable kernel's 9b0ab61 rows
-# (L=8K / 32K): k8v4 0.3632 -> 0.2262 / 1.1904 -> 0.7066 ms, 4-bit 0.4226 -> 0.2942 / 1.3685 -> 0.8199 ms.
+# (turboquant_sm90.supports: D = 128, 3/4-bit or FP8 keys, 3/4-bit values, blocks of a multiple of 16 tokens); every
+# other call runs the portable kernel above with this entry's keys. GLUON_MAXNREG caps its registers (4-bit keys: 128,
+# four programs per SM; uncapped 128-137, and 8-9% slower; 3-bit keys and values: 128 with 16 bytes of spills against
+# uncapped 140 at three programs a SM, H200 at 4208a61 L=8K / 32K 0.2594 / 0.9331 ms against 0.2648 / 0.9711).
+# Bench at 8107e0d against the portable kernel's 9b0ab61 rows (L=8K / 32K): k8v4 0.3632 -> 0.2262 / 1.1904 ->
+# 0.7066 ms, 4-bit 0.4226 -> 0.2942 / 1.3685 -> 0.8199 ms.
 # SPLIT_ROUNDS (sm90): at most that many rounds of PROGRAMS_PER_SM resident programs (decode_num_splits), whatever
 # max_num_kv_splits asks: each program pays a fixed cost (the bad-page scan, the query load, the tables, the partial's
 # write and merge), 56-84 us of stage 1 over the 8192 programs of B=32 Hk=8 at 32 splits. On the H200
 # (benchmarks/turboquant_kernels.py decode splits, ed2f980, ms as the bench times the call, L=8K / 32K; 32 splits ->
 # 2 rounds): k8v4 0.2194 -> 0.1754 / 0.6994 -> 0.6535, 4-bit 0.2872 -> 0.2162 / 0.8145 -> 0.7610 (1 round: 0.1729 /
-# 0.6593, 0.2109 / 0.7564); the portable kernel with 3-bit keys (three programs a SM; 3-bit values always run it) is
-# slower at 1-2 rounds at L=32K (3-bit 1.4721 -> 1.5164 at 2) and fastest at 8 (0.4067 / 1.4641 against 0.4304 /
-# 1.4721), hence SPLIT_ROUNDS_v3.
+# 0.6593, 0.2109 / 0.7564). The portable kernel (three programs a SM) was fastest at 8 rounds for 3-bit values (0.4067
+# / 1.4641 ms against 1.5164 at L=32K at 2), which ran it until the Gluon kernel served them (0.2594 / 0.9331 ms).
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
              "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
-             "GLUON_MAXNREG_k4": 128, "GLUON_MAXNREG_k3": 128, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4,
-             "SPLIT_ROUNDS_v3": 8},
+             "GLUON_MAXNREG_k4": 128, "GLUON_MAXNREG_k3": 128, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -182,18 +185,24 @@ def select_store_config(device: torch.device, key_fp8: bool = False) -> dict[str
     return dict(select_config(FP8_KEY_STORE_CONFIGS if key_fp8 else STORE_CONFIGS, device))
 
 
-def select_decode_config(device: torch.device, key_bits: int) -> dict[str, int]:
-    """The device's decode entry for ``key_bits`` (3, 4, or 8 for FP8 keys): its ``_k<bits>`` keys applied."""
-    return with_overrides(select_config(DECODE_CONFIGS, device), f"_k{key_bits}")
+def decode_entry(entry: dict[str, int], key_bits: int, value_bits: int) -> dict[str, int]:
+    """A decode config entry for ``key_bits`` (3, 4, or 8 for FP8 keys) and ``value_bits``: its ``_k<bits>`` keys
+    applied, then its ``_v<bits>`` keys."""
+    return with_overrides(with_overrides(entry, f"_k{key_bits}"), f"_v{value_bits}")
+
+
+def select_decode_config(device: torch.device, key_bits: int, value_bits: int = 4) -> dict[str, int]:
+    """The device's decode entry (:func:`decode_entry`)."""
+    return decode_entry(select_config(DECODE_CONFIGS, device), key_bits, value_bits)
 
 
 def decode_num_splits(max_num_kv_splits: int, batch: int, num_kv_heads: int, device: torch.device, key_bits: int,
                       value_bits: int) -> int:  # fmt: skip
     """The splits a decode call runs: ``max_num_kv_splits``, capped where the device's entry has ``SPLIT_ROUNDS``
-    (``SPLIT_ROUNDS_v3`` for 3-bit values) at that many rounds of ``PROGRAMS_PER_SM`` resident programs a SM
-    (``decode_attention.stage1_splits``), a program being one (request, KV head, split)."""
+    at that many rounds of ``PROGRAMS_PER_SM`` resident programs a SM (``decode_attention.stage1_splits``), a
+    program being one (request, KV head, split)."""
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-    config = with_overrides(select_decode_config(device, key_bits), f"_v{value_bits}")
+    config = select_decode_config(device, key_bits, value_bits)
     return stage1_splits(max_num_kv_splits, batch * num_kv_heads, sm_count, config)
 
 
@@ -1095,7 +1104,7 @@ def triton_turboquant_decode_attention_v2(
     are allocated and parked on ``buf_holder`` as ``_tq_mid_o_buf`` / ``_tq_output_buf`` /
     ``_tq_lse_buf``.
 
-    On sm_90 (H100, H200) stage 1 of 3/4-bit and FP8 keys with 4-bit values at D = 128 runs as a Gluon
+    On sm_90 (H100, H200) stage 1 of 3/4-bit and FP8 keys with 3/4-bit values at D = 128 runs as a Gluon
     kernel (``triton_impl.turboquant_sm90``) that writes the same partials with the same numerics;
     the portable Triton kernel serves every other architecture and layout, and the interpreter.
 
@@ -1239,7 +1248,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         raise ValueError("kv_cache: expected a 4-byte aligned start (the decode reads codes as 32-bit words)")
 
     key_bits = 8 if key_fp8 else mse_bits
-    config = select_decode_config(device, key_bits)
+    config = select_decode_config(device, key_bits, value_quant_bits)
     num_splits = decode_num_splits(max_num_kv_splits, batch, num_kv_heads, device, key_bits, value_quant_bits)
     mid_o = mid_o[:, :, :num_splits]  # the slots the kernels write
     group = num_heads // num_kv_heads
@@ -1254,7 +1263,8 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
             float(scale), num_splits, num_blocks, table_keys, kv_cache.stride(0), *query.stride()[:2],
             table_2d.stride(0), table_2d.stride(1), *mid_o.stride()[:3],
         ), dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=layout["key_data_bytes"],
-                SLOT_BYTES=layout["data_bytes_per_slot"], NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size,
+                VALUE_BITS=value_quant_bits, SLOT_BYTES=layout["data_bytes_per_slot"], NUM_KV_HEADS=num_kv_heads,
+                BLOCK_SIZE=block_size,
                 **turboquant_sm90.launch_options(group, config.get("GLUON_MAXNREG"))))  # fmt: skip
     else:
         stage1 = _portable_stage1(config, query, kv_cache, table_2d, mid_o, scale, num_splits, num_kv_heads, block_size,

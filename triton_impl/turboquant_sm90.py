@@ -20,22 +20,23 @@ tiles. Per tile:
 - the online softmax per head, across the 4 warps (the tile's row max is the one exchange);
   probabilities times the value scale, as fp16 hi and lo parts side by side (one ``[64, 2 BLOCK_H]``
   operand), go to every warp through shared memory as the B operand of ``O^T += V^T P^T``.
-- values: each warp owns 32 of the 128 output dimensions. A thread reads 4 codes (16 bits) of each
-  of its 16 keys and pairs the codes of two keys at one dimension into one register with integer
-  ops: ``0x6400 | c`` is the fp16 ``1024 + c``, and one ``sub.f16x2`` makes both codes exact fp16
-  (no lookup, no conversion). The output dimension order is permuted the same way
+- values: each warp owns 32 of the 128 output dimensions. A thread reads 4 codes (16 bits, or 12 for 3-bit
+  values: :func:`_value_words`) of each of its 16 keys and pairs the codes of two keys at one dimension into
+  one register with integer ops: ``0x6400 | c`` is the fp16 ``1024 + c``, and one ``sub.f16x2`` makes both
+  codes exact fp16 (no lookup, no conversion). The output dimension order is permuted the same way
   (:func:`_value_dim`) and undone by the final store's addresses.
 - each tile's block-table entries are read a tile ahead, so its data loads need not wait for them.
 
 Numerics are the portable kernel's: centroids rounded to fp16 once, the query and ``p * scale`` as
 fp16 hi + lo pairs (two MMAs each), codes exact, fp32 sums. Supported: ``HEAD_DIM = 128``, 3- or
-4-bit MSE keys or FP8 keys, 4-bit values, a group of at most 16 query heads, a block size that is a
+4-bit MSE keys or FP8 keys, 3- or 4-bit values, a group of at most 16 query heads, a block size that is a
 multiple of 16, 16-byte aligned slots; :func:`supports` says whether a call qualifies.
 
 On the H200 (``attnref bench --op turboquant --case decode``, B=32 Hq=32 Hk=8, whole call, at e8603a5 with 4 splits):
 FP8 keys 0.1740 / 0.6450 ms at L=8K / 32K, 4-bit keys 0.2177 / 0.7630, 3-bit keys 0.2002 / 0.6902 (the portable
 kernel with the same splits: 3-bit keys 0.4019 / 1.5005; at vLLM's 32 splits and 8107e0d: FP8 0.3632 / 1.1904,
-4-bit 0.4226 / 1.3685).
+4-bit 0.4226 / 1.3685); 3-bit keys and values at 4208a61 0.2594 / 0.9331 (the portable kernel at 8 rounds of
+programs: 0.4104 / 1.4686).
 ``notebooks/results/perf_log.md`` has what bounds it (the pair-LUT gathers' bank conflicts, global-load latency)
 and the variants that lost.
 
@@ -90,7 +91,7 @@ def supports(*, device: torch.device, head_dim: int, key_bits: int, value_bits: 
     """Whether a decode call is one this kernel serves (else the portable kernel runs): compiled (not
     interpreted) for compute capability 9.x (H100, H200), and a layout it reads with aligned vector loads."""
     aligned = block_size % 16 == 0 and stride_block % 16 == 0 and slot_bytes % 16 == 0 and key_bytes % 16 == 0
-    served = head_dim == HEAD_DIM and key_bits in (3, 4, 8) and value_bits == 4 and group <= 16 and aligned
+    served = head_dim == HEAD_DIM and key_bits in (3, 4, 8) and value_bits in (3, 4) and group <= 16 and aligned
     return served and _hopper(device)
 
 
@@ -101,7 +102,8 @@ def launch_options(group: int, maxnreg: int | None) -> dict[str, int]:
     return {"BLOCK_H": block_h, "num_warps": int(NUM_WARPS), **register_cap(maxnreg if block_h == 8 else None)}
 
 
-def compile_for_sm90(*, key_bits: int, group: int = 4, block_size: int = 16, maxnreg: int | None = None) -> Any:
+def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, block_size: int = 16,
+                     maxnreg: int | None = None) -> Any:  # fmt: skip
     """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a launch of the bench's
     shapes is (16-byte aligned pointers, the integer arguments that are multiples of 16 marked so, the
     block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``."""
@@ -116,7 +118,8 @@ def compile_for_sm90(*, key_bits: int, group: int = 4, block_size: int = 16, max
     divisible = ("num_splits", "num_blocks", "table_keys", "stride_block", "stride_qb", "stride_qh", "stride_bt",
                  "stride_pb", "stride_ph")  # fmt: skip
     key_bytes = 16 * key_bits  # D = 128 codes of key_bits bits (FP8 keys: 8)
-    constexprs = dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=key_bytes, SLOT_BYTES=key_bytes + 64,
+    constexprs = dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=key_bytes, VALUE_BITS=value_bits,
+                      SLOT_BYTES=key_bytes + 16 * value_bits,
                       NUM_KV_HEADS=8, BLOCK_SIZE=block_size, stride_btc=1)  # fmt: skip
     options = launch_options(group, maxnreg)
     constexprs["BLOCK_H"] = options.pop("BLOCK_H")
@@ -129,7 +132,7 @@ def compile_for_sm90(*, key_bits: int, group: int = 4, block_size: int = 16, max
 
 
 def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_correction: bool = True,
-                           block_size: int = 16) -> Any:
+                           block_size: int = 16, maxnreg: int | None = None) -> Any:
     """:func:`store_kernel` compiled for sm_90 on any machine, specialized as the bench's launch is (8 KV heads,
     16-byte aligned pointers, the strides multiples of 16): the ``CompiledKernel``."""
     from triton.backends.compiler import GPUTarget
@@ -148,7 +151,7 @@ def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_corre
     values = {(names.index(n),): v for n, v in constexprs.items()}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, *divisible)}
     return triton_compile(GluonASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": int(NUM_WARPS)})  # fmt: skip
+                          options={"num_warps": int(NUM_WARPS), **register_cap(maxnreg)})  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -296,10 +299,14 @@ def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.const
 
 @gluon.jit
 def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes,
-                 KEY_DATA_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
-    """The tile's value codes as ``[warp, quad, t, c, j, e]``: the 16-bit word at value byte ``16 warp +
-    2 quad`` (4 codes) of key ``16c + 8j + 2t + e`` (chunk ``c`` in block ``page``). Read only where
-    ``go``, as :func:`_key_words`."""
+                 KEY_DATA_BYTES: gl.constexpr, VALUE_BITS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                 LAYOUT: gl.constexpr):  # fmt: skip
+    """The tile's value codes as ``[warp, quad, t, c, j, e]``: the ``4 VALUE_BITS`` bits (4 codes, dimensions
+    ``32 warp + 4 quad ..``) from value bit ``4 VALUE_BITS (8 warp + quad)`` of key ``16c + 8j + 2t + e`` (chunk
+    ``c`` in block ``page``), in the low bits of a uint16. 4-bit values: the aligned 16-bit word at value byte ``16
+    warp + 2 quad``. 3-bit values: 12 bits at bit ``12 quad`` of the warp's 12 bytes, which no aligned 16-bit load
+    holds for ``quad`` = 1, 2, 5, 6: the 32-bit word holding the first bit, and for ``quad`` = 2 and 5 (bits 24-35
+    and 28-39 of the 96) the next word too, shifted together. Read only where ``go``, as :func:`_key_words`."""
     warp = _iota(4, 0, 6, LAYOUT)
     quad = _iota(8, 1, 6, LAYOUT)
     t = _iota(4, 2, 6, LAYOUT)
@@ -308,22 +315,30 @@ def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_
     e = _iota(2, 5, 6, LAYOUT)
     slot = _chunk_slot(page, tile_start + c * 16, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE)
     slot += (j * 8 + t * 2 + e) * (num_kv_heads * slot_bytes)
-    words = (cache_ptr + slot + KEY_DATA_BYTES + warp * 16 + quad * 2).to(gl.pointer_type(gl.uint16))
-    return gl.load(words, mask=go, other=0)
+    if VALUE_BITS == 4:
+        words = (cache_ptr + slot + KEY_DATA_BYTES + warp * 16 + quad * 2).to(gl.pointer_type(gl.uint16))
+        return gl.load(words, mask=go, other=0)
+    bit = quad * 12
+    shift = (bit & 31).to(gl.uint32)
+    word = (cache_ptr + slot + KEY_DATA_BYTES + warp * 12 + (bit >> 5) * 4).to(gl.pointer_type(gl.uint32))
+    low = gl.load(word, mask=go, other=0)
+    high = gl.load(word + 1, mask=go & (shift > 20), other=0)  # never past the warp's 12 bytes
+    return ((low >> shift) | ((high << 1) << (31 - shift))).to(gl.uint16) & 0xFFF  # no shift by 32
 
 
 @gluon.jit
-def _value_operand(w):
+def _value_operand(w, VALUE_BITS: gl.constexpr):
     """Value words (:func:`_value_words`) -> codes ``[HEAD_DIM, BLOCK_N]`` fp16 (exact), the A operand of
     ``O^T += V^T P^T``, output row ``d`` holding dimension ``_value_dim(d)``: the words of keys ``e = 0, 1``
     are paired (low and high halves), and each of their 4 codes becomes one register holding both keys'
     code at one dimension."""
     w0, w1 = gl.split(w)  # keys e = 0, 1
     pair = w0.to(gl.uint32) | (w1.to(gl.uint32) << 16)
-    c0lo, c0hi = _code_pair_halves((pair & 0x000F000F) | 0x64006400)  # code r of each key: dimension 4 quad + r
-    c1lo, c1hi = _code_pair_halves(((pair >> 4) & 0x000F000F) | 0x64006400)
-    c2lo, c2hi = _code_pair_halves(((pair >> 8) & 0x000F000F) | 0x64006400)
-    c3lo, c3hi = _code_pair_halves(((pair >> 12) & 0x000F000F) | 0x64006400)
+    mask: gl.constexpr = ((1 << VALUE_BITS) - 1) * 0x10001
+    c0lo, c0hi = _code_pair_halves((pair & mask) | 0x64006400)  # code r of each key: dimension 4 quad + r
+    c1lo, c1hi = _code_pair_halves(((pair >> VALUE_BITS) & mask) | 0x64006400)
+    c2lo, c2hi = _code_pair_halves(((pair >> 2 * VALUE_BITS) & mask) | 0x64006400)
+    c3lo, c3hi = _code_pair_halves(((pair >> 3 * VALUE_BITS) & mask) | 0x64006400)
     r0 = gl.join(gl.join(c0lo, c0hi), gl.join(c1lo, c1hi))  # [..., e, h]: r = h + 2m
     r1 = gl.join(gl.join(c2lo, c2hi), gl.join(c3lo, c3hi))
     v = gl.join(r0, r1)  # [warp, quad, t, c, j, e, h, m]
@@ -365,7 +380,7 @@ def _tile_pages(row_ptr, stride_btc, tile_start, end, num_blocks, key_rows, BLOC
 @gluon.jit
 def _tile_loads(cache_ptr, pages, tile_start, start, end, kv_head, num_kv_heads, stride_block, slot_bytes,
                 meta_offset, key_rows, KEY_BITS: gl.constexpr, KEY_DATA_BYTES: gl.constexpr,
-                NUM_FIELDS: gl.constexpr, BLOCK_SIZE: gl.constexpr, KEY_LAYOUT: gl.constexpr,
+                VALUE_BITS: gl.constexpr, NUM_FIELDS: gl.constexpr, BLOCK_SIZE: gl.constexpr, KEY_LAYOUT: gl.constexpr,
                 VALUE_LAYOUT: gl.constexpr):  # fmt: skip
     """Everything tile ``[tile_start, tile_start + BLOCK_N)`` reads from its blocks ``pages``
     (:func:`_tile_pages`): ``(key words, value words, norm, value scale, value zero)``, and which of its keys
@@ -375,7 +390,7 @@ def _tile_loads(cache_ptr, pages, tile_start, start, end, kv_head, num_kv_heads,
     k_words = _key_words(cache_ptr, k_page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes, KEY_BITS,
                          BLOCK_SIZE, KEY_LAYOUT)  # fmt: skip
     v_words = _value_words(cache_ptr, v_page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes,
-                           KEY_DATA_BYTES, BLOCK_SIZE, VALUE_LAYOUT)  # fmt: skip
+                           KEY_DATA_BYTES, VALUE_BITS, BLOCK_SIZE, VALUE_LAYOUT)  # fmt: skip
     token = tile_start + key_rows
     live = (token >= start) & (token < end)
     norm, v_scale, v_zero = _metadata(cache_ptr, m_page, token, live, kv_head, stride_block, meta_offset, NUM_FIELDS,
@@ -391,6 +406,7 @@ def decode_stage1_kernel(
     KV_GROUP: gl.constexpr,
     KEY_BITS: gl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
     KEY_DATA_BYTES: gl.constexpr,
+    VALUE_BITS: gl.constexpr,  # 3 or 4
     SLOT_BYTES: gl.constexpr,  # data bytes per (token, KV head) slot
     NUM_KV_HEADS: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
@@ -465,7 +481,8 @@ def decode_stage1_kernel(
     for tile_start in range(tile, end, BLOCK_N):
         k_words, v_words, norm, v_scale, v_zero, live = _tile_loads(
             cache_ptr, pages, tile_start, start, end, kv_head, NUM_KV_HEADS, stride_block, SLOT_BYTES, meta_offset,
-            key_rows, KEY_BITS, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE, key_layout, value_layout)  # fmt: skip
+            key_rows, KEY_BITS, KEY_DATA_BYTES, VALUE_BITS, NUM_FIELDS, BLOCK_SIZE, key_layout,
+            value_layout)  # fmt: skip
         pages = _tile_pages(row_ptr, stride_btc, tile_start + BLOCK_N, end, num_blocks, key_rows, BLOCK_SIZE,
                             key_layout, value_layout)  # fmt: skip
         k = gl.convert_layout(_key_operand(k_words, pair_lut, KEY_BITS, key_bytes), dot_a)
@@ -485,7 +502,7 @@ def decode_stage1_kernel(
         # One B operand [BLOCK_N, 2 BLOCK_H] = [hi | lo]: one trip through shared memory, not two.
         w2 = gl.reshape(gl.permute(gl.join(w_hi, w_lo), (0, 2, 1)), [BLOCK_N, 2 * BLOCK_H])
         alpha2 = gl.reshape(gl.permute(gl.join(alpha[None, :], alpha[None, :]), (0, 2, 1)), [1, 2 * BLOCK_H])
-        v = gl.convert_layout(_value_operand(v_words), dot_a)
+        v = gl.convert_layout(_value_operand(v_words, VALUE_BITS), dot_a)
         acc = mma_v2(v, gl.convert_layout(w2, dot_b), acc * gl.convert_layout(alpha2, mma))
         m_i = m_new
 
