@@ -835,12 +835,12 @@ def test_host_overhead_per_call(case: tuple, monkeypatch: pytest.MonkeyPatch) ->
     ``benchmarks/serving.py`` (DeepSeek MLA decode and verify, GQA, TurboQuant, the two-state
     merge): the host time a serving step pays that the GPU does not hide.
 
-    At these shapes the kernels take 5-430 us in a graph and the H200's host 23-48 us per call
+    At these shapes the kernels take 5-430 us in a graph and the H200's host 15-55 us per call
     (``notebooks/results/serving_h200.md``, "host only"; it varies by 10-15 us between runs). The
-    kernels of MLA decode B=8 H=16 L=4K (20 us) hide the least of it: 27.3 us over graph replay in
-    one run, within the budget in another. Only meaningful with the GPU and the host to itself:
-    beside other pytest workers both times stretch and their difference shrinks, so under xdist it
-    is skipped and the GPU job runs it on its own."""
+    kernels of MLA decode B=8 H=16 L=4K (20 us) hide the least of it: 26-27 us over graph replay in
+    two runs of this test (before its untimed warm-up loop), 10.8 us in the table. Only meaningful with
+    the GPU and the host to itself: beside other pytest workers both times stretch and their difference
+    shrinks, so under xdist it is skipped and the GPU job runs it on its own."""
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
         pytest.skip("timing beside other pytest workers; run alone: pytest -n 0 -k host_overhead")
     monkeypatch.delenv(CONTENT_CHECKS_ENV, raising=False)

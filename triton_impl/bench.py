@@ -184,9 +184,12 @@ def eager_and_graph_us(run: Callable[[], object], iters: int = 200, repeats: int
     replayed from one CUDA graph capture; each the median of ``repeats`` loops of ``iters`` calls.
 
     Eager minus graph is the host time per call that the GPU does not hide (argument checks,
-    config look-ups, the launches themselves). ``run`` must be capturable (no host sync).
+    config look-ups, the launches themselves). ``run`` must be capturable (no host sync). One untimed
+    loop of ``iters`` eager calls goes first: in a fresh process on the H200 the host measured 15-17 us a
+    call slower (MLA decode B=8 H=16 L=4K: 46-47 us eager in the first timing test of two device calls,
+    31 us in ``benchmarks/serving.py`` minutes later).
     """
-    run()
+    us_per_call(run, iters, 1, wait_for_gpu=True)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
