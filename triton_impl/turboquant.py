@@ -159,8 +159,11 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # GLUON 1 (sm90 only): stage 1 runs triton_impl/turboquant_sm90.py, the Gluon kernel, for the layouts it serves
 # (turboquant_sm90.supports: D = 128, 3/4-bit or FP8 keys, 3/4-bit values, blocks of a multiple of 16 tokens); every
 # other call runs the portable kernel above with this entry's keys. GLUON_MAXNREG caps its registers (4-bit keys: 128,
-# four programs per SM; uncapped 128-137, and 8-9% slower; 3-bit keys and values: 128 with 16 bytes of spills against
-# uncapped 140 at three programs a SM, H200 at 4208a61 L=8K / 32K 0.2594 / 0.9331 ms against 0.2648 / 0.9711).
+# four programs per SM; uncapped 128-137, and 8-9% slower). 3-bit values (GLUON_MAXNREG_v3 0: uncapped) compile to
+# 128 registers, 624 instructions a tile, where the cap of 128 gives 670 (Triton 3.6); their first Gluon version (two
+# loads a key, at 4208a61) needed the cap: 0.2594 / 0.9331 ms at L=8K / 32K capped, 0.2648 / 0.9711 uncapped at 140
+# registers; the shuffle and funnel shift of turboquant_sm90._value_words then took 0.2576 -> 0.2127 / 0.9303 ->
+# 0.7445 ms (H200, one call).
 # Bench at 8107e0d against the portable kernel's 9b0ab61 rows (L=8K / 32K): k8v4 0.3632 -> 0.2262 / 1.1904 ->
 # 0.7066 ms, 4-bit 0.4226 -> 0.2942 / 1.3685 -> 0.8199 ms.
 # SPLIT_ROUNDS (sm90): at most that many rounds of PROGRAMS_PER_SM resident programs (decode_num_splits), whatever
@@ -175,7 +178,8 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
              "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
-             "GLUON_MAXNREG_k4": 128, "GLUON_MAXNREG_k3": 128, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4},
+             "GLUON_MAXNREG_k4": 128, "GLUON_MAXNREG_k3": 128, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4,
+             "GLUON_MAXNREG_v3": 0},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip

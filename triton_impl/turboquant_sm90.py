@@ -35,8 +35,8 @@ multiple of 16, 16-byte aligned slots; :func:`supports` says whether a call qual
 On the H200 (``attnref bench --op turboquant --case decode``, B=32 Hq=32 Hk=8, whole call, at e8603a5 with 4 splits):
 FP8 keys 0.1740 / 0.6450 ms at L=8K / 32K, 4-bit keys 0.2177 / 0.7630, 3-bit keys 0.2002 / 0.6902 (the portable
 kernel with the same splits: 3-bit keys 0.4019 / 1.5005; at vLLM's 32 splits and 8107e0d: FP8 0.3632 / 1.1904,
-4-bit 0.4226 / 1.3685); 3-bit keys and values at 4208a61 0.2594 / 0.9331 (the portable kernel at 8 rounds of
-programs: 0.4104 / 1.4686).
+4-bit 0.4226 / 1.3685); 3-bit keys and values 0.2127 / 0.7445 (one call against c29ba24's 0.2576 / 0.9303; the
+portable kernel at 8 rounds of programs: 0.4104 / 1.4686).
 ``notebooks/results/perf_log.md`` has what bounds it (the pair-LUT gathers' bank conflicts, global-load latency)
 and the variants that lost.
 
@@ -305,8 +305,10 @@ def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_
     ``32 warp + 4 quad ..``) from value bit ``4 VALUE_BITS (8 warp + quad)`` of key ``16c + 8j + 2t + e`` (chunk
     ``c`` in block ``page``), in the low bits of a uint16. 4-bit values: the aligned 16-bit word at value byte ``16
     warp + 2 quad``. 3-bit values: 12 bits at bit ``12 quad`` of the warp's 12 bytes, which no aligned 16-bit load
-    holds for ``quad`` = 1, 2, 5, 6: the 32-bit word holding the first bit, and for ``quad`` = 2 and 5 (bits 24-35
-    and 28-39 of the 96) the next word too, shifted together. Read only where ``go``, as :func:`_key_words`."""
+    holds for ``quad`` = 1, 2, 5, 6: the 32-bit word holding the first bit, funnel-shifted with the next word
+    (``shf.r.wrap``), which only ``quad`` = 2 and 5 need (bits 24-35 and 60-71 of the 96) and which is lane quad
+    ``quad + 1``'s first word of the same keys: a warp shuffle, not a second load (a load per key and 716 -> 624
+    instructions a tile; the H200 at L=8K: 0.2576 -> 0.2127 ms). Read only where ``go``, as :func:`_key_words`."""
     warp = _iota(4, 0, 6, LAYOUT)
     quad = _iota(8, 1, 6, LAYOUT)
     t = _iota(4, 2, 6, LAYOUT)
@@ -319,11 +321,14 @@ def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_
         words = (cache_ptr + slot + KEY_DATA_BYTES + warp * 16 + quad * 2).to(gl.pointer_type(gl.uint16))
         return gl.load(words, mask=go, other=0)
     bit = quad * 12
-    shift = (bit & 31).to(gl.uint32)
     word = (cache_ptr + slot + KEY_DATA_BYTES + warp * 12 + (bit >> 5) * 4).to(gl.pointer_type(gl.uint32))
     low = gl.load(word, mask=go, other=0)
-    high = gl.load(word + 1, mask=go & (shift > 20), other=0)  # never past the warp's 12 bytes
-    return ((low >> shift) | ((high << 1) << (31 - shift))).to(gl.uint16) & 0xFFF  # no shift by 32
+    # The next word is lane quad g + 1's first (the same keys; quads 2 and 5 need it): a shuffle, not a load.
+    high = gl.inline_asm_elementwise("shfl.sync.down.b32 $0, $1, 4, 0x1f, 0xffffffff;", "=r,r", [low],
+                                     dtype=gl.uint32, is_pure=False, pack=1)  # fmt: skip
+    field = gl.inline_asm_elementwise("shf.r.wrap.b32 $0, $1, $2, $3;", "=r,r,r,r", [low, high, bit.to(gl.uint32)],
+                                      dtype=gl.uint32, is_pure=True, pack=1)  # fmt: skip
+    return field.to(gl.uint16) & 0xFFF
 
 
 @gluon.jit
