@@ -179,7 +179,7 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
              "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
              "GLUON_MAXNREG_k4": 128, "GLUON_MAXNREG_k3": 128, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4,
-             "GLUON_MAXNREG_v3": 0},
+             "GLUON_MAXNREG_v3": 0, "GLUON_STAGES": 3},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -1268,7 +1268,8 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
             table_2d.stride(0), table_2d.stride(1), *mid_o.stride()[:3],
         ), dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=layout["key_data_bytes"],
                 VALUE_BITS=value_quant_bits, SLOT_BYTES=layout["data_bytes_per_slot"], NUM_KV_HEADS=num_kv_heads,
-                BLOCK_SIZE=block_size,
+                BLOCK_SIZE=block_size, STAGES=turboquant_sm90.stages(config.get("GLUON_STAGES", 0), key_bits,
+                                                                     value_quant_bits),
                 **turboquant_sm90.launch_options(group, config.get("GLUON_MAXNREG"))))  # fmt: skip
     else:
         stage1 = _portable_stage1(config, query, kv_cache, table_2d, mid_o, scale, num_splits, num_kv_heads, block_size,

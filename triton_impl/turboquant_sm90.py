@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from triton_impl.launch import device_arch, register_cap
@@ -95,6 +95,12 @@ def supports(*, device: torch.device, head_dim: int, key_bits: int, value_bits: 
     return served and _hopper(device)
 
 
+def stages(requested: int, key_bits: int, value_bits: int) -> int:
+    """The shared-memory stages a launch runs (``decode_stage1_kernel``'s ``STAGES``): ``requested`` (at least 2)
+    for 4-bit or FP8 keys with 4-bit values, else 0 (each tile loaded into registers)."""
+    return requested if requested >= 2 and key_bits != 3 and value_bits == 4 else 0
+
+
 def launch_options(group: int, maxnreg: int | None) -> dict[str, int]:
     """``BLOCK_H`` (the group's heads, padded to an MMA N of 8 or 16), ``num_warps`` and the register cap:
     ``maxnreg`` holds the 8-head tile at four programs per SM (a 16-head tile spills 288 B at 128)."""
@@ -103,7 +109,7 @@ def launch_options(group: int, maxnreg: int | None) -> dict[str, int]:
 
 
 def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, block_size: int = 16,
-                     maxnreg: int | None = None) -> Any:  # fmt: skip
+                     maxnreg: int | None = None, stages: int = 0) -> Any:  # fmt: skip
     """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a launch of the bench's
     shapes is (16-byte aligned pointers, the integer arguments that are multiples of 16 marked so, the
     block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``."""
@@ -120,7 +126,7 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
     key_bytes = 16 * key_bits  # D = 128 codes of key_bits bits (FP8 keys: 8)
     constexprs = dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=key_bytes, VALUE_BITS=value_bits,
                       SLOT_BYTES=key_bytes + 16 * value_bits,
-                      NUM_KV_HEADS=8, BLOCK_SIZE=block_size, stride_btc=1)  # fmt: skip
+                      NUM_KV_HEADS=8, BLOCK_SIZE=block_size, STAGES=stages, stride_btc=1)  # fmt: skip
     options = launch_options(group, maxnreg)
     constexprs["BLOCK_H"] = options.pop("BLOCK_H")
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "sm_scale" else "i32")
@@ -404,6 +410,119 @@ def _tile_loads(cache_ptr, pages, tile_start, start, end, kv_head, num_kv_heads,
 
 
 @gluon.jit
+def _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo, score_scale, m_i, l_part, z_part,
+               acc, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, KEY_BYTES: gl.constexpr):  # fmt: skip
+    """One tile of the online softmax: scores ``K q^T``, the running max, ``(l, z)`` partial sums and ``O^T += V^T
+    P^T`` (the module docstring says how each operand is built). Returns ``(m_i, l_part, z_part, acc)``."""
+    mma: gl.constexpr = acc.type.layout
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    BLOCK_H: gl.constexpr = q_hi.shape[1]
+    k = gl.convert_layout(_key_operand(k_words, pair_lut, KEY_BITS, KEY_BYTES), dot_a)
+    zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
+    s = mma_v2(k, q_hi, zero) + mma_v2(k, q_lo, zero)  # two independent MMA chains
+    if KEY_BITS != 8:
+        s = s * norm[:, None]
+    s = gl.where(live[:, None], s * score_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))  # finite: a tile has a live key
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[None, :])
+    l_part = l_part * alpha[None, :] + p
+    z_part = z_part * alpha[None, :] + p * v_zero[:, None]
+    w = p * v_scale[:, None]
+    w_hi = w.to(gl.float16)
+    w_lo = (w - w_hi.to(gl.float32)).to(gl.float16)
+    # One B operand [BLOCK_N, 2 BLOCK_H] = [hi | lo]: one trip through shared memory, not two.
+    w2 = gl.reshape(gl.permute(gl.join(w_hi, w_lo), (0, 2, 1)), [BLOCK_N, 2 * BLOCK_H])
+    alpha2 = gl.reshape(gl.permute(gl.join(alpha[None, :], alpha[None, :]), (0, 2, 1)), [1, 2 * BLOCK_H])
+    v = gl.convert_layout(_value_operand(v_words, VALUE_BITS), dot_a)
+    acc = mma_v2(v, gl.convert_layout(w2, dot_b), acc * gl.convert_layout(alpha2, mma))
+    return m_new, l_part, z_part, acc
+
+
+# Staged tiles (STAGES > 0): each tile's key bytes, value bytes and metadata are copied into a ring of shared memory
+# stages by 16-byte cp.async, STAGES - 1 tiles ahead of the tile being computed, then read back in the layouts the
+# direct loads above give (keys [64 keys][key bytes]; values [warp q][64 keys][16 bytes]: warp q's codes of each key;
+# metadata [field][64 keys]). A thread reads what other threads copied: a barrier after each wait.
+
+
+@gluon.constexpr_function
+def _plain(rank):
+    """A row-major shared layout of ``rank`` dims, no swizzle."""
+    return gl.SwizzledSharedLayout(1, 1, 1, list(reversed(range(rank))))
+
+
+@gluon.constexpr_function
+def _copy_layout(what, key_words, meta_fields):
+    """The layout a stage's copies are issued in (16 bytes a thread and copy, 4 warps): ``what`` = "keys" ``[64,
+    key_words]``, "values" ``[4, 64, 4]`` or "meta" ``[meta_fields, 4 chunks, 2 halves, 4 words]`` (replicated
+    across lanes and warps: fewer copies than threads)."""
+    if what == "keys":
+        return gl.BlockedLayout([1, 4], [128 // key_words, key_words // 4], [NUM_WARPS, 1], [1, 0])
+    if what == "values":
+        return gl.BlockedLayout([1, 1, 4], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
+    return gl.BlockedLayout([1, 1, 1, 4], [meta_fields, 4, 2, 32 // (8 * meta_fields)], [1, 1, 1, NUM_WARPS],
+                            [3, 2, 1, 0])  # fmt: skip
+
+
+@gluon.jit
+def _copy_pages(row_ptr, stride_btc, tile_start, end, num_blocks, BLOCK_SIZE: gl.constexpr, KEY_COPY: gl.constexpr,
+                VALUE_COPY: gl.constexpr, META_COPY: gl.constexpr):  # fmt: skip
+    """The cache blocks of tile ``tile_start``'s keys, in each copy layout (as :func:`_tile_pages`)."""
+    k_page = _page(row_ptr, stride_btc, tile_start + _iota(64, 0, 2, KEY_COPY), end, num_blocks, BLOCK_SIZE)
+    v_page = _page(row_ptr, stride_btc, tile_start + _iota(64, 1, 3, VALUE_COPY), end, num_blocks, BLOCK_SIZE)
+    m_page = _page(row_ptr, stride_btc, tile_start + _iota(4, 1, 4, META_COPY) * 16, end, num_blocks, BLOCK_SIZE)
+    return k_page, v_page, m_page
+
+
+@gluon.jit
+def _issue_copies(cache_ptr, key_stage, value_stage, meta_stage, pages, tile_start, end, kv_head, num_kv_heads,
+                  stride_block, slot_bytes, meta_offset, KEY_DATA_BYTES: gl.constexpr, NUM_FIELDS: gl.constexpr,
+                  BLOCK_SIZE: gl.constexpr, KEY_COPY: gl.constexpr, VALUE_COPY: gl.constexpr,
+                  META_COPY: gl.constexpr):  # fmt: skip
+    """cp.async of tile ``tile_start``'s keys, values and metadata into one stage (zeros for a tile at or past
+    ``end``); the caller commits the group."""
+    k_page, v_page, m_page = pages
+    go = tile_start < end
+    key = _iota(64, 0, 2, KEY_COPY)
+    slot = _chunk_slot(k_page, tile_start + key, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE)
+    src = (cache_ptr + slot).to(gl.pointer_type(gl.uint32)) + _iota(KEY_DATA_BYTES // 4, 1, 2, KEY_COPY)
+    async_copy.async_copy_global_to_shared(key_stage, src, mask=go & (key >= 0))
+    key = _iota(64, 1, 3, VALUE_COPY)
+    slot = _chunk_slot(v_page, tile_start + key, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE)
+    src = (cache_ptr + slot + KEY_DATA_BYTES + _iota(4, 0, 3, VALUE_COPY) * 16).to(gl.pointer_type(gl.uint32))
+    async_copy.async_copy_global_to_shared(value_stage, src + _iota(4, 2, 3, VALUE_COPY), mask=go & (key >= 0))
+    field = _iota(meta_stage.shape[0], 0, 4, META_COPY)
+    position = ((tile_start + _iota(4, 1, 4, META_COPY) * 16).to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
+    at = m_page.to(gl.int64) * stride_block + meta_offset
+    at += ((kv_head * NUM_FIELDS + field) * BLOCK_SIZE + position + _iota(2, 2, 4, META_COPY) * 8) * 2
+    src = (cache_ptr + at).to(gl.pointer_type(gl.uint32)) + _iota(4, 3, 4, META_COPY)
+    async_copy.async_copy_global_to_shared(meta_stage, src, mask=go & (field < NUM_FIELDS))
+
+
+@gluon.jit
+def _stage_reads(key_stage, value_stage, meta_stage, tile_start, start, end, key_rows, KEY_BITS: gl.constexpr,
+                 NUM_FIELDS: gl.constexpr, KEY_LAYOUT: gl.constexpr, VALUE_LAYOUT: gl.constexpr):  # fmt: skip
+    """A stage's tile in the layouts :func:`_tile_loads` returns (the metadata 0 where a key is not ``live``)."""
+    WORDS: gl.constexpr = 8 if KEY_BITS == 8 else 4
+    k_words = key_stage.reshape([4, 2, 8, 4, WORDS]).load(KEY_LAYOUT)
+    codes = value_stage._reinterpret(gl.uint16, [4, 64, 8], _plain(3))  # [warp q, key, lane quad]
+    codes = codes.reshape([4, 4, 2, 4, 2, 8]).permute((0, 5, 3, 1, 2, 4))  # key 16c + 8j + 2t + e
+    v_words = codes.load(VALUE_LAYOUT)
+    token = tile_start + key_rows
+    live = (token >= start) & (token < end)
+    meta = meta_stage._reinterpret(gl.uint16, [meta_stage.shape[0], 64], _plain(1))  # indexed by field
+    scale = meta.index(NUM_FIELDS - 2).load(key_rows.type.layout).to(gl.float16, bitcast=True).to(gl.float32)
+    zero = meta.index(NUM_FIELDS - 1).load(key_rows.type.layout).to(gl.float16, bitcast=True).to(gl.float32)
+    if NUM_FIELDS == 3:
+        norm = meta.index(0).load(key_rows.type.layout).to(gl.float16, bitcast=True).to(gl.float32)
+        norm = gl.where(live, norm, 0.0)
+    else:
+        norm = gl.full(token.shape, 1.0, gl.float32, token.type.layout)
+    return k_words, v_words, norm, gl.where(live, scale, 0.0), gl.where(live, zero, 0.0), live
+
+
+@gluon.jit
 def decode_stage1_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr,
     sm_scale, num_splits, num_blocks, table_keys, stride_block,
@@ -416,13 +535,13 @@ def decode_stage1_kernel(
     NUM_KV_HEADS: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
     BLOCK_H: gl.constexpr,
+    STAGES: gl.constexpr = 0,  # 0: each tile loaded into registers; else a ring of STAGES shared-memory stages
 ):  # fmt: skip
     """Grid ``(B, HKV, S)``, 4 warps: the partial ``(o, lse)`` of one split of one request for one KV
     head's group, as ``turboquant._decode_stage1_kernel`` writes it (the module docstring says how)."""
     gl.static_assert(gl.num_warps() == NUM_WARPS)
     KEY_FP8: gl.constexpr = KEY_BITS == 8
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
-    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     rows: gl.constexpr = gl.SliceLayout(1, mma)
     cols: gl.constexpr = gl.SliceLayout(0, mma)
@@ -481,35 +600,60 @@ def decode_stage1_kernel(
     acc = gl.zeros([HEAD_DIM, 2 * BLOCK_H], gl.float32, mma)  # columns [hi parts | lo parts], summed at the end
     key_rows = gl.arange(0, BLOCK_N, layout=rows)
     tile = (start // 16) * 16  # tiles of 16-key chunks: one table entry each
-    # Each tile's table entries are read a tile ahead: its data loads need not wait for them.
-    pages = _tile_pages(row_ptr, stride_btc, tile, end, num_blocks, key_rows, BLOCK_SIZE, key_layout, value_layout)
-    for tile_start in range(tile, end, BLOCK_N):
-        k_words, v_words, norm, v_scale, v_zero, live = _tile_loads(
-            cache_ptr, pages, tile_start, start, end, kv_head, NUM_KV_HEADS, stride_block, SLOT_BYTES, meta_offset,
-            key_rows, KEY_BITS, KEY_DATA_BYTES, VALUE_BITS, NUM_FIELDS, BLOCK_SIZE, key_layout,
-            value_layout)  # fmt: skip
-        pages = _tile_pages(row_ptr, stride_btc, tile_start + BLOCK_N, end, num_blocks, key_rows, BLOCK_SIZE,
-                            key_layout, value_layout)  # fmt: skip
-        k = gl.convert_layout(_key_operand(k_words, pair_lut, KEY_BITS, key_bytes), dot_a)
-        zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
-        s = mma_v2(k, q_hi, zero) + mma_v2(k, q_lo, zero)  # two independent MMA chains
-        if not KEY_FP8:
-            s = s * norm[:, None]
-        s = gl.where(live[:, None], s * score_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))  # finite: a tile has a live key
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[None, :])
-        l_part = l_part * alpha[None, :] + p
-        z_part = z_part * alpha[None, :] + p * v_zero[:, None]
-        w = p * v_scale[:, None]
-        w_hi = w.to(gl.float16)
-        w_lo = (w - w_hi.to(gl.float32)).to(gl.float16)
-        # One B operand [BLOCK_N, 2 BLOCK_H] = [hi | lo]: one trip through shared memory, not two.
-        w2 = gl.reshape(gl.permute(gl.join(w_hi, w_lo), (0, 2, 1)), [BLOCK_N, 2 * BLOCK_H])
-        alpha2 = gl.reshape(gl.permute(gl.join(alpha[None, :], alpha[None, :]), (0, 2, 1)), [1, 2 * BLOCK_H])
-        v = gl.convert_layout(_value_operand(v_words, VALUE_BITS), dot_a)
-        acc = mma_v2(v, gl.convert_layout(w2, dot_b), acc * gl.convert_layout(alpha2, mma))
-        m_i = m_new
+    if STAGES == 0:
+        # Each tile's table entries are read a tile ahead: its data loads need not wait for them.
+        pages = _tile_pages(row_ptr, stride_btc, tile, end, num_blocks, key_rows, BLOCK_SIZE, key_layout, value_layout)
+        for tile_start in range(tile, end, BLOCK_N):
+            k_words, v_words, norm, v_scale, v_zero, live = _tile_loads(
+                cache_ptr, pages, tile_start, start, end, kv_head, NUM_KV_HEADS, stride_block, SLOT_BYTES, meta_offset,
+                key_rows, KEY_BITS, KEY_DATA_BYTES, VALUE_BITS, NUM_FIELDS, BLOCK_SIZE, key_layout,
+                value_layout)  # fmt: skip
+            pages = _tile_pages(row_ptr, stride_btc, tile_start + BLOCK_N, end, num_blocks, key_rows, BLOCK_SIZE,
+                                key_layout, value_layout)  # fmt: skip
+            m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
+                                                  score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS,
+                                                  key_bytes)  # fmt: skip
+    else:
+        gl.static_assert(KEY_BITS != 3 and VALUE_BITS == 4)
+        fields: gl.constexpr = 4 if NUM_FIELDS == 3 else 2
+        key_copy: gl.constexpr = _copy_layout("keys", KEY_DATA_BYTES // 4, fields)
+        value_copy: gl.constexpr = _copy_layout("values", KEY_DATA_BYTES // 4, fields)
+        meta_copy: gl.constexpr = _copy_layout("meta", KEY_DATA_BYTES // 4, fields)
+        # (The layout of a ring of stages has the rank of one stage.)
+        keys = gl.allocate_shared_memory(gl.uint32, [STAGES, BLOCK_N, KEY_DATA_BYTES // 4], _plain(2))
+        values = gl.allocate_shared_memory(gl.uint32, [STAGES, 4, BLOCK_N, 4], _plain(3))
+        meta = gl.allocate_shared_memory(gl.uint32, [STAGES, fields, 4, 2, 4], _plain(4))
+        for ahead in gl.static_range(STAGES - 1):
+            pages = _copy_pages(row_ptr, stride_btc, tile + ahead * BLOCK_N, end, num_blocks, BLOCK_SIZE, key_copy,
+                                value_copy, meta_copy)  # fmt: skip
+            _issue_copies(cache_ptr, keys.index(ahead), values.index(ahead), meta.index(ahead), pages,
+                          tile + ahead * BLOCK_N, end, kv_head, NUM_KV_HEADS, stride_block, SLOT_BYTES, meta_offset,
+                          KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE, key_copy, value_copy, meta_copy)  # fmt: skip
+            async_copy.commit_group()
+        pages = _copy_pages(row_ptr, stride_btc, tile + (STAGES - 1) * BLOCK_N, end, num_blocks, BLOCK_SIZE, key_copy,
+                            value_copy, meta_copy)  # fmt: skip
+        stage = 0
+        for tile_start in range(tile, end, BLOCK_N):
+            # This tile's copies are done (each thread's own), and every thread is past the reads of the stage
+            # that the copies issued next overwrite (read one tile ago): one barrier for both.
+            async_copy.wait_group(STAGES - 2)
+            _barrier()
+            refill = (stage + STAGES - 1) % STAGES
+            _issue_copies(cache_ptr, keys.index(refill), values.index(refill), meta.index(refill), pages,
+                          tile_start + (STAGES - 1) * BLOCK_N, end, kv_head, NUM_KV_HEADS, stride_block, SLOT_BYTES,
+                          meta_offset, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE, key_copy, value_copy,
+                          meta_copy)  # fmt: skip
+            async_copy.commit_group()
+            pages = _copy_pages(row_ptr, stride_btc, tile_start + STAGES * BLOCK_N, end, num_blocks, BLOCK_SIZE,
+                                key_copy, value_copy, meta_copy)  # fmt: skip
+            k_words, v_words, norm, v_scale, v_zero, live = _stage_reads(
+                keys.index(stage), values.index(stage), meta.index(stage), tile_start, start, end, key_rows, KEY_BITS,
+                NUM_FIELDS, key_layout, value_layout)  # fmt: skip
+            m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
+                                                  score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS,
+                                                  key_bytes)  # fmt: skip
+            stage = (stage + 1) % STAGES
+        async_copy.wait_group(0)  # no copy outlives the program
 
     acc = gl.convert_layout(gl.sum(gl.reshape(acc, [HEAD_DIM, 2, BLOCK_H]), axis=1), mma)
     for p0 in range(first_page + 128, last_page, 128):  # splits of more than 128 blocks
