@@ -1318,11 +1318,13 @@ import json
 from triton_impl import turboquant, turboquant_sm90
 from triton_impl.bench import sass_resources
 for key_bits, value_bits in ((3, 3), (3, 4), (4, 4), (8, 4)):
-    cap = turboquant.decode_entry(turboquant.DECODE_CONFIGS["sm90"], key_bits, value_bits).get("GLUON_MAXNREG")
+    entry = turboquant.decode_entry(turboquant.DECODE_CONFIGS["sm90"], key_bits, value_bits)
+    stages = turboquant_sm90.stages(entry.get("GLUON_STAGES", 0), key_bits, value_bits)
     for group in (1, 4, 16):
         for block_size in (16, 32):
             kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits, group=group,
-                                                      block_size=block_size, maxnreg=cap)
+                                                      block_size=block_size, maxnreg=entry.get("GLUON_MAXNREG"),
+                                                      stages=stages)
             resources = sass_resources(kernel.asm["cubin"])
             print(json.dumps([key_bits, value_bits, group, block_size, *resources, kernel.metadata.shared]))
 store_cap = turboquant.STORE_CONFIGS["sm90"].get("GLUON_MAXNREG")
@@ -1340,8 +1342,8 @@ for key_bits in (3, 4):
 
 def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     """The Gluon fast paths never run under the interpreter: compile them for sm_90 here (a process of its own,
-    TRITON_INTERPRET=0). Decode stage 1: every preset's key and value widths (with the sm90 entry's register cap),
-    groups 1/4/16 and two block sizes, with no stack (no spills) and a few KiB of shared memory. Store: 3/4-bit keys and
+    TRITON_INTERPRET=0). Decode stage 1: every preset's key and value widths (with the sm90 entry's register cap and
+    stages), groups 1/4/16 and two block sizes, with no stack (no spills) and at most 40 KiB of shared memory. Store: 3/4-bit keys and
     values, with and without norm correction, no stack, and no multiply, fma or min that flushes subnormals (the
     grid bucketize reads the bits of subnormal results: ``turboquant_sm90.grid_slot``)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -1349,9 +1351,12 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
     assert len(rows) == 24 + 8
+    # Decode: the staged presets (4-bit and FP8 keys with 4-bit values) hold three stages of a 64-key tile, at most
+    # 40 KiB (FP8 keys), so that four programs fit a SM; the others a few KiB.
     for row in rows[:24]:
-        registers, stack, shared = row[4:]
-        assert stack == 0 and registers <= 255 and shared <= 4096, row
+        key_bits, value_bits, registers, stack, shared = row[0], row[1], *row[4:]
+        staged = key_bits != 3 and value_bits == 4
+        assert stack == 0 and registers <= 255 and shared <= (40 * 1024 if staged else 4096), row
     # The store: both bf16 parts of PiT (2 x 32 KiB) in shared memory, at the sm90 entry's cap of 168 registers
     # (three programs a SM), which spills 8-48 bytes under the H200's Triton 3.6 (the measured compiler) and
     # 136-528 under Triton 3.9 (not timed).

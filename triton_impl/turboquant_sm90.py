@@ -76,8 +76,12 @@ BLOCK_N = gl.constexpr(64)  # keys per tile: 16 per warp for the scores
 NUM_WARPS = gl.constexpr(4)
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
-# A CTA-wide barrier: Gluon's name for it changed (Triton 3.6 ``thread_barrier``, later ``barrier``).
+# Gluon names that changed after Triton 3.6 (the H200's): a CTA-wide barrier (``thread_barrier``, later ``barrier``),
+# cp.async from global to shared memory (``async_copy_global_to_shared``, later ``async_load``) and a shared memory
+# view as another dtype (``_reinterpret``, later ``reinterpret``).
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
 def _hopper(device: torch.device) -> bool:
@@ -487,17 +491,17 @@ def _issue_copies(cache_ptr, key_stage, value_stage, meta_stage, pages, tile_sta
     key = _iota(64, 0, 2, KEY_COPY)
     slot = _chunk_slot(k_page, tile_start + key, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE)
     src = (cache_ptr + slot).to(gl.pointer_type(gl.uint32)) + _iota(KEY_DATA_BYTES // 4, 1, 2, KEY_COPY)
-    async_copy.async_copy_global_to_shared(key_stage, src, mask=go & (key >= 0))
+    _async_load(key_stage, src, mask=go & (key >= 0))
     key = _iota(64, 1, 3, VALUE_COPY)
     slot = _chunk_slot(v_page, tile_start + key, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE)
     src = (cache_ptr + slot + KEY_DATA_BYTES + _iota(4, 0, 3, VALUE_COPY) * 16).to(gl.pointer_type(gl.uint32))
-    async_copy.async_copy_global_to_shared(value_stage, src + _iota(4, 2, 3, VALUE_COPY), mask=go & (key >= 0))
+    _async_load(value_stage, src + _iota(4, 2, 3, VALUE_COPY), mask=go & (key >= 0))
     field = _iota(meta_stage.shape[0], 0, 4, META_COPY)
     position = ((tile_start + _iota(4, 1, 4, META_COPY) * 16).to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
     at = m_page.to(gl.int64) * stride_block + meta_offset
     at += ((kv_head * NUM_FIELDS + field) * BLOCK_SIZE + position + _iota(2, 2, 4, META_COPY) * 8) * 2
     src = (cache_ptr + at).to(gl.pointer_type(gl.uint32)) + _iota(4, 3, 4, META_COPY)
-    async_copy.async_copy_global_to_shared(meta_stage, src, mask=go & (field < NUM_FIELDS))
+    _async_load(meta_stage, src, mask=go & (field < NUM_FIELDS))
 
 
 @gluon.jit
@@ -506,12 +510,16 @@ def _stage_reads(key_stage, value_stage, meta_stage, tile_start, start, end, key
     """A stage's tile in the layouts :func:`_tile_loads` returns (the metadata 0 where a key is not ``live``)."""
     WORDS: gl.constexpr = 8 if KEY_BITS == 8 else 4
     k_words = key_stage.reshape([4, 2, 8, 4, WORDS]).load(KEY_LAYOUT)
-    codes = value_stage._reinterpret(gl.uint16, [4, 64, 8], _plain(3))  # [warp q, key, lane quad]
+    if _PUBLIC_REINTERPRET:
+        codes = value_stage.reinterpret(gl.uint16, [4, 64, 8], _plain(3))  # [warp q, key, lane quad]
+        meta = meta_stage.reinterpret(gl.uint16, [meta_stage.shape[0], 64], _plain(1))  # indexed by field
+    else:
+        codes = value_stage._reinterpret(gl.uint16, [4, 64, 8], _plain(3))
+        meta = meta_stage._reinterpret(gl.uint16, [meta_stage.shape[0], 64], _plain(1))
     codes = codes.reshape([4, 4, 2, 4, 2, 8]).permute((0, 5, 3, 1, 2, 4))  # key 16c + 8j + 2t + e
     v_words = codes.load(VALUE_LAYOUT)
     token = tile_start + key_rows
     live = (token >= start) & (token < end)
-    meta = meta_stage._reinterpret(gl.uint16, [meta_stage.shape[0], 64], _plain(1))  # indexed by field
     scale = meta.index(NUM_FIELDS - 2).load(key_rows.type.layout).to(gl.float16, bitcast=True).to(gl.float32)
     zero = meta.index(NUM_FIELDS - 1).load(key_rows.type.layout).to(gl.float16, bitcast=True).to(gl.float32)
     if NUM_FIELDS == 3:
