@@ -26,6 +26,10 @@ tiles. Per tile:
   codes exact fp16 (no lookup, no conversion). The output dimension order is permuted the same way
   (:func:`_value_dim`) and undone by the final store's addresses.
 - each tile's block-table entries are read a tile ahead, so its data loads need not wait for them.
+- with ``STAGES`` (4-bit and FP8 keys with 4-bit values, :func:`stages`): the tile's key bytes, value bytes and
+  metadata are not loaded into registers but copied (16-byte ``cp.async``) into a ring of shared-memory stages,
+  ``STAGES - 1`` tiles ahead, and read back in the same register layouts (the "Staged tiles" section below):
+  the copies of later tiles are in flight while this one computes, without holding registers.
 
 Numerics are the portable kernel's: centroids rounded to fp16 once, the query and ``p * scale`` as
 fp16 hi + lo pairs (two MMAs each), codes exact, fp32 sums. Supported: ``HEAD_DIM = 128``, 3- or
@@ -36,7 +40,8 @@ On the H200 (``attnref bench --op turboquant --case decode``, B=32 Hq=32 Hk=8, w
 FP8 keys 0.1740 / 0.6450 ms at L=8K / 32K, 4-bit keys 0.2177 / 0.7630, 3-bit keys 0.2002 / 0.6902 (the portable
 kernel with the same splits: 3-bit keys 0.4019 / 1.5005; at vLLM's 32 splits and 8107e0d: FP8 0.3632 / 1.1904,
 4-bit 0.4226 / 1.3685); 3-bit keys and values 0.2127 / 0.7445 (one call against c29ba24's 0.2576 / 0.9303; the
-portable kernel at 8 rounds of programs: 0.4104 / 1.4686).
+portable kernel at 8 rounds of programs: 0.4104 / 1.4686). With three stages (52ac88b): FP8 keys 0.1585 / 0.5891, 4-bit
+keys 0.1938 / 0.6699.
 ``notebooks/results/perf_log.md`` has what bounds it (the pair-LUT gathers' bank conflicts, global-load latency)
 and the variants that lost.
 
