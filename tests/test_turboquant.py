@@ -1343,9 +1343,10 @@ for key_bits in (3, 4):
 def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     """The Gluon fast paths never run under the interpreter: compile them for sm_90 here (a process of its own,
     TRITON_INTERPRET=0). Decode stage 1: every preset's key and value widths (with the sm90 entry's register cap and
-    stages), groups 1/4/16 and two block sizes, with no stack (no spills) and at most 40 KiB of shared memory. Store: 3/4-bit keys and
-    values, with and without norm correction, no stack, and no multiply, fma or min that flushes subnormals (the
-    grid bucketize reads the bits of subnormal results: ``turboquant_sm90.grid_slot``)."""
+    stages), groups 1/4/16 and two block sizes, with no stack (no spills) and at most 40 KiB of shared memory.
+    Store: 3/4-bit keys and values, with and without norm correction, at the sm90 entry's register cap (the spills
+    bounded below), and no multiply, fma or min that flushes subnormals (the grid bucketize reads the bits of
+    subnormal results: ``turboquant_sm90.grid_slot``)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
