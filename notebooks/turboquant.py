@@ -391,6 +391,44 @@ for g in range(8):
     assert [(field >> 3 * r) & 7 for r in range(4)] == codes[4 * g : 4 * g + 4].tolist()
     print(f"lane quad {g}: word {first}{' and ' + str(first + 1) if shift > 20 else ''}, shift {shift}")
 
+# %% [markdown]
+# The shared-memory stages (4-bit and FP8 keys with 4-bit values): a stage holds a 64-key tile's keys as
+# `[64 keys][key bytes]` and its values as `[warp q][64 keys][16 bytes]` (chunk `q` of a key's value bytes is
+# warp `q`'s codes). Shared memory has 32 banks of 4 bytes; a warp's request takes one wavefront per phase
+# (32 lanes for 2- and 4-byte reads, 16 for 8-byte, 8 for 16-byte ones) plus one more for every further
+# distinct word a bank must deliver in that phase. The cell counts the wavefronts of the kernel's reads from
+# a stage: lane `4 quad + t` of warp `w` reads key `16w + 8h + quad` at byte `16t` (4-bit: one 16-byte read
+# a half) or `32t` (FP8: two), and the 16-bit value word `(64w + k) 16 + 2 quad` of key `k = 16c + 8j + 2t + e`.
+
+
+# %%
+def wavefronts(addresses: list[int], width: int) -> int:
+    """Wavefronts of one warp-wide shared-memory read of ``width`` bytes a lane at ``addresses`` (lane order)."""
+    lanes_per_phase = {2: 32, 4: 32, 8: 16, 16: 8}[width]
+    total = 0
+    for phase in range(0, 32, lanes_per_phase):
+        words_of_bank = {}
+        for address in addresses[phase : phase + lanes_per_phase]:
+            for word in range(address // 4, (address + width + 3) // 4):
+                words_of_bank.setdefault(word % 32, set()).add(word)
+        total += max(len(words) for words in words_of_bank.values())
+    return total
+
+
+lanes = [(lane // 4, lane % 4) for lane in range(32)]  # (quad, t)
+for name, key_bytes in (("4-bit keys", 64), ("FP8 keys", 128)):
+    per_lane = key_bytes // 4  # bytes a lane reads from its key row
+    reads = [[(16 * 0 + 8 * h + quad) * key_bytes + per_lane * t + 16 * i for quad, t in lanes]
+             for h in range(2) for i in range(per_lane // 16)]  # fmt: skip
+    counts = [wavefronts(read, 16) for read in reads]
+    print(f"{name}: {len(reads)} 16-byte reads a lane and tile, {counts} wavefronts (4 is the least for 512 bytes)")
+    assert counts == [4 if key_bytes == 64 else 8] * len(reads)  # FP8 rows: 8 lanes on each bank group
+value_reads = [[(64 * 0 + 16 * c + 8 * j + 2 * t + e) * 16 + 2 * quad for quad, t in lanes]
+               for c in range(4) for j in range(2) for e in range(2)]  # fmt: skip
+counts = {wavefronts(read, 2) for read in value_reads}
+print(f"4-bit values: {len(value_reads)} 2-byte reads a lane and tile, wavefronts {counts}")
+assert counts == {1}
+
 # %%
 RESULTS = Path(triton_impl.__file__).resolve().parent.parent / "notebooks" / "results"
 bench = json.loads((RESULTS / "bench_h200.json").read_text())
