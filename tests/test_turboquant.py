@@ -1681,6 +1681,17 @@ def test_cpu_tensors_are_named_when_compiled(device: torch.device) -> None:
     assert ttq.build_pair_lut(args["centroids"]).device == args["centroids"].device  # host code: any device
 
 
+def test_shared_memory_stages_of_the_sm90_entry() -> None:
+    """The H200's decode entry runs three shared-memory stages where the Gluon kernel stages tiles (4-bit and FP8 keys
+    with 4-bit values, the layouts its 16-byte copies fit) and loads every other preset's tiles into registers; one
+    stage would be no ring at all."""
+    sm90 = ttq.DECODE_CONFIGS["sm90"]
+    launched = {(k, v): ttq_sm90.stages(ttq.decode_entry(sm90, k, v).get("GLUON_STAGES", 0), k, v)
+                for k, v in ((3, 3), (3, 4), (4, 4), (8, 4))}  # fmt: skip
+    assert launched == {(3, 3): 0, (3, 4): 0, (4, 4): 3, (8, 4): 3}
+    assert ttq_sm90.stages(1, 4, 4) == 0 and ttq_sm90.stages(2, 8, 4) == 2 and ttq_sm90.stages(3, 8, 3) == 0
+
+
 def test_decode_split_cap_of_the_sm90_entry() -> None:
     """The H200's decode entry runs two rounds of four resident programs a SM at most: at the bench's B=32 Hk=8 on
     132 SMs, 4 of the caller's 32 splits, for every preset; a batch that leaves the GPU idle keeps the caller's
