@@ -189,8 +189,7 @@ def eager_and_graph_us(run: Callable[[], object], iters: int = 200, repeats: int
     call slower (MLA decode B=8 H=16 L=4K: 46-47 us eager in the first timing test of two device calls,
     31 us in ``benchmarks/serving.py`` minutes later).
     """
-    us_per_call(run, iters, 1, wait_for_gpu=True)
-    torch.cuda.synchronize()
+    us_per_call(run, iters, 1, wait_for_gpu=True)  # ends with the GPU idle
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
