@@ -1352,11 +1352,11 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
     assert len(rows) == 24 + 8
-    # Decode: the staged presets (4-bit and FP8 keys with 4-bit values) hold three stages of a 64-key tile, at most
-    # 40 KiB (FP8 keys), so that four programs fit a SM; the others a few KiB.
+    # Decode: the staged presets (4-bit values) hold three stages of a 64-key tile, at most 40 KiB (FP8 keys), so
+    # that four programs fit a SM; the others a few KiB.
     for row in rows[:24]:
         key_bits, value_bits, registers, stack, shared = row[0], row[1], *row[4:]
-        staged = key_bits != 3 and value_bits == 4
+        staged = value_bits == 4
         assert stack == 0 and registers <= 255 and shared <= (40 * 1024 if staged else 4096), row
     # The store: both bf16 parts of PiT (2 x 32 KiB) in shared memory, at the sm90 entry's cap of 168 registers
     # (three programs a SM), which spills 8-48 bytes under the H200's Triton 3.6 (the measured compiler) and
@@ -1682,14 +1682,15 @@ def test_cpu_tensors_are_named_when_compiled(device: torch.device) -> None:
 
 
 def test_shared_memory_stages_of_the_sm90_entry() -> None:
-    """The H200's decode entry runs three shared-memory stages where the Gluon kernel stages tiles (4-bit and FP8 keys
-    with 4-bit values, the layouts its 16-byte copies fit) and loads every other preset's tiles into registers; one
-    stage would be no ring at all."""
+    """The H200's decode entry runs three shared-memory stages where the Gluon kernel stages tiles (4-bit values, any
+    keys) and loads 3-bit values into registers (staged as 4-byte copies they measured 1.5x slower); one stage would be
+    no ring at all."""
     sm90 = ttq.DECODE_CONFIGS["sm90"]
     launched = {(k, v): ttq_sm90.stages(ttq.decode_entry(sm90, k, v).get("GLUON_STAGES", 0), k, v)
                 for k, v in ((3, 3), (3, 4), (4, 4), (8, 4))}  # fmt: skip
-    assert launched == {(3, 3): 0, (3, 4): 0, (4, 4): 3, (8, 4): 3}
+    assert launched == {(3, 3): 0, (3, 4): 3, (4, 4): 3, (8, 4): 3}
     assert ttq_sm90.stages(1, 4, 4) == 0 and ttq_sm90.stages(2, 8, 4) == 2 and ttq_sm90.stages(3, 8, 3) == 0
+    assert ttq_sm90.stages(4, 3, 4) == 4
 
 
 def test_decode_split_cap_of_the_sm90_entry() -> None:

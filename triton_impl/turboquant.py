@@ -165,7 +165,7 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # registers; the shuffle and funnel shift of turboquant_sm90._value_words then took 0.2576 -> 0.2127 / 0.9303 ->
 # 0.7445 ms (H200, one call).
 # GLUON_STAGES (sm90): each tile's bytes go to a ring of that many shared-memory stages by cp.async, STAGES - 1 tiles
-# ahead (turboquant_sm90.stages: 4-bit and FP8 keys with 4-bit values; the 3-bit layouts load into registers). A/B in
+# ahead (turboquant_sm90.stages: 4-bit values, any keys; 3-bit values load into registers: staged, 1.5x slower). A/B in
 # one call on the H200 (L=8K / 32K): k8v4 0.1755 -> 0.1598 / 0.6563 -> 0.5882 ms, 4-bit 0.2171 -> 0.1933 / 0.7612 ->
 # 0.6696 (4-bit uncapped: 0.2039 / 0.7165); the 42 decode property tests passed with it.
 # Bench at 8107e0d against the portable kernel's 9b0ab61 rows (L=8K / 32K): k8v4 0.3632 -> 0.2262 / 1.1904 ->

@@ -26,8 +26,8 @@ tiles. Per tile:
   codes exact fp16 (no lookup, no conversion). The output dimension order is permuted the same way
   (:func:`_value_dim`) and undone by the final store's addresses.
 - each tile's block-table entries are read a tile ahead, so its data loads need not wait for them.
-- with ``STAGES`` (4-bit and FP8 keys with 4-bit values, :func:`stages`): the tile's key bytes, value bytes and
-  metadata are not loaded into registers but copied (16-byte ``cp.async``) into a ring of shared-memory stages,
+- with ``STAGES`` (4-bit values, any keys: :func:`stages`): the tile's key bytes, value bytes and metadata are not
+  loaded into registers but copied (``cp.async``, 16 bytes a copy; 4 for 3-bit keys) into a ring of shared-memory stages,
   ``STAGES - 1`` tiles ahead, and read back in the same register layouts (the "Staged tiles" section below):
   the copies of later tiles are in flight while this one computes, without holding registers.
 
@@ -41,9 +41,11 @@ FP8 keys 0.1740 / 0.6450 ms at L=8K / 32K, 4-bit keys 0.2177 / 0.7630, 3-bit key
 kernel with the same splits: 3-bit keys 0.4019 / 1.5005; at vLLM's 32 splits and 8107e0d: FP8 0.3632 / 1.1904,
 4-bit 0.4226 / 1.3685); 3-bit keys and values 0.2127 / 0.7445 (one call against c29ba24's 0.2576 / 0.9303; the
 portable kernel at 8 rounds of programs: 0.4104 / 1.4686). With three stages (52ac88b): FP8 keys 0.1585 / 0.5891, 4-bit
-keys 0.1938 / 0.6699.
-``notebooks/results/perf_log.md`` has what bounds it (the pair-LUT gathers' bank conflicts, global-load latency)
-and the variants that lost.
+keys 0.1938 / 0.6699. With each thread's copies inside one 16-key chunk and 3-bit keys staged too (one call against
+the previous kernel, stage 1 alone, us): FP8 keys 150.1 -> 144.9 / 579.1 -> 555.6, 3-bit keys 178.0 -> 166.7 / 664.2
+-> 622.9, 4-bit keys 172.2 -> 171.8 / 647.3 -> 647.9.
+``notebooks/results/perf_log.md`` has what bounds it (latency with 4 warps a scheduler: neither the pair-LUT
+gathers' bank conflicts nor a fourth stage) and the variants that lost.
 
 The store (:func:`store_kernel`, bf16 keys at ``D = 128``, 3- or 4-bit MSE codes; :func:`store_supports`):
 persistent 4-warp programs over tiles of 64 (token, KV head) rows. Each program rounds ``PiT`` once into two bf16
@@ -106,8 +108,11 @@ def supports(*, device: torch.device, head_dim: int, key_bits: int, value_bits: 
 
 def stages(requested: int, key_bits: int, value_bits: int) -> int:
     """The shared-memory stages a launch runs (``decode_stage1_kernel``'s ``STAGES``): ``requested`` (at least 2)
-    for 4-bit or FP8 keys with 4-bit values, else 0 (each tile loaded into registers)."""
-    return requested if requested >= 2 and key_bits != 3 and value_bits == 4 else 0
+    for 4-bit values (any keys), else 0 (each tile loaded into registers). 3-bit values staged as 4-byte copies,
+    each lane quad's first word (16 copies a thread and tile) were 1.5x slower than loaded into registers on the
+    H200 (``notebooks/results/perf_log.md``)."""
+    del key_bits  # every key width is staged
+    return requested if requested >= 2 and value_bits == 4 else 0
 
 
 def launch_options(group: int, maxnreg: int | None) -> dict[str, int]:
@@ -450,8 +455,8 @@ def _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_
 
 
 # Staged tiles (STAGES > 0): each tile's key bytes, value bytes and metadata are copied into a ring of shared memory
-# stages by 16-byte cp.async, STAGES - 1 tiles ahead of the tile being computed, then read back in the layouts the
-# direct loads above give (keys [64 keys][key bytes]; values [warp q][64 keys][16 bytes]: warp q's codes of each key;
+# stages by cp.async, STAGES - 1 tiles ahead of the tile being computed, then read back in the layouts the direct
+# loads above give (keys [64 keys][16 or 32 words]; values [warp q][64 keys][16 bytes]: warp q's codes of each key;
 # metadata [field][64 keys]). A thread reads what other threads copied: a barrier after each wait.
 
 
@@ -462,14 +467,18 @@ def _plain(rank):
 
 
 @gluon.constexpr_function
-def _copy_layout(what, key_words, meta_fields):
-    """The layout a stage's copies are issued in (16 bytes a thread and copy, 4 warps): ``what`` = "keys" ``[64,
-    key_words]``, "values" ``[4, 64, 4]`` or "meta" ``[meta_fields, 4 chunks, 2 halves, 4 words]`` (replicated
-    across lanes and warps: fewer copies than threads)."""
+def _copy_layout(what, key_bits, meta_fields):
+    """The layout a stage's copies are issued in (4 warps): ``what`` = "keys" ``[4 chunks, 16 keys, key words]``,
+    "values" ``[4 chunks, 4 warps q, 16 keys, 4 words]`` (warps along the 16-key chunks: one block-table entry a
+    thread, and the rest of each address a constant offset) or "meta" ``[meta_fields, 4 chunks, 2 halves, 4 words]``
+    (replicated across lanes and warps: fewer copies than threads). 16 bytes a thread and copy, except for the
+    12-byte spans of 3-bit keys (4 bytes)."""
     if what == "keys":
-        return gl.BlockedLayout([1, 4], [128 // key_words, key_words // 4], [NUM_WARPS, 1], [1, 0])
+        vector = 1 if key_bits == 3 else 4
+        lanes = min(32, (32 if key_bits == 8 else 16) // vector)  # along a key's words
+        return gl.BlockedLayout([1, 1, vector], [1, 32 // lanes, lanes], [NUM_WARPS, 1, 1], [2, 1, 0])
     if what == "values":
-        return gl.BlockedLayout([1, 1, 4], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
+        return gl.BlockedLayout([1, 1, 1, 4], [1, 2, 16, 1], [NUM_WARPS, 1, 1, 1], [3, 2, 1, 0])
     return gl.BlockedLayout([1, 1, 1, 4], [meta_fields, 4, 2, 32 // (8 * meta_fields)], [1, 1, 1, NUM_WARPS],
                             [3, 2, 1, 0])  # fmt: skip
 
@@ -477,9 +486,9 @@ def _copy_layout(what, key_words, meta_fields):
 @gluon.jit
 def _copy_pages(row_ptr, stride_btc, tile_start, end, num_blocks, BLOCK_SIZE: gl.constexpr, KEY_COPY: gl.constexpr,
                 VALUE_COPY: gl.constexpr, META_COPY: gl.constexpr):  # fmt: skip
-    """The cache blocks of tile ``tile_start``'s keys, in each copy layout (as :func:`_tile_pages`)."""
-    k_page = _page(row_ptr, stride_btc, tile_start + _iota(64, 0, 2, KEY_COPY), end, num_blocks, BLOCK_SIZE)
-    v_page = _page(row_ptr, stride_btc, tile_start + _iota(64, 1, 3, VALUE_COPY), end, num_blocks, BLOCK_SIZE)
+    """The cache blocks of tile ``tile_start``'s 16-key chunks, in each copy layout (as :func:`_tile_pages`)."""
+    k_page = _page(row_ptr, stride_btc, tile_start + _iota(4, 0, 3, KEY_COPY) * 16, end, num_blocks, BLOCK_SIZE)
+    v_page = _page(row_ptr, stride_btc, tile_start + _iota(4, 0, 4, VALUE_COPY) * 16, end, num_blocks, BLOCK_SIZE)
     m_page = _page(row_ptr, stride_btc, tile_start + _iota(4, 1, 4, META_COPY) * 16, end, num_blocks, BLOCK_SIZE)
     return k_page, v_page, m_page
 
@@ -490,17 +499,31 @@ def _issue_copies(cache_ptr, key_stage, value_stage, meta_stage, pages, tile_sta
                   BLOCK_SIZE: gl.constexpr, KEY_COPY: gl.constexpr, VALUE_COPY: gl.constexpr,
                   META_COPY: gl.constexpr):  # fmt: skip
     """cp.async of tile ``tile_start``'s keys, values and metadata into one stage (zeros for a tile at or past
-    ``end``); the caller commits the group."""
+    ``end``); the caller commits the group. Key word ``4t + w`` of a 3-bit key is word ``w`` of thread ``t``'s 12
+    bytes (``w < 3``; word 3 is not copied, and :func:`_key_operand` ignores it), as the 4-bit layout, so both are
+    read alike."""
     k_page, v_page, m_page = pages
     go = tile_start < end
-    key = _iota(64, 0, 2, KEY_COPY)
-    slot = _chunk_slot(k_page, tile_start + key, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE)
-    src = (cache_ptr + slot).to(gl.pointer_type(gl.uint32)) + _iota(KEY_DATA_BYTES // 4, 1, 2, KEY_COPY)
-    _async_load(key_stage, src, mask=go & (key >= 0))
-    key = _iota(64, 1, 3, VALUE_COPY)
-    slot = _chunk_slot(v_page, tile_start + key, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE)
-    src = (cache_ptr + slot + KEY_DATA_BYTES + _iota(4, 0, 3, VALUE_COPY) * 16).to(gl.pointer_type(gl.uint32))
-    _async_load(value_stage, src + _iota(4, 2, 3, VALUE_COPY), mask=go & (key >= 0))
+    key_words: gl.constexpr = key_stage.shape[1]
+    chunk = _iota(4, 0, 3, KEY_COPY) * 16
+    key = _iota(16, 1, 3, KEY_COPY)
+    word = _iota(key_words, 2, 3, KEY_COPY)
+    slot = _chunk_slot(k_page, tile_start + chunk, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE)
+    words = (cache_ptr + slot + key * (num_kv_heads * slot_bytes)).to(gl.pointer_type(gl.uint32))
+    stage = key_stage.reshape([4, 16, key_words])
+    if KEY_DATA_BYTES == 48:  # 3-bit keys
+        _async_load(stage, words + (word >> 2) * 3 + (word & 3), mask=go & ((word & 3) < 3))
+    else:
+        _async_load(stage, words + word, mask=go & (word >= 0))  # (word >= 0: the mask as a tensor)
+    chunk = _iota(4, 0, 4, VALUE_COPY) * 16
+    warp = _iota(4, 1, 4, VALUE_COPY)
+    key = _iota(16, 2, 4, VALUE_COPY)
+    word = _iota(4, 3, 4, VALUE_COPY)
+    slot = _chunk_slot(v_page, tile_start + chunk, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE)
+    slot += key * (num_kv_heads * slot_bytes) + KEY_DATA_BYTES + warp * 16
+    words = (cache_ptr + slot).to(gl.pointer_type(gl.uint32))
+    stage = value_stage.reshape([4, 4, 16, 4]).permute((1, 0, 2, 3))  # [chunk, warp q, key, word]
+    _async_load(stage, words + word, mask=go & (word >= 0))
     field = _iota(meta_stage.shape[0], 0, 4, META_COPY)
     position = ((tile_start + _iota(4, 1, 4, META_COPY) * 16).to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
     at = m_page.to(gl.int64) * stride_block + meta_offset
@@ -627,13 +650,14 @@ def decode_stage1_kernel(
                                                   score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS,
                                                   key_bytes)  # fmt: skip
     else:
-        gl.static_assert(KEY_BITS != 3 and VALUE_BITS == 4)
         fields: gl.constexpr = 4 if NUM_FIELDS == 3 else 2
-        key_copy: gl.constexpr = _copy_layout("keys", KEY_DATA_BYTES // 4, fields)
-        value_copy: gl.constexpr = _copy_layout("values", KEY_DATA_BYTES // 4, fields)
-        meta_copy: gl.constexpr = _copy_layout("meta", KEY_DATA_BYTES // 4, fields)
-        # (The layout of a ring of stages has the rank of one stage.)
-        keys = gl.allocate_shared_memory(gl.uint32, [STAGES, BLOCK_N, KEY_DATA_BYTES // 4], _plain(2))
+        key_copy: gl.constexpr = _copy_layout("keys", KEY_BITS, fields)
+        value_copy: gl.constexpr = _copy_layout("values", KEY_BITS, fields)
+        meta_copy: gl.constexpr = _copy_layout("meta", KEY_BITS, fields)
+        # (The layout of a ring of stages has the rank of one stage.) A key's row: its 16 words of 4-bit codes, 32
+        # of FP8 or 4 x 4 of 3-bit codes (thread t's 12 bytes, then a word not copied); a value row: a warp's 16 bytes.
+        gl.static_assert(VALUE_BITS == 4)
+        keys = gl.allocate_shared_memory(gl.uint32, [STAGES, BLOCK_N, 32 if KEY_FP8 else 16], _plain(2))
         values = gl.allocate_shared_memory(gl.uint32, [STAGES, 4, BLOCK_N, 4], _plain(3))
         meta = gl.allocate_shared_memory(gl.uint32, [STAGES, fields, 4, 2, 4], _plain(4))
         for ahead in gl.static_range(STAGES - 1):
