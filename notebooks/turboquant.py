@@ -314,10 +314,10 @@ plt.show()
 #   next word from lane quad `g + 1` (whose first word it is, for the same keys) by a warp shuffle,
 #   funnel-shifts the pair by the bit offset, and pairs the 3-bit codes the same way.
 #
-# Compiled by the H200's Triton 3.6 that is 35.8 warp instructions per key and KV head for 4-bit keys,
-# 38.8 for 3-bit keys, 39.0 for 3-bit keys and values and 29.1 for FP8 keys
+# Compiled by the H200's Triton 3.6 that is 34.7 warp instructions per key and KV head for 4-bit keys,
+# 34.9 for 3-bit keys, 39.0 for 3-bit keys and values and 26.4 for FP8 keys
 # (`benchmarks/sass_sm90_turboquant.py`, the sm90 entry's register caps and stages), against
-# 61.9 and 62.6 for the portable kernel (4-bit, FP8); 125-128 registers, four 4-warp programs per SM. Each
+# 61.9 and 62.6 for the portable kernel (4-bit, FP8); 120-128 registers, four 4-warp programs per SM. Each
 # program also pays a fixed cost (the bad-page scan, the query, the tables, the partial's write and
 # merge): 56-84 us of the L=8K call at vLLM's 32 splits, so the sm90 config runs at most two rounds of
 # resident programs (4 splits at B=32 Hk=8). Stage 1 alone (`benchmarks/turboquant_kernels.py`) at L=32K,
@@ -328,10 +328,14 @@ plt.show()
 # and FP8 keys the tiles now go through shared memory: 16-byte `cp.async` copies into a ring of three
 # stages, two tiles ahead of the one being computed, read back in the same register layouts (the copies
 # of later tiles are in flight while this one computes, and hold no registers): FP8 keys 0.6563 -> 0.5882 ms
-# at L=32K, 4-bit keys 0.7612 -> 0.6696 (one A/B call). What the rows below show (bench at 52ac88b): every
-# preset beats the bf16 decode, FP8 keys at 1.63x its speed at L=8K and 1.67x at 32K, 4-bit keys 1.33x and
-# 1.47x, 3-bit keys 1.29x and 1.43x, 3-bit keys and values 1.22x and 1.32x (the portable kernel: 0.62x and
-# 0.66x); the goal, 4-bit at twice the bf16 speed, is not reached.
+# at L=32K, 4-bit keys 0.7612 -> 0.6696 (one A/B call). 3-bit keys go the same way (4-byte copies of each
+# thread's 12 bytes; stage 1 at L=32K 664 -> 623 us), 3-bit values do not (copied as 4-byte words they were
+# 1.5x slower). But the bank conflicts were not what held the 4-bit kernel back: a lookup from 8 registers
+# (`prmt`, no shared memory at all) cut its shared-memory wavefronts from 18.9M to 4.9M and left its time
+# where it was. What the rows below show (bench at 08cfd74): every preset beats the bf16 decode, FP8 keys at
+# 1.67x its speed at L=8K and 1.71x at 32K, 4-bit keys 1.31x and 1.46x, 3-bit keys 1.35x and 1.51x, 3-bit keys
+# and values 1.19x and 1.29x (the portable kernel: 0.62x and 0.66x); the goal, 4-bit at twice the bf16 speed,
+# is not reached.
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory.
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
 
