@@ -1355,7 +1355,7 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     # Decode: the staged presets (4-bit values) hold three stages of a 64-key tile, at most 40 KiB (FP8 keys), so
     # that four programs fit a SM; the others a few KiB.
     for row in rows[:24]:
-        key_bits, value_bits, registers, stack, shared = row[0], row[1], *row[4:]
+        value_bits, registers, stack, shared = row[1], *row[4:]
         staged = value_bits == 4
         assert stack == 0 and registers <= 255 and shared <= (40 * 1024 if staged else 4096), row
     # The store: both bf16 parts of PiT (2 x 32 KiB) in shared memory, at the sm90 entry's cap of 168 registers

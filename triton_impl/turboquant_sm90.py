@@ -27,8 +27,8 @@ tiles. Per tile:
   (:func:`_value_dim`) and undone by the final store's addresses.
 - each tile's block-table entries are read a tile ahead, so its data loads need not wait for them.
 - with ``STAGES`` (4-bit values, any keys: :func:`stages`): the tile's key bytes, value bytes and metadata are not
-  loaded into registers but copied (``cp.async``, 16 bytes a copy; 4 for 3-bit keys) into a ring of shared-memory stages,
-  ``STAGES - 1`` tiles ahead, and read back in the same register layouts (the "Staged tiles" section below):
+  loaded into registers but copied (``cp.async``, 16 bytes a copy; 4 for 3-bit keys) into a ring of shared-memory
+  stages, ``STAGES - 1`` tiles ahead, and read back in the same register layouts (the "Staged tiles" section below):
   the copies of later tiles are in flight while this one computes, without holding registers.
 
 Numerics are the portable kernel's: centroids rounded to fp16 once, the query and ``p * scale`` as
