@@ -168,6 +168,8 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # ahead (turboquant_sm90.stages: 4-bit values, any keys; 3-bit values load into registers: staged, 1.5x slower). A/B in
 # one call on the H200 (L=8K / 32K): k8v4 0.1755 -> 0.1598 / 0.6563 -> 0.5882 ms, 4-bit 0.2171 -> 0.1933 / 0.7612 ->
 # 0.6696 (4-bit uncapped: 0.2039 / 0.7165); the 42 decode property tests passed with it.
+# ROTATE_TF32X3 (sm90): the query's rotation (_rotate_query_kernel) on tensor cores in 3xTF32, not an fp32 FMA dot,
+# whose shared-memory reads were 82% bank conflicts: 12.2-12.9 us a call at B=32 H=32 (predicted: ~3 us).
 # Bench at 8107e0d against the portable kernel's 9b0ab61 rows (L=8K / 32K): k8v4 0.3632 -> 0.2262 / 1.1904 ->
 # 0.7066 ms, 4-bit 0.4226 -> 0.2942 / 1.3685 -> 0.8199 ms.
 # SPLIT_ROUNDS (sm90): at most that many rounds of PROGRAMS_PER_SM resident programs (decode_num_splits), whatever
@@ -183,7 +185,7 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
              "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
              "GLUON_MAXNREG_k4": 128, "GLUON_MAXNREG_k3": 128, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4,
-             "GLUON_MAXNREG_v3": 0, "GLUON_STAGES": 3},
+             "GLUON_MAXNREG_v3": 0, "GLUON_STAGES": 3, "ROTATE_TF32X3": 1},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -863,6 +865,7 @@ def _rotate_query_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     D_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr = "ieee",
 ):  # fmt: skip
     """Grid ``(B, cdiv(H, BLOCK_M), BLOCK_D // D_CHUNK)``: ``q~ = q @ PiT`` for ``BLOCK_M`` heads and
     ``D_CHUNK`` columns, written into the first ``D`` floats of every split slot of those heads.
@@ -870,8 +873,14 @@ def _rotate_query_kernel(
     The decode's own partials buffer ``[B, H, S, D+1]`` is the rotated query's home: stage 1's
     program for split ``s`` reads ``q~`` from its slot, then overwrites the slot with its partial.
     Nothing else is allocated and the query's rotation follows its contents on every call (a graph
-    replay included). fp32 products and sums (``input_precision="ieee"``), as an fp32 matmul; ``PiT``
-    is read through its strides (``Pi`` transposed is ``PiT`` with its strides swapped).
+    replay included). ``PiT`` is read through its strides (``Pi`` transposed is ``PiT`` with its strides
+    swapped). ``PRECISION`` is the dot's: ``"ieee"`` (fp32 products and sums, as an fp32 matmul) or, where tensor
+    cores take TF32 (the sm90 entry's ``ROTATE_TF32X3``), ``"tf32x3"``: each operand split into a TF32 part and a
+    TF32 rest, three MMAs, fp32 sums. A bf16 or fp16 query is exact in TF32 (8 or 10 mantissa bits of TF32's 10), so
+    its rest is 0 and the one rounding left is of ``PiT``'s rest, ``2^-11`` of it: each product within ``2^-22`` of
+    itself, where 128 fp32 additions already allow about ``128 * 2^-24 = 2^-17`` of ``sum_j |q_j PiT[j, d]|``. On the
+    H200 the ieee dot read its shared-memory operands with 82% of the wavefronts bank conflicts (12.9 us a call at
+    B=32 H=32, Nsight Compute); tensor cores read them through conflict-free layouts.
     """
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -882,7 +891,7 @@ def _rotate_query_kernel(
                 mask=head_ok[:, None] & (k < HEAD_DIM)[None, :], other=0.0).to(tl.float32)  # fmt: skip
     pit = tl.load(pit_ptr + k[:, None] * stride_pit_k + cols[None, :] * stride_pit_n,
                   mask=(k < HEAD_DIM)[:, None] & (cols < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
-    q_rot = tl.dot(q, pit, input_precision="ieee")
+    q_rot = tl.dot(q, pit, input_precision=PRECISION)
     slot = partials_ptr + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + cols[None, :]
     ok = head_ok[:, None] & (cols < HEAD_DIM)[None, :]
     for split in range(num_splits):
@@ -1286,7 +1295,8 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         pit_strides = rotation.stride() if PiT is not None else rotation.stride()[::-1]
         rotate = Launch(_rotate_query_kernel, (batch, cdiv(num_heads, block_m), block_d // d_chunk), (
             num_heads, num_splits, *query.stride()[:2], *pit_strides, *mid_o.stride()[:3],
-        ), dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d, D_CHUNK=d_chunk, num_warps=4))  # fmt: skip
+        ), dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d, D_CHUNK=d_chunk, num_warps=4,
+                PRECISION="tf32x3" if config.get("ROTATE_TF32X3") else "ieee"))  # fmt: skip
     return make_plan(rotate, stage1, merge_splits_launch(batch, mid_o, output, lse), True,
                      contiguous_lens=seq_lens.shape[0] <= 1 or seq_lens.stride(0) == 1)  # fmt: skip
 
