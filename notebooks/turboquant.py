@@ -332,10 +332,11 @@ plt.show()
 # thread's 12 bytes; stage 1 at L=32K 664 -> 623 us), 3-bit values do not (copied as 4-byte words they were
 # 1.5x slower). But the bank conflicts were not what held the 4-bit kernel back: a lookup from 8 registers
 # (`prmt`, no shared memory at all) cut its shared-memory wavefronts from 18.9M to 4.9M and left its time
-# where it was. What the rows below show (bench at 08cfd74): every preset beats the bf16 decode, FP8 keys at
-# 1.67x its speed at L=8K and 1.71x at 32K, 4-bit keys 1.31x and 1.46x, 3-bit keys 1.35x and 1.51x, 3-bit keys
-# and values 1.19x and 1.29x (the portable kernel: 0.62x and 0.66x); the goal, 4-bit at twice the bf16 speed,
-# is not reached.
+# where it was. The query's rotation, a first kernel, took 12-13 us of the L=8K call: its fp32 dot read shared
+# memory with 82% of the wavefronts bank conflicts; in 3xTF32 on tensor cores the MSE presets' calls are 7.5-8.5 us
+# faster. What the rows below show (bench at 95ba40f): every preset beats the bf16 decode, FP8 keys at 1.68x its
+# speed at L=8K and 1.74x at 32K, 4-bit keys 1.40x and 1.50x, 3-bit keys 1.44x and 1.57x, 3-bit keys and values
+# 1.26x and 1.34x (the portable kernel: 0.62x and 0.66x); the goal, 4-bit at twice the bf16 speed, is not reached.
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory.
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
 

@@ -169,7 +169,9 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # one call on the H200 (L=8K / 32K): k8v4 0.1755 -> 0.1598 / 0.6563 -> 0.5882 ms, 4-bit 0.2171 -> 0.1933 / 0.7612 ->
 # 0.6696 (4-bit uncapped: 0.2039 / 0.7165); the 42 decode property tests passed with it.
 # ROTATE_TF32X3 (sm90): the query's rotation (_rotate_query_kernel) on tensor cores in 3xTF32, not an fp32 FMA dot,
-# whose shared-memory reads were 82% bank conflicts: 12.2-12.9 us a call at B=32 H=32 (predicted: ~3 us).
+# whose shared-memory reads were 82% bank conflicts: 12.2-12.9 us a call at B=32 H=32 (predicted: ~3 us). The bench's
+# whole call at L=8K, 08cfd74 -> 95ba40f: 4-bit 0.1929 -> 0.1844 ms, 3-bit keys 0.1864 -> 0.1789, 3-bit 0.2126 ->
+# 0.2046.
 # Bench at 8107e0d against the portable kernel's 9b0ab61 rows (L=8K / 32K): k8v4 0.3632 -> 0.2262 / 1.1904 ->
 # 0.7066 ms, 4-bit 0.4226 -> 0.2942 / 1.3685 -> 0.8199 ms.
 # SPLIT_ROUNDS (sm90): at most that many rounds of PROGRAMS_PER_SM resident programs (decode_num_splits), whatever
