@@ -314,10 +314,10 @@ plt.show()
 #   next word from lane quad `g + 1` (whose first word it is, for the same keys) by a warp shuffle,
 #   funnel-shifts the pair by the bit offset, and pairs the 3-bit codes the same way.
 #
-# Compiled by the H200's Triton 3.6 that is 34.7 warp instructions per key and KV head for 4-bit keys,
-# 34.9 for 3-bit keys, 39.0 for 3-bit keys and values and 26.4 for FP8 keys
+# Compiled by the H200's Triton 3.6 that is 34.6 warp instructions per key and KV head for 4-bit keys,
+# 35.6 for 3-bit keys, 39.0 for 3-bit keys and values and 26.1 for FP8 keys
 # (`benchmarks/sass_sm90_turboquant.py`, the sm90 entry's register caps and stages), against
-# 61.9 and 62.6 for the portable kernel (4-bit, FP8); 120-128 registers, four 4-warp programs per SM. Each
+# 61.9 and 62.6 for the portable kernel (4-bit, FP8); 119-128 registers, four 4-warp programs per SM. Each
 # program also pays a fixed cost (the bad-page scan, the query, the tables, the partial's write and
 # merge): 56-84 us of the L=8K call at vLLM's 32 splits, so the sm90 config runs at most two rounds of
 # resident programs (4 splits at B=32 Hk=8). Stage 1 alone (`benchmarks/turboquant_kernels.py`) at L=32K,
@@ -330,7 +330,7 @@ plt.show()
 # of later tiles are in flight while this one computes, and hold no registers): FP8 keys 0.6563 -> 0.5882 ms
 # at L=32K, 4-bit keys 0.7612 -> 0.6696 (one A/B call). 3-bit keys go the same way (4-byte copies of each
 # thread's 12 bytes; stage 1 at L=32K 664 -> 623 us), 3-bit values do not (copied as 4-byte words they were
-# 1.5x slower). But the bank conflicts were not what held the 4-bit kernel back: a lookup from 8 registers
+# 1.5-1.6x slower). But the bank conflicts were not what held the 4-bit kernel back: a lookup from 8 registers
 # (`prmt`, no shared memory at all) cut its shared-memory wavefronts from 18.9M to 4.9M and left its time
 # where it was. The query's rotation, a first kernel, took 12-13 us of the L=8K call: its fp32 dot read shared
 # memory with 82% of the wavefronts bank conflicts; in 3xTF32 on tensor cores the MSE presets' calls are 7.5-8.5 us

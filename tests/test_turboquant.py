@@ -1683,8 +1683,8 @@ def test_cpu_tensors_are_named_when_compiled(device: torch.device) -> None:
 
 def test_shared_memory_stages_of_the_sm90_entry() -> None:
     """The H200's decode entry runs three shared-memory stages where the Gluon kernel stages tiles (4-bit values, any
-    keys) and loads 3-bit values into registers (staged as 4-byte copies they measured 1.5x slower); one stage would be
-    no ring at all."""
+    keys) and loads 3-bit values into registers (staged as 4-byte copies they measured 1.5-1.6x slower); one stage
+    would be no ring at all."""
     sm90 = ttq.DECODE_CONFIGS["sm90"]
     launched = {(k, v): ttq_sm90.stages(ttq.decode_entry(sm90, k, v).get("GLUON_STAGES", 0), k, v)
                 for k, v in ((3, 3), (3, 4), (4, 4), (8, 4))}  # fmt: skip

@@ -165,7 +165,7 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # registers; the shuffle and funnel shift of turboquant_sm90._value_words then took 0.2576 -> 0.2127 / 0.9303 ->
 # 0.7445 ms (H200, one call).
 # GLUON_STAGES (sm90): each tile's bytes go to a ring of that many shared-memory stages by cp.async, STAGES - 1 tiles
-# ahead (turboquant_sm90.stages: 4-bit values, any keys; 3-bit values load into registers: staged, 1.5x slower). A/B in
+# ahead (turboquant_sm90.stages: 4-bit values, any keys; 3-bit values load into registers: staged, 1.6x slower). A/B in
 # one call on the H200 (L=8K / 32K): k8v4 0.1755 -> 0.1598 / 0.6563 -> 0.5882 ms, 4-bit 0.2171 -> 0.1933 / 0.7612 ->
 # 0.6696 (4-bit uncapped: 0.2039 / 0.7165); the 42 decode property tests passed with it.
 # ROTATE_TF32X3 (sm90): the query's rotation (_rotate_query_kernel) on tensor cores in 3xTF32, not an fp32 FMA dot,
@@ -878,11 +878,11 @@ def _rotate_query_kernel(
     replay included). ``PiT`` is read through its strides (``Pi`` transposed is ``PiT`` with its strides
     swapped). ``PRECISION`` is the dot's: ``"ieee"`` (fp32 products and sums, as an fp32 matmul) or, where tensor
     cores take TF32 (the sm90 entry's ``ROTATE_TF32X3``), ``"tf32x3"``: each operand split into a TF32 part and a
-    TF32 rest, three MMAs, fp32 sums. A bf16 or fp16 query is exact in TF32 (8 or 10 mantissa bits of TF32's 10), so
-    its rest is 0 and the one rounding left is of ``PiT``'s rest, ``2^-11`` of it: each product within ``2^-22`` of
-    itself, where 128 fp32 additions already allow about ``128 * 2^-24 = 2^-17`` of ``sum_j |q_j PiT[j, d]|``. On the
-    H200 the ieee dot read its shared-memory operands with 82% of the wavefronts bank conflicts (12.9 us a call at
-    B=32 H=32, Nsight Compute); tensor cores read them through conflict-free layouts.
+    TF32 rest, three MMAs, fp32 sums. A bf16 or fp16 query is exact in TF32 (7 or 10 stored mantissa bits; TF32
+    keeps 10), so its rest is 0 and the one rounding left is of ``PiT``'s rest, ``2^-11`` of it: each product within
+    ``2^-22`` of itself, where 128 fp32 additions already allow about ``128 * 2^-24 = 2^-17`` of ``sum_j |q_j
+    PiT[j, d]|``. On the H200 the ieee dot read its shared-memory operands with 82% of the wavefronts bank conflicts
+    (12.9 us a call at B=32 H=32, Nsight Compute); tensor cores read them through conflict-free layouts.
     """
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -109,7 +109,7 @@ def supports(*, device: torch.device, head_dim: int, key_bits: int, value_bits: 
 def stages(requested: int, key_bits: int, value_bits: int) -> int:
     """The shared-memory stages a launch runs (``decode_stage1_kernel``'s ``STAGES``): ``requested`` (at least 2)
     for 4-bit values (any keys), else 0 (each tile loaded into registers). 3-bit values staged as 4-byte copies,
-    each lane quad's first word (16 copies a thread and tile) were 1.5x slower than loaded into registers on the
+    each lane quad's first word (16 copies a thread and tile) were 1.5-1.6x slower than loaded into registers on the
     H200 (``notebooks/results/perf_log.md``)."""
     del key_bits  # every key width is staged
     return requested if requested >= 2 and value_bits == 4 else 0
@@ -475,7 +475,7 @@ def _copy_layout(what, key_bits, meta_fields):
     12-byte spans of 3-bit keys (4 bytes)."""
     if what == "keys":
         vector = 1 if key_bits == 3 else 4
-        lanes = min(32, (32 if key_bits == 8 else 16) // vector)  # along a key's words
+        lanes = (32 if key_bits == 8 else 16) // vector  # along a key's words
         return gl.BlockedLayout([1, 1, vector], [1, 32 // lanes, lanes], [NUM_WARPS, 1, 1], [2, 1, 0])
     if what == "values":
         return gl.BlockedLayout([1, 1, 1, 4], [1, 2, 16, 1], [NUM_WARPS, 1, 1, 1], [3, 2, 1, 0])
