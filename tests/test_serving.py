@@ -838,7 +838,9 @@ def test_host_overhead_per_call(case: tuple, monkeypatch: pytest.MonkeyPatch) ->
     At these shapes the kernels take 5-430 us in a graph and the H200's host 15-55 us per call
     (``notebooks/results/serving_h200.md``, "host only"; it varies by 10-15 us between runs). The
     kernels of MLA decode B=8 H=16 L=4K (20 us) hide the least of it: 26-27 us over graph replay in
-    two runs of this test (before its untimed warm-up loop), 10.8 us in the table. Only meaningful with
+    two runs of this test (before its untimed warm-up loop), 10.8 us in the table; MLA verify B=8 H=16 Q=4
+    L=4K measured 26.4 us in one run (eager 52.6 us, 38.7 in the table: the host, not the graph, was
+    slower), 12.5 us in the table. Only meaningful with
     the GPU and the host to itself: beside other pytest workers both times stretch and their difference
     shrinks, so under xdist it is skipped and the GPU job runs it on its own."""
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
