@@ -397,7 +397,65 @@ for g in range(8):
     print(f"lane quad {g}: word {first}{' and ' + str(first + 1) if shift > 20 else ''}, shift {shift}")
 
 # %% [markdown]
-# The shared-memory stages (4-bit and FP8 keys with 4-bit values): a stage holds a 64-key tile's keys as
+# A 16-entry table without memory. At the 4-bit kernel's speed before the stages, 9.8M of its 18.9M shared-memory
+# wavefronts were bank conflicts of the pair-LUT gathers, so the lookup looked like the bound. `prmt` (byte permute)
+# picks 4 bytes out of the 8 of two registers by 3-bit indices: the 16 fp16 centroids become 8 registers (the low
+# bytes of centroids 0-3, 4-7, 8-11, 12-15, then the high bytes). Per 4 codes, two `prmt` pick among centroids
+# 0-7 and 8-15; a byte mask from each code's bit 3 chooses between them (`prmt`'s sign mode copies the top bit of
+# the byte it picks, and bit 3 of code `i` is the top bit of a byte of `w` or `w << 4`); the same for the high
+# bytes; two more `prmt` interleave low and high bytes into fp16 pairs: 21 instructions for a word of 8 codes. The
+# cell runs those instructions' definitions and checks them against the pair LUT. On the H200 the kernel with it
+# (`benchmarks/variants/turboquant_decode_prmt_lut.patch`) had 4.9M shared-memory wavefronts instead of 18.9M, 575
+# bank conflicts instead of 9.8M, and the same time (stage 1 at L=8K 172.5 -> 174.9 us): the conflicts were not
+# what bound it. The hypothesis was worth one device call to test, and its patch is kept for the record.
+
+
+# %%
+def prmt(a: int, b: int, selector: int) -> int:
+    """PTX ``prmt.b32 d, a, b, c`` (default mode): byte ``i`` of ``d`` is byte ``c[4i+2 : 4i]`` of ``b:a``, or
+    that byte's top bit copied 8 times where ``c[4i+3]`` is set."""
+    source = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        nibble = (selector >> 4 * i) & 0xF
+        byte = source[nibble & 7]
+        out |= ((0xFF if byte & 0x80 else 0) if nibble & 8 else byte) << 8 * i
+    return out
+
+
+def select_bytes(a: int, b: int, mask: int) -> int:
+    """``lop3.b32 d, a, b, mask, 0xD8``: ``b`` where ``mask`` is set, else ``a``."""
+    return (b & mask) | (a & ~mask & 0xFFFFFFFF)
+
+
+fp16_bits = centroids.half().view(torch.int16).long().tolist()
+tables = [sum(((fp16_bits[4 * k + i] >> shift) & 0xFF) << 8 * i for i in range(4))
+          for shift in (0, 8) for k in range(4)]  # fmt: skip
+pair_lut = [(fp16_bits[b & 15] & 0xFFFF) | (fp16_bits[b >> 4] & 0xFFFF) << 16 for b in range(256)]  # the kernel's
+
+
+def nibble_pairs(w: int) -> list[int]:
+    """The variant's 21 instructions: a word of 8 codes -> its 4 pair-LUT entries."""
+    s0 = w & 0x77777777
+    s1, y = s0 >> 16, (w << 4) & 0xFFFFFFFF
+    masks = prmt(w, y, 0x9D8C), prmt(w, y, 0xBFAE)  # 0xFF in byte i where code i of the half is >= 8
+    pairs = []
+    for sel, mask in ((s0, masks[0]), (s1, masks[1])):
+        lo = select_bytes(prmt(tables[0], tables[1], sel), prmt(tables[2], tables[3], sel), mask)
+        hi = select_bytes(prmt(tables[4], tables[5], sel), prmt(tables[6], tables[7], sel), mask)
+        pairs += [prmt(lo, hi, 0x5140), prmt(lo, hi, 0x7362)]
+    return pairs
+
+
+words = [*torch.randint(0, 2**32, (2000,), generator=gen).tolist(), 0, 0xFFFFFFFF, 0x89ABCDEF, 0x76543210]
+for w in words:
+    assert nibble_pairs(w) == [pair_lut[(w >> 8 * j) & 0xFF] for j in range(4)], hex(w)
+print(f"prmt lookup == pair LUT for {len(words)} words (every byte value among them: "
+      f"{len({(w >> 8 * j) & 0xFF for w in words for j in range(4)})} of 256)")  # fmt: skip
+
+# %% [markdown]
+# The shared-memory stages (4-bit values; 4-bit and FP8 keys by 16-byte copies, 3-bit keys by 4-byte copies of
+# each thread's 12 bytes into a 16-byte slot): a stage holds a 64-key tile's keys as
 # `[64 keys][key bytes]` and its values as `[warp q][64 keys][16 bytes]` (chunk `q` of a key's value bytes is
 # warp `q`'s codes). Shared memory has 32 banks of 4 bytes; a warp's request takes one wavefront per phase
 # (32 lanes for 2- and 4-byte reads, 16 for 8-byte, 8 for 16-byte ones) plus one more for every further
