@@ -522,3 +522,59 @@ def centroid_rounding_bound(
         lse_bound[b] = rearrange(e, "hkv g -> (hkv g)")
         out_bound[b] = rearrange(torch.expm1(2 * e)[..., None] * spread, "hkv g d -> (hkv g) d")
     return out_bound, lse_bound
+
+
+FP16_UNIT = 2.0**-11  # |fp16(x) - x| <= 2^-11 |x| + 2^-25 for |x| <= 65504 (to nearest; 2^-25: half the subnormal step)
+FP16_SUBNORMAL = 2.0**-25
+
+
+def weight_rounding_bound(
+    query_basis: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    centroids: torch.Tensor,
+    scale: float,
+    config: TurboQuantConfig,
+) -> torch.Tensor:
+    """A bound on how far a decode that rounds each value weight ``w_j = p_j * v_scale_j`` to fp16 before its ``P V``
+    product (not as an fp16 hi + lo pair, as ours does) moves from golden scored with the same query and centroids.
+
+    For a kernel that rounds its query to fp16 once too, ``query_basis`` is that query in the keys' basis (for MSE
+    keys, the kernel's own rotated query rounded to fp16) and golden is run on it with ``PiT`` the identity and the
+    kernel's fp16 centroids: then the scores agree but for fp32 sums (the tolerance table's part) and only the
+    weights differ. Per split the output is ``(sum_j fp16(w_j) code_jd + sum_j p_j zero_j) / l`` with ``p_j <= 1``
+    against the split's running max and ``l >= 1``, and the splits merge with weights summing to 1, so
+    ``|fp16(w) - w| <= 2^-11 w + 2^-25`` moves it by at most ``2^-11 sum_j pi_j |v_jd - zero_j| + 2^-25 sum_j
+    |code_jd|`` (``pi`` golden's softmax, ``|code_jd| = |v_jd - zero_j| / v_scale_j``; a zero scale makes ``w_j = 0``
+    exactly). ``lse`` does not see the weights.
+
+    Args:
+        query_basis: ``[B, H, D]`` the query as the kernel scores it (float64 values); the rest as
+            :func:`golden.turboquant.turboquant_decode_attention` (``centroids``: the ones the kernel reads).
+
+    Returns:
+        ``out_bound [B, H, D]`` float64 on the CPU; 0 for an empty request.
+    """
+    query_basis, kv_cache, block_table, seq_lens, centroids = (
+        t.cpu() for t in (query_basis, kv_cache, block_table, seq_lens, centroids)
+    )
+    num_kv_heads = kv_cache.shape[2]
+    q = rearrange(query_basis.to(torch.float64), "b (hkv g) d -> b hkv g d", hkv=num_kv_heads)
+    out_bound = torch.zeros(query_basis.shape, dtype=torch.float64)
+    for b in range(query_basis.shape[0]):
+        length = int(seq_lens[b])
+        if length == 0:
+            continue
+        key_bytes, values, fields = tq.read_tokens(kv_cache, block_table[b], length, config)
+        if config.key_fp8:
+            keys = tq.e4m3_to_float(key_bytes)
+        else:
+            keys = tq.reconstruct_rotated_keys(key_bytes, fields[..., 0], centroids, config.key_quant_bits)
+        p = torch.softmax(scale * einsum(q[b], keys, "hkv g d, l hkv d -> hkv g l"), dim=-1)
+        v_scale, v_zero = fields[..., -2, None], fields[..., -1, None]  # [L, HKV, 1]
+        levels = (values - v_zero).abs()  # |code * v_scale|
+        codes = torch.where(v_scale != 0, levels / v_scale.abs(), 0.0).sum(dim=0)  # [HKV, D]
+        bound = FP16_UNIT * einsum(p, levels, "hkv g l, l hkv d -> hkv g d") + FP16_SUBNORMAL * codes[:, None, :]
+        out_bound[b] = rearrange(bound, "hkv g d -> (hkv g) d")
+    return out_bound
