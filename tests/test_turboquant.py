@@ -1196,6 +1196,39 @@ def test_decode_stays_within_the_centroid_rounding_bound_at_long_length_and_larg
     assert fails_tolerance(lse, exact_lse, ("turboquant", "lse", "float32"))
 
 
+def _kernel_rotated_query(query: torch.Tensor, pit: torch.Tensor, num_splits: int, precision: str) -> torch.Tensor:
+    """The decode's first launch alone (``turboquant._rotate_query_kernel``, the launch config of the decode plan):
+    the query rotated in fp32 into each split slot of a partials buffer, read back as ``[B, H, S, D]``."""
+    batch, heads, head_dim = query.shape
+    partials = torch.full((batch, heads, num_splits, head_dim + 1), float("nan"), device=query.device)
+    ttq._rotate_query_kernel[(batch, triton.cdiv(heads, 16), 4)](
+        query, pit, partials, heads, num_splits, *query.stride()[:2], *pit.stride(), *partials.stride()[:3],
+        HEAD_DIM=head_dim, BLOCK_M=16, BLOCK_D=128, D_CHUNK=32, PRECISION=precision, num_warps=4,
+    )  # fmt: skip
+    assert bool(partials[..., head_dim].isnan().all())  # the slot's lse column is not the rotation's
+    return partials[..., :head_dim]
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_query_rotation_stays_within_its_dot_bound(precision: str, device: torch.device) -> None:
+    """The decode's query rotation alone, against ``q @ PiT`` in float64: every split slot holds the same rotated
+    query, each element within the dot's bound (``dot_unit`` of :data:`TF32X3_GEMM`, which covers the fp32 FMA dot
+    too, times ``sum_k |q_k PiT[k, d]|``, plus the fp32 store's rounding), for queries of norm ~4 sqrt(D) in bf16
+    and fp16 and ``Pi`` passed transposed (as the decode reads it) or ``PiT`` itself. It is also the read-back a
+    check of an fp16-query kernel needs (``weight_rounding_bound``)."""
+    head_dim, gen = 128, generator(24)
+    _, pit, _, _ = _quantizer("turboquant_4bit_nc", head_dim)
+    for dtype, transposed in ((torch.bfloat16, True), (torch.float16, False)):
+        query = (torch.randn(3, 20, head_dim, generator=gen) * 4).to(dtype)
+        rotation = pit.T.contiguous().T if transposed else pit  # Pi read through swapped strides, or PiT
+        rotated = _kernel_rotated_query(query.to(device), rotation.to(device), 3, precision).cpu().double()
+        exact = query.double() @ pit.double()
+        bound = ptq.SECOND_ORDER * ptq.dot_unit(ptq.TF32X3_GEMM, head_dim) * (query.double().abs() @ pit.double().abs())
+        bound += ptq.U * exact.abs()
+        assert bool((rotated == rotated[:, :, :1]).all())
+        assert bool(((rotated - exact[:, :, None]).abs() <= bound[:, :, None]).all())
+
+
 def _decode_fp16_weights(query_basis, cache, table, seq_lens, centroids, config):
     """A float64 model of a decode that rounds each value weight ``p_j * v_scale_j`` to fp16 before its ``P V``
     product (``p_j`` against the request's max score: one split), scoring ``query_basis`` (the query in the keys'

@@ -124,9 +124,14 @@ def rotation_tolerance(key: torch.Tensor, PiT: torch.Tensor, gemm: GemmRounding 
     k = key.to("cpu", torch.float64)
     n = torch.linalg.vector_norm(k, dim=-1)
     a = (k.abs() / (n + tq.KEY_NORM_EPS)[..., None]) @ PiT.to("cpu", torch.float64).abs()
-    dot = _gamma(gemm.passes * head_dim, gemm.accumulation_unit) + 2 * gemm.operand_unit
-    coeff = SECOND_ORDER * (_gamma(head_dim) / 2 + dot + U + 3 * U_OP + (2 * head_dim + 4) * U64)
+    coeff = SECOND_ORDER * (_gamma(head_dim) / 2 + dot_unit(gemm, head_dim) + U + 3 * U_OP + (2 * head_dim + 4) * U64)
     return coeff * a
+
+
+def dot_unit(gemm: GemmRounding, head_dim: int) -> float:
+    """A ``head_dim``-term dot product that rounds as ``gemm`` says is within this times ``sum_j |a_j b_j|`` of
+    its exact value (the module docstring)."""
+    return _gamma(gemm.passes * head_dim, gemm.accumulation_unit) + 2 * gemm.operand_unit
 
 
 def norm_tolerance(head_dim: int, norm_correction: bool) -> float:
