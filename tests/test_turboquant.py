@@ -1232,6 +1232,43 @@ def test_query_rotation_stays_within_its_dot_bound(precision: str, device: torch
         assert bool(((rotated - exact[:, :, None]).abs() <= bound[:, :, None]).all())
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_decode_with_fp16_operands_stays_within_the_weight_rounding_bound(preset, device) -> None:
+    """``FP16_OPERANDS`` (a decode config key, off in every entry): the query and ``p * v_scale`` rounded once to
+    fp16, one MMA each, instead of hi + lo pairs. Checked as ``weight_rounding_bound`` says: golden fed the
+    kernel's own fp16 query (the rotation launch read back by :func:`_kernel_rotated_query`; FP8 keys: the query
+    as fp16) and fp16 centroids, within that bound plus the table tolerance, at L = 2048 with key norms ~8
+    sqrt(D), query norms ~4 sqrt(D) and values ~50; and the option is live (its output is not the default's)."""
+    head_dim, length, gen, splits = 128, 2048, generator(25), 4
+    cache, table, lens = _decode_setup(preset, head_dim, [length], 1, 16, gen, device, value_scale=50.0, key_scale=8.0)
+    query = (torch.randn(1, 4, head_dim, generator=gen) * 4).half()
+    config, pit, centroids, _ = _quantizer(preset, head_dim)
+    default = _decode_triton(query, cache, table, lens, preset, head_dim, max_num_kv_splits=splits)
+    lse = torch.empty(1, 4, device=device)
+    entries = {arch: {**entry, "FP16_OPERANDS": 1} for arch, entry in ttq.DECODE_CONFIGS.items()}
+    with mock.patch.dict(ttq.DECODE_CONFIGS, entries):
+        out = _decode_triton(query, cache, table, lens, preset, head_dim, lse_buf=lse, max_num_kv_splits=splits)
+        rotate_tf32x3 = ttq.select_decode_config(device, 4).get("ROTATE_TF32X3")
+    if config.key_fp8:
+        basis = query.double()  # read as fp16 by the kernel: already fp16
+    else:  # the decode reads Pi through swapped strides: Pi.T
+        rotated = _kernel_rotated_query(query.to(device), pit.T.contiguous().T.to(device), 1,
+                                        "tf32x3" if rotate_tf32x3 else "ieee")  # fmt: skip
+        basis = rotated[:, :, 0].cpu().half().double()
+    read, scale = centroids.half().float(), 1 / math.sqrt(head_dim)
+    golden, golden_lse = tq.turboquant_decode_attention(basis, cache.cpu(), table.cpu(), lens.cpu(),
+                                                        torch.eye(head_dim), read, scale, config)  # fmt: skip
+    bound = ptq.weight_rounding_bound(basis, cache, table, lens, read, scale, config)
+    out_tol = ptq.tolerance("turboquant", "out", torch.float16)
+    lse_tol = ptq.tolerance("turboquant", "lse", "float32")
+    out_err = (out.cpu().double() - golden).abs() - bound - out_tol.atol - out_tol.rtol * golden.abs()
+    lse_err = (lse.cpu().double() - golden_lse).abs() - lse_tol.atol - lse_tol.rtol * golden_lse.abs()
+    assert float(out_err.max()) <= 0 and float(lse_err.max()) <= 0
+    # Live: MSE keys score a rounded rotated query. (FP8 keys with an fp16 query may show no difference: the query
+    # is exact in fp16, and the weights' lo parts can fall below the output's fp16 rounding, as on the CPU here.)
+    assert config.key_fp8 or not torch.equal(out, default)
+
+
 def _decode_fp16_weights(query_basis, cache, table, seq_lens, centroids, config):
     """A float64 model of a decode that rounds each value weight ``p_j * v_scale_j`` to fp16 before its ``P V``
     product (``p_j`` against the request's max score: one split), scoring ``query_basis`` (the query in the keys'
@@ -1259,7 +1296,7 @@ def _decode_fp16_weights(query_basis, cache, table, seq_lens, centroids, config)
 @pytest.mark.parametrize("preset", PRESETS)
 def test_weight_rounding_bound_holds_at_long_length_and_large_norms(preset) -> None:
     """For a decode that rounds its MMA operands once to fp16 instead of our hi + lo pairs (half the score MMAs; on
-    sm_90 96 registers, not 128: ``benchmarks/variants/turboquant_decode_fp16_operands.patch``), the check: golden
+    sm_90 96 registers, not 128: the ``FP16_OPERANDS`` config key), the check: golden
     fed that kernel's fp16 query in the keys' basis (``PiT`` the identity) and its fp16 centroids scores as it does,
     and only the value weights' rounding is left between them, which ``weight_rounding_bound`` bounds. A float64
     model of such a kernel stays within it at L = 2048, key norms ~8 sqrt(D), query norms ~4 sqrt(D), values ~50;
@@ -1416,6 +1453,11 @@ for key_bits, value_bits in ((3, 3), (3, 4), (4, 4), (8, 4)):
                                                       stages=stages)
             resources = sass_resources(kernel.asm["cubin"])
             print(json.dumps([key_bits, value_bits, group, block_size, *resources, kernel.metadata.shared]))
+    for fp16_operands in (False, True):  # uncapped, the bench's group and block size
+        kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits, stages=stages,
+                                                  fp16_operands=fp16_operands)
+        print(json.dumps(["fp16" if fp16_operands else "pairs", key_bits, value_bits,
+                          *sass_resources(kernel.asm["cubin"])]))
 store_cap = turboquant.STORE_CONFIGS["sm90"].get("GLUON_MAXNREG")
 for key_bits in (3, 4):
     for value_bits in (3, 4):
@@ -1440,18 +1482,24 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
-    assert len(rows) == 24 + 8
+    assert len(rows) == 24 + 8 + 8
     # Decode: the staged presets (4-bit values) hold three stages of a 64-key tile, at most 40 KiB (FP8 keys), so
     # that four programs fit a SM; the others a few KiB.
-    for row in rows[:24]:
+    decode = [row for row in rows if isinstance(row[0], int)]
+    for row in decode:
         value_bits, registers, stack, shared = row[1], *row[4:]
         staged = value_bits == 4
         assert stack == 0 and registers <= 255 and shared <= (40 * 1024 if staged else 4096), row
+    # FP16_OPERANDS (one fp16 rounding of the query and p * v_scale): no stack and fewer registers than the hi + lo
+    # pairs, uncapped (Triton 3.6: 94-109 against 119-138; at 96 or fewer five programs share a SM).
+    pairs = {tuple(row[1:3]): row[3] for row in rows if row[0] == "pairs"}
+    for row in (row for row in rows if row[0] == "fp16"):
+        assert row[4] == 0 and row[3] < pairs[tuple(row[1:3])], (row, pairs)
     # The store: both bf16 parts of PiT (2 x 32 KiB) in shared memory, at the sm90 entry's cap of 168 registers
     # (three programs a SM), which spills 8-48 bytes under the H200's Triton 3.6 (the measured compiler) and
     # 136-528 under Triton 3.9 (not timed).
     spill = 48 if triton.__version__.startswith("3.6") else 528
-    for row in rows[24:]:
+    for row in (row for row in rows if row[0] == "store"):
         registers, stack, shared, flushing = row[3:]
         assert stack <= spill and registers <= 168 and 64 * 1024 <= shared <= 72 * 1024, row
         assert not flushing, row

@@ -168,6 +168,11 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # ahead (turboquant_sm90.stages: 4-bit values, any keys; 3-bit values load into registers: staged, 1.6x slower). A/B in
 # one call on the H200 (L=8K / 32K): k8v4 0.1755 -> 0.1598 / 0.6563 -> 0.5882 ms, 4-bit 0.2171 -> 0.1933 / 0.7612 ->
 # 0.6696 (4-bit uncapped: 0.2039 / 0.7165); the 42 decode property tests passed with it.
+# FP16_OPERANDS (in no entry yet): stage 1 rounds the query and p * v_scale once to fp16, one MMA each, not as hi + lo
+# pairs (both kernels). Compiled for sm_90 (Triton 3.6, three stages, uncapped) the Gluon stage 1 takes 94-109
+# registers instead of 119-138 and 10-13% fewer instructions a tile (4-bit keys 483 against 554 at the cap of 128):
+# five programs a SM would fit at 96. Not timed yet; tests/test_turboquant.py checks it against golden fed the
+# kernel's own fp16 query (parity.turboquant.weight_rounding_bound).
 # ROTATE_TF32X3 (sm90): the query's rotation (_rotate_query_kernel) on tensor cores in 3xTF32, not an fp32 FMA dot,
 # whose shared-memory reads were 82% bank conflicts: 12.2-12.9 us a call at B=32 H=32 (predicted: ~3 us). The bench's
 # whole call at L=8K, 08cfd74 -> 95ba40f: 4-bit 0.1929 -> 0.1844 ms, 3-bit keys 0.1864 -> 0.1789, 3-bit 0.2126 ->
@@ -921,6 +926,7 @@ def _decode_stage1_kernel(
     JOIN_UNPACK: tl.constexpr,  # code groups -> codes by joins, else by a reshape
     GATHER_WORDS: tl.constexpr,  # 3-bit fields: one contiguous load of the words, groups by tl.gather
     PREFETCH: tl.constexpr,  # 1: the next tile's loads issued before this tile's compute; 0: Triton's pipeliner
+    FP16_OPERANDS: tl.constexpr = 0,  # 1: the query and p * v_scale rounded once to fp16 (one MMA each), not hi + lo
 ):  # fmt: skip
     """Grid ``(B, HKV, S)``: a program owns one split of one request for one KV head.
 
@@ -942,8 +948,10 @@ def _decode_stage1_kernel(
     Numerics: the centroids are rounded to fp16 once (as upstream's kernel does); everything else
     keeps ~22 bits: the query and ``p * scale`` enter the MMAs as fp16 pairs ``hi + lo``, codes and
     e4m3 keys are exact in fp16, sums are fp32. Queries must stay below 65504 (as upstream's fp16
-    cast assumes). Online softmax in base 2; writes ``(o, lse)``, or ``(0, -inf)`` for an empty
-    split.
+    cast assumes). With ``FP16_OPERANDS`` (a config key, off in every entry) the query and ``p * scale``
+    are rounded once to fp16 instead, one MMA each (upstream's query cast; the bound a check needs is
+    ``triton_impl.parity.turboquant.weight_rounding_bound``). Online softmax in base 2; writes
+    ``(o, lse)``, or ``(0, -inf)`` for an empty split.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -1014,7 +1022,10 @@ def _decode_stage1_kernel(
         k = _key_tile(keys, pair_lut, codebook, centroid_ptr, KEY_BITS, USE_PAIR_LUT, SMEM_CODEBOOK, JOIN_UNPACK,
                       BLOCK_N, BLOCK_D)  # fmt: skip
         k = tl.trans(k)
-        qk = tl.dot(q_lo, k, tl.dot(q_hi, k)) * norm[None, :]
+        if FP16_OPERANDS:
+            qk = tl.dot(q_hi, k) * norm[None, :]
+        else:
+            qk = tl.dot(q_lo, k, tl.dot(q_hi, k)) * norm[None, :]
         s = tl.where(live[None, :], qk * score_scale, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: a tile has at least one live token
@@ -1025,7 +1036,10 @@ def _decode_stage1_kernel(
         else:
             v_codes = _small_int_to_f16(_codes(values, VALUE_BITS, BLOCK_N, BLOCK_D))
         w_hi, w_lo = _split_f16(p * v_scale[None, :])
-        pv = tl.dot(w_lo, v_codes, tl.dot(w_hi, v_codes))
+        if FP16_OPERANDS:
+            pv = tl.dot(w_hi, v_codes)
+        else:
+            pv = tl.dot(w_lo, v_codes, tl.dot(w_hi, v_codes))
         pv += tl.sum(p * v_zero[None, :], axis=1)[:, None]
         acc = acc * alpha[:, None] + pv
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -1285,6 +1299,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
                 VALUE_BITS=value_quant_bits, SLOT_BYTES=layout["data_bytes_per_slot"], NUM_KV_HEADS=num_kv_heads,
                 BLOCK_SIZE=block_size, STAGES=turboquant_sm90.stages(config.get("GLUON_STAGES", 0), key_bits,
                                                                      value_quant_bits),
+                FP16_OPERANDS=config.get("FP16_OPERANDS", 0),
                 **turboquant_sm90.launch_options(group, config.get("GLUON_MAXNREG"))))  # fmt: skip
     else:
         stage1 = _portable_stage1(config, query, kv_cache, table_2d, mid_o, scale, num_splits, num_kv_heads, block_size,
@@ -1329,6 +1344,7 @@ def _portable_stage1(config, query, kv_cache, table_2d, mid_o, scale, num_splits
         JOIN_UNPACK=bool(config["JOIN_UNPACK"]),
         GATHER_WORDS=bool(config["GATHER_WORDS"]),
         PREFETCH=config["PREFETCH"],
+        FP16_OPERANDS=config.get("FP16_OPERANDS", 0),
         WORD_ALIGNED_KEYS=aligned and key_bits == 4,
         WORD_ALIGNED_VALUES=aligned and value_quant_bits == 4 and layout["key_data_bytes"] % 4 == 0,
         BLOCK_M=max(16, next_pow2(group)),

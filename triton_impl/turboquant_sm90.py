@@ -32,7 +32,8 @@ tiles. Per tile:
   the copies of later tiles are in flight while this one computes, without holding registers.
 
 Numerics are the portable kernel's: centroids rounded to fp16 once, the query and ``p * scale`` as
-fp16 hi + lo pairs (two MMAs each), codes exact, fp32 sums. Supported: ``HEAD_DIM = 128``, 3- or
+fp16 hi + lo pairs (two MMAs each; with ``FP16_OPERANDS``, one fp16 rounding and one MMA each), codes exact, fp32
+sums. Supported: ``HEAD_DIM = 128``, 3- or
 4-bit MSE keys or FP8 keys, 3- or 4-bit values, a group of at most 16 query heads, a block size that is a
 multiple of 16, 16-byte aligned slots; :func:`supports` says whether a call qualifies.
 
@@ -123,7 +124,7 @@ def launch_options(group: int, maxnreg: int | None) -> dict[str, int]:
 
 
 def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, block_size: int = 16,
-                     maxnreg: int | None = None, stages: int = 0) -> Any:  # fmt: skip
+                     maxnreg: int | None = None, stages: int = 0, fp16_operands: bool = False) -> Any:  # fmt: skip
     """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a launch of the bench's
     shapes is (16-byte aligned pointers, the integer arguments that are multiples of 16 marked so, the
     block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``."""
@@ -140,7 +141,8 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
     key_bytes = 16 * key_bits  # D = 128 codes of key_bits bits (FP8 keys: 8)
     constexprs = dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=key_bytes, VALUE_BITS=value_bits,
                       SLOT_BYTES=key_bytes + 16 * value_bits,
-                      NUM_KV_HEADS=8, BLOCK_SIZE=block_size, STAGES=stages, stride_btc=1)  # fmt: skip
+                      NUM_KV_HEADS=8, BLOCK_SIZE=block_size, STAGES=stages, FP16_OPERANDS=int(fp16_operands),
+                      stride_btc=1)  # fmt: skip
     options = launch_options(group, maxnreg)
     constexprs["BLOCK_H"] = options.pop("BLOCK_H")
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "sm_scale" else "i32")
@@ -425,7 +427,8 @@ def _tile_loads(cache_ptr, pages, tile_start, start, end, kv_head, num_kv_heads,
 
 @gluon.jit
 def _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo, score_scale, m_i, l_part, z_part,
-               acc, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, KEY_BYTES: gl.constexpr):  # fmt: skip
+               acc, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, KEY_BYTES: gl.constexpr,
+               FP16_OPERANDS: gl.constexpr = 0):  # fmt: skip
     """One tile of the online softmax: scores ``K q^T``, the running max, ``(l, z)`` partial sums and ``O^T += V^T
     P^T`` (the module docstring says how each operand is built). Returns ``(m_i, l_part, z_part, acc)``."""
     mma: gl.constexpr = acc.type.layout
@@ -434,7 +437,10 @@ def _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_
     BLOCK_H: gl.constexpr = q_hi.shape[1]
     k = gl.convert_layout(_key_operand(k_words, pair_lut, KEY_BITS, KEY_BYTES), dot_a)
     zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
-    s = mma_v2(k, q_hi, zero) + mma_v2(k, q_lo, zero)  # two independent MMA chains
+    if FP16_OPERANDS:
+        s = mma_v2(k, q_hi, zero)
+    else:
+        s = mma_v2(k, q_hi, zero) + mma_v2(k, q_lo, zero)  # two independent MMA chains
     if KEY_BITS != 8:
         s = s * norm[:, None]
     s = gl.where(live[:, None], s * score_scale, float("-inf"))
@@ -445,12 +451,16 @@ def _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_
     z_part = z_part * alpha[None, :] + p * v_zero[:, None]
     w = p * v_scale[:, None]
     w_hi = w.to(gl.float16)
-    w_lo = (w - w_hi.to(gl.float32)).to(gl.float16)
-    # One B operand [BLOCK_N, 2 BLOCK_H] = [hi | lo]: one trip through shared memory, not two.
-    w2 = gl.reshape(gl.permute(gl.join(w_hi, w_lo), (0, 2, 1)), [BLOCK_N, 2 * BLOCK_H])
-    alpha2 = gl.reshape(gl.permute(gl.join(alpha[None, :], alpha[None, :]), (0, 2, 1)), [1, 2 * BLOCK_H])
-    v = gl.convert_layout(_value_operand(v_words, VALUE_BITS), dot_a)
-    acc = mma_v2(v, gl.convert_layout(w2, dot_b), acc * gl.convert_layout(alpha2, mma))
+    if FP16_OPERANDS:
+        v = gl.convert_layout(_value_operand(v_words, VALUE_BITS), dot_a)
+        acc = mma_v2(v, gl.convert_layout(w_hi, dot_b), acc * gl.convert_layout(alpha[None, :], mma))
+    else:
+        w_lo = (w - w_hi.to(gl.float32)).to(gl.float16)
+        # One B operand [BLOCK_N, 2 BLOCK_H] = [hi | lo]: one trip through shared memory, not two.
+        w2 = gl.reshape(gl.permute(gl.join(w_hi, w_lo), (0, 2, 1)), [BLOCK_N, 2 * BLOCK_H])
+        alpha2 = gl.reshape(gl.permute(gl.join(alpha[None, :], alpha[None, :]), (0, 2, 1)), [1, 2 * BLOCK_H])
+        v = gl.convert_layout(_value_operand(v_words, VALUE_BITS), dot_a)
+        acc = mma_v2(v, gl.convert_layout(w2, dot_b), acc * gl.convert_layout(alpha2, mma))
     return m_new, l_part, z_part, acc
 
 
@@ -572,6 +582,7 @@ def decode_stage1_kernel(
     BLOCK_SIZE: gl.constexpr,
     BLOCK_H: gl.constexpr,
     STAGES: gl.constexpr = 0,  # 0: each tile loaded into registers; else a ring of STAGES shared-memory stages
+    FP16_OPERANDS: gl.constexpr = 0,  # 1: the query and p * v_scale rounded once to fp16 (one MMA each), not hi + lo
 ):  # fmt: skip
     """Grid ``(B, HKV, S)``, 4 warps: the partial ``(o, lse)`` of one split of one request for one KV
     head's group, as ``turboquant._decode_stage1_kernel`` writes it (the module docstring says how)."""
@@ -633,7 +644,7 @@ def decode_stage1_kernel(
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, cols)
     l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)  # per-thread partial sums, reduced once at the end
     z_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
-    acc = gl.zeros([HEAD_DIM, 2 * BLOCK_H], gl.float32, mma)  # columns [hi parts | lo parts], summed at the end
+    acc = gl.zeros([HEAD_DIM, BLOCK_H if FP16_OPERANDS else 2 * BLOCK_H], gl.float32, mma)  # hi | lo parts, summed
     key_rows = gl.arange(0, BLOCK_N, layout=rows)
     tile = (start // 16) * 16  # tiles of 16-key chunks: one table entry each
     if STAGES == 0:
@@ -648,7 +659,7 @@ def decode_stage1_kernel(
                                 key_layout, value_layout)  # fmt: skip
             m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
                                                   score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS,
-                                                  key_bytes)  # fmt: skip
+                                                  key_bytes, FP16_OPERANDS)  # fmt: skip
     else:
         fields: gl.constexpr = 4 if NUM_FIELDS == 3 else 2
         key_copy: gl.constexpr = _copy_layout("keys", KEY_BITS, fields)
@@ -688,11 +699,12 @@ def decode_stage1_kernel(
                 NUM_FIELDS, key_layout, value_layout)  # fmt: skip
             m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
                                                   score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS,
-                                                  key_bytes)  # fmt: skip
+                                                  key_bytes, FP16_OPERANDS)  # fmt: skip
             stage = (stage + 1) % STAGES
         async_copy.wait_group(0)  # no copy outlives the program
 
-    acc = gl.convert_layout(gl.sum(gl.reshape(acc, [HEAD_DIM, 2, BLOCK_H]), axis=1), mma)
+    if not FP16_OPERANDS:
+        acc = gl.convert_layout(gl.sum(gl.reshape(acc, [HEAD_DIM, 2, BLOCK_H]), axis=1), mma)
     for p0 in range(first_page + 128, last_page, 128):  # splits of more than 128 blocks
         bad_pages |= _bad_pages(row_ptr, stride_btc, p0, last_page, num_blocks)
     poisoned = too_long | (gl.max(bad_pages.to(gl.int32), axis=0) > 0)
