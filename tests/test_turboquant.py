@@ -11,6 +11,7 @@ the kernel's path (a wrong store, a wrong decode input) and show each comparison
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import json
@@ -35,6 +36,7 @@ from golden.lse_merge import merge_states
 from tests.support import assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled
 from triton_impl import turboquant as ttq
 from triton_impl import turboquant_sm90 as ttq_sm90
+from triton_impl.launch import forget_plans
 from triton_impl.parity import turboquant as ptq
 
 PRESETS = sorted(tq.PRESETS)
@@ -1024,6 +1026,19 @@ def _decode_setup(preset, head_dim, seq_lens, num_kv_heads, block_size, gen, dev
     return cache.to(device), table.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device)
 
 
+@contextlib.contextmanager
+def _decode_config_table(entries: dict[str, dict[str, int]]):
+    """``DECODE_CONFIGS`` replaced by ``entries`` inside the block, with every plan forgotten on the way in and out:
+    a plan keeps the launch config of the table it was made from, and its key is the call's layout, so a call
+    shaped like an earlier one would otherwise run the earlier config."""
+    with mock.patch.dict(ttq.DECODE_CONFIGS, entries):
+        forget_plans()
+        try:
+            yield
+        finally:
+            forget_plans()
+
+
 def _decode_triton(query, cache, table, seq_lens, preset, head_dim, **kwargs):
     config, pit, centroids, _ = _quantizer(preset, head_dim)
     device = cache.device
@@ -1093,7 +1108,7 @@ EDGE_LENGTHS = sorted(
 def test_decode_matches_golden_on_the_same_bytes(seed, preset, head_dim, seq_lens, num_kv_heads, group, num_splits,
                                                  block_size, dtype, decode_config, device) -> None:  # fmt: skip
     """Lengths 0..300 and every tile/block edge, under each launch config a GPU or the interpreter selects."""
-    with mock.patch.dict(ttq.DECODE_CONFIGS, dict.fromkeys(ttq.DECODE_CONFIGS, decode_config)):
+    with _decode_config_table(dict.fromkeys(ttq.DECODE_CONFIGS, decode_config)):
         _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads, group, num_splits, block_size,
                                      dtype, device)  # fmt: skip
 
@@ -1246,7 +1261,7 @@ def test_decode_with_fp16_operands_stays_within_the_weight_rounding_bound(preset
     default = _decode_triton(query, cache, table, lens, preset, head_dim, max_num_kv_splits=splits)
     lse = torch.empty(1, 4, device=device)
     entries = {arch: {**entry, "FP16_OPERANDS": 1} for arch, entry in ttq.DECODE_CONFIGS.items()}
-    with mock.patch.dict(ttq.DECODE_CONFIGS, entries):
+    with _decode_config_table(entries):
         out = _decode_triton(query, cache, table, lens, preset, head_dim, lse_buf=lse, max_num_kv_splits=splits)
         rotate_tf32x3 = ttq.select_decode_config(device, 4).get("ROTATE_TF32X3")
     if config.key_fp8:
@@ -1559,7 +1574,7 @@ def test_decode_variants_outside_the_config_table_match_golden(variant, preset, 
     """The unpacking, lookup and prefetch variants the sweep times (benchmarks/sweep_memory_bound.py) that no
     table entry selects. Lengths give partly live tiles and an empty request; D = 64 too."""
     config = ttq.DECODE_CONFIGS["sm90"] | {"GLUON": 0} | variant  # the portable kernel's variants (sm_90 too)
-    with mock.patch.dict(ttq.DECODE_CONFIGS, dict.fromkeys(ttq.DECODE_CONFIGS, config)):
+    with _decode_config_table(dict.fromkeys(ttq.DECODE_CONFIGS, config)):
         _check_decode_against_golden(41, preset, 128, [300, 129], 2, 4, 2, 16, torch.float16, device)
         _check_decode_against_golden(42, preset, 128, [1, 0], 1, 4, 3, 16, torch.bfloat16, device)
         _check_decode_against_golden(43, preset, 64, [97, 200], 1, 2, 1, 32, torch.float16, device)
