@@ -1253,7 +1253,8 @@ def test_decode_with_fp16_operands_stays_within_the_weight_rounding_bound(preset
     fp16, one MMA each, instead of hi + lo pairs. Checked as ``weight_rounding_bound`` says: golden fed the
     kernel's own fp16 query (the rotation launch read back by :func:`_kernel_rotated_query`; FP8 keys: the query
     as fp16) and fp16 centroids, within that bound plus the table tolerance, at L = 2048 with key norms ~8
-    sqrt(D), query norms ~4 sqrt(D) and values ~50; and the option is live (its output is not the default's)."""
+    sqrt(D), query norms ~4 sqrt(D) and values ~50; and, for MSE keys, the option is live (its output is not the
+    default's)."""
     head_dim, length, gen, splits = 128, 2048, generator(25), 4
     cache, table, lens = _decode_setup(preset, head_dim, [length], 1, 16, gen, device, value_scale=50.0, key_scale=8.0)
     query = (torch.randn(1, 4, head_dim, generator=gen) * 4).half()
