@@ -561,9 +561,17 @@ def _request_keys_values(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Keys in the basis the query is scored in (rotated for MSE keys) and values, float64."""
     key_bytes, values, fields = read_tokens(kv_cache, block_table_row, num_tokens, config)
+    return score_basis_keys(key_bytes, fields, centroids, config), values
+
+
+def score_basis_keys(
+    key_bytes: torch.Tensor, fields: torch.Tensor, centroids: torch.Tensor, config: TurboQuantConfig
+) -> torch.Tensor:
+    """Keys from :func:`read_tokens`' bytes and fields, in the basis the query is scored in: MSE keys ``n c[idx]``
+    in the rotated basis (:func:`reconstruct_rotated_keys`), FP8 keys decoded. ``[..., D]`` float64."""
     if config.key_fp8:
-        return e4m3_to_float(key_bytes), values
-    return reconstruct_rotated_keys(key_bytes, fields[..., 0], centroids, config.key_quant_bits), values
+        return e4m3_to_float(key_bytes)
+    return reconstruct_rotated_keys(key_bytes, fields[..., 0], centroids, config.key_quant_bits)
 
 
 def _query_basis(query: torch.Tensor, PiT: torch.Tensor, config: TurboQuantConfig) -> torch.Tensor:

@@ -36,7 +36,7 @@ from golden.lse_merge import merge_states
 from tests.support import assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled
 from triton_impl import turboquant as ttq
 from triton_impl import turboquant_sm90 as ttq_sm90
-from triton_impl.launch import forget_plans
+from triton_impl.launch import current_target, forget_plans
 from triton_impl.parity import turboquant as ptq
 
 PRESETS = sorted(tq.PRESETS)
@@ -1212,14 +1212,11 @@ def test_decode_stays_within_the_centroid_rounding_bound_at_long_length_and_larg
 
 
 def _kernel_rotated_query(query: torch.Tensor, pit: torch.Tensor, num_splits: int, precision: str) -> torch.Tensor:
-    """The decode's first launch alone (``turboquant._rotate_query_kernel``, the launch config of the decode plan):
-    the query rotated in fp32 into each split slot of a partials buffer, read back as ``[B, H, S, D]``."""
+    """The decode's first launch alone (``turboquant.rotate_query_launch``, as the decode plan builds it): the query
+    rotated in fp32 into each split slot of a partials buffer, read back as ``[B, H, S, D]``."""
     batch, heads, head_dim = query.shape
     partials = torch.full((batch, heads, num_splits, head_dim + 1), float("nan"), device=query.device)
-    ttq._rotate_query_kernel[(batch, triton.cdiv(heads, 16), 4)](
-        query, pit, partials, heads, num_splits, *query.stride()[:2], *pit.stride(), *partials.stride()[:3],
-        HEAD_DIM=head_dim, BLOCK_M=16, BLOCK_D=128, D_CHUNK=32, PRECISION=precision, num_warps=4,
-    )  # fmt: skip
+    ttq.rotate_query_launch(query, pit.stride(), partials, precision)(current_target()[1], query, pit, partials)
     assert bool(partials[..., head_dim].isnan().all())  # the slot's lse column is not the rotation's
     return partials[..., :head_dim]
 
@@ -1293,10 +1290,7 @@ def _decode_fp16_weights(query_basis, cache, table, seq_lens, centroids, config)
     outs, lses = [], []
     for b in range(q.shape[0]):
         key_bytes, values, fields = tq.read_tokens(cache, table[b], int(seq_lens[b]), config)
-        if config.key_fp8:
-            keys = tq.e4m3_to_float(key_bytes)
-        else:
-            keys = tq.reconstruct_rotated_keys(key_bytes, fields[..., 0], centroids, config.key_quant_bits)
+        keys = tq.score_basis_keys(key_bytes, fields, centroids, config)
         scores = einsum(q[b], keys, "hkv g d, l hkv d -> hkv g l") / math.sqrt(q.shape[-1])
         top = scores.amax(dim=-1, keepdim=True)
         p = torch.exp(scores - top)

@@ -1307,15 +1307,24 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
                                   value_quant_bits, key_fp8, use_pair_lut)  # fmt: skip
     rotate = no_launch
     if not key_fp8:
-        block_m, block_d = 16, max(32, next_pow2(head_dim))
-        d_chunk = min(block_d, 32)  # [BLOCK_D, 32] fp32 of PiT per program: ~32 registers a thread
         pit_strides = rotation.stride() if PiT is not None else rotation.stride()[::-1]
-        rotate = Launch(_rotate_query_kernel, (batch, cdiv(num_heads, block_m), block_d // d_chunk), (
-            num_heads, num_splits, *query.stride()[:2], *pit_strides, *mid_o.stride()[:3],
-        ), dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d, D_CHUNK=d_chunk, num_warps=4,
-                PRECISION="tf32x3" if config.get("ROTATE_TF32X3") else "ieee"))  # fmt: skip
+        rotate = rotate_query_launch(query, pit_strides, mid_o, "tf32x3" if config.get("ROTATE_TF32X3") else "ieee")
     return make_plan(rotate, stage1, merge_splits_launch(batch, mid_o, output, lse), True,
                      contiguous_lens=seq_lens.shape[0] <= 1 or seq_lens.stride(0) == 1)  # fmt: skip
+
+
+def rotate_query_launch(query: torch.Tensor, pit_strides: tuple[int, int], mid_o: torch.Tensor,
+                        precision: str) -> Launch:  # fmt: skip
+    """The decode's first launch (:func:`_rotate_query_kernel`): ``q~ = q @ PiT`` into every split slot of ``mid_o``
+    (``[B, H, S, D+1]``, its ``S`` the call's splits), ``PiT`` read through ``pit_strides`` (``Pi``'s swapped);
+    launched as ``launch(stream, query, rotation, mid_o)``."""
+    batch, num_heads, head_dim = query.shape
+    block_m, block_d = 16, max(32, next_pow2(head_dim))
+    d_chunk = min(block_d, 32)  # [BLOCK_D, 32] fp32 of PiT per program: ~32 registers a thread
+    return Launch(_rotate_query_kernel, (batch, cdiv(num_heads, block_m), block_d // d_chunk), (
+        num_heads, mid_o.shape[2], *query.stride()[:2], *pit_strides, *mid_o.stride()[:3],
+    ), dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d, D_CHUNK=d_chunk, num_warps=4,
+            PRECISION=precision))  # fmt: skip
 
 
 def _portable_stage1(config, query, kv_cache, table_2d, mid_o, scale, num_splits, num_kv_heads, block_size, num_blocks,

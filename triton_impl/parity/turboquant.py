@@ -572,10 +572,7 @@ def weight_rounding_bound(
         if length == 0:
             continue
         key_bytes, values, fields = tq.read_tokens(kv_cache, block_table[b], length, config)
-        if config.key_fp8:
-            keys = tq.e4m3_to_float(key_bytes)
-        else:
-            keys = tq.reconstruct_rotated_keys(key_bytes, fields[..., 0], centroids, config.key_quant_bits)
+        keys = tq.score_basis_keys(key_bytes, fields, centroids, config)
         p = torch.softmax(scale * einsum(q[b], keys, "hkv g d, l hkv d -> hkv g l"), dim=-1)
         v_scale, v_zero = fields[..., -2, None], fields[..., -1, None]  # [L, HKV, 1]
         levels = (values - v_zero).abs()  # |code * v_scale|
