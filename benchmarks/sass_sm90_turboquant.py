@@ -109,13 +109,14 @@ def decode(preset: str, config: dict[str, int]) -> None:
 
 def gluon_decode(preset: str) -> None:
     """The sm_90 Gluon stage 1 (triton_impl/turboquant_sm90.py) as the bench launches it: 64-key tiles, 4 warps, the
-    sm90 entry's register cap and shared-memory stages."""
+    sm90 entry's register cap, shared-memory stages and operand rounding (``FP16_OPERANDS``)."""
     quantizer = TurboQuantConfig.from_cache_dtype(preset, 128)
     key_bits = 8 if quantizer.key_fp8 else quantizer.key_mse_bits
     config = ttq.decode_entry(ttq.DECODE_CONFIGS["sm90"], key_bits, quantizer.value_quant_bits)
     stages = turboquant_sm90.stages(config.get("GLUON_STAGES", 0), key_bits, quantizer.value_quant_bits)
     kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=quantizer.value_quant_bits,
-                                              maxnreg=config.get("GLUON_MAXNREG"), stages=stages)
+                                              maxnreg=config.get("GLUON_MAXNREG"), stages=stages,
+                                              fp16_operands=bool(config.get("FP16_OPERANDS")))
     count, mix, memory = _loop_mix(kernel.asm["cubin"])
     per_key = int(turboquant_sm90.NUM_WARPS) / int(turboquant_sm90.BLOCK_N)
     print(f"decode {preset} Gluon stage 1: {_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "

@@ -32,19 +32,22 @@ def nan_filled(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.full(shape, torch.iinfo(dtype).min, dtype=dtype, device=device)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, key: tuple[str, str, object] | Tolerance) -> None:
-    """Assert against the tolerance table entry ``(op, output, dtype)`` (or an explicit Tolerance)."""
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, key: tuple[str, str, object] | Tolerance,
+                 bound: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Assert against the tolerance table entry ``(op, output, dtype)`` (or an explicit Tolerance), widened by a
+    derived per-element ``bound`` where one is given."""
     tol = key if isinstance(key, Tolerance) else tolerance(*key)
-    cmp = compare(actual, expected, tol)
+    cmp = compare(actual, expected, tol, bound)
     assert cmp.ok, (
         f"max abs {cmp.max_abs:.3e}, max rel {cmp.max_rel:.3e} vs atol {tol.atol:g} rtol {tol.rtol:g}: {cmp.detail}"
     )
 
 
-def fails_tolerance(actual: torch.Tensor, expected: torch.Tensor, key: tuple[str, str, object] | Tolerance) -> bool:
-    """For negative controls: True when ``actual`` is outside the tolerance."""
+def fails_tolerance(actual: torch.Tensor, expected: torch.Tensor, key: tuple[str, str, object] | Tolerance,
+                    bound: torch.Tensor | None = None) -> bool:  # fmt: skip
+    """For negative controls: True when ``actual`` is outside the tolerance (and ``bound``, as :func:`assert_close`)."""
     tol = key if isinstance(key, Tolerance) else tolerance(*key)
-    return not compare(actual, expected, tol).ok
+    return not compare(actual, expected, tol, bound).ok
 
 
 def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -17,12 +17,14 @@ from triton_impl.tolerances import Comparison, Tolerance, compare
 
 @dataclass(frozen=True)
 class Check:
-    """One output of one case. ``tol=None`` means bit-exact (bytes, codes, indices)."""
+    """One output of one case. ``tol=None`` means bit-exact (bytes, codes, indices); ``bound`` adds a derived
+    per-element allowance to ``tol`` (:func:`triton_impl.tolerances.compare`)."""
 
     output: str
     actual: torch.Tensor
     expected: torch.Tensor
     tol: Tolerance | None
+    bound: torch.Tensor | None = None
 
 
 def exact(actual: torch.Tensor, expected: torch.Tensor) -> Comparison:
@@ -41,7 +43,7 @@ def compare_check(check: Check) -> Comparison:
     """The check's output against its expected value: bit-exact without a tolerance, else within it."""
     if check.tol is None:
         return exact(check.actual, check.expected)
-    return compare(check.actual, check.expected, check.tol)
+    return compare(check.actual, check.expected, check.tol, check.bound)
 
 
 def block_table_for(

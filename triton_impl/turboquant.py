@@ -158,21 +158,26 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # alone) were timed slower than the sm90 entry (0.4232 ms) and removed (the code is in fb849fb).
 # GLUON 1 (sm90 only): stage 1 runs triton_impl/turboquant_sm90.py, the Gluon kernel, for the layouts it serves
 # (turboquant_sm90.supports: D = 128, 3/4-bit or FP8 keys, 3/4-bit values, blocks of a multiple of 16 tokens); every
-# other call runs the portable kernel above with this entry's keys. GLUON_MAXNREG caps its registers (4-bit keys: 128,
-# four programs per SM; uncapped 128-137, and 8-9% slower). 3-bit values (GLUON_MAXNREG_v3 0: uncapped) compile to
-# 128 registers, 624 instructions a tile, where the cap of 128 gives 670 (Triton 3.6); their first Gluon version (two
-# loads a key, at 4208a61) needed the cap: 0.2594 / 0.9331 ms at L=8K / 32K capped, 0.2648 / 0.9711 uncapped at 140
-# registers; the shuffle and funnel shift of turboquant_sm90._value_words then took 0.2576 -> 0.2127 / 0.9303 ->
-# 0.7445 ms (H200, one call).
+# other call runs the portable kernel above with this entry's keys. GLUON_MAXNREG caps its registers (96 with
+# FP16_OPERANDS: five programs a SM, below). With hi + lo operands 4-bit keys ran capped at 128 (four programs a SM;
+# uncapped 128-137, and 8-9% slower), and 3-bit values uncapped at 128 registers, 624 instructions a tile, where the
+# cap of 128 gave 670 (Triton 3.6); their first Gluon version (two loads a key, at 4208a61) needed the cap: 0.2594 /
+# 0.9331 ms at L=8K / 32K capped, 0.2648 / 0.9711 uncapped at 140 registers; the shuffle and funnel shift of
+# turboquant_sm90._value_words then took 0.2576 -> 0.2127 / 0.9303 -> 0.7445 ms (H200, one call).
 # GLUON_STAGES (sm90): each tile's bytes go to a ring of that many shared-memory stages by cp.async, STAGES - 1 tiles
 # ahead (turboquant_sm90.stages: 4-bit values, any keys; 3-bit values load into registers: staged, 1.6x slower). A/B in
 # one call on the H200 (L=8K / 32K): k8v4 0.1755 -> 0.1598 / 0.6563 -> 0.5882 ms, 4-bit 0.2171 -> 0.1933 / 0.7612 ->
 # 0.6696 (4-bit uncapped: 0.2039 / 0.7165); the 42 decode property tests passed with it.
-# FP16_OPERANDS (in no entry yet): stage 1 rounds the query and p * v_scale once to fp16, one MMA each, not as hi + lo
-# pairs (both kernels). Compiled for sm_90 (Triton 3.6, three stages, uncapped) the Gluon stage 1 takes 94-109
-# registers instead of 119-138 and 10-13% fewer instructions a tile (4-bit keys 483 against 554 at the cap of 128):
-# five programs a SM would fit at 96. Not timed yet; tests/test_turboquant.py checks it against golden fed the
-# kernel's own fp16 query (parity.turboquant.weight_rounding_bound).
+# FP16_OPERANDS (sm90): stage 1 rounds the query and p * v_scale once to fp16, one MMA each, not as hi + lo pairs
+# (both kernels; upstream's kernel casts its query to fp16 the same way). Compiled for sm_90 (Triton 3.6, three
+# stages, uncapped) the Gluon stage 1 takes 94-109 registers instead of 119-138 and 10-13% fewer instructions a tile
+# (4-bit keys 483 against 554 at the cap of 128), so GLUON_MAXNREG 96 fits PROGRAMS_PER_SM 5. A/B in one call on the
+# H200 (stage 1 alone, us, L=8K / 32K; benchmarks/kernel_times.py): hi + lo at 128 registers and four programs a SM
+# -> fp16 operands at four -> fp16 operands at 96 and five: 4-bit 171.3 / 640.6 -> 162.8 / 607.6 -> 163.4 / 593.1,
+# k3v4 164.2 / 613.3 -> 157.6 / 588.4 -> 157.5 / 569.7, 3-bit 191.2 / 724.8 -> 182.9 / 691.7 -> 183.5 / 681.6, k8v4
+# 146.3 / 560.4 -> 143.0 / 552.1 -> 142.3 / 531.4. Five programs at 96 registers with hi + lo operands (spilling)
+# were slower: 4-bit 190.6 / 695.6. The check a call with it takes: parity.turboquant.decode_expected (golden fed the
+# kernel's own fp16 query, within weight_rounding_bound).
 # ROTATE_TF32X3 (sm90): the query's rotation (_rotate_query_kernel) on tensor cores in 3xTF32, not an fp32 FMA dot,
 # whose shared-memory reads were 82% bank conflicts: 12.2-12.9 us a call at B=32 H=32 (predicted: ~3 us). The bench's
 # whole call at L=8K, 08cfd74 -> 95ba40f: 4-bit 0.1929 -> 0.1844 ms, 3-bit keys 0.1864 -> 0.1789, 3-bit 0.2126 ->
@@ -191,8 +196,8 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
              "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
-             "GLUON_MAXNREG_k4": 128, "GLUON_MAXNREG_k3": 128, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4,
-             "GLUON_MAXNREG_v3": 0, "GLUON_STAGES": 3, "ROTATE_TF32X3": 1},
+             "GLUON_MAXNREG": 96, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 5, "GLUON_STAGES": 3, "ROTATE_TF32X3": 1,
+             "FP16_OPERANDS": 1},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -948,9 +953,9 @@ def _decode_stage1_kernel(
     Numerics: the centroids are rounded to fp16 once (as upstream's kernel does); everything else
     keeps ~22 bits: the query and ``p * scale`` enter the MMAs as fp16 pairs ``hi + lo``, codes and
     e4m3 keys are exact in fp16, sums are fp32. Queries must stay below 65504 (as upstream's fp16
-    cast assumes). With ``FP16_OPERANDS`` (a config key, off in every entry) the query and ``p * scale``
-    are rounded once to fp16 instead, one MMA each (upstream's query cast; the bound a check needs is
-    ``triton_impl.parity.turboquant.weight_rounding_bound``). Online softmax in base 2; writes
+    cast assumes). With ``FP16_OPERANDS`` (a config key, on in the sm90 entry) the query and ``p * scale``
+    are rounded once to fp16 instead, one MMA each (upstream's query cast; the check such a call takes is
+    ``triton_impl.parity.turboquant.decode_expected``). Online softmax in base 2; writes
     ``(o, lse)``, or ``(0, -inf)`` for an empty split.
     """
     b = tl.program_id(0)

@@ -45,6 +45,7 @@ class Row:
     comparison: Comparison
     tol: Tolerance | None
     seconds: float
+    bound_max: float | None = None  # the largest element of the check's derived bound, where it has one
 
 
 def _op_modules(ops: Sequence[str] | None) -> list[ModuleType]:
@@ -82,7 +83,8 @@ def run_cases(cases: Sequence[Case], device: torch.device, progress: bool = True
             continue
         seconds = time.perf_counter() - start
         for check in checks:
-            rows.append(Row(case.op, case.name, check.output, compare_check(check), check.tol, seconds))
+            bound_max = None if check.bound is None else float(check.bound.max()) if check.bound.numel() else 0.0
+            rows.append(Row(case.op, case.name, check.output, compare_check(check), check.tol, seconds, bound_max))
     if progress:
         sys.stderr.write(f"\r[{'#' * 30}] {len(cases)}/{len(cases)} done{' ' * 50}\n")
     return rows
@@ -93,6 +95,8 @@ def format_table(rows: Sequence[Row]) -> str:
     body = []
     for r in rows:
         tol = "exact" if r.tol is None else f"{r.tol.atol:g} / {r.tol.rtol:g}"
+        if r.bound_max is not None:
+            tol += f" + bound (max {r.bound_max:.2g})"
         if r.tol is None:
             err_abs = "0" if r.comparison.ok else f"{r.comparison.detail}"
             err_rel = "-"

@@ -73,9 +73,12 @@ from einops import einsum, rearrange
 
 from golden import turboquant as tq
 from golden.turboquant import TurboQuantConfig, hadamard_rotation, solve_lloyd_max, turboquant_decode_attention
+from triton_impl.launch import current_target
 from triton_impl.parity import Case, Check
 from triton_impl.tolerances import tolerance
 from triton_impl.turboquant import (
+    rotate_query_launch,
+    select_decode_config,
     select_store_config,
     triton_turboquant_decode_attention_v2,
     triton_turboquant_store,
@@ -337,16 +340,14 @@ def _case(name: str, preset: str, head_dim: int, heads: int, kv_heads: int, bloc
             config.key_packed_size, config.value_quant_bits, config.value_packed_size, key_fp8=config.key_fp8,
             norm_correction=config.norm_correction, lse_buf=lse, max_num_kv_splits=splits,
         )  # fmt: skip
-        ref_out, ref_lse = turboquant_decode_attention(
-            query, cache, table, seq_lens, pit, centroids.half().float(), head_dim**-0.5, config
-        )  # the centroids as the kernel reads them (fp16); centroid_rounding_bound bounds the difference
+        expected = decode_expected(query, cache, table, seq_lens, pit, centroids, head_dim**-0.5, config)
         store = compare_store(cache, before, key, value, slot_mapping, pit, midpoints, centroids, config,
                               kernel_store_gemm(device))
         ties = f"{store.ties('key codes')} key and {store.ties('value codes')} value codes in tie bands"
         return [
             Check(f"kv_cache ({ties})", store.violation_flags, torch.zeros_like(store.violation_flags), None),
-            Check("out", out, ref_out, tolerance("turboquant", "out", query.dtype)),
-            Check("lse", lse, ref_lse, tolerance("turboquant", "lse", "float32")),
+            Check("out", out, expected.out, tolerance("turboquant", "out", query.dtype), expected.out_bound),
+            Check("lse", lse, expected.lse, tolerance("turboquant", "lse", "float32")),
         ]
 
     return Case("turboquant", name, run)
@@ -401,12 +402,12 @@ def bench_cases() -> list:
 
             def check() -> list[Check]:
                 out = run()
-                ref_out, ref_lse = turboquant_decode_attention(query[:1], cache, table[:1], seq_lens[:1], pit,
-                                                               centroids.half().float(), head_dim**-0.5,
-                                                               config)  # fmt: skip
+                expected = decode_expected(query[:1], cache, table[:1], seq_lens[:1], pit, centroids,
+                                           head_dim**-0.5, config)  # fmt: skip
+                out_tol = tolerance("turboquant", "out", query.dtype)
                 return [
-                    Check("out", out[:1], ref_out, tolerance("turboquant", "out", query.dtype)),
-                    Check("lse", lse[:1], ref_lse, tolerance("turboquant", "lse", "float32")),
+                    Check("out", out[:1], expected.out, out_tol, expected.out_bound),
+                    Check("lse", lse[:1], expected.lse, tolerance("turboquant", "lse", "float32")),
                 ]
 
             # bf16 GQA decode of the same shape: the baseline the compressed cache must beat.
@@ -541,42 +542,120 @@ def weight_rounding_bound(
     centroids: torch.Tensor,
     scale: float,
     config: TurboQuantConfig,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """A bound on how far a decode that rounds each value weight ``w_j = p_j * v_scale_j`` to fp16 before its ``P V``
-    product (not as an fp16 hi + lo pair, as ours does) moves from golden scored with the same query and centroids.
+    product (not as an fp16 hi + lo pair) moves from golden scored with the same query and centroids.
 
-    For a kernel that rounds its query to fp16 once too, ``query_basis`` is that query in the keys' basis (for MSE
-    keys, the kernel's own rotated query rounded to fp16) and golden is run on it with ``PiT`` the identity and the
-    kernel's fp16 centroids: then the scores agree but for fp32 sums (the tolerance table's part) and only the
-    weights differ. Per split the output is ``(sum_j fp16(w_j) code_jd + sum_j p_j zero_j) / l`` with ``p_j <= 1``
-    against the split's running max and ``l >= 1``, and the splits merge with weights summing to 1, so
-    ``|fp16(w) - w| <= 2^-11 w + 2^-25`` moves it by at most ``2^-11 sum_j pi_j |v_jd - zero_j| + 2^-25 sum_j
-    |code_jd|`` (``pi`` golden's softmax, ``|code_jd| = |v_jd - zero_j| / v_scale_j``; a zero scale makes ``w_j = 0``
-    exactly). ``lse`` does not see the weights.
+    For a kernel that rounds its query to fp16 once too (``FP16_OPERANDS``), ``query_basis`` is that query in the
+    keys' basis (for MSE keys, the kernel's own rotated query rounded to fp16: :func:`kernel_rotated_query`) and
+    golden is run on it with ``PiT`` the identity and the kernel's fp16 centroids: then the scores agree but for fp32
+    sums (the tolerance table's part) and only the weights differ. Per split the output is ``(sum_j fp16(w_j)
+    code_jd + sum_j p_j zero_j) / l`` with ``p_j <= 1`` against the split's running max and ``l >= 1``, and the
+    splits merge with weights summing to 1, so ``|fp16(w) - w| <= 2^-11 w + 2^-25`` moves it by at most ``2^-11
+    sum_j pi_j |v_jd - zero_j| + 2^-25 sum_j |code_jd|`` (``pi`` golden's softmax over the keys summed, ``|code_jd|
+    = |v_jd - zero_j| / v_scale_j``; a zero scale makes ``w_j = 0`` exactly). ``lse`` does not see the weights.
 
     Args:
         query_basis: ``[B, H, D]`` the query as the kernel scores it (float64 values); the rest as
             :func:`golden.turboquant.turboquant_decode_attention` (``centroids``: the ones the kernel reads).
+        num_splits: the bound of each split's state (:func:`golden.turboquant.split_ranges`, the sums over that
+            split's keys) instead of the merged output's.
 
     Returns:
-        ``out_bound [B, H, D]`` float64 on the CPU; 0 for an empty request.
+        ``[B, H, D]`` (``[B, H, S, D]`` with ``num_splits``) float64 on the CPU; 0 for an empty request or split.
     """
     query_basis, kv_cache, block_table, seq_lens, centroids = (
         t.cpu() for t in (query_basis, kv_cache, block_table, seq_lens, centroids)
     )
     num_kv_heads = kv_cache.shape[2]
     q = rearrange(query_basis.to(torch.float64), "b (hkv g) d -> b hkv g d", hkv=num_kv_heads)
-    out_bound = torch.zeros(query_basis.shape, dtype=torch.float64)
-    for b in range(query_basis.shape[0]):
+    batch, num_heads, head_dim = query_basis.shape
+    out_bound = torch.zeros(batch, num_heads, num_splits or 1, head_dim, dtype=torch.float64)
+    for b in range(batch):
         length = int(seq_lens[b])
         if length == 0:
             continue
         key_bytes, values, fields = tq.read_tokens(kv_cache, block_table[b], length, config)
         keys = tq.score_basis_keys(key_bytes, fields, centroids, config)
-        p = torch.softmax(scale * einsum(q[b], keys, "hkv g d, l hkv d -> hkv g l"), dim=-1)
+        scores = scale * einsum(q[b], keys, "hkv g d, l hkv d -> hkv g l")
         v_scale, v_zero = fields[..., -2, None], fields[..., -1, None]  # [L, HKV, 1]
         levels = (values - v_zero).abs()  # |code * v_scale|
-        codes = torch.where(v_scale != 0, levels / v_scale.abs(), 0.0).sum(dim=0)  # [HKV, D]
-        bound = FP16_UNIT * einsum(p, levels, "hkv g l, l hkv d -> hkv g d") + FP16_SUBNORMAL * codes[:, None, :]
-        out_bound[b] = rearrange(bound, "hkv g d -> (hkv g) d")
-    return out_bound
+        codes = torch.where(v_scale != 0, levels / v_scale.abs(), 0.0)  # [L, HKV, D]
+        ranges = tq.split_ranges(length, num_splits) if num_splits else [(0, length)]
+        for split, (lo, hi) in enumerate(ranges):
+            if hi <= lo:
+                continue
+            p = torch.softmax(scores[..., lo:hi], dim=-1)
+            bound = FP16_UNIT * einsum(p, levels[lo:hi], "hkv g l, l hkv d -> hkv g d")
+            bound += FP16_SUBNORMAL * codes[lo:hi].sum(dim=0)[:, None, :]
+            out_bound[b, :, split] = rearrange(bound, "hkv g d -> (hkv g) d")
+    return out_bound if num_splits else out_bound[:, :, 0]
+
+
+def kernel_rotated_query(query: torch.Tensor, PiT: torch.Tensor, precision: str, num_splits: int = 1) -> torch.Tensor:
+    """The decode's first launch alone (``turboquant.rotate_query_launch``, as the decode plan builds it): ``query @
+    PiT`` in fp32 (``precision``: ``"ieee"`` or ``"tf32x3"``) into each split slot of a partials buffer on the
+    query's device, read back as ``[B, H, S, D]``. The rotation's value does not depend on ``PiT``'s strides."""
+    batch, heads, head_dim = query.shape
+    partials = torch.full((batch, heads, num_splits, head_dim + 1), float("nan"), device=query.device)
+    launch = rotate_query_launch(query, PiT.stride(), partials, precision)
+    launch(current_target()[1], query, PiT, partials)
+    if not bool(partials[..., head_dim].isnan().all()):
+        raise AssertionError("the query rotation wrote a split slot's lse column")
+    return partials[..., :head_dim]
+
+
+@dataclass(frozen=True)
+class DecodeExpected:
+    """What a decode call is checked against (:func:`decode_expected`): golden's ``out`` and ``lse`` (float64, on the
+    CPU) and ``out_bound``, the per-element allowance beyond the tolerance table (``None``: the table alone)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    out_bound: torch.Tensor | None
+
+
+def decode_expected(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    PiT: torch.Tensor,
+    centroids: torch.Tensor,
+    scale: float,
+    config: TurboQuantConfig,
+    num_splits: int | None = None,
+) -> DecodeExpected:
+    """Golden's decode as a call of ``triton_turboquant_decode_attention_v2`` on ``kv_cache``'s device is checked
+    against, under the decode config that device selects now (``select_decode_config``).
+
+    Both ways golden reads the kernel's fp16 centroids (:func:`centroid_rounding_bound` bounds that against the
+    exact codebook). With the config's ``FP16_OPERANDS`` off, golden scores the exact ``query @ PiT`` and the table
+    alone applies. With it on, the kernel scores ``fp16(q~)``, its own fp32 rotation rounded once to fp16 (FP8
+    keys: ``fp16(query)``), and rounds each value weight once to fp16: golden is fed that query (read back by
+    :func:`kernel_rotated_query`, ``PiT`` then the identity), so the scores agree, and :func:`weight_rounding_bound`
+    covers the weights. With ``num_splits``: stage 1's split states (``turboquant_decode_split_states``), ``out`` as
+    ``[B, H, S, D]`` and ``lse`` as ``[B, H, S]``.
+    """
+    device = kv_cache.device
+    key_bits = 8 if config.key_fp8 else config.key_mse_bits
+    entry = select_decode_config(device, key_bits, config.value_quant_bits)
+    read = centroids.cpu().half().float()
+    host = [t.cpu() for t in (kv_cache, block_table, seq_lens)]
+    if entry.get("FP16_OPERANDS"):
+        if config.key_fp8:
+            basis = query.cpu().half().double()
+        else:
+            precision = "tf32x3" if entry.get("ROTATE_TF32X3") else "ieee"
+            rotated = kernel_rotated_query(query.to(device), PiT.to(device), precision)
+            basis = rotated[:, :, 0].cpu().half().double()
+        rotation = torch.eye(query.shape[-1], dtype=torch.float64)
+        bound = weight_rounding_bound(basis, *host, read, scale, config, num_splits)
+    else:
+        basis, rotation, bound = query.cpu(), PiT.cpu(), None
+    if num_splits:
+        out, lse = tq.turboquant_decode_split_states(basis, *host, rotation, read, scale, config, num_splits)
+    else:
+        out, lse = turboquant_decode_attention(basis, *host, rotation, read, scale, config)
+    return DecodeExpected(out, lse, bound)
