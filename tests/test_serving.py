@@ -840,12 +840,15 @@ def test_host_overhead_per_call(case: tuple, monkeypatch: pytest.MonkeyPatch) ->
     kernels of MLA decode B=8 H=16 L=4K (20 us) hide the least of it: 26-27 us over graph replay in
     two runs of this test (before its untimed warm-up loop), 10.8 us in the table; MLA verify B=8 H=16 Q=4
     L=4K measured 26.4 us in one run (eager 52.6 us, 38.7 in the table: the host, not the graph, was
-    slower), 12.5 us in the table. Only meaningful with
+    slower), 12.5 us in the table, and MLA decode B=8 H=16 L=4K 27.2 us once more at 1aee0a3 (eager 47.4 us).
+    Host jitter only ever adds time, so the test measures three times and holds the smallest difference to the
+    budget: a regression of our host path shows in all three. Only meaningful with
     the GPU and the host to itself: beside other pytest workers both times stretch and their difference
     shrinks, so under xdist it is skipped and the GPU job runs it on its own."""
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
         pytest.skip("timing beside other pytest workers; run alone: pytest -n 0 -k host_overhead")
     monkeypatch.delenv(CONTENT_CHECKS_ENV, raising=False)
     _, kind, *shape = case
-    eager_us, graph_us = eager_and_graph_us(serving.build(kind, *shape))
-    assert eager_us - graph_us <= serving.BUDGET_US, (eager_us, graph_us)
+    run = serving.build(kind, *shape)
+    measured = [eager_and_graph_us(run) for _ in range(3)]
+    assert min(eager - graph for eager, graph in measured) <= serving.BUDGET_US, measured
