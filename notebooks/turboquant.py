@@ -411,9 +411,12 @@ for g in range(8):
 # the byte it picks, and bit 3 of code `i` is the top bit of a byte of `w` or `w << 4`); the same for the high
 # bytes; two more `prmt` interleave low and high bytes into fp16 pairs: 21 instructions for a word of 8 codes. The
 # cell runs those instructions' definitions and checks them against the pair LUT. On the H200 the kernel with it
-# (`benchmarks/variants/turboquant_decode_prmt_lut.patch`) had 4.9M shared-memory wavefronts instead of 18.9M, 575
-# bank conflicts instead of 9.8M, and the same time (stage 1 at L=8K 172.5 -> 174.9 us): the conflicts were not
-# what bound it. The hypothesis was worth one device call to test, and its patch is kept for the record.
+# first had 4.9M shared-memory wavefronts instead of 18.9M, 575 bank conflicts instead of 9.8M, and the same time
+# (stage 1 at L=8K 172.5 -> 174.9 us, four programs a SM, hi + lo operands): the kernel waited on latency, not on
+# its shared memory. With one fp16 rounding of the operands and five programs a SM the bound moved: Nsight Compute
+# put 3.1 of a warp's 10 cycles between instructions on waits for shared-memory instructions, and the same lookup
+# (`_nibble_pairs` in `triton_impl/turboquant_sm90.py`, 49 -> 15 shared loads a tile) took stage 1 from 163.9 to
+# 156.7 us at L=8K and 594.4 to 570.9 at 32K (one A/B call). So it is the kernel's lookup now.
 
 
 # %%

@@ -13,9 +13,10 @@ tiles. Per tile:
 - scores as ``S^T = K q^T``: the keys are the MMA's M (16 per warp), the group's query heads its N
   (``BLOCK_H`` >= 8): a GQA group of 4 fills half of each MMA, not a quarter. Each thread reads the
   contiguous key bytes of 32 dimensions (16 for 4-bit keys, one 16-byte load; 12 for 3-bit; 32 for
-  FP8) and turns each pair of codes into the register the A operand wants: the pair LUT's fp16
-  centroids of its two codes (a byte of 4-bit codes, 6 bits of 3-bit ones), or the hardware e4m3x2 ->
-  f16x2 conversion. That works because the dot product does not care in which order it visits the
+  FP8) and turns each pair of codes into the register the A operand wants: the fp16 centroids of its two
+  codes, for a byte of 4-bit codes picked by ``prmt`` from 8 registers holding the 16 centroids' bytes
+  (:func:`_nibble_pairs`: no memory access), for 6 bits of 3-bit ones gathered from a 64-entry pair LUT; or
+  the hardware e4m3x2 -> f16x2 conversion. That works because the dot product does not care in which order it visits the
   dimensions: the query is loaded in the same permuted order (:func:`_score_dim`).
 - the online softmax per head, across the 4 warps (the tile's row max is the one exchange);
   probabilities times the value scale, as fp16 hi and lo parts side by side (one ``[64, 2 BLOCK_H]``
@@ -44,9 +45,14 @@ kernel with the same splits: 3-bit keys 0.4019 / 1.5005; at vLLM's 32 splits and
 portable kernel at 8 rounds of programs: 0.4104 / 1.4686). With three stages (52ac88b): FP8 keys 0.1585 / 0.5891, 4-bit
 keys 0.1938 / 0.6699. With each thread's copies inside one 16-key chunk and 3-bit keys staged too (one call against
 the previous kernel, stage 1 alone, us): FP8 keys 150.1 -> 144.9 / 579.1 -> 555.6, 3-bit keys 178.0 -> 166.7 / 664.2
--> 622.9, 4-bit keys 172.2 -> 171.8 / 647.3 -> 647.9.
-``notebooks/results/perf_log.md`` has what bounds it (latency with 4 warps a scheduler: neither the pair-LUT
-gathers' bank conflicts nor a fourth stage) and the variants that lost.
+-> 622.9, 4-bit keys 172.2 -> 171.8 / 647.3 -> 647.9. With the query and weights rounded once to fp16 at 96 registers
+and five programs a SM (1aee0a3, the bench's whole call): FP8 keys 0.1466 / 0.5256, 4-bit keys 0.1775 / 0.6074, 3-bit
+keys 0.1706 / 0.5797, 3-bit keys and values 0.1976 / 0.6974. Then shared-memory instructions bound it (Nsight
+Compute, 4-bit keys at L=8K: 3.1 of 10 cycles between a warp's instructions waiting on them, L1 73% busy), and the
+4-bit keys' lookup by ``prmt`` instead of the shared-memory pair LUT (49 -> 15 shared loads a tile, 504 -> 618
+instructions) took stage 1 from 163.9 / 594.4 to 156.7 / 570.9 us (one A/B call; at four programs a SM with hi + lo
+operands it had not helped: 172.5 -> 174.9). ``notebooks/results/perf_log.md`` has the measurements and the variants
+that lost.
 
 The store (:func:`store_kernel`, bf16 keys at ``D = 128``, 3- or 4-bit MSE codes; :func:`store_supports`):
 persistent 4-warp programs over tiles of 64 (token, KV head) rows. Each program rounds ``PiT`` once into two bf16
@@ -229,6 +235,53 @@ def _code_pair_halves(x):
 
 
 @gluon.jit
+def _byte_table(centroid_ptr, FIRST: gl.constexpr, SHIFT: gl.constexpr):
+    """Byte ``SHIFT // 8`` of the fp16 centroids ``FIRST .. FIRST + 3``, packed: byte ``i`` is centroid
+    ``FIRST + i``'s."""
+    table = gl.to_tensor(0).to(gl.uint32)
+    for i in gl.static_range(4):
+        bits = gl.load(centroid_ptr + FIRST + i).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
+        table |= ((bits >> SHIFT) & 0xFF) << (8 * i)
+    return table
+
+
+@gluon.jit
+def _nibble_pairs(w, tables):
+    """uint32 of 8 4-bit codes -> 4 uint32, register ``j`` the fp16 centroids of codes ``2j`` (low half) and ``2j + 1``
+    (high half), by ``prmt`` from 8 table registers: the low 3 bits of 4 codes pick among centroids 0-7
+    (``tables[0:2]``, low bytes) and 8-15 (``tables[2:4]``); a byte mask from each code's bit 3 (``prmt``'s
+    sign-replicate mode) chooses; the same for the high bytes (``tables[4:8]``); two ``prmt`` interleave them."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b32 s0, s1, y, m0, m1, a, b, lo0, hi0, lo1, hi1;
+        and.b32 s0, $4, 0x77777777;
+        shr.b32 s1, s0, 16;
+        shl.b32 y, $4, 4;
+        prmt.b32 m0, $4, y, 0x9D8C;
+        prmt.b32 m1, $4, y, 0xBFAE;
+        prmt.b32 a, $5, $6, s0;
+        prmt.b32 b, $7, $8, s0;
+        lop3.b32 lo0, a, b, m0, 0xD8;
+        prmt.b32 a, $9, $10, s0;
+        prmt.b32 b, $11, $12, s0;
+        lop3.b32 hi0, a, b, m0, 0xD8;
+        prmt.b32 a, $5, $6, s1;
+        prmt.b32 b, $7, $8, s1;
+        lop3.b32 lo1, a, b, m1, 0xD8;
+        prmt.b32 a, $9, $10, s1;
+        prmt.b32 b, $11, $12, s1;
+        lop3.b32 hi1, a, b, m1, 0xD8;
+        prmt.b32 $0, lo0, hi0, 0x5140;
+        prmt.b32 $1, lo0, hi0, 0x7362;
+        prmt.b32 $2, lo1, hi1, 0x5140;
+        prmt.b32 $3, lo1, hi1, 0x7362;
+        }""",
+        "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+        [w, tables[0], tables[1], tables[2], tables[3], tables[4], tables[5], tables[6], tables[7]],
+        dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True, pack=1)  # fmt: skip
+
+
+@gluon.jit
 def _e4m3_pairs(x):
     """uint16 (two e4m3 bytes) -> uint32 holding both as fp16 (low byte in the low half): the
     hardware conversion, exact (every e4m3 value is an fp16 value; NaN codes give NaN)."""
@@ -288,16 +341,17 @@ def _key_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_bl
 @gluon.jit
 def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.constexpr):
     """Packed keys (:func:`_key_words`) -> ``[BLOCK_N, HEAD_DIM]`` fp16, K index ``k`` holding dimension
-    ``_score_dim(k)``: each pair of codes (4-bit: a byte; 3-bit: 6 bits; their two centroids, one gather from
-    the pair LUT) or 16-bit half word (FP8: the hardware e4m3x2 conversion) becomes one A-operand register of the
-    scores' MMA. ``words`` is in ``BYTES_LAYOUT`` sliced along its last dim."""
+    ``_score_dim(k)``: each pair of codes (4-bit: a byte, its two centroids by ``prmt`` from the 8 byte tables in
+    ``pair_lut``; 3-bit: 6 bits, one gather from the 64-entry pair LUT ``pair_lut``) or 16-bit half word (FP8: the
+    hardware e4m3x2 conversion) becomes one A-operand register of the scores' MMA. ``words`` is in
+    ``BYTES_LAYOUT`` sliced along its last dim."""
     if KEY_BITS == 8:
         halves = gl.join(words.to(gl.uint16), (words >> 16).to(gl.uint16))  # [..., w, 2]: u = 2w + half
         pairs = _e4m3_pairs(gl.reshape(halves, [4, 2, 8, 4, 16]))
     else:
         if KEY_BITS == 4:
-            pair_bits: gl.constexpr = 8
-            groups = words  # word w holds pairs u = 4w .. 4w + 3, a byte each
+            p0, p1, p2, p3 = _nibble_pairs(words, pair_lut)  # pair u = 4w + j of word w in p_j
+            pairs = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [4, 2, 8, 4, 16])
         else:
             # A thread's 32 codes are the 96 bits of its words 0-2: pair u (codes 2u, 2u + 1) is bits [6u, 6u + 6),
             # in the 24-bit group u // 4 (groups g at bits 24g: parts of one or two words).
@@ -309,9 +363,9 @@ def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.const
             g23 = gl.join(((w1 >> 16) | (w2 << 16)) & 0xFFFFFF, w2 >> 8)
             groups = gl.reshape(gl.permute(gl.join(g01, g23), (0, 1, 2, 3, 5, 4)), [4, 2, 8, 4, 4])
             groups = gl.convert_layout(groups, words.type.layout)
-        pair = (groups[:, :, :, :, :, None] >> (pair_bits * _iota(4, 5, 6, BYTES_LAYOUT))) & ((1 << pair_bits) - 1)
-        pair = gl.reshape(pair, [BLOCK_N * 64]).to(gl.int32)  # u = 4w + j
-        pairs = gl.reshape(gl.gather(pair_lut, pair, 0), [4, 2, 8, 4, 16])
+            pair = (groups[:, :, :, :, :, None] >> (pair_bits * _iota(4, 5, 6, BYTES_LAYOUT))) & ((1 << pair_bits) - 1)
+            pair = gl.reshape(pair, [BLOCK_N * 64]).to(gl.int32)  # u = 4w + j
+            pairs = gl.reshape(gl.gather(pair_lut, pair, 0), [4, 2, 8, 4, 16])
     lo, hi = _f16_halves(pairs)
     k = gl.join(lo, hi)  # [warp, half, quad, t, u, e]: dimension 32t + 2u + e
     k = gl.reshape(k, [4, 2, 8, 4, 8, 2, 2])  # u = 2c + j
@@ -631,9 +685,13 @@ def decode_stage1_kernel(
     q_hi = q.to(gl.float16)
     q_lo = (q - q_hi.to(gl.float32)).to(gl.float16)
 
-    pair_lut = 0
-    if not KEY_FP8:  # entry e (codes e & (2^bits - 1), e >> bits) is fp16(c_lo) | fp16(c_hi) << 16
-        lut_layout: gl.constexpr = gl.BlockedLayout([2 if KEY_BITS == 4 else 1], [32], [NUM_WARPS], [0])
+    pair_lut = 0  # 4-bit keys: 8 byte tables of the 16 fp16 centroids (_nibble_pairs); 3-bit: the 64-entry pair LUT
+    if KEY_BITS == 4:
+        pair_lut = (_byte_table(centroid_ptr, 0, 0), _byte_table(centroid_ptr, 4, 0), _byte_table(centroid_ptr, 8, 0),
+                    _byte_table(centroid_ptr, 12, 0), _byte_table(centroid_ptr, 0, 8), _byte_table(centroid_ptr, 4, 8),
+                    _byte_table(centroid_ptr, 8, 8), _byte_table(centroid_ptr, 12, 8))  # fmt: skip
+    elif not KEY_FP8:  # entry e (codes e & (2^bits - 1), e >> bits) is fp16(c_lo) | fp16(c_hi) << 16
+        lut_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
         entry = gl.arange(0, 1 << (2 * KEY_BITS), layout=lut_layout)
         code_lo = entry & ((1 << KEY_BITS) - 1)
         lo = gl.load(centroid_ptr + code_lo).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
