@@ -334,14 +334,15 @@ plt.show()
 # (`prmt`, no shared memory at all) cut its shared-memory wavefronts from 18.9M to 4.9M and left its time
 # where it was. The query's rotation, a first kernel, took 12-13 us of the L=8K call: its fp32 dot read shared
 # memory with 82% of the wavefronts bank conflicts; in 3xTF32 on tensor cores the MSE presets' calls are 7.5-8.5 us
-# faster. Last, the query and each weight `p * v_scale` are rounded once to fp16 (one MMA each, as upstream rounds
-# its query): 31.5 warp instructions per key for 4-bit keys, 32.1 for 3-bit keys, 39.4 for 3-bit keys and values,
-# 24.3 for FP8 keys (`benchmarks/sass_sm90_turboquant.py`), 88-96 registers, five programs per SM; stage 1 at L=32K
-# 4-bit 641 -> 593 us, FP8 keys 560 -> 531 (one A/B call). Its check feeds golden the kernel's own fp16 query and
-# adds a derived bound on the weights' rounding (`decode_expected`; at most 2.6-3.5e-3 on the parity table's
-# outputs, about their own fp16 rounding). What the rows below show (bench at 1aee0a3): every preset beats the bf16
-# decode, FP8 keys at 1.73x its speed at L=8K and 1.83x at 32K, 4-bit keys 1.42x and 1.59x, 3-bit keys 1.48x and
-# 1.66x, 3-bit keys and values 1.29x and 1.39x (the portable kernel: 0.62x and 0.66x); the goal, 4-bit at twice the
+# faster. Then the query and each weight `p * v_scale` are rounded once to fp16 (one MMA each, as upstream rounds
+# its query): 88-96 registers, five programs per SM; stage 1 at L=32K 4-bit 641 -> 593 us, FP8 keys 560 -> 531 (one
+# A/B call). Its check feeds golden the kernel's own fp16 query and adds a derived bound on the weights' rounding
+# (`decode_expected`; at most 2.6-3.5e-3 on the parity table's outputs, about their own fp16 rounding). With that,
+# shared-memory instructions became the bound, and 4-bit keys now take their centroids by `prmt` from registers
+# (below): 38.6 warp instructions per key (`benchmarks/sass_sm90_turboquant.py`) but 15 shared loads a tile instead
+# of 49, stage 1 594 -> 571 us at L=32K. What the rows below show (bench at 80898f0): every preset beats the bf16
+# decode, FP8 keys at 1.73x its speed at L=8K and 1.83x at 32K, 4-bit keys 1.51x and 1.70x, 3-bit keys 1.52x and
+# 1.72x, 3-bit keys and values 1.32x and 1.43x (the portable kernel: 0.62x and 0.66x); the goal, 4-bit at twice the
 # bf16 speed, is not reached.
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory.
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
