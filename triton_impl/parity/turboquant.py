@@ -1,11 +1,13 @@
 """Parity cases for TurboQuant: the SoA store (against golden within its rounding bands) and the
-split-KV decode, every preset; :func:`compare_store`, the store check the tests use too; and
-:func:`centroid_rounding_bound`, how far the decode may move because it reads its centroids as fp16.
+split-KV decode, every preset; :func:`compare_store`, the store check the tests use too;
+:func:`decode_expected`, the decode check the tests use too; :func:`centroid_rounding_bound`, how far the
+decode may move because it reads its centroids as fp16; and :func:`weight_rounding_bound`, how far where it
+rounds its value weights once to fp16 (the config key ``FP16_OPERANDS``, on in the sm90 entry).
 
 Each case stores the same tokens with the Triton kernel, checks the bytes with
 :func:`compare_store` (golden's float64 store, codes and fp16 fields allowed to fall either way
 only inside a tie band derived from the fp32 error bound), then decodes with the Triton kernel and
-with golden on the kernel's bytes (float64). Llama-3-8B style GQA (32 query heads, 8 KV heads,
+with golden on the kernel's bytes (float64, :func:`decode_expected`). Llama-3-8B style GQA (32 query heads, 8 KV heads,
 D = 128) on a GPU; fewer heads and tokens on a CPU.
 
 The error bound. ``u = 2^-24`` is fp32's unit roundoff, ``u_op = 2^-22`` covers one elementary
