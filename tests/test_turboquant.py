@@ -1039,6 +1039,11 @@ def _decode_config_table(entries: dict[str, dict[str, int]]):
             forget_plans()
 
 
+def _fp16_operands(on: int):
+    """:func:`_decode_config_table` with every entry's ``FP16_OPERANDS`` set to ``on``."""
+    return _decode_config_table({arch: {**entry, "FP16_OPERANDS": on} for arch, entry in ttq.DECODE_CONFIGS.items()})
+
+
 def _decode_triton(query, cache, table, seq_lens, preset, head_dim, **kwargs):
     config, pit, centroids, _ = _quantizer(preset, head_dim)
     device = cache.device
@@ -1160,8 +1165,7 @@ def test_decode_comparison_catches_planted_errors(fp16_operands, query_scale, de
     cache, table, lens = _decode_setup(preset, head_dim, [length], 1, 16, gen, device, key_scale=3.0)
     query = torch.randn(1, 4, head_dim, generator=gen) * query_scale
     config, _, centroids, _ = _quantizer(preset, head_dim)
-    entries = {arch: {**entry, "FP16_OPERANDS": fp16_operands} for arch, entry in ttq.DECODE_CONFIGS.items()}
-    with _decode_config_table(entries):
+    with _fp16_operands(fp16_operands):
         _check_planted_errors(query, cache, table, lens, preset, head_dim, splits, length, config, centroids, device)
 
 
@@ -1213,8 +1217,7 @@ def test_decode_stays_within_the_centroid_rounding_bound_at_long_length_and_larg
     query = (torch.randn(1, 4, head_dim, generator=gen) * 4).half()
     config, pit, centroids, _ = _quantizer(preset, head_dim)
     lse = torch.empty(1, 4, device=device)
-    entries = {arch: {**entry, "FP16_OPERANDS": 0} for arch, entry in ttq.DECODE_CONFIGS.items()}
-    with _decode_config_table(entries):
+    with _fp16_operands(0):
         out = _decode_triton(query, cache, table, lens, preset, head_dim, lse_buf=lse, max_num_kv_splits=4)
     exact, exact_lse = _decode_golden(query, cache, table, lens, preset, head_dim, exact_centroids=True)
     rounded, rounded_lse = _decode_golden(query, cache, table, lens, preset, head_dim)
@@ -1271,8 +1274,7 @@ def test_decode_with_fp16_operands_stays_within_the_weight_rounding_bound(preset
     config = _quantizer(preset, head_dim)[0]
     outs = []
     for fp16_operands in (0, 1):
-        entries = {arch: {**entry, "FP16_OPERANDS": fp16_operands} for arch, entry in ttq.DECODE_CONFIGS.items()}
-        with _decode_config_table(entries):
+        with _fp16_operands(fp16_operands):
             lse = torch.empty(1, 4, device=device)
             out = _decode_triton(query, cache, table, lens, preset, head_dim, lse_buf=lse, max_num_kv_splits=splits)
             expected = _decode_expected(query, cache, table, lens, preset, head_dim)
