@@ -34,7 +34,7 @@ from triton.compiler import compile as triton_compile
 from golden.turboquant import TurboQuantConfig
 from triton_impl import turboquant as ttq
 from triton_impl import turboquant_sm90
-from triton_impl.bench import cuobjdump
+from triton_impl.bench import SASS_UNIFORM_MOVE, cuobjdump, sass_code
 from triton_impl.launch import register_cap
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -42,13 +42,11 @@ DECODE_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*u8", "block_table_ptr": "*i3
                    "centroid_ptr": "*fp32", "partials_ptr": "*fp32"}  # fmt: skip
 STORE_POINTERS = {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*u8", "cache_u16_ptr": "*u16",
                   "slot_ptr": "*i64", "pit_ptr": "*fp32", "midpoint_ptr": "*fp32", "centroid_ptr": "*fp32"}  # fmt: skip
-ADDRESS = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
 # The bench's decode launch (B=32, H=32, HKV=8, D=128, block 16, 32 splits): Triton specializes every integer
 # argument that is a multiple of 16 (these) and the block table's unit column stride (a constant 1).
 DECODE_DIVISIBLE = ("num_splits", "block_size", "num_blocks", "table_keys", "stride_block", "data_bytes_per_slot",
                     "meta_offset", "stride_qb", "stride_qh", "stride_bt", "stride_pb", "stride_ph")  # fmt: skip
 MEMORY_OPS = ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "STSM", "BAR", "SHFL", "LDL", "STL")
-BRANCH = re.compile(r"\bBRA\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)")
 
 
 def _compile(fn, pointers: dict[str, str], constexprs: dict[str, int], options: dict[str, int],
@@ -68,18 +66,18 @@ def _resources(cubin: bytes) -> str:
     return " ".join(re.findall(r"(?:REG|STACK):\d+", line))
 
 
-def _loop_mix(cubin: bytes) -> tuple[int, list[tuple[str, int]], dict[str, int]]:
+def _loop_mix(cubin: bytes) -> tuple[int, list[tuple[str, int]], dict[str, int], int]:
     """Instructions of the widest loop (a backward branch to its head, self-branches excluded): the
-    decode's tile loop. Returns the count, the 12 commonest opcodes and the memory and barrier
-    instructions by opcode with their width (``LDG.E.128``, ``STS.U16``, ...)."""
-    code = [(int(m.group(1), 16), m.group(2), m.group(3), line) for line in cuobjdump(cubin, "-sass").splitlines()
-            if (m := ADDRESS.match(line))]  # fmt: skip
-    loops = [(int(b.group(1), 16), address) for address, _, _, line in code
-             if (b := BRANCH.search(line)) and int(b.group(1), 16) < address]  # fmt: skip
+    decode's tile loop. Returns the count, the 12 commonest opcodes, the memory and barrier
+    instructions by opcode with their width (``LDG.E.128``, ``STS.U16``, ...) and the moves of a uniform
+    register into a per-thread one."""
+    code, loops = sass_code(cubin)
     head, tail = max(loops, key=lambda loop: loop[1] - loop[0])
-    body = [(opcode, opcode + suffix) for address, opcode, suffix, _ in code if head <= address <= tail]
-    memory = collections.Counter(full for opcode, full in body if opcode in MEMORY_OPS)
-    return len(body), collections.Counter(opcode for opcode, _ in body).most_common(12), dict(sorted(memory.items()))
+    body = [(opcode, opcode + suffix, line) for address, opcode, suffix, line in code if head <= address <= tail]
+    memory = collections.Counter(full for opcode, full, _ in body if opcode in MEMORY_OPS)
+    moves = sum(bool(SASS_UNIFORM_MOVE.search(line)) for _, _, line in body)
+    return (len(body), collections.Counter(opcode for opcode, _, _ in body).most_common(12),
+            dict(sorted(memory.items())), moves)  # fmt: skip
 
 
 def decode(preset: str, config: dict[str, int]) -> None:
@@ -98,7 +96,7 @@ def decode(preset: str, config: dict[str, int]) -> None:
     options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"],
                **register_cap(config.get("maxnreg"))}  # fmt: skip
     kernel = _compile(ttq._decode_stage1_kernel, DECODE_POINTERS, constexprs, options, DECODE_DIVISIBLE)
-    count, mix, memory = _loop_mix(kernel.asm["cubin"])
+    count, mix, memory, _ = _loop_mix(kernel.asm["cubin"])
     per_key = config["num_warps"] / config["BLOCK_N"]
     shared = sum(n for op, n in memory.items() if op.startswith(("LDS", "STS")))
     print(f"decode {preset} {config}: {_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
@@ -117,21 +115,11 @@ def gluon_decode(preset: str) -> None:
     kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=quantizer.value_quant_bits,
                                               maxnreg=config.get("GLUON_MAXNREG"), stages=stages,
                                               fp16_operands=bool(config.get("FP16_OPERANDS")))
-    count, mix, memory = _loop_mix(kernel.asm["cubin"])
+    count, mix, memory, moves = _loop_mix(kernel.asm["cubin"])
     per_key = int(turboquant_sm90.NUM_WARPS) / int(turboquant_sm90.BLOCK_N)
     print(f"decode {preset} Gluon stage 1: {_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
-          f"{count} instructions per warp per tile = {count * per_key:.1f} warp instructions per key and KV head; "
-          f"{mix}; memory and barriers {memory}")  # fmt: skip
-
-
-def _sass(cubin: bytes) -> tuple[list[tuple[int, str, str, str]], list[tuple[int, int]]]:
-    """The SASS as ``(address, opcode, suffixes, line)`` and its loops as ``(head, tail)`` addresses (a backward
-    branch to the head; self-branches excluded)."""
-    code = [(int(m.group(1), 16), m.group(2), m.group(3), line) for line in cuobjdump(cubin, "-sass").splitlines()
-            if (m := ADDRESS.match(line))]  # fmt: skip
-    loops = [(int(b.group(1), 16), address) for address, _, _, line in code
-             if (b := BRANCH.search(line)) and int(b.group(1), 16) < address]  # fmt: skip
-    return code, loops
+          f"{count} instructions per warp per tile = {count * per_key:.1f} warp instructions per key and KV head, "
+          f"{moves} of them moves of a uniform register; {mix}; memory and barriers {memory}")  # fmt: skip
 
 
 def _outer_loops(loops: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -160,7 +148,7 @@ def _weighted_mix(cubin: bytes, trips: int) -> dict[str, collections.Counter]:
     row-chunk loops both run ``HEAD_DIM / D_CHUNK`` times), padding NOPs left out: an estimate of what
     one program executes per warp. A software-pipelined loop's prologue counts once. One count per path
     (:func:`_grid_paths`: the grid's lookup or the binary search), each without the other path's loop nest."""
-    code, loops = _sass(cubin)
+    code, loops = sass_code(cubin)
     mixes = {}
     for path, skip in _grid_paths(code, loops).items():
         mix: collections.Counter = collections.Counter()
@@ -207,7 +195,7 @@ def gluon_store(preset: str) -> None:
     kernel = turboquant_sm90.compile_store_for_sm90(key_bits=layout.key_mse_bits, value_bits=layout.value_quant_bits,
                                                     norm_correction=layout.norm_correction)  # fmt: skip
     cubin = kernel.asm["cubin"]
-    code, loops = _sass(cubin)
+    code, loops = sass_code(cubin)
     nests = _outer_loops(loops)
     for path, skip in _grid_paths(code, loops).items():
         head, tail = max((n for n in nests if n not in skip), key=lambda n: n[1] - n[0])

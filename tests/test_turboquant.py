@@ -1459,7 +1459,7 @@ def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correct
 _SM90_COMPILE = """
 import json
 from triton_impl import turboquant, turboquant_sm90
-from triton_impl.bench import sass_resources
+from triton_impl.bench import SASS_UNIFORM_MOVE, sass_resources, sass_widest_loop
 for key_bits, value_bits in ((3, 3), (3, 4), (4, 4), (8, 4)):
     entry = turboquant.decode_entry(turboquant.DECODE_CONFIGS["sm90"], key_bits, value_bits)
     stages = turboquant_sm90.stages(entry.get("GLUON_STAGES", 0), key_bits, value_bits)
@@ -1469,7 +1469,8 @@ for key_bits, value_bits in ((3, 3), (3, 4), (4, 4), (8, 4)):
                                                       block_size=block_size, maxnreg=entry.get("GLUON_MAXNREG"),
                                                       stages=stages, fp16_operands=bool(entry.get("FP16_OPERANDS")))
             resources = sass_resources(kernel.asm["cubin"])
-            print(json.dumps([key_bits, value_bits, group, block_size, *resources, kernel.metadata.shared]))
+            moves = sum(bool(SASS_UNIFORM_MOVE.search(line)) for line in sass_widest_loop(kernel.asm["cubin"]))
+            print(json.dumps([key_bits, value_bits, group, block_size, *resources, kernel.metadata.shared, moves]))
     for fp16_operands in (False, True):  # uncapped, the bench's group and block size
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits, stages=stages,
                                                   fp16_operands=fp16_operands)
@@ -1492,7 +1493,7 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     """The Gluon fast paths never run under the interpreter: compile them for sm_90 here (a process of its own,
     TRITON_INTERPRET=0). Decode stage 1: every preset's key and value widths (with the sm90 entry's register cap,
     stages and operand rounding), groups 1/4/16 and two block sizes, with no stack (3-bit keys: 8 bytes, outside the
-    loop) and at most 40 KiB of shared memory.
+    loop), at most 40 KiB of shared memory and, for 4-bit keys, no uniform register copied at each use in the loop.
     Store: 3/4-bit keys and values, with and without norm correction, at the sm90 entry's register cap (the spills
     bounded below), and no multiply, fma or min that flushes subnormals (the grid bucketize reads the bits of
     subnormal results: ``turboquant_sm90.grid_slot``)."""
@@ -1504,12 +1505,16 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     # Decode: the staged presets (4-bit values) hold three stages of a 64-key tile, at most 40 KiB (FP8 keys), so
     # that five programs fit a SM; the others a few KiB. At the entry's cap of 96 registers 3-bit keys keep 8 bytes
     # of stack at group 4 (Triton 3.6), outside the tile loop: no LDL or STL in it (benchmarks/sass_sm90_turboquant.py).
+    # The 4-bit keys' byte tables live in per-thread registers (turboquant_sm90._byte_table): in uniform registers
+    # ptxas copies one into a per-thread register at each use, 68-71 moves a tile (Triton 3.6 and 3.9); with the
+    # identity prmt 3-10 of any kind are left (bookkeeping of the loop).
     decode = [row for row in rows if isinstance(row[0], int)]
     for row in decode:
-        key_bits, value_bits, registers, stack, shared = row[0], row[1], *row[4:]
+        key_bits, value_bits, registers, stack, shared, moves = row[0], row[1], *row[4:]
         staged = value_bits == 4
         assert stack <= (8 if key_bits == 3 else 0), row
         assert registers <= 255 and shared <= (40 * 1024 if staged else 4096), row
+        assert key_bits != 4 or moves <= 16, row
     # FP16_OPERANDS (one fp16 rounding of the query and p * v_scale): no stack and fewer registers than the hi + lo
     # pairs, uncapped (Triton 3.6: 94-109 against 119-138; at 96 or fewer five programs share a SM).
     pairs = {tuple(row[1:3]): row[3] for row in rows if row[0] == "pairs"}

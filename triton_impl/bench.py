@@ -214,6 +214,30 @@ def cuobjdump(cubin: bytes, flag: str) -> str:
         return done.stdout
 
 
+# A SASS instruction of ``cuobjdump -sass``: address, opcode and modifiers (a predicate skipped); a branch target.
+SASS_INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
+SASS_BRANCH = re.compile(r"\bBRA\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)")
+# A move of a uniform register into a per-thread one (``IMAD.U32 Rd, RZ, RZ, URs`` or ``MOV Rd, URs``).
+SASS_UNIFORM_MOVE = re.compile(r"\b(?:IMAD\.U32 R\d+, RZ, RZ, UR\d+|MOV R\d+, UR\d+)\b")
+
+
+def sass_code(cubin: bytes) -> tuple[list[tuple[int, str, str, str]], list[tuple[int, int]]]:
+    """A cubin's SASS as ``(address, opcode, modifiers, line)`` and its loops as ``(head, tail)`` addresses (a
+    backward branch to the head; self-branches excluded)."""
+    code = [(int(m.group(1), 16), m.group(2), m.group(3), line) for line in cuobjdump(cubin, "-sass").splitlines()
+            if (m := SASS_INSTRUCTION.match(line))]  # fmt: skip
+    loops = [(int(b.group(1), 16), address) for address, _, _, line in code
+             if (b := SASS_BRANCH.search(line)) and int(b.group(1), 16) < address]  # fmt: skip
+    return code, loops
+
+
+def sass_widest_loop(cubin: bytes) -> list[str]:
+    """The SASS lines of a cubin's widest loop (a kernel's tile loop, where it has one)."""
+    code, loops = sass_code(cubin)
+    head, tail = max(loops, key=lambda loop: loop[1] - loop[0])
+    return [line for address, _, _, line in code if head <= address <= tail]
+
+
 def sass_resources(cubin: bytes) -> tuple[int, int]:
     """``(registers, stack bytes)`` per thread of a cubin's (last) kernel, from ``cuobjdump -res-usage``."""
     line = [x for x in cuobjdump(cubin, "-res-usage").splitlines() if "REG:" in x][-1]

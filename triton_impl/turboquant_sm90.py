@@ -51,8 +51,10 @@ keys 0.1706 / 0.5797, 3-bit keys and values 0.1976 / 0.6974. Then shared-memory 
 Compute, 4-bit keys at L=8K: 3.1 of 10 cycles between a warp's instructions waiting on them, L1 73% busy), and the
 4-bit keys' lookup by ``prmt`` instead of the shared-memory pair LUT (49 -> 15 shared loads a tile, 504 -> 618
 instructions) took stage 1 from 163.9 / 594.4 to 156.7 / 570.9 us (one A/B call; at four programs a SM with hi + lo
-operands it had not helped: 172.5 -> 174.9). ``notebooks/results/perf_log.md`` has the measurements and the variants
-that lost.
+operands it had not helped: 172.5 -> 174.9). Its 8 byte tables then sat in uniform registers, copied into per-thread
+ones at every use (68 moves a tile); held per thread (:func:`_byte_table`), the tile loop has 565 instructions at 90
+registers (Triton 3.6; not yet timed). ``notebooks/results/perf_log.md`` has the measurements and the variants that
+lost.
 
 The store (:func:`store_kernel`, bf16 keys at ``D = 128``, 3- or 4-bit MSE codes; :func:`store_supports`):
 persistent 4-warp programs over tiles of 64 (token, KV head) rows. Each program rounds ``PiT`` once into two bf16
@@ -237,12 +239,18 @@ def _code_pair_halves(x):
 @gluon.jit
 def _byte_table(centroid_ptr, FIRST: gl.constexpr, SHIFT: gl.constexpr):
     """Byte ``SHIFT // 8`` of the fp16 centroids ``FIRST .. FIRST + 3``, packed: byte ``i`` is centroid
-    ``FIRST + i``'s."""
+    ``FIRST + i``'s, in a per-thread register. The same value in every thread would live in a uniform register,
+    and ``prmt`` reads at most one: ptxas then copies a table into a per-thread register at each use (68 moves a
+    4-bit tile). So the table passes through an identity ``prmt`` whose selector carries the lane id in its upper
+    16 bits, which ``prmt`` ignores: the result is the table, bit for bit, and no longer uniform to ptxas (618 -> 565
+    instructions a tile, Triton 3.6)."""
     table = gl.to_tensor(0).to(gl.uint32)
     for i in gl.static_range(4):
         bits = gl.load(centroid_ptr + FIRST + i).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
         table |= ((bits >> SHIFT) & 0xFF) << (8 * i)
-    return table
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 s; mov.b32 s, %laneid; shl.b32 s, s, 16; or.b32 s, s, 0x3210; prmt.b32 $0, $1, 0, s; }",
+        "=r,r", [table], dtype=gl.uint32, is_pure=True, pack=1)  # fmt: skip
 
 
 @gluon.jit
