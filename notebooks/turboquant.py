@@ -343,10 +343,10 @@ plt.show()
 # shared-memory instructions became the bound, and 4-bit keys now take their centroids by `prmt` from registers
 # (below): 38.6 warp instructions per key (`benchmarks/sass_sm90_turboquant.py`) but 15 shared loads a tile instead
 # of 49, stage 1 594 -> 571 us at L=32K; its byte tables held per thread rather than in uniform registers (which
-# `prmt` cannot read two of: a copy at every use) leave 35.3 (not yet timed). What the rows below show (bench at 80898f0): every preset beats the bf16
-# decode, FP8 keys at 1.73x its speed at L=8K and 1.83x at 32K, 4-bit keys 1.51x and 1.70x, 3-bit keys 1.52x and
-# 1.72x, 3-bit keys and values 1.32x and 1.43x (the portable kernel: 0.62x and 0.66x); the goal, 4-bit at twice the
-# bf16 speed, is not reached.
+# `prmt` cannot read two of: a copy at every use) leave 35.3 (not yet timed). What the rows below show (bench at
+# 80898f0): every preset beats the bf16 decode, FP8 keys at 1.73x its speed at L=8K and 1.83x at 32K, 4-bit keys
+# 1.51x and 1.70x, 3-bit keys 1.52x and 1.72x, 3-bit keys and values 1.32x and 1.43x (the portable kernel: 0.62x and
+# 0.66x); the goal, 4-bit at twice the bf16 speed, is not reached.
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory.
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
 

@@ -1459,7 +1459,7 @@ def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correct
 _SM90_COMPILE = """
 import json
 from triton_impl import turboquant, turboquant_sm90
-from triton_impl.bench import SASS_UNIFORM_MOVE, sass_resources, sass_widest_loop
+from triton_impl.bench import SASS_UNIFORM_MOVE, sass_loop, sass_resources
 for key_bits, value_bits in ((3, 3), (3, 4), (4, 4), (8, 4)):
     entry = turboquant.decode_entry(turboquant.DECODE_CONFIGS["sm90"], key_bits, value_bits)
     stages = turboquant_sm90.stages(entry.get("GLUON_STAGES", 0), key_bits, value_bits)
@@ -1469,7 +1469,7 @@ for key_bits, value_bits in ((3, 3), (3, 4), (4, 4), (8, 4)):
                                                       block_size=block_size, maxnreg=entry.get("GLUON_MAXNREG"),
                                                       stages=stages, fp16_operands=bool(entry.get("FP16_OPERANDS")))
             resources = sass_resources(kernel.asm["cubin"])
-            moves = sum(bool(SASS_UNIFORM_MOVE.search(line)) for line in sass_widest_loop(kernel.asm["cubin"]))
+            moves = sum(bool(SASS_UNIFORM_MOVE.search(line)) for line in sass_loop(kernel.asm["cubin"], "HMMA"))
             print(json.dumps([key_bits, value_bits, group, block_size, *resources, kernel.metadata.shared, moves]))
     for fp16_operands in (False, True):  # uncapped, the bench's group and block size
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits, stages=stages,

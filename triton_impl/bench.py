@@ -231,10 +231,11 @@ def sass_code(cubin: bytes) -> tuple[list[tuple[int, str, str, str]], list[tuple
     return code, loops
 
 
-def sass_widest_loop(cubin: bytes) -> list[str]:
-    """The SASS lines of a cubin's widest loop (a kernel's tile loop, where it has one)."""
+def sass_loop(cubin: bytes, opcode: str) -> list[str]:
+    """The SASS lines of the innermost loop that holds an ``opcode`` instruction (a kernel's tile loop: ``HMMA``)."""
     code, loops = sass_code(cubin)
-    head, tail = max(loops, key=lambda loop: loop[1] - loop[0])
+    holding = [(h, t) for h, t in loops if any(h <= address <= t and op == opcode for address, op, _, _ in code)]
+    head, tail = min(holding, key=lambda loop: loop[1] - loop[0])
     return [line for address, _, _, line in code if head <= address <= tail]
 
 
