@@ -17,6 +17,7 @@ import functools
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -1454,6 +1455,76 @@ def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correct
                             ptq.BF16X2_GEMM)  # fmt: skip
     print(f"sm90 store {preset} nc={norm_correction}: {cmp.summary()}")
     assert cmp.ok, cmp.summary()
+
+
+def _run_ptx(asm: str, inputs: list[int], outputs: int, laneid: int = 0) -> list[int]:
+    """A model of the b32 PTX our inline lookups use, on Python ints: ``mov`` (of ``%laneid``), ``and``, ``or``,
+    ``shl``, ``shr``, ``prmt`` (its default mode: 4 selector nibbles, the high bit replicating the byte's sign) and
+    ``lop3`` (bit ``4a + 2b + c`` of the immediate); ``$k`` the operands, the ``outputs`` results first."""
+    regs = {f"${k}": 0 for k in range(outputs)} | {f"${outputs + k}": v & 0xFFFFFFFF for k, v in enumerate(inputs)}
+
+    def value(token: str) -> int:
+        token = token.strip()
+        if token == "%laneid":
+            return laneid
+        return regs[token] if token in regs else int(token, 0)
+
+    for line in asm.replace("{", ";").replace("}", ";").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        x = [value(a) for a in src]
+        if op == "mov.b32":
+            out = x[0]
+        elif op == "and.b32":
+            out = x[0] & x[1]
+        elif op == "or.b32":
+            out = x[0] | x[1]
+        elif op == "shl.b32":
+            out = x[0] << x[1]
+        elif op == "shr.b32":
+            out = x[0] >> x[1]
+        elif op == "prmt.b32":
+            source, out = x[0] | (x[1] << 32), 0
+            for i in range(4):
+                select = (x[2] >> (4 * i)) & 0xF
+                byte = (source >> (8 * (select & 7))) & 0xFF
+                if select & 8:
+                    byte = 0xFF if byte & 0x80 else 0
+                out |= byte << (8 * i)
+        elif op == "lop3.b32":
+            out = sum((((x[3] >> ((((x[0] >> i) & 1) << 2) | (((x[1] >> i) & 1) << 1) | ((x[2] >> i) & 1))) & 1) << i)
+                      for i in range(32))  # fmt: skip
+        else:
+            raise AssertionError(f"no model of {op}")
+        regs[dst] = out & 0xFFFFFFFF
+    return [regs[f"${k}"] for k in range(outputs)]
+
+
+def _byte_tables(centroids: list[int], first: int, count: int) -> list[int]:
+    """``_byte_table``'s registers for ``count`` groups of 4 fp16 bit patterns from ``first``: low bytes, then high."""
+    return [sum(((centroids[first + 4 * g + i] >> shift) & 0xFF) << (8 * i) for i in range(4))
+            for shift in (0, 8) for g in range(count)]  # fmt: skip
+
+
+def test_inline_ptx_of_the_4bit_lookup_does_what_its_docstrings_say() -> None:
+    """The 4-bit keys' lookup runs only compiled (sm_90 Gluon), so its inline PTX is checked here on a model of its
+    instructions (:func:`_run_ptx`): the identity ``prmt`` returns its table in every lane (the lane id sits in
+    selector bits ``prmt`` ignores), and ``NIBBLE_PAIRS_ASM`` turns 8 4-bit codes into the fp16 pairs of their
+    centroids, for random words and random fp16 bit patterns (signs included: the choice between centroids 0-7 and
+    8-15 replicates the code's bit 3, never a centroid's sign). A wrong selector or lop3 table fails it."""
+    rng = random.Random(5)
+    for _ in range(200):
+        table = rng.getrandbits(32)
+        assert all(_run_ptx(ttq_sm90.PER_THREAD_ASM.value, [table], 1, lane) == [table] for lane in range(32))
+        centroids = [rng.getrandbits(16) for _ in range(16)]
+        word = rng.getrandbits(32)
+        tables = _byte_tables(centroids, 0, 4)
+        codes = [(word >> (4 * i)) & 0xF for i in range(8)]
+        expected = [centroids[codes[2 * j]] | (centroids[codes[2 * j + 1]] << 16) for j in range(4)]
+        assert _run_ptx(ttq_sm90.NIBBLE_PAIRS_ASM.value, [word, *tables], 4) == expected, (hex(word), centroids)
 
 
 _SM90_COMPILE = """

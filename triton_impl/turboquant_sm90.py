@@ -236,31 +236,12 @@ def _code_pair_halves(x):
         "=h,=h,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=1)  # fmt: skip
 
 
-@gluon.jit
-def _byte_table(centroid_ptr, FIRST: gl.constexpr, SHIFT: gl.constexpr):
-    """Byte ``SHIFT // 8`` of the fp16 centroids ``FIRST .. FIRST + 3``, packed: byte ``i`` is centroid
-    ``FIRST + i``'s, in a per-thread register. The same value in every thread would live in a uniform register,
-    and ``prmt`` reads at most one: ptxas then copies a table into a per-thread register at each use (68 moves a
-    4-bit tile). So the table passes through an identity ``prmt`` whose selector carries the lane id in its upper
-    16 bits, which ``prmt`` ignores: the result is the table, bit for bit, and no longer uniform to ptxas (618 -> 565
-    instructions a tile, Triton 3.6)."""
-    table = gl.to_tensor(0).to(gl.uint32)
-    for i in gl.static_range(4):
-        bits = gl.load(centroid_ptr + FIRST + i).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
-        table |= ((bits >> SHIFT) & 0xFF) << (8 * i)
-    return gl.inline_asm_elementwise(
-        "{ .reg .b32 s; mov.b32 s, %laneid; shl.b32 s, s, 16; or.b32 s, s, 0x3210; prmt.b32 $0, $1, 0, s; }",
-        "=r,r", [table], dtype=gl.uint32, is_pure=True, pack=1)  # fmt: skip
-
-
-@gluon.jit
-def _nibble_pairs(w, tables):
-    """uint32 of 8 4-bit codes -> 4 uint32, register ``j`` the fp16 centroids of codes ``2j`` (low half) and ``2j + 1``
-    (high half), by ``prmt`` from 8 table registers: the low 3 bits of 4 codes pick among centroids 0-7
-    (``tables[0:2]``, low bytes) and 8-15 (``tables[2:4]``); a byte mask from each code's bit 3 (``prmt``'s
-    sign-replicate mode) chooses; the same for the high bytes (``tables[4:8]``); two ``prmt`` interleave them."""
-    return gl.inline_asm_elementwise(
-        """{
+# The inline PTX of the 4-bit keys' lookup, module-level so that a test runs it through a model of its instructions
+# (tests/test_turboquant.py), as the interpreter cannot: an identity ``prmt`` whose selector carries the lane id in the
+# 16 bits ``prmt`` ignores (:func:`_byte_table`), and the byte-table lookup of 8 codes (:func:`_nibble_pairs`).
+PER_THREAD_ASM = gl.constexpr(
+    "{ .reg .b32 s; mov.b32 s, %laneid; shl.b32 s, s, 16; or.b32 s, s, 0x3210; prmt.b32 $0, $1, 0, s; }")
+NIBBLE_PAIRS_ASM = gl.constexpr("""{
         .reg .b32 s0, s1, y, m0, m1, a, b, lo0, hi0, lo1, hi1;
         and.b32 s0, $4, 0x77777777;
         shr.b32 s1, s0, 16;
@@ -283,8 +264,33 @@ def _nibble_pairs(w, tables):
         prmt.b32 $1, lo0, hi0, 0x7362;
         prmt.b32 $2, lo1, hi1, 0x5140;
         prmt.b32 $3, lo1, hi1, 0x7362;
-        }""",
-        "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+        }""")
+
+
+@gluon.jit
+def _byte_table(centroid_ptr, FIRST: gl.constexpr, SHIFT: gl.constexpr):
+    """Byte ``SHIFT // 8`` of the fp16 centroids ``FIRST .. FIRST + 3``, packed: byte ``i`` is centroid
+    ``FIRST + i``'s, in a per-thread register. The same value in every thread would live in a uniform register,
+    and ``prmt`` reads at most one: ptxas then copies a table into a per-thread register at each use (68 moves a
+    4-bit tile). So the table passes through an identity ``prmt`` whose selector carries the lane id in its upper
+    16 bits, which ``prmt`` ignores (:data:`PER_THREAD_ASM`): the result is the table, bit for bit, and no longer
+    uniform to ptxas (618 -> 565 instructions a tile, Triton 3.6)."""
+    table = gl.to_tensor(0).to(gl.uint32)
+    for i in gl.static_range(4):
+        bits = gl.load(centroid_ptr + FIRST + i).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
+        table |= ((bits >> SHIFT) & 0xFF) << (8 * i)
+    return gl.inline_asm_elementwise(PER_THREAD_ASM, "=r,r", [table], dtype=gl.uint32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _nibble_pairs(w, tables):
+    """uint32 of 8 4-bit codes -> 4 uint32, register ``j`` the fp16 centroids of codes ``2j`` (low half) and ``2j + 1``
+    (high half), by ``prmt`` from 8 table registers: the low 3 bits of 4 codes pick among centroids 0-7
+    (``tables[0:2]``, low bytes) and 8-15 (``tables[2:4]``); a byte mask from each code's bit 3 (``prmt``'s
+    sign-replicate mode) chooses; the same for the high bytes (``tables[4:8]``); two ``prmt`` interleave them
+    (:data:`NIBBLE_PAIRS_ASM`)."""
+    return gl.inline_asm_elementwise(
+        NIBBLE_PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
         [w, tables[0], tables[1], tables[2], tables[3], tables[4], tables[5], tables[6], tables[7]],
         dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True, pack=1)  # fmt: skip
 
