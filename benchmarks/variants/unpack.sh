@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Make the ignored folder variants/<name>/ of each patch here (all of them, or those named: tma_loader ...):
+# the files a patch touches, taken from HEAD and patched, for `.ci/gpu_job variants` (README.md here says how).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+names=("$@")
+if [ ${#names[@]} -eq 0 ]; then
+  for patch in benchmarks/variants/*.patch; do names+=("$(basename "$patch" .patch)"); done
+fi
+for name in "${names[@]}"; do
+  patch=benchmarks/variants/$name.patch
+  rm -rf "variants/$name"
+  for file in $(git apply --numstat "$patch" | cut -f3); do
+    mkdir -p "variants/$name/$(dirname "$file")"
+    git show "HEAD:$file" > "variants/$name/$file"
+  done
+  git apply --unsafe-paths --directory="variants/$name" "$patch"
+  echo "variants/$name: $(git apply --numstat "$patch" | cut -f3 | tr '\n' ' ')"
+done
