@@ -41,7 +41,7 @@ from triton.compiler import ASTSource
 from triton.compiler import compile as triton_compile
 
 from triton_impl import ue8m0_cache as ue8m0
-from triton_impl.bench import cuobjdump
+from triton_impl.bench import SASS_BRANCH, SASS_INSTRUCTION, cuobjdump
 from triton_impl.launch import register_cap
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -49,14 +49,12 @@ BLOCK_SIZE = 64
 INSERT_POINTERS = {"k_ptr": "*i16", "slot_mapping_ptr": "*i64", "cache_ptr": "*u8"}
 GATHER_POINTERS = {"out_ptr": "*i16", "cache_ptr": "*u8", "seq_lens_ptr": "*i32", "gather_lens_ptr": "*i32",
                    "block_table_ptr": "*i32", "table_ptr": "*u8"}  # fmt: skip
-ADDRESS = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
 MEMORY = ("LDG", "STG", "LDS", "STS", "LDL", "STL")  # LDL / STL: spills
 # Bytes one thread moves per global access, by the width modifier (none: 32 bits).
 WIDTH_BYTES = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
 # sm_90: 64K registers (allocated per warp in units of 256) and 228 KB of shared memory (1 KB of it
 # reserved per block) per SM, at most 32 blocks and 64 warps.
 SM_REGISTERS, SM_SHARED, SM_BLOCKS, SM_WARPS = 65536, 228 * 1024, 32, 64
-BRANCH = re.compile(r"\bBRA\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)")
 # H200 SXM: 132 SMs x 4 schedulers issuing one warp instruction per clock at up to 1.98 GHz.
 WARP_ISSUE_PER_S = 132 * 4 * 1.98e9
 COPY_BYTES_PER_S = 4.221e12
@@ -83,7 +81,7 @@ def _resources(cubin: bytes) -> tuple[int, int]:
 def _code(cubin: bytes) -> list[tuple[int, str, str]]:
     """(address, opcode, line); global and shared memory opcodes keep their modifiers (``LDG.E.128``)."""
     return [(int(m.group(1), 16), m.group(2) + m.group(3) * m.group(2).startswith(MEMORY), line)
-            for line in cuobjdump(cubin, "-sass").splitlines() if (m := ADDRESS.match(line))]  # fmt: skip
+            for line in cuobjdump(cubin, "-sass").splitlines() if (m := SASS_INSTRUCTION.match(line))]  # fmt: skip
 
 
 def _path(code: list[tuple[int, str, str]], loop: bool) -> list[str]:
@@ -97,7 +95,7 @@ def _path(code: list[tuple[int, str, str]], loop: bool) -> list[str]:
     index = {address: i for i, (address, _, _) in enumerate(code)}
     if loop:
         loops = [(int(b.group(1), 16), address) for address, _, line in code
-                 if (b := BRANCH.search(line)) and int(b.group(1), 16) < address]  # fmt: skip
+                 if (b := SASS_BRANCH.search(line)) and int(b.group(1), 16) < address]  # fmt: skip
         head, tail = max(loops, key=lambda span: span[1] - span[0])
         i, stop = index[head], index[tail]
     else:
@@ -108,7 +106,7 @@ def _path(code: list[tuple[int, str, str]], loop: bool) -> list[str]:
         ops.append(op)
         if op == "EXIT" and "@" not in line:
             break
-        branch = BRANCH.search(line)
+        branch = SASS_BRANCH.search(line)
         if op == "BRA" and branch and "@" not in line and int(branch.group(1), 16) > address:
             i = index[int(branch.group(1), 16)]
             continue
