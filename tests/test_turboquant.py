@@ -1534,14 +1534,19 @@ from triton_impl.bench import SASS_UNIFORM_MOVE, sass_loop, sass_resources
 for key_bits, value_bits in ((3, 3), (3, 4), (4, 4), (8, 4)):
     entry = turboquant.decode_entry(turboquant.DECODE_CONFIGS["sm90"], key_bits, value_bits)
     stages = turboquant_sm90.stages(entry.get("GLUON_STAGES", 0), key_bits, value_bits)
+    tma = bool(entry.get("GLUON_TMA"))  # the TMA stage 1 (its compute warps get 104 registers by setmaxnreg)
     for group in (1, 4, 16):
+        streams = tma and bool(entry.get("GLUON_STREAMS")) and turboquant_sm90.streams_supports(
+            group=group, fp16_operands=bool(entry.get("FP16_OPERANDS")))
         for block_size in (16, 32):
             kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits, group=group,
                                                       block_size=block_size, maxnreg=entry.get("GLUON_MAXNREG"),
-                                                      stages=stages, fp16_operands=bool(entry.get("FP16_OPERANDS")))
+                                                      stages=stages, fp16_operands=bool(entry.get("FP16_OPERANDS")),
+                                                      tma=tma, streams=streams)
             resources = sass_resources(kernel.asm["cubin"])
             moves = sum(bool(SASS_UNIFORM_MOVE.search(line)) for line in sass_loop(kernel.asm["cubin"], "HMMA"))
-            print(json.dumps([key_bits, value_bits, group, block_size, *resources, kernel.metadata.shared, moves]))
+            print(json.dumps([key_bits, value_bits, group, block_size, *resources, kernel.metadata.shared, moves,
+                              entry["PROGRAMS_PER_SM"]]))
     for fp16_operands in (False, True):  # uncapped, the bench's group and block size
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits, stages=stages,
                                                   fp16_operands=fp16_operands)
@@ -1573,18 +1578,22 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
     assert len(rows) == 24 + 8 + 8
-    # Decode: the staged presets (4-bit values) hold three stages of a 64-key tile, at most 40 KiB (FP8 keys), so
-    # that five programs fit a SM; the others a few KiB. At the entry's cap of 96 registers 3-bit keys keep 8 bytes
-    # of stack at group 4 (Triton 3.6), outside the tile loop: no LDL or STL in it (benchmarks/sass_sm90_turboquant.py).
+    # Decode: the staged presets (4-bit values) hold three stages of a 64-key tile (with per-warp streams, three of
+    # each warp's 16-key chunks and the four states for the merge), so that the entry's programs a SM fit its 228 KiB
+    # (1 KiB of it reserved per program); the others a few KiB. At the entry's cap of 96 registers 3-bit keys keep 8
+    # bytes of stack at group 4 (Triton 3.6), outside the tile loop: no LDL or STL in it
+    # (benchmarks/sass_sm90_turboquant.py).
     # The 4-bit keys' byte tables live in per-thread registers (turboquant_sm90._byte_table): in uniform registers
     # ptxas copies one into a per-thread register at each use, 68-71 moves a tile (Triton 3.6 and 3.9); with the
     # identity prmt 3-10 of any kind are left (bookkeeping of the loop).
     decode = [row for row in rows if isinstance(row[0], int)]
     for row in decode:
-        key_bits, value_bits, registers, stack, shared, moves = row[0], row[1], *row[4:]
+        key_bits, value_bits, registers, stack, shared, moves, programs = row[0], row[1], *row[4:]
         staged = value_bits == 4
-        assert stack <= (8 if key_bits == 3 else 0), row
-        assert registers <= 255 and shared <= (40 * 1024 if staged else 4096), row
+        # (Triton 3.9 spills 16-24 bytes of the 4-bit streams kernel, two LDL / STL in its loop; 3.6 none.)
+        streams_spill = 0 if triton.__version__.startswith("3.6") else 24
+        assert stack <= (8 if key_bits == 3 else streams_spill if key_bits == 4 else 0), row
+        assert registers <= 255 and (programs * (shared + 1024) <= 228 * 1024 if staged else shared <= 4096), row
         assert key_bits != 4 or moves <= 16, row
     # FP16_OPERANDS (one fp16 rounding of the query and p * v_scale): no stack and fewer registers than the hi + lo
     # pairs, uncapped (Triton 3.6: 94-109 against 119-138; at 96 or fewer five programs share a SM).
@@ -1599,6 +1608,47 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
         registers, stack, shared, flushing = row[3:]
         assert stack <= spill and registers <= 168 and 64 * 1024 <= shared <= 72 * 1024, row
         assert not flushing, row
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+def test_tma_descriptors_address_each_chunk_slot_and_metadata(preset: str) -> None:
+    """The TMA stage 1's boxes (``turboquant_sm90.descriptors``) read what the cp.async stages copy: for the cache of a
+    real layout, the element a box coordinate ``[block, position, column]`` names is the byte the portable kernel
+    reads for that key (data) or field (metadata). Checked on the descriptors' own shape and strides, on the CPU."""
+    cfg = tq.TurboQuantConfig.from_cache_dtype(preset, 128)
+    layout = ttq._soa_layout(128, cfg.key_mse_bits, cfg.value_quant_bits, cfg.key_fp8)
+    num_blocks, block_size, heads = 3, 32, 2
+    slot = layout["data_bytes_per_slot"] + 2 * layout["num_fields"]  # a slot's share of the block, metadata included
+    cache = torch.arange(num_blocks * block_size * heads * slot, dtype=torch.int64).to(torch.uint8)
+    cache = cache.view(num_blocks, block_size, heads, slot)
+    meta_offset = block_size * heads * layout["data_bytes_per_slot"]
+    geometry = ttq_sm90.tma_geometry(num_blocks=num_blocks, block_size=block_size, num_kv_heads=heads,
+                                     slot_bytes=layout["data_bytes_per_slot"], stride_block=cache.stride(0),
+                                     meta_offset=meta_offset, num_fields=layout["num_fields"])  # fmt: skip
+    data, values, meta = ttq_sm90.descriptors(cache, geometry)
+    flat = cache.view(-1)
+
+    def element(desc, coord, base=0, size=1):
+        offset = base + sum(c * s for c, s in zip(coord, desc.strides, strict=True)) * size
+        return int(flat[offset])
+
+    block, position, head = 2, 17, 1
+    slot_at = block * cache.stride(0) + (position * heads + head) * layout["data_bytes_per_slot"]
+    assert data.block_shape == [1, 16, 128] and values.block_shape == [1, 16, 64]
+    column = head * layout["data_bytes_per_slot"]
+    assert element(data, [block, position, column]) == int(flat[slot_at])
+    assert element(values, [block, position, column + layout["key_data_bytes"]]) == int(
+        flat[slot_at + layout["key_data_bytes"]])
+    fields = layout["num_fields"]
+    assert meta.block_shape == [1, ttq_sm90.TMA_META_ROWS, 16] and meta.base.dtype == torch.float16
+    # A TMA copy's shared destination is 128-byte aligned, and a stage's metadata buffers lie back to back: each box
+    # is 128 bytes (2 rows, 64 bytes, faulted on the H200 for FP8 keys) and holds all of a KV head's fields.
+    assert ttq_sm90.TMA_META_ROWS * 16 * 2 == 128
+    assert fields <= ttq_sm90.TMA_META_ROWS
+    assert meta.base.data_ptr() == cache.data_ptr() + meta_offset
+    for field in range(fields):  # the portable kernel's metadata address, in bytes
+        at = block * cache.stride(0) + meta_offset + ((head * fields + field) * block_size + position) * 2
+        assert element(meta, [block, head * fields + field, position], meta_offset, 2) == int(flat[at])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a compiler defect: the interpreter has no MMA layouts")
@@ -1927,14 +1977,14 @@ def test_shared_memory_stages_of_the_sm90_entry() -> None:
 
 
 def test_decode_split_cap_of_the_sm90_entry() -> None:
-    """The H200's decode entry runs two rounds of five resident programs a SM at most: at the bench's B=32 Hk=8 on
-    132 SMs, 5 of the caller's 32 splits, for every preset; a batch that leaves the GPU idle keeps the caller's
-    count; off CUDA there is no cap."""
+    """The H200's decode entry runs two rounds of resident programs a SM at most (five, or four for the TMA kernels of
+    4-bit and FP8 keys): at the bench's B=32 Hk=8 on 132 SMs, 5 (4) of the caller's 32 splits; a batch that leaves
+    the GPU idle keeps the caller's count; off CUDA there is no cap."""
     from triton_impl.decode_attention import stage1_splits
 
     sm90 = ttq.DECODE_CONFIGS["sm90"]
     entry = {(k, v): ttq.decode_entry(sm90, k, v) for k, v in ((3, 3), (3, 4), (4, 4), (8, 4))}
-    assert {kv: stage1_splits(32, 32 * 8, 132, e) for kv, e in entry.items()} == {(3, 3): 5, (3, 4): 5, (4, 4): 5,
-                                                                                   (8, 4): 5}  # fmt: skip
+    assert {kv: stage1_splits(32, 32 * 8, 132, e) for kv, e in entry.items()} == {(3, 3): 5, (3, 4): 5, (4, 4): 4,
+                                                                                   (8, 4): 4}  # fmt: skip
     assert stage1_splits(32, 2 * 8, 132, entry[4, 4]) == 32
     assert ttq.decode_num_splits(32, 32, 8, torch.device("cpu"), 4, 4) == 32

@@ -83,7 +83,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from triton_impl.launch import device_arch, register_cap
 
@@ -98,6 +98,9 @@ _LN2 = gl.constexpr(0.6931471805599453)
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+_reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.shared_memory_descriptor._reinterpret
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+TMA_LOADER_REGS = gl.constexpr(40)  # registers per thread of the TMA kernel's loader warp
 
 
 def _hopper(device: torch.device) -> bool:
@@ -132,21 +135,27 @@ def launch_options(group: int, maxnreg: int | None) -> dict[str, int]:
 
 
 def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, block_size: int = 16,
-                     maxnreg: int | None = None, stages: int = 0, fp16_operands: bool = False) -> Any:  # fmt: skip
+                     maxnreg: int | None = None, stages: int = 0, fp16_operands: bool = False,
+                     tma: bool = False, streams: bool = False) -> Any:  # fmt: skip
     """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a launch of the bench's
     shapes is (16-byte aligned pointers, the integer arguments that are multiples of 16 marked so, the
-    block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``."""
+    block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``. ``tma``:
+    :func:`decode_stage1_tma_kernel` (``stages`` of them), ``streams``: :func:`decode_stage1_streams_kernel`, else
+    :func:`decode_stage1_kernel`."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = decode_stage1_kernel
+    fn = decode_stage1_streams_kernel if streams else decode_stage1_tma_kernel if tma else decode_stage1_kernel
     names = fn.arg_names
+    key_bytes = 16 * key_bits  # D = 128 codes of key_bits bits (FP8 keys: 8)
     pointers = {"q_ptr": "*bf16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-                "centroid_ptr": "*fp32", "partials_ptr": "*fp32"}  # fmt: skip
+                "centroid_ptr": "*fp32", "partials_ptr": "*fp32",
+                "data_desc": f"tensordesc<u8[1, 16, 128],{_data_smem(128)!r}>",
+                "value_desc": f"tensordesc<u8[1, 16, 64],{_data_smem(64)!r}>",
+                "meta_desc": f"tensordesc<fp16[1, {int(TMA_META_ROWS)}, 16],{_META_SMEM!r}>"}  # fmt: skip
     divisible = ("num_splits", "num_blocks", "table_keys", "stride_block", "stride_qb", "stride_qh", "stride_bt",
                  "stride_pb", "stride_ph")  # fmt: skip
-    key_bytes = 16 * key_bits  # D = 128 codes of key_bits bits (FP8 keys: 8)
     constexprs = dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=key_bytes, VALUE_BITS=value_bits,
                       SLOT_BYTES=key_bytes + 16 * value_bits,
                       NUM_KV_HEADS=8, BLOCK_SIZE=block_size, STAGES=stages, FP16_OPERANDS=int(fp16_operands),
@@ -156,7 +165,8 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "sm_scale" else "i32")
                  for n in names}  # fmt: skip
     values = {(names.index(n),): v for n, v in constexprs.items()}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, *divisible)}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, *divisible) if n in names
+             and not n.endswith("_desc")}  # fmt: skip
     return triton_compile(GluonASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
                           options=options)  # fmt: skip
 
@@ -354,37 +364,38 @@ def _key_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_bl
 
 @gluon.jit
 def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.constexpr):
-    """Packed keys (:func:`_key_words`) -> ``[BLOCK_N, HEAD_DIM]`` fp16, K index ``k`` holding dimension
-    ``_score_dim(k)``: each pair of codes (4-bit: a byte, its two centroids by ``prmt`` from the 8 byte tables in
-    ``pair_lut``; 3-bit: 6 bits, one gather from the 64-entry pair LUT ``pair_lut``) or 16-bit half word (FP8: the
-    hardware e4m3x2 conversion) becomes one A-operand register of the scores' MMA. ``words`` is in
+    """Packed keys (:func:`_key_words`, ``CHUNKS`` 16-key chunks) -> ``[16 CHUNKS, HEAD_DIM]`` fp16, K index ``k``
+    holding dimension ``_score_dim(k)``: each pair of codes (4-bit: a byte, its two centroids by ``prmt`` from the 8
+    byte tables in ``pair_lut``; 3-bit: 6 bits, one gather from the 64-entry pair LUT ``pair_lut``) or 16-bit half
+    word (FP8: the hardware e4m3x2 conversion) becomes one A-operand register of the scores' MMA. ``words`` is in
     ``BYTES_LAYOUT`` sliced along its last dim."""
+    CHUNKS: gl.constexpr = words.shape[0]
     if KEY_BITS == 8:
         halves = gl.join(words.to(gl.uint16), (words >> 16).to(gl.uint16))  # [..., w, 2]: u = 2w + half
-        pairs = _e4m3_pairs(gl.reshape(halves, [4, 2, 8, 4, 16]))
+        pairs = _e4m3_pairs(gl.reshape(halves, [CHUNKS, 2, 8, 4, 16]))
     else:
         if KEY_BITS == 4:
             p0, p1, p2, p3 = _nibble_pairs(words, pair_lut)  # pair u = 4w + j of word w in p_j
-            pairs = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [4, 2, 8, 4, 16])
+            pairs = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [CHUNKS, 2, 8, 4, 16])
         else:
             # A thread's 32 codes are the 96 bits of its words 0-2: pair u (codes 2u, 2u + 1) is bits [6u, 6u + 6),
             # in the 24-bit group u // 4 (groups g at bits 24g: parts of one or two words).
             pair_bits: gl.constexpr = 6
-            w02, w13 = gl.split(gl.reshape(words, [4, 2, 8, 4, 2, 2]))  # word 2a + b: split by b, then by a
+            w02, w13 = gl.split(gl.reshape(words, [CHUNKS, 2, 8, 4, 2, 2]))  # word 2a + b: split by b, then by a
             w0, w2 = gl.split(w02)
             w1, _ = gl.split(w13)
             g01 = gl.join(w0 & 0xFFFFFF, ((w0 >> 24) | (w1 << 8)) & 0xFFFFFF)
             g23 = gl.join(((w1 >> 16) | (w2 << 16)) & 0xFFFFFF, w2 >> 8)
-            groups = gl.reshape(gl.permute(gl.join(g01, g23), (0, 1, 2, 3, 5, 4)), [4, 2, 8, 4, 4])
+            groups = gl.reshape(gl.permute(gl.join(g01, g23), (0, 1, 2, 3, 5, 4)), [CHUNKS, 2, 8, 4, 4])
             groups = gl.convert_layout(groups, words.type.layout)
             pair = (groups[:, :, :, :, :, None] >> (pair_bits * _iota(4, 5, 6, BYTES_LAYOUT))) & ((1 << pair_bits) - 1)
-            pair = gl.reshape(pair, [BLOCK_N * 64]).to(gl.int32)  # u = 4w + j
-            pairs = gl.reshape(gl.gather(pair_lut, pair, 0), [4, 2, 8, 4, 16])
+            pair = gl.reshape(pair, [CHUNKS * 16 * 64]).to(gl.int32)  # u = 4w + j
+            pairs = gl.reshape(gl.gather(pair_lut, pair, 0), [CHUNKS, 2, 8, 4, 16])
     lo, hi = _f16_halves(pairs)
     k = gl.join(lo, hi)  # [warp, half, quad, t, u, e]: dimension 32t + 2u + e
-    k = gl.reshape(k, [4, 2, 8, 4, 8, 2, 2])  # u = 2c + j
+    k = gl.reshape(k, [CHUNKS, 2, 8, 4, 8, 2, 2])  # u = 2c + j
     k = gl.permute(k, (0, 1, 2, 4, 5, 3, 6))  # [key: warp, half, quad | K: c, j, t, e]
-    return gl.reshape(k, [BLOCK_N, HEAD_DIM])
+    return gl.reshape(k, [CHUNKS * 16, HEAD_DIM])
 
 
 @gluon.jit
@@ -423,7 +434,7 @@ def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_
 
 @gluon.jit
 def _value_operand(w, VALUE_BITS: gl.constexpr):
-    """Value words (:func:`_value_words`) -> codes ``[HEAD_DIM, BLOCK_N]`` fp16 (exact), the A operand of
+    """Value words (:func:`_value_words`) -> codes ``[HEAD_DIM, keys]`` fp16 (exact), the A operand of
     ``O^T += V^T P^T``, output row ``d`` holding dimension ``_value_dim(d)``: the words of keys ``e = 0, 1``
     are paired (low and high halves), and each of their 4 codes becomes one register holding both keys'
     code at one dimension."""
@@ -438,7 +449,7 @@ def _value_operand(w, VALUE_BITS: gl.constexpr):
     r1 = gl.join(gl.join(c2lo, c2hi), gl.join(c3lo, c3hi))
     v = gl.join(r0, r1)  # [warp, quad, t, c, j, e, h, m]
     v = gl.permute(v, (7, 0, 6, 1, 3, 4, 2, 5))  # [row: m, warp, h, quad | key: c, j, t, e]
-    return gl.reshape(v, [HEAD_DIM, BLOCK_N])
+    return gl.reshape(v, [HEAD_DIM, 16 * w.shape[3]])
 
 
 @gluon.jit
@@ -496,15 +507,19 @@ def _tile_loads(cache_ptr, pages, tile_start, start, end, kv_head, num_kv_heads,
 @gluon.jit
 def _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo, score_scale, m_i, l_part, z_part,
                acc, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, KEY_BYTES: gl.constexpr,
-               FP16_OPERANDS: gl.constexpr = 0):  # fmt: skip
+               FP16_OPERANDS: gl.constexpr = 0, RESCALE_IF_GREW: gl.constexpr = 0):  # fmt: skip
     """One tile of the online softmax: scores ``K q^T``, the running max, ``(l, z)`` partial sums and ``O^T += V^T
-    P^T`` (the module docstring says how each operand is built). Returns ``(m_i, l_part, z_part, acc)``."""
+    P^T`` (the module docstring says how each operand is built). Returns ``(m_i, l_part, z_part, acc)``.
+    ``RESCALE_IF_GREW``: the sums and ``O^T`` are rescaled only when some head's running max grew (else every factor
+    is exactly 1: the same result), a branch on a reduction within the warp (per-warp streams: their ``O^T`` is 32
+    registers a thread, 4 times a 4-warp tile's)."""
     mma: gl.constexpr = acc.type.layout
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     BLOCK_H: gl.constexpr = q_hi.shape[1]
     k = gl.convert_layout(_key_operand(k_words, pair_lut, KEY_BITS, KEY_BYTES), dot_a)
-    zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
+    KEYS: gl.constexpr = k.shape[0]
+    zero = gl.zeros([KEYS, BLOCK_H], gl.float32, mma)
     if FP16_OPERANDS:
         s = mma_v2(k, q_hi, zero)
     else:
@@ -515,17 +530,27 @@ def _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_
     m_new = gl.maximum(m_i, gl.max(s, axis=0))  # finite: a tile has a live key
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - m_new[None, :])
-    l_part = l_part * alpha[None, :] + p
-    z_part = z_part * alpha[None, :] + p * v_zero[:, None]
+    if RESCALE_IF_GREW:
+        if gl.max((m_new > m_i).to(gl.int32), axis=0) > 0:
+            l_part = l_part * alpha[None, :]
+            z_part = z_part * alpha[None, :]
+            acc = acc * gl.convert_layout(alpha[None, :], mma)
+        l_part = l_part + p
+        z_part = z_part + p * v_zero[:, None]
+    else:
+        l_part = l_part * alpha[None, :] + p
+        z_part = z_part * alpha[None, :] + p * v_zero[:, None]
     w = p * v_scale[:, None]
     w_hi = w.to(gl.float16)
     if FP16_OPERANDS:
         v = gl.convert_layout(_value_operand(v_words, VALUE_BITS), dot_a)
-        acc = mma_v2(v, gl.convert_layout(w_hi, dot_b), acc * gl.convert_layout(alpha[None, :], mma))
+        if not RESCALE_IF_GREW:
+            acc = acc * gl.convert_layout(alpha[None, :], mma)
+        acc = mma_v2(v, gl.convert_layout(w_hi, dot_b), acc)
     else:
         w_lo = (w - w_hi.to(gl.float32)).to(gl.float16)
         # One B operand [BLOCK_N, 2 BLOCK_H] = [hi | lo]: one trip through shared memory, not two.
-        w2 = gl.reshape(gl.permute(gl.join(w_hi, w_lo), (0, 2, 1)), [BLOCK_N, 2 * BLOCK_H])
+        w2 = gl.reshape(gl.permute(gl.join(w_hi, w_lo), (0, 2, 1)), [KEYS, 2 * BLOCK_H])
         alpha2 = gl.reshape(gl.permute(gl.join(alpha[None, :], alpha[None, :]), (0, 2, 1)), [1, 2 * BLOCK_H])
         v = gl.convert_layout(_value_operand(v_words, VALUE_BITS), dot_a)
         acc = mma_v2(v, gl.convert_layout(w2, dot_b), acc * gl.convert_layout(alpha2, mma))
@@ -637,6 +662,137 @@ def _stage_reads(key_stage, value_stage, meta_stage, tile_start, start, end, key
 
 
 @gluon.jit
+def _split(seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, stride_bt, stride_btc,
+           BLOCK_SIZE: gl.constexpr):  # fmt: skip
+    """This program's keys ``[start, end)`` (its split of its request), the request's block-table row, whether
+    the request needs more keys than its table holds, and the bad-entry check of the first 128 blocks of the
+    split with the range of its blocks: ``(start, end, row_ptr, too_long, bad_pages, first_page, last_page)``."""
+    b = gl.program_id(0)
+    split = gl.program_id(2)
+    seq_len = gl.maximum(gl.load(seq_lens_ptr + b).to(gl.int32), 0)
+    split_len = (seq_len + num_splits - 1) // num_splits
+    start = split * split_len
+    end = gl.minimum(start + split_len, seq_len)
+    too_long = seq_len > table_keys
+    end = gl.minimum(end, table_keys)
+    row_ptr = block_table_ptr + b.to(gl.int64) * stride_bt
+    # Memory safety without host checks: a request whose keys need a table column past the table or a
+    # block outside the cache is poisoned (out = lse = NaN), and no such address is read. The blocks of
+    # [start, end) are checked here (the first 128 entries' loads overlap the loop; their reduction waits
+    # for after it, :func:`_store_partials`); the loop clamps each entry it reads.
+    first_page = start // BLOCK_SIZE
+    last_page = gl.maximum((end + BLOCK_SIZE - 1) // BLOCK_SIZE, first_page)
+    bad_pages = _bad_pages(row_ptr, stride_btc, first_page, last_page, num_blocks)
+    return start, end, row_ptr, too_long, bad_pages, first_page, last_page
+
+
+@gluon.jit
+def _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, KV_GROUP: gl.constexpr,
+                   KEY_FP8: gl.constexpr, BLOCK_H: gl.constexpr, DOT_B: gl.constexpr):  # fmt: skip
+    """The query as the B operand ``[HEAD_DIM, BLOCK_H]`` of the scores, K index ``k`` holding dimension
+    ``_score_dim(k)``, as fp16 ``(hi, lo)`` parts (``lo`` unused with ``FP16_OPERANDS``). MSE keys read the
+    rotated query from this program's partials slot, FP8 keys the query itself."""
+    b = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    split = gl.program_id(2)
+    qk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, DOT_B))
+    qh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, DOT_B))
+    q_heads = kv_head * KV_GROUP + qh
+    if KEY_FP8:
+        q_at = q_ptr + b.to(gl.int64) * stride_qb + q_heads * stride_qh
+    else:  # the rotated query, in this program's partials slot
+        q_at = partials_ptr + b.to(gl.int64) * stride_pb + q_heads * stride_ph + split * stride_ps
+    q = gl.load(q_at[None, :] + _score_dim(qk)[:, None], mask=(qh < KV_GROUP)[None, :], other=0.0).to(gl.float32)
+    q_hi = q.to(gl.float16)
+    return q_hi, (q - q_hi.to(gl.float32)).to(gl.float16)
+
+
+@gluon.jit
+def _centroid_tables(centroid_ptr, KEY_BITS: gl.constexpr):
+    """What :func:`_key_operand` looks centroids up in: for 4-bit keys 8 byte tables of the 16 fp16 centroids
+    (:func:`_nibble_pairs`); for 3-bit keys the 64-entry pair LUT, entry ``e`` (codes ``e & 7``, ``e >> 3``) holding
+    ``fp16(c_lo) | fp16(c_hi) << 16``; nothing (0) for FP8 keys."""
+    pair_lut = 0
+    if KEY_BITS == 4:
+        pair_lut = (_byte_table(centroid_ptr, 0, 0), _byte_table(centroid_ptr, 4, 0), _byte_table(centroid_ptr, 8, 0),
+                    _byte_table(centroid_ptr, 12, 0), _byte_table(centroid_ptr, 0, 8), _byte_table(centroid_ptr, 4, 8),
+                    _byte_table(centroid_ptr, 8, 8), _byte_table(centroid_ptr, 12, 8))  # fmt: skip
+    elif KEY_BITS == 3:
+        lut_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        entry = gl.arange(0, 1 << (2 * KEY_BITS), layout=lut_layout)
+        code_lo = entry & ((1 << KEY_BITS) - 1)
+        lo = gl.load(centroid_ptr + code_lo).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
+        hi = gl.load(centroid_ptr + (entry >> KEY_BITS)).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
+        pair_lut = lo | (hi << 16)
+    return pair_lut
+
+
+@gluon.jit
+def _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks):
+    """Whether the request is poisoned (:func:`_split`): its keys need a column past its table, or a block of the
+    split (the first 128 checked by :func:`_split`, the rest here) lies outside the cache."""
+    for p0 in range(first_page + 128, last_page, 128):  # splits of more than 128 blocks
+        bad_pages |= _bad_pages(row_ptr, stride_btc, p0, last_page, num_blocks)
+    return too_long | (gl.max(bad_pages.to(gl.int32), axis=0) > 0)
+
+
+@gluon.jit
+def _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps,
+                    KV_GROUP: gl.constexpr):  # fmt: skip
+    """The split's partial ``(o, lse)`` from the loop's state (``acc`` ``[HEAD_DIM, BLOCK_H]``, row ``d`` holding
+    dimension ``_value_dim(d)``; ``m_i``, ``l_i``, ``z_i`` per head in base 2), stored in its slot: ``(0, -inf)``
+    without keys, NaN where the request is ``poisoned``."""
+    layout: gl.constexpr = acc.type.layout
+    BLOCK_H: gl.constexpr = acc.shape[1]
+    b = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    split = gl.program_id(2)
+    has_keys = end > start
+    l_safe = gl.where(l_i == 0, 1.0, l_i)
+    out = gl.where(has_keys, (acc + z_i[None, :]) / l_safe[None, :], 0.0)
+    lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * _LN2, float("-inf"))
+    out = gl.where(poisoned, float("nan"), out)
+    lse = gl.where(poisoned, float("nan"), lse)
+    h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, layout))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, layout))
+    slot = partials_ptr + b.to(gl.int64) * stride_pb + (kv_head * KV_GROUP + h) * stride_ph + split * stride_ps
+    _barrier()  # every thread's load of the slot (MSE keys: the rotated query) before any store to it
+    gl.store(slot[None, :] + _value_dim(d)[:, None], out, mask=(h < KV_GROUP)[None, :])
+    gl.store(slot + HEAD_DIM, lse, mask=h < KV_GROUP)
+
+
+@gluon.jit
+def _finish(acc, m_i, l_part, z_part, start, end, too_long, bad_pages, row_ptr, stride_btc, first_page, last_page,
+            num_blocks, partials_ptr, stride_pb, stride_ph, stride_ps, KV_GROUP: gl.constexpr,
+            FP16_OPERANDS: gl.constexpr):  # fmt: skip
+    """:func:`_store_partials` from a 4-warp loop's state (per-thread partial sums, hi | lo halves of ``acc``)."""
+    mma: gl.constexpr = l_part.type.layout
+    BLOCK_H: gl.constexpr = l_part.shape[1]
+    if not FP16_OPERANDS:
+        acc = gl.convert_layout(gl.sum(gl.reshape(acc, [HEAD_DIM, 2, BLOCK_H]), axis=1), mma)
+    poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)
+    _store_partials(acc, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0), start, end, poisoned, partials_ptr,
+                    stride_pb, stride_ph, stride_ps, KV_GROUP)  # fmt: skip
+
+
+@gluon.constexpr_function
+def _operand_layouts(key_fp8, warps=NUM_WARPS):
+    """``(mma, dot_b, key_bytes, key words, value words)`` for a tile of ``warps`` 16-key chunks on ``warps`` warps:
+    the score and value MMAs' accumulator layout (the warps along M), the B operand's, and the register layouts of a
+    tile's packed keys (:func:`_key_words`; ``key_bytes`` is theirs with the 4 bytes of a word as a last dim) and
+    value codes (:func:`_value_words`: each warp a quarter of the output dimensions, or with one warp all four in
+    registers)."""
+    warps = int(warps)
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+    dot_b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    key_bytes = gl.BlockedLayout([1, 2, 1, 1, 8 if key_fp8 else 4, 4], [1, 1, 8, 4, 1, 1], [warps, 1, 1, 1, 1, 1],
+                                 [5, 4, 3, 2, 1, 0])  # fmt: skip
+    value_words = gl.BlockedLayout([4 // warps, 1, 1, warps, 2, 2], [1, 8, 4, 1, 1, 1], [warps, 1, 1, 1, 1, 1],
+                                   [5, 4, 3, 2, 1, 0])  # fmt: skip
+    return mma, dot_b, key_bytes, gl.SliceLayout(5, key_bytes), value_words
+
+
+@gluon.jit
 def decode_stage1_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr,
     sm_scale, num_splits, num_blocks, table_keys, stride_block,
@@ -656,68 +812,27 @@ def decode_stage1_kernel(
     head's group, as ``turboquant._decode_stage1_kernel`` writes it (the module docstring says how)."""
     gl.static_assert(gl.num_warps() == NUM_WARPS)
     KEY_FP8: gl.constexpr = KEY_BITS == 8
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
-    dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    rows: gl.constexpr = gl.SliceLayout(1, mma)
-    cols: gl.constexpr = gl.SliceLayout(0, mma)
-    # Key words [warp, half, quad, t, w] are this sliced along its last dim (the 4 bytes of a 4-bit key word).
-    key_bytes: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 8 if KEY_FP8 else 4, 4], [1, 1, 8, 4, 1, 1],
-                                               [NUM_WARPS, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0])  # fmt: skip
-    key_layout: gl.constexpr = gl.SliceLayout(5, key_bytes)
-    value_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4, 2, 2], [1, 8, 4, 1, 1, 1], [NUM_WARPS, 1, 1, 1, 1, 1],
-                                                  [5, 4, 3, 2, 1, 0])  # fmt: skip
+    mma: gl.constexpr = _operand_layouts(KEY_FP8)[0]
+    dot_b: gl.constexpr = _operand_layouts(KEY_FP8)[1]
+    key_bytes: gl.constexpr = _operand_layouts(KEY_FP8)[2]
+    key_layout: gl.constexpr = _operand_layouts(KEY_FP8)[3]
+    value_layout: gl.constexpr = _operand_layouts(KEY_FP8)[4]
     NUM_FIELDS: gl.constexpr = 2 if KEY_FP8 else 3
     meta_offset: gl.constexpr = BLOCK_SIZE * NUM_KV_HEADS * SLOT_BYTES  # a block's metadata follows its data
 
-    b = gl.program_id(0)
     kv_head = gl.program_id(1)
-    split = gl.program_id(2)
-    seq_len = gl.maximum(gl.load(seq_lens_ptr + b).to(gl.int32), 0)
-    split_len = (seq_len + num_splits - 1) // num_splits
-    start = split * split_len
-    end = gl.minimum(start + split_len, seq_len)
-    too_long = seq_len > table_keys
-    end = gl.minimum(end, table_keys)
-    row_ptr = block_table_ptr + b.to(gl.int64) * stride_bt
-    # Memory safety without host checks: a request whose keys need a table column past the table or a
-    # block outside the cache is poisoned (out = lse = NaN), and no such address is read. The blocks of
-    # [start, end) are checked here (the first 128 entries' loads overlap the loop; their reduction waits
-    # for after it); the loop clamps each entry it reads.
-    first_page = start // BLOCK_SIZE
-    last_page = gl.maximum((end + BLOCK_SIZE - 1) // BLOCK_SIZE, first_page)
-    bad_pages = _bad_pages(row_ptr, stride_btc, first_page, last_page, num_blocks)
-
-    # The query as the B operand [HEAD_DIM, BLOCK_H] of the scores, K index k holding dimension _score_dim(k).
-    qk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, dot_b))
-    qh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, dot_b))
-    q_heads = kv_head * KV_GROUP + qh
-    if KEY_FP8:
-        q_at = q_ptr + b.to(gl.int64) * stride_qb + q_heads * stride_qh
-    else:  # the rotated query, in this program's partials slot
-        q_at = partials_ptr + b.to(gl.int64) * stride_pb + q_heads * stride_ph + split * stride_ps
-    q = gl.load(q_at[None, :] + _score_dim(qk)[:, None], mask=(qh < KV_GROUP)[None, :], other=0.0).to(gl.float32)
-    q_hi = q.to(gl.float16)
-    q_lo = (q - q_hi.to(gl.float32)).to(gl.float16)
-
-    pair_lut = 0  # 4-bit keys: 8 byte tables of the 16 fp16 centroids (_nibble_pairs); 3-bit: the 64-entry pair LUT
-    if KEY_BITS == 4:
-        pair_lut = (_byte_table(centroid_ptr, 0, 0), _byte_table(centroid_ptr, 4, 0), _byte_table(centroid_ptr, 8, 0),
-                    _byte_table(centroid_ptr, 12, 0), _byte_table(centroid_ptr, 0, 8), _byte_table(centroid_ptr, 4, 8),
-                    _byte_table(centroid_ptr, 8, 8), _byte_table(centroid_ptr, 12, 8))  # fmt: skip
-    elif not KEY_FP8:  # entry e (codes e & (2^bits - 1), e >> bits) is fp16(c_lo) | fp16(c_hi) << 16
-        lut_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-        entry = gl.arange(0, 1 << (2 * KEY_BITS), layout=lut_layout)
-        code_lo = entry & ((1 << KEY_BITS) - 1)
-        lo = gl.load(centroid_ptr + code_lo).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
-        hi = gl.load(centroid_ptr + (entry >> KEY_BITS)).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
-        pair_lut = lo | (hi << 16)
+    start, end, row_ptr, too_long, bad_pages, first_page, last_page = _split(
+        seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)
+    q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, KV_GROUP,
+                                KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
+    pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
 
     score_scale = sm_scale * _LOG2E
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, cols)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
     l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)  # per-thread partial sums, reduced once at the end
     z_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
     acc = gl.zeros([HEAD_DIM, BLOCK_H if FP16_OPERANDS else 2 * BLOCK_H], gl.float32, mma)  # hi | lo parts, summed
-    key_rows = gl.arange(0, BLOCK_N, layout=rows)
+    key_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     tile = (start // 16) * 16  # tiles of 16-key chunks: one table entry each
     if STAGES == 0:
         # Each tile's table entries are read a tile ahead: its data loads need not wait for them.
@@ -775,25 +890,465 @@ def decode_stage1_kernel(
             stage = (stage + 1) % STAGES
         async_copy.wait_group(0)  # no copy outlives the program
 
-    if not FP16_OPERANDS:
-        acc = gl.convert_layout(gl.sum(gl.reshape(acc, [HEAD_DIM, 2, BLOCK_H]), axis=1), mma)
-    for p0 in range(first_page + 128, last_page, 128):  # splits of more than 128 blocks
-        bad_pages |= _bad_pages(row_ptr, stride_btc, p0, last_page, num_blocks)
-    poisoned = too_long | (gl.max(bad_pages.to(gl.int32), axis=0) > 0)
-    l_i = gl.sum(l_part, axis=0)
-    z_i = gl.sum(z_part, axis=0)
-    has_keys = end > start
-    l_safe = gl.where(l_i == 0, 1.0, l_i)
-    out = gl.where(has_keys, (acc + z_i[None, :]) / l_safe[None, :], 0.0)
-    lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * _LN2, float("-inf"))
-    out = gl.where(poisoned, float("nan"), out)
-    lse = gl.where(poisoned, float("nan"), lse)
-    h = gl.arange(0, BLOCK_H, layout=cols)
-    d = gl.arange(0, HEAD_DIM, layout=rows)
-    slot = partials_ptr + b.to(gl.int64) * stride_pb + (kv_head * KV_GROUP + h) * stride_ph + split * stride_ps
-    _barrier()  # every thread's load of the slot (MSE keys: the rotated query) before any store to it
-    gl.store(slot[None, :] + _value_dim(d)[:, None], out, mask=(h < KV_GROUP)[None, :])
-    gl.store(slot + HEAD_DIM, lse, mask=h < KV_GROUP)
+    _finish(acc, m_i, l_part, z_part, start, end, too_long, bad_pages, row_ptr, stride_btc, first_page,
+            last_page, num_blocks, partials_ptr, stride_pb, stride_ph, stride_ps, KV_GROUP, FP16_OPERANDS)
+
+
+# Tiles by TMA (``decode_stage1_tma_kernel``): a loader warp copies each 16-key chunk's key bytes, value bytes and
+# metadata with one tensor-memory-access copy each into a ring of stages, and the 4 compute warps read them back in
+# the register layouts above. No compute thread issues a copy or computes an address for one, and no CTA barrier
+# guards a stage: an mbarrier per stage says it landed (the copies' bytes), another that the compute warps are done
+# with it (one arrival, after the tile's last CTA barrier, which every compute thread passes after its reads).
+
+TMA_FIELDS_BYTES = gl.constexpr(2)  # each metadata field is fp16
+
+
+# Metadata rows a chunk's box copies: 4 rows of 16 fp16, 128 bytes, for 2 fields (FP8 keys) as for 3. A TMA copy's
+# shared destination must be 128-byte aligned and a stage's chunk buffers lie back to back, so a buffer is a multiple
+# of 128 bytes (2 rows, 64 bytes, put every other FP8 buffer off by 64: a misaligned-address fault on the H200). The
+# rows past a KV head's own fields are the next head's, or past the last head zeros (TMA fills what lies outside).
+TMA_META_ROWS = gl.constexpr(4)
+
+
+def tma_supports(*, key_bits: int, value_bits: int, cache_address: int) -> bool:
+    """Whether a call :func:`supports` serves can run :func:`decode_stage1_tma_kernel`: 4-bit or FP8 keys (their
+    key bytes are 64 or 128 a token: a swizzled box) with 4-bit values, and a 16-byte aligned cache (a descriptor's
+    base)."""
+    return key_bits in (4, 8) and value_bits == 4 and cache_address % 16 == 0
+
+
+def streams_supports(*, group: int, fp16_operands: bool) -> bool:
+    """Whether :func:`decode_stage1_streams_kernel` serves a call :func:`tma_supports` takes: a group of at most 8
+    query heads (one MMA N; a stream's output of 16 heads takes 64 registers more and spills), with the operands
+    rounded once to fp16 (the only form it is written for)."""
+    return group <= 8 and bool(fp16_operands)
+
+
+def _data_smem(row_bytes: int) -> gl.NVMMASharedLayout:
+    """The shared layout of a chunk's ``[1, 16, row_bytes]`` key or value box: rows swizzled by ``row_bytes`` (64 or
+    128), so that the 16-byte reads of 8 tokens' rows (keys) and ``ldmatrix``'s 8 rows (values) are conflict-free."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=row_bytes, element_bitwidth=8, rank=3)
+
+
+_META_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
+
+
+class _Address:
+    """A tensor descriptor's base that is no tensor: an address and a dtype (what the descriptor reads)."""
+
+    __slots__ = ("_address", "dtype")
+
+    def __init__(self, address: int, dtype: torch.dtype) -> None:
+        self._address, self.dtype = address, dtype
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+def tma_geometry(*, num_blocks: int, block_size: int, num_kv_heads: int, slot_bytes: int, stride_block: int,
+                 meta_offset: int, num_fields: int) -> tuple:  # fmt: skip
+    """What :func:`descriptors` needs of a cache, fixed by a plan (the address aside)."""
+    return num_blocks, block_size, num_kv_heads, slot_bytes, stride_block, meta_offset, num_fields
+
+
+def descriptors(cache: Any, geometry: tuple) -> tuple[Any, Any, Any]:
+    """``(data, values, metadata)`` tensor descriptors of a TurboQuant cache (``cache``: the tensor, or its address
+    and dtype; ``geometry``: :func:`tma_geometry`). A block's data is ``[block_size, num_kv_heads * slot_bytes]``
+    bytes, ``stride_block`` apart: boxes of one chunk's 16 tokens of one KV head, 128 bytes of each (a 4-bit slot, or
+    an FP8 slot's key bytes) and 64 (an FP8 slot's values); a block's metadata ``[num_kv_heads * num_fields,
+    block_size]`` fp16 from ``meta_offset``: boxes ``[1, TMA_META_ROWS, 16]``."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    num_blocks, block_size, num_kv_heads, slot_bytes, stride_block, meta_offset, num_fields = geometry
+    shape = [num_blocks, block_size, num_kv_heads * slot_bytes]
+    strides = [stride_block, num_kv_heads * slot_bytes, 1]
+    meta = _Address(cache.data_ptr() + meta_offset, torch.float16)
+    return (TensorDescriptor(cache, shape, strides, [1, 16, 128], _data_smem(128)),
+            TensorDescriptor(cache, shape, strides, [1, 16, 64], _data_smem(64)),
+            TensorDescriptor(meta, [num_blocks, num_kv_heads * num_fields, block_size],
+                             [stride_block // int(TMA_FIELDS_BYTES), block_size, 1], [1, int(TMA_META_ROWS), 16],
+                             _META_SMEM))  # fmt: skip
+
+
+@gluon.constexpr_function
+def _tma_key_layout(words, warps):
+    """``[16 warps keys, 4 words]`` words of a stage read as :func:`_key_words` holds them: key ``16 warp + 8 half +
+    quad``, thread ``t``'s words ``words t ..`` (``words`` 4 for 4-bit keys, 8 for FP8)."""
+    words, warps = int(words), int(warps)
+    reg = [[0, 1 << i] for i in range(words.bit_length() - 1)] + [[8, 0]]
+    lane = [[0, words], [0, 2 * words], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(reg, lane, [[16 << i, 0] for i in range(warps.bit_length() - 1)], [],
+                                      [16 * warps, 4 * words])  # fmt: skip
+
+
+@gluon.constexpr_function
+def _tma_value_layout(warps):
+    """``[16 warps keys, 32 halfwords]`` of 4-bit value codes read as :func:`_value_words` holds them: halfword ``8
+    q + quad`` of key ``16c + 8j + 2t + e`` (``ldmatrix.trans``-shaped: a thread's two keys ``e`` adjacent), ``q``
+    the warp, or with one warp a register."""
+    warps = int(warps)
+    chunks = [[16 << i, 0] for i in range(warps.bit_length() - 1)]
+    quarters = [[0, 8], [0, 16]]
+    reg = [[1, 0], [8, 0]] + (chunks if warps > 1 else quarters)
+    lane = [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]]
+    return gl.DistributedLinearLayout(reg, lane, quarters if warps > 1 else [], [], [16 * warps, 32])
+
+
+@gluon.constexpr_function
+def _tma_meta_layout(warps):
+    """``[warps chunks, 1, 16 keys]`` of one metadata field read as the score rows hold them (key ``16c + 8h + g`` by
+    lane quad ``g`` of warp ``c``, register ``h``; the quad's 4 threads alike)."""
+    warps = int(warps)
+    return gl.DistributedLinearLayout([[0, 0, 8]], [[0, 0, 0], [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
+                                      [[1 << i, 0, 0] for i in range(warps.bit_length() - 1)], [],
+                                      [warps, 1, 16])  # fmt: skip
+
+
+@gluon.jit
+def _chunk_pages(row_ptr, stride_btc, tile_start, end, num_blocks, BLOCK_SIZE: gl.constexpr):
+    """The blocks of tile ``tile_start``'s 4 chunks (scalars; block 0 past ``end``, each entry clamped)."""
+    return (_page(row_ptr, stride_btc, tile_start, end, num_blocks, BLOCK_SIZE),
+            _page(row_ptr, stride_btc, tile_start + 16, end, num_blocks, BLOCK_SIZE),
+            _page(row_ptr, stride_btc, tile_start + 32, end, num_blocks, BLOCK_SIZE),
+            _page(row_ptr, stride_btc, tile_start + 48, end, num_blocks, BLOCK_SIZE))  # fmt: skip
+
+
+@gluon.jit
+def _tma_loader(data_desc, value_desc, meta_desc, data, values, meta, full, empty, row_ptr, stride_btc, num_blocks,
+                tile, end, num_tiles, KEY_DATA_BYTES: gl.constexpr, SLOT_BYTES: gl.constexpr,
+                NUM_FIELDS: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """The loader warp: tile ``i``'s 4 chunks into stage ``i % STAGES`` once the compute warps freed it, each
+    chunk's slots as one box (``data``; with FP8 keys, whose slots are wider than a 128-byte swizzle, the key bytes,
+    and the values as a second box) and its metadata as another. A tile's table entries are read a tile ahead."""
+    kv_head = gl.program_id(1)
+    column = kv_head * SLOT_BYTES
+    pages = _chunk_pages(row_ptr, stride_btc, tile, end, num_blocks, BLOCK_SIZE)
+    for i in range(num_tiles):
+        stage = i % STAGES
+        tile_start = tile + i * BLOCK_N
+        ahead = _chunk_pages(row_ptr, stride_btc, tile_start + BLOCK_N, end, num_blocks, BLOCK_SIZE)
+        if i >= STAGES:
+            mbarrier.wait(empty.index(stage), (i // STAGES - 1) & 1)
+        bar = full.index(stage)
+        mbarrier.expect(bar, BLOCK_N * (SLOT_BYTES + meta.shape[2] * TMA_FIELDS_BYTES))
+        for c in gl.static_range(4):
+            position = ((tile_start + c * 16).to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
+            _tma_load(data_desc, [pages[c], position, column], bar, data.index(stage * 4 + c))
+            if SLOT_BYTES > 128:
+                _tma_load(value_desc, [pages[c], position, column + KEY_DATA_BYTES], bar, values.index(stage * 4 + c))
+            _tma_load(meta_desc, [pages[c], kv_head * NUM_FIELDS, position], bar, meta.index(stage * 4 + c))
+        pages = ahead
+
+
+@gluon.jit
+def _tma_stage_reads(data, values, meta, stage, tile_start, start, end, key_rows, KEY_BITS: gl.constexpr,
+                     KEY_DATA_BYTES: gl.constexpr, NUM_FIELDS: gl.constexpr, KEY_LAYOUT: gl.constexpr,
+                     VALUE_LAYOUT: gl.constexpr):  # fmt: skip
+    """A TMA stage's tile in the layouts :func:`_tile_loads` returns (the metadata 0 where a key is not ``live``): the
+    ``CHUNKS`` (the warps reading it) consecutive chunk buffers from ``CHUNKS * stage``."""
+    WORDS: gl.constexpr = 8 if KEY_BITS == 8 else 4
+    CHUNKS: gl.constexpr = gl.num_warps()
+    KEYS: gl.constexpr = 16 * CHUNKS
+    ROW: gl.constexpr = data.shape[3]  # bytes of a token's row in ``data``: its slot, or (FP8 keys) its key bytes
+    key_words = _reinterpret(data, gl.uint32, [data.shape[0] // CHUNKS, KEYS, ROW // 4],
+                             gl.NVMMASharedLayout(swizzle_byte_width=ROW, element_bitwidth=32, rank=2))
+    k_words = key_words.index(stage).slice(0, 4 * WORDS, 1).load(_tma_key_layout(WORDS, CHUNKS))
+    k_words = gl.convert_layout(gl.reshape(k_words, [CHUNKS, 2, 8, 4, WORDS]), KEY_LAYOUT)
+    if values.shape[3] == ROW:  # the values are in the slot's row after the key bytes
+        v_first: gl.constexpr = KEY_DATA_BYTES // 2
+        codes = _reinterpret(data, gl.uint16, [data.shape[0] // CHUNKS, KEYS, ROW // 2],
+                             gl.NVMMASharedLayout(swizzle_byte_width=ROW, element_bitwidth=16, rank=2))
+    else:
+        codes = _reinterpret(values, gl.uint16, [values.shape[0] // CHUNKS, KEYS, 32],
+                             gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
+        v_first: gl.constexpr = 0
+    v_words = codes.index(stage).slice(v_first, 32, 1).load(_tma_value_layout(CHUNKS))
+    v_words = gl.reshape(v_words, [CHUNKS, 2, 4, 2, 4, 8])  # [c, j, t, e, warp, quad]
+    v_words = gl.convert_layout(gl.permute(v_words, (4, 5, 2, 0, 1, 3)), VALUE_LAYOUT)
+    fields = _reinterpret(meta, gl.float16, [meta.shape[0] // CHUNKS, CHUNKS, meta.shape[2], 16], meta.type.layout)
+    fields = fields.index(stage)
+    token = tile_start + key_rows
+    live = (token >= start) & (token < end)
+    rows: gl.constexpr = key_rows.type.layout
+    meta_layout: gl.constexpr = _tma_meta_layout(CHUNKS)
+    scale = gl.convert_layout(gl.reshape(fields.slice(NUM_FIELDS - 2, 1, 1).load(meta_layout), [KEYS]), rows)
+    zero = gl.convert_layout(gl.reshape(fields.slice(NUM_FIELDS - 1, 1, 1).load(meta_layout), [KEYS]), rows)
+    if NUM_FIELDS == 3:
+        norm = gl.convert_layout(gl.reshape(fields.slice(0, 1, 1).load(meta_layout), [KEYS]), rows)
+        norm = gl.where(live, norm.to(gl.float32), 0.0)
+    else:
+        norm = gl.full(token.shape, 1.0, gl.float32, rows)
+    scale = gl.where(live, scale.to(gl.float32), 0.0)
+    zero = gl.where(live, zero.to(gl.float32), 0.0)
+    return k_words, v_words, norm, scale, zero, live
+
+
+@gluon.jit
+def _tma_compute(data, values, meta, full, empty, q_hi, q_lo, pair_lut, score_scale, tile, start, end, num_tiles,
+                 KEY_BITS: gl.constexpr, KEY_DATA_BYTES: gl.constexpr, VALUE_BITS: gl.constexpr,
+                 NUM_FIELDS: gl.constexpr, STAGES: gl.constexpr, FP16_OPERANDS: gl.constexpr):  # fmt: skip
+    """The compute warps: each tile once its stage landed, then the stage handed back. Returns the loop's state
+    ``(m_i, l_part, z_part, acc)``, as :func:`decode_stage1_kernel`'s loop leaves it."""
+    KEY_FP8: gl.constexpr = KEY_BITS == 8
+    mma: gl.constexpr = _operand_layouts(KEY_FP8)[0]
+    key_bytes: gl.constexpr = _operand_layouts(KEY_FP8)[2]
+    key_layout: gl.constexpr = _operand_layouts(KEY_FP8)[3]
+    value_layout: gl.constexpr = _operand_layouts(KEY_FP8)[4]
+    BLOCK_H: gl.constexpr = q_hi.shape[1]
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
+    l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
+    z_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
+    acc = gl.zeros([HEAD_DIM, BLOCK_H if FP16_OPERANDS else 2 * BLOCK_H], gl.float32, mma)
+    key_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    for i in range(num_tiles):
+        stage = i % STAGES
+        mbarrier.wait(full.index(stage), (i // STAGES) & 1)
+        k_words, v_words, norm, v_scale, v_zero, live = _tma_stage_reads(
+            data, values, meta, stage, tile + i * BLOCK_N, start, end, key_rows, KEY_BITS, KEY_DATA_BYTES, NUM_FIELDS,
+            key_layout, value_layout)  # fmt: skip
+        m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
+                                              score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS, key_bytes,
+                                              FP16_OPERANDS)  # fmt: skip
+        # The tile's row max crossed warps through shared memory behind a CTA barrier, after every thread's reads of
+        # the stage: one arrival frees it.
+        mbarrier.arrive(empty.index(stage), count=1)
+    return m_i, l_part, z_part, acc
+
+
+@gluon.jit
+def decode_stage1_tma_kernel(
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr, data_desc, value_desc, meta_desc,
+    sm_scale, num_splits, num_blocks, table_keys,
+    stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
+    KV_GROUP: gl.constexpr,
+    KEY_BITS: gl.constexpr,  # 4 (MSE codes) or 8 (FP8 keys)
+    KEY_DATA_BYTES: gl.constexpr,
+    VALUE_BITS: gl.constexpr,  # 4
+    SLOT_BYTES: gl.constexpr,
+    NUM_KV_HEADS: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    STAGES: gl.constexpr = 3,
+    FP16_OPERANDS: gl.constexpr = 0,
+):  # fmt: skip
+    """:func:`decode_stage1_kernel` with its tiles copied by TMA (the section above): grid ``(B, HKV, S)``, 4
+    compute warps and a loader warp. ``cache_ptr`` is not read (the descriptors read the cache)."""
+    gl.static_assert(gl.num_warps() == NUM_WARPS)
+    gl.static_assert(VALUE_BITS == 4)
+    gl.static_assert(KEY_BITS != 3)
+    KEY_FP8: gl.constexpr = KEY_BITS == 8
+    NUM_FIELDS: gl.constexpr = 2 if KEY_FP8 else 3
+    start, end, row_ptr, too_long, bad_pages, first_page, last_page = _split(
+        seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)
+    dot_b: gl.constexpr = _operand_layouts(KEY_FP8)[1]
+    q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, KV_GROUP,
+                                KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
+    pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
+
+    # A chunk's 16 slots (4-bit keys), or their key bytes and their values (FP8 keys): rows of 128 bytes.
+    data = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, 1, 16, 128], data_desc.layout)
+    values = data
+    if SLOT_BYTES > 128:
+        values = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, 1, 16, 64], value_desc.layout)
+    meta = gl.allocate_shared_memory(gl.float16, [STAGES * 4, 1, TMA_META_ROWS, 16], meta_desc.layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(full.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
+
+    tile = (start // 16) * 16  # tiles of 16-key chunks: one table entry each
+    num_tiles = gl.where(end > start, gl.cdiv(end - tile, BLOCK_N), 0)
+    m_i, l_part, z_part, acc = gl.warp_specialize([
+        (_tma_compute, (data, values, meta, full, empty, q_hi, q_lo, pair_lut, sm_scale * _LOG2E, tile, start, end,
+                        num_tiles, KEY_BITS, KEY_DATA_BYTES, VALUE_BITS, NUM_FIELDS, STAGES, FP16_OPERANDS)),
+        (_tma_loader, (data_desc, value_desc, meta_desc, data, values, meta, full, empty, row_ptr, stride_btc,
+                       num_blocks, tile, end, num_tiles, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, STAGES)),
+    ], [1], [TMA_LOADER_REGS])  # fmt: skip
+    _finish(acc, m_i, l_part, z_part, start, end, too_long, bad_pages, row_ptr, stride_btc, first_page,
+            last_page, num_blocks, partials_ptr, stride_pb, stride_ph, stride_ps, KV_GROUP, FP16_OPERANDS)
+
+
+# Per-warp streams (``decode_stage1_streams_kernel``): each of 4 warps is a partition of its own
+# (``gl.warp_specialize``) that runs a whole online softmax over every fourth 16-key chunk of the split: it copies
+# its chunks by TMA into its own ring of stages, waits on its own mbarriers, and keeps its own row max, sums and
+# output. Nothing crosses warps inside the loop (no row max, no probabilities through shared memory, no CTA
+# barrier); the four states are merged once, after the loop, by the 4 warps of the default partition, which check
+# the block table meanwhile.
+
+STREAMS = gl.constexpr(4)
+STREAM_REGS = gl.constexpr(104)  # registers per thread of a stream warp (setmaxnreg); launched at 64
+
+
+@gluon.jit
+def _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, bar, buffer, page, chunk_start, kv_head,
+                 SLOT_BYTES: gl.constexpr, KEY_DATA_BYTES: gl.constexpr, NUM_FIELDS: gl.constexpr,
+                 BLOCK_SIZE: gl.constexpr):  # fmt: skip
+    """The TMA copies of the 16-key chunk at ``chunk_start`` (in block ``page``) into chunk buffer ``buffer``: its
+    slots (or, FP8 keys, their key bytes and their values) and its metadata, completing on ``bar``."""
+    position = (chunk_start.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
+    column = kv_head * SLOT_BYTES
+    _tma_load(data_desc, [page, position, column], bar, data.index(buffer))
+    if SLOT_BYTES > 128:
+        _tma_load(value_desc, [page, position, column + KEY_DATA_BYTES], bar, values.index(buffer))
+    _tma_load(meta_desc, [page, kv_head * NUM_FIELDS, position], bar, meta.index(buffer))
+
+
+@gluon.jit
+def _stream(stream: gl.constexpr, shared, descs, pointers, row_ptr, stride_btc, num_blocks, tile, start, end,
+            sm_scale, strides, KV_GROUP: gl.constexpr, KEY_BITS: gl.constexpr, KEY_DATA_BYTES: gl.constexpr,
+            SLOT_BYTES: gl.constexpr, NUM_FIELDS: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
+            STAGES: gl.constexpr):  # fmt: skip
+    """Stream ``stream`` (one warp): chunks ``stream, stream + STREAMS, ...`` of the split (16 keys from ``tile``
+    each) through its stages ``STAGES stream ..``; leaves its ``acc`` in ``states[stream]``, its ``(m, l, z)`` in
+    ``sums[stream]``."""
+    data, values, meta, full, states, sums = shared
+    data_desc, value_desc, meta_desc = descs
+    q_ptr, partials_ptr, centroid_ptr = pointers
+    stride_qb, stride_qh, stride_pb, stride_ph, stride_ps = strides
+    KEY_FP8: gl.constexpr = KEY_BITS == 8
+    mma: gl.constexpr = _operand_layouts(KEY_FP8, 1)[0]
+    dot_b: gl.constexpr = _operand_layouts(KEY_FP8, 1)[1]
+    key_bytes: gl.constexpr = _operand_layouts(KEY_FP8, 1)[2]
+    key_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[3]
+    value_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[4]
+    META_ROWS: gl.constexpr = meta.shape[2]
+    CHUNK_BYTES: gl.constexpr = 16 * (SLOT_BYTES + META_ROWS * TMA_FIELDS_BYTES)
+    kv_head = gl.program_id(1)
+    q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, KV_GROUP,
+                                KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
+    pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
+    num_chunks = gl.where(end > start, gl.cdiv(end - tile, 16), 0)
+    count = gl.maximum(num_chunks - stream + STREAMS - 1, 0) // STREAMS  # this stream's chunks
+    first = stream * STAGES  # its chunk buffers and mbarriers
+    for st in gl.static_range(STAGES):
+        if st < count:
+            chunk_start = tile + 16 * (stream + STREAMS * st)
+            page = _page(row_ptr, stride_btc, chunk_start, end, num_blocks, BLOCK_SIZE)
+            mbarrier.expect(full.index(first + st), CHUNK_BYTES)
+            _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(first + st), first + st,
+                         page, chunk_start, kv_head, SLOT_BYTES, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE)  # fmt: skip
+    # The block of the chunk each iteration refills its stage with is read an iteration ahead.
+    ahead = _page(row_ptr, stride_btc, tile + 16 * (stream + STREAMS * STAGES), end, num_blocks, BLOCK_SIZE)
+
+    score_scale = sm_scale * _LOG2E
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
+    l_part = gl.zeros([16, BLOCK_H], gl.float32, mma)
+    z_part = gl.zeros([16, BLOCK_H], gl.float32, mma)
+    acc = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, mma)
+    key_rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+    for i in range(count):
+        buffer = first + i % STAGES
+        page = ahead
+        ahead = _page(row_ptr, stride_btc, tile + 16 * (stream + STREAMS * (i + STAGES + 1)), end, num_blocks,
+                      BLOCK_SIZE)  # fmt: skip
+        mbarrier.wait(full.index(buffer), (i // STAGES) & 1)
+        k_words, v_words, norm, v_scale, v_zero, live = _tma_stage_reads(
+            data, values, meta, buffer, tile + 16 * (stream + STREAMS * i), start, end, key_rows, KEY_BITS,
+            KEY_DATA_BYTES, NUM_FIELDS, key_layout, value_layout)  # fmt: skip
+        m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
+                                              score_scale, m_i, l_part, z_part, acc, KEY_BITS, 4, key_bytes, 1,
+                                              1)  # fmt: skip
+        if i + STAGES < count:  # this warp's reads of the buffer are done: refill it
+            fence_async_shared()
+            mbarrier.expect(full.index(buffer), CHUNK_BYTES)
+            _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(buffer), buffer, page,
+                         tile + 16 * (stream + STREAMS * (i + STAGES)), kv_head, SLOT_BYTES, KEY_DATA_BYTES,
+                         NUM_FIELDS, BLOCK_SIZE)  # fmt: skip
+    states.index(stream).store(acc)
+    mine = sums.index(stream)
+    mine.slice(0, 1, 0).store(m_i[None, :])
+    mine.slice(1, 1, 0).store(gl.sum(l_part, axis=0)[None, :])
+    mine.slice(2, 1, 0).store(gl.sum(z_part, axis=0)[None, :])
+
+
+@gluon.jit
+def _streams_guard(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks):
+    """The default partition while the streams run (a default partition has 4 warps, a stream one): the rest of the
+    split's block-table check (:func:`_poisoned`)."""
+    return (_poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks),)
+
+
+@gluon.jit
+def decode_stage1_streams_kernel(
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr, data_desc, value_desc, meta_desc,
+    sm_scale, num_splits, num_blocks, table_keys,
+    stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
+    KV_GROUP: gl.constexpr,
+    KEY_BITS: gl.constexpr,  # 4 (MSE codes) or 8 (FP8 keys)
+    KEY_DATA_BYTES: gl.constexpr,
+    VALUE_BITS: gl.constexpr,  # 4
+    SLOT_BYTES: gl.constexpr,
+    NUM_KV_HEADS: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    STAGES: gl.constexpr = 3,
+    FP16_OPERANDS: gl.constexpr = 1,
+):  # fmt: skip
+    """:func:`decode_stage1_tma_kernel`'s partials by per-warp streams (the section above): grid ``(B, HKV, S)``, 4
+    warps for the table check and the merge, 4 stream warps. The operands rounded once to fp16 (``FP16_OPERANDS``)."""
+    gl.static_assert(gl.num_warps() == NUM_WARPS)
+    gl.static_assert(VALUE_BITS == 4)
+    gl.static_assert(KEY_BITS != 3)
+    gl.static_assert(FP16_OPERANDS == 1)
+    KEY_FP8: gl.constexpr = KEY_BITS == 8
+    NUM_FIELDS: gl.constexpr = 2 if KEY_FP8 else 3
+    start, end, row_ptr, too_long, bad_pages, first_page, last_page = _split(
+        seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)
+    BUFFERS: gl.constexpr = STREAMS * STAGES
+    data = gl.allocate_shared_memory(gl.uint8, [BUFFERS, 1, 16, 128], data_desc.layout)
+    values = data
+    if SLOT_BYTES > 128:
+        values = gl.allocate_shared_memory(gl.uint8, [BUFFERS, 1, 16, 64], value_desc.layout)
+    meta = gl.allocate_shared_memory(gl.float16, [BUFFERS, 1, TMA_META_ROWS, 16], meta_desc.layout)
+    full = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
+    # Each stream's acc [HEAD_DIM, BLOCK_H], and its (m, l, z) as rows 0-2 of a [4, BLOCK_H] block.
+    states = gl.allocate_shared_memory(gl.float32, [STREAMS, HEAD_DIM, BLOCK_H], _plain(2))
+    sums = gl.allocate_shared_memory(gl.float32, [STREAMS, 4, BLOCK_H], _plain(2))
+    for b in gl.static_range(BUFFERS):
+        mbarrier.init(full.index(b), count=1)
+    fence_async_shared()
+
+    tile = (start // 16) * 16
+    shared = (data, values, meta, full, states, sums)
+    descs = (data_desc, value_desc, meta_desc)
+    pointers = (q_ptr, partials_ptr, centroid_ptr)
+    strides = (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps)
+    (poisoned,) = gl.warp_specialize([
+        (_streams_guard, (too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)),
+        (_stream, (gl.constexpr(0), shared, descs, pointers, row_ptr, stride_btc, num_blocks, tile, start, end,
+                   sm_scale, strides, KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE,
+                   BLOCK_H, STAGES)),
+        (_stream, (gl.constexpr(1), shared, descs, pointers, row_ptr, stride_btc, num_blocks, tile, start, end,
+                   sm_scale, strides, KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE,
+                   BLOCK_H, STAGES)),
+        (_stream, (gl.constexpr(2), shared, descs, pointers, row_ptr, stride_btc, num_blocks, tile, start, end,
+                   sm_scale, strides, KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE,
+                   BLOCK_H, STAGES)),
+        (_stream, (gl.constexpr(3), shared, descs, pointers, row_ptr, stride_btc, num_blocks, tile, start, end,
+                   sm_scale, strides, KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE,
+                   BLOCK_H, STAGES)),
+    ], [1, 1, 1, 1], [STREAM_REGS, STREAM_REGS, STREAM_REGS, STREAM_REGS])  # fmt: skip
+
+    # The merge: the streams' maxima to one, each state scaled to it.
+    layout: gl.constexpr = gl.BlockedLayout([1, BLOCK_H], [32, 1], [NUM_WARPS, 1], [1, 0])
+    heads: gl.constexpr = gl.SliceLayout(0, layout)
+    m_all = gl.full([BLOCK_H], float("-inf"), gl.float32, heads)
+    for st in gl.static_range(STREAMS):
+        m_all = gl.maximum(m_all, gl.max(sums.index(st).slice(0, 1, 0).load(layout), axis=0))
+    acc = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, layout)
+    l_i = gl.zeros([BLOCK_H], gl.float32, heads)
+    z_i = gl.zeros([BLOCK_H], gl.float32, heads)
+    for st in gl.static_range(STREAMS):
+        theirs = sums.index(st)
+        m_s = gl.max(theirs.slice(0, 1, 0).load(layout), axis=0)  # a row's one element, per head
+        weight = gl.where(m_s == float("-inf"), 0.0, gl.exp2(m_s - m_all))
+        acc += states.index(st).load(layout) * weight[None, :]
+        l_i += gl.max(theirs.slice(1, 1, 0).load(layout), axis=0) * weight
+        z_i += gl.max(theirs.slice(2, 1, 0).load(layout), axis=0) * weight
+    _store_partials(acc, m_all, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps,
+                    KV_GROUP)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
