@@ -183,17 +183,13 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # whose shared-memory reads were 82% bank conflicts: 12.2-12.9 us a call at B=32 H=32 (predicted: ~3 us). The bench's
 # whole call at L=8K, 08cfd74 -> 95ba40f: 4-bit 0.1929 -> 0.1844 ms, 3-bit keys 0.1864 -> 0.1789, 3-bit 0.2126 ->
 # 0.2046.
-# GLUON_TMA (sm90; 4-bit and FP8 keys with 4-bit values): stage 1 as turboquant_sm90.decode_stage1_tma_kernel, each
-# chunk's bytes copied by TMA from a loader warp into the stages, no copy or address arithmetic in the compute warps
-# (the 4-bit tile loop 565 -> 470 instructions a warp, the loader warp 170 a tile; Triton 3.6). Its worker warp is
-# padded to a warpgroup (8 warps a program), so GLUON_MAXNREG 64 (setmaxnreg then gives the compute warps 104 and the
-# idle ones 24) fits PROGRAMS_PER_SM 4, not 5. Not yet timed.
-# GLUON_STREAMS (with GLUON_TMA, groups of at most 8 heads): stage 1 as turboquant_sm90.decode_stage1_streams_kernel,
-# each of 4 warps an online softmax of its own over every fourth 16-key chunk, copying its chunks by TMA, with no
-# shared memory or barrier between warps in the loop, and its output rescaled only when a head's running max grew
-# (490 instructions a warp and chunk for 4-bit keys on that path, no barrier and 18 shared-memory instructions,
-# against the TMA kernel's 470 a warp and 64-key tile with 6 barriers and 23). The same 64 registers at launch
-# (streams get 104) and four programs a SM. Not yet timed.
+# GLUON_STREAMS (sm90; FP8 keys with 4-bit values, groups of at most 8 heads, FP16_OPERANDS): stage 1 as
+# turboquant_sm90.decode_stage1_streams_kernel, each of 4 warps an online softmax of its own over every fourth 16-key
+# chunk, copying its chunks by TMA, with no shared memory or barrier between warps in the loop. Its partitions make 8
+# warps a program, launched at 64 registers (setmaxnreg gives the stream warps 104): PROGRAMS_PER_SM 4. Stage 1 on the
+# H200 against decode_stage1_kernel in one call (benchmarks/kernel_times.py, ff5c3c7, L=8K / 32K): k8v4 140.2 ->
+# 121.0 / 519.1 -> 504.6 us; 4-bit keys 153.6 -> 169.5 / 556.4 -> 558.8 us, slower, so off for them
+# (tests/test_turboquant.py keeps their streams path checked against golden on sm_90 GPUs).
 # Bench at 8107e0d against the portable kernel's 9b0ab61 rows (L=8K / 32K): k8v4 0.3632 -> 0.2262 / 1.1904 ->
 # 0.7066 ms, 4-bit 0.4226 -> 0.2942 / 1.3685 -> 0.8199 ms.
 # SPLIT_ROUNDS (sm90): at most that many rounds of PROGRAMS_PER_SM resident programs (decode_num_splits), whatever
@@ -209,8 +205,7 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
              "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
              "GLUON_MAXNREG": 96, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 5, "GLUON_STAGES": 3, "ROTATE_TF32X3": 1,
-             "FP16_OPERANDS": 1, "GLUON_TMA_k4": 1, "GLUON_TMA_k8": 1, "GLUON_STREAMS": 1, "GLUON_MAXNREG_k4": 64,
-             "GLUON_MAXNREG_k8": 64, "PROGRAMS_PER_SM_k4": 4, "PROGRAMS_PER_SM_k8": 4},
+             "FP16_OPERANDS": 1, "GLUON_STREAMS_k8": 1, "PROGRAMS_PER_SM_k8": 4},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -1323,16 +1318,15 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         block_size=block_size, stride_block=kv_cache.stride(0), slot_bytes=layout["data_bytes_per_slot"],
         key_bytes=layout["key_data_bytes"],
     )
-    if gluon and config.get("GLUON_TMA") and turboquant_sm90.tma_supports(
-        key_bits=key_bits, value_bits=value_quant_bits, cache_address=kv_cache.data_ptr()
-    ):  # the sm_90 fast path with its tiles copied by TMA: the cache's descriptors looked up at each call
+    if gluon and config.get("GLUON_STREAMS") and turboquant_sm90.streams_supports(
+        key_bits=key_bits, value_bits=value_quant_bits, group=group, fp16_operands=config.get("FP16_OPERANDS", 0),
+        cache_address=kv_cache.data_ptr(),
+    ):  # the sm_90 fast path by per-warp streams, their chunks copied by TMA: the cache's descriptors looked up
         geometry = turboquant_sm90.tma_geometry(
             num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
             slot_bytes=layout["data_bytes_per_slot"], stride_block=kv_cache.stride(0), meta_offset=meta_offset,
             num_fields=layout["num_fields"])  # fmt: skip
-        streams = config.get("GLUON_STREAMS") and turboquant_sm90.streams_supports(
-            group=group, fp16_operands=config.get("FP16_OPERANDS", 0))
-        kernel = turboquant_sm90.decode_stage1_streams_kernel if streams else turboquant_sm90.decode_stage1_tma_kernel
+        kernel = turboquant_sm90.decode_stage1_streams_kernel
         stage1 = _DescribedLaunch(Launch(kernel, (batch, num_kv_heads, num_splits), (
             float(scale), num_splits, num_blocks, table_keys, *query.stride()[:2], table_2d.stride(0),
             table_2d.stride(1), *mid_o.stride()[:3],
@@ -1340,7 +1334,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
                 VALUE_BITS=value_quant_bits, SLOT_BYTES=layout["data_bytes_per_slot"], NUM_KV_HEADS=num_kv_heads,
                 BLOCK_SIZE=block_size, STAGES=max(2, config.get("GLUON_STAGES", 0)),
                 FP16_OPERANDS=config.get("FP16_OPERANDS", 0),
-                **turboquant_sm90.launch_options(group, config.get("GLUON_MAXNREG")))),
+                **turboquant_sm90.launch_options(group, turboquant_sm90.STREAMS_LAUNCH_REGS))),
             DescriptorsByAddress(turboquant_sm90.descriptors), geometry)  # fmt: skip
     elif gluon:  # the sm_90 fast path (triton_impl/turboquant_sm90.py): the same partials, operands built in place
         stage1 = Launch(turboquant_sm90.decode_stage1_kernel, (batch, num_kv_heads, num_splits), (

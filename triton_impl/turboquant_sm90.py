@@ -100,7 +100,6 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 _reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.shared_memory_descriptor._reinterpret
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-TMA_LOADER_REGS = gl.constexpr(40)  # registers per thread of the TMA kernel's loader warp
 
 
 def _hopper(device: torch.device) -> bool:
@@ -136,17 +135,17 @@ def launch_options(group: int, maxnreg: int | None) -> dict[str, int]:
 
 def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, block_size: int = 16,
                      maxnreg: int | None = None, stages: int = 0, fp16_operands: bool = False,
-                     tma: bool = False, streams: bool = False) -> Any:  # fmt: skip
+                     streams: bool = False) -> Any:  # fmt: skip
     """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a launch of the bench's
     shapes is (16-byte aligned pointers, the integer arguments that are multiples of 16 marked so, the
-    block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``. ``tma``:
-    :func:`decode_stage1_tma_kernel` (``stages`` of them), ``streams``: :func:`decode_stage1_streams_kernel`, else
+    block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``.
+    ``streams``: :func:`decode_stage1_streams_kernel` (``stages`` chunk buffers a stream), else
     :func:`decode_stage1_kernel`."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = decode_stage1_streams_kernel if streams else decode_stage1_tma_kernel if tma else decode_stage1_kernel
+    fn = decode_stage1_streams_kernel if streams else decode_stage1_kernel
     names = fn.arg_names
     key_bytes = 16 * key_bits  # D = 128 codes of key_bits bits (FP8 keys: 8)
     pointers = {"q_ptr": "*bf16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -894,11 +893,9 @@ def decode_stage1_kernel(
             last_page, num_blocks, partials_ptr, stride_pb, stride_ph, stride_ps, KV_GROUP, FP16_OPERANDS)
 
 
-# Tiles by TMA (``decode_stage1_tma_kernel``): a loader warp copies each 16-key chunk's key bytes, value bytes and
-# metadata with one tensor-memory-access copy each into a ring of stages, and the 4 compute warps read them back in
-# the register layouts above. No compute thread issues a copy or computes an address for one, and no CTA barrier
-# guards a stage: an mbarrier per stage says it landed (the copies' bytes), another that the compute warps are done
-# with it (one arrival, after the tile's last CTA barrier, which every compute thread passes after its reads).
+# Chunks by TMA (``decode_stage1_streams_kernel``, below): each 16-key chunk's key bytes, value bytes and metadata
+# arrive by one tensor-memory-access copy each, read back in the register layouts above. No thread computes a byte
+# address or waits at a CTA barrier for a chunk: an mbarrier per chunk buffer says its copies landed (their bytes).
 
 TMA_FIELDS_BYTES = gl.constexpr(2)  # each metadata field is fp16
 
@@ -910,18 +907,13 @@ TMA_FIELDS_BYTES = gl.constexpr(2)  # each metadata field is fp16
 TMA_META_ROWS = gl.constexpr(4)
 
 
-def tma_supports(*, key_bits: int, value_bits: int, cache_address: int) -> bool:
-    """Whether a call :func:`supports` serves can run :func:`decode_stage1_tma_kernel`: 4-bit or FP8 keys (their
-    key bytes are 64 or 128 a token: a swizzled box) with 4-bit values, and a 16-byte aligned cache (a descriptor's
-    base)."""
-    return key_bits in (4, 8) and value_bits == 4 and cache_address % 16 == 0
-
-
-def streams_supports(*, group: int, fp16_operands: bool) -> bool:
-    """Whether :func:`decode_stage1_streams_kernel` serves a call :func:`tma_supports` takes: a group of at most 8
-    query heads (one MMA N; a stream's output of 16 heads takes 64 registers more and spills), with the operands
-    rounded once to fp16 (the only form it is written for)."""
-    return group <= 8 and bool(fp16_operands)
+def streams_supports(*, key_bits: int, value_bits: int, group: int, fp16_operands: bool, cache_address: int) -> bool:
+    """Whether :func:`decode_stage1_streams_kernel` serves a call :func:`supports` takes: 4-bit or FP8 keys (their key
+    bytes are 64 or 128 a token: a swizzled box) with 4-bit values, a group of at most 8 query heads (one MMA N; a
+    stream's output of 16 heads takes 64 registers more and spills), the operands rounded once to fp16 (the only form
+    it is written for), and a 16-byte aligned cache (a descriptor's base)."""
+    boxes = key_bits in (4, 8) and value_bits == 4 and cache_address % 16 == 0
+    return boxes and group <= 8 and bool(fp16_operands)
 
 
 def _data_smem(row_bytes: int) -> gl.NVMMASharedLayout:
@@ -1005,42 +997,6 @@ def _tma_meta_layout(warps):
 
 
 @gluon.jit
-def _chunk_pages(row_ptr, stride_btc, tile_start, end, num_blocks, BLOCK_SIZE: gl.constexpr):
-    """The blocks of tile ``tile_start``'s 4 chunks (scalars; block 0 past ``end``, each entry clamped)."""
-    return (_page(row_ptr, stride_btc, tile_start, end, num_blocks, BLOCK_SIZE),
-            _page(row_ptr, stride_btc, tile_start + 16, end, num_blocks, BLOCK_SIZE),
-            _page(row_ptr, stride_btc, tile_start + 32, end, num_blocks, BLOCK_SIZE),
-            _page(row_ptr, stride_btc, tile_start + 48, end, num_blocks, BLOCK_SIZE))  # fmt: skip
-
-
-@gluon.jit
-def _tma_loader(data_desc, value_desc, meta_desc, data, values, meta, full, empty, row_ptr, stride_btc, num_blocks,
-                tile, end, num_tiles, KEY_DATA_BYTES: gl.constexpr, SLOT_BYTES: gl.constexpr,
-                NUM_FIELDS: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """The loader warp: tile ``i``'s 4 chunks into stage ``i % STAGES`` once the compute warps freed it, each
-    chunk's slots as one box (``data``; with FP8 keys, whose slots are wider than a 128-byte swizzle, the key bytes,
-    and the values as a second box) and its metadata as another. A tile's table entries are read a tile ahead."""
-    kv_head = gl.program_id(1)
-    column = kv_head * SLOT_BYTES
-    pages = _chunk_pages(row_ptr, stride_btc, tile, end, num_blocks, BLOCK_SIZE)
-    for i in range(num_tiles):
-        stage = i % STAGES
-        tile_start = tile + i * BLOCK_N
-        ahead = _chunk_pages(row_ptr, stride_btc, tile_start + BLOCK_N, end, num_blocks, BLOCK_SIZE)
-        if i >= STAGES:
-            mbarrier.wait(empty.index(stage), (i // STAGES - 1) & 1)
-        bar = full.index(stage)
-        mbarrier.expect(bar, BLOCK_N * (SLOT_BYTES + meta.shape[2] * TMA_FIELDS_BYTES))
-        for c in gl.static_range(4):
-            position = ((tile_start + c * 16).to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
-            _tma_load(data_desc, [pages[c], position, column], bar, data.index(stage * 4 + c))
-            if SLOT_BYTES > 128:
-                _tma_load(value_desc, [pages[c], position, column + KEY_DATA_BYTES], bar, values.index(stage * 4 + c))
-            _tma_load(meta_desc, [pages[c], kv_head * NUM_FIELDS, position], bar, meta.index(stage * 4 + c))
-        pages = ahead
-
-
-@gluon.jit
 def _tma_stage_reads(data, values, meta, stage, tile_start, start, end, key_rows, KEY_BITS: gl.constexpr,
                      KEY_DATA_BYTES: gl.constexpr, NUM_FIELDS: gl.constexpr, KEY_LAYOUT: gl.constexpr,
                      VALUE_LAYOUT: gl.constexpr):  # fmt: skip
@@ -1083,93 +1039,6 @@ def _tma_stage_reads(data, values, meta, stage, tile_start, start, end, key_rows
     return k_words, v_words, norm, scale, zero, live
 
 
-@gluon.jit
-def _tma_compute(data, values, meta, full, empty, q_hi, q_lo, pair_lut, score_scale, tile, start, end, num_tiles,
-                 KEY_BITS: gl.constexpr, KEY_DATA_BYTES: gl.constexpr, VALUE_BITS: gl.constexpr,
-                 NUM_FIELDS: gl.constexpr, STAGES: gl.constexpr, FP16_OPERANDS: gl.constexpr):  # fmt: skip
-    """The compute warps: each tile once its stage landed, then the stage handed back. Returns the loop's state
-    ``(m_i, l_part, z_part, acc)``, as :func:`decode_stage1_kernel`'s loop leaves it."""
-    KEY_FP8: gl.constexpr = KEY_BITS == 8
-    mma: gl.constexpr = _operand_layouts(KEY_FP8)[0]
-    key_bytes: gl.constexpr = _operand_layouts(KEY_FP8)[2]
-    key_layout: gl.constexpr = _operand_layouts(KEY_FP8)[3]
-    value_layout: gl.constexpr = _operand_layouts(KEY_FP8)[4]
-    BLOCK_H: gl.constexpr = q_hi.shape[1]
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-    l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
-    z_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)
-    acc = gl.zeros([HEAD_DIM, BLOCK_H if FP16_OPERANDS else 2 * BLOCK_H], gl.float32, mma)
-    key_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    for i in range(num_tiles):
-        stage = i % STAGES
-        mbarrier.wait(full.index(stage), (i // STAGES) & 1)
-        k_words, v_words, norm, v_scale, v_zero, live = _tma_stage_reads(
-            data, values, meta, stage, tile + i * BLOCK_N, start, end, key_rows, KEY_BITS, KEY_DATA_BYTES, NUM_FIELDS,
-            key_layout, value_layout)  # fmt: skip
-        m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
-                                              score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS, key_bytes,
-                                              FP16_OPERANDS)  # fmt: skip
-        # The tile's row max crossed warps through shared memory behind a CTA barrier, after every thread's reads of
-        # the stage: one arrival frees it.
-        mbarrier.arrive(empty.index(stage), count=1)
-    return m_i, l_part, z_part, acc
-
-
-@gluon.jit
-def decode_stage1_tma_kernel(
-    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr, data_desc, value_desc, meta_desc,
-    sm_scale, num_splits, num_blocks, table_keys,
-    stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
-    KV_GROUP: gl.constexpr,
-    KEY_BITS: gl.constexpr,  # 4 (MSE codes) or 8 (FP8 keys)
-    KEY_DATA_BYTES: gl.constexpr,
-    VALUE_BITS: gl.constexpr,  # 4
-    SLOT_BYTES: gl.constexpr,
-    NUM_KV_HEADS: gl.constexpr,
-    BLOCK_SIZE: gl.constexpr,
-    BLOCK_H: gl.constexpr,
-    STAGES: gl.constexpr = 3,
-    FP16_OPERANDS: gl.constexpr = 0,
-):  # fmt: skip
-    """:func:`decode_stage1_kernel` with its tiles copied by TMA (the section above): grid ``(B, HKV, S)``, 4
-    compute warps and a loader warp. ``cache_ptr`` is not read (the descriptors read the cache)."""
-    gl.static_assert(gl.num_warps() == NUM_WARPS)
-    gl.static_assert(VALUE_BITS == 4)
-    gl.static_assert(KEY_BITS != 3)
-    KEY_FP8: gl.constexpr = KEY_BITS == 8
-    NUM_FIELDS: gl.constexpr = 2 if KEY_FP8 else 3
-    start, end, row_ptr, too_long, bad_pages, first_page, last_page = _split(
-        seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)
-    dot_b: gl.constexpr = _operand_layouts(KEY_FP8)[1]
-    q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, KV_GROUP,
-                                KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
-    pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
-
-    # A chunk's 16 slots (4-bit keys), or their key bytes and their values (FP8 keys): rows of 128 bytes.
-    data = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, 1, 16, 128], data_desc.layout)
-    values = data
-    if SLOT_BYTES > 128:
-        values = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, 1, 16, 64], value_desc.layout)
-    meta = gl.allocate_shared_memory(gl.float16, [STAGES * 4, 1, TMA_META_ROWS, 16], meta_desc.layout)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(full.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    fence_async_shared()
-
-    tile = (start // 16) * 16  # tiles of 16-key chunks: one table entry each
-    num_tiles = gl.where(end > start, gl.cdiv(end - tile, BLOCK_N), 0)
-    m_i, l_part, z_part, acc = gl.warp_specialize([
-        (_tma_compute, (data, values, meta, full, empty, q_hi, q_lo, pair_lut, sm_scale * _LOG2E, tile, start, end,
-                        num_tiles, KEY_BITS, KEY_DATA_BYTES, VALUE_BITS, NUM_FIELDS, STAGES, FP16_OPERANDS)),
-        (_tma_loader, (data_desc, value_desc, meta_desc, data, values, meta, full, empty, row_ptr, stride_btc,
-                       num_blocks, tile, end, num_tiles, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, STAGES)),
-    ], [1], [TMA_LOADER_REGS])  # fmt: skip
-    _finish(acc, m_i, l_part, z_part, start, end, too_long, bad_pages, row_ptr, stride_btc, first_page,
-            last_page, num_blocks, partials_ptr, stride_pb, stride_ph, stride_ps, KV_GROUP, FP16_OPERANDS)
-
-
 # Per-warp streams (``decode_stage1_streams_kernel``): each of 4 warps is a partition of its own
 # (``gl.warp_specialize``) that runs a whole online softmax over every fourth 16-key chunk of the split: it copies
 # its chunks by TMA into its own ring of stages, waits on its own mbarriers, and keeps its own row max, sums and
@@ -1178,7 +1047,10 @@ def decode_stage1_tma_kernel(
 # the block table meanwhile.
 
 STREAMS = gl.constexpr(4)
-STREAM_REGS = gl.constexpr(104)  # registers per thread of a stream warp (setmaxnreg); launched at 64
+STREAM_REGS = gl.constexpr(104)  # registers per thread of a stream warp (setmaxnreg)
+# The launch's register cap: 8 warps a program (4 default, 4 streams) at 64 fit four programs a SM, and setmaxnreg
+# moves the default warps' spare registers to the streams.
+STREAMS_LAUNCH_REGS = 64
 
 
 @gluon.jit
@@ -1286,7 +1158,7 @@ def decode_stage1_streams_kernel(
     STAGES: gl.constexpr = 3,
     FP16_OPERANDS: gl.constexpr = 1,
 ):  # fmt: skip
-    """:func:`decode_stage1_tma_kernel`'s partials by per-warp streams (the section above): grid ``(B, HKV, S)``, 4
+    """:func:`decode_stage1_kernel`'s partials by per-warp streams (the section above): grid ``(B, HKV, S)``, 4
     warps for the table check and the merge, 4 stream warps. The operands rounded once to fp16 (``FP16_OPERANDS``)."""
     gl.static_assert(gl.num_warps() == NUM_WARPS)
     gl.static_assert(VALUE_BITS == 4)
