@@ -53,8 +53,15 @@ Compute, 4-bit keys at L=8K: 3.1 of 10 cycles between a warp's instructions wait
 instructions) took stage 1 from 163.9 / 594.4 to 156.7 / 570.9 us (one A/B call; at four programs a SM with hi + lo
 operands it had not helped: 172.5 -> 174.9). Its 8 byte tables then sat in uniform registers, copied into per-thread
 ones at every use (68 moves a tile); held per thread (:func:`_byte_table`), the tile loop has 565 instructions at 90
-registers (Triton 3.6; not yet timed). ``notebooks/results/perf_log.md`` has the measurements and the variants that
-lost.
+registers (Triton 3.6), and stage 1 took 153.6 / 556.4 us (one call, ``benchmarks/kernel_times.py``, c6e2b62).
+
+FP8 keys with 4-bit values run :func:`decode_stage1_streams_kernel` (groups of at most 8 heads, fp16 operands;
+:func:`streams_supports`): 4 one-warp partitions, each an online softmax of its own over every fourth 16-key chunk,
+its chunks copied by TMA into its own buffers, no CTA barrier or shared row max in the loop; the default warps check
+the block table meanwhile and merge the four states. Stage 1 140.2 -> 121.0 / 519.1 -> 504.6 us, the whole call
+0.1468 -> 0.1288 / 0.5261 -> 0.5122 ms (one call, ff5c3c7). For 4-bit keys it was slower (153.6 -> 169.5 / 556.4
+-> 558.8 us), so they keep :func:`decode_stage1_kernel`. ``notebooks/results/perf_log.md`` has the measurements and
+the variants that lost.
 
 The store (:func:`store_kernel`, bf16 keys at ``D = 128``, 3- or 4-bit MSE codes; :func:`store_supports`):
 persistent 4-warp programs over tiles of 64 (token, KV head) rows. Each program rounds ``PiT`` once into two bf16
