@@ -1075,17 +1075,23 @@ def _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, bar, buff
 
 
 @gluon.jit
-def _stream(stream: gl.constexpr, shared, descs, pointers, row_ptr, stride_btc, num_blocks, tile, start, end,
-            sm_scale, strides, KV_GROUP: gl.constexpr, KEY_BITS: gl.constexpr, KEY_DATA_BYTES: gl.constexpr,
-            SLOT_BYTES: gl.constexpr, NUM_FIELDS: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_H: gl.constexpr,
-            STAGES: gl.constexpr):  # fmt: skip
+def _stream(stream: gl.constexpr, shared, descs, pointers, split, strides, shape: gl.constexpr):
     """Stream ``stream`` (one warp): chunks ``stream, stream + STREAMS, ...`` of the split (16 keys from ``tile``
     each) through its stages ``STAGES stream ..``; leaves its ``acc`` in ``states[stream]``, its ``(m, l, z)`` in
-    ``sums[stream]``."""
+    ``sums[stream]``. The arguments are :func:`decode_stage1_streams_kernel`'s, in tuples that every stream shares."""
     data, values, meta, full, states, sums = shared
     data_desc, value_desc, meta_desc = descs
     q_ptr, partials_ptr, centroid_ptr = pointers
+    row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale = split
     stride_qb, stride_qh, stride_pb, stride_ph, stride_ps = strides
+    KV_GROUP: gl.constexpr = shape[0]
+    KEY_BITS: gl.constexpr = shape[1]
+    KEY_DATA_BYTES: gl.constexpr = shape[2]
+    SLOT_BYTES: gl.constexpr = shape[3]
+    NUM_FIELDS: gl.constexpr = shape[4]
+    BLOCK_SIZE: gl.constexpr = shape[5]
+    BLOCK_H: gl.constexpr = shape[6]
+    STAGES: gl.constexpr = shape[7]
     KEY_FP8: gl.constexpr = KEY_BITS == 8
     mma: gl.constexpr = _operand_layouts(KEY_FP8, 1)[0]
     dot_b: gl.constexpr = _operand_layouts(KEY_FP8, 1)[1]
@@ -1193,21 +1199,15 @@ def decode_stage1_streams_kernel(
     shared = (data, values, meta, full, states, sums)
     descs = (data_desc, value_desc, meta_desc)
     pointers = (q_ptr, partials_ptr, centroid_ptr)
+    split = (row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale)
     strides = (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps)
+    shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES)
     (poisoned,) = gl.warp_specialize([
         (_streams_guard, (too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)),
-        (_stream, (gl.constexpr(0), shared, descs, pointers, row_ptr, stride_btc, num_blocks, tile, start, end,
-                   sm_scale, strides, KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE,
-                   BLOCK_H, STAGES)),
-        (_stream, (gl.constexpr(1), shared, descs, pointers, row_ptr, stride_btc, num_blocks, tile, start, end,
-                   sm_scale, strides, KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE,
-                   BLOCK_H, STAGES)),
-        (_stream, (gl.constexpr(2), shared, descs, pointers, row_ptr, stride_btc, num_blocks, tile, start, end,
-                   sm_scale, strides, KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE,
-                   BLOCK_H, STAGES)),
-        (_stream, (gl.constexpr(3), shared, descs, pointers, row_ptr, stride_btc, num_blocks, tile, start, end,
-                   sm_scale, strides, KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE,
-                   BLOCK_H, STAGES)),
+        (_stream, (gl.constexpr(0), shared, descs, pointers, split, strides, shape)),
+        (_stream, (gl.constexpr(1), shared, descs, pointers, split, strides, shape)),
+        (_stream, (gl.constexpr(2), shared, descs, pointers, split, strides, shape)),
+        (_stream, (gl.constexpr(3), shared, descs, pointers, split, strides, shape)),
     ], [1, 1, 1, 1], [STREAM_REGS, STREAM_REGS, STREAM_REGS, STREAM_REGS])  # fmt: skip
 
     # The merge: the streams' maxima to one, each state scaled to it.
