@@ -1318,6 +1318,11 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         block_size=block_size, stride_block=kv_cache.stride(0), slot_bytes=layout["data_bytes_per_slot"],
         key_bytes=layout["key_data_bytes"],
     )
+    # The grid (B, HKV, S) and the constexprs both Gluon kernels take.
+    grid = (batch, num_kv_heads, num_splits)
+    shape = dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=layout["key_data_bytes"],
+                 VALUE_BITS=value_quant_bits, SLOT_BYTES=layout["data_bytes_per_slot"], NUM_KV_HEADS=num_kv_heads,
+                 BLOCK_SIZE=block_size, FP16_OPERANDS=config.get("FP16_OPERANDS", 0))  # fmt: skip
     if gluon and config.get("GLUON_STREAMS") and turboquant_sm90.streams_supports(
         key_bits=key_bits, value_bits=value_quant_bits, group=group, fp16_operands=config.get("FP16_OPERANDS", 0),
         cache_address=kv_cache.data_ptr(),
@@ -1326,25 +1331,17 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
             num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
             slot_bytes=layout["data_bytes_per_slot"], stride_block=kv_cache.stride(0), meta_offset=meta_offset,
             num_fields=layout["num_fields"])  # fmt: skip
-        kernel = turboquant_sm90.decode_stage1_streams_kernel
-        stage1 = _DescribedLaunch(Launch(kernel, (batch, num_kv_heads, num_splits), (
-            float(scale), num_splits, num_blocks, table_keys, *query.stride()[:2], table_2d.stride(0),
-            table_2d.stride(1), *mid_o.stride()[:3],
-        ), dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=layout["key_data_bytes"],
-                VALUE_BITS=value_quant_bits, SLOT_BYTES=layout["data_bytes_per_slot"], NUM_KV_HEADS=num_kv_heads,
-                BLOCK_SIZE=block_size, STAGES=max(2, config.get("GLUON_STAGES", 0)),
-                FP16_OPERANDS=config.get("FP16_OPERANDS", 0),
+        stage1 = _DescribedLaunch(Launch(turboquant_sm90.decode_stage1_streams_kernel, grid, (
+            float(scale), num_splits, num_blocks, table_keys, *query.stride()[:2], *table_2d.stride(),
+            *mid_o.stride()[:3],
+        ), dict(shape, STAGES=max(2, config.get("GLUON_STAGES", 0)),
                 **turboquant_sm90.launch_options(group, turboquant_sm90.STREAMS_LAUNCH_REGS))),
             DescriptorsByAddress(turboquant_sm90.descriptors), geometry)  # fmt: skip
     elif gluon:  # the sm_90 fast path (triton_impl/turboquant_sm90.py): the same partials, operands built in place
-        stage1 = Launch(turboquant_sm90.decode_stage1_kernel, (batch, num_kv_heads, num_splits), (
+        stage1 = Launch(turboquant_sm90.decode_stage1_kernel, grid, (
             float(scale), num_splits, num_blocks, table_keys, kv_cache.stride(0), *query.stride()[:2],
-            table_2d.stride(0), table_2d.stride(1), *mid_o.stride()[:3],
-        ), dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=layout["key_data_bytes"],
-                VALUE_BITS=value_quant_bits, SLOT_BYTES=layout["data_bytes_per_slot"], NUM_KV_HEADS=num_kv_heads,
-                BLOCK_SIZE=block_size, STAGES=turboquant_sm90.stages(config.get("GLUON_STAGES", 0), key_bits,
-                                                                     value_quant_bits),
-                FP16_OPERANDS=config.get("FP16_OPERANDS", 0),
+            *table_2d.stride(), *mid_o.stride()[:3],
+        ), dict(shape, STAGES=turboquant_sm90.stages(config.get("GLUON_STAGES", 0), key_bits, value_quant_bits),
                 **turboquant_sm90.launch_options(group, config.get("GLUON_MAXNREG"))))  # fmt: skip
     else:
         stage1 = _portable_stage1(config, query, kv_cache, table_2d, mid_o, scale, num_splits, num_kv_heads, block_size,

@@ -970,74 +970,66 @@ def descriptors(cache: Any, geometry: tuple) -> tuple[Any, Any, Any]:
 
 
 @gluon.constexpr_function
-def _tma_key_layout(words, warps):
-    """``[16 warps keys, 4 words]`` words of a stage read as :func:`_key_words` holds them: key ``16 warp + 8 half +
-    quad``, thread ``t``'s words ``words t ..`` (``words`` 4 for 4-bit keys, 8 for FP8)."""
-    words, warps = int(words), int(warps)
+def _tma_key_layout(words):
+    """``[16 keys, 4 words]`` words of a chunk buffer read by one warp as :func:`_key_words` holds them: key ``8 half
+    + quad``, thread ``t``'s words ``words t ..`` (``words`` 4 for 4-bit keys, 8 for FP8)."""
+    words = int(words)
     reg = [[0, 1 << i] for i in range(words.bit_length() - 1)] + [[8, 0]]
     lane = [[0, words], [0, 2 * words], [1, 0], [2, 0], [4, 0]]
-    return gl.DistributedLinearLayout(reg, lane, [[16 << i, 0] for i in range(warps.bit_length() - 1)], [],
-                                      [16 * warps, 4 * words])  # fmt: skip
+    return gl.DistributedLinearLayout(reg, lane, [], [], [16, 4 * words])
 
 
 @gluon.constexpr_function
-def _tma_value_layout(warps):
-    """``[16 warps keys, 32 halfwords]`` of 4-bit value codes read as :func:`_value_words` holds them: halfword ``8
-    q + quad`` of key ``16c + 8j + 2t + e`` (``ldmatrix.trans``-shaped: a thread's two keys ``e`` adjacent), ``q``
-    the warp, or with one warp a register."""
-    warps = int(warps)
-    chunks = [[16 << i, 0] for i in range(warps.bit_length() - 1)]
-    quarters = [[0, 8], [0, 16]]
-    reg = [[1, 0], [8, 0]] + (chunks if warps > 1 else quarters)
+def _tma_value_layout():
+    """``[16 keys, 32 halfwords]`` of 4-bit value codes read by one warp as :func:`_value_words` holds them: halfword
+    ``8 q + quad`` of key ``8j + 2t + e`` (``ldmatrix.trans``-shaped: a thread's two keys ``e`` adjacent), each
+    quarter ``q`` of the output dimensions in registers."""
+    reg = [[1, 0], [8, 0], [0, 8], [0, 16]]  # the last two: the quarters
     lane = [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]]
-    return gl.DistributedLinearLayout(reg, lane, quarters if warps > 1 else [], [], [16 * warps, 32])
+    return gl.DistributedLinearLayout(reg, lane, [], [], [16, 32])
 
 
 @gluon.constexpr_function
-def _tma_meta_layout(warps):
-    """``[warps chunks, 1, 16 keys]`` of one metadata field read as the score rows hold them (key ``16c + 8h + g`` by
-    lane quad ``g`` of warp ``c``, register ``h``; the quad's 4 threads alike)."""
-    warps = int(warps)
-    return gl.DistributedLinearLayout([[0, 0, 8]], [[0, 0, 0], [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
-                                      [[1 << i, 0, 0] for i in range(warps.bit_length() - 1)], [],
-                                      [warps, 1, 16])  # fmt: skip
+def _tma_meta_layout():
+    """``[1, 1, 16 keys]`` of one metadata field read by one warp as the score rows hold them (key ``8h + g`` by lane
+    quad ``g``, register ``h``; the quad's 4 threads alike)."""
+    return gl.DistributedLinearLayout([[0, 0, 8]], [[0, 0, 0], [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], [], [],
+                                      [1, 1, 16])  # fmt: skip
 
 
 @gluon.jit
-def _tma_stage_reads(data, values, meta, stage, tile_start, start, end, key_rows, KEY_BITS: gl.constexpr,
+def _tma_stage_reads(data, values, meta, buffer, tile_start, start, end, key_rows, KEY_BITS: gl.constexpr,
                      KEY_DATA_BYTES: gl.constexpr, NUM_FIELDS: gl.constexpr, KEY_LAYOUT: gl.constexpr,
                      VALUE_LAYOUT: gl.constexpr):  # fmt: skip
-    """A TMA stage's tile in the layouts :func:`_tile_loads` returns (the metadata 0 where a key is not ``live``): the
-    ``CHUNKS`` (the warps reading it) consecutive chunk buffers from ``CHUNKS * stage``."""
+    """Chunk buffer ``buffer``'s 16 keys, read by one warp, in the layouts :func:`_tile_loads` returns for a one-chunk
+    tile (the metadata 0 where a key is not ``live``)."""
+    gl.static_assert(gl.num_warps() == 1)
     WORDS: gl.constexpr = 8 if KEY_BITS == 8 else 4
-    CHUNKS: gl.constexpr = gl.num_warps()
-    KEYS: gl.constexpr = 16 * CHUNKS
     ROW: gl.constexpr = data.shape[3]  # bytes of a token's row in ``data``: its slot, or (FP8 keys) its key bytes
-    key_words = _reinterpret(data, gl.uint32, [data.shape[0] // CHUNKS, KEYS, ROW // 4],
+    key_words = _reinterpret(data, gl.uint32, [data.shape[0], 16, ROW // 4],
                              gl.NVMMASharedLayout(swizzle_byte_width=ROW, element_bitwidth=32, rank=2))
-    k_words = key_words.index(stage).slice(0, 4 * WORDS, 1).load(_tma_key_layout(WORDS, CHUNKS))
-    k_words = gl.convert_layout(gl.reshape(k_words, [CHUNKS, 2, 8, 4, WORDS]), KEY_LAYOUT)
+    k_words = key_words.index(buffer).slice(0, 4 * WORDS, 1).load(_tma_key_layout(WORDS))
+    k_words = gl.convert_layout(gl.reshape(k_words, [1, 2, 8, 4, WORDS]), KEY_LAYOUT)
     if values.shape[3] == ROW:  # the values are in the slot's row after the key bytes
         v_first: gl.constexpr = KEY_DATA_BYTES // 2
-        codes = _reinterpret(data, gl.uint16, [data.shape[0] // CHUNKS, KEYS, ROW // 2],
+        codes = _reinterpret(data, gl.uint16, [data.shape[0], 16, ROW // 2],
                              gl.NVMMASharedLayout(swizzle_byte_width=ROW, element_bitwidth=16, rank=2))
     else:
-        codes = _reinterpret(values, gl.uint16, [values.shape[0] // CHUNKS, KEYS, 32],
+        codes = _reinterpret(values, gl.uint16, [values.shape[0], 16, 32],
                              gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
         v_first: gl.constexpr = 0
-    v_words = codes.index(stage).slice(v_first, 32, 1).load(_tma_value_layout(CHUNKS))
-    v_words = gl.reshape(v_words, [CHUNKS, 2, 4, 2, 4, 8])  # [c, j, t, e, warp, quad]
+    v_words = codes.index(buffer).slice(v_first, 32, 1).load(_tma_value_layout())
+    v_words = gl.reshape(v_words, [1, 2, 4, 2, 4, 8])  # [c, j, t, e, q, quad]
     v_words = gl.convert_layout(gl.permute(v_words, (4, 5, 2, 0, 1, 3)), VALUE_LAYOUT)
-    fields = _reinterpret(meta, gl.float16, [meta.shape[0] // CHUNKS, CHUNKS, meta.shape[2], 16], meta.type.layout)
-    fields = fields.index(stage)
+    fields = _reinterpret(meta, gl.float16, [meta.shape[0], 1, meta.shape[2], 16], meta.type.layout).index(buffer)
     token = tile_start + key_rows
     live = (token >= start) & (token < end)
     rows: gl.constexpr = key_rows.type.layout
-    meta_layout: gl.constexpr = _tma_meta_layout(CHUNKS)
-    scale = gl.convert_layout(gl.reshape(fields.slice(NUM_FIELDS - 2, 1, 1).load(meta_layout), [KEYS]), rows)
-    zero = gl.convert_layout(gl.reshape(fields.slice(NUM_FIELDS - 1, 1, 1).load(meta_layout), [KEYS]), rows)
+    meta_layout: gl.constexpr = _tma_meta_layout()
+    scale = gl.convert_layout(gl.reshape(fields.slice(NUM_FIELDS - 2, 1, 1).load(meta_layout), [16]), rows)
+    zero = gl.convert_layout(gl.reshape(fields.slice(NUM_FIELDS - 1, 1, 1).load(meta_layout), [16]), rows)
     if NUM_FIELDS == 3:
-        norm = gl.convert_layout(gl.reshape(fields.slice(0, 1, 1).load(meta_layout), [KEYS]), rows)
+        norm = gl.convert_layout(gl.reshape(fields.slice(0, 1, 1).load(meta_layout), [16]), rows)
         norm = gl.where(live, norm.to(gl.float32), 0.0)
     else:
         norm = gl.full(token.shape, 1.0, gl.float32, rows)
@@ -1098,8 +1090,7 @@ def _stream(stream: gl.constexpr, shared, descs, pointers, split, strides, shape
     key_bytes: gl.constexpr = _operand_layouts(KEY_FP8, 1)[2]
     key_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[3]
     value_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[4]
-    META_ROWS: gl.constexpr = meta.shape[2]
-    CHUNK_BYTES: gl.constexpr = 16 * (SLOT_BYTES + META_ROWS * TMA_FIELDS_BYTES)
+    CHUNK_BYTES: gl.constexpr = 16 * (SLOT_BYTES + TMA_META_ROWS * TMA_FIELDS_BYTES)
     kv_head = gl.program_id(1)
     q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, KV_GROUP,
                                 KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
