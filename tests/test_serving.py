@@ -607,9 +607,11 @@ def _refill(step: int, *tensors: torch.Tensor, empty_lse: torch.Tensor | None = 
         empty_lse.copy_(torch.where(empty.to(empty_lse.device), float("-inf"), empty_lse))
 
 
-def _turboquant_decode_call(device: torch.device, gen: torch.Generator, head_dim: int) -> tuple[ServingCall, dict]:
+def _turboquant_decode_call(device: torch.device, gen: torch.Generator, head_dim: int,
+                            preset: str = "turboquant_4bit_nc") -> tuple[ServingCall, dict]:  # fmt: skip
     """A TurboQuant decode at 4 requests (one empty) with its buffers given, and its case."""
-    tq_case = _turboquant_case(device, gen, seq_lens=[40, 70, 0, 129], block_size=16, head_dim=head_dim)
+    tq_case = _turboquant_case(device, gen, seq_lens=[40, 70, 0, 129], block_size=16, head_dim=head_dim,
+                               preset=preset)  # fmt: skip
     buffers = {"mid_o_buf": torch.empty(4, 4, 8, head_dim + 1, device=device),
                "output_buf": torch.empty(4, 4, head_dim, dtype=torch.float16, device=device),
                "lse_buf": torch.empty(4, 4, device=device)}  # fmt: skip
@@ -701,6 +703,8 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
     # D=128 with blocks of 16 (bf16 keys for the store): on an H100/H200 the sm_90 fast paths
     # (triton_impl/turboquant_sm90.py) serve them.
     calls["turboquant_decode_d128"], tq_case_d128 = _turboquant_decode_call(device, gen, head_dim=128)
+    # FP8 keys (k8v4) take the same TMA path with their own boxes: the cache's descriptors looked up at each call.
+    calls["turboquant_decode_k8v4_d128"], _ = _turboquant_decode_call(device, gen, 128, "turboquant_k8v4")
     calls["turboquant_store"] = _turboquant_store_call(tq_case, torch.float32)
     calls["turboquant_store_d128"] = _turboquant_store_call(tq_case_d128, torch.bfloat16)
 
@@ -774,8 +778,8 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
 
 
 SERVING_OPS = ["decode_mla", "decode_mla_d576", "verify", "verify_d576", "verify_fp8_d576", "turboquant_decode",
-               "turboquant_decode_d128", "turboquant_store", "turboquant_store_d128", "merge_attn_states",
-               "merge_splits", "ue8m0_insert", "ue8m0_gather", "combine_topk_swa_indices"]  # fmt: skip
+               "turboquant_decode_d128", "turboquant_decode_k8v4_d128", "turboquant_store", "turboquant_store_d128",
+               "merge_attn_states", "merge_splits", "ue8m0_insert", "ue8m0_gather", "combine_topk_swa_indices"]  # fmt: skip
 
 
 @pytest.mark.gpu

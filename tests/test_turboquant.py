@@ -1527,6 +1527,19 @@ def test_inline_ptx_of_the_4bit_lookup_does_what_its_docstrings_say() -> None:
         assert _run_ptx(ttq_sm90.NIBBLE_PAIRS_ASM.value, [word, *tables], 4) == expected, (hex(word), centroids)
 
 
+def test_inline_ptx_of_the_3bit_lookup_does_what_its_docstring_says() -> None:
+    """``TRIPLE_PAIRS_ASM`` (3-bit keys, :func:`turboquant_sm90._triple_pairs`) on the model of its instructions: a
+    24-bit group of 8 codes becomes the fp16 pairs of their centroids, for random groups and fp16 bit patterns."""
+    rng = random.Random(6)
+    for _ in range(200):
+        centroids = [rng.getrandbits(16) for _ in range(8)]
+        group = rng.getrandbits(24)
+        codes = [(group >> (3 * i)) & 7 for i in range(8)]
+        expected = [centroids[codes[2 * j]] | (centroids[codes[2 * j + 1]] << 16) for j in range(4)]
+        tables = _byte_tables(centroids, 0, 2)
+        assert _run_ptx(ttq_sm90.TRIPLE_PAIRS_ASM.value, [group, *tables], 4) == expected, (hex(group), centroids)
+
+
 _SM90_COMPILE = """
 import json
 from triton_impl import turboquant, turboquant_sm90
@@ -1535,18 +1548,24 @@ for key_bits, value_bits in ((3, 3), (3, 4), (4, 4), (8, 4)):
     entry = turboquant.decode_entry(turboquant.DECODE_CONFIGS["sm90"], key_bits, value_bits)
     stages = turboquant_sm90.stages(entry.get("GLUON_STAGES", 0), key_bits, value_bits)
     fp16_operands = bool(entry.get("FP16_OPERANDS"))
-    for group in (1, 4, 16):  # per-warp streams where the entry selects them (launched at 64 registers)
-        streams = bool(entry.get("GLUON_STREAMS")) and turboquant_sm90.streams_supports(
-            key_bits=key_bits, value_bits=value_bits, group=group, fp16_operands=fp16_operands, cache_address=0)
-        maxnreg = turboquant_sm90.STREAMS_LAUNCH_REGS if streams else entry.get("GLUON_MAXNREG")
+    for group in (1, 4, 16):  # the TMA kernels where the entry selects them, at their register caps
+        tma = turboquant_sm90.streams_supports(key_bits=key_bits, value_bits=value_bits, group=group,
+                                               fp16_operands=fp16_operands, cache_address=0)
+        warp = tma and bool(entry.get("GLUON_WARP"))
+        streams = tma and not warp and bool(entry.get("GLUON_STREAMS"))
+        maxnreg = (entry["WARP_MAXNREG"] if warp else turboquant_sm90.STREAMS_LAUNCH_REGS if streams
+                   else entry.get("GLUON_MAXNREG"))
         for block_size in (16, 32):
             kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits, group=group,
                                                       block_size=block_size, maxnreg=maxnreg, stages=stages,
-                                                      fp16_operands=fp16_operands, streams=streams)
+                                                      fp16_operands=fp16_operands, streams=streams, warp=warp)
             resources = sass_resources(kernel.asm["cubin"])
             moves = sum(bool(SASS_UNIFORM_MOVE.search(line)) for line in sass_loop(kernel.asm["cubin"], "HMMA"))
+            # A group the TMA kernels decline runs the tile kernel: five programs a SM at 96 registers, whatever
+            # PROGRAMS_PER_SM (the split count's) says.
+            programs = entry["PROGRAMS_PER_SM"] if tma or not entry.get("GLUON_WARP") else 5
             print(json.dumps([key_bits, value_bits, group, block_size, *resources, kernel.metadata.shared, moves,
-                              entry["PROGRAMS_PER_SM"]]))
+                              programs]))
     for fp16_operands in (False, True):  # uncapped, the bench's group and block size
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits, stages=stages,
                                                   fp16_operands=fp16_operands)
@@ -1608,7 +1627,7 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
         assert not flushing, row
 
 
-@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc"])
 def test_tma_descriptors_address_each_chunk_slot_and_metadata(preset: str) -> None:
     """The TMA stage 1's boxes (``turboquant_sm90.descriptors``) read what the cp.async stages copy: for the cache of a
     real layout, the element a box coordinate ``[block, position, column]`` names is the byte the portable kernel
@@ -1621,8 +1640,9 @@ def test_tma_descriptors_address_each_chunk_slot_and_metadata(preset: str) -> No
     cache = cache.view(num_blocks, block_size, heads, slot)
     meta_offset = block_size * heads * layout["data_bytes_per_slot"]
     geometry = ttq_sm90.tma_geometry(num_blocks=num_blocks, block_size=block_size, num_kv_heads=heads,
-                                     slot_bytes=layout["data_bytes_per_slot"], stride_block=cache.stride(0),
-                                     meta_offset=meta_offset, num_fields=layout["num_fields"])  # fmt: skip
+                                     slot_bytes=layout["data_bytes_per_slot"], key_bytes=layout["key_data_bytes"],
+                                     stride_block=cache.stride(0), meta_offset=meta_offset,
+                                     num_fields=layout["num_fields"])  # fmt: skip
     data, values, meta = ttq_sm90.descriptors(cache, geometry)
     flat = cache.view(-1)
 
@@ -1632,7 +1652,8 @@ def test_tma_descriptors_address_each_chunk_slot_and_metadata(preset: str) -> No
 
     block, position, head = 2, 17, 1
     slot_at = block * cache.stride(0) + (position * heads + head) * layout["data_bytes_per_slot"]
-    assert data.block_shape == [1, 16, 128] and values.block_shape == [1, 16, 64]
+    row = ttq_sm90.data_row(layout["key_data_bytes"])  # 3-bit keys: 64 (48 key bytes), else 128
+    assert data.block_shape == [1, 16, row] and values.block_shape == [1, 16, 64]
     column = head * layout["data_bytes_per_slot"]
     assert element(data, [block, position, column]) == int(flat[slot_at])
     assert element(values, [block, position, column + layout["key_data_bytes"]]) == int(
@@ -1711,14 +1732,16 @@ def test_decode_variants_outside_the_config_table_match_golden(variant, preset, 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon stage 1 kernels need an sm_90 GPU")  # fmt: skip
-@pytest.mark.parametrize("streams", [0, 1])
-@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4"])
-def test_sm90_decode_with_and_without_streams_matches_golden(preset, streams, device: torch.device) -> None:
-    """Both Gluon stage 1 kernels for the keys the per-warp streams serve, whichever the sm90 entry selects (streams
-    for FP8 keys; for 4-bit keys the cp.async kernel, the faster there): partly live chunks, every stream with more
-    chunks than its 3 buffers (L=2048: each buffer and its mbarrier phase reused), and group 16 (streams decline it)."""
-    config = ttq.DECODE_CONFIGS["sm90"] | {"GLUON_STREAMS": streams, "GLUON_STREAMS_k8": streams,
-                                           "PROGRAMS_PER_SM": 4 if streams else 5}  # fmt: skip
+@pytest.mark.parametrize("kernel", ["tile", "streams", "warp"])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc"])
+def test_sm90_decode_of_each_gluon_kernel_matches_golden(preset, kernel, device: torch.device) -> None:
+    """Each Gluon stage 1 kernel for the keys the TMA kernels serve, whichever the sm90 entry selects: the cp.async
+    tile kernel, the per-warp streams and the one-warp programs; partly live chunks, every stream with more chunks than
+    its 3 buffers (L=2048: each buffer and its mbarrier phase reused), and group 16 (the TMA kernels decline it)."""
+    streams, warp = int(kernel == "streams"), int(kernel == "warp")
+    config = ttq.DECODE_CONFIGS["sm90"] | {"GLUON_STREAMS": streams, "GLUON_WARP": warp,
+                                           "PROGRAMS_PER_SM": {"tile": 5, "streams": 4, "warp": 16}[kernel]}
+    config = {k: v for k, v in config.items() if not k.startswith(("GLUON_STREAMS_", "GLUON_WARP_", "PROGRAMS_PER_SM_"))}
     with _decode_config_table(dict.fromkeys(ttq.DECODE_CONFIGS, config)):
         _check_decode_against_golden(41, preset, 128, [300, 129], 2, 4, 2, 16, torch.float16, device)
         _check_decode_against_golden(44, preset, 128, [2048, 1], 1, 8, 3, 32, torch.bfloat16, device)
@@ -1991,14 +2014,14 @@ def test_shared_memory_stages_of_the_sm90_entry() -> None:
 
 
 def test_decode_split_cap_of_the_sm90_entry() -> None:
-    """The H200's decode entry runs two rounds of resident programs a SM at most (five, or four for FP8 keys' per-warp
-    streams): at the bench's B=32 Hk=8 on 132 SMs, 5 (4) of the caller's 32 splits; a batch that leaves the GPU idle
-    keeps the caller's count; off CUDA there is no cap."""
+    """The H200's decode entry caps the splits at four rounds of 16 resident one-warp programs a SM for keys with 4-bit
+    values (at the bench's B=32 Hk=8 on 132 SMs: 33, so the caller's 32), two rounds of five 4-warp programs for 3-bit
+    values (5 of 32); a batch that leaves the GPU idle keeps the caller's count; off CUDA there is no cap."""
     from triton_impl.decode_attention import stage1_splits
 
     sm90 = ttq.DECODE_CONFIGS["sm90"]
     entry = {(k, v): ttq.decode_entry(sm90, k, v) for k, v in ((3, 3), (3, 4), (4, 4), (8, 4))}
-    assert {kv: stage1_splits(32, 32 * 8, 132, e) for kv, e in entry.items()} == {(3, 3): 5, (3, 4): 5, (4, 4): 5,
-                                                                                   (8, 4): 4}  # fmt: skip
+    assert {kv: stage1_splits(32, 32 * 8, 132, e) for kv, e in entry.items()} == {(3, 3): 5, (3, 4): 32, (4, 4): 32,
+                                                                                   (8, 4): 32}  # fmt: skip
     assert stage1_splits(32, 2 * 8, 132, entry[4, 4]) == 32
     assert ttq.decode_num_splits(32, 32, 8, torch.device("cpu"), 4, 4) == 32

@@ -190,6 +190,12 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # H200 against decode_stage1_kernel in one call (benchmarks/kernel_times.py, ff5c3c7, L=8K / 32K): k8v4 140.2 ->
 # 121.0 / 519.1 -> 504.6 us; 4-bit keys 153.6 -> 169.5 / 556.4 -> 558.8 us, slower, so off for them
 # (tests/test_turboquant.py keeps their streams path checked against golden on sm_90 GPUs).
+# The streams serve 3-bit keys with 4-bit values too (k3v4: each chunk's 48 key bytes in a 64-byte box, its 64 value
+# bytes in a box of their own, 128 bytes read a token for a 112-byte slot; each thread's 12 key bytes assembled from
+# 16-byte reads by three warp shuffles, _three_bit_words), but slower: stage 1 157.3 -> 182.8 / 567.1 -> 605.0 us
+# (one call, 2026-12-02), so GLUON_STREAMS_k3 is off. Nsight Compute on the 4-bit streams (L=8K) says why: 40% of the
+# stream warps' samples wait for instructions (no_inst), the four partitions being four copies of a 534-instruction
+# loop (FP8 keys: 388, 13%).
 # Bench at 8107e0d against the portable kernel's 9b0ab61 rows (L=8K / 32K): k8v4 0.3632 -> 0.2262 / 1.1904 ->
 # 0.7066 ms, 4-bit 0.4226 -> 0.2942 / 1.3685 -> 0.8199 ms.
 # SPLIT_ROUNDS (sm90): at most that many rounds of PROGRAMS_PER_SM resident programs (decode_num_splits), whatever
@@ -205,7 +211,8 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
              "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
              "GLUON_MAXNREG": 96, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 5, "GLUON_STAGES": 3, "ROTATE_TF32X3": 1,
-             "FP16_OPERANDS": 1, "GLUON_STREAMS_k8": 1, "PROGRAMS_PER_SM_k8": 4},
+             "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 104, "PROGRAMS_PER_SM": 16, "SPLIT_ROUNDS": 4,
+             "PROGRAMS_PER_SM_v3": 5, "SPLIT_ROUNDS_v3": 2},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -879,7 +886,7 @@ def _key_tile(keys, pair_lut, codebook, centroid_ptr, KEY_BITS: tl.constexpr, US
 
 @triton.jit
 def _rotate_query_kernel(
-    q_ptr, pit_ptr, partials_ptr, num_heads, num_splits,
+    q_ptr, pit_ptr, partials_ptr, num_heads, num_splits, first_slot,
     stride_qb, stride_qh, stride_pit_k, stride_pit_n, stride_pb, stride_ph, stride_ps,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -888,12 +895,13 @@ def _rotate_query_kernel(
     PRECISION: tl.constexpr = "ieee",
 ):  # fmt: skip
     """Grid ``(B, cdiv(H, BLOCK_M), BLOCK_D // D_CHUNK)``: ``q~ = q @ PiT`` for ``BLOCK_M`` heads and
-    ``D_CHUNK`` columns, written into the first ``D`` floats of every split slot of those heads.
+    ``D_CHUNK`` columns, written into the first ``D`` floats of slots ``first_slot .. first_slot + num_splits - 1``
+    of those heads.
 
     The decode's own partials buffer ``[B, H, S, D+1]`` is the rotated query's home: stage 1's
-    program for split ``s`` reads ``q~`` from its slot, then overwrites the slot with its partial.
-    Nothing else is allocated and the query's rotation follows its contents on every call (a graph
-    replay included). ``PiT`` is read through its strides (``Pi`` transposed is ``PiT`` with its strides
+    program for split ``s`` reads ``q~`` from its slot, then overwrites the slot with its partial; or (the sm_90 TMA
+    kernels) every program reads it from one slot past the splits, which no program writes. Nothing else is
+    allocated and the query's rotation follows its contents on every call (a graph replay included). ``PiT`` is read through its strides (``Pi`` transposed is ``PiT`` with its strides
     swapped). ``PRECISION`` is the dot's: ``"ieee"`` (fp32 products and sums, as an fp32 matmul) or, where tensor
     cores take TF32 (the sm90 entry's ``ROTATE_TF32X3``), ``"tf32x3"``: each operand split into a TF32 part and a
     TF32 rest, three MMAs, fp32 sums. A bf16 or fp16 query is exact in TF32 (7 or 10 stored mantissa bits; TF32
@@ -914,7 +922,7 @@ def _rotate_query_kernel(
     q_rot = tl.dot(q, pit, input_precision=PRECISION)
     slot = partials_ptr + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + cols[None, :]
     ok = head_ok[:, None] & (cols < HEAD_DIM)[None, :]
-    for split in range(num_splits):
+    for split in range(first_slot, first_slot + num_splits):
         tl.store(slot + split * stride_ps, q_rot, mask=ok)
 
 
@@ -1191,8 +1199,8 @@ def triton_turboquant_decode_attention_v2(
     Traffic: reads ``sum_b L_b * HKV * (data_bytes_per_slot + 2 * fields)`` cache bytes, the
     query and the block table; writes ``B*H*S*(D+1)`` fp32 partials, then ``B*H*D`` outputs and
     ``B*H`` LSEs (stage 2 reads the partials back). MSE keys: the rotation writes ``B*H*S*D`` fp32
-    (the rotated query in every split slot) that stage 1 reads back, and reads ``PiT`` once per
-    head block.
+    (the rotated query in every split slot; on sm_90's TMA paths ``B*H*D``, in one slot past the
+    splits) that stage 1 reads back, and reads ``PiT`` once per head block.
     """
     device_index, stream = current_target()
     try:
@@ -1308,8 +1316,6 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
 
     key_bits = 8 if key_fp8 else mse_bits
     config = select_decode_config(device, key_bits, value_quant_bits)
-    num_splits = decode_num_splits(max_num_kv_splits, batch, num_kv_heads, device, key_bits, value_quant_bits)
-    mid_o = mid_o[:, :, :num_splits]  # the slots the kernels write
     group = num_heads // num_kv_heads
     table_keys = table_2d.shape[1] * block_size
     meta_offset = block_size * num_kv_heads * layout["data_bytes_per_slot"]
@@ -1318,24 +1324,38 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         block_size=block_size, stride_block=kv_cache.stride(0), slot_bytes=layout["data_bytes_per_slot"],
         key_bytes=layout["key_data_bytes"],
     )
+    tma = gluon and (config.get("GLUON_WARP") or config.get("GLUON_STREAMS")) and turboquant_sm90.streams_supports(
+        key_bits=key_bits, value_bits=value_quant_bits, group=group, fp16_operands=config.get("FP16_OPERANDS", 0),
+        cache_address=kv_cache.data_ptr(),
+    )
+    num_splits = decode_num_splits(max_num_kv_splits, batch, num_kv_heads, device, key_bits, value_quant_bits)
+    # The TMA kernels read the rotated query (MSE keys) from the last slot, which then holds no split: the rotation
+    # writes one slot, not one a split (3.3 us at B=32 H=32 and 32 splits, the H200).
+    query_slot = max_num_kv_splits - 1 if tma and not key_fp8 else None
+    if query_slot:
+        num_splits = min(num_splits, query_slot)
+    mid_o = mid_o[:, :, :num_splits]  # the slots the kernels write
     # The grid (B, HKV, S) and the constexprs both Gluon kernels take.
     grid = (batch, num_kv_heads, num_splits)
     shape = dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=layout["key_data_bytes"],
                  VALUE_BITS=value_quant_bits, SLOT_BYTES=layout["data_bytes_per_slot"], NUM_KV_HEADS=num_kv_heads,
                  BLOCK_SIZE=block_size, FP16_OPERANDS=config.get("FP16_OPERANDS", 0))  # fmt: skip
-    if gluon and config.get("GLUON_STREAMS") and turboquant_sm90.streams_supports(
-        key_bits=key_bits, value_bits=value_quant_bits, group=group, fp16_operands=config.get("FP16_OPERANDS", 0),
-        cache_address=kv_cache.data_ptr(),
-    ):  # the sm_90 fast path by per-warp streams, their chunks copied by TMA: the cache's descriptors looked up
+    if tma:  # the sm_90 fast paths whose chunks are copied by TMA (one-warp programs, or per-warp streams of a
+        # program): the cache's descriptors looked up by its address at each call
         geometry = turboquant_sm90.tma_geometry(
             num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
-            slot_bytes=layout["data_bytes_per_slot"], stride_block=kv_cache.stride(0), meta_offset=meta_offset,
-            num_fields=layout["num_fields"])  # fmt: skip
-        stage1 = _DescribedLaunch(Launch(turboquant_sm90.decode_stage1_streams_kernel, grid, (
-            float(scale), num_splits, num_blocks, table_keys, *query.stride()[:2], *table_2d.stride(),
+            slot_bytes=layout["data_bytes_per_slot"], key_bytes=layout["key_data_bytes"],
+            stride_block=kv_cache.stride(0), meta_offset=meta_offset, num_fields=layout["num_fields"])  # fmt: skip
+        if config.get("GLUON_WARP"):
+            kernel = turboquant_sm90.decode_stage1_warp_kernel
+            options = turboquant_sm90.launch_options(group, config["WARP_MAXNREG"], warps=1)
+        else:
+            kernel = turboquant_sm90.decode_stage1_streams_kernel
+            options = turboquant_sm90.launch_options(group, turboquant_sm90.STREAMS_LAUNCH_REGS)
+        stage1 = _DescribedLaunch(Launch(kernel, grid, (
+            float(scale), num_splits, num_blocks, table_keys, query_slot or 0, *query.stride()[:2], *table_2d.stride(),
             *mid_o.stride()[:3],
-        ), dict(shape, STAGES=max(2, config.get("GLUON_STAGES", 0)),
-                **turboquant_sm90.launch_options(group, turboquant_sm90.STREAMS_LAUNCH_REGS))),
+        ), dict(shape, STAGES=max(2, config.get("GLUON_STAGES", 0)), **options)),
             DescriptorsByAddress(turboquant_sm90.descriptors), geometry)  # fmt: skip
     elif gluon:  # the sm_90 fast path (triton_impl/turboquant_sm90.py): the same partials, operands built in place
         stage1 = Launch(turboquant_sm90.decode_stage1_kernel, grid, (
@@ -1350,21 +1370,23 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
     rotate = no_launch
     if not key_fp8:
         pit_strides = rotation.stride() if PiT is not None else rotation.stride()[::-1]
-        rotate = rotate_query_launch(query, pit_strides, mid_o, "tf32x3" if config.get("ROTATE_TF32X3") else "ieee")
+        rotate = rotate_query_launch(query, pit_strides, mid_o, "tf32x3" if config.get("ROTATE_TF32X3") else "ieee",
+                                     query_slot)  # fmt: skip
     return make_plan(rotate, stage1, merge_splits_launch(batch, mid_o, output, lse), True,
                      contiguous_lens=seq_lens.shape[0] <= 1 or seq_lens.stride(0) == 1)  # fmt: skip
 
 
 def rotate_query_launch(query: torch.Tensor, pit_strides: tuple[int, int], mid_o: torch.Tensor,
-                        precision: str) -> Launch:  # fmt: skip
+                        precision: str, slot: int | None = None) -> Launch:  # fmt: skip
     """The decode's first launch (:func:`_rotate_query_kernel`): ``q~ = q @ PiT`` into every split slot of ``mid_o``
-    (``[B, H, S, D+1]``, its ``S`` the call's splits), ``PiT`` read through ``pit_strides`` (``Pi``'s swapped);
-    launched as ``launch(stream, query, rotation, mid_o)``."""
+    (``[B, H, S, D+1]``, its ``S`` the call's splits), or into slot ``slot`` alone, ``PiT`` read through
+    ``pit_strides`` (``Pi``'s swapped); launched as ``launch(stream, query, rotation, mid_o)``."""
     batch, num_heads, head_dim = query.shape
     block_m, block_d = 16, max(32, next_pow2(head_dim))
     d_chunk = min(block_d, 32)  # [BLOCK_D, 32] fp32 of PiT per program: ~32 registers a thread
     return Launch(_rotate_query_kernel, (batch, cdiv(num_heads, block_m), block_d // d_chunk), (
-        num_heads, mid_o.shape[2], *query.stride()[:2], *pit_strides, *mid_o.stride()[:3],
+        num_heads, mid_o.shape[2] if slot is None else 1, slot or 0, *query.stride()[:2], *pit_strides,
+        *mid_o.stride()[:3],
     ), dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d, D_CHUNK=d_chunk, num_warps=4,
             PRECISION=precision))  # fmt: skip
 

@@ -15,7 +15,7 @@ tiles. Per tile:
   contiguous key bytes of 32 dimensions (16 for 4-bit keys, one 16-byte load; 12 for 3-bit; 32 for
   FP8) and turns each pair of codes into the register the A operand wants: the fp16 centroids of its two
   codes, for a byte of 4-bit codes picked by ``prmt`` from 8 registers holding the 16 centroids' bytes
-  (:func:`_nibble_pairs`: no memory access), for 6 bits of 3-bit ones gathered from a 64-entry pair LUT; or
+  (:func:`_nibble_pairs`: no memory access), for 6 bits of 3-bit ones by ``prmt`` from 4 (:func:`_triple_pairs`); or
   the hardware e4m3x2 -> f16x2 conversion. That works because the dot product does not care in which order it visits the
   dimensions: the query is loaded in the same permuted order (:func:`_score_dim`).
 - the online softmax per head, across the 4 warps (the tile's row max is the one exchange);
@@ -133,31 +133,31 @@ def stages(requested: int, key_bits: int, value_bits: int) -> int:
     return requested if requested >= 2 and value_bits == 4 else 0
 
 
-def launch_options(group: int, maxnreg: int | None) -> dict[str, int]:
-    """``BLOCK_H`` (the group's heads, padded to an MMA N of 8 or 16), ``num_warps`` and the register cap:
-    ``maxnreg`` holds the 8-head tile at four programs per SM (a 16-head tile spills 288 B at 128)."""
+def launch_options(group: int, maxnreg: int | None, warps: int = int(NUM_WARPS)) -> dict[str, int]:
+    """``BLOCK_H`` (the group's heads, padded to an MMA N of 8 or 16), ``num_warps`` (``warps``) and the register
+    cap: ``maxnreg`` holds the 8-head tile at four programs per SM (a 16-head tile spills 288 B at 128)."""
     block_h = max(8, 1 << (group - 1).bit_length())
-    return {"BLOCK_H": block_h, "num_warps": int(NUM_WARPS), **register_cap(maxnreg if block_h == 8 else None)}
+    return {"BLOCK_H": block_h, "num_warps": warps, **register_cap(maxnreg if block_h == 8 else None)}
 
 
 def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, block_size: int = 16,
                      maxnreg: int | None = None, stages: int = 0, fp16_operands: bool = False,
-                     streams: bool = False) -> Any:  # fmt: skip
+                     streams: bool = False, warp: bool = False) -> Any:  # fmt: skip
     """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a launch of the bench's
     shapes is (16-byte aligned pointers, the integer arguments that are multiples of 16 marked so, the
     block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``.
-    ``streams``: :func:`decode_stage1_streams_kernel` (``stages`` chunk buffers a stream), else
-    :func:`decode_stage1_kernel`."""
+    ``streams``: :func:`decode_stage1_streams_kernel` (``stages`` chunk buffers a stream); ``warp``:
+    :func:`decode_stage1_warp_kernel`; else :func:`decode_stage1_kernel`."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = decode_stage1_streams_kernel if streams else decode_stage1_kernel
+    fn = decode_stage1_warp_kernel if warp else decode_stage1_streams_kernel if streams else decode_stage1_kernel
     names = fn.arg_names
     key_bytes = 16 * key_bits  # D = 128 codes of key_bits bits (FP8 keys: 8)
     pointers = {"q_ptr": "*bf16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "centroid_ptr": "*fp32", "partials_ptr": "*fp32",
-                "data_desc": f"tensordesc<u8[1, 16, 128],{_data_smem(128)!r}>",
+                "data_desc": f"tensordesc<u8[1, 16, {data_row(key_bytes)}],{_data_smem(data_row(key_bytes))!r}>",
                 "value_desc": f"tensordesc<u8[1, 16, 64],{_data_smem(64)!r}>",
                 "meta_desc": f"tensordesc<fp16[1, {int(TMA_META_ROWS)}, 16],{_META_SMEM!r}>"}  # fmt: skip
     divisible = ("num_splits", "num_blocks", "table_keys", "stride_block", "stride_qb", "stride_qh", "stride_bt",
@@ -166,7 +166,7 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
                       SLOT_BYTES=key_bytes + 16 * value_bits,
                       NUM_KV_HEADS=8, BLOCK_SIZE=block_size, STAGES=stages, FP16_OPERANDS=int(fp16_operands),
                       stride_btc=1)  # fmt: skip
-    options = launch_options(group, maxnreg)
+    options = launch_options(group, maxnreg, warps=1 if warp else int(NUM_WARPS))
     constexprs["BLOCK_H"] = options.pop("BLOCK_H")
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "sm_scale" else "i32")
                  for n in names}  # fmt: skip
@@ -311,6 +311,48 @@ def _nibble_pairs(w, tables):
         dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True, pack=1)  # fmt: skip
 
 
+# The 3-bit keys' lookup (:func:`_triple_pairs`), checked like the 4-bit one: a 24-bit group of 8 codes spread so
+# that code ``i`` is nibble ``i`` of a prmt selector (its sign-replicate bit clear), then one prmt per 4 bytes from
+# the 2 table registers of a byte of the 8 centroids, and two prmt interleave low and high bytes into fp16 pairs.
+TRIPLE_PAIRS_ASM = gl.constexpr("""{
+        .reg .b32 a, b, y, t, z, zs, l0, l1, h0, h1;
+        and.b32 a, $4, 0xFFF;
+        shl.b32 b, $4, 4;
+        and.b32 b, b, 0xFFF0000;
+        or.b32 y, a, b;
+        and.b32 z, y, 0x70007;
+        shl.b32 t, y, 1;
+        and.b32 t, t, 0x700070;
+        or.b32 z, z, t;
+        shl.b32 t, y, 2;
+        and.b32 t, t, 0x7000700;
+        or.b32 z, z, t;
+        shl.b32 t, y, 3;
+        and.b32 t, t, 0x70007000;
+        or.b32 z, z, t;
+        shr.b32 zs, z, 16;
+        prmt.b32 l0, $5, $6, z;
+        prmt.b32 h0, $7, $8, z;
+        prmt.b32 l1, $5, $6, zs;
+        prmt.b32 h1, $7, $8, zs;
+        prmt.b32 $0, l0, h0, 0x5140;
+        prmt.b32 $1, l0, h0, 0x7362;
+        prmt.b32 $2, l1, h1, 0x5140;
+        prmt.b32 $3, l1, h1, 0x7362;
+        }""")
+
+
+@gluon.jit
+def _triple_pairs(g, tables):
+    """uint32 of 8 3-bit codes (bits ``3i ..``; the top 8 bits 0) -> 4 uint32, register ``j`` the fp16 centroids of
+    codes ``2j`` (low half) and ``2j + 1`` (high half), by ``prmt`` from 4 table registers: the low bytes of
+    centroids 0-3 and 4-7 (``tables[0:2]``), then their high bytes (``tables[2:4]``) (:data:`TRIPLE_PAIRS_ASM`)."""
+    return gl.inline_asm_elementwise(TRIPLE_PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r,r",
+                                     [g, tables[0], tables[1], tables[2], tables[3]],
+                                     dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True,
+                                     pack=1)  # fmt: skip
+
+
 @gluon.jit
 def _e4m3_pairs(x):
     """uint16 (two e4m3 bytes) -> uint32 holding both as fp16 (low byte in the low half): the
@@ -323,7 +365,7 @@ def _e4m3_pairs(x):
 def _bad_pages(row_ptr, stride_btc, p0, last, num_blocks):
     """Whether each of the 128 table entries ``p0 ..`` before ``last`` lies outside ``[0, num_blocks)``
     (``triton_impl.block_table.first_bad_key``'s test, its loads apart from its reduction)."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     p = p0 + gl.arange(0, 128, layout=layout)
     entry = gl.load(row_ptr + p * stride_btc, mask=p < last, other=0)
     return (p < last) & ((entry < 0) | (entry >= num_blocks))
@@ -372,7 +414,7 @@ def _key_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_bl
 def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.constexpr):
     """Packed keys (:func:`_key_words`, ``CHUNKS`` 16-key chunks) -> ``[16 CHUNKS, HEAD_DIM]`` fp16, K index ``k``
     holding dimension ``_score_dim(k)``: each pair of codes (4-bit: a byte, its two centroids by ``prmt`` from the 8
-    byte tables in ``pair_lut``; 3-bit: 6 bits, one gather from the 64-entry pair LUT ``pair_lut``) or 16-bit half
+    byte tables in ``pair_lut``; 3-bit: 6 bits of a 24-bit group, by ``prmt`` from the 4 byte tables) or 16-bit half
     word (FP8: the hardware e4m3x2 conversion) becomes one A-operand register of the scores' MMA. ``words`` is in
     ``BYTES_LAYOUT`` sliced along its last dim."""
     CHUNKS: gl.constexpr = words.shape[0]
@@ -384,9 +426,8 @@ def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.const
             p0, p1, p2, p3 = _nibble_pairs(words, pair_lut)  # pair u = 4w + j of word w in p_j
             pairs = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [CHUNKS, 2, 8, 4, 16])
         else:
-            # A thread's 32 codes are the 96 bits of its words 0-2: pair u (codes 2u, 2u + 1) is bits [6u, 6u + 6),
-            # in the 24-bit group u // 4 (groups g at bits 24g: parts of one or two words).
-            pair_bits: gl.constexpr = 6
+            # A thread's 32 codes are the 96 bits of its words 0-2: codes 8g .. 8g + 7 are the 24-bit group g at bits
+            # 24g (parts of one or two words); pair u = 4g + j (codes 2u, 2u + 1) comes from group g's register j.
             w02, w13 = gl.split(gl.reshape(words, [CHUNKS, 2, 8, 4, 2, 2]))  # word 2a + b: split by b, then by a
             w0, w2 = gl.split(w02)
             w1, _ = gl.split(w13)
@@ -394,9 +435,8 @@ def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.const
             g23 = gl.join(((w1 >> 16) | (w2 << 16)) & 0xFFFFFF, w2 >> 8)
             groups = gl.reshape(gl.permute(gl.join(g01, g23), (0, 1, 2, 3, 5, 4)), [CHUNKS, 2, 8, 4, 4])
             groups = gl.convert_layout(groups, words.type.layout)
-            pair = (groups[:, :, :, :, :, None] >> (pair_bits * _iota(4, 5, 6, BYTES_LAYOUT))) & ((1 << pair_bits) - 1)
-            pair = gl.reshape(pair, [CHUNKS * 16 * 64]).to(gl.int32)  # u = 4w + j
-            pairs = gl.reshape(gl.gather(pair_lut, pair, 0), [CHUNKS, 2, 8, 4, 16])
+            p0, p1, p2, p3 = _triple_pairs(groups, pair_lut)  # pair u = 4g + j in p_j
+            pairs = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [CHUNKS, 2, 8, 4, 16])
     lo, hi = _f16_halves(pairs)
     k = gl.join(lo, hi)  # [warp, half, quad, t, u, e]: dimension 32t + 2u + e
     k = gl.reshape(k, [CHUNKS, 2, 8, 4, 8, 2, 2])  # u = 2c + j
@@ -443,19 +483,30 @@ def _value_operand(w, VALUE_BITS: gl.constexpr):
     """Value words (:func:`_value_words`) -> codes ``[HEAD_DIM, keys]`` fp16 (exact), the A operand of
     ``O^T += V^T P^T``, output row ``d`` holding dimension ``_value_dim(d)``: the words of keys ``e = 0, 1``
     are paired (low and high halves), and each of their 4 codes becomes one register holding both keys'
-    code at one dimension."""
+    code at one dimension. Codes 1 and 3 are not shifted down, only masked in place: they come out as
+    ``2^VALUE_BITS c`` (``1024 + 2^VALUE_BITS c`` is an fp16 below 2048, exact), one shift a word instead of three,
+    and :func:`_store_partials` divides their output rows by ``2^VALUE_BITS`` (:func:`_value_row_scale`: exact)."""
     w0, w1 = gl.split(w)  # keys e = 0, 1
     pair = w0.to(gl.uint32) | (w1.to(gl.uint32) << 16)
-    mask: gl.constexpr = ((1 << VALUE_BITS) - 1) * 0x10001
-    c0lo, c0hi = _code_pair_halves((pair & mask) | 0x64006400)  # code r of each key: dimension 4 quad + r
-    c1lo, c1hi = _code_pair_halves(((pair >> VALUE_BITS) & mask) | 0x64006400)
-    c2lo, c2hi = _code_pair_halves(((pair >> 2 * VALUE_BITS) & mask) | 0x64006400)
-    c3lo, c3hi = _code_pair_halves(((pair >> 3 * VALUE_BITS) & mask) | 0x64006400)
+    low: gl.constexpr = ((1 << VALUE_BITS) - 1) * 0x10001
+    high: gl.constexpr = low << VALUE_BITS
+    rest = pair >> 2 * VALUE_BITS
+    c0lo, c0hi = _code_pair_halves((pair & low) | 0x64006400)  # code r of each key: dimension 4 quad + r
+    c1lo, c1hi = _code_pair_halves((pair & high) | 0x64006400)  # 2^VALUE_BITS times code 1
+    c2lo, c2hi = _code_pair_halves((rest & low) | 0x64006400)
+    c3lo, c3hi = _code_pair_halves((rest & high) | 0x64006400)  # 2^VALUE_BITS times code 3
     r0 = gl.join(gl.join(c0lo, c0hi), gl.join(c1lo, c1hi))  # [..., e, h]: r = h + 2m
     r1 = gl.join(gl.join(c2lo, c2hi), gl.join(c3lo, c3hi))
     v = gl.join(r0, r1)  # [warp, quad, t, c, j, e, h, m]
     v = gl.permute(v, (7, 0, 6, 1, 3, 4, 2, 5))  # [row: m, warp, h, quad | key: c, j, t, e]
     return gl.reshape(v, [HEAD_DIM, 16 * w.shape[3]])
+
+
+@gluon.jit
+def _value_row_scale(d, VALUE_BITS: gl.constexpr):
+    """What output row ``d`` of ``O^T`` is multiplied by to undo :func:`_value_operand`'s unshifted codes: ``2^-bits``
+    on the rows of codes 1 and 3 of a word (``r = 2m + h`` of :func:`_value_dim`: ``h`` = 1), else 1."""
+    return gl.where(((d >> 3) & 1) == 1, 1.0 / (1 << VALUE_BITS), 1.0)
 
 
 @gluon.jit
@@ -693,21 +744,22 @@ def _split(seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, st
 
 
 @gluon.jit
-def _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, KV_GROUP: gl.constexpr,
-                   KEY_FP8: gl.constexpr, BLOCK_H: gl.constexpr, DOT_B: gl.constexpr):  # fmt: skip
+def _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, slot,
+                   KV_GROUP: gl.constexpr, KEY_FP8: gl.constexpr, BLOCK_H: gl.constexpr,
+                   DOT_B: gl.constexpr):  # fmt: skip
     """The query as the B operand ``[HEAD_DIM, BLOCK_H]`` of the scores, K index ``k`` holding dimension
     ``_score_dim(k)``, as fp16 ``(hi, lo)`` parts (``lo`` unused with ``FP16_OPERANDS``). MSE keys read the
-    rotated query from this program's partials slot, FP8 keys the query itself."""
+    rotated query from partials slot ``slot`` (the program's own split, or the one slot past the splits), FP8 keys
+    the query itself."""
     b = gl.program_id(0)
     kv_head = gl.program_id(1)
-    split = gl.program_id(2)
     qk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, DOT_B))
     qh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, DOT_B))
     q_heads = kv_head * KV_GROUP + qh
     if KEY_FP8:
         q_at = q_ptr + b.to(gl.int64) * stride_qb + q_heads * stride_qh
     else:  # the rotated query, in this program's partials slot
-        q_at = partials_ptr + b.to(gl.int64) * stride_pb + q_heads * stride_ph + split * stride_ps
+        q_at = partials_ptr + b.to(gl.int64) * stride_pb + q_heads * stride_ph + slot * stride_ps
     q = gl.load(q_at[None, :] + _score_dim(qk)[:, None], mask=(qh < KV_GROUP)[None, :], other=0.0).to(gl.float32)
     q_hi = q.to(gl.float16)
     return q_hi, (q - q_hi.to(gl.float32)).to(gl.float16)
@@ -715,21 +767,16 @@ def _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_
 
 @gluon.jit
 def _centroid_tables(centroid_ptr, KEY_BITS: gl.constexpr):
-    """What :func:`_key_operand` looks centroids up in: for 4-bit keys 8 byte tables of the 16 fp16 centroids
-    (:func:`_nibble_pairs`); for 3-bit keys the 64-entry pair LUT, entry ``e`` (codes ``e & 7``, ``e >> 3``) holding
-    ``fp16(c_lo) | fp16(c_hi) << 16``; nothing (0) for FP8 keys."""
+    """What :func:`_key_operand` looks centroids up in: the fp16 centroids' bytes in registers, for 4-bit keys 8
+    tables (:func:`_nibble_pairs`), for 3-bit keys 4 (:func:`_triple_pairs`); nothing (0) for FP8 keys."""
     pair_lut = 0
     if KEY_BITS == 4:
         pair_lut = (_byte_table(centroid_ptr, 0, 0), _byte_table(centroid_ptr, 4, 0), _byte_table(centroid_ptr, 8, 0),
                     _byte_table(centroid_ptr, 12, 0), _byte_table(centroid_ptr, 0, 8), _byte_table(centroid_ptr, 4, 8),
                     _byte_table(centroid_ptr, 8, 8), _byte_table(centroid_ptr, 12, 8))  # fmt: skip
     elif KEY_BITS == 3:
-        lut_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-        entry = gl.arange(0, 1 << (2 * KEY_BITS), layout=lut_layout)
-        code_lo = entry & ((1 << KEY_BITS) - 1)
-        lo = gl.load(centroid_ptr + code_lo).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
-        hi = gl.load(centroid_ptr + (entry >> KEY_BITS)).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
-        pair_lut = lo | (hi << 16)
+        pair_lut = (_byte_table(centroid_ptr, 0, 0), _byte_table(centroid_ptr, 4, 0), _byte_table(centroid_ptr, 0, 8),
+                    _byte_table(centroid_ptr, 4, 8))  # fmt: skip
     return pair_lut
 
 
@@ -744,23 +791,24 @@ def _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, n
 
 @gluon.jit
 def _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps,
-                    KV_GROUP: gl.constexpr):  # fmt: skip
+                    KV_GROUP: gl.constexpr, VALUE_BITS: gl.constexpr):  # fmt: skip
     """The split's partial ``(o, lse)`` from the loop's state (``acc`` ``[HEAD_DIM, BLOCK_H]``, row ``d`` holding
-    dimension ``_value_dim(d)``; ``m_i``, ``l_i``, ``z_i`` per head in base 2), stored in its slot: ``(0, -inf)``
-    without keys, NaN where the request is ``poisoned``."""
+    dimension ``_value_dim(d)`` times :func:`_value_row_scale`'s inverse; ``m_i``, ``l_i``, ``z_i`` per head in base
+    2), stored in its slot: ``(0, -inf)`` without keys, NaN where the request is ``poisoned``."""
     layout: gl.constexpr = acc.type.layout
     BLOCK_H: gl.constexpr = acc.shape[1]
     b = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
+    h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, layout))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, layout))
+    acc = acc * _value_row_scale(d, VALUE_BITS)[:, None]
     has_keys = end > start
     l_safe = gl.where(l_i == 0, 1.0, l_i)
     out = gl.where(has_keys, (acc + z_i[None, :]) / l_safe[None, :], 0.0)
     lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * _LN2, float("-inf"))
     out = gl.where(poisoned, float("nan"), out)
     lse = gl.where(poisoned, float("nan"), lse)
-    h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, layout))
-    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, layout))
     slot = partials_ptr + b.to(gl.int64) * stride_pb + (kv_head * KV_GROUP + h) * stride_ph + split * stride_ps
     _barrier()  # every thread's load of the slot (MSE keys: the rotated query) before any store to it
     gl.store(slot[None, :] + _value_dim(d)[:, None], out, mask=(h < KV_GROUP)[None, :])
@@ -770,7 +818,7 @@ def _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stri
 @gluon.jit
 def _finish(acc, m_i, l_part, z_part, start, end, too_long, bad_pages, row_ptr, stride_btc, first_page, last_page,
             num_blocks, partials_ptr, stride_pb, stride_ph, stride_ps, KV_GROUP: gl.constexpr,
-            FP16_OPERANDS: gl.constexpr):  # fmt: skip
+            FP16_OPERANDS: gl.constexpr, VALUE_BITS: gl.constexpr):  # fmt: skip
     """:func:`_store_partials` from a 4-warp loop's state (per-thread partial sums, hi | lo halves of ``acc``)."""
     mma: gl.constexpr = l_part.type.layout
     BLOCK_H: gl.constexpr = l_part.shape[1]
@@ -778,7 +826,7 @@ def _finish(acc, m_i, l_part, z_part, start, end, too_long, bad_pages, row_ptr, 
         acc = gl.convert_layout(gl.sum(gl.reshape(acc, [HEAD_DIM, 2, BLOCK_H]), axis=1), mma)
     poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)
     _store_partials(acc, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0), start, end, poisoned, partials_ptr,
-                    stride_pb, stride_ph, stride_ps, KV_GROUP)  # fmt: skip
+                    stride_pb, stride_ph, stride_ps, KV_GROUP, VALUE_BITS)  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -829,8 +877,8 @@ def decode_stage1_kernel(
     kv_head = gl.program_id(1)
     start, end, row_ptr, too_long, bad_pages, first_page, last_page = _split(
         seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)
-    q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, KV_GROUP,
-                                KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
+    q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps,
+                                gl.program_id(2), KV_GROUP, KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
     pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
 
     score_scale = sm_scale * _LOG2E
@@ -897,7 +945,7 @@ def decode_stage1_kernel(
         async_copy.wait_group(0)  # no copy outlives the program
 
     _finish(acc, m_i, l_part, z_part, start, end, too_long, bad_pages, row_ptr, stride_btc, first_page,
-            last_page, num_blocks, partials_ptr, stride_pb, stride_ph, stride_ps, KV_GROUP, FP16_OPERANDS)
+            last_page, num_blocks, partials_ptr, stride_pb, stride_ph, stride_ps, KV_GROUP, FP16_OPERANDS, VALUE_BITS)
 
 
 # Chunks by TMA (``decode_stage1_streams_kernel``, below): each 16-key chunk's key bytes, value bytes and metadata
@@ -913,13 +961,34 @@ TMA_FIELDS_BYTES = gl.constexpr(2)  # each metadata field is fp16
 # rows past a KV head's own fields are the next head's, or past the last head zeros (TMA fills what lies outside).
 TMA_META_ROWS = gl.constexpr(4)
 
+@gluon.constexpr_function
+def data_row(key_bytes):
+    """Bytes of a token's data box: its 4-bit slot (keys and values, 128), its FP8 key bytes (128), or its 3-bit key
+    bytes and the 16 bytes after them (64: a 48-byte box is no power of two)."""
+    return 64 if int(key_bytes) == 48 else 128
+
+
+@gluon.constexpr_function
+def separate_values(key_bytes, slot_bytes):
+    """Whether a token's 64 value bytes come as a box of their own (FP8 and 3-bit keys): they are not at a 64-byte
+    offset inside the data box, and a slice of a swizzled row must start on a swizzle tile."""
+    return int(key_bytes) + 64 > data_row(key_bytes) or int(slot_bytes) > 128
+
+
+@gluon.constexpr_function
+def _box_bytes(key_bytes, slot_bytes):
+    """Bytes a chunk's boxes bring a token: its data box, its value box if separate, and its metadata rows."""
+    values = 64 if separate_values(key_bytes, slot_bytes) else 0
+    return data_row(key_bytes) + values + int(TMA_META_ROWS) * int(TMA_FIELDS_BYTES)
+
+
 
 def streams_supports(*, key_bits: int, value_bits: int, group: int, fp16_operands: bool, cache_address: int) -> bool:
-    """Whether :func:`decode_stage1_streams_kernel` serves a call :func:`supports` takes: 4-bit or FP8 keys (their key
-    bytes are 64 or 128 a token: a swizzled box) with 4-bit values, a group of at most 8 query heads (one MMA N; a
-    stream's output of 16 heads takes 64 registers more and spills), the operands rounded once to fp16 (the only form
-    it is written for), and a 16-byte aligned cache (a descriptor's base)."""
-    boxes = key_bits in (4, 8) and value_bits == 4 and cache_address % 16 == 0
+    """Whether :func:`decode_stage1_streams_kernel` serves a call :func:`supports` takes: 3-bit, 4-bit or FP8 keys (a
+    64- or 128-byte data box a token, and for 3-bit and FP8 keys a 64-byte value box) with 4-bit values, a group of
+    at most 8 query heads (one MMA N; a stream's output of 16 heads takes 64 registers more and spills), the operands
+    rounded once to fp16 (the only form it is written for), and a 16-byte aligned cache (a descriptor's base)."""
+    boxes = key_bits in (3, 4, 8) and value_bits == 4 and cache_address % 16 == 0
     return boxes and group <= 8 and bool(fp16_operands)
 
 
@@ -944,10 +1013,10 @@ class _Address:
         return self._address
 
 
-def tma_geometry(*, num_blocks: int, block_size: int, num_kv_heads: int, slot_bytes: int, stride_block: int,
-                 meta_offset: int, num_fields: int) -> tuple:  # fmt: skip
+def tma_geometry(*, num_blocks: int, block_size: int, num_kv_heads: int, slot_bytes: int, key_bytes: int,
+                 stride_block: int, meta_offset: int, num_fields: int) -> tuple:  # fmt: skip
     """What :func:`descriptors` needs of a cache, fixed by a plan (the address aside)."""
-    return num_blocks, block_size, num_kv_heads, slot_bytes, stride_block, meta_offset, num_fields
+    return num_blocks, block_size, num_kv_heads, slot_bytes, key_bytes, stride_block, meta_offset, num_fields
 
 
 def descriptors(cache: Any, geometry: tuple) -> tuple[Any, Any, Any]:
@@ -958,11 +1027,12 @@ def descriptors(cache: Any, geometry: tuple) -> tuple[Any, Any, Any]:
     block_size]`` fp16 from ``meta_offset``: boxes ``[1, TMA_META_ROWS, 16]``."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    num_blocks, block_size, num_kv_heads, slot_bytes, stride_block, meta_offset, num_fields = geometry
+    num_blocks, block_size, num_kv_heads, slot_bytes, key_bytes, stride_block, meta_offset, num_fields = geometry
+    row = data_row(key_bytes)
     shape = [num_blocks, block_size, num_kv_heads * slot_bytes]
     strides = [stride_block, num_kv_heads * slot_bytes, 1]
     meta = _Address(cache.data_ptr() + meta_offset, torch.float16)
-    return (TensorDescriptor(cache, shape, strides, [1, 16, 128], _data_smem(128)),
+    return (TensorDescriptor(cache, shape, strides, [1, 16, row], _data_smem(row)),
             TensorDescriptor(cache, shape, strides, [1, 16, 64], _data_smem(64)),
             TensorDescriptor(meta, [num_blocks, num_kv_heads * num_fields, block_size],
                              [stride_block // int(TMA_FIELDS_BYTES), block_size, 1], [1, int(TMA_META_ROWS), 16],
@@ -998,6 +1068,36 @@ def _tma_meta_layout():
 
 
 @gluon.jit
+def _shuffle_up(x):
+    """Each lane gets lane ``lane - 1``'s ``x`` (lane 0 its own)."""
+    return gl.inline_asm_elementwise("shfl.sync.up.b32 $0, $1, 1, 0, 0xffffffff;", "=r,r", [x], dtype=gl.uint32,
+                                     is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _three_bit_words(words):
+    """Key words ``[chunk, half, quad, t, w]`` read as 4-bit keys' (thread ``t``'s words ``4t + w``, 16-byte reads)
+    -> as 3-bit keys' (:func:`_key_words`: words ``3t + w`` of thread ``t``'s 12 bytes, ``w < 3``; word 3 is not
+    read). Word ``3t + w``
+    is the thread's own word ``w - t`` where ``w >= t``, else its left neighbour's (lane ``t - 1`` of the same keys)
+    word ``w - t + 4``: three shuffles and selects."""
+    w02, w13 = gl.split(gl.reshape(words, [words.shape[0], 2, 8, 4, 2, 2]))  # word 2a + b: split by b, then by a
+    a0, a2 = gl.split(w02)
+    a1, a3 = gl.split(w13)
+    p1 = _shuffle_up(a1)
+    p2 = _shuffle_up(a2)
+    p3 = _shuffle_up(a3)
+    layout: gl.constexpr = a0.type.layout
+    t = _iota(4, 3, 4, layout)
+    b0 = gl.where(t == 0, a0, gl.where(t == 1, p3, gl.where(t == 2, p2, p1)))
+    b1 = gl.where(t == 0, a1, gl.where(t == 1, a0, gl.where(t == 2, p3, p2)))
+    b2 = gl.where(t == 0, a2, gl.where(t == 1, a1, gl.where(t == 2, a0, p3)))
+    out = gl.join(gl.join(b0, b2), gl.join(b1, b2))  # word 2c + d at [c, d]; word 3 is not read: b2 again
+    words_layout: gl.constexpr = words.type.layout
+    return gl.convert_layout(gl.reshape(out, words.shape), words_layout)
+
+
+@gluon.jit
 def _tma_stage_reads(data, values, meta, buffer, tile_start, start, end, key_rows, KEY_BITS: gl.constexpr,
                      KEY_DATA_BYTES: gl.constexpr, NUM_FIELDS: gl.constexpr, KEY_LAYOUT: gl.constexpr,
                      VALUE_LAYOUT: gl.constexpr):  # fmt: skip
@@ -1010,7 +1110,9 @@ def _tma_stage_reads(data, values, meta, buffer, tile_start, start, end, key_row
                              gl.NVMMASharedLayout(swizzle_byte_width=ROW, element_bitwidth=32, rank=2))
     k_words = key_words.index(buffer).slice(0, 4 * WORDS, 1).load(_tma_key_layout(WORDS))
     k_words = gl.convert_layout(gl.reshape(k_words, [1, 2, 8, 4, WORDS]), KEY_LAYOUT)
-    if values.shape[3] == ROW:  # the values are in the slot's row after the key bytes
+    if KEY_BITS == 3:
+        k_words = _three_bit_words(k_words)
+    if KEY_DATA_BYTES + 64 <= ROW:  # the values are in the slot's row after the key bytes
         v_first: gl.constexpr = KEY_DATA_BYTES // 2
         codes = _reinterpret(data, gl.uint16, [data.shape[0], 16, ROW // 2],
                              gl.NVMMASharedLayout(swizzle_byte_width=ROW, element_bitwidth=16, rank=2))
@@ -1061,20 +1163,22 @@ def _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, bar, buff
     position = (chunk_start.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
     column = kv_head * SLOT_BYTES
     _tma_load(data_desc, [page, position, column], bar, data.index(buffer))
-    if SLOT_BYTES > 128:
+    if separate_values(KEY_DATA_BYTES, SLOT_BYTES):
         _tma_load(value_desc, [page, position, column + KEY_DATA_BYTES], bar, values.index(buffer))
     _tma_load(meta_desc, [page, kv_head * NUM_FIELDS, position], bar, meta.index(buffer))
 
 
 @gluon.jit
-def _stream(stream: gl.constexpr, shared, descs, pointers, split, strides, shape: gl.constexpr):
-    """Stream ``stream`` (one warp): chunks ``stream, stream + STREAMS, ...`` of the split (16 keys from ``tile``
-    each) through its stages ``STAGES stream ..``; leaves its ``acc`` in ``states[stream]``, its ``(m, l, z)`` in
-    ``sums[stream]``. The arguments are :func:`decode_stage1_streams_kernel`'s, in tuples that every stream shares."""
-    data, values, meta, full, states, sums = shared
+def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
+    """One warp's online softmax over chunks ``stream, stream + STRIDE, ...`` of the split (16 keys from ``tile``
+    each), copied by TMA through its chunk buffers ``STAGES stream ..`` of ``ring`` (``data, values, meta, full``):
+    ``(acc, m, l, z)``, ``acc`` ``[HEAD_DIM, BLOCK_H]`` in the MMA layout, the rest per head. ``shape`` is ``(KV_GROUP,
+    KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, STRIDE)``; the other arguments are
+    the kernels' in tuples."""
+    data, values, meta, full = ring
     data_desc, value_desc, meta_desc = descs
     q_ptr, partials_ptr, centroid_ptr = pointers
-    row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale = split
+    row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale, query_slot = split
     stride_qb, stride_qh, stride_pb, stride_ph, stride_ps = strides
     KV_GROUP: gl.constexpr = shape[0]
     KEY_BITS: gl.constexpr = shape[1]
@@ -1084,29 +1188,30 @@ def _stream(stream: gl.constexpr, shared, descs, pointers, split, strides, shape
     BLOCK_SIZE: gl.constexpr = shape[5]
     BLOCK_H: gl.constexpr = shape[6]
     STAGES: gl.constexpr = shape[7]
+    STRIDE: gl.constexpr = shape[8]
     KEY_FP8: gl.constexpr = KEY_BITS == 8
     mma: gl.constexpr = _operand_layouts(KEY_FP8, 1)[0]
     dot_b: gl.constexpr = _operand_layouts(KEY_FP8, 1)[1]
     key_bytes: gl.constexpr = _operand_layouts(KEY_FP8, 1)[2]
     key_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[3]
     value_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[4]
-    CHUNK_BYTES: gl.constexpr = 16 * (SLOT_BYTES + TMA_META_ROWS * TMA_FIELDS_BYTES)
+    CHUNK_BYTES: gl.constexpr = 16 * _box_bytes(KEY_DATA_BYTES, SLOT_BYTES)
     kv_head = gl.program_id(1)
-    q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, KV_GROUP,
-                                KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
+    q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps,
+                                query_slot, KV_GROUP, KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
     pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
     num_chunks = gl.where(end > start, gl.cdiv(end - tile, 16), 0)
-    count = gl.maximum(num_chunks - stream + STREAMS - 1, 0) // STREAMS  # this stream's chunks
+    count = gl.maximum(num_chunks - stream + STRIDE - 1, 0) // STRIDE  # this stream's chunks
     first = stream * STAGES  # its chunk buffers and mbarriers
     for st in gl.static_range(STAGES):
         if st < count:
-            chunk_start = tile + 16 * (stream + STREAMS * st)
+            chunk_start = tile + 16 * (stream + STRIDE * st)
             page = _page(row_ptr, stride_btc, chunk_start, end, num_blocks, BLOCK_SIZE)
             mbarrier.expect(full.index(first + st), CHUNK_BYTES)
             _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(first + st), first + st,
                          page, chunk_start, kv_head, SLOT_BYTES, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE)  # fmt: skip
     # The block of the chunk each iteration refills its stage with is read an iteration ahead.
-    ahead = _page(row_ptr, stride_btc, tile + 16 * (stream + STREAMS * STAGES), end, num_blocks, BLOCK_SIZE)
+    ahead = _page(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * STAGES), end, num_blocks, BLOCK_SIZE)
 
     score_scale = sm_scale * _LOG2E
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
@@ -1117,11 +1222,11 @@ def _stream(stream: gl.constexpr, shared, descs, pointers, split, strides, shape
     for i in range(count):
         buffer = first + i % STAGES
         page = ahead
-        ahead = _page(row_ptr, stride_btc, tile + 16 * (stream + STREAMS * (i + STAGES + 1)), end, num_blocks,
+        ahead = _page(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * (i + STAGES + 1)), end, num_blocks,
                       BLOCK_SIZE)  # fmt: skip
         mbarrier.wait(full.index(buffer), (i // STAGES) & 1)
         k_words, v_words, norm, v_scale, v_zero, live = _tma_stage_reads(
-            data, values, meta, buffer, tile + 16 * (stream + STREAMS * i), start, end, key_rows, KEY_BITS,
+            data, values, meta, buffer, tile + 16 * (stream + STRIDE * i), start, end, key_rows, KEY_BITS,
             KEY_DATA_BYTES, NUM_FIELDS, key_layout, value_layout)  # fmt: skip
         m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
                                               score_scale, m_i, l_part, z_part, acc, KEY_BITS, 4, key_bytes, 1,
@@ -1130,13 +1235,23 @@ def _stream(stream: gl.constexpr, shared, descs, pointers, split, strides, shape
             fence_async_shared()
             mbarrier.expect(full.index(buffer), CHUNK_BYTES)
             _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(buffer), buffer, page,
-                         tile + 16 * (stream + STREAMS * (i + STAGES)), kv_head, SLOT_BYTES, KEY_DATA_BYTES,
+                         tile + 16 * (stream + STRIDE * (i + STAGES)), kv_head, SLOT_BYTES, KEY_DATA_BYTES,
                          NUM_FIELDS, BLOCK_SIZE)  # fmt: skip
+    return acc, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0)
+
+
+@gluon.jit
+def _stream(stream: gl.constexpr, shared, descs, pointers, split, strides, shape: gl.constexpr):
+    """Stream ``stream`` (a one-warp partition of :func:`decode_stage1_streams_kernel`): :func:`_chunks` over every
+    ``STREAMS``-th chunk from chunk ``stream``; leaves its ``acc`` in ``states[stream]``, its ``(m, l, z)`` in
+    ``sums[stream]``."""
+    data, values, meta, full, states, sums = shared
+    acc, m_i, l_i, z_i = _chunks(stream, (data, values, meta, full), descs, pointers, split, strides, shape)
     states.index(stream).store(acc)
     mine = sums.index(stream)
     mine.slice(0, 1, 0).store(m_i[None, :])
-    mine.slice(1, 1, 0).store(gl.sum(l_part, axis=0)[None, :])
-    mine.slice(2, 1, 0).store(gl.sum(z_part, axis=0)[None, :])
+    mine.slice(1, 1, 0).store(l_i[None, :])
+    mine.slice(2, 1, 0).store(z_i[None, :])
 
 
 @gluon.jit
@@ -1149,10 +1264,10 @@ def _streams_guard(too_long, bad_pages, row_ptr, stride_btc, first_page, last_pa
 @gluon.jit
 def decode_stage1_streams_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr, data_desc, value_desc, meta_desc,
-    sm_scale, num_splits, num_blocks, table_keys,
+    sm_scale, num_splits, num_blocks, table_keys, query_slot,
     stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
     KV_GROUP: gl.constexpr,
-    KEY_BITS: gl.constexpr,  # 4 (MSE codes) or 8 (FP8 keys)
+    KEY_BITS: gl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
     KEY_DATA_BYTES: gl.constexpr,
     VALUE_BITS: gl.constexpr,  # 4
     SLOT_BYTES: gl.constexpr,
@@ -1163,19 +1278,19 @@ def decode_stage1_streams_kernel(
     FP16_OPERANDS: gl.constexpr = 1,
 ):  # fmt: skip
     """:func:`decode_stage1_kernel`'s partials by per-warp streams (the section above): grid ``(B, HKV, S)``, 4
-    warps for the table check and the merge, 4 stream warps. The operands rounded once to fp16 (``FP16_OPERANDS``)."""
+    warps for the table check and the merge, 4 stream warps. The operands rounded once to fp16 (``FP16_OPERANDS``).
+    MSE keys read the rotated query from partials slot ``query_slot``, which no split writes."""
     gl.static_assert(gl.num_warps() == NUM_WARPS)
     gl.static_assert(VALUE_BITS == 4)
-    gl.static_assert(KEY_BITS != 3)
     gl.static_assert(FP16_OPERANDS == 1)
     KEY_FP8: gl.constexpr = KEY_BITS == 8
     NUM_FIELDS: gl.constexpr = 2 if KEY_FP8 else 3
     start, end, row_ptr, too_long, bad_pages, first_page, last_page = _split(
         seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)
     BUFFERS: gl.constexpr = STREAMS * STAGES
-    data = gl.allocate_shared_memory(gl.uint8, [BUFFERS, 1, 16, 128], data_desc.layout)
+    data = gl.allocate_shared_memory(gl.uint8, [BUFFERS, 1, 16, data_row(KEY_DATA_BYTES)], data_desc.layout)
     values = data
-    if SLOT_BYTES > 128:
+    if separate_values(KEY_DATA_BYTES, SLOT_BYTES):
         values = gl.allocate_shared_memory(gl.uint8, [BUFFERS, 1, 16, 64], value_desc.layout)
     meta = gl.allocate_shared_memory(gl.float16, [BUFFERS, 1, TMA_META_ROWS, 16], meta_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -1190,9 +1305,10 @@ def decode_stage1_streams_kernel(
     shared = (data, values, meta, full, states, sums)
     descs = (data_desc, value_desc, meta_desc)
     pointers = (q_ptr, partials_ptr, centroid_ptr)
-    split = (row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale)
+    split = (row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale, query_slot)
     strides = (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps)
-    shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES)
+    shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
+                           STREAMS)  # fmt: skip
     (poisoned,) = gl.warp_specialize([
         (_streams_guard, (too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)),
         (_stream, (gl.constexpr(0), shared, descs, pointers, split, strides, shape)),
@@ -1218,7 +1334,57 @@ def decode_stage1_streams_kernel(
         l_i += gl.max(theirs.slice(1, 1, 0).load(layout), axis=0) * weight
         z_i += gl.max(theirs.slice(2, 1, 0).load(layout), axis=0) * weight
     _store_partials(acc, m_all, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps,
-                    KV_GROUP)  # fmt: skip
+                    KV_GROUP, VALUE_BITS)  # fmt: skip
+
+
+# One warp a program (``decode_stage1_warp_kernel``): the stream above as a whole program. Four stream partitions are
+# four copies of the loop in the instruction cache (Nsight Compute, 4-bit keys at L=8K: 40% of the stream warps'
+# samples waiting for instructions); one-warp programs share one copy, and a CTA of one warp has no barrier that
+# another warp can hold up. A program's split is one stream; the splits' merge is the decode's second stage, as for
+# the other kernels, with more splits (more programs fit a SM).
+
+@gluon.jit
+def decode_stage1_warp_kernel(
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr, data_desc, value_desc, meta_desc,
+    sm_scale, num_splits, num_blocks, table_keys, query_slot,
+    stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
+    KV_GROUP: gl.constexpr,
+    KEY_BITS: gl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
+    KEY_DATA_BYTES: gl.constexpr,
+    VALUE_BITS: gl.constexpr,  # 4
+    SLOT_BYTES: gl.constexpr,
+    NUM_KV_HEADS: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    STAGES: gl.constexpr = 3,
+    FP16_OPERANDS: gl.constexpr = 1,
+):  # fmt: skip
+    """:func:`decode_stage1_kernel`'s partials, grid ``(B, HKV, S)``, one warp a program: the split's chunks by TMA
+    through ``STAGES`` buffers, one online softmax (:func:`_chunks`). The operands rounded once to fp16. MSE keys
+    read the rotated query from partials slot ``query_slot``, which no split writes."""
+    gl.static_assert(gl.num_warps() == 1)
+    gl.static_assert(VALUE_BITS == 4)
+    gl.static_assert(FP16_OPERANDS == 1)
+    NUM_FIELDS: gl.constexpr = 2 if KEY_BITS == 8 else 3
+    start, end, row_ptr, too_long, bad_pages, first_page, last_page = _split(
+        seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)
+    data = gl.allocate_shared_memory(gl.uint8, [STAGES, 1, 16, data_row(KEY_DATA_BYTES)], data_desc.layout)
+    values = data
+    if separate_values(KEY_DATA_BYTES, SLOT_BYTES):
+        values = gl.allocate_shared_memory(gl.uint8, [STAGES, 1, 16, 64], value_desc.layout)
+    meta = gl.allocate_shared_memory(gl.float16, [STAGES, 1, TMA_META_ROWS, 16], meta_desc.layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(STAGES):
+        mbarrier.init(full.index(b), count=1)
+    fence_async_shared()
+    split = (row_ptr, stride_btc, num_blocks, (start // 16) * 16, start, end, sm_scale, query_slot)
+    shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, 1)
+    acc, m_i, l_i, z_i = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
+                                 (q_ptr, partials_ptr, centroid_ptr), split,
+                                 (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps), shape)  # fmt: skip
+    poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)
+    _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps,
+                    KV_GROUP, VALUE_BITS)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
