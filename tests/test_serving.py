@@ -779,7 +779,8 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
 
 SERVING_OPS = ["decode_mla", "decode_mla_d576", "verify", "verify_d576", "verify_fp8_d576", "turboquant_decode",
                "turboquant_decode_d128", "turboquant_decode_k8v4_d128", "turboquant_store", "turboquant_store_d128",
-               "merge_attn_states", "merge_splits", "ue8m0_insert", "ue8m0_gather", "combine_topk_swa_indices"]  # fmt: skip
+               "merge_attn_states", "merge_splits", "ue8m0_insert", "ue8m0_gather",
+               "combine_topk_swa_indices"]  # fmt: skip
 
 
 @pytest.mark.gpu

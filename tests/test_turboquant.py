@@ -1741,7 +1741,8 @@ def test_sm90_decode_of_each_gluon_kernel_matches_golden(preset, kernel, device:
     streams, warp = int(kernel == "streams"), int(kernel == "warp")
     config = ttq.DECODE_CONFIGS["sm90"] | {"GLUON_STREAMS": streams, "GLUON_WARP": warp,
                                            "PROGRAMS_PER_SM": {"tile": 5, "streams": 4, "warp": 16}[kernel]}
-    config = {k: v for k, v in config.items() if not k.startswith(("GLUON_STREAMS_", "GLUON_WARP_", "PROGRAMS_PER_SM_"))}
+    per_preset = ("GLUON_STREAMS_", "GLUON_WARP_", "PROGRAMS_PER_SM_")
+    config = {k: v for k, v in config.items() if not k.startswith(per_preset)}
     with _decode_config_table(dict.fromkeys(ttq.DECODE_CONFIGS, config)):
         _check_decode_against_golden(41, preset, 128, [300, 129], 2, 4, 2, 16, torch.float16, device)
         _check_decode_against_golden(44, preset, 128, [2048, 1], 1, 8, 3, 32, torch.bfloat16, device)

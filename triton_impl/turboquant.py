@@ -210,9 +210,8 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
              "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
-             "GLUON_MAXNREG": 96, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 5, "GLUON_STAGES": 3, "ROTATE_TF32X3": 1,
-             "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 104, "PROGRAMS_PER_SM": 16, "SPLIT_ROUNDS": 4,
-             "PROGRAMS_PER_SM_v3": 5, "SPLIT_ROUNDS_v3": 2},
+             "GLUON_MAXNREG": 96, "SPLIT_ROUNDS": 4, "PROGRAMS_PER_SM": 16, "GLUON_STAGES": 3, "ROTATE_TF32X3": 1,
+             "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 104, "PROGRAMS_PER_SM_v3": 5, "SPLIT_ROUNDS_v3": 2},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -898,17 +897,18 @@ def _rotate_query_kernel(
     ``D_CHUNK`` columns, written into the first ``D`` floats of slots ``first_slot .. first_slot + num_splits - 1``
     of those heads.
 
-    The decode's own partials buffer ``[B, H, S, D+1]`` is the rotated query's home: stage 1's
-    program for split ``s`` reads ``q~`` from its slot, then overwrites the slot with its partial; or (the sm_90 TMA
-    kernels) every program reads it from one slot past the splits, which no program writes. Nothing else is
-    allocated and the query's rotation follows its contents on every call (a graph replay included). ``PiT`` is read through its strides (``Pi`` transposed is ``PiT`` with its strides
-    swapped). ``PRECISION`` is the dot's: ``"ieee"`` (fp32 products and sums, as an fp32 matmul) or, where tensor
-    cores take TF32 (the sm90 entry's ``ROTATE_TF32X3``), ``"tf32x3"``: each operand split into a TF32 part and a
-    TF32 rest, three MMAs, fp32 sums. A bf16 or fp16 query is exact in TF32 (7 or 10 stored mantissa bits; TF32
-    keeps 10), so its rest is 0 and the one rounding left is of ``PiT``'s rest, ``2^-11`` of it: each product within
-    ``2^-22`` of itself, where 128 fp32 additions already allow about ``128 * 2^-24 = 2^-17`` of ``sum_j |q_j
-    PiT[j, d]|``. On the H200 the ieee dot read its shared-memory operands with 82% of the wavefronts bank conflicts
-    (12.9 us a call at B=32 H=32, Nsight Compute); tensor cores read them through conflict-free layouts.
+    The decode's own partials buffer ``[B, H, S, D+1]`` is the rotated query's home: stage 1's program for split
+    ``s`` reads ``q~`` from its slot, then overwrites the slot with its partial; or (the sm_90 TMA kernels) every
+    program reads it from one slot past the splits, which no program writes. Nothing else is allocated and the
+    query's rotation follows its contents on every call (a graph replay included). ``PiT`` is read through its
+    strides (``Pi`` transposed is ``PiT`` with its strides swapped). ``PRECISION`` is the dot's: ``"ieee"`` (fp32
+    products and sums, as an fp32 matmul) or, where tensor cores take TF32 (the sm90 entry's ``ROTATE_TF32X3``),
+    ``"tf32x3"``: each operand split into a TF32 part and a TF32 rest, three MMAs, fp32 sums. A bf16 or fp16 query
+    is exact in TF32 (7 or 10 stored mantissa bits; TF32 keeps 10), so its rest is 0 and the one rounding left is of
+    ``PiT``'s rest, ``2^-11`` of it: each product within ``2^-22`` of itself, where 128 fp32 additions already allow
+    about ``128 * 2^-24 = 2^-17`` of ``sum_j |q_j PiT[j, d]|``. On the H200 the ieee dot read its shared-memory
+    operands with 82% of the wavefronts bank conflicts (12.9 us a call at B=32 H=32, Nsight Compute); tensor cores
+    read them through conflict-free layouts.
     """
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
