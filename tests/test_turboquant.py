@@ -1143,14 +1143,23 @@ def _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads,
     assert_close(out, expected.out, ("turboquant", "out", dtype), expected.out_bound)
     assert_close(lse, expected.lse, ("turboquant", "lse", "float32"))
     # Stage 1 on its own: every split slot it runs written, an empty split as (0, -inf); the slots past them (where
-    # the device's config caps the splits) untouched.
-    config = _quantizer(preset, head_dim)[0]
-    run = ttq.decode_num_splits(num_splits, batch, num_kv_heads, device, 8 if config.key_fp8 else config.key_mse_bits,
-                                config.value_quant_bits)
+    # the device's config caps the splits) untouched, but for the one the TMA kernels read the rotated query from.
+    config, pit = _quantizer(preset, head_dim)[:2]
+    key_bits = 8 if config.key_fp8 else config.key_mse_bits
+    run = ttq.decode_num_splits(num_splits, batch, num_kv_heads, device, key_bits, config.value_quant_bits)
     split = _decode_expected(query, cache, table, lens, preset, head_dim, num_splits=run)
     assert_close(mid_o[:, :, :run, :head_dim], split.out, ("turboquant", "split_o", "float32"), split.out_bound)
     assert_close(mid_o[:, :, :run, head_dim], split.lse, ("turboquant", "lse", "float32"))
-    assert bool(mid_o[:, :, run:].isnan().all())
+    entry = ttq.select_decode_config(device, key_bits, config.value_quant_bits)
+    slot = ttq.query_slot(entry, num_splits, key_bits, config.value_quant_bits)
+    past = mid_o[:, :, run:]
+    if slot is not None and slot >= run and not bool(past[:, :, slot - run, :head_dim].isnan().all()):
+        precision = "tf32x3" if entry.get("ROTATE_TF32X3") else "ieee"
+        rotated = ptq.kernel_rotated_query(query.to(device), pit.to(device), precision)
+        assert_bits_equal(past[:, :, slot - run, :head_dim], rotated[:, :, 0])
+        assert bool(past[:, :, slot - run, head_dim].isnan().all())  # the rotation writes no lse
+        past = torch.cat([past[:, :, : slot - run], past[:, :, slot - run + 1 :]], dim=2)
+    assert bool(past.isnan().all())
 
 
 @pytest.mark.parametrize("fp16_operands, query_scale", [(0, 3.0), (1, 1.0)])
@@ -2026,3 +2035,9 @@ def test_decode_split_cap_of_the_sm90_entry() -> None:
                                                                                    (8, 4): 32}  # fmt: skip
     assert stage1_splits(32, 2 * 8, 132, entry[4, 4]) == 32
     assert ttq.decode_num_splits(32, 32, 8, torch.device("cpu"), 4, 4) == 32
+    # The TMA kernels read MSE keys' rotated query from the last slot (so 31 of 32 splits run); FP8 keys, 3-bit values
+    # and a config without the TMA kernels use every slot; one slot is the split's own.
+    slots = {kv: ttq.query_slot(e, 32, *kv) for kv, e in entry.items()}
+    assert slots == {(3, 3): None, (3, 4): 31, (4, 4): 31, (8, 4): None}
+    assert ttq.query_slot(entry[4, 4], 1, 4, 4) == 0
+    assert ttq.query_slot(ttq.decode_entry(ttq.DECODE_CONFIGS["default"], 4, 4), 32, 4, 4) is None

@@ -236,10 +236,22 @@ def decode_num_splits(max_num_kv_splits: int, batch: int, num_kv_heads: int, dev
                       value_bits: int) -> int:  # fmt: skip
     """The splits a decode call runs: ``max_num_kv_splits``, capped where the device's entry has ``SPLIT_ROUNDS``
     at that many rounds of ``PROGRAMS_PER_SM`` resident programs a SM (``decode_attention.stage1_splits``), a
-    program being one (request, KV head, split)."""
+    program being one (request, KV head, split); and below ``max_num_kv_splits`` where the entry's TMA kernels may
+    read MSE keys' rotated query from the last slot (:func:`query_slot`)."""
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
     config = select_decode_config(device, key_bits, value_bits)
-    return stage1_splits(max_num_kv_splits, batch * num_kv_heads, sm_count, config)
+    splits = stage1_splits(max_num_kv_splits, batch * num_kv_heads, sm_count, config)
+    slot = query_slot(config, max_num_kv_splits, key_bits, value_bits)
+    return min(splits, slot) if slot else splits
+
+
+def query_slot(config: dict[str, int], max_num_kv_splits: int, key_bits: int, value_bits: int) -> int | None:
+    """The partials slot the sm_90 TMA kernels read MSE keys' rotated query from: the last of ``max_num_kv_splits``,
+    where ``config`` may select them (``GLUON_WARP`` or ``GLUON_STREAMS``, 3/4-bit keys, 4-bit values), which no
+    split then writes (:func:`decode_num_splits` stops below it; one slot, not one a split: the rotation writes
+    ``B*H*D`` floats, not ``B*H*S*D``); else ``None`` (each program reads its own split's slot)."""
+    tma = (config.get("GLUON_WARP") or config.get("GLUON_STREAMS")) and key_bits in (3, 4) and value_bits == 4
+    return max_num_kv_splits - 1 if tma and config.get("GLUON") else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1329,11 +1341,8 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         cache_address=kv_cache.data_ptr(),
     )
     num_splits = decode_num_splits(max_num_kv_splits, batch, num_kv_heads, device, key_bits, value_quant_bits)
-    # The TMA kernels read the rotated query (MSE keys) from the last slot, which then holds no split: the rotation
-    # writes one slot, not one a split (3.3 us at B=32 H=32 and 32 splits, the H200).
-    query_slot = max_num_kv_splits - 1 if tma and not key_fp8 else None
-    if query_slot:
-        num_splits = min(num_splits, query_slot)
+    # The TMA kernels read MSE keys' rotated query from one slot past the splits (query_slot).
+    q_slot = query_slot(config, max_num_kv_splits, key_bits, value_quant_bits) if tma else None
     mid_o = mid_o[:, :, :num_splits]  # the slots the kernels write
     # The grid (B, HKV, S) and the constexprs both Gluon kernels take.
     grid = (batch, num_kv_heads, num_splits)
@@ -1353,7 +1362,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
             kernel = turboquant_sm90.decode_stage1_streams_kernel
             options = turboquant_sm90.launch_options(group, turboquant_sm90.STREAMS_LAUNCH_REGS)
         stage1 = _DescribedLaunch(Launch(kernel, grid, (
-            float(scale), num_splits, num_blocks, table_keys, query_slot or 0, *query.stride()[:2], *table_2d.stride(),
+            float(scale), num_splits, num_blocks, table_keys, q_slot or 0, *query.stride()[:2], *table_2d.stride(),
             *mid_o.stride()[:3],
         ), dict(shape, STAGES=max(2, config.get("GLUON_STAGES", 0)), **options)),
             DescriptorsByAddress(turboquant_sm90.descriptors), geometry)  # fmt: skip
@@ -1371,7 +1380,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
     if not key_fp8:
         pit_strides = rotation.stride() if PiT is not None else rotation.stride()[::-1]
         rotate = rotate_query_launch(query, pit_strides, mid_o, "tf32x3" if config.get("ROTATE_TF32X3") else "ieee",
-                                     query_slot)  # fmt: skip
+                                     q_slot)  # fmt: skip
     return make_plan(rotate, stage1, merge_splits_launch(batch, mid_o, output, lse), True,
                      contiguous_lens=seq_lens.shape[0] <= 1 or seq_lens.stride(0) == 1)  # fmt: skip
 
