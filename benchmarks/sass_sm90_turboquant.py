@@ -66,13 +66,18 @@ def _resources(cubin: bytes) -> str:
     return " ".join(re.findall(r"(?:REG|STACK):\d+", line))
 
 
-def _loop_mix(cubin: bytes) -> tuple[int, list[tuple[str, int]], dict[str, int], int]:
-    """Instructions of the widest loop (a backward branch to its head, self-branches excluded): the
-    decode's tile loop. Returns the count, the 12 commonest opcodes, the memory and barrier
+def _loop_mix(cubin: bytes, holding: str | None = None) -> tuple[int, list[tuple[str, int]], dict[str, int], int]:
+    """Instructions of the widest loop (a backward branch to its head, self-branches excluded), or with ``holding``
+    the innermost loop holding that opcode: the decode's tile loop (the one-warp kernel's rescale branch makes a
+    wider loop around it). Returns the count, the 12 commonest opcodes, the memory and barrier
     instructions by opcode with their width (``LDG.E.128``, ``STS.U16``, ...) and the moves of a uniform
     register into a per-thread one."""
     code, loops = sass_code(cubin)
-    head, tail = max(loops, key=lambda loop: loop[1] - loop[0])
+    if holding:
+        loops = [(h, t) for h, t in loops if any(h <= a <= t and op == holding for a, op, _, _ in code)]
+        head, tail = min(loops, key=lambda loop: loop[1] - loop[0])
+    else:
+        head, tail = max(loops, key=lambda loop: loop[1] - loop[0])
     body = [(opcode, opcode + suffix, line) for address, opcode, suffix, line in code if head <= address <= tail]
     memory = collections.Counter(full for opcode, full, _ in body if opcode in MEMORY_OPS)
     moves = sum(bool(SASS_UNIFORM_MOVE.search(line)) for _, _, line in body)
@@ -106,19 +111,30 @@ def decode(preset: str, config: dict[str, int]) -> None:
 
 
 def gluon_decode(preset: str) -> None:
-    """The sm_90 Gluon stage 1 (triton_impl/turboquant_sm90.py) as the bench launches it: 64-key tiles, 4 warps, the
-    sm90 entry's register cap, shared-memory stages and operand rounding (``FP16_OPERANDS``)."""
+    """The sm_90 Gluon stage 1 (triton_impl/turboquant_sm90.py) as the bench launches it: one warp a program over
+    16-key chunks where the entry selects that kernel (``GLUON_WARP``), else 64-key tiles on 4 warps; the sm90 entry's
+    register cap, shared-memory stages and operand rounding (``FP16_OPERANDS``)."""
     quantizer = TurboQuantConfig.from_cache_dtype(preset, 128)
-    key_bits = 8 if quantizer.key_fp8 else quantizer.key_mse_bits
-    config = ttq.decode_entry(ttq.DECODE_CONFIGS["sm90"], key_bits, quantizer.value_quant_bits)
-    stages = turboquant_sm90.stages(config.get("GLUON_STAGES", 0), key_bits, quantizer.value_quant_bits)
-    kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=quantizer.value_quant_bits,
-                                              maxnreg=config.get("GLUON_MAXNREG"), stages=stages,
-                                              fp16_operands=bool(config.get("FP16_OPERANDS")))
-    count, mix, memory, moves = _loop_mix(kernel.asm["cubin"])
-    per_key = int(turboquant_sm90.NUM_WARPS) / int(turboquant_sm90.BLOCK_N)
-    print(f"decode {preset} Gluon stage 1: {_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
-          f"{count} instructions per warp per tile = {count * per_key:.1f} warp instructions per key and KV head, "
+    key_bits, value_bits = 8 if quantizer.key_fp8 else quantizer.key_mse_bits, quantizer.value_quant_bits
+    config = ttq.decode_entry(ttq.DECODE_CONFIGS["sm90"], key_bits, value_bits)
+    fp16_operands = bool(config.get("FP16_OPERANDS"))
+    warp = bool(config.get("GLUON_WARP")) and turboquant_sm90.streams_supports(
+        key_bits=key_bits, value_bits=value_bits, group=4, fp16_operands=fp16_operands, cache_address=0)
+    if warp:
+        kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,
+                                                  maxnreg=config["WARP_MAXNREG"], stages=config["GLUON_STAGES"],
+                                                  fp16_operands=fp16_operands, warp=True)
+    else:
+        kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,
+                                                  maxnreg=config.get("GLUON_MAXNREG"),
+                                                  stages=turboquant_sm90.stages(config.get("GLUON_STAGES", 0),
+                                                                                key_bits, value_bits),
+                                                  fp16_operands=fp16_operands)  # fmt: skip
+    count, mix, memory, moves = _loop_mix(kernel.asm["cubin"], "HMMA")
+    per_key = 1 / 16 if warp else int(turboquant_sm90.NUM_WARPS) / int(turboquant_sm90.BLOCK_N)
+    print(f"decode {preset} Gluon stage 1 ({'one warp, 16-key chunks' if warp else '4 warps, 64-key tiles'}): "
+          f"{_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
+          f"{count} instructions per warp per iteration = {count * per_key:.1f} warp instructions per key and KV head, "
           f"{moves} of them moves of a uniform register; {mix}; memory and barriers {memory}")  # fmt: skip
 
 

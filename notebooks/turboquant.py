@@ -346,12 +346,20 @@ plt.show()
 # `prmt` cannot read two of: a copy at every use) leave 35.3, and stage 1 557 us. FP8 keys then went to per-warp
 # streams: each of 4 warps runs its own online softmax over every fourth 16-key chunk, its chunks copied by TMA, with
 # no barrier or shared row max between warps in the loop, and the four states merged once at the end: stage 1
-# 140 -> 121 us at L=8K, 519 -> 505 at 32K. The same kernel was slower for 4-bit keys (154 -> 170 us at L=8K; why is
-# not yet profiled), so they keep the kernel above. What the rows below
-# show (bench at ff5c3c7; 4-bit keys timed in the same call at c6e2b62): every preset beats the bf16 decode, FP8
-# keys at 1.97x its speed at L=8K and 1.88x at 32K, 4-bit keys 1.49x and 1.69x, 3-bit keys 1.48x and 1.66x, 3-bit
-# keys and values 1.28x and 1.39x (the portable kernel: 0.62x and 0.66x); the goal, 4-bit at twice the bf16 speed,
-# is not reached.
+# 140 -> 121 us at L=8K, 519 -> 505 at 32K. The same kernel was slower for 4-bit keys (154 -> 170 us at L=8K), and
+# Nsight Compute's per-instruction samples (`benchmarks/ncu_stalls.py`) said why: 40% of the stream warps' time went
+# waiting for instructions, the four partitions being four copies of a 534-instruction loop that the instruction
+# cache does not hold together. One warp a program, the same stream over a whole split, gives every warp of a SM one
+# copy of the loop, and a program of one warp has no barrier another warp can hold up; the splits' merge is the
+# second kernel's, over more splits (16 programs a SM, four rounds). Stage 1 at L=8K / 32K, one call: 4-bit keys
+# 154 -> 127 / 557 -> 453 us, 3-bit keys 152 -> 125 / 546 -> 444, FP8 keys 123 -> 119 / 516 -> 458. Its warps now
+# issue on 57% of the cycles, and the integer pipe that `prmt` and `lop3` share is the busiest (Nsight Compute at
+# L=8K). The whole call, against the bf16 decode in the same call (257 / 983 us): FP8 keys 130 / 465 us (1.98x /
+# 2.11x its speed), 4-bit keys 149 / 474 (1.73x / 2.08x), 3-bit keys 147 / 466 (1.75x / 2.11x), 3-bit keys and
+# values 185 / 644 (1.39x / 1.53x; they keep the 4-warp kernel: the TMA boxes are written for 4-bit values). The
+# goal, 4-bit and 3-bit presets at twice the bf16 speed, is reached at L=32K for 4-bit keys with 4-bit values, not at
+# L=8K (where the fixed cost of a call, the rotation, the merge and each program's set-up, is a larger share) and not
+# for 3-bit values.
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory.
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
 

@@ -183,19 +183,26 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # whose shared-memory reads were 82% bank conflicts: 12.2-12.9 us a call at B=32 H=32 (predicted: ~3 us). The bench's
 # whole call at L=8K, 08cfd74 -> 95ba40f: 4-bit 0.1929 -> 0.1844 ms, 3-bit keys 0.1864 -> 0.1789, 3-bit 0.2126 ->
 # 0.2046.
-# GLUON_STREAMS (sm90; FP8 keys with 4-bit values, groups of at most 8 heads, FP16_OPERANDS): stage 1 as
-# turboquant_sm90.decode_stage1_streams_kernel, each of 4 warps an online softmax of its own over every fourth 16-key
-# chunk, copying its chunks by TMA, with no shared memory or barrier between warps in the loop. Its partitions make 8
-# warps a program, launched at 64 registers (setmaxnreg gives the stream warps 104): PROGRAMS_PER_SM 4. Stage 1 on the
-# H200 against decode_stage1_kernel in one call (benchmarks/kernel_times.py, ff5c3c7, L=8K / 32K): k8v4 140.2 ->
-# 121.0 / 519.1 -> 504.6 us; 4-bit keys 153.6 -> 169.5 / 556.4 -> 558.8 us, slower, so off for them
-# (tests/test_turboquant.py keeps their streams path checked against golden on sm_90 GPUs).
-# The streams serve 3-bit keys with 4-bit values too (k3v4: each chunk's 48 key bytes in a 64-byte box, its 64 value
-# bytes in a box of their own, 128 bytes read a token for a 112-byte slot; each thread's 12 key bytes assembled from
-# 16-byte reads by three warp shuffles, _three_bit_words), but slower: stage 1 157.3 -> 182.8 / 567.1 -> 605.0 us
-# (one call, 2026-12-02), so GLUON_STREAMS_k3 is off. Nsight Compute on the 4-bit streams (L=8K) says why: 40% of the
-# stream warps' samples wait for instructions (no_inst), the four partitions being four copies of a 534-instruction
-# loop (FP8 keys: 388, 13%).
+# GLUON_STREAMS (sm90; 3/4-bit or FP8 keys with 4-bit values, groups of at most 8 heads, FP16_OPERANDS; off unless
+# GLUON_WARP is): stage 1 as turboquant_sm90.decode_stage1_streams_kernel, each of 4 warps an online softmax of its own
+# over every fourth 16-key chunk, copying its chunks by TMA, with no shared memory or barrier between warps in the
+# loop. Its partitions make 8 warps a program, launched at 64 registers (setmaxnreg gives the stream warps 104): four
+# programs a SM. Stage 1 on the H200 against decode_stage1_kernel in one call (benchmarks/kernel_times.py, ff5c3c7, L=8K
+# / 32K): k8v4 140.2 -> 121.0 / 519.1 -> 504.6 us; 4-bit keys 153.6 -> 169.5 / 556.4 -> 558.8 us; k3v4 (2026-12-02: each
+# chunk's 48 key bytes in a 64-byte box, its values in one of their own, each thread's 12 key bytes assembled by three
+# warp shuffles, _three_bit_words) 157.3 -> 182.8 / 567.1 -> 605.0 us. Nsight Compute on the 4-bit streams (L=8K) says
+# why they lose: 40% of the stream warps' samples wait for instructions (no_inst), the four partitions being four
+# copies of a 534-instruction loop (FP8 keys: 388, 13%).
+# GLUON_WARP (sm90; the same calls as GLUON_STREAMS): stage 1 as turboquant_sm90.decode_stage1_warp_kernel, one warp a
+# program running one stream over its whole split (one copy of the loop for every warp of the SM, and no CTA barrier
+# another warp can hold up), launched at WARP_MAXNREG registers: at 104 four warps fit each scheduler's 16K registers,
+# 16 programs a SM (PROGRAMS_PER_SM), and four rounds of them (SPLIT_ROUNDS; the caller's 32 splits at B=32 Hk=8, 31
+# for MSE keys: query_slot). One call on the H200 against the kernels above (stage 1, us, L=8K / 32K, 2026-12-02, two
+# rounds of 19 programs' splits): 4-bit 153.9 -> 130.0 / 557.2 -> 481.8, k3v4 151.5 -> 127.4 / 545.8 -> 473.4, k8v4
+# (streams) 122.6 -> 126.4 / 515.7 -> 527.6; at four rounds 127.3 / 453.3, 125.2 / 444.0, 119.4 / 458.1 (one round:
+# 141.3 / 527.7, 139.3 / 519.4, 136.7 / 578.1). At 96 registers (20 programs a SM; 24 bytes of stack for 4-bit keys),
+# against 104 in one call: 4-bit 131.9 -> 135.0 / 458.1 -> 466.4, k3v4 129.9 -> 130.6 / 448.9 -> 451.0, k8v4 120.2 ->
+# 125.7 / 453.3 -> 477.6.
 # Bench at 8107e0d against the portable kernel's 9b0ab61 rows (L=8K / 32K): k8v4 0.3632 -> 0.2262 / 1.1904 ->
 # 0.7066 ms, 4-bit 0.4226 -> 0.2942 / 1.3685 -> 0.8199 ms.
 # SPLIT_ROUNDS (sm90): at most that many rounds of PROGRAMS_PER_SM resident programs (decode_num_splits), whatever
@@ -205,6 +212,8 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # 2 rounds): k8v4 0.2194 -> 0.1754 / 0.6994 -> 0.6535, 4-bit 0.2872 -> 0.2162 / 0.8145 -> 0.7610 (1 round: 0.1729 /
 # 0.6593, 0.2109 / 0.7564). The portable kernel (three programs a SM) was fastest at 8 rounds for 3-bit values (0.4067
 # / 1.4641 ms against 1.5164 at L=32K at 2), which ran it until the Gluon kernel served them (0.2594 / 0.9331 ms).
+# The 4-warp programs of decode_stage1_kernel (3-bit values, and groups the TMA kernels decline) run two rounds of five
+# (_v3); the one-warp programs four rounds of 16 (GLUON_WARP, above).
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},

@@ -55,13 +55,21 @@ operands it had not helped: 172.5 -> 174.9). Its 8 byte tables then sat in unifo
 ones at every use (68 moves a tile); held per thread (:func:`_byte_table`), the tile loop has 565 instructions at 90
 registers (Triton 3.6), and stage 1 took 153.6 / 556.4 us (one call, ``benchmarks/kernel_times.py``, c6e2b62).
 
-FP8 keys with 4-bit values run :func:`decode_stage1_streams_kernel` (groups of at most 8 heads, fp16 operands;
-:func:`streams_supports`): 4 one-warp partitions, each an online softmax of its own over every fourth 16-key chunk,
-its chunks copied by TMA into its own buffers, no CTA barrier or shared row max in the loop; the default warps check
-the block table meanwhile and merge the four states. Stage 1 140.2 -> 121.0 / 519.1 -> 504.6 us, the whole call
-0.1468 -> 0.1288 / 0.5261 -> 0.5122 ms (one call, ff5c3c7). For 4-bit keys it was slower (153.6 -> 169.5 / 556.4
--> 558.8 us), so they keep :func:`decode_stage1_kernel`. ``notebooks/results/perf_log.md`` has the measurements and
-the variants that lost.
+Per-warp streams (:func:`decode_stage1_streams_kernel`; 3/4-bit or FP8 keys with 4-bit values, groups of at most 8
+heads, fp16 operands: :func:`streams_supports`): 4 one-warp partitions, each an online softmax of its own over every
+fourth 16-key chunk, its chunks copied by TMA into its own buffers, no CTA barrier or shared row max in the loop; the
+default warps check the block table meanwhile and merge the four states. For FP8 keys stage 1 went 140.2 -> 121.0 /
+519.1 -> 504.6 us (one call, ff5c3c7); for 4-bit keys it was slower (153.6 -> 169.5 / 556.4 -> 558.8 us), and Nsight
+Compute says why: 40% of the stream warps' samples wait for instructions, the four partitions being four copies of
+the loop in the instruction cache.
+
+So the calls the streams serve run :func:`decode_stage1_warp_kernel`: the same stream as a whole program of one warp
+over its split, every warp of a SM running one copy of the loop; the splits' merge is the second stage's, with more
+splits (16 programs a SM at 104 registers, four rounds of them). MSE keys read the rotated query from one partials
+slot past the splits, which the rotation alone writes. Stage 1 against the kernels before it, one call, L=8K / 32K:
+4-bit keys 153.9 -> 127.3 / 557.2 -> 453.3 us, 3-bit keys (k3v4) 151.5 -> 125.2 / 545.8 -> 444.0, FP8 keys 122.6 ->
+119.4 / 515.7 -> 458.1 (2026-12-02). ``notebooks/results/perf_log.md`` has the measurements and the variants that
+lost.
 
 The store (:func:`store_kernel`, bf16 keys at ``D = 128``, 3- or 4-bit MSE codes; :func:`store_supports`):
 persistent 4-warp programs over tiles of 64 (token, KV head) rows. Each program rounds ``PiT`` once into two bf16

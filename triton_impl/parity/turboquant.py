@@ -428,8 +428,8 @@ def bench_cases() -> list:
             nbytes = blocks * cache.stride(0) + query.numel() * 2 * 2 + table.numel() * 4
             flops = 2 * batch * heads * length * 2 * head_dim
             return Bench(run, check, nbytes, flops, {"bf16 GQA decode": bf16_decode},
-                         kernels=("_decode_stage1_kernel", "decode_stage1_kernel",
-                                  "decode_stage1_streams_kernel"))  # fmt: skip
+                         kernels=("_decode_stage1_kernel", "decode_stage1_kernel", "decode_stage1_streams_kernel",
+                                  "decode_stage1_warp_kernel"))  # fmt: skip
 
         return BenchCase("turboquant", f"{preset} decode B={batch} Hq={heads} Hk={kv_heads} D=128 L={length}", setup)
 
