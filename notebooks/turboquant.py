@@ -357,9 +357,9 @@ plt.show()
 # L=8K). The whole call, against the bf16 decode in the same call (257 / 983 us): FP8 keys 130 / 465 us (1.98x /
 # 2.11x its speed), 4-bit keys 149 / 474 (1.73x / 2.08x), 3-bit keys 147 / 466 (1.75x / 2.11x), 3-bit keys and
 # values 185 / 644 (1.39x / 1.53x; they keep the 4-warp kernel: the TMA boxes are written for 4-bit values). The
-# goal, 4-bit and 3-bit presets at twice the bf16 speed, is reached at L=32K for 4-bit keys with 4-bit values, not at
-# L=8K (where the fixed cost of a call, the rotation, the merge and each program's set-up, is a larger share) and not
-# for 3-bit values.
+# goal, 4-bit and 3-bit presets at twice the bf16 speed, is reached at L=32K for 3- and 4-bit keys with 4-bit values,
+# not at L=8K (where the fixed cost of a call, the rotation, the merge and each program's set-up, is a larger share)
+# and not for 3-bit values.
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory.
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
 
@@ -541,9 +541,11 @@ for length in (8192, 32768):
         print(f"  {preset:20s} {slot_bytes:4d} bytes  {row['ms']:.3f} ms  {bf16_ms / row['ms']:.2f}x the bf16 speed "
               f"({bf16_ms:.3f} ms)  {row['pct_roofline']:.1f}% of its copy roofline")  # fmt: skip
         assert row["ms"] < bf16_ms, preset  # every preset beats the bf16 decode
-        assert row["ms"] > 0.5 * bf16_ms, preset  # none at twice its speed yet
-        key_fp8 = tq.TurboQuantConfig.from_cache_dtype(preset, D).key_fp8
-        assert row["pct_roofline"] < (80 if key_fp8 else 50), preset  # MSE keys far from byte-bound, FP8 75-76%
+        layout = tq.TurboQuantConfig.from_cache_dtype(preset, D)
+        # at twice its speed or more: the presets with 4-bit values at L=32K; at L=8K none (a call's fixed cost, the
+        # rotation, the merge and each program's set-up, weighs more), and 3-bit values at neither length
+        assert (row["ms"] <= 0.5 * bf16_ms) == (length == 32768 and layout.value_quant_bits == 4), preset
+        assert row["pct_roofline"] < (85 if layout.key_fp8 else 60), preset  # MSE keys far from byte-bound, FP8 75-83%
     for (fat, fat_bytes, fat_row), (lean, lean_bytes, lean_row) in itertools.pairwise(timed):
         assert fat_row["ms"] / fat_bytes < lean_row["ms"] / lean_bytes, (fat, lean)  # fewer bytes, more time a byte
 

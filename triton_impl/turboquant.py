@@ -258,7 +258,8 @@ def query_slot(config: dict[str, int], max_num_kv_splits: int, key_bits: int, va
     """The partials slot the sm_90 TMA kernels read MSE keys' rotated query from: the last of ``max_num_kv_splits``,
     where ``config`` may select them (``GLUON_WARP`` or ``GLUON_STREAMS``, 3/4-bit keys, 4-bit values), which no
     split then writes (:func:`decode_num_splits` stops below it; one slot, not one a split: the rotation writes
-    ``B*H*D`` floats, not ``B*H*S*D``); else ``None`` (each program reads its own split's slot)."""
+    ``B*H*D`` floats, not ``B*H*S*D``; with one slot, 0: the one split reads it before its partial overwrites it);
+    else ``None`` (each program reads its own split's slot)."""
     tma = (config.get("GLUON_WARP") or config.get("GLUON_STREAMS")) and key_bits in (3, 4) and value_bits == 4
     return max_num_kv_splits - 1 if tma and config.get("GLUON") else None
 

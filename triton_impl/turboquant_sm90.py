@@ -969,6 +969,7 @@ TMA_FIELDS_BYTES = gl.constexpr(2)  # each metadata field is fp16
 # rows past a KV head's own fields are the next head's, or past the last head zeros (TMA fills what lies outside).
 TMA_META_ROWS = gl.constexpr(4)
 
+
 @gluon.constexpr_function
 def data_row(key_bytes):
     """Bytes of a token's data box: its 4-bit slot (keys and values, 128), its FP8 key bytes (128), or its 3-bit key
@@ -990,12 +991,12 @@ def _box_bytes(key_bytes, slot_bytes):
     return data_row(key_bytes) + values + int(TMA_META_ROWS) * int(TMA_FIELDS_BYTES)
 
 
-
 def streams_supports(*, key_bits: int, value_bits: int, group: int, fp16_operands: bool, cache_address: int) -> bool:
-    """Whether :func:`decode_stage1_streams_kernel` serves a call :func:`supports` takes: 3-bit, 4-bit or FP8 keys (a
-    64- or 128-byte data box a token, and for 3-bit and FP8 keys a 64-byte value box) with 4-bit values, a group of
-    at most 8 query heads (one MMA N; a stream's output of 16 heads takes 64 registers more and spills), the operands
-    rounded once to fp16 (the only form it is written for), and a 16-byte aligned cache (a descriptor's base)."""
+    """Whether the TMA kernels (:func:`decode_stage1_warp_kernel`, :func:`decode_stage1_streams_kernel`: one stream a
+    warp) serve a call :func:`supports` takes: 3-bit, 4-bit or FP8 keys (a 64- or 128-byte data box a token, and for
+    3-bit and FP8 keys a 64-byte value box) with 4-bit values, a group of at most 8 query heads (one MMA N; a stream's
+    output of 16 heads takes 64 registers more and spills), the operands rounded once to fp16 (the only form they are
+    written for), and a 16-byte aligned cache (a descriptor's base)."""
     boxes = key_bits in (3, 4, 8) and value_bits == 4 and cache_address % 16 == 0
     return boxes and group <= 8 and bool(fp16_operands)
 
@@ -1086,9 +1087,8 @@ def _shuffle_up(x):
 def _three_bit_words(words):
     """Key words ``[chunk, half, quad, t, w]`` read as 4-bit keys' (thread ``t``'s words ``4t + w``, 16-byte reads)
     -> as 3-bit keys' (:func:`_key_words`: words ``3t + w`` of thread ``t``'s 12 bytes, ``w < 3``; word 3 is not
-    read). Word ``3t + w``
-    is the thread's own word ``w - t`` where ``w >= t``, else its left neighbour's (lane ``t - 1`` of the same keys)
-    word ``w - t + 4``: three shuffles and selects."""
+    read). Word ``3t + w`` is the thread's own word ``w - t`` where ``w >= t``, else its left neighbour's (lane ``t -
+    1`` of the same keys) word ``w - t + 4``: three shuffles and selects."""
     w02, w13 = gl.split(gl.reshape(words, [words.shape[0], 2, 8, 4, 2, 2]))  # word 2a + b: split by b, then by a
     a0, a2 = gl.split(w02)
     a1, a3 = gl.split(w13)
@@ -1287,7 +1287,8 @@ def decode_stage1_streams_kernel(
 ):  # fmt: skip
     """:func:`decode_stage1_kernel`'s partials by per-warp streams (the section above): grid ``(B, HKV, S)``, 4
     warps for the table check and the merge, 4 stream warps. The operands rounded once to fp16 (``FP16_OPERANDS``).
-    MSE keys read the rotated query from partials slot ``query_slot``, which no split writes."""
+    MSE keys read the rotated query from partials slot ``query_slot``, past the splits (with one split, its own slot,
+    read before its partial overwrites it)."""
     gl.static_assert(gl.num_warps() == NUM_WARPS)
     gl.static_assert(VALUE_BITS == 4)
     gl.static_assert(FP16_OPERANDS == 1)
@@ -1369,7 +1370,8 @@ def decode_stage1_warp_kernel(
 ):  # fmt: skip
     """:func:`decode_stage1_kernel`'s partials, grid ``(B, HKV, S)``, one warp a program: the split's chunks by TMA
     through ``STAGES`` buffers, one online softmax (:func:`_chunks`). The operands rounded once to fp16. MSE keys
-    read the rotated query from partials slot ``query_slot``, which no split writes."""
+    read the rotated query from partials slot ``query_slot``, past the splits (with one split, its own slot, read
+    before its partial overwrites it)."""
     gl.static_assert(gl.num_warps() == 1)
     gl.static_assert(VALUE_BITS == 4)
     gl.static_assert(FP16_OPERANDS == 1)
