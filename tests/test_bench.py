@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import csv
 import json
 import math
 import os
@@ -387,3 +388,37 @@ def test_the_mla_timeline_stamps_compile_for_hopper(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
     assert [row[0] for row in rows] == [False, True]
     assert all(224 * 1024 <= row[3] <= 232448 for row in rows), rows
+
+
+def test_ncu_stalls_sums_the_source_page_over_the_hottest_loop(tmp_path: Path, capsys) -> None:
+    """``benchmarks/ncu_stalls.py`` on a small source page in Nsight Compute's CSV form: the innermost loop holding
+    an MMA is found by its backward branch (not the wider loop around it), and samples are summed by reason (the
+    "Not Issued" columns left out) over the kernel and over that loop."""
+    from benchmarks import ncu_stalls
+
+    reasons = ["stall_wait", "stall_barrier", "stall_wait (Not Issued)"]
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", *reasons]
+    rows = [  # address, source, samples by the reasons above
+        (0x00, "MOV R1, R2", (1, 0, 1)),
+        (0x10, "HMMA.16816.F32 R4, R8, R12, R4", (5, 0, 5)),  # head of the outer loop
+        (0x20, "LOP3.LUT R1, R2, 0xf, RZ, 0xc0, !PT", (3, 2, 3)),  # head of the inner loop
+        (0x30, "HMMA.16816.F32 R4, R8, R12, R4", (7, 1, 7)),
+        (0x40, "@!P0 BRA 0x20", (0, 4, 0)),  # the inner loop's back branch
+        (0x50, "BRA 0x10", (0, 0, 0)),  # the outer loop's
+        (0x60, "EXIT", (2, 0, 2)),
+    ]
+    path = tmp_path / "source.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["Kernel Name", "k", ""])
+        writer.writerow(header)
+        for address, source, samples in rows:
+            writer.writerow([hex(address), f"      {source}", sum(samples[:2]), 10, *samples])
+    kernel, loaded = ncu_stalls.load(str(path))
+    assert kernel == "k" and len(loaded) == len(rows)
+    assert ncu_stalls.hottest_loop(loaded) == (2, 4)
+    assert ncu_stalls.reasons(loaded) == {"wait": 18, "barrier": 7}
+    assert ncu_stalls.reasons(loaded[2:5]) == {"wait": 10, "barrier": 7}
+    ncu_stalls.summarize(str(path))
+    out = capsys.readouterr().out
+    assert "loop: 3 instructions (rows 2-4), 17 of 25 samples" in out
