@@ -7,7 +7,7 @@ instructions with the most samples. On the GPU machine, after ``benchmarks/profi
 (``ncu ... --section SourceCounters -o report python3 benchmarks/profile_ncu.py <case>``)::
 
     ncu -i report.ncu-rep --page source --csv --print-source sass > source.csv
-    python3 benchmarks/ncu_stalls.py source.csv [more.csv ...]
+    PYTHONPATH=. python3 benchmarks/ncu_stalls.py source.csv [more.csv ...]
 
 A sample is one warp at one cycle; ``selected`` is a warp issuing. Samples per instruction over the loop's sum is
 the share of the loop's warp time that instruction's wait took.
@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import collections
 import csv
-import re
 import sys
 
-BRANCH = re.compile(r"\bBRA\b.*?(0x[0-9a-f]+)")
+from triton_impl.bench import SASS_BRANCH, innermost_loop
 
 
 def load(path: str) -> tuple[str, list[dict[str, str]]]:
@@ -45,15 +44,13 @@ def opcode(source: str) -> str:
 
 
 def hottest_loop(rows: list[dict[str, str]]) -> tuple[int, int]:
-    """Row indices ``(head, tail)`` of the innermost backward branch's range that holds an MMA."""
-    address = {int(r["Address"], 16): i for i, r in enumerate(rows)}
-    loops = []
-    for i, r in enumerate(rows):
-        m = BRANCH.search(r["Source"])
-        if m and (target := int(m.group(1), 16)) in address and address[target] < i:
-            loops.append((address[target], i))
-    holding = [(h, t) for h, t in loops if any(opcode(rows[k]["Source"]) in ("HMMA", "HGMMA") for k in range(h, t + 1))]
-    return min(holding, key=lambda loop: loop[1] - loop[0]) if holding else (0, len(rows) - 1)
+    """Row indices ``(head, tail)`` of the innermost backward branch's range that holds an MMA (the whole kernel if
+    none does): ``triton_impl.bench.innermost_loop`` on the rows, each row's index its address."""
+    index = {int(r["Address"], 16): i for i, r in enumerate(rows)}
+    code = [(i, opcode(r["Source"]), "", r["Source"]) for i, r in enumerate(rows)]
+    loops = [(index[target], i) for i, r in enumerate(rows)
+             if (b := SASS_BRANCH.search(r["Source"])) and index.get(target := int(b.group(1), 16), i) < i]  # fmt: skip
+    return innermost_loop(code, loops, ("HMMA", "HGMMA")) or (0, len(rows) - 1)
 
 
 def reasons(rows: list[dict[str, str]]) -> collections.Counter:

@@ -34,7 +34,7 @@ from triton.compiler import compile as triton_compile
 from golden.turboquant import TurboQuantConfig
 from triton_impl import turboquant as ttq
 from triton_impl import turboquant_sm90
-from triton_impl.bench import SASS_UNIFORM_MOVE, cuobjdump, sass_code
+from triton_impl.bench import SASS_UNIFORM_MOVE, cuobjdump, innermost_loop, sass_code
 from triton_impl.launch import register_cap
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -74,8 +74,7 @@ def _loop_mix(cubin: bytes, holding: str | None = None) -> tuple[int, list[tuple
     register into a per-thread one."""
     code, loops = sass_code(cubin)
     if holding:
-        loops = [(h, t) for h, t in loops if any(h <= a <= t and op == holding for a, op, _, _ in code)]
-        head, tail = min(loops, key=lambda loop: loop[1] - loop[0])
+        head, tail = innermost_loop(code, loops, (holding,))
     else:
         head, tail = max(loops, key=lambda loop: loop[1] - loop[0])
     body = [(opcode, opcode + suffix, line) for address, opcode, suffix, line in code if head <= address <= tail]

@@ -231,11 +231,18 @@ def sass_code(cubin: bytes) -> tuple[list[tuple[int, str, str, str]], list[tuple
     return code, loops
 
 
+def innermost_loop(code: list[tuple[int, str, str, str]], loops: list[tuple[int, int]],
+                   opcodes: tuple[str, ...]) -> tuple[int, int] | None:  # fmt: skip
+    """``(head, tail)`` of the innermost of ``loops`` that holds an instruction of ``opcodes`` (:func:`sass_code`'s
+    forms), or ``None`` if none does."""
+    holding = [(h, t) for h, t in loops if any(h <= address <= t and op in opcodes for address, op, _, _ in code)]
+    return min(holding, key=lambda loop: loop[1] - loop[0]) if holding else None
+
+
 def sass_loop(cubin: bytes, opcode: str) -> list[str]:
     """The SASS lines of the innermost loop that holds an ``opcode`` instruction (a kernel's tile loop: ``HMMA``)."""
     code, loops = sass_code(cubin)
-    holding = [(h, t) for h, t in loops if any(h <= address <= t and op == opcode for address, op, _, _ in code)]
-    head, tail = min(holding, key=lambda loop: loop[1] - loop[0])
+    head, tail = innermost_loop(code, loops, (opcode,))
     return [line for address, _, _, line in code if head <= address <= tail]
 
 
