@@ -1177,6 +1177,23 @@ def _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, bar, buff
 
 
 @gluon.jit
+def _chunk_ring(BUFFERS: gl.constexpr, data_desc, value_desc, meta_desc, KEY_DATA_BYTES: gl.constexpr,
+                SLOT_BYTES: gl.constexpr):  # fmt: skip
+    """``BUFFERS`` chunk buffers for the TMA copies (:func:`_issue_chunk`) and their mbarriers, initialized: ``(data,
+    values, meta, full)``, ``values`` the data buffers themselves where a token's values lie in its data box."""
+    data = gl.allocate_shared_memory(gl.uint8, [BUFFERS, 1, 16, data_row(KEY_DATA_BYTES)], data_desc.layout)
+    values = data
+    if separate_values(KEY_DATA_BYTES, SLOT_BYTES):
+        values = gl.allocate_shared_memory(gl.uint8, [BUFFERS, 1, 16, 64], value_desc.layout)
+    meta = gl.allocate_shared_memory(gl.float16, [BUFFERS, 1, TMA_META_ROWS, 16], meta_desc.layout)
+    full = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(BUFFERS):
+        mbarrier.init(full.index(b), count=1)
+    fence_async_shared()
+    return data, values, meta, full
+
+
+@gluon.jit
 def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     """One warp's online softmax over chunks ``stream, stream + STRIDE, ...`` of the split (16 keys from ``tile``
     each), copied by TMA through its chunk buffers ``STAGES stream ..`` of ``ring`` (``data, values, meta, full``):
@@ -1296,19 +1313,11 @@ def decode_stage1_streams_kernel(
     NUM_FIELDS: gl.constexpr = 2 if KEY_FP8 else 3
     start, end, row_ptr, too_long, bad_pages, first_page, last_page = _split(
         seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)
-    BUFFERS: gl.constexpr = STREAMS * STAGES
-    data = gl.allocate_shared_memory(gl.uint8, [BUFFERS, 1, 16, data_row(KEY_DATA_BYTES)], data_desc.layout)
-    values = data
-    if separate_values(KEY_DATA_BYTES, SLOT_BYTES):
-        values = gl.allocate_shared_memory(gl.uint8, [BUFFERS, 1, 16, 64], value_desc.layout)
-    meta = gl.allocate_shared_memory(gl.float16, [BUFFERS, 1, TMA_META_ROWS, 16], meta_desc.layout)
-    full = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
+    data, values, meta, full = _chunk_ring(STREAMS * STAGES, data_desc, value_desc, meta_desc, KEY_DATA_BYTES,
+                                           SLOT_BYTES)  # fmt: skip
     # Each stream's acc [HEAD_DIM, BLOCK_H], and its (m, l, z) as rows 0-2 of a [4, BLOCK_H] block.
     states = gl.allocate_shared_memory(gl.float32, [STREAMS, HEAD_DIM, BLOCK_H], _plain(2))
     sums = gl.allocate_shared_memory(gl.float32, [STREAMS, 4, BLOCK_H], _plain(2))
-    for b in gl.static_range(BUFFERS):
-        mbarrier.init(full.index(b), count=1)
-    fence_async_shared()
 
     tile = (start // 16) * 16
     shared = (data, values, meta, full, states, sums)
@@ -1378,15 +1387,7 @@ def decode_stage1_warp_kernel(
     NUM_FIELDS: gl.constexpr = 2 if KEY_BITS == 8 else 3
     start, end, row_ptr, too_long, bad_pages, first_page, last_page = _split(
         seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)
-    data = gl.allocate_shared_memory(gl.uint8, [STAGES, 1, 16, data_row(KEY_DATA_BYTES)], data_desc.layout)
-    values = data
-    if separate_values(KEY_DATA_BYTES, SLOT_BYTES):
-        values = gl.allocate_shared_memory(gl.uint8, [STAGES, 1, 16, 64], value_desc.layout)
-    meta = gl.allocate_shared_memory(gl.float16, [STAGES, 1, TMA_META_ROWS, 16], meta_desc.layout)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(STAGES):
-        mbarrier.init(full.index(b), count=1)
-    fence_async_shared()
+    data, values, meta, full = _chunk_ring(STAGES, data_desc, value_desc, meta_desc, KEY_DATA_BYTES, SLOT_BYTES)
     split = (row_ptr, stride_btc, num_blocks, (start // 16) * 16, start, end, sm_scale, query_slot)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, 1)
     acc, m_i, l_i, z_i = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
