@@ -118,7 +118,7 @@ def gluon_decode(preset: str) -> None:
     config = ttq.decode_entry(ttq.DECODE_CONFIGS["sm90"], key_bits, value_bits)
     fp16_operands = bool(config.get("FP16_OPERANDS"))
     warp = bool(config.get("GLUON_WARP")) and turboquant_sm90.streams_supports(
-        key_bits=key_bits, value_bits=value_bits, group=4, fp16_operands=fp16_operands, cache_address=0)
+        key_bits=key_bits, value_bits=value_bits, group=4, fp16_operands=fp16_operands, cache_address=0, one_warp=True)
     if warp:
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,
                                                   maxnreg=config["WARP_MAXNREG"], stages=config["GLUON_STAGES"],

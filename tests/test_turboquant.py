@@ -1558,15 +1558,18 @@ for key_bits, value_bits in ((3, 3), (3, 4), (4, 4), (8, 4)):
     stages = turboquant_sm90.stages(entry.get("GLUON_STAGES", 0), key_bits, value_bits)
     fp16_operands = bool(entry.get("FP16_OPERANDS"))
     for group in (1, 4, 16):  # the TMA kernels where the entry selects them, at their register caps
-        tma = turboquant_sm90.streams_supports(key_bits=key_bits, value_bits=value_bits, group=group,
-                                               fp16_operands=fp16_operands, cache_address=0)
-        warp = tma and bool(entry.get("GLUON_WARP"))
-        streams = tma and not warp and bool(entry.get("GLUON_STREAMS"))
+        warp = bool(entry.get("GLUON_WARP")) and turboquant_sm90.streams_supports(
+            key_bits=key_bits, value_bits=value_bits, group=group, fp16_operands=fp16_operands, cache_address=0,
+            one_warp=True)
+        streams = not warp and bool(entry.get("GLUON_STREAMS")) and turboquant_sm90.streams_supports(
+            key_bits=key_bits, value_bits=value_bits, group=group, fp16_operands=fp16_operands, cache_address=0)
+        tma = warp or streams
         maxnreg = (entry["WARP_MAXNREG"] if warp else turboquant_sm90.STREAMS_LAUNCH_REGS if streams
                    else entry.get("GLUON_MAXNREG"))
         for block_size in (16, 32):
             kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits, group=group,
-                                                      block_size=block_size, maxnreg=maxnreg, stages=stages,
+                                                      block_size=block_size, maxnreg=maxnreg,
+                                                      stages=max(2, entry["GLUON_STAGES"]) if tma else stages,
                                                       fp16_operands=fp16_operands, streams=streams, warp=warp)
             resources = sass_resources(kernel.asm["cubin"])
             loop = sass_loop(kernel.asm["cubin"], "HMMA")
@@ -1620,7 +1623,10 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     for row in decode:
         key_bits, value_bits, registers, stack, shared, moves, programs, local = row[0], row[1], *row[4:]
         staged = value_bits == 4
-        assert stack <= 8 and local == 0, row
+        # 3-bit values in the one-warp kernel at 128 registers: 8 bytes and one reload a chunk under Triton 3.6 (the
+        # H200's), 16-24 bytes and 3-5 under 3.9
+        most = (8, 0) if value_bits == 4 else (8, 1) if triton.__version__.startswith("3.6") else (24, 5)
+        assert stack <= most[0] and local <= most[1], row
         assert registers <= 255 and (programs * (shared + 1024) <= 228 * 1024 if staged else shared <= 4096), row
         assert key_bits != 4 or moves <= 16, row
     # FP16_OPERANDS (one fp16 rounding of the query and p * v_scale): no stack and fewer registers than the hi + lo
@@ -1744,7 +1750,8 @@ def test_decode_variants_outside_the_config_table_match_golden(variant, preset, 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon stage 1 kernels need an sm_90 GPU")  # fmt: skip
 @pytest.mark.parametrize("kernel", ["tile", "streams", "warp"])
-@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc"])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc",
+                                    "turboquant_3bit_nc"])
 def test_sm90_decode_of_each_gluon_kernel_matches_golden(preset, kernel, device: torch.device) -> None:
     """Each Gluon stage 1 kernel for the keys the TMA kernels serve, whichever the sm90 entry selects: the cp.async
     tile kernel, the per-warp streams and the one-warp programs; partly live chunks, every stream with more chunks than
@@ -2026,20 +2033,20 @@ def test_shared_memory_stages_of_the_sm90_entry() -> None:
 
 
 def test_decode_split_cap_of_the_sm90_entry() -> None:
-    """The H200's decode entry caps the splits at four rounds of 16 resident one-warp programs a SM for keys with 4-bit
-    values (at the bench's B=32 Hk=8 on 132 SMs: 33, so the caller's 32), two rounds of five 4-warp programs for 3-bit
-    values (5 of 32); a batch that leaves the GPU idle keeps the caller's count; off CUDA there is no cap."""
+    """The H200's decode entry caps the splits at four rounds of 16 resident one-warp programs a SM (at the bench's
+    B=32 Hk=8 on 132 SMs: 33, so the caller's 32); a batch that leaves the GPU idle keeps the caller's count; off CUDA
+    there is no cap."""
     from triton_impl.decode_attention import stage1_splits
 
     sm90 = ttq.DECODE_CONFIGS["sm90"]
     entry = {(k, v): ttq.decode_entry(sm90, k, v) for k, v in ((3, 3), (3, 4), (4, 4), (8, 4))}
-    assert {kv: stage1_splits(32, 32 * 8, 132, e) for kv, e in entry.items()} == {(3, 3): 5, (3, 4): 32, (4, 4): 32,
+    assert {kv: stage1_splits(32, 32 * 8, 132, e) for kv, e in entry.items()} == {(3, 3): 32, (3, 4): 32, (4, 4): 32,
                                                                                    (8, 4): 32}  # fmt: skip
     assert stage1_splits(32, 2 * 8, 132, entry[4, 4]) == 32
     assert ttq.decode_num_splits(32, 32, 8, torch.device("cpu"), 4, 4) == 32
-    # The TMA kernels read MSE keys' rotated query from the last slot (so 31 of 32 splits run); FP8 keys, 3-bit values
-    # and a config without the TMA kernels use every slot; one slot is the split's own.
+    # The TMA kernels read MSE keys' rotated query from the last slot (so 31 of 32 splits run); FP8 keys and a config
+    # without the TMA kernels use every slot; one slot is the split's own.
     slots = {kv: ttq.query_slot(e, 32, *kv) for kv, e in entry.items()}
-    assert slots == {(3, 3): None, (3, 4): 31, (4, 4): 31, (8, 4): None}
+    assert slots == {(3, 3): 31, (3, 4): 31, (4, 4): 31, (8, 4): None}
     assert ttq.query_slot(entry[4, 4], 1, 4, 4) == 0
     assert ttq.query_slot(ttq.decode_entry(ttq.DECODE_CONFIGS["default"], 4, 4), 32, 4, 4) is None

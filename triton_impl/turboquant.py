@@ -212,15 +212,20 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # 2 rounds): k8v4 0.2194 -> 0.1754 / 0.6994 -> 0.6535, 4-bit 0.2872 -> 0.2162 / 0.8145 -> 0.7610 (1 round: 0.1729 /
 # 0.6593, 0.2109 / 0.7564). The portable kernel (three programs a SM) was fastest at 8 rounds for 3-bit values (0.4067
 # / 1.4641 ms against 1.5164 at L=32K at 2), which ran it until the Gluon kernel served them (0.2594 / 0.9331 ms).
-# The 4-warp programs of decode_stage1_kernel (3-bit values, and groups the TMA kernels decline) run two rounds of five
-# (_v3); the one-warp programs four rounds of 16 (GLUON_WARP, above).
+# The one-warp programs run four rounds of 16 (GLUON_WARP, above); 3-bit values too (their words loaded into registers
+# a chunk ahead, not copied by TMA; at WARP_MAXNREG_v3 = 128 registers, which keep 16 programs a SM: four warps fill a
+# scheduler's 16K registers at 128 as at 104). Stage 1 of 3bit_nc against the 4-warp kernel at five programs a SM and
+# two rounds, in one call (2026-12-02, L=8K / 32K): 171.6 -> 166.1 / 630.6 -> 577.3 us, the call 185.4 -> 182.5 /
+# 643.9 -> 591.9 (the merge of 31 splits 2.7 -> 5.9 us). WARP_MAXNREG 128 for the other presets, in the same call:
+# 4-bit 132.4 -> 130.7 / 457.9 -> 452.3, k3v4 130.3 -> 130.4 / 449.6 -> 449.2, k8v4 119.1 -> 119.2 / 457.4 -> 458.5:
+# within 1.3%, 104 kept. Groups the TMA kernels decline run decode_stage1_kernel at the same split count.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
              "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
              "GLUON_MAXNREG": 96, "SPLIT_ROUNDS": 4, "PROGRAMS_PER_SM": 16, "GLUON_STAGES": 3, "ROTATE_TF32X3": 1,
-             "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 104, "PROGRAMS_PER_SM_v3": 5, "SPLIT_ROUNDS_v3": 2},
+             "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 104, "WARP_MAXNREG_v3": 128},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -260,7 +265,8 @@ def query_slot(config: dict[str, int], max_num_kv_splits: int, key_bits: int, va
     split then writes (:func:`decode_num_splits` stops below it; one slot, not one a split: the rotation writes
     ``B*H*D`` floats, not ``B*H*S*D``; with one slot, 0: the one split reads it before its partial overwrites it);
     else ``None`` (each program reads its own split's slot)."""
-    tma = (config.get("GLUON_WARP") or config.get("GLUON_STREAMS")) and key_bits in (3, 4) and value_bits == 4
+    values = value_bits == 4 or (value_bits == 3 and config.get("GLUON_WARP"))
+    tma = (config.get("GLUON_WARP") or config.get("GLUON_STREAMS")) and key_bits in (3, 4) and values
     return max_num_kv_splits - 1 if tma and config.get("GLUON") else None
 
 
@@ -1348,7 +1354,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
     )
     tma = gluon and (config.get("GLUON_WARP") or config.get("GLUON_STREAMS")) and turboquant_sm90.streams_supports(
         key_bits=key_bits, value_bits=value_quant_bits, group=group, fp16_operands=config.get("FP16_OPERANDS", 0),
-        cache_address=kv_cache.data_ptr(),
+        cache_address=kv_cache.data_ptr(), one_warp=bool(config.get("GLUON_WARP")),
     )
     num_splits = decode_num_splits(max_num_kv_splits, batch, num_kv_heads, device, key_bits, value_quant_bits)
     # The TMA kernels read MSE keys' rotated query from one slot past the splits (query_slot).
@@ -1372,8 +1378,8 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
             kernel = turboquant_sm90.decode_stage1_streams_kernel
             options = turboquant_sm90.launch_options(group, turboquant_sm90.STREAMS_LAUNCH_REGS)
         stage1 = _DescribedLaunch(Launch(kernel, grid, (
-            float(scale), num_splits, num_blocks, table_keys, q_slot or 0, *query.stride()[:2], *table_2d.stride(),
-            *mid_o.stride()[:3],
+            float(scale), num_splits, num_blocks, table_keys, q_slot or 0, kv_cache.stride(0), *query.stride()[:2],
+            *table_2d.stride(), *mid_o.stride()[:3],
         ), dict(shape, STAGES=max(2, config.get("GLUON_STAGES", 0)), **options)),
             DescriptorsByAddress(turboquant_sm90.descriptors), geometry)  # fmt: skip
     elif gluon:  # the sm_90 fast path (triton_impl/turboquant_sm90.py): the same partials, operands built in place

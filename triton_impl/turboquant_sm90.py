@@ -455,7 +455,7 @@ def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.const
 @gluon.jit
 def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes,
                  KEY_DATA_BYTES: gl.constexpr, VALUE_BITS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                 LAYOUT: gl.constexpr):  # fmt: skip
+                 LAYOUT: gl.constexpr, CHUNKS: gl.constexpr = 4):  # fmt: skip
     """The tile's value codes as ``[warp, quad, t, c, j, e]``: the ``4 VALUE_BITS`` bits (4 codes, dimensions
     ``32 warp + 4 quad ..``) from value bit ``4 VALUE_BITS (8 warp + quad)`` of key ``16c + 8j + 2t + e`` (chunk
     ``c`` in block ``page``), in the low bits of a uint16. 4-bit values: the aligned 16-bit word at value byte ``16
@@ -467,7 +467,7 @@ def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_
     warp = _iota(4, 0, 6, LAYOUT)
     quad = _iota(8, 1, 6, LAYOUT)
     t = _iota(4, 2, 6, LAYOUT)
-    c = _iota(4, 3, 6, LAYOUT)
+    c = _iota(CHUNKS, 3, 6, LAYOUT)
     j = _iota(2, 4, 6, LAYOUT)
     e = _iota(2, 5, 6, LAYOUT)
     slot = _chunk_slot(page, tile_start + c * 16, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE)
@@ -985,19 +985,23 @@ def separate_values(key_bytes, slot_bytes):
 
 
 @gluon.constexpr_function
-def _box_bytes(key_bytes, slot_bytes):
-    """Bytes a chunk's boxes bring a token: its data box, its value box if separate, and its metadata rows."""
-    values = 64 if separate_values(key_bytes, slot_bytes) else 0
+def _box_bytes(key_bytes, slot_bytes, value_bits=4):
+    """Bytes a chunk's boxes bring a token: its data box, its value box if separate (4-bit values: 3-bit ones are
+    loaded into registers), and its metadata rows."""
+    values = 64 if separate_values(key_bytes, slot_bytes) and int(value_bits) == 4 else 0
     return data_row(key_bytes) + values + int(TMA_META_ROWS) * int(TMA_FIELDS_BYTES)
 
 
-def streams_supports(*, key_bits: int, value_bits: int, group: int, fp16_operands: bool, cache_address: int) -> bool:
+def streams_supports(*, key_bits: int, value_bits: int, group: int, fp16_operands: bool, cache_address: int,
+                     one_warp: bool = False) -> bool:  # fmt: skip
     """Whether the TMA kernels (:func:`decode_stage1_warp_kernel`, :func:`decode_stage1_streams_kernel`: one stream a
     warp) serve a call :func:`supports` takes: 3-bit, 4-bit or FP8 keys (a 64- or 128-byte data box a token, and for
     3-bit and FP8 keys a 64-byte value box) with 4-bit values, a group of at most 8 query heads (one MMA N; a stream's
     output of 16 heads takes 64 registers more and spills), the operands rounded once to fp16 (the only form they are
-    written for), and a 16-byte aligned cache (a descriptor's base)."""
-    boxes = key_bits in (3, 4, 8) and value_bits == 4 and cache_address % 16 == 0
+    written for), and a 16-byte aligned cache (a descriptor's base). ``one_warp``: the one-warp kernel, which also
+    takes 3-bit values (loaded into registers a chunk ahead, not copied by TMA)."""
+    values = value_bits == 4 or (one_warp and value_bits == 3)
+    boxes = key_bits in (3, 4, 8) and values and cache_address % 16 == 0
     return boxes and group <= 8 and bool(fp16_operands)
 
 
@@ -1108,9 +1112,9 @@ def _three_bit_words(words):
 @gluon.jit
 def _tma_stage_reads(data, values, meta, buffer, tile_start, start, end, key_rows, KEY_BITS: gl.constexpr,
                      KEY_DATA_BYTES: gl.constexpr, NUM_FIELDS: gl.constexpr, KEY_LAYOUT: gl.constexpr,
-                     VALUE_LAYOUT: gl.constexpr):  # fmt: skip
+                     VALUE_LAYOUT: gl.constexpr, VALUE_BITS: gl.constexpr = 4):  # fmt: skip
     """Chunk buffer ``buffer``'s 16 keys, read by one warp, in the layouts :func:`_tile_loads` returns for a one-chunk
-    tile (the metadata 0 where a key is not ``live``)."""
+    tile (the metadata 0 where a key is not ``live``); 3-bit values are not in the buffer (their words: 0)."""
     gl.static_assert(gl.num_warps() == 1)
     WORDS: gl.constexpr = 8 if KEY_BITS == 8 else 4
     ROW: gl.constexpr = data.shape[3]  # bytes of a token's row in ``data``: its slot, or (FP8 keys) its key bytes
@@ -1120,17 +1124,19 @@ def _tma_stage_reads(data, values, meta, buffer, tile_start, start, end, key_row
     k_words = gl.convert_layout(gl.reshape(k_words, [1, 2, 8, 4, WORDS]), KEY_LAYOUT)
     if KEY_BITS == 3:
         k_words = _three_bit_words(k_words)
-    if KEY_DATA_BYTES + 64 <= ROW:  # the values are in the slot's row after the key bytes
-        v_first: gl.constexpr = KEY_DATA_BYTES // 2
-        codes = _reinterpret(data, gl.uint16, [data.shape[0], 16, ROW // 2],
-                             gl.NVMMASharedLayout(swizzle_byte_width=ROW, element_bitwidth=16, rank=2))
-    else:
-        codes = _reinterpret(values, gl.uint16, [values.shape[0], 16, 32],
-                             gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
-        v_first: gl.constexpr = 0
-    v_words = codes.index(buffer).slice(v_first, 32, 1).load(_tma_value_layout())
-    v_words = gl.reshape(v_words, [1, 2, 4, 2, 4, 8])  # [c, j, t, e, q, quad]
-    v_words = gl.convert_layout(gl.permute(v_words, (4, 5, 2, 0, 1, 3)), VALUE_LAYOUT)
+    v_words = 0
+    if VALUE_BITS == 4:
+        if KEY_DATA_BYTES + 64 <= ROW:  # the values are in the slot's row after the key bytes
+            v_first: gl.constexpr = KEY_DATA_BYTES // 2
+            codes = _reinterpret(data, gl.uint16, [data.shape[0], 16, ROW // 2],
+                                 gl.NVMMASharedLayout(swizzle_byte_width=ROW, element_bitwidth=16, rank=2))
+        else:
+            codes = _reinterpret(values, gl.uint16, [values.shape[0], 16, 32],
+                                 gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
+            v_first: gl.constexpr = 0
+        v_words = codes.index(buffer).slice(v_first, 32, 1).load(_tma_value_layout())
+        v_words = gl.reshape(v_words, [1, 2, 4, 2, 4, 8])  # [c, j, t, e, q, quad]
+        v_words = gl.convert_layout(gl.permute(v_words, (4, 5, 2, 0, 1, 3)), VALUE_LAYOUT)
     fields = _reinterpret(meta, gl.float16, [meta.shape[0], 1, meta.shape[2], 16], meta.type.layout).index(buffer)
     token = tile_start + key_rows
     live = (token >= start) & (token < end)
@@ -1165,25 +1171,26 @@ STREAMS_LAUNCH_REGS = 64
 @gluon.jit
 def _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, bar, buffer, page, chunk_start, kv_head,
                  SLOT_BYTES: gl.constexpr, KEY_DATA_BYTES: gl.constexpr, NUM_FIELDS: gl.constexpr,
-                 BLOCK_SIZE: gl.constexpr):  # fmt: skip
+                 BLOCK_SIZE: gl.constexpr, VALUE_BITS: gl.constexpr = 4):  # fmt: skip
     """The TMA copies of the 16-key chunk at ``chunk_start`` (in block ``page``) into chunk buffer ``buffer``: its
     slots (or, FP8 keys, their key bytes and their values) and its metadata, completing on ``bar``."""
     position = (chunk_start.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
     column = kv_head * SLOT_BYTES
     _tma_load(data_desc, [page, position, column], bar, data.index(buffer))
-    if separate_values(KEY_DATA_BYTES, SLOT_BYTES):
+    if separate_values(KEY_DATA_BYTES, SLOT_BYTES) and VALUE_BITS == 4:
         _tma_load(value_desc, [page, position, column + KEY_DATA_BYTES], bar, values.index(buffer))
     _tma_load(meta_desc, [page, kv_head * NUM_FIELDS, position], bar, meta.index(buffer))
 
 
 @gluon.jit
 def _chunk_ring(BUFFERS: gl.constexpr, data_desc, value_desc, meta_desc, KEY_DATA_BYTES: gl.constexpr,
-                SLOT_BYTES: gl.constexpr):  # fmt: skip
+                SLOT_BYTES: gl.constexpr, VALUE_BITS: gl.constexpr = 4):  # fmt: skip
     """``BUFFERS`` chunk buffers for the TMA copies (:func:`_issue_chunk`) and their mbarriers, initialized: ``(data,
-    values, meta, full)``, ``values`` the data buffers themselves where a token's values lie in its data box."""
+    values, meta, full)``, ``values`` the data buffers themselves where a token's values lie in its data box or are
+    not copied (3-bit values)."""
     data = gl.allocate_shared_memory(gl.uint8, [BUFFERS, 1, 16, data_row(KEY_DATA_BYTES)], data_desc.layout)
     values = data
-    if separate_values(KEY_DATA_BYTES, SLOT_BYTES):
+    if separate_values(KEY_DATA_BYTES, SLOT_BYTES) and VALUE_BITS == 4:
         values = gl.allocate_shared_memory(gl.uint8, [BUFFERS, 1, 16, 64], value_desc.layout)
     meta = gl.allocate_shared_memory(gl.float16, [BUFFERS, 1, TMA_META_ROWS, 16], meta_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -1198,13 +1205,13 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     """One warp's online softmax over chunks ``stream, stream + STRIDE, ...`` of the split (16 keys from ``tile``
     each), copied by TMA through its chunk buffers ``STAGES stream ..`` of ``ring`` (``data, values, meta, full``):
     ``(acc, m, l, z)``, ``acc`` ``[HEAD_DIM, BLOCK_H]`` in the MMA layout, the rest per head. ``shape`` is ``(KV_GROUP,
-    KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, STRIDE)``; the other arguments are
-    the kernels' in tuples."""
+    KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, STRIDE, VALUE_BITS, NUM_KV_HEADS)``;
+    the other arguments are the kernels' in tuples."""
     data, values, meta, full = ring
     data_desc, value_desc, meta_desc = descs
-    q_ptr, partials_ptr, centroid_ptr = pointers
+    q_ptr, partials_ptr, centroid_ptr, cache_ptr = pointers
     row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale, query_slot = split
-    stride_qb, stride_qh, stride_pb, stride_ph, stride_ps = strides
+    stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block = strides
     KV_GROUP: gl.constexpr = shape[0]
     KEY_BITS: gl.constexpr = shape[1]
     KEY_DATA_BYTES: gl.constexpr = shape[2]
@@ -1214,13 +1221,15 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     BLOCK_H: gl.constexpr = shape[6]
     STAGES: gl.constexpr = shape[7]
     STRIDE: gl.constexpr = shape[8]
+    VALUE_BITS: gl.constexpr = shape[9]
+    NUM_KV_HEADS: gl.constexpr = shape[10]
     KEY_FP8: gl.constexpr = KEY_BITS == 8
     mma: gl.constexpr = _operand_layouts(KEY_FP8, 1)[0]
     dot_b: gl.constexpr = _operand_layouts(KEY_FP8, 1)[1]
     key_bytes: gl.constexpr = _operand_layouts(KEY_FP8, 1)[2]
     key_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[3]
     value_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[4]
-    CHUNK_BYTES: gl.constexpr = 16 * _box_bytes(KEY_DATA_BYTES, SLOT_BYTES)
+    CHUNK_BYTES: gl.constexpr = 16 * _box_bytes(KEY_DATA_BYTES, SLOT_BYTES, VALUE_BITS)
     kv_head = gl.program_id(1)
     q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps,
                                 query_slot, KV_GROUP, KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
@@ -1234,7 +1243,8 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
             page = _page(row_ptr, stride_btc, chunk_start, end, num_blocks, BLOCK_SIZE)
             mbarrier.expect(full.index(first + st), CHUNK_BYTES)
             _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(first + st), first + st,
-                         page, chunk_start, kv_head, SLOT_BYTES, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE)  # fmt: skip
+                         page, chunk_start, kv_head, SLOT_BYTES, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE,
+                         VALUE_BITS)  # fmt: skip
     # The block of the chunk each iteration refills its stage with is read an iteration ahead.
     ahead = _page(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * STAGES), end, num_blocks, BLOCK_SIZE)
 
@@ -1244,24 +1254,39 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     z_part = gl.zeros([16, BLOCK_H], gl.float32, mma)
     acc = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, mma)
     key_rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+    # 3-bit values are not copied by TMA (a quad's 12-bit fields start at word offsets no linear layout of a shared
+    # buffer gives): each chunk's value words are loaded into registers an iteration ahead (:func:`_value_words`).
+    v_next = 0
+    if VALUE_BITS == 3:
+        v_next = _value_words(cache_ptr, _page(row_ptr, stride_btc, tile + 16 * stream, end, num_blocks, BLOCK_SIZE),
+                              tile + 16 * stream, count > 0, kv_head, NUM_KV_HEADS, stride_block, SLOT_BYTES,
+                              KEY_DATA_BYTES, VALUE_BITS, BLOCK_SIZE, value_layout, 1)  # fmt: skip
     for i in range(count):
         buffer = first + i % STAGES
         page = ahead
         ahead = _page(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * (i + STAGES + 1)), end, num_blocks,
                       BLOCK_SIZE)  # fmt: skip
+        v_words = v_next
+        if VALUE_BITS == 3:
+            following = tile + 16 * (stream + STRIDE * (i + 1))
+            v_next = _value_words(cache_ptr, _page(row_ptr, stride_btc, following, end, num_blocks, BLOCK_SIZE),
+                                  following, i + 1 < count, kv_head, NUM_KV_HEADS, stride_block, SLOT_BYTES,
+                                  KEY_DATA_BYTES, VALUE_BITS, BLOCK_SIZE, value_layout, 1)  # fmt: skip
         mbarrier.wait(full.index(buffer), (i // STAGES) & 1)
-        k_words, v_words, norm, v_scale, v_zero, live = _tma_stage_reads(
+        k_words, staged_values, norm, v_scale, v_zero, live = _tma_stage_reads(
             data, values, meta, buffer, tile + 16 * (stream + STRIDE * i), start, end, key_rows, KEY_BITS,
-            KEY_DATA_BYTES, NUM_FIELDS, key_layout, value_layout)  # fmt: skip
+            KEY_DATA_BYTES, NUM_FIELDS, key_layout, value_layout, VALUE_BITS)  # fmt: skip
+        if VALUE_BITS == 4:
+            v_words = staged_values
         m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
-                                              score_scale, m_i, l_part, z_part, acc, KEY_BITS, 4, key_bytes, 1,
-                                              1)  # fmt: skip
+                                              score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS, key_bytes,
+                                              1, 1)  # fmt: skip
         if i + STAGES < count:  # this warp's reads of the buffer are done: refill it
             fence_async_shared()
             mbarrier.expect(full.index(buffer), CHUNK_BYTES)
             _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(buffer), buffer, page,
                          tile + 16 * (stream + STRIDE * (i + STAGES)), kv_head, SLOT_BYTES, KEY_DATA_BYTES,
-                         NUM_FIELDS, BLOCK_SIZE)  # fmt: skip
+                         NUM_FIELDS, BLOCK_SIZE, VALUE_BITS)  # fmt: skip
     return acc, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0)
 
 
@@ -1289,7 +1314,7 @@ def _streams_guard(too_long, bad_pages, row_ptr, stride_btc, first_page, last_pa
 @gluon.jit
 def decode_stage1_streams_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr, data_desc, value_desc, meta_desc,
-    sm_scale, num_splits, num_blocks, table_keys, query_slot,
+    sm_scale, num_splits, num_blocks, table_keys, query_slot, stride_block,
     stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
     KV_GROUP: gl.constexpr,
     KEY_BITS: gl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
@@ -1322,11 +1347,11 @@ def decode_stage1_streams_kernel(
     tile = (start // 16) * 16
     shared = (data, values, meta, full, states, sums)
     descs = (data_desc, value_desc, meta_desc)
-    pointers = (q_ptr, partials_ptr, centroid_ptr)
+    pointers = (q_ptr, partials_ptr, centroid_ptr, cache_ptr)
     split = (row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale, query_slot)
-    strides = (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps)
+    strides = (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
-                           STREAMS)  # fmt: skip
+                           STREAMS, VALUE_BITS, NUM_KV_HEADS)  # fmt: skip
     (poisoned,) = gl.warp_specialize([
         (_streams_guard, (too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)),
         (_stream, (gl.constexpr(0), shared, descs, pointers, split, strides, shape)),
@@ -1364,7 +1389,7 @@ def decode_stage1_streams_kernel(
 @gluon.jit
 def decode_stage1_warp_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr, data_desc, value_desc, meta_desc,
-    sm_scale, num_splits, num_blocks, table_keys, query_slot,
+    sm_scale, num_splits, num_blocks, table_keys, query_slot, stride_block,
     stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
     KV_GROUP: gl.constexpr,
     KEY_BITS: gl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
@@ -1382,17 +1407,20 @@ def decode_stage1_warp_kernel(
     read the rotated query from partials slot ``query_slot``, past the splits (with one split, its own slot, read
     before its partial overwrites it)."""
     gl.static_assert(gl.num_warps() == 1)
-    gl.static_assert(VALUE_BITS == 4)
+    gl.static_assert((VALUE_BITS == 3) or (VALUE_BITS == 4))
     gl.static_assert(FP16_OPERANDS == 1)
     NUM_FIELDS: gl.constexpr = 2 if KEY_BITS == 8 else 3
     start, end, row_ptr, too_long, bad_pages, first_page, last_page = _split(
         seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)
-    data, values, meta, full = _chunk_ring(STAGES, data_desc, value_desc, meta_desc, KEY_DATA_BYTES, SLOT_BYTES)
+    data, values, meta, full = _chunk_ring(STAGES, data_desc, value_desc, meta_desc, KEY_DATA_BYTES, SLOT_BYTES,
+                                           VALUE_BITS)  # fmt: skip
     split = (row_ptr, stride_btc, num_blocks, (start // 16) * 16, start, end, sm_scale, query_slot)
-    shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, 1)
+    shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, 1,
+                           VALUE_BITS, NUM_KV_HEADS)  # fmt: skip
     acc, m_i, l_i, z_i = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
-                                 (q_ptr, partials_ptr, centroid_ptr), split,
-                                 (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps), shape)  # fmt: skip
+                                 (q_ptr, partials_ptr, centroid_ptr, cache_ptr), split,
+                                 (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block),
+                                 shape)  # fmt: skip
     poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)
     _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps,
                     KV_GROUP, VALUE_BITS)  # fmt: skip
