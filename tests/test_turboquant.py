@@ -1829,8 +1829,11 @@ def test_buffers_are_reused_and_missing_ones_parked_on_the_holder(device: torch.
                          lse_buf=lse, max_num_kv_splits=3)  # fmt: skip
     assert out.data_ptr() == output.data_ptr() and bool(out.isfinite().all())
     assert bool(lse[:2].isfinite().all()) and bool(lse[2:].isnan().all())  # only [:B, :H] written
-    assert bool(mid_o[:2, :2, :3, : head_dim + 1].isfinite().all()) and bool(mid_o[2:].isnan().all())
-    assert bool(output[2:].isnan().all())
+    # The splits the device runs (on sm_90 the last slot is kept for the TMA kernels' rotated query: 2 of 3 run); at
+    # D = 64 those kernels do not serve the call, so no slot past the splits is written.
+    run = ttq.decode_num_splits(3, 2, 1, device, 3, 3)
+    assert bool(mid_o[:2, :2, :run, : head_dim + 1].isfinite().all()) and bool(mid_o[:2, :2, run:].isnan().all())
+    assert bool(mid_o[2:].isnan().all()) and bool(output[2:].isnan().all())
 
     class Holder:
         pass
