@@ -43,7 +43,8 @@ VARIANTS = {
     # gather's block-table entries loaded an iteration ahead, in 4-token gather tiles; register caps.
     "loop": {"decode": "cvt", "fnuz_encode": "cvt", "rope_words": True, "insert_programs": 1, "stages": 2,
              "prefetch_table": True, "gather_tokens": 4, "insert_max_registers": 48, "gather_max_registers": 40},
-    "branch": {"decode": "branch", "fnuz_encode": "cvt", "rope_words": True, "evict": True},
+    "branch": {"decode": "branch", "fnuz_encode": "cvt", "rope_words": True, "evict": True, "fnuz_gather_warps": 2,
+               "fnuz_gather_tokens": 2},
 }
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 

@@ -140,6 +140,14 @@ class LaunchConfig:
     # (12 blocks, from 10; OCP 211 -> 216 warp instructions per token).
     insert_max_registers: int = 0
     gather_max_registers: int = 0
+    # The FNUZ gather's warps a program and tokens a tile (0: num_warps, and as the OCP gather). Its "branch" decode
+    # takes a tile-wide max, a barrier every warp of the program waits at: on the H200 (Nsight Compute, 4 warps, 4
+    # tokens) 19% of its warps' samples waited there and 45% on the tile's loads. The gather sweep at 478f09f (1M
+    # tokens, 64 x 16K, 40 registers, do_bench): FNUZ 4 warps 4 tokens 0.4771 ms (83.8% of copy BW), 2 warps 2
+    # tokens 0.4663 (85.7%), 2 warps 4 tokens 0.8042, 1 warp 1 token 0.5062; OCP at 2 warps 2 tokens 0.4633 against
+    # 0.4519 at 4 and 4, so the OCP gather keeps its tile.
+    fnuz_gather_warps: int = 0
+    fnuz_gather_tokens: int = 0
 
 
 # Launch configs as data, keyed by GPU architecture ("sm90", ...). Both kernels move 584 + 1024
@@ -162,7 +170,7 @@ LAUNCH_CONFIGS: dict[str, LaunchConfig] = {
     "default": LaunchConfig(tokens_per_program=1, gather_workers=128, num_warps=4),
     "sm90": LaunchConfig(
         tokens_per_program=8, gather_workers=512, num_warps=4, decode="branch", fnuz_encode="cvt", rope_words=True,
-        gather_tokens=4, gather_max_registers=40,
+        gather_tokens=4, gather_max_registers=40, fnuz_gather_warps=2, fnuz_gather_tokens=2,
     ),
     "interpreter": LaunchConfig(tokens_per_program=16, gather_workers=2, num_warps=1),
 }
@@ -712,14 +720,14 @@ def dequantize_and_gather_k_cache(
         offset, _decode_table(out.device, use_fnuz) if decode == "table" else blocks,
         HAS_GATHER_LENS=gather_lens is not None,
         BLOCK_SIZE=block_size,
-        TOKENS=config.gather_tokens or config.tokens_per_program,
+        TOKENS=(use_fnuz and config.fnuz_gather_tokens) or config.gather_tokens or config.tokens_per_program,
         FNUZ=use_fnuz,
         DECODE=decode,
         ROPE_WORDS=rope_words,
         PREFETCH_TABLE=config.prefetch_table,
         STAGES=config.stages,
         STREAM="evict_first" if config.evict else "",
-        num_warps=config.num_warps,
+        num_warps=(use_fnuz and config.fnuz_gather_warps) or config.num_warps,
         **register_cap(config.gather_max_registers),
     )  # fmt: skip
 
