@@ -64,11 +64,11 @@ FP8_STORE_GRID = [(8, 32, 1, 0, 3, 0), (16, 32, 4, 0, 3, 0), (4, 32, 1, 0, 3, 0)
                   (16, 32, 2, 0, 3, 0), (16, 32, 4, 0, 3, 64)]  # fmt: skip
 # UE8M0 insert/gather: (tokens_per_program, gather_workers, num_warps[, decode, fnuz_encode, rope_words[,
 # insert_programs, stages, prefetch_table[, gather_tokens[, evict[, insert_max_registers, gather_max_registers[,
-# fnuz_gather_warps, fnuz_gather_tokens]]]]]]); the first is the sm90 entry (FNUZ gathers 2 tokens a tile on 2
-# warps since 2026-12-02), the second the one before it; the third the entry of 33817e6 (since then the FNUZ insert
-# has 58 registers, not 94, and the gather issues its RoPE loads before its stores). The rest, ranked by the sm_90
-# static count (benchmarks/sass_sm90_ue8m0.py: registers, 4-warp blocks per SM, warp instructions per token; none of
-# these spills on the common path):
+# fnuz_gather_warps, fnuz_gather_tokens]]]]]]); the first is the sm90 entry (since 2026-12-02 FNUZ gathers 2 tokens
+# a tile on 2 warps, and 1024 gather workers), the second the one before it; the third the entry of 33817e6 (since
+# then the FNUZ insert has 58 registers, not 94, and the gather issues its RoPE loads before its stores). The rest,
+# ranked by the sm_90 static count (benchmarks/sass_sm90_ue8m0.py: registers, 4-warp blocks per SM, warp
+# instructions per token; none of these spills on the common path):
 # - gather tiles of 4 tokens (OCP 32 registers, 16 blocks, 217 per token; FNUZ 39, 12, 345), register caps (insert
 #   48: OCP 10 blocks, 204; FNUZ spills 6 words, 277; insert 56: FNUZ 9 blocks, 268; gather 40: 12 blocks, OCP 216,
 #   FNUZ 338), the FNUZ "branch" decode (no fix-ups in a tile without FNUZ's NaN / +-240 codes: 56, 9, 268 at 4
@@ -78,7 +78,7 @@ FP8_STORE_GRID = [(8, 32, 1, 0, 3, 0), (16, 32, 4, 0, 3, 0), (4, 32, 1, 0, 3, 0)
 #   265; T8 s2 72, 7, 220 (FNUZ 80, 6: so 792 programs); with the gather pipelined over more iterations per
 #   worker (fewer workers) and its block-table entries an iteration ahead (T4 s2: 40, 12, 251; FNUZ 440);
 # - the block-table prefetch alone (T8: OCP 64, 8, 226; T4: 40, 12, 239) and 2-token gather tiles (32, 16, 244).
-UE8M0_GRID = [(8, 512, 4, "branch", "cvt", True, 0, 1, False, 4, False, 0, 40, 2, 2),
+UE8M0_GRID = [(8, 1024, 4, "branch", "cvt", True, 0, 1, False, 4, False, 0, 40, 2, 2),
               (8, 512, 4, "branch", "cvt", True, 0, 1, False, 4, False, 0, 40),
               (8, 512, 4, "cvt", "cvt", True),
               (8, 512, 4, "cvt", "cvt", True, 0, 1, False, 4),

@@ -145,7 +145,8 @@ class LaunchConfig:
     # tokens) 19% of its warps' samples waited there and 45% on the tile's loads. The gather sweep at 478f09f (1M
     # tokens, 64 x 16K, 40 registers, do_bench): FNUZ 4 warps 4 tokens 0.4771 ms (83.8% of copy BW), 2 warps 2
     # tokens 0.4663 (85.7%), 2 warps 4 tokens 0.8042, 1 warp 1 token 0.5062; OCP at 2 warps 2 tokens 0.4633 against
-    # 0.4519 at 4 and 4, so the OCP gather keeps its tile.
+    # 0.4519 at 4 and 4, so the OCP gather keeps its tile. Then 1024 gather workers a request, not 512 (two sweeps
+    # at d81922f: FNUZ 0.4669 / 0.4663 -> 0.4594 / 0.4587 ms, 85.6 -> 87.0%; OCP 0.4518 / 0.4526 -> 0.4523 / 0.4523).
     fnuz_gather_warps: int = 0
     fnuz_gather_tokens: int = 0
 
@@ -169,7 +170,7 @@ class LaunchConfig:
 LAUNCH_CONFIGS: dict[str, LaunchConfig] = {
     "default": LaunchConfig(tokens_per_program=1, gather_workers=128, num_warps=4),
     "sm90": LaunchConfig(
-        tokens_per_program=8, gather_workers=512, num_warps=4, decode="branch", fnuz_encode="cvt", rope_words=True,
+        tokens_per_program=8, gather_workers=1024, num_warps=4, decode="branch", fnuz_encode="cvt", rope_words=True,
         gather_tokens=4, gather_max_registers=40, fnuz_gather_warps=2, fnuz_gather_tokens=2,
     ),
     "interpreter": LaunchConfig(tokens_per_program=16, gather_workers=2, num_warps=1),
