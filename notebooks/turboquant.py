@@ -542,9 +542,16 @@ for length in (8192, 32768):
               f"({bf16_ms:.3f} ms)  {row['pct_roofline']:.1f}% of its copy roofline")  # fmt: skip
         assert row["ms"] < bf16_ms, preset  # every preset beats the bf16 decode
         layout = tq.TurboQuantConfig.from_cache_dtype(preset, D)
-        # at twice its speed or more: the presets with 4-bit values at L=32K; at L=8K none (a call's fixed cost, the
-        # rotation, the merge and each program's set-up, weighs more), and 3-bit values at neither length
-        assert (row["ms"] <= 0.5 * bf16_ms) == (length == 32768 and layout.value_quant_bits == 4), preset
+        # at twice its speed or more: the presets with 4-bit values at L=32K; at L=8K FP8 keys just (2.00x: a call's
+        # fixed cost, the rotation, the merge and each program's set-up, weighs more), MSE keys not, and 3-bit values
+        # at neither length
+        twice = row["ms"] <= 0.5 * bf16_ms
+        if layout.value_quant_bits == 3 or (length == 8192 and not layout.key_fp8):
+            assert not twice, preset
+        elif length == 32768:
+            assert twice, preset
+        else:
+            assert abs(bf16_ms / row["ms"] - 2) < 0.02, preset
         assert row["pct_roofline"] < (85 if layout.key_fp8 else 60), preset  # MSE keys far from byte-bound, FP8 75-83%
     for (fat, fat_bytes, fat_row), (lean, lean_bytes, lean_row) in itertools.pairwise(timed):
         assert fat_row["ms"] / fat_bytes < lean_row["ms"] / lean_bytes, (fat, lean)  # fewer bytes, more time a byte
