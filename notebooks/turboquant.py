@@ -354,12 +354,12 @@ plt.show()
 # second kernel's, over more splits (16 programs a SM, four rounds). Stage 1 at L=8K / 32K, one call: 4-bit keys
 # 154 -> 127 / 557 -> 453 us, 3-bit keys 152 -> 125 / 546 -> 444, FP8 keys 123 -> 119 / 516 -> 458. Its warps now
 # issue on 57% of the cycles, and the integer pipe that `prmt` and `lop3` share is the busiest (Nsight Compute at
-# L=8K). The whole call, against the bf16 decode in the same call (257 / 983 us): FP8 keys 130 / 465 us (1.98x /
-# 2.11x its speed), 4-bit keys 149 / 474 (1.73x / 2.08x), 3-bit keys 147 / 466 (1.75x / 2.11x), 3-bit keys and
-# values 185 / 644 (1.39x / 1.53x; they keep the 4-warp kernel: the TMA boxes are written for 4-bit values). The
-# goal, 4-bit and 3-bit presets at twice the bf16 speed, is reached at L=32K for 3- and 4-bit keys with 4-bit values,
-# not at L=8K (where the fixed cost of a call, the rotation, the merge and each program's set-up, is a larger share)
-# and not for 3-bit values.
+# L=8K). 3-bit values run it too, their words loaded into registers a chunk ahead (not by TMA): 172 -> 166 / 631 ->
+# 577 us. The whole call in the bench, against the bf16 decode in the same run (257-259 / 984-986 us): FP8 keys
+# 129 / 470 us (2.0x / 2.1x its speed), 4-bit keys 148 / 472 (1.75x / 2.08x), 3-bit keys 146 / 467 (1.76x / 2.11x),
+# 3-bit keys and values 182 / 590 (1.41x / 1.67x). The goal, 4-bit and 3-bit presets at twice the bf16 speed, is
+# reached at L=32K for 3- and 4-bit keys with 4-bit values, not at L=8K (where the fixed cost of a call, the
+# rotation, the merge and each program's set-up, is a larger share) and not for 3-bit values.
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory.
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
 

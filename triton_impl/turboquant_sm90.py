@@ -68,8 +68,10 @@ over its split, every warp of a SM running one copy of the loop; the splits' mer
 splits (16 programs a SM at 104 registers, four rounds of them). MSE keys read the rotated query from one partials
 slot past the splits, which the rotation alone writes. Stage 1 against the kernels before it, one call, L=8K / 32K:
 4-bit keys 153.9 -> 127.3 / 557.2 -> 453.3 us, 3-bit keys (k3v4) 151.5 -> 125.2 / 545.8 -> 444.0, FP8 keys 122.6 ->
-119.4 / 515.7 -> 458.1 (2026-12-02). ``notebooks/results/perf_log.md`` has the measurements and the variants that
-lost.
+119.4 / 515.7 -> 458.1 (2026-12-02). It serves 3-bit values too, their words loaded into registers a chunk ahead
+(not copied by TMA: a lane quad's 12-bit fields start at word offsets no linear layout of a buffer gives): 3-bit
+keys and values 171.6 -> 166.1 / 630.6 -> 577.3 us against the 4-warp kernel. ``notebooks/results/perf_log.md`` has
+the measurements and the variants that lost.
 
 The store (:func:`store_kernel`, bf16 keys at ``D = 128``, 3- or 4-bit MSE codes; :func:`store_supports`):
 persistent 4-warp programs over tiles of 64 (token, KV head) rows. Each program rounds ``PiT`` once into two bf16
@@ -1394,7 +1396,7 @@ def decode_stage1_warp_kernel(
     KV_GROUP: gl.constexpr,
     KEY_BITS: gl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
     KEY_DATA_BYTES: gl.constexpr,
-    VALUE_BITS: gl.constexpr,  # 4
+    VALUE_BITS: gl.constexpr,  # 3 or 4 (3-bit: loaded into registers a chunk ahead, not by TMA)
     SLOT_BYTES: gl.constexpr,
     NUM_KV_HEADS: gl.constexpr,
     BLOCK_SIZE: gl.constexpr,
