@@ -123,6 +123,10 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # Triton but 3.6; tests/test_turboquant.py compiles both ways). Uncapped at 2 programs per SM against capped
 # at 3, H200 at 4208a61 (1M tokens x 8 KV heads, one call): 4-bit 2.9679 -> 2.7997 ms (42.8 -> 45.4% of the copy
 # roofline), k3v4 3.0098 -> 2.7885, 3-bit 2.9625 -> 2.6630 (41.2 / 40.8 -> 44.5 / 45.4%).
+# Optional GLUON_WARPS (default 4): warps a Gluon store program, 16 rows each a tile, all reading the program's one
+# PiT. Nsight Compute (4-bit, 2026-12-02) had the store at 2.84 warps a scheduler, 12.4% of its samples waiting for
+# the tile's key loads: 8 warps at GLUON_MAXNREG 128 fit two programs a SM (16 warps, 2 x 65 KiB of shared memory),
+# where Triton 3.6 spills 504 bytes a thread (40 reloads a tile). Not yet timed.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
     "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1, "GLUON": 1,
@@ -674,7 +678,8 @@ def triton_turboquant_store(
         stride_block=kv_cache.stride(0), slot_bytes=data_bytes,
     ):  # the sm_90 fast path (triton_impl/turboquant_sm90.py): persistent programs, the rotation on warpgroup MMAs
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-        launch(turboquant_sm90.store_kernel, (min(cdiv(rows, int(turboquant_sm90.STORE_ROWS)),
+        warps = config.get("GLUON_WARPS", 4)
+        launch(turboquant_sm90.store_kernel, (min(cdiv(rows, turboquant_sm90.STORE_WARP_ROWS * warps),
                                                   config["GLUON_PROGRAMS_PER_SM"] * sm_count),),
             key, value, kv_cache, slot_mapping, PiT, midpoints, centroids if norm_correction else unused,
             rows, num_slots, kv_cache.stride(0), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -686,7 +691,8 @@ def triton_turboquant_store(
             SLOT_BYTES=data_bytes,
             BLOCK_SIZE=block_size,
             WIDE_SLOTS=num_slots > 2**31 - 1,
-            num_warps=int(turboquant_sm90.NUM_WARPS),
+            WARPS=warps,
+            num_warps=warps,
             **register_cap(config.get("GLUON_MAXNREG")),
         )  # fmt: skip
         return

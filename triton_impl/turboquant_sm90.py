@@ -188,7 +188,7 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
 
 
 def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_correction: bool = True,
-                           block_size: int = 16, maxnreg: int | None = None) -> Any:
+                           block_size: int = 16, maxnreg: int | None = None, warps: int = 4) -> Any:
     """:func:`store_kernel` compiled for sm_90 on any machine, specialized as the bench's launch is (8 KV heads,
     16-byte aligned pointers, the strides multiples of 16): the ``CompiledKernel``."""
     from triton.backends.compiler import GPUTarget
@@ -202,12 +202,12 @@ def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_corre
     divisible = ("num_slots", "stride_block", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_pit")
     slot_bytes = 128 * (key_bits + value_bits) // 8
     constexprs = dict(NUM_KV_HEADS=8, KEY_BITS=key_bits, VALUE_BITS=value_bits, NORM_CORRECTION=norm_correction,
-                      SLOT_BYTES=slot_bytes, BLOCK_SIZE=block_size, WIDE_SLOTS=False)  # fmt: skip
+                      SLOT_BYTES=slot_bytes, BLOCK_SIZE=block_size, WIDE_SLOTS=False, WARPS=warps)  # fmt: skip
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     values = {(names.index(n),): v for n, v in constexprs.items()}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, *divisible)}
     return triton_compile(GluonASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": int(NUM_WARPS), **register_cap(maxnreg)})  # fmt: skip
+                          options={"num_warps": int(warps), **register_cap(maxnreg)})  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -1432,7 +1432,7 @@ def decode_stage1_warp_kernel(
 # Store: bf16 keys to 3- or 4-bit MSE codes, the rotation on warpgroup MMAs.
 # ----------------------------------------------------------------------------------------------
 
-STORE_ROWS = gl.constexpr(64)  # (token, KV head) rows per tile: one warpgroup MMA's M
+STORE_WARP_ROWS = 16  # (token, KV head) rows per warp and tile: a warpgroup MMA's M is 64
 _KEY_NORM_EPS = gl.constexpr(1e-8)
 _NORM_CORRECTION_EPS = gl.constexpr(1e-16)
 _MIN_VALUE_SCALE = gl.constexpr(1e-8)
@@ -1626,27 +1626,28 @@ def _fp16_bits(x):
 
 
 @gluon.constexpr_function
-def _value_layout():
+def _value_layout(warps):
     """Values ``[warp, half, quad, t, i]``: row ``16 warp + 8 half + quad``, dimension ``32t + i`` (each thread
     owns 32 contiguous dimensions of two rows)."""
-    return gl.BlockedLayout([1, 2, 1, 1, 32], [1, 1, 8, 4, 1], [int(NUM_WARPS), 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    return gl.BlockedLayout([1, 2, 1, 1, 32], [1, 1, 8, 4, 1], [int(warps), 1, 1, 1, 1], [4, 3, 2, 1, 0])
 
 
 @gluon.jit
-def _tile_rows(tile, RANK: gl.constexpr, LAYOUT: gl.constexpr):
-    """Rows ``64 tile + 16 warp + 8 half + quad`` along dims 0-2 of a rank-``RANK`` tensor in ``LAYOUT``."""
-    return tile * STORE_ROWS + _iota(4, 0, RANK, LAYOUT) * 16 + _iota(2, 1, RANK, LAYOUT) * 8 + \
+def _tile_rows(tile, RANK: gl.constexpr, LAYOUT: gl.constexpr, WARPS: gl.constexpr):
+    """Rows ``16 WARPS tile + 16 warp + 8 half + quad`` along dims 0-2 of a rank-``RANK`` tensor in ``LAYOUT``."""
+    return tile * (16 * WARPS) + _iota(WARPS, 0, RANK, LAYOUT) * 16 + _iota(2, 1, RANK, LAYOUT) * 8 + \
         _iota(8, 2, RANK, LAYOUT)
 
 
 @gluon.jit
 def _store_values(v, slot, tile, cache_ptr, num_slots, stride_block, NUM_KV_HEADS: gl.constexpr,
                   BLOCK_SIZE: gl.constexpr, SLOT_BYTES: gl.constexpr, KEY_DATA_BYTES: gl.constexpr,
-                  VALUE_BITS: gl.constexpr, WIDE_SLOTS: gl.constexpr):  # fmt: skip
+                  VALUE_BITS: gl.constexpr, WIDE_SLOTS: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
     """One tile's values ``v`` (fp32, :func:`_value_layout`) min-max quantized as the portable store does it, into
     slots ``slot``."""
-    layout: gl.constexpr = _value_layout()
-    row = _tile_rows(tile, 5, layout)
+    layout: gl.constexpr = _value_layout(WARPS)
+    ROWS: gl.constexpr = 16 * WARPS
+    row = _tile_rows(tile, 5, layout, WARPS)
     t = _iota(4, 3, 5, layout)
     ok, data, meta = _slot_offsets(slot, row, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
                                    WIDE_SLOTS)  # fmt: skip
@@ -1661,7 +1662,7 @@ def _store_values(v, slot, tile, cache_ptr, num_slots, stride_block, NUM_KV_HEAD
     hi = gl.expand_dims(gl.expand_dims(v_max, 3), 4)
     v = gl.minimum(gl.maximum(v, lo), hi)
     biased = ((v - lo) * gl.expand_dims(gl.expand_dims(inv_scale, 3), 4) + _ROUND_MAGIC).to(gl.uint32, bitcast=True)
-    groups = gl.reshape(biased, [4, 2, 8, 4, 4, 8])  # [..., t, q, p]: dimension 32t + 8q + p
+    groups = gl.reshape(biased, [WARPS, 2, 8, 4, 4, 8])  # [..., t, q, p]: dimension 32t + 8q + p
     glayout: gl.constexpr = groups.type.layout
     shift = (_iota(8, 5, 6, glayout) * VALUE_BITS).to(gl.uint32)
     SPREAD: gl.constexpr = 0x11111111 if VALUE_BITS == 4 else 0x249249  # sum_p 2^(BITS p)
@@ -1669,19 +1670,20 @@ def _store_values(v, slot, tile, cache_ptr, num_slots, stride_block, NUM_KV_HEAD
     words_layout: gl.constexpr = words.type.layout
     at = gl.convert_layout(data + KEY_DATA_BYTES + t * (4 * VALUE_BITS), words_layout)
     _store_codes(cache_ptr, at, words, gl.convert_layout(ok & (t < 4), words_layout), VALUE_BITS)
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    row_ok = gl.convert_layout(gl.reshape(ok, [STORE_ROWS]), one)
-    fields = (cache_ptr + gl.convert_layout(gl.reshape(meta, [STORE_ROWS]), one)).to(gl.pointer_type(gl.uint16))
-    gl.store(fields + BLOCK_SIZE, gl.convert_layout(gl.reshape(_fp16_bits(scale), [STORE_ROWS]), one), mask=row_ok)
-    gl.store(fields + 2 * BLOCK_SIZE, gl.convert_layout(gl.reshape(_fp16_bits(v_min), [STORE_ROWS]), one), mask=row_ok)
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    row_ok = gl.convert_layout(gl.reshape(ok, [ROWS]), one)
+    fields = (cache_ptr + gl.convert_layout(gl.reshape(meta, [ROWS]), one)).to(gl.pointer_type(gl.uint16))
+    gl.store(fields + BLOCK_SIZE, gl.convert_layout(gl.reshape(_fp16_bits(scale), [ROWS]), one), mask=row_ok)
+    gl.store(fields + 2 * BLOCK_SIZE, gl.convert_layout(gl.reshape(_fp16_bits(v_min), [ROWS]), one), mask=row_ok)
 
 
 @gluon.jit
 def _code_words(codes, BITS: gl.constexpr):
     """Codes ``[64, HEAD_DIM]`` in the rotation's accumulator layout (column ``8b + 2t + e``: dimension ``32t + 2b
     + e``) -> ``[64, t, q]``: thread ``t``'s group ``q`` of 8 codes (dimensions ``32t + 8q ..``), LSB first."""
-    groups = gl.reshape(codes.to(gl.uint32), [STORE_ROWS, HEAD_DIM // 8, 4, 2])  # [row, b, t, e]
-    groups = gl.reshape(gl.permute(groups, (0, 2, 1, 3)), [STORE_ROWS, 4, 4, 4, 2])  # [row, t, q, b', e]
+    ROWS: gl.constexpr = codes.shape[0]
+    groups = gl.reshape(codes.to(gl.uint32), [ROWS, HEAD_DIM // 8, 4, 2])  # [row, b, t, e]
+    groups = gl.reshape(gl.permute(groups, (0, 2, 1, 3)), [ROWS, 4, 4, 4, 2])  # [row, t, q, b', e]
     LAYOUT: gl.constexpr = groups.type.layout
     shift = (_iota(4, 3, 5, LAYOUT) * 2 + _iota(2, 4, 5, LAYOUT)) * BITS
     return gl.sum(gl.sum(groups << shift.to(gl.uint32), axis=4), axis=3)
@@ -1698,15 +1700,17 @@ def store_kernel(
     SLOT_BYTES: gl.constexpr,  # data bytes per (token, KV head) slot
     BLOCK_SIZE: gl.constexpr,
     WIDE_SLOTS: gl.constexpr,  # slot numbers past int32
+    WARPS: gl.constexpr = 4,  # warpgroups x 4: tiles of 16 WARPS rows, one PiT a program
 ):  # fmt: skip
-    """Persistent programs over tiles of 64 (token, KV head) rows, 4 warps (one warpgroup). Each program cuts
+    """Persistent programs over tiles of ``16 WARPS`` (token, KV head) rows, ``WARPS`` warps (one warpgroup per 64
+    rows, all of them reading the program's one copy of ``PiT``: 4 warps and 64 rows by default). Each program cuts
     ``PiT`` once into two bf16 parts in shared memory (rows and columns permuted: :func:`_rotation_dim`,
     :func:`_code_dim`); per tile, ``k @ PiT`` is two warpgroup MMAs on the keys as loaded (bf16, exact), then
     the row's ``1 / (||k|| + eps)``, the bucketize (one lookup in the grid's table per code, :func:`grid_table`,
     or where the grid cannot separate the midpoints the binary search) and the packing of each thread's 32
     contiguous codes; the values as the portable store quantizes them."""
-    gl.static_assert(gl.num_warps() == NUM_WARPS)
-    pit_layout: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [NUM_WARPS, 1], [1, 0])
+    gl.static_assert(gl.num_warps() == WARPS)
+    pit_layout: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [WARPS, 1], [1, 0])
     part_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
     # PiT = hi + lo, each rounded to bf16 (to nearest): |PiT - hi - lo| <= 2^-16 |PiT|, and products of bf16 keys
@@ -1723,25 +1727,25 @@ def store_kernel(
 
     centroid_sq = 0
     if NORM_CORRECTION:
-        sq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        sq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         centroid = gl.load(centroid_ptr + gl.arange(0, 1 << KEY_BITS, layout=sq_layout))
         centroid_sq = centroid * centroid
 
     # The grid's table (grid_table), one entry per thread, built once per program; where it cannot separate the
     # midpoints, every tile of the program takes the binary search (a second copy of the tile loop: no branch in it).
-    table_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    table_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     table, grid_scale, grid_offset, grid_ok = grid_table(midpoint_ptr, gl.arange(0, GRID_SLOTS, layout=table_layout),
                                                          KEY_BITS)  # fmt: skip
     if grid_ok:
         _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, pit_lo, centroid_sq, table,
                      grid_scale, grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt,
                      stride_vh, NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE,
-                     WIDE_SLOTS, True)  # fmt: skip
+                     WIDE_SLOTS, True, WARPS)  # fmt: skip
     else:
         _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, pit_lo, centroid_sq, table,
                      grid_scale, grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt,
                      stride_vh, NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE,
-                     WIDE_SLOTS, False)  # fmt: skip
+                     WIDE_SLOTS, False, WARPS)  # fmt: skip
 
 
 @gluon.jit
@@ -1749,38 +1753,39 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
                  grid_scale, grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt,
                  stride_vh, NUM_KV_HEADS: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr,
                  NORM_CORRECTION: gl.constexpr, SLOT_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                 WIDE_SLOTS: gl.constexpr, GRID: gl.constexpr):  # fmt: skip
+                 WIDE_SLOTS: gl.constexpr, GRID: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
     """:func:`store_kernel`'s loop over its tiles; the key codes by the grid's table (``GRID``) or by binary
     search."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+    ROWS: gl.constexpr = 16 * WARPS
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     # Keys [warp, half, quad, t, j, i]: row 16 warp + 8 half + quad, dimension 32j + 8t + i.
-    key_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 4, 8], [1, 1, 8, 4, 1, 1], [NUM_WARPS, 1, 1, 1, 1, 1],
+    key_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 4, 8], [1, 1, 8, 4, 1, 1], [WARPS, 1, 1, 1, 1, 1],
                                                 [5, 4, 3, 2, 1, 0])  # fmt: skip
     rows: gl.constexpr = gl.SliceLayout(1, mma)
-    value_layout: gl.constexpr = _value_layout()
+    value_layout: gl.constexpr = _value_layout(WARPS)
     key_dim = _iota(4, 4, 6, key_layout) * 32 + _iota(4, 3, 6, key_layout) * 8 + _iota(8, 5, 6, key_layout)
     value_dim = _iota(4, 3, 5, value_layout) * 32 + _iota(32, 4, 5, value_layout)
-    words_layout: gl.constexpr = _code_words(gl.zeros([STORE_ROWS, HEAD_DIM], gl.int32, mma), KEY_BITS).type.layout
+    words_layout: gl.constexpr = _code_words(gl.zeros([ROWS, HEAD_DIM], gl.int32, mma), KEY_BITS).type.layout
 
     # A tile's values are read first, so that they arrive while its keys are quantized. On the H200 (1M tokens x 8
     # KV heads, 4-bit): values read first 3.53 ms; read after the keys' MMAs and norms 3.89; read where they are
     # quantized 3.95; the keys read a tile ahead (255 registers) 4.39.
-    for tile in range(gl.program_id(0), gl.cdiv(num_rows, STORE_ROWS), gl.num_programs(0)):
-        v = _row_loads(value_ptr, _tile_rows(tile, 5, value_layout), num_rows, value_dim, stride_vt, stride_vh,
+    for tile in range(gl.program_id(0), gl.cdiv(num_rows, ROWS), gl.num_programs(0)):
+        v = _row_loads(value_ptr, _tile_rows(tile, 5, value_layout, WARPS), num_rows, value_dim, stride_vt, stride_vh,
                        NUM_KV_HEADS)  # fmt: skip
-        k = _row_loads(key_ptr, _tile_rows(tile, 6, key_layout), num_rows, key_dim, stride_kt, stride_kh,
+        k = _row_loads(key_ptr, _tile_rows(tile, 6, key_layout, WARPS), num_rows, key_dim, stride_kt, stride_kh,
                        NUM_KV_HEADS)  # fmt: skip
         # The tile's slots in each layout that writes (key codes, metadata, values): three loads from L1, not
         # two layout conversions through shared memory.
-        slot_k = _slots(slot_ptr, tile * STORE_ROWS + _iota(STORE_ROWS, 0, 3, words_layout), num_rows, NUM_KV_HEADS)
-        slot_m = _slots(slot_ptr, tile * STORE_ROWS + gl.arange(0, STORE_ROWS, layout=rows), num_rows, NUM_KV_HEADS)
-        slot_v = _slots(slot_ptr, _tile_rows(tile, 5, value_layout), num_rows, NUM_KV_HEADS)
-        k = gl.reshape(k, [4, 2, 8, 4, 4, 2, 2, 2])  # i = 4 c2 + 2 h + e, chunk c = 2j + c2
+        slot_k = _slots(slot_ptr, tile * ROWS + _iota(ROWS, 0, 3, words_layout), num_rows, NUM_KV_HEADS)
+        slot_m = _slots(slot_ptr, tile * ROWS + gl.arange(0, ROWS, layout=rows), num_rows, NUM_KV_HEADS)
+        slot_v = _slots(slot_ptr, _tile_rows(tile, 5, value_layout, WARPS), num_rows, NUM_KV_HEADS)
+        k = gl.reshape(k, [WARPS, 2, 8, 4, 4, 2, 2, 2])  # i = 4 c2 + 2 h + e, chunk c = 2j + c2
         k = gl.permute(k, (0, 1, 2, 4, 5, 6, 3, 7))  # [row: warp, half, quad | K: j, c2, h, t, e]
-        k = gl.convert_layout(gl.reshape(k, [STORE_ROWS, HEAD_DIM]), dot_a)
-        acc = warpgroup_mma(k, pit_lo, gl.zeros([STORE_ROWS, HEAD_DIM], gl.float32, mma))
+        k = gl.convert_layout(gl.reshape(k, [ROWS, HEAD_DIM]), dot_a)
+        acc = warpgroup_mma(k, pit_lo, gl.zeros([ROWS, HEAD_DIM], gl.float32, mma))
         acc = warpgroup_mma(k, pit_hi, acc)
 
         # ||k|| in plain fp32: a bf16 square overflows only for ||k|| >= 2^64, where codes are not compared with
@@ -1790,26 +1795,26 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
         norm = gl.convert_layout(gl.sqrt(gl.sum(kf * kf, axis=1)), rows)
         y = acc * (1.0 / (norm + _KEY_NORM_EPS))[:, None]
         if GRID:
-            flat = gl.reshape(y, [STORE_ROWS * HEAD_DIM])
+            flat = gl.reshape(y, [ROWS * HEAD_DIM])
             entry = gl.gather(table, grid_slot(flat, grid_scale, grid_offset), 0)
-            codes = gl.reshape(grid_code(flat, entry), [STORE_ROWS, HEAD_DIM])
+            codes = gl.reshape(grid_code(flat, entry), [ROWS, HEAD_DIM])
         else:
             codes = _bucketize(y, midpoint_ptr, KEY_BITS)
         words = _code_words(codes, KEY_BITS)
-        w_row = tile * STORE_ROWS + _iota(STORE_ROWS, 0, 3, words_layout)
+        w_row = tile * ROWS + _iota(ROWS, 0, 3, words_layout)
         w_t = _iota(4, 1, 3, words_layout)
         w_ok, w_data, _ = _slot_offsets(slot_k, w_row, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE,
                                         SLOT_BYTES, WIDE_SLOTS)  # fmt: skip
         _store_codes(cache_ptr, w_data + w_t * (4 * KEY_BITS), words, w_ok & (w_t < 4), KEY_BITS)
 
-        m_row = tile * STORE_ROWS + gl.arange(0, STORE_ROWS, layout=rows)
+        m_row = tile * ROWS + gl.arange(0, ROWS, layout=rows)
         m_ok, _, m_at = _slot_offsets(slot_m, m_row, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
                                       WIDE_SLOTS)  # fmt: skip
         if NORM_CORRECTION:
-            flat = gl.reshape(codes, [STORE_ROWS * HEAD_DIM])
-            code_sq = gl.sum(gl.reshape(gl.gather(centroid_sq, flat, 0), [STORE_ROWS, HEAD_DIM]), axis=1)
+            flat = gl.reshape(codes, [ROWS * HEAD_DIM])
+            code_sq = gl.sum(gl.reshape(gl.gather(centroid_sq, flat, 0), [ROWS, HEAD_DIM]), axis=1)
             norm = norm / gl.sqrt(gl.convert_layout(code_sq, rows) + _NORM_CORRECTION_EPS)
         gl.store((cache_ptr + m_at).to(gl.pointer_type(gl.uint16)), _fp16_bits(norm), mask=m_ok)
 
         _store_values(v.to(gl.float32), slot_v, tile, cache_ptr, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE,
-                      SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS)  # fmt: skip
+                      SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS, WARPS)  # fmt: skip
