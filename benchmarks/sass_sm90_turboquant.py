@@ -204,15 +204,15 @@ def store(preset: str, config: dict[str, int]) -> None:
 
 def gluon_store(preset: str) -> None:
     """The sm_90 Gluon store (triton_impl/turboquant_sm90.py), uncapped at 4 warps a program and at 8 warps capped at
-    128 registers (``GLUON_WARPS``): registers, stack and, for each copy of its tile loop (the grid's lookup, the
-    binary search: :func:`_grid_paths`), the loop's SASS between its first and last branch, what one tile of 16 rows
-    a warp costs each thread."""
+    128 registers (``GLUON_WARPS``), its values loaded at the tile's start or (late) where they are quantized:
+    registers, stack and, for each copy of its tile loop (the grid's lookup, the binary search: :func:`_grid_paths`),
+    the loop's SASS between its first and last branch, what one tile of 16 rows a warp costs each thread."""
     layout = TurboQuantConfig.from_cache_dtype(preset, 128)
-    for warps, maxnreg in ((4, None), (8, 128)):
+    for warps, maxnreg, early in ((4, None, True), (8, 128, True), (8, 128, False)):
         kernel = turboquant_sm90.compile_store_for_sm90(key_bits=layout.key_mse_bits,
                                                         value_bits=layout.value_quant_bits,
                                                         norm_correction=layout.norm_correction, warps=warps,
-                                                        maxnreg=maxnreg)  # fmt: skip
+                                                        maxnreg=maxnreg, early_values=early)  # fmt: skip
         cubin = kernel.asm["cubin"]
         code, loops = sass_code(cubin)
         nests = _outer_loops(loops)
@@ -220,7 +220,8 @@ def gluon_store(preset: str) -> None:
             head, tail = max((n for n in nests if n not in skip), key=lambda n: n[1] - n[0])
             body = [op for address, op, _, _ in code if head <= address <= tail]
             mix = collections.Counter(body).most_common(12)
-            print(f"store {preset} Gluon {warps} warps: {_resources(cubin)}, {kernel.metadata.shared} B shared; "
+            print(f"store {preset} Gluon {warps} warps{'' if early else ', late values'}: {_resources(cubin)}, "
+                  f"{kernel.metadata.shared} B shared; "
                   f"{path} path loop {len(body)} instructions per thread per {16 * warps}-row tile = "
                   f"{len(body) / 16:.1f} warp instructions per row; {mix}")  # fmt: skip
 

@@ -1433,18 +1433,18 @@ def test_sm90_store_orders_are_permutations_with_whole_loads_and_stores() -> Non
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon store runs on compute capability 9.x (its sm_90 compile is tested anywhere)")
-@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("entry", [{}, {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128},
+                                   {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128,
+                                    "GLUON_EARLY_VALUES": 0}], ids=["entry", "8warps", "8warps-late-values"])
 @pytest.mark.parametrize("norm_correction", [True, False])
 @pytest.mark.parametrize("preset", MSE_PRESETS)
-def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correction: bool, warps: int,
+def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correction: bool, entry: dict,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The sm_90 store (bf16 keys, D = 128) against golden with its own rounding model (``BF16X2_GEMM``): many
     tiles per persistent program, a partial last tile, skipped slots, keys from 1e-30 to past 2^64 (inf and NaN
-    too), values past fp16's range; at the entry's 4 warps a program and at 8 (two warpgroups on one ``PiT``, 128
-    registers)."""
-    if warps != 4:
-        entry = ttq.STORE_CONFIGS["sm90"] | {"GLUON_WARPS": warps, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128}
-        monkeypatch.setitem(ttq.STORE_CONFIGS, "sm90", entry)
+    too), values past fp16's range; as the sm90 entry launches it and at 8 warps a program (two warpgroups on one
+    ``PiT``, 128 registers), its values loaded at each tile's start or where they are quantized."""
+    monkeypatch.setitem(ttq.STORE_CONFIGS, "sm90", ttq.STORE_CONFIGS["sm90"] | entry)
     device = torch.device("cuda")
     gen = generator(17)
     config, pit, centroids, midpoints = _quantizer(preset, 128)
@@ -1601,11 +1601,12 @@ for key_bits in (3, 4):
                         if ".ftz" in x and x.split()[0].split(".")[0] in ("fma", "min", "mul")]
             print(json.dumps(["store", key_bits, value_bits, *sass_resources(kernel.asm["cubin"]),
                               kernel.metadata.shared, flushing]))
-        # GLUON_WARPS 8 at 128 registers (two programs a SM), not the entry's
-        kernel = turboquant_sm90.compile_store_for_sm90(key_bits=key_bits, value_bits=value_bits, warps=8,
-                                                        maxnreg=128)  # fmt: skip
-        print(json.dumps(["store8", key_bits, value_bits, *sass_resources(kernel.asm["cubin"]),
-                          kernel.metadata.shared]))
+        # GLUON_WARPS 8 at 128 registers (two programs a SM), not the entry's: values loaded first and late
+        for early in (True, False):
+            kernel = turboquant_sm90.compile_store_for_sm90(key_bits=key_bits, value_bits=value_bits, warps=8,
+                                                            maxnreg=128, early_values=early)  # fmt: skip
+            print(json.dumps(["store8", key_bits, value_bits, *sass_resources(kernel.asm["cubin"]),
+                              kernel.metadata.shared, early]))
 """
 
 
@@ -1621,7 +1622,7 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
-    assert len(rows) == 24 + 8 + 8 + 4
+    assert len(rows) == 24 + 8 + 8 + 8
     # Decode: the staged presets (4-bit values) hold three stages of a 64-key tile (one-warp programs: three 16-key
     # chunks), so that the entry's programs a SM fit its 228 KiB (1 KiB of it reserved per program); the others a few
     # KiB. At most 8 bytes of stack, outside the tile loop: no LDL or STL in it (the 4-warp kernel at 96 registers
@@ -1653,12 +1654,13 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
         registers, stack, shared, flushing = row[3:]
         assert stack <= spill and registers <= 168 and 64 * 1024 <= shared <= 72 * 1024, row
         assert not flushing, row
-    # 8 warps a program at 128 registers: two programs a SM in registers and shared memory (one PiT each); the stack
-    # it spills to, 336-528 bytes under Triton 3.6 and 728-840 under 3.9, is what a GPU run must weigh against the
-    # warps it gains.
+    # 8 warps a program at 128 registers: two programs a SM in registers and shared memory (one PiT each). The stack
+    # they spill to is what a GPU run must weigh against the warps they gain: with the values loaded at the tile's
+    # start, 336-528 bytes under Triton 3.6 and 728-840 under 3.9; loaded where they are quantized, 48-64 and 400-496.
+    late = 64 if triton.__version__.startswith("3.6") else 512
     for row in (row for row in rows if row[0] == "store8"):
-        registers, stack, shared = row[3:]
-        assert registers <= 128 and 2 * (shared + 1024) <= 228 * 1024 and stack <= 1024, row
+        registers, stack, shared, early = row[3:]
+        assert registers <= 128 and 2 * (shared + 1024) <= 228 * 1024 and stack <= (1024 if early else late), row
 
 
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc"])

@@ -126,7 +126,8 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # Optional GLUON_WARPS (default 4): warps a Gluon store program, 16 rows each a tile, all reading the program's one
 # PiT. Nsight Compute (4-bit, 2026-12-02) had the store at 2.84 warps a scheduler, 12.4% of its samples waiting for
 # the tile's key loads: 8 warps at GLUON_MAXNREG 128 fit two programs a SM (16 warps, 2 x 65 KiB of shared memory),
-# where Triton 3.6 spills 504 bytes a thread (40 reloads a tile). Not yet timed.
+# where Triton 3.6 spills 504 bytes a thread (40 reloads a tile); with GLUON_EARLY_VALUES 0 (each tile's values
+# loaded where they are quantized, not at its start) 48 bytes. Neither timed yet.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
     "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1, "GLUON": 1,
@@ -692,6 +693,7 @@ def triton_turboquant_store(
             BLOCK_SIZE=block_size,
             WIDE_SLOTS=num_slots > 2**31 - 1,
             WARPS=warps,
+            EARLY_VALUES=bool(config.get("GLUON_EARLY_VALUES", 1)),
             num_warps=warps,
             **register_cap(config.get("GLUON_MAXNREG")),
         )  # fmt: skip

@@ -188,7 +188,8 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
 
 
 def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_correction: bool = True,
-                           block_size: int = 16, maxnreg: int | None = None, warps: int = 4) -> Any:
+                           block_size: int = 16, maxnreg: int | None = None, warps: int = 4,
+                           early_values: bool = True) -> Any:
     """:func:`store_kernel` compiled for sm_90 on any machine, specialized as the bench's launch is (8 KV heads,
     16-byte aligned pointers, the strides multiples of 16): the ``CompiledKernel``."""
     from triton.backends.compiler import GPUTarget
@@ -202,7 +203,8 @@ def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_corre
     divisible = ("num_slots", "stride_block", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_pit")
     slot_bytes = 128 * (key_bits + value_bits) // 8
     constexprs = dict(NUM_KV_HEADS=8, KEY_BITS=key_bits, VALUE_BITS=value_bits, NORM_CORRECTION=norm_correction,
-                      SLOT_BYTES=slot_bytes, BLOCK_SIZE=block_size, WIDE_SLOTS=False, WARPS=warps)  # fmt: skip
+                      SLOT_BYTES=slot_bytes, BLOCK_SIZE=block_size, WIDE_SLOTS=False, WARPS=warps,
+                      EARLY_VALUES=early_values)  # fmt: skip
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     values = {(names.index(n),): v for n, v in constexprs.items()}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, *divisible)}
@@ -1701,6 +1703,7 @@ def store_kernel(
     BLOCK_SIZE: gl.constexpr,
     WIDE_SLOTS: gl.constexpr,  # slot numbers past int32
     WARPS: gl.constexpr = 4,  # warpgroups x 4: tiles of 16 WARPS rows, one PiT a program
+    EARLY_VALUES: gl.constexpr = True,  # a tile's values loaded at its start (else where they are quantized)
 ):  # fmt: skip
     """Persistent programs over tiles of ``16 WARPS`` (token, KV head) rows, ``WARPS`` warps (one warpgroup per 64
     rows, all of them reading the program's one copy of ``PiT``: 4 warps and 64 rows by default). Each program cuts
@@ -1740,12 +1743,12 @@ def store_kernel(
         _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, pit_lo, centroid_sq, table,
                      grid_scale, grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt,
                      stride_vh, NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE,
-                     WIDE_SLOTS, True, WARPS)  # fmt: skip
+                     WIDE_SLOTS, True, WARPS, EARLY_VALUES)  # fmt: skip
     else:
         _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, pit_lo, centroid_sq, table,
                      grid_scale, grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt,
                      stride_vh, NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE,
-                     WIDE_SLOTS, False, WARPS)  # fmt: skip
+                     WIDE_SLOTS, False, WARPS, EARLY_VALUES)  # fmt: skip
 
 
 @gluon.jit
@@ -1753,7 +1756,8 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
                  grid_scale, grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt,
                  stride_vh, NUM_KV_HEADS: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr,
                  NORM_CORRECTION: gl.constexpr, SLOT_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                 WIDE_SLOTS: gl.constexpr, GRID: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+                 WIDE_SLOTS: gl.constexpr, GRID: gl.constexpr, WARPS: gl.constexpr,
+                 EARLY_VALUES: gl.constexpr):  # fmt: skip
     """:func:`store_kernel`'s loop over its tiles; the key codes by the grid's table (``GRID``) or by binary
     search."""
     ROWS: gl.constexpr = 16 * WARPS
@@ -1769,12 +1773,15 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
     value_dim = _iota(4, 3, 5, value_layout) * 32 + _iota(32, 4, 5, value_layout)
     words_layout: gl.constexpr = _code_words(gl.zeros([ROWS, HEAD_DIM], gl.int32, mma), KEY_BITS).type.layout
 
-    # A tile's values are read first, so that they arrive while its keys are quantized. On the H200 (1M tokens x 8
-    # KV heads, 4-bit): values read first 3.53 ms; read after the keys' MMAs and norms 3.89; read where they are
-    # quantized 3.95; the keys read a tile ahead (255 registers) 4.39.
+    # A tile's values are read first (EARLY_VALUES), so that they arrive while its keys are quantized. On the H200
+    # (1M tokens x 8 KV heads, 4-bit, 4 warps, two programs a SM): values read first 3.53 ms; read after the keys'
+    # MMAs and norms 3.89; read where they are quantized 3.95; the keys read a tile ahead (255 registers) 4.39. Read
+    # where they are quantized, they are not held through the keys' work: at 8 warps and 128 registers (Triton 3.6,
+    # 4-bit) 48 bytes of stack and 9 reloads or spills a tile, against 504 and 71 read first.
     for tile in range(gl.program_id(0), gl.cdiv(num_rows, ROWS), gl.num_programs(0)):
-        v = _row_loads(value_ptr, _tile_rows(tile, 5, value_layout, WARPS), num_rows, value_dim, stride_vt, stride_vh,
-                       NUM_KV_HEADS)  # fmt: skip
+        if EARLY_VALUES:
+            v = _row_loads(value_ptr, _tile_rows(tile, 5, value_layout, WARPS), num_rows, value_dim, stride_vt,
+                           stride_vh, NUM_KV_HEADS)  # fmt: skip
         k = _row_loads(key_ptr, _tile_rows(tile, 6, key_layout, WARPS), num_rows, key_dim, stride_kt, stride_kh,
                        NUM_KV_HEADS)  # fmt: skip
         # The tile's slots in each layout that writes (key codes, metadata, values): three loads from L1, not
@@ -1816,5 +1823,8 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
             norm = norm / gl.sqrt(gl.convert_layout(code_sq, rows) + _NORM_CORRECTION_EPS)
         gl.store((cache_ptr + m_at).to(gl.pointer_type(gl.uint16)), _fp16_bits(norm), mask=m_ok)
 
+        if not EARLY_VALUES:
+            v = _row_loads(value_ptr, _tile_rows(tile, 5, value_layout, WARPS), num_rows, value_dim, stride_vt,
+                           stride_vh, NUM_KV_HEADS)  # fmt: skip
         _store_values(v.to(gl.float32), slot_v, tile, cache_ptr, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE,
                       SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS, WARPS)  # fmt: skip
