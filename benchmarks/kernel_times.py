@@ -3,8 +3,9 @@
 ``PYTHONPATH=. python3 benchmarks/kernel_times.py "op:name part" ...`` (a spec as ``benchmarks/profile_ncu.py``
 takes it: a part of the bench name, ``op:`` to pick the op; a part matching several cases times them all). Each
 case is set up as the bench sets it up (content checks off), run 3 times to compile, then ``CALLS`` times under
-``torch.profiler``; a row gives each kernel's mean microseconds per call, their sum, and the whole call's mean
-from CUDA events (eager: the sum plus launch gaps and host time) and in CUDA-graph replay. The next column times
+``torch.profiler``; a row gives each kernel's mean microseconds per call, their sum, the same sum over replays of
+the call captured in a CUDA graph, and the whole call's mean from CUDA events, eager (the sum plus launch gaps and
+host time) and in CUDA-graph replay. The next column times
 the call as ``triton.testing.do_bench`` does, its 256 MB L2 flush (zeros written) before each call and CUDA events
 around the call (median), and says where the time beyond the kernels goes: the GPU's idle gap between the flush and
 the call's first kernel, and the gaps between the call's kernels (medians, from the profiler's kernel timestamps);
@@ -38,18 +39,21 @@ def matching(spec: str) -> list:
     return [case for name, cases in ALL_CASES.items() if not op or name == op for case in cases if part in case.name]
 
 
-def _mean_us(run, graph: bool) -> float:
-    """Mean microseconds per call of ``run`` from CUDA events, eager or as one captured call replayed."""
-    if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
-        run = g.replay
+def _captured(run):
+    """One call of ``run`` captured in a CUDA graph (after a warm-up call on a side stream): the graph's replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph.replay
+
+
+def _mean_us(run) -> float:
+    """Mean microseconds per call of ``run`` from CUDA events."""
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     run()
     start.record()
@@ -60,8 +64,11 @@ def _mean_us(run, graph: bool) -> float:
     return start.elapsed_time(stop) * 1000 / CALLS
 
 
-def kernel_times(run) -> tuple[dict[str, float], float]:
-    """(mean microseconds per call by kernel name, mean microseconds per call from CUDA events, eager)."""
+def kernel_times(run, graph: bool = False) -> tuple[dict[str, float], float]:
+    """(mean microseconds per call by kernel name, mean microseconds per call from CUDA events): eager calls, or with
+    ``graph`` replays of one captured call (the profiler sees the kernels a replay runs as it sees eager ones)."""
+    if graph:
+        run = _captured(run)
     for _ in range(3):
         run()
     torch.cuda.synchronize()
@@ -73,7 +80,7 @@ def kernel_times(run) -> tuple[dict[str, float], float]:
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             times[event.name] += event.device_time / CALLS
-    return dict(times), _mean_us(run, graph=False)
+    return dict(times), _mean_us(run)
 
 
 def after_flush(run, dirty: bool = True) -> tuple[float, float, float]:
@@ -113,20 +120,20 @@ def after_flush(run, dirty: bool = True) -> tuple[float, float, float]:
 
 def main(specs: list[str]) -> None:
     os.environ[CONTENT_CHECKS_ENV] = "0"
-    print("| op | case | kernel: us per call | kernels' sum | eager call | graph replay | after a flush: call us (gap "
-          "before, between) | after a reading flush |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| op | case | kernel: us per call | kernels' sum | in graph replay | eager call | graph replay | after a "
+          "flush: call us (gap before, between) | after a reading flush |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for spec in specs:
         for case in matching(spec):
             bench = case.setup(torch.device("cuda"))
             times, eager = kernel_times(bench.run)
-            graph = _mean_us(bench.run, graph=True)
+            replayed, graph = kernel_times(bench.run, graph=True)
             call, before, between = after_flush(bench.run)
             clean = after_flush(bench.run, dirty=False)
             kernels = ", ".join(f"{k[:40]} {t:.1f}" for k, t in sorted(times.items(), key=lambda kv: -kv[1]))
-            print(f"| {case.op} | {case.name} | {kernels} | {sum(times.values()):.1f} | {eager:.1f} | {graph:.1f} | "
-                  f"{call:.1f} ({before:.1f}, {between:.1f}) | {clean[0]:.1f} ({clean[1]:.1f}, {clean[2]:.1f}) |",
-                  flush=True)  # fmt: skip
+            print(f"| {case.op} | {case.name} | {kernels} | {sum(times.values()):.1f} | {sum(replayed.values()):.1f} | "
+                  f"{eager:.1f} | {graph:.1f} | {call:.1f} ({before:.1f}, {between:.1f}) | {clean[0]:.1f} "
+                  f"({clean[1]:.1f}, {clean[2]:.1f}) |", flush=True)  # fmt: skip
             del bench
             torch.cuda.empty_cache()
 
