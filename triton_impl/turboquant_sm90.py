@@ -269,8 +269,15 @@ def _code_pair_halves(x):
 # 16 bits ``prmt`` ignores (:func:`_byte_table`), and the byte-table lookup of 8 codes (:func:`_nibble_pairs`).
 PER_THREAD_ASM = gl.constexpr(
     "{ .reg .b32 s; mov.b32 s, %laneid; shl.b32 s, s, 16; or.b32 s, s, 0x3210; prmt.b32 $0, $1, 0, s; }")
+# Both lookups end alike: the low bytes (l0, l1) and high bytes (h0, h1) of 8 centroids interleaved into 4 fp16 pairs.
+_INTERLEAVE_PAIRS = """
+        prmt.b32 $0, l0, h0, 0x5140;
+        prmt.b32 $1, l0, h0, 0x7362;
+        prmt.b32 $2, l1, h1, 0x5140;
+        prmt.b32 $3, l1, h1, 0x7362;
+        }"""
 NIBBLE_PAIRS_ASM = gl.constexpr("""{
-        .reg .b32 s0, s1, y, m0, m1, a, b, lo0, hi0, lo1, hi1;
+        .reg .b32 s0, s1, y, m0, m1, a, b, l0, h0, l1, h1;
         and.b32 s0, $4, 0x77777777;
         shr.b32 s1, s0, 16;
         shl.b32 y, $4, 4;
@@ -278,21 +285,16 @@ NIBBLE_PAIRS_ASM = gl.constexpr("""{
         prmt.b32 m1, $4, y, 0xBFAE;
         prmt.b32 a, $5, $6, s0;
         prmt.b32 b, $7, $8, s0;
-        lop3.b32 lo0, a, b, m0, 0xD8;
+        lop3.b32 l0, a, b, m0, 0xD8;
         prmt.b32 a, $9, $10, s0;
         prmt.b32 b, $11, $12, s0;
-        lop3.b32 hi0, a, b, m0, 0xD8;
+        lop3.b32 h0, a, b, m0, 0xD8;
         prmt.b32 a, $5, $6, s1;
         prmt.b32 b, $7, $8, s1;
-        lop3.b32 lo1, a, b, m1, 0xD8;
+        lop3.b32 l1, a, b, m1, 0xD8;
         prmt.b32 a, $9, $10, s1;
         prmt.b32 b, $11, $12, s1;
-        lop3.b32 hi1, a, b, m1, 0xD8;
-        prmt.b32 $0, lo0, hi0, 0x5140;
-        prmt.b32 $1, lo0, hi0, 0x7362;
-        prmt.b32 $2, lo1, hi1, 0x5140;
-        prmt.b32 $3, lo1, hi1, 0x7362;
-        }""")
+        lop3.b32 h1, a, b, m1, 0xD8;""" + _INTERLEAVE_PAIRS)
 
 
 @gluon.jit
@@ -346,12 +348,7 @@ TRIPLE_PAIRS_ASM = gl.constexpr("""{
         prmt.b32 l0, $5, $6, z;
         prmt.b32 h0, $7, $8, z;
         prmt.b32 l1, $5, $6, zs;
-        prmt.b32 h1, $7, $8, zs;
-        prmt.b32 $0, l0, h0, 0x5140;
-        prmt.b32 $1, l0, h0, 0x7362;
-        prmt.b32 $2, l1, h1, 0x5140;
-        prmt.b32 $3, l1, h1, 0x7362;
-        }""")
+        prmt.b32 h1, $7, $8, zs;""" + _INTERLEAVE_PAIRS)
 
 
 @gluon.jit
@@ -1681,8 +1678,8 @@ def _store_values(v, slot, tile, cache_ptr, num_slots, stride_block, NUM_KV_HEAD
 
 @gluon.jit
 def _code_words(codes, BITS: gl.constexpr):
-    """Codes ``[64, HEAD_DIM]`` in the rotation's accumulator layout (column ``8b + 2t + e``: dimension ``32t + 2b
-    + e``) -> ``[64, t, q]``: thread ``t``'s group ``q`` of 8 codes (dimensions ``32t + 8q ..``), LSB first."""
+    """Codes ``[ROWS, HEAD_DIM]`` in the rotation's accumulator layout (column ``8b + 2t + e``: dimension ``32t + 2b
+    + e``) -> ``[ROWS, t, q]``: thread ``t``'s group ``q`` of 8 codes (dimensions ``32t + 8q ..``), LSB first."""
     ROWS: gl.constexpr = codes.shape[0]
     groups = gl.reshape(codes.to(gl.uint32), [ROWS, HEAD_DIM // 8, 4, 2])  # [row, b, t, e]
     groups = gl.reshape(gl.permute(groups, (0, 2, 1, 3)), [ROWS, 4, 4, 4, 2])  # [row, t, q, b', e]
