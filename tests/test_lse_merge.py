@@ -27,7 +27,7 @@ def _lse_pattern(shape: tuple[int, ...], gen: torch.Generator, p_empty: float, p
 
 
 def _poison_empty(o: torch.Tensor, lse: torch.Tensor) -> None:
-    """An empty state's output must add nothing: make it NaN so a kernel that lets it in fails."""
+    """An empty state's output is never read: make it NaN so a kernel that reads it fails."""
     o[~torch.isfinite(lse)] = float("nan")
 
 

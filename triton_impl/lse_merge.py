@@ -281,24 +281,17 @@ def _split_lses(base, start, num_splits, head_dim, stride_p_s, BLOCK_S: tl.const
 
 
 @triton.jit
-def _weighted_tile_sum(part, w):
-    """``sum_s w_s * partial_s`` of a ``[BLOCK_S, BLOCK_D]`` tile of partials (:func:`_split_tile`); a split of weight 0
-    (empty: its output may be anything, NaN included) adds nothing."""
-    return tl.sum(tl.where(w[:, None] > 0, part, 0.0) * w[:, None], axis=0)
-
-
-@triton.jit
-def _split_tile(base, start, num_splits, head_dim, stride_p_s, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                EVEN_D: tl.constexpr):  # fmt: skip
-    """The partial outputs of splits ``[start, start + BLOCK_S)`` in one ``[BLOCK_S, BLOCK_D]`` load (0 past the
-    last split and column). Not masked by the splits' weights, so that it is issued beside the loads of their LSEs
-    rather than one memory round trip after them."""
+def _weighted_tile_sum(base, start, w, head_dim, stride_p_s, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                       EVEN_D: tl.constexpr):  # fmt: skip
+    """``sum_s w_s * partial_s`` over splits ``[start, start + BLOCK_S)``, one ``[BLOCK_S, BLOCK_D]``
+    load: every row's loads are issued before the first is used. A split of weight 0 is not read."""
     s = start + tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    mask = s[:, None] < num_splits
+    mask = w[:, None] > 0
     if not EVEN_D:
         mask &= dims[None, :] < head_dim
-    return tl.load(base + s[:, None] * stride_p_s + dims[None, :], mask=mask, other=0.0)
+    part = tl.load(base + s[:, None] * stride_p_s + dims[None, :], mask=mask, other=0.0)
+    return tl.sum(part * w[:, None], axis=0)
 
 
 @triton.jit
@@ -322,11 +315,11 @@ def _merge_splits_kernel(
 
     Pass 1 reads the ``S`` LSEs (stored at column ``D`` of each split) and takes their max; pass 2
     reads ``BLOCK_S`` splits at a time, weighting each normalized partial by ``exp(lse_s - max)``.
-    Splits with ``lse = -inf`` are empty: their outputs, whatever they hold, add nothing. A NaN LSE (stage 1
+    Splits with ``lse = -inf`` are empty: their outputs are never loaded. A NaN LSE (stage 1
     poisons a split that met a block-table entry outside the cache) makes the whole (row, head)
     NaN, explicitly: a hardware max would drop the NaN.
 
-    The first ``BLOCK_S`` LSEs and their partials are loaded at once and kept for pass 2; with ``S <= BLOCK_S``
+    The first ``BLOCK_S`` LSEs are loaded once and kept for pass 2; with ``S <= BLOCK_S``
     (``MULTI_TILE`` false) there is no loop. ``EVEN_D``: ``D`` a multiple of ``BLOCK_D``, no column mask.
     """
     if WAIT_FOR_PRIMARY:
@@ -337,7 +330,6 @@ def _merge_splits_kernel(
     base = partials_ptr + row * stride_p_r + head * stride_p_h
 
     lse_first = _split_lses(base, 0, num_splits, head_dim, stride_p_s, BLOCK_S, LSE_COLS)
-    part_first = _split_tile(base + col0, 0, num_splits, head_dim - col0, stride_p_s, BLOCK_S, BLOCK_D, EVEN_D)
     poisoned = (lse_first != lse_first).to(tl.int32)
     m = _clean_lse(lse_first)
     if MULTI_TILE:
@@ -352,14 +344,13 @@ def _merge_splits_kernel(
 
     w = tl.exp(_clean_lse(lse_first) - m_safe)
     total = w
-    acc = _weighted_tile_sum(part_first, w)
+    acc = _weighted_tile_sum(base + col0, 0, w, head_dim - col0, stride_p_s, BLOCK_S, BLOCK_D, EVEN_D)
     if MULTI_TILE:
         for start in range(BLOCK_S, num_splits, BLOCK_S):
             lse_s = _split_lses(base, start, num_splits, head_dim, stride_p_s, BLOCK_S, LSE_COLS)
             w = tl.exp(_clean_lse(lse_s) - m_safe)
             total += w
-            acc += _weighted_tile_sum(_split_tile(base + col0, start, num_splits, head_dim - col0, stride_p_s,
-                                                  BLOCK_S, BLOCK_D, EVEN_D), w)  # fmt: skip
+            acc += _weighted_tile_sum(base + col0, start, w, head_dim - col0, stride_p_s, BLOCK_S, BLOCK_D, EVEN_D)
     w_sum = tl.sum(total, axis=0)
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, w_sum))
     inv = tl.where(poison, float("nan"), inv)
@@ -380,7 +371,7 @@ def merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> 
     """Merge the ``S`` split states of every (row, head): stage 2 of split-KV attention.
 
     ``partials[r, h, s, :D]`` is split ``s``'s normalized output and ``partials[r, h, s, D]`` its
-    natural-log LSE (``-inf`` for an empty split, whose outputs then add nothing, NaN included). Result as
+    natural-log LSE (``-inf`` for an empty split, whose outputs are then never read). Result as
     ``golden.lse_merge.merge_states``: all splits empty gives ``(0, -inf)``.
 
     Args:
@@ -388,7 +379,7 @@ def merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> 
         o: ``[R, H, D]`` fp32/fp16/bf16, written.
         lse: ``[R, H]`` fp32 (or the model dtype, as serving passes it), written.
 
-    Traffic: reads ``R*H*S`` LSEs and ``R*H*S*D`` partials (the first ``BLOCK_S`` splits' beside their LSEs);
+    Traffic: reads ``R*H*S`` LSEs and at most ``R*H*S*D`` partials (empty splits are skipped);
     writes ``R*H*(D+1)``.
     """
     device_index, stream = current_target()
