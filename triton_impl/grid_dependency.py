@@ -19,17 +19,37 @@ The rules this package keeps:
   of them. The split merge waits before anything.
 - Both instructions are no-ops in a kernel launched plainly, so a kernel carries them whether or not a call
   launches it with PDL. CUDA graphs capture PDL launches as programmatic edges: a replay keeps the overlap.
+- Only while a CUDA graph is being captured (:class:`WhenCaptured`). Eager calls launched with PDL on the H200
+  (driver of CUDA 13, Triton 3.6's launcher) stopped overlapping the host's launches with the GPU's work: back to
+  back, a call took the host's time plus the GPU's (MLA decode B=8 H=16 L=4K 48-50 us, its graph replay 19.7;
+  TurboQuant 4-bit decode B=8 L=4K 64-69 us, replay 31.3), where plain launches take the longer of the two.
 
 :func:`supported` says where the launches ask for it; the interpreter never does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from triton_impl.launch import device_arch
+
+
+class WhenCaptured:
+    """A launch taken plainly (``plain``) or, while the current stream is capturing a CUDA graph, with PDL
+    (``overlapped``: the same kernel, arguments and grid), called as either: ``(stream, *arguments)``."""
+
+    __slots__ = ("overlapped", "plain")
+
+    def __init__(self, plain: Callable[..., None], overlapped: Callable[..., None]) -> None:
+        self.plain, self.overlapped = plain, overlapped
+
+    def __call__(self, stream: int | None, *args: Any) -> None:
+        (self.overlapped if torch.cuda.is_current_stream_capturing() else self.plain)(stream, *args)
 
 
 def supported(device: torch.device) -> bool:

@@ -430,8 +430,9 @@ def _merge_splits_launch_args(
         "MULTI_TILE": num_splits > block_s,
         "num_warps": config["num_warps"],
     }
+    constexprs["WAIT_FOR_PRIMARY"] = dependent  # passed either way: a defaulted constexpr misses Launch's fast path
     if dependent:
-        constexprs |= {"WAIT_FOR_PRIMARY": True, "launch_pdl": True}
+        constexprs["launch_pdl"] = True
     return (rows, num_heads, cdiv(width - 1, block_d)), tail, constexprs
 
 
@@ -440,11 +441,14 @@ def merge_splits_launch(rows: int, partials: torch.Tensor, o: torch.Tensor, lse:
     called with ``(stream, partials, o, lse)``: a :class:`~triton_impl.launch.Launch`, or
     ``no_launch`` when there is no row or head. Stage 2 of the plans of ``decode_attention``,
     ``mla_verify`` and ``turboquant``: where the device takes it (``grid_dependency.supported``), launched
-    with PDL, so that it starts under its stage 1's last programs."""
+    with PDL while a CUDA graph is being captured, so that it starts under its stage 1's last programs."""
     if rows == 0 or partials.shape[1] == 0:
         return no_launch
-    dependent = grid_dependency.supported(partials.device)
-    return Launch(_merge_splits_kernel, *_merge_splits_launch_args(rows, partials, o, lse, dependent))
+    plain = Launch(_merge_splits_kernel, *_merge_splits_launch_args(rows, partials, o, lse))
+    if not grid_dependency.supported(partials.device):
+        return plain
+    return grid_dependency.WhenCaptured(plain, Launch(_merge_splits_kernel, *_merge_splits_launch_args(
+        rows, partials, o, lse, dependent=True)))  # fmt: skip
 
 
 def launch_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:

@@ -1295,7 +1295,7 @@ class _DescribedLaunch(NamedTuple):
     query, kv_cache, block_table, seq_lens, centroids, mid_o``), it looks the cache's descriptors up by its address
     and passes them after those tensors."""
 
-    launch: Launch
+    launch: Callable[..., None]  # a Launch, or a grid_dependency.WhenCaptured of two
     descriptors: DescriptorsByAddress
     geometry: tuple
 
@@ -1378,8 +1378,8 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
     shape = dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=layout["key_data_bytes"],
                  VALUE_BITS=value_quant_bits, SLOT_BYTES=layout["data_bytes_per_slot"], NUM_KV_HEADS=num_kv_heads,
                  BLOCK_SIZE=block_size, FP16_OPERANDS=config.get("FP16_OPERANDS", 0))  # fmt: skip
-    # The TMA kernels after the query's rotation (MSE keys) are launched with PDL: their set-up and first copies run
-    # under the rotation, and they wait for the rotated query alone (triton_impl.grid_dependency).
+    # The TMA kernels after the query's rotation (MSE keys) are launched with PDL in a CUDA graph's capture: their
+    # set-up runs under the rotation, and they wait for the rotated query alone (triton_impl.grid_dependency).
     dependent = bool(tma) and not key_fp8 and grid_dependency.supported(device)
     if tma:  # the sm_90 fast paths whose chunks are copied by TMA (one-warp programs, or per-warp streams of a
         # program): the cache's descriptors looked up by its address at each call
@@ -1393,12 +1393,14 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         else:
             kernel = turboquant_sm90.decode_stage1_streams_kernel
             options = turboquant_sm90.launch_options(group, turboquant_sm90.STREAMS_LAUNCH_REGS)
-        options |= {"launch_pdl": True} if dependent else {}
-        stage1 = _DescribedLaunch(Launch(kernel, grid, (
-            float(scale), num_splits, num_blocks, table_keys, q_slot or 0, kv_cache.stride(0), *query.stride()[:2],
-            *table_2d.stride(), *mid_o.stride()[:3],
-        ), dict(shape, STAGES=max(2, config.get("GLUON_STAGES", 0)), **options)),
-            DescriptorsByAddress(turboquant_sm90.descriptors), geometry)  # fmt: skip
+        tail = (float(scale), num_splits, num_blocks, table_keys, q_slot or 0, kv_cache.stride(0), *query.stride()[:2],
+                *table_2d.stride(), *mid_o.stride()[:3])  # fmt: skip
+        constexprs = dict(shape, STAGES=max(2, config.get("GLUON_STAGES", 0)), **options)
+        launch_tma = Launch(kernel, grid, tail, constexprs)
+        if dependent:
+            launch_tma = grid_dependency.WhenCaptured(launch_tma, Launch(kernel, grid, tail, constexprs | {
+                "launch_pdl": True}))  # fmt: skip
+        stage1 = _DescribedLaunch(launch_tma, DescriptorsByAddress(turboquant_sm90.descriptors), geometry)
     elif gluon:  # the sm_90 fast path (triton_impl/turboquant_sm90.py): the same partials, operands built in place
         stage1 = Launch(turboquant_sm90.decode_stage1_kernel, grid, (
             float(scale), num_splits, num_blocks, table_keys, kv_cache.stride(0), *query.stride()[:2],

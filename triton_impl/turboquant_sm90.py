@@ -1233,6 +1233,11 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     value_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[4]
     CHUNK_BYTES: gl.constexpr = 16 * _box_bytes(KEY_DATA_BYTES, SLOT_BYTES, VALUE_BITS)
     kv_head = gl.program_id(1)
+    # Launched with PDL after the query's rotation (MSE keys), the split's bounds and block checks overlap it; the
+    # rotated query is that kernel's output (triton_impl.grid_dependency).
+    wait_for_primary()
+    q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps,
+                                query_slot, KV_GROUP, KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
     pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
     num_chunks = gl.where(end > start, gl.cdiv(end - tile, 16), 0)
     count = gl.maximum(num_chunks - stream + STRIDE - 1, 0) // STRIDE  # this stream's chunks
@@ -1247,11 +1252,6 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
                          VALUE_BITS)  # fmt: skip
     # The block of the chunk each iteration refills its stage with is read an iteration ahead.
     ahead = _page(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * STAGES), end, num_blocks, BLOCK_SIZE)
-    # Launched with PDL after the query's rotation (MSE keys), everything above overlaps it; the rotated query is
-    # that kernel's output (triton_impl.grid_dependency).
-    wait_for_primary()
-    q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps,
-                                query_slot, KV_GROUP, KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
 
     score_scale = sm_scale * _LOG2E
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
