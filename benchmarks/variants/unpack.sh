@@ -17,7 +17,8 @@ for name in "${names[@]}"; do
   base=${VARIANT_BASE:-${base:-HEAD}}
   for file in $(git apply --numstat "$patch" | cut -f3); do
     mkdir -p "variants/$name/$(dirname "$file")"
-    git show "$base:$file" > "variants/$name/$file"
+    # a file the patch creates is not at the base: git apply writes it
+    git cat-file -e "$base:$file" 2>/dev/null && git show "$base:$file" > "variants/$name/$file"
   done
   git apply --unsafe-paths --directory="variants/$name" "$patch"
   echo "variants/$name (from $base): $(git apply --numstat "$patch" | cut -f3 | tr '\n' ' ')"
