@@ -127,7 +127,9 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # PiT. Nsight Compute (4-bit, 2026-12-02) had the store at 2.84 warps a scheduler, 12.4% of its samples waiting for
 # the tile's key loads: 8 warps at GLUON_MAXNREG 128 fit two programs a SM (16 warps, 2 x 65 KiB of shared memory),
 # where Triton 3.6 spills 504 bytes a thread (40 reloads a tile); with GLUON_EARLY_VALUES 0 (each tile's values
-# loaded where they are quantized, not at its start) 48 bytes. Neither timed yet.
+# loaded where they are quantized, not at its start) 48 bytes. Both slower on the H200 (1M tokens x 8 KV heads, one
+# call against this entry): 4-bit 2.804 -> 3.556 ms (values first) / 3.180 (values late), k3v4 2.778 -> 3.312 / 3.188,
+# 3-bit 2.652 -> 3.192 / 3.074.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
     "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1, "GLUON": 1,
