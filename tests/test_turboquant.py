@@ -1655,8 +1655,9 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
         assert stack <= spill and registers <= 168 and 64 * 1024 <= shared <= 72 * 1024, row
         assert not flushing, row
     # 8 warps a program at 128 registers: two programs a SM in registers and shared memory (one PiT each). The stack
-    # they spill to is what a GPU run must weigh against the warps they gain: with the values loaded at the tile's
-    # start, 336-528 bytes under Triton 3.6 and 728-840 under 3.9; loaded where they are quantized, 48-64 and 400-496.
+    # they spill to outweighed the warps they gain on the H200 (13-27% slower than the entry, turboquant.py's
+    # STORE_CONFIGS): with the values loaded at the tile's start, 336-528 bytes under Triton 3.6 and 728-840 under
+    # 3.9; loaded where they are quantized, 48-64 and 400-496.
     late = 64 if triton.__version__.startswith("3.6") else 512
     for row in (row for row in rows if row[0] == "store8"):
         registers, stack, shared, early = row[3:]
