@@ -979,17 +979,17 @@ def data_row(key_bytes):
 
 
 @gluon.constexpr_function
-def separate_values(key_bytes, slot_bytes):
-    """Whether a token's 64 value bytes come as a box of their own (FP8 and 3-bit keys): they are not at a 64-byte
-    offset inside the data box, and a slice of a swizzled row must start on a swizzle tile."""
-    return int(key_bytes) + 64 > data_row(key_bytes) or int(slot_bytes) > 128
+def separate_values(key_bytes, slot_bytes, value_bits=4):
+    """Whether a token's 64 value bytes come as a box of their own (4-bit values after FP8 and 3-bit keys): they are
+    not at a 64-byte offset inside the data box, and a slice of a swizzled row must start on a swizzle tile. 3-bit
+    values have no box (they are loaded into registers)."""
+    return int(value_bits) == 4 and (int(key_bytes) + 64 > data_row(key_bytes) or int(slot_bytes) > 128)
 
 
 @gluon.constexpr_function
 def _box_bytes(key_bytes, slot_bytes, value_bits=4):
-    """Bytes a chunk's boxes bring a token: its data box, its value box if separate (4-bit values: 3-bit ones are
-    loaded into registers), and its metadata rows."""
-    values = 64 if separate_values(key_bytes, slot_bytes) and int(value_bits) == 4 else 0
+    """Bytes a chunk's boxes bring a token: its data box, its value box if separate, and its metadata rows."""
+    values = 64 if separate_values(key_bytes, slot_bytes, value_bits) else 0
     return data_row(key_bytes) + values + int(TMA_META_ROWS) * int(TMA_FIELDS_BYTES)
 
 
@@ -1178,7 +1178,7 @@ def _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, bar, buff
     position = (chunk_start.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
     column = kv_head * SLOT_BYTES
     _tma_load(data_desc, [page, position, column], bar, data.index(buffer))
-    if separate_values(KEY_DATA_BYTES, SLOT_BYTES) and VALUE_BITS == 4:
+    if separate_values(KEY_DATA_BYTES, SLOT_BYTES, VALUE_BITS):
         _tma_load(value_desc, [page, position, column + KEY_DATA_BYTES], bar, values.index(buffer))
     _tma_load(meta_desc, [page, kv_head * NUM_FIELDS, position], bar, meta.index(buffer))
 
@@ -1191,7 +1191,7 @@ def _chunk_ring(BUFFERS: gl.constexpr, data_desc, value_desc, meta_desc, KEY_DAT
     not copied (3-bit values)."""
     data = gl.allocate_shared_memory(gl.uint8, [BUFFERS, 1, 16, data_row(KEY_DATA_BYTES)], data_desc.layout)
     values = data
-    if separate_values(KEY_DATA_BYTES, SLOT_BYTES) and VALUE_BITS == 4:
+    if separate_values(KEY_DATA_BYTES, SLOT_BYTES, VALUE_BITS):
         values = gl.allocate_shared_memory(gl.uint8, [BUFFERS, 1, 16, 64], value_desc.layout)
     meta = gl.allocate_shared_memory(gl.float16, [BUFFERS, 1, TMA_META_ROWS, 16], meta_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -1639,14 +1639,13 @@ def _tile_rows(tile, RANK: gl.constexpr, LAYOUT: gl.constexpr, WARPS: gl.constex
 
 
 @gluon.jit
-def _store_values(v, slot, tile, cache_ptr, num_slots, stride_block, NUM_KV_HEADS: gl.constexpr,
+def _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS: gl.constexpr,
                   BLOCK_SIZE: gl.constexpr, SLOT_BYTES: gl.constexpr, KEY_DATA_BYTES: gl.constexpr,
                   VALUE_BITS: gl.constexpr, WIDE_SLOTS: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
-    """One tile's values ``v`` (fp32, :func:`_value_layout`) min-max quantized as the portable store does it, into
-    slots ``slot``."""
+    """One tile's values ``v`` (fp32, :func:`_value_layout`; rows ``row``, :func:`_tile_rows`) min-max quantized as
+    the portable store does it, into slots ``slot``."""
     layout: gl.constexpr = _value_layout(WARPS)
     ROWS: gl.constexpr = 16 * WARPS
-    row = _tile_rows(tile, 5, layout, WARPS)
     t = _iota(4, 3, 5, layout)
     ok, data, meta = _slot_offsets(slot, row, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
                                    WIDE_SLOTS)  # fmt: skip
@@ -1776,16 +1775,16 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
     # where they are quantized, they are not held through the keys' work: at 8 warps and 128 registers (Triton 3.6,
     # 4-bit) 48 bytes of stack and 9 reloads or spills a tile, against 504 and 71 read first.
     for tile in range(gl.program_id(0), gl.cdiv(num_rows, ROWS), gl.num_programs(0)):
+        value_rows = _tile_rows(tile, 5, value_layout, WARPS)
         if EARLY_VALUES:
-            v = _row_loads(value_ptr, _tile_rows(tile, 5, value_layout, WARPS), num_rows, value_dim, stride_vt,
-                           stride_vh, NUM_KV_HEADS)  # fmt: skip
+            v = _row_loads(value_ptr, value_rows, num_rows, value_dim, stride_vt, stride_vh, NUM_KV_HEADS)
         k = _row_loads(key_ptr, _tile_rows(tile, 6, key_layout, WARPS), num_rows, key_dim, stride_kt, stride_kh,
                        NUM_KV_HEADS)  # fmt: skip
         # The tile's slots in each layout that writes (key codes, metadata, values): three loads from L1, not
         # two layout conversions through shared memory.
         slot_k = _slots(slot_ptr, tile * ROWS + _iota(ROWS, 0, 3, words_layout), num_rows, NUM_KV_HEADS)
         slot_m = _slots(slot_ptr, tile * ROWS + gl.arange(0, ROWS, layout=rows), num_rows, NUM_KV_HEADS)
-        slot_v = _slots(slot_ptr, _tile_rows(tile, 5, value_layout, WARPS), num_rows, NUM_KV_HEADS)
+        slot_v = _slots(slot_ptr, value_rows, num_rows, NUM_KV_HEADS)
         k = gl.reshape(k, [WARPS, 2, 8, 4, 4, 2, 2, 2])  # i = 4 c2 + 2 h + e, chunk c = 2j + c2
         k = gl.permute(k, (0, 1, 2, 4, 5, 6, 3, 7))  # [row: warp, half, quad | K: j, c2, h, t, e]
         k = gl.convert_layout(gl.reshape(k, [ROWS, HEAD_DIM]), dot_a)
@@ -1821,7 +1820,6 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
         gl.store((cache_ptr + m_at).to(gl.pointer_type(gl.uint16)), _fp16_bits(norm), mask=m_ok)
 
         if not EARLY_VALUES:
-            v = _row_loads(value_ptr, _tile_rows(tile, 5, value_layout, WARPS), num_rows, value_dim, stride_vt,
-                           stride_vh, NUM_KV_HEADS)  # fmt: skip
-        _store_values(v.to(gl.float32), slot_v, tile, cache_ptr, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE,
-                      SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS, WARPS)  # fmt: skip
+            v = _row_loads(value_ptr, value_rows, num_rows, value_dim, stride_vt, stride_vh, NUM_KV_HEADS)
+        _store_values(v.to(gl.float32), slot_v, value_rows, cache_ptr, num_slots, stride_block, NUM_KV_HEADS,
+                      BLOCK_SIZE, SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS, WARPS)  # fmt: skip
