@@ -119,10 +119,12 @@ def gluon_decode(preset: str) -> None:
     fp16_operands = bool(config.get("FP16_OPERANDS"))
     warp = bool(config.get("GLUON_WARP")) and turboquant_sm90.streams_supports(
         key_bits=key_bits, value_bits=value_bits, group=4, fp16_operands=fp16_operands, cache_address=0, one_warp=True)
+    step = ttq.warp_stages(config)["STEP"] if warp else 1
     if warp:
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,
-                                                  maxnreg=config["WARP_MAXNREG"], stages=config["GLUON_STAGES"],
-                                                  fp16_operands=fp16_operands, warp=True)
+                                                  maxnreg=config["WARP_MAXNREG"],
+                                                  stages=ttq.warp_stages(config)["STAGES"], step=step,
+                                                  fp16_operands=fp16_operands, warp=True)  # fmt: skip
     else:
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,
                                                   maxnreg=config.get("GLUON_MAXNREG"),
@@ -130,8 +132,9 @@ def gluon_decode(preset: str) -> None:
                                                                                 key_bits, value_bits),
                                                   fp16_operands=fp16_operands)  # fmt: skip
     count, mix, memory, moves = _loop_mix(kernel.asm["cubin"], "HMMA")
-    per_key = 1 / 16 if warp else int(turboquant_sm90.NUM_WARPS) / int(turboquant_sm90.BLOCK_N)
-    print(f"decode {preset} Gluon stage 1 ({'one warp, 16-key chunks' if warp else '4 warps, 64-key tiles'}): "
+    per_key = 1 / (16 * step) if warp else int(turboquant_sm90.NUM_WARPS) / int(turboquant_sm90.BLOCK_N)
+    shape = f"one warp, {step} 16-key chunks an iteration" if warp else "4 warps, 64-key tiles"
+    print(f"decode {preset} Gluon stage 1 ({shape}): "
           f"{_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
           f"{count} instructions per warp per iteration = {count * per_key:.1f} warp instructions per key and KV head, "
           f"{moves} of them moves of a uniform register; {mix}; memory and barriers {memory}")  # fmt: skip

@@ -373,6 +373,64 @@ def test_descriptors_are_remembered_by_address_without_the_cache(monkeypatch: py
     assert freed() is None
 
 
+def test_descriptor_launcher_passes_what_triton_s_wrapper_passes_encoding_each_descriptor_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """``launch._DescriptorLauncher`` against a model of Triton 3.6's launcher (``wrap_handle_tensordesc``: a Python
+    function closing over the C ``launcher``, the descriptor indices and their metadata, which encodes every
+    descriptor on every call): the C launcher gets the same arguments, each descriptor is encoded once over repeated
+    calls, a launcher of another shape is declined, and so is one with a descriptor past the varying arguments."""
+    from triton.backends.nvidia import driver as nvidia
+
+    encoded: list = []
+
+    def encode(desc, meta):
+        encoded.append(desc)
+        return [("map", desc, meta), 7, 8, 1]
+
+    monkeypatch.setattr(nvidia, "make_tensordesc_arg", encode)
+    monkeypatch.setattr(nvidia, "_BASE_ARGS_FORMAT", "iiiKKppOOOOOO", raising=False)
+
+    def wrap(launcher, indices, tensordesc_meta):  # Triton 3.6's wrapper, its names and argument order
+        tensordesc_indices = set(indices)
+
+        def inner(*args):
+            final_args = list(args[:13])
+            tensordesc_idx = 0
+            for i, arg in enumerate(args[13:]):
+                if i in tensordesc_indices:
+                    final_args.extend(encode(arg, tensordesc_meta[tensordesc_idx]))
+                    tensordesc_idx += 1
+                else:
+                    final_args.append(arg)
+            return launcher(*final_args)
+
+        return inner
+
+    class Run:  # a CompiledKernel's run, as Triton 3.6 builds it
+        def __init__(self, indices, scratch=0):
+            self.calls: list = []
+            self.launch = wrap(lambda *args: self.calls.append(args), indices, ["m1", "m2"])
+            self.global_scratch_size, self.profile_scratch_size = scratch, 0
+            self.launch_cooperative_grid, self.launch_pdl = False, True
+
+        def __call__(self, gx, gy, gz, stream, function, *args):
+            self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None, *args)
+
+    head, params = ("q", "cache", object(), object()), (3, 16)
+    reference, mine = Run([2, 3]), Run([2, 3])
+    fast = launch._DescriptorLauncher.of(mine, len(head))
+    assert fast is not None
+    for _ in range(3):
+        reference(4, 8, 2, 99, "fn", "packed", None, None, None, *head, *params)
+        fast(4, 8, 2, 99, "fn", "packed", head, params)
+    assert mine.calls == reference.calls and len(mine.calls) == 3
+    assert encoded.count(head[2]) == 4 and encoded.count(head[3]) == 4  # 3 by the reference, 1 by the fast path
+    assert launch._DescriptorLauncher.of(Run([2, 3], scratch=64), len(head)) is None
+    assert launch._DescriptorLauncher.of(Run([2, 5]), len(head)) is None
+    monkeypatch.setattr(nvidia, "_BASE_ARGS_FORMAT", "iiiKKOOOO")
+    assert launch._DescriptorLauncher.of(Run([2, 3]), len(head)) is None
+
+
 def test_the_interpreter_builds_descriptors_on_the_cache_itself() -> None:
     """Under the interpreter (which reads the cache through the descriptor) every call builds them on the tensor."""
     by_address = DescriptorsByAddress(dec.tma_descriptors)

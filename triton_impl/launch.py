@@ -29,6 +29,7 @@ stream with :func:`current_target`.
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -213,6 +214,58 @@ def _hook_active(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+class _DescriptorLauncher:
+    """Triton 3.6's launcher of a kernel with tensor-descriptor parameters, without the per-call encoding of each
+    descriptor. Triton wraps the C launcher in a Python function that, on every call, walks the arguments and
+    encodes each descriptor into a ``CUtensorMap`` (``make_tensordesc_arg``: a ``cuTensorMapEncodeTiled``) followed
+    by its shape and strides. A descriptor that a :class:`DescriptorsByAddress` hands out again encodes to the same
+    bytes, so its encoding is kept here, by the descriptor object (held, so its id stays its own), and the C launcher
+    is called directly. :meth:`of` returns None where the launcher is not the one this mirrors (another Triton, a
+    kernel with scratch memory, no descriptor among the varying arguments): those launches keep Triton's path."""
+
+    __slots__ = ("_base", "_encode", "_encoded", "_launch", "_meta_at")
+
+    def __init__(self, launch: Callable, base: tuple, meta_at: dict[int, Any], encode: Callable) -> None:
+        self._launch, self._base, self._meta_at, self._encode = launch, base, meta_at, encode
+        self._encoded: dict[int, tuple[Any, list]] = {}
+
+    @classmethod
+    def of(cls, run: Any, heads: int) -> _DescriptorLauncher | None:
+        """The launcher of ``run`` (a ``CompiledKernel.run``) whose descriptors are among its first ``heads``
+        arguments, or None."""
+        try:
+            from triton.backends.nvidia import driver as nvidia
+
+            free = inspect.getclosurevars(run.launch).nonlocals
+        except (ImportError, AttributeError, TypeError):
+            return None
+        launch, indices, metas = free.get("launcher"), free.get("tensordesc_indices"), free.get("tensordesc_meta")
+        encode = getattr(nvidia, "make_tensordesc_arg", None)
+        if launch is None or not indices or not metas or encode is None:
+            return None
+        if getattr(nvidia, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO" or max(indices) >= heads:
+            return None
+        if run.global_scratch_size or run.profile_scratch_size or any(meta is None for meta in metas):
+            return None
+        return cls(launch, (run.launch_cooperative_grid, run.launch_pdl, None, None), dict(zip(sorted(indices), metas)),
+                   encode)  # fmt: skip
+
+    def __call__(self, gx: int, gy: int, gz: int, stream: int | None, function: Any, packed: Any, head: tuple,
+                 params: tuple) -> None:  # fmt: skip
+        args = []
+        for position, arg in enumerate(head):
+            meta = self._meta_at.get(position)
+            if meta is None:
+                args.append(arg)
+                continue
+            found = self._encoded.get(id(arg))
+            if found is None:
+                found = (arg, self._encode(arg, meta))
+                _remember(self._encoded, id(arg), found)
+            args.extend(found[1])
+        self._launch(gx, gy, gz, stream, function, *self._base, packed, None, None, None, *args, *params)
+
+
 class Launch:
     """``kernel[grid](*head, *tail, **constexprs)`` with ``grid``, ``tail`` and ``constexprs`` fixed.
 
@@ -222,15 +275,17 @@ class Launch:
     calls go straight to its launcher. So every fact Triton specializes ``head`` on (dtype and
     16-byte alignment of each tensor, the value of anything else) and the current device must be
     those of the first call: the public wrappers keep one ``Launch`` per such key (their plans).
-    Under the interpreter every call is ``kernel[grid](...)``.
+    Under the interpreter every call is ``kernel[grid](...)``. A kernel with tensor descriptors among ``head``
+    launches through a :class:`_DescriptorLauncher` where Triton's launcher allows it (each descriptor encoded once).
     """
 
-    __slots__ = ("_compiled", "_constexprs", "_grid", "_kernel", "_launcher", "_params", "_tail")
+    __slots__ = ("_compiled", "_constexprs", "_described", "_grid", "_kernel", "_launcher", "_params", "_tail")
 
     def __init__(self, kernel: Any, grid: tuple[int, ...], tail: tuple, constexprs: dict[str, Any]) -> None:
         self._kernel, self._grid, self._tail, self._constexprs = kernel, grid, tail, constexprs
         self._compiled: Any = None
         self._launcher: tuple = ()  # (run, grid x, y, z, function, packed metadata), once compiled
+        self._described: _DescriptorLauncher | None = None
         self._params: tuple = ()  # tail, then the constexpr values in signature order
 
     @property
@@ -245,7 +300,10 @@ class Launch:
         run, gx, gy, gz, function, packed = self._launcher
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         if not (_hook_active(enter) or _hook_active(leave)):  # no launch hook: no metadata for one
-            run(gx, gy, gz, stream, function, packed, None, None, None, *head, *self._params)
+            if self._described is not None:
+                self._described(gx, gy, gz, stream, function, packed, head, self._params)
+            else:
+                run(gx, gy, gz, stream, function, packed, None, None, None, *head, *self._params)
         else:
             params = (*head, *self._params)
             metadata = self._compiled.launch_metadata((gx, gy, gz), stream, *params)
@@ -264,6 +322,7 @@ class Launch:
             self._compiled = compiled
             # Loaded by the launch above: the launcher, and the function handle it launches.
             self._launcher = (compiled.run, *(*self._grid, 1, 1)[:3], compiled.function, compiled.packed_metadata)
+            self._described = _DescriptorLauncher.of(compiled.run, len(head))
         if on_launch is not None:
             on_launch(compiled)
 

@@ -232,7 +232,8 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "sm90": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 1, "JOIN_UNPACK": 1,
              "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
              "GLUON_MAXNREG": 96, "SPLIT_ROUNDS": 4, "PROGRAMS_PER_SM": 16, "GLUON_STAGES": 3, "ROTATE_TF32X3": 1,
-             "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 104, "WARP_MAXNREG_v3": 128},
+             "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 128, "WARP_STEP": 2,
+             "WARP_STAGES": 4, "WARP_STEP_v3": 1, "WARP_STAGES_v3": 3},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -264,6 +265,13 @@ def decode_num_splits(max_num_kv_splits: int, batch: int, num_kv_heads: int, dev
     splits = stage1_splits(max_num_kv_splits, batch * num_kv_heads, sm_count, config)
     slot = query_slot(config, max_num_kv_splits, key_bits, value_bits)
     return min(splits, slot) if slot else splits
+
+
+def warp_stages(config: dict[str, int]) -> dict[str, int]:
+    """``STAGES`` and ``STEP`` of ``turboquant_sm90.decode_stage1_warp_kernel`` under a decode entry: ``WARP_STAGES``
+    chunk buffers (else ``GLUON_STAGES``, at least 2) and ``WARP_STEP`` chunks an iteration (else 1)."""
+    return {"STAGES": config.get("WARP_STAGES", max(2, config.get("GLUON_STAGES", 0))),
+            "STEP": config.get("WARP_STEP", 1)}
 
 
 def query_slot(config: dict[str, int], max_num_kv_splits: int, key_bits: int, value_bits: int) -> int | None:
@@ -1384,13 +1392,15 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         if config.get("GLUON_WARP"):
             kernel = turboquant_sm90.decode_stage1_warp_kernel
             options = turboquant_sm90.launch_options(group, config["WARP_MAXNREG"], warps=1)
+            options |= warp_stages(config)
         else:
             kernel = turboquant_sm90.decode_stage1_streams_kernel
             options = turboquant_sm90.launch_options(group, turboquant_sm90.STREAMS_LAUNCH_REGS)
+            options["STAGES"] = max(2, config.get("GLUON_STAGES", 0))
         stage1 = _DescribedLaunch(Launch(kernel, grid, (
             float(scale), num_splits, num_blocks, table_keys, q_slot or 0, kv_cache.stride(0), *query.stride()[:2],
             *table_2d.stride(), *mid_o.stride()[:3],
-        ), dict(shape, STAGES=max(2, config.get("GLUON_STAGES", 0)), **options)),
+        ), dict(shape, **options)),
             DescriptorsByAddress(turboquant_sm90.descriptors), geometry)  # fmt: skip
     elif gluon:  # the sm_90 fast path (triton_impl/turboquant_sm90.py): the same partials, operands built in place
         stage1 = Launch(turboquant_sm90.decode_stage1_kernel, grid, (

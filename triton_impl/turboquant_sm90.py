@@ -152,12 +152,12 @@ def launch_options(group: int, maxnreg: int | None, warps: int = int(NUM_WARPS))
 
 def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, block_size: int = 16,
                      maxnreg: int | None = None, stages: int = 0, fp16_operands: bool = False,
-                     streams: bool = False, warp: bool = False) -> Any:  # fmt: skip
+                     streams: bool = False, warp: bool = False, step: int = 1) -> Any:  # fmt: skip
     """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a launch of the bench's
     shapes is (16-byte aligned pointers, the integer arguments that are multiples of 16 marked so, the
     block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``.
     ``streams``: :func:`decode_stage1_streams_kernel` (``stages`` chunk buffers a stream); ``warp``:
-    :func:`decode_stage1_warp_kernel`; else :func:`decode_stage1_kernel`."""
+    :func:`decode_stage1_warp_kernel` (``step`` chunks an iteration); else :func:`decode_stage1_kernel`."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -176,6 +176,8 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
                       SLOT_BYTES=key_bytes + 16 * value_bits,
                       NUM_KV_HEADS=8, BLOCK_SIZE=block_size, STAGES=stages, FP16_OPERANDS=int(fp16_operands),
                       stride_btc=1)  # fmt: skip
+    if warp:
+        constexprs["STEP"] = step
     options = launch_options(group, maxnreg, warps=1 if warp else int(NUM_WARPS))
     constexprs["BLOCK_H"] = options.pop("BLOCK_H")
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "sm_scale" else "i32")
@@ -253,6 +255,20 @@ def _f16_halves(x):
     """uint32 -> its two fp16 halves (low, high): a register reinterpretation, no instruction."""
     return gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [x], dtype=(gl.float16, gl.float16),
                                      is_pure=True, pack=1)  # fmt: skip
+
+
+@gluon.constexpr_function
+def masked_codes_asm(mask):
+    """Inline PTX of ``(x & mask) | 0x64006400`` as one ``lop3`` (``and`` then ``or`` are two instructions, as ptxas
+    keeps both constants as immediates; this way one of them is held in a register): the value codes under ``mask`` in
+    place, each 16-bit half an fp16 of ``1024`` plus its masked bits (:func:`_value_operand`)."""
+    return f"lop3.b32 $0, $1, {int(mask):#x}, 0x64006400, 0xEA;"
+
+
+@gluon.jit
+def _masked_codes(x, MASK: gl.constexpr):
+    """uint32 ``(x & MASK) | 0x64006400`` in one instruction (:func:`masked_codes_asm`)."""
+    return gl.inline_asm_elementwise(masked_codes_asm(MASK), "=r,r", [x], dtype=gl.uint32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -500,10 +516,10 @@ def _value_operand(w, VALUE_BITS: gl.constexpr):
     low: gl.constexpr = ((1 << VALUE_BITS) - 1) * 0x10001
     high: gl.constexpr = low << VALUE_BITS
     rest = pair >> 2 * VALUE_BITS
-    c0lo, c0hi = _code_pair_halves((pair & low) | 0x64006400)  # code r of each key: dimension 4 quad + r
-    c1lo, c1hi = _code_pair_halves((pair & high) | 0x64006400)  # 2^VALUE_BITS times code 1
-    c2lo, c2hi = _code_pair_halves((rest & low) | 0x64006400)
-    c3lo, c3hi = _code_pair_halves((rest & high) | 0x64006400)  # 2^VALUE_BITS times code 3
+    c0lo, c0hi = _code_pair_halves(_masked_codes(pair, low))  # code r of each key: dimension 4 quad + r
+    c1lo, c1hi = _code_pair_halves(_masked_codes(pair, high))  # 2^VALUE_BITS times code 1
+    c2lo, c2hi = _code_pair_halves(_masked_codes(rest, low))
+    c3lo, c3hi = _code_pair_halves(_masked_codes(rest, high))  # 2^VALUE_BITS times code 3
     r0 = gl.join(gl.join(c0lo, c0hi), gl.join(c1lo, c1hi))  # [..., e, h]: r = h + 2m
     r1 = gl.join(gl.join(c2lo, c2hi), gl.join(c3lo, c3hi))
     v = gl.join(r0, r1)  # [warp, quad, t, c, j, e, h, m]
@@ -1054,31 +1070,38 @@ def descriptors(cache: Any, geometry: tuple) -> tuple[Any, Any, Any]:
 
 
 @gluon.constexpr_function
-def _tma_key_layout(words):
-    """``[16 keys, 4 words]`` words of a chunk buffer read by one warp as :func:`_key_words` holds them: key ``8 half
-    + quad``, thread ``t``'s words ``words t ..`` (``words`` 4 for 4-bit keys, 8 for FP8)."""
+def _chunk_bases(chunks, rank, dim=0, unit=1):
+    """The register bases of ``chunks`` consecutive chunk buffers (a power of 2) along ``dim``, ``unit`` apart, in a
+    layout of ``rank`` dims: each thread holds every chunk's share."""
+    return [[unit << i if d == int(dim) else 0 for d in range(int(rank))] for i in range(int(chunks).bit_length() - 1)]
+
+
+@gluon.constexpr_function
+def _tma_key_layout(words, chunks=1):
+    """``[16 chunks, 4 words]`` words of chunk buffers read by one warp as :func:`_key_words` holds them: key ``16c + 8
+    half + quad``, thread ``t``'s words ``words t ..`` (``words`` 4 for 4-bit keys, 8 for FP8)."""
     words = int(words)
-    reg = [[0, 1 << i] for i in range(words.bit_length() - 1)] + [[8, 0]]
+    reg = [*([0, 1 << i] for i in range(words.bit_length() - 1)), [8, 0], *_chunk_bases(chunks, 2, 0, 16)]
     lane = [[0, words], [0, 2 * words], [1, 0], [2, 0], [4, 0]]
-    return gl.DistributedLinearLayout(reg, lane, [], [], [16, 4 * words])
+    return gl.DistributedLinearLayout(reg, lane, [], [], [16 * int(chunks), 4 * words])
 
 
 @gluon.constexpr_function
-def _tma_value_layout():
-    """``[16 keys, 32 halfwords]`` of 4-bit value codes read by one warp as :func:`_value_words` holds them: halfword
-    ``8 q + quad`` of key ``8j + 2t + e`` (``ldmatrix.trans``-shaped: a thread's two keys ``e`` adjacent), each
+def _tma_value_layout(chunks=1):
+    """``[16 chunks, 32 halfwords]`` of 4-bit value codes read by one warp as :func:`_value_words` holds them: halfword
+    ``8 q + quad`` of key ``16c + 8j + 2t + e`` (``ldmatrix.trans``-shaped: a thread's two keys ``e`` adjacent), each
     quarter ``q`` of the output dimensions in registers."""
-    reg = [[1, 0], [8, 0], [0, 8], [0, 16]]  # the last two: the quarters
+    reg = [[1, 0], [8, 0], [0, 8], [0, 16], *_chunk_bases(chunks, 2, 0, 16)]  # [0, 8], [0, 16]: the quarters
     lane = [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]]
-    return gl.DistributedLinearLayout(reg, lane, [], [], [16, 32])
+    return gl.DistributedLinearLayout(reg, lane, [], [], [16 * int(chunks), 32])
 
 
 @gluon.constexpr_function
-def _tma_meta_layout():
-    """``[1, 1, 16 keys]`` of one metadata field read by one warp as the score rows hold them (key ``8h + g`` by lane
-    quad ``g``, register ``h``; the quad's 4 threads alike)."""
-    return gl.DistributedLinearLayout([[0, 0, 8]], [[0, 0, 0], [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], [], [],
-                                      [1, 1, 16])  # fmt: skip
+def _tma_meta_layout(chunks=1):
+    """``[chunks, 1, 16 keys]`` of one metadata field read by one warp as the score rows hold them (key ``16c + 8h +
+    g`` of chunk ``c`` by lane quad ``g``, registers ``h, c``; the quad's 4 threads alike)."""
+    lane = [[0, 0, 0], [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]]
+    return gl.DistributedLinearLayout([[0, 0, 8], *_chunk_bases(chunks, 3)], lane, [], [], [int(chunks), 1, 16])
 
 
 @gluon.jit
@@ -1111,42 +1134,45 @@ def _three_bit_words(words):
 
 
 @gluon.jit
-def _tma_stage_reads(data, values, meta, buffer, tile_start, start, end, key_rows, KEY_BITS: gl.constexpr,
+def _tma_stage_reads(data, values, meta, group, tile_start, start, end, key_rows, KEY_BITS: gl.constexpr,
                      KEY_DATA_BYTES: gl.constexpr, NUM_FIELDS: gl.constexpr, KEY_LAYOUT: gl.constexpr,
                      VALUE_LAYOUT: gl.constexpr, VALUE_BITS: gl.constexpr = 4):  # fmt: skip
-    """Chunk buffer ``buffer``'s 16 keys, read by one warp, in the layouts :func:`_tile_loads` returns for a one-chunk
-    tile (the metadata 0 where a key is not ``live``); 3-bit values are not in the buffer (their words: 0)."""
+    """The ``C = len(key_rows) // 16`` chunk buffers of group ``group``: their ``16 C`` keys, read by one warp, in the
+    layouts :func:`_tile_loads` returns for a ``C``-chunk tile (the metadata 0 where a key is not ``live``); 3-bit
+    values are not in the buffer (their words: 0)."""
     gl.static_assert(gl.num_warps() == 1)
+    C: gl.constexpr = key_rows.shape[0] // 16
     WORDS: gl.constexpr = 8 if KEY_BITS == 8 else 4
+    GROUPS: gl.constexpr = data.shape[0] // C  # a group's buffers lie back to back: one tile of 16 C rows
     ROW: gl.constexpr = data.shape[3]  # bytes of a token's row in ``data``: its slot, or (FP8 keys) its key bytes
-    key_words = _reinterpret(data, gl.uint32, [data.shape[0], 16, ROW // 4],
+    key_words = _reinterpret(data, gl.uint32, [GROUPS, 16 * C, ROW // 4],
                              gl.NVMMASharedLayout(swizzle_byte_width=ROW, element_bitwidth=32, rank=2))
-    k_words = key_words.index(buffer).slice(0, 4 * WORDS, 1).load(_tma_key_layout(WORDS))
-    k_words = gl.convert_layout(gl.reshape(k_words, [1, 2, 8, 4, WORDS]), KEY_LAYOUT)
+    k_words = key_words.index(group).slice(0, 4 * WORDS, 1).load(_tma_key_layout(WORDS, C))
+    k_words = gl.convert_layout(gl.reshape(k_words, [C, 2, 8, 4, WORDS]), KEY_LAYOUT)
     if KEY_BITS == 3:
         k_words = _three_bit_words(k_words)
     v_words = 0
     if VALUE_BITS == 4:
         if KEY_DATA_BYTES + 64 <= ROW:  # the values are in the slot's row after the key bytes
             v_first: gl.constexpr = KEY_DATA_BYTES // 2
-            codes = _reinterpret(data, gl.uint16, [data.shape[0], 16, ROW // 2],
+            codes = _reinterpret(data, gl.uint16, [GROUPS, 16 * C, ROW // 2],
                                  gl.NVMMASharedLayout(swizzle_byte_width=ROW, element_bitwidth=16, rank=2))
         else:
-            codes = _reinterpret(values, gl.uint16, [values.shape[0], 16, 32],
+            codes = _reinterpret(values, gl.uint16, [GROUPS, 16 * C, 32],
                                  gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
             v_first: gl.constexpr = 0
-        v_words = codes.index(buffer).slice(v_first, 32, 1).load(_tma_value_layout())
-        v_words = gl.reshape(v_words, [1, 2, 4, 2, 4, 8])  # [c, j, t, e, q, quad]
+        v_words = codes.index(group).slice(v_first, 32, 1).load(_tma_value_layout(C))
+        v_words = gl.reshape(v_words, [C, 2, 4, 2, 4, 8])  # [c, j, t, e, q, quad]
         v_words = gl.convert_layout(gl.permute(v_words, (4, 5, 2, 0, 1, 3)), VALUE_LAYOUT)
-    fields = _reinterpret(meta, gl.float16, [meta.shape[0], 1, meta.shape[2], 16], meta.type.layout).index(buffer)
+    fields = _reinterpret(meta, gl.float16, [GROUPS, C, meta.shape[2], 16], meta.type.layout).index(group)
     token = tile_start + key_rows
     live = (token >= start) & (token < end)
     rows: gl.constexpr = key_rows.type.layout
-    meta_layout: gl.constexpr = _tma_meta_layout()
-    scale = gl.convert_layout(gl.reshape(fields.slice(NUM_FIELDS - 2, 1, 1).load(meta_layout), [16]), rows)
-    zero = gl.convert_layout(gl.reshape(fields.slice(NUM_FIELDS - 1, 1, 1).load(meta_layout), [16]), rows)
+    meta_layout: gl.constexpr = _tma_meta_layout(C)
+    scale = gl.convert_layout(gl.reshape(fields.slice(NUM_FIELDS - 2, 1, 1).load(meta_layout), [16 * C]), rows)
+    zero = gl.convert_layout(gl.reshape(fields.slice(NUM_FIELDS - 1, 1, 1).load(meta_layout), [16 * C]), rows)
     if NUM_FIELDS == 3:
-        norm = gl.convert_layout(gl.reshape(fields.slice(0, 1, 1).load(meta_layout), [16]), rows)
+        norm = gl.convert_layout(gl.reshape(fields.slice(0, 1, 1).load(meta_layout), [16 * C]), rows)
         norm = gl.where(live, norm.to(gl.float32), 0.0)
     else:
         norm = gl.full(token.shape, 1.0, gl.float32, rows)
@@ -1202,12 +1228,42 @@ def _chunk_ring(BUFFERS: gl.constexpr, data_desc, value_desc, meta_desc, KEY_DAT
 
 
 @gluon.jit
+def _step_pages(row_ptr, stride_btc, chunk_start, end, num_blocks, BLOCK_SIZE: gl.constexpr, STEP: gl.constexpr):
+    """The blocks of chunks ``chunk_start``, ``chunk_start + 16``, .. (``STEP`` of them, 1 or 2) as scalars, the second
+    0 for ``STEP`` 1 (:func:`_page`)."""
+    first = _page(row_ptr, stride_btc, chunk_start, end, num_blocks, BLOCK_SIZE)
+    second = 0
+    if STEP == 2:
+        second = _page(row_ptr, stride_btc, chunk_start + 16, end, num_blocks, BLOCK_SIZE)
+    return first, second
+
+
+@gluon.jit
+def _step_value_words(cache_ptr, pages, chunk_start, count_left, kv_head, stride_block, shape: gl.constexpr,
+                      LAYOUT: gl.constexpr):  # fmt: skip
+    """3-bit values' words of the ``STEP`` chunks from ``chunk_start`` (in blocks ``pages``, :func:`_step_pages`), of
+    which the first ``count_left`` exist (:func:`_value_words`, its chunk dim the step's chunks)."""
+    KEY_DATA_BYTES: gl.constexpr = shape[2]
+    SLOT_BYTES: gl.constexpr = shape[3]
+    BLOCK_SIZE: gl.constexpr = shape[5]
+    VALUE_BITS: gl.constexpr = shape[9]
+    NUM_KV_HEADS: gl.constexpr = shape[10]
+    STEP: gl.constexpr = shape[11]
+    c = _iota(STEP, 3, 6, LAYOUT)
+    page = gl.where(c == 0, pages[0], pages[1])
+    return _value_words(cache_ptr, page, chunk_start, c < count_left, kv_head, NUM_KV_HEADS, stride_block, SLOT_BYTES,
+                        KEY_DATA_BYTES, VALUE_BITS, BLOCK_SIZE, LAYOUT, STEP)  # fmt: skip
+
+
+@gluon.jit
 def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     """One warp's online softmax over chunks ``stream, stream + STRIDE, ...`` of the split (16 keys from ``tile``
     each), copied by TMA through its chunk buffers ``STAGES stream ..`` of ``ring`` (``data, values, meta, full``):
     ``(acc, m, l, z)``, ``acc`` ``[HEAD_DIM, BLOCK_H]`` in the MMA layout, the rest per head. ``shape`` is ``(KV_GROUP,
-    KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, STRIDE, VALUE_BITS, NUM_KV_HEADS)``;
-    the other arguments are the kernels' in tuples."""
+    KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, STRIDE, VALUE_BITS, NUM_KV_HEADS,
+    STEP)``; the other arguments are the kernels' in tuples. Each iteration takes ``STEP`` consecutive chunks (1, or 2
+    with ``STRIDE`` 1: one softmax step and one row max over 32 keys, which halves what an iteration costs besides
+    its keys), a group of ``STEP`` buffers, the last one's copy waited for only if that chunk exists."""
     data, values, meta, full = ring
     data_desc, value_desc, meta_desc = descs
     q_ptr, partials_ptr, centroid_ptr, cache_ptr = pointers
@@ -1223,7 +1279,9 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     STAGES: gl.constexpr = shape[7]
     STRIDE: gl.constexpr = shape[8]
     VALUE_BITS: gl.constexpr = shape[9]
-    NUM_KV_HEADS: gl.constexpr = shape[10]
+    STEP: gl.constexpr = shape[11]
+    gl.static_assert((STEP == 1) or ((STEP == 2) and (STRIDE == 1)))
+    gl.static_assert(STAGES % STEP == 0)
     KEY_FP8: gl.constexpr = KEY_BITS == 8
     mma: gl.constexpr = _operand_layouts(KEY_FP8, 1)[0]
     dot_b: gl.constexpr = _operand_layouts(KEY_FP8, 1)[1]
@@ -1246,48 +1304,56 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
             _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(first + st), first + st,
                          page, chunk_start, kv_head, SLOT_BYTES, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE,
                          VALUE_BITS)  # fmt: skip
-    # The block of the chunk each iteration refills its stage with is read an iteration ahead.
-    ahead = _page(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * STAGES), end, num_blocks, BLOCK_SIZE)
+    # The blocks of the chunks each iteration refills its buffers with are read an iteration ahead.
+    ahead = _step_pages(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * STAGES), end, num_blocks, BLOCK_SIZE,
+                        STEP)  # fmt: skip
 
     score_scale = sm_scale * _LOG2E
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-    l_part = gl.zeros([16, BLOCK_H], gl.float32, mma)
-    z_part = gl.zeros([16, BLOCK_H], gl.float32, mma)
+    l_part = gl.zeros([16 * STEP, BLOCK_H], gl.float32, mma)
+    z_part = gl.zeros([16 * STEP, BLOCK_H], gl.float32, mma)
     acc = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, mma)
-    key_rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+    key_rows = gl.arange(0, 16 * STEP, layout=gl.SliceLayout(1, mma))
     # 3-bit values are not copied by TMA (a quad's 12-bit fields start at word offsets no linear layout of a shared
-    # buffer gives): each chunk's value words are loaded into registers an iteration ahead (:func:`_value_words`).
+    # buffer gives): each iteration's value words are loaded into registers an iteration ahead (:func:`_value_words`).
     v_next = 0
     if VALUE_BITS == 3:
-        v_next = _value_words(cache_ptr, _page(row_ptr, stride_btc, tile + 16 * stream, end, num_blocks, BLOCK_SIZE),
-                              tile + 16 * stream, count > 0, kv_head, NUM_KV_HEADS, stride_block, SLOT_BYTES,
-                              KEY_DATA_BYTES, VALUE_BITS, BLOCK_SIZE, value_layout, 1)  # fmt: skip
-    for i in range(count):
-        buffer = first + i % STAGES
-        page = ahead
-        ahead = _page(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * (i + STAGES + 1)), end, num_blocks,
-                      BLOCK_SIZE)  # fmt: skip
+        v_next = _step_value_words(cache_ptr, _step_pages(row_ptr, stride_btc, tile + 16 * stream, end, num_blocks,
+                                                          BLOCK_SIZE, STEP),
+                                   tile + 16 * stream, count, kv_head, stride_block, shape, value_layout)  # fmt: skip
+    for i in range(gl.cdiv(count, STEP)):
+        n = STEP * i  # the iteration's first chunk (of this stream's)
+        buffer = first + n % STAGES
+        pages = ahead
+        ahead = _step_pages(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * (n + STEP + STAGES)), end, num_blocks,
+                            BLOCK_SIZE, STEP)  # fmt: skip
         v_words = v_next
         if VALUE_BITS == 3:
-            following = tile + 16 * (stream + STRIDE * (i + 1))
-            v_next = _value_words(cache_ptr, _page(row_ptr, stride_btc, following, end, num_blocks, BLOCK_SIZE),
-                                  following, i + 1 < count, kv_head, NUM_KV_HEADS, stride_block, SLOT_BYTES,
-                                  KEY_DATA_BYTES, VALUE_BITS, BLOCK_SIZE, value_layout, 1)  # fmt: skip
-        mbarrier.wait(full.index(buffer), (i // STAGES) & 1)
+            following = tile + 16 * (stream + STRIDE * (n + STEP))
+            v_next = _step_value_words(cache_ptr, _step_pages(row_ptr, stride_btc, following, end, num_blocks,
+                                                              BLOCK_SIZE, STEP),
+                                       following, count - n - STEP, kv_head, stride_block, shape,
+                                       value_layout)  # fmt: skip
+        mbarrier.wait(full.index(buffer), (n // STAGES) & 1)
+        if STEP == 2 and n + 1 < count:  # else its buffer holds no copy: its keys are past the split, not live
+            mbarrier.wait(full.index(buffer + 1), (n // STAGES) & 1)
         k_words, staged_values, norm, v_scale, v_zero, live = _tma_stage_reads(
-            data, values, meta, buffer, tile + 16 * (stream + STRIDE * i), start, end, key_rows, KEY_BITS,
+            data, values, meta, buffer // STEP, tile + 16 * (stream + STRIDE * n), start, end, key_rows, KEY_BITS,
             KEY_DATA_BYTES, NUM_FIELDS, key_layout, value_layout, VALUE_BITS)  # fmt: skip
         if VALUE_BITS == 4:
             v_words = staged_values
         m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
                                               score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS, key_bytes,
                                               1, 1)  # fmt: skip
-        if i + STAGES < count:  # this warp's reads of the buffer are done: refill it
+        # This warp's reads of the buffers are done: refill them.
+        if n + STAGES < count:
             fence_async_shared()
-            mbarrier.expect(full.index(buffer), CHUNK_BYTES)
-            _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(buffer), buffer, page,
-                         tile + 16 * (stream + STRIDE * (i + STAGES)), kv_head, SLOT_BYTES, KEY_DATA_BYTES,
-                         NUM_FIELDS, BLOCK_SIZE, VALUE_BITS)  # fmt: skip
+            for j in gl.static_range(STEP):
+                if n + j + STAGES < count:
+                    mbarrier.expect(full.index(buffer + j), CHUNK_BYTES)
+                    _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(buffer + j),
+                                 buffer + j, pages[j], tile + 16 * (stream + STRIDE * (n + j + STAGES)), kv_head,
+                                 SLOT_BYTES, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE, VALUE_BITS)  # fmt: skip
     return acc, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0)
 
 
@@ -1352,7 +1418,7 @@ def decode_stage1_streams_kernel(
     split = (row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale, query_slot)
     strides = (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
-                           STREAMS, VALUE_BITS, NUM_KV_HEADS)  # fmt: skip
+                           STREAMS, VALUE_BITS, NUM_KV_HEADS, 1)  # fmt: skip
     (poisoned,) = gl.warp_specialize([
         (_streams_guard, (too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)),
         (_stream, (gl.constexpr(0), shared, descs, pointers, split, strides, shape)),
@@ -1402,11 +1468,12 @@ def decode_stage1_warp_kernel(
     BLOCK_H: gl.constexpr,
     STAGES: gl.constexpr = 3,
     FP16_OPERANDS: gl.constexpr = 1,
+    STEP: gl.constexpr = 1,  # chunks an iteration (1 or 2; STAGES a multiple of it)
 ):  # fmt: skip
     """:func:`decode_stage1_kernel`'s partials, grid ``(B, HKV, S)``, one warp a program: the split's chunks by TMA
-    through ``STAGES`` buffers, one online softmax (:func:`_chunks`). The operands rounded once to fp16. MSE keys
-    read the rotated query from partials slot ``query_slot``, past the splits (with one split, its own slot, read
-    before its partial overwrites it)."""
+    through ``STAGES`` buffers, ``STEP`` an iteration, one online softmax (:func:`_chunks`). The operands rounded once
+    to fp16. MSE keys read the rotated query from partials slot ``query_slot``, past the splits (with one split, its
+    own slot, read before its partial overwrites it)."""
     gl.static_assert(gl.num_warps() == 1)
     gl.static_assert((VALUE_BITS == 3) or (VALUE_BITS == 4))
     gl.static_assert(FP16_OPERANDS == 1)
@@ -1417,7 +1484,7 @@ def decode_stage1_warp_kernel(
                                            VALUE_BITS)  # fmt: skip
     split = (row_ptr, stride_btc, num_blocks, (start // 16) * 16, start, end, sm_scale, query_slot)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, 1,
-                           VALUE_BITS, NUM_KV_HEADS)  # fmt: skip
+                           VALUE_BITS, NUM_KV_HEADS, STEP)  # fmt: skip
     acc, m_i, l_i, z_i = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
                                  (q_ptr, partials_ptr, centroid_ptr, cache_ptr), split,
                                  (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block),
