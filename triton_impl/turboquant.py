@@ -203,13 +203,13 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # GLUON_WARP (sm90; the same calls as GLUON_STREAMS): stage 1 as turboquant_sm90.decode_stage1_warp_kernel, one warp a
 # program running one stream over its whole split (one copy of the loop for every warp of the SM, and no CTA barrier
 # another warp can hold up), launched at WARP_MAXNREG registers: at 104 four warps fit each scheduler's 16K registers,
-# 16 programs a SM (PROGRAMS_PER_SM), and four rounds of them (SPLIT_ROUNDS; the caller's 32 splits at B=32 Hk=8, 31
-# for MSE keys: query_slot). One call on the H200 against the kernels above (stage 1, us, L=8K / 32K, 2026-12-02, two
-# rounds of 19 programs' splits): 4-bit 153.9 -> 130.0 / 557.2 -> 481.8, k3v4 151.5 -> 127.4 / 545.8 -> 473.4, k8v4
-# (streams) 122.6 -> 126.4 / 515.7 -> 527.6; at four rounds 127.3 / 453.3, 125.2 / 444.0, 119.4 / 458.1 (one round:
-# 141.3 / 527.7, 139.3 / 519.4, 136.7 / 578.1). At 96 registers (20 programs a SM; 24 bytes of stack for 4-bit keys),
-# against 104 in one call: 4-bit 131.9 -> 135.0 / 458.1 -> 466.4, k3v4 129.9 -> 130.6 / 448.9 -> 451.0, k8v4 120.2 ->
-# 125.7 / 453.3 -> 477.6.
+# 16 programs a SM (PROGRAMS_PER_SM), and four rounds of them then (SPLIT_ROUNDS; the caller's 32 splits at B=32 Hk=8,
+# 31 for MSE keys: query_slot; two rounds since, below). One call on the H200 against the kernels above (stage 1, us,
+# L=8K / 32K, 2026-12-02, two rounds of 19 programs' splits): 4-bit 153.9 -> 130.0 / 557.2 -> 481.8, k3v4 151.5 -> 127.4
+# / 545.8 -> 473.4, k8v4 (streams) 122.6 -> 126.4 / 515.7 -> 527.6; at four rounds 127.3 / 453.3, 125.2 / 444.0, 119.4 /
+# 458.1 (one round: 141.3 / 527.7, 139.3 / 519.4, 136.7 / 578.1). At 96 registers (20 programs a SM; 24 bytes of stack
+# for 4-bit keys), against 104 in one call: 4-bit 131.9 -> 135.0 / 458.1 -> 466.4, k3v4 129.9 -> 130.6 / 448.9 -> 451.0,
+# k8v4 120.2 -> 125.7 / 453.3 -> 477.6.
 # Bench at 8107e0d against the portable kernel's 9b0ab61 rows (L=8K / 32K): k8v4 0.3632 -> 0.2262 / 1.1904 ->
 # 0.7066 ms, 4-bit 0.4226 -> 0.2942 / 1.3685 -> 0.8199 ms.
 # SPLIT_ROUNDS (sm90): at most that many rounds of PROGRAMS_PER_SM resident programs (decode_num_splits), whatever
@@ -219,13 +219,27 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # 2 rounds): k8v4 0.2194 -> 0.1754 / 0.6994 -> 0.6535, 4-bit 0.2872 -> 0.2162 / 0.8145 -> 0.7610 (1 round: 0.1729 /
 # 0.6593, 0.2109 / 0.7564). The portable kernel (three programs a SM) was fastest at 8 rounds for 3-bit values (0.4067
 # / 1.4641 ms against 1.5164 at L=32K at 2), which ran it until the Gluon kernel served them (0.2594 / 0.9331 ms).
-# The one-warp programs run four rounds of 16 (GLUON_WARP, above); 3-bit values too (their words loaded into registers
-# a chunk ahead, not copied by TMA; at WARP_MAXNREG_v3 = 128 registers, which keep 16 programs a SM: four warps fill a
-# scheduler's 16K registers at 128 as at 104). Stage 1 of 3bit_nc against the 4-warp kernel at five programs a SM and
+# The one-warp programs ran four rounds of 16 (GLUON_WARP, above; two since, below); 3-bit values too (their words
+# loaded into registers a chunk ahead, not copied by TMA; at 128 registers, which keep 16 programs a SM: four warps fill
+# a scheduler's 16K registers at 128 as at 104). Stage 1 of 3bit_nc against the 4-warp kernel at five programs a SM and
 # two rounds, in one call (2026-12-02, L=8K / 32K): 171.6 -> 166.1 / 630.6 -> 577.3 us, the call 185.4 -> 182.5 /
 # 643.9 -> 591.9 (the merge of 31 splits 2.7 -> 5.9 us). WARP_MAXNREG 128 for the other presets, in the same call:
 # 4-bit 132.4 -> 130.7 / 457.9 -> 452.3, k3v4 130.3 -> 130.4 / 449.6 -> 449.2, k8v4 119.1 -> 119.2 / 457.4 -> 458.5:
-# within 1.3%, 104 kept. Groups the TMA kernels decline run decode_stage1_kernel at the same split count.
+# within 1.3%, 104 kept then. Groups the TMA kernels decline run decode_stage1_kernel at the same split count.
+# WARP_STEP, WARP_STAGES (sm90, the one-warp kernel; turboquant.warp_stages): WARP_STEP 16-key chunks an iteration (one
+# row max and softmax step over 32 keys) through WARP_STAGES chunk buffers; two chunks need WARP_MAXNREG 128 (104
+# spills), which keeps 16 programs a SM. 3-bit values keep one chunk (their words, loaded a step ahead, spill 208 bytes
+# at 128 registers and 48 at 168; Triton 3.6). With the value codes masked and biased by one lop3 in every preset
+# (turboquant_sm90.masked_codes_asm), 4-bit keys take 517 -> 486 (lop3) -> 437 (two chunks) warp instructions per 16
+# keys. One call on the H200 (stage 1, us, L=8K / 32K, 2026-12-02, four rounds), 877fa50 -> lop3 -> both: 4-bit 131.8
+# -> 124.3 -> 119.7 / 457.3 -> 426.4 -> 405.9, k3v4 129.7 -> 122.6 -> 118.6 / 444.6 -> 420.0 -> 401.5, k8v4 119.3 ->
+# 119.4 -> 118.3 / 461.0 -> 461.3 -> 462.5, 3bit_nc (lop3 only) 165.7 -> 159.1 / 571.1 -> 546.0. Six buffers instead
+# of four (and four for FP8 keys): 4-bit 119.3 -> 121.2 / 404.7 -> 409.5, 3bit_nc 158.3 -> 158.5 / 545.2 -> 545.6.
+# With these shorter programs SPLIT_ROUNDS went 4 -> 2 (16 splits at B=32 Hk=8; the merge reads half the partials).
+# One call, the call after a reading flush (us, L=8K / 32K), 4 -> 3 -> 2 rounds: 4-bit 135.5 -> 129.4 -> 121.5 /
+# 420.6 -> 406.6 -> 402.1, 3bit_nc 175.2 -> 169.9 -> 161.7 / 561.0 -> 549.1 -> 551.6; in the next call, 2 -> 1 round:
+# 4-bit 122.2 -> 121.6 / 403.6 -> 413.6, k3v4 123.0 -> 121.5 / 400.7 -> 410.9, 3bit_nc 161.4 -> 156.4 / 551.1 ->
+# 583.9, k8v4 123.7 -> 124.9 / 486.0 -> 506.3 (four rounds in the first call: 128.4 / 473.5).
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
