@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 OPS = sorted(p.stem for p in (ROOT / "golden").glob("*.py") if not p.stem.startswith("_"))
 EXPECTED_OPS = {"decode_attention", "lse_merge", "mla_verify", "sparse_indices", "turboquant", "ue8m0_cache"}
 # Modules of triton_impl/ that are not an op's kernels.
-INFRASTRUCTURE = {"__init__", "__main__", "bench", "block_table", "cases", "cli", "grid_dependency", "interpreter",
-                  "launch", "tolerances", "validation"}
+INFRASTRUCTURE = {"__init__", "__main__", "bench", "block_table", "cases", "cli", "interpreter", "launch", "tolerances",
+                  "validation"}
 # An op's architecture-specific fast path lives beside its portable kernels as ``<op>_sm90.py`` (Gluon, Hopper).
 FAST_PATH = "_sm90"
 

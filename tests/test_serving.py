@@ -13,13 +13,9 @@ under ``compute-sanitizer --tool memcheck`` (``.ci/gpu_job``).
 from __future__ import annotations
 
 import inspect
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +29,7 @@ from golden import turboquant as tq
 from golden.lse_merge import merge_attn_states as golden_merge_attn_states
 from tests.support import assert_bits_equal, generator, paged_cache, randn
 from triton_impl import decode_attention as dec
-from triton_impl import grid_dependency, lse_merge, mla_verify, sparse_indices, turboquant, ue8m0_cache
+from triton_impl import lse_merge, mla_verify, sparse_indices, turboquant, ue8m0_cache
 from triton_impl.bench import eager_and_graph_us
 from triton_impl.block_table import first_bad_key
 from triton_impl.validation import CONTENT_CHECKS_ENV, content_checks_enabled
@@ -779,47 +775,6 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
         lambda: [combined, combined_lens], combine_step,
     )  # fmt: skip
     return calls
-
-
-# The PTX order of the PDL instructions (triton_impl.grid_dependency) in the sm_90 stage-1 kernels, compiled for
-# sm_90 on any machine: [name, index of launch_dependents, of the first TMA copy, of the wait, of the first load
-# from global memory after the wait] (-1: none).
-_PDL_ORDER = """
-import json, re
-from triton_impl import decode_attention_sm90, turboquant_sm90
-kernels = {f"turboquant {k}/{v}": turboquant_sm90.compile_for_sm90(key_bits=k, value_bits=v, stages=3,
-                                                                    fp16_operands=True, warp=True)
-           for k, v in ((4, 4), (3, 3), (8, 4))}
-kernels |= {"mla decode": decode_attention_sm90.compile_for_sm90(),
-            "mla decode few rows": decode_attention_sm90.compile_for_sm90(heads=16, few_rows=True),
-            "mla verify": decode_attention_sm90.compile_for_sm90(verify=True, heads=16, qlen=4)}
-for name, kernel in kernels.items():
-    lines = [re.sub(r"^@!?%p\\d+\\s+", "", x.strip()) for x in kernel.asm["ptx"].splitlines()]  # predicates off
-    def first(text, after=-1):
-        return next((i for i, x in enumerate(lines) if i > after and x.startswith(text)), -1)
-    wait = first("griddepcontrol.wait")
-    print(json.dumps([name, first("griddepcontrol.launch_dependents"), first("cp.async.bulk.tensor"), wait,
-                      first("ld.global", wait) if wait >= 0 else -1]))
-"""
-
-
-def test_split_kv_stage1_kernels_let_their_successor_start_early() -> None:
-    """In a CUDA graph's capture on sm_90 the split merge (and, after the TurboQuant query's rotation, stage 1) is
-    launched with PDL (``triton_impl.grid_dependency``): every sm_90 stage-1 kernel lets its successor start at its
-    very beginning, and the TurboQuant stage 1 waits for its primary (the rotation) before it reads the rotated query
-    or copies a chunk. Checked on the PTX of an sm_90 compile, here on the CPU."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, "-c", _PDL_ORDER], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
-    assert len(rows) == 6
-    for name, trigger, copy, wait, load in rows:
-        assert 0 <= trigger < copy, (name, trigger, copy)
-        if name.startswith("turboquant"):
-            assert trigger < wait < min(copy, load), (name, trigger, wait, copy, load)
-        else:
-            assert wait == -1, name  # the first kernel of its call: nothing to wait for
-    assert not grid_dependency.supported(torch.device("cpu"))
 
 
 SERVING_OPS = ["decode_mla", "decode_mla_d576", "verify", "verify_d576", "verify_fp8_d576", "turboquant_decode",

@@ -74,7 +74,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from triton_impl.grid_dependency import launch_dependents
 from triton_impl.launch import device_arch
 
 LK = 576  # key width: latent + rope
@@ -485,7 +484,6 @@ def mla_decode_stage1_kernel(
     same partials (or, with ``SINGLE_SPLIT``, outputs) as ``decode_attention._decode_stage1_kernel``. ``k_ptr``,
     ``v_ptr``, ``real_lens_ptr`` and the scales are unused (the head of the portable kernel's arguments, so one call
     site launches either)."""
-    launch_dependents()  # the split merge after it may start (triton_impl.grid_dependency)
     row = gl.program_id(0)
     split = gl.program_id(2)
     n, start, end, qk_scale = _decode_split(seq_lens_ptr, stride_sl, row, split, window, num_kv_splits, sm_scale,
@@ -517,7 +515,6 @@ def mla_verify_stage1_kernel(
     """Verify, grid ``(B * S * cdiv(QLEN * NUM_HEADS, 64),)`` as ``mla_verify._fwd_verify_kernel_stage1`` (its
     split rule and partials; the row blocks of one request and split adjacent in the program id, so they share
     each key tile through L2). ``k_ptr`` and ``k_scale_ptr`` are unused (a 16-bit cache)."""
-    launch_dependents()  # the split merge after it may start (triton_impl.grid_dependency)
     ROW_BLOCKS: gl.constexpr = (QLEN * NUM_HEADS + BLOCK_H - 1) // BLOCK_H
     pid = gl.program_id(0)
     row_block = pid % ROW_BLOCKS
@@ -674,7 +671,6 @@ def mla_decode_few_rows_kernel(
 ):  # fmt: skip
     """Decode with ``GROUP <= 16`` heads, grid ``(R, 1, S)``: the arguments and partials of
     :func:`mla_decode_stage1_kernel`, with the keys as wgmma's M (:func:`_attend_few`)."""
-    launch_dependents()  # the split merge after it may start (triton_impl.grid_dependency)
     row = gl.program_id(0)
     split = gl.program_id(2)
     n, start, end, qk_scale = _decode_split(seq_lens_ptr, stride_sl, row, split, window, num_kv_splits, sm_scale,

@@ -13,9 +13,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from triton_impl import grid_dependency
 from triton_impl.interpreter import cast_for_store, f32_to_e4m3_bits
 from triton_impl.launch import Launch, Plans, current_target, launch, no_launch, select_config
 from triton_impl.validation import cdiv, check_scale, check_tensor, next_pow2, tensor_facts
@@ -306,12 +304,9 @@ def _merge_splits_kernel(
     LSE_COLS: tl.constexpr,
     EVEN_D: tl.constexpr,
     MULTI_TILE: tl.constexpr,
-    WAIT_FOR_PRIMARY: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(rows, H, cdiv(D, BLOCK_D))``: a program merges the ``S`` split states of one (row, head) in
     ``BLOCK_D`` of its columns (each column block reads the LSEs; the first stores the merged LSE).
-    ``WAIT_FOR_PRIMARY``: launched with PDL after its stage 1 (``triton_impl.grid_dependency``), it waits for that
-    kernel to finish before it touches memory.
 
     Pass 1 reads the ``S`` LSEs (stored at column ``D`` of each split) and takes their max; pass 2
     reads ``BLOCK_S`` splits at a time, weighting each normalized partial by ``exp(lse_s - max)``.
@@ -322,8 +317,6 @@ def _merge_splits_kernel(
     The first ``BLOCK_S`` LSEs are loaded once and kept for pass 2; with ``S <= BLOCK_S``
     (``MULTI_TILE`` false) there is no loop. ``EVEN_D``: ``D`` a multiple of ``BLOCK_D``, no column mask.
     """
-    if WAIT_FOR_PRIMARY:
-        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     col0 = tl.program_id(2) * BLOCK_D
@@ -410,10 +403,10 @@ def _plan_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tenso
 
 
 def _merge_splits_launch_args(
-    rows: int, partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, dependent: bool = False
+    rows: int, partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
 ) -> tuple[tuple[int, int], tuple[int, ...], dict[str, int]]:
     """``(grid, runtime arguments after the three pointers, constexprs)`` of the split merge of the
-    first ``rows`` rows of ``[>= rows, H, S, D+1]`` partials; ``dependent``: launched with PDL after its stage 1."""
+    first ``rows`` rows of ``[>= rows, H, S, D+1]`` partials."""
     _, num_heads, num_splits, width = partials.shape
     config = select_config(SPLIT_MERGE_CONFIGS, partials.device)
     block_d = next_pow2(width - 1)
@@ -430,25 +423,17 @@ def _merge_splits_launch_args(
         "MULTI_TILE": num_splits > block_s,
         "num_warps": config["num_warps"],
     }
-    constexprs["WAIT_FOR_PRIMARY"] = dependent  # passed either way: a defaulted constexpr misses Launch's fast path
-    if dependent:
-        constexprs["launch_pdl"] = True
     return (rows, num_heads, cdiv(width - 1, block_d)), tail, constexprs
 
 
 def merge_splits_launch(rows: int, partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> Callable[..., None]:
     """The split merge of the first ``rows`` rows of checked ``partials`` into ``o``/``lse``, to be
     called with ``(stream, partials, o, lse)``: a :class:`~triton_impl.launch.Launch`, or
-    ``no_launch`` when there is no row or head. Stage 2 of the plans of ``decode_attention``,
-    ``mla_verify`` and ``turboquant``: where the device takes it (``grid_dependency.supported``), launched
-    with PDL while a CUDA graph is being captured, so that it starts under its stage 1's last programs."""
+    ``no_launch`` when there is no row or head. Stage 2 of the plans of ``decode_attention`` and
+    ``mla_verify``."""
     if rows == 0 or partials.shape[1] == 0:
         return no_launch
-    plain = Launch(_merge_splits_kernel, *_merge_splits_launch_args(rows, partials, o, lse))
-    if not grid_dependency.supported(partials.device):
-        return plain
-    return grid_dependency.WhenCaptured(plain, Launch(_merge_splits_kernel, *_merge_splits_launch_args(
-        rows, partials, o, lse, dependent=True)))  # fmt: skip
+    return Launch(_merge_splits_kernel, *_merge_splits_launch_args(rows, partials, o, lse))
 
 
 def launch_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:

@@ -29,9 +29,8 @@ from typing import Any, NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
-from triton_impl import grid_dependency, turboquant_sm90
+from triton_impl import turboquant_sm90
 from triton_impl.block_table import first_bad_key
 from triton_impl.decode_attention import stage1_splits
 from triton_impl.interpreter import INTERPRET, e4m3_bits_to_f16, f32_to_e4m3_bits
@@ -953,7 +952,6 @@ def _rotate_query_kernel(
     BLOCK_D: tl.constexpr,
     D_CHUNK: tl.constexpr,
     PRECISION: tl.constexpr = "ieee",
-    TRIGGER_DEPENDENTS: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, cdiv(H, BLOCK_M), BLOCK_D // D_CHUNK)``: ``q~ = q @ PiT`` for ``BLOCK_M`` heads and
     ``D_CHUNK`` columns, written into the first ``D`` floats of slots ``first_slot .. first_slot + num_splits - 1``
@@ -970,11 +968,8 @@ def _rotate_query_kernel(
     ``PiT``'s rest, ``2^-11`` of it: each product within ``2^-22`` of itself, where 128 fp32 additions already allow
     about ``128 * 2^-24 = 2^-17`` of ``sum_j |q_j PiT[j, d]|``. On the H200 the ieee dot read its shared-memory
     operands with 82% of the wavefronts bank conflicts (12.9 us a call at B=32 H=32, Nsight Compute); tensor cores
-    read them through conflict-free layouts. ``TRIGGER_DEPENDENTS``: stage 1 after it, launched with PDL, may start
-    at once (``triton_impl.grid_dependency``; it waits for the rotated query).
+    read them through conflict-free layouts.
     """
-    if TRIGGER_DEPENDENTS:
-        gdc_launch_dependents()
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     head_ok = heads < num_heads
@@ -1319,7 +1314,7 @@ class _DescribedLaunch(NamedTuple):
     query, kv_cache, block_table, seq_lens, centroids, mid_o``), it looks the cache's descriptors up by its address
     and passes them after those tensors."""
 
-    launch: Callable[..., None]  # a Launch, or a grid_dependency.WhenCaptured of two
+    launch: Launch
     descriptors: DescriptorsByAddress
     geometry: tuple
 
@@ -1402,9 +1397,6 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
     shape = dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=layout["key_data_bytes"],
                  VALUE_BITS=value_quant_bits, SLOT_BYTES=layout["data_bytes_per_slot"], NUM_KV_HEADS=num_kv_heads,
                  BLOCK_SIZE=block_size, FP16_OPERANDS=config.get("FP16_OPERANDS", 0))  # fmt: skip
-    # The TMA kernels after the query's rotation (MSE keys) are launched with PDL in a CUDA graph's capture: their
-    # set-up runs under the rotation, and they wait for the rotated query alone (triton_impl.grid_dependency).
-    dependent = bool(tma) and not key_fp8 and grid_dependency.supported(device)
     if tma:  # the sm_90 fast paths whose chunks are copied by TMA (one-warp programs, or per-warp streams of a
         # program): the cache's descriptors looked up by its address at each call
         geometry = turboquant_sm90.tma_geometry(
@@ -1419,14 +1411,11 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
             kernel = turboquant_sm90.decode_stage1_streams_kernel
             options = turboquant_sm90.launch_options(group, turboquant_sm90.STREAMS_LAUNCH_REGS)
             options["STAGES"] = max(2, config.get("GLUON_STAGES", 0))
-        tail = (float(scale), num_splits, num_blocks, table_keys, q_slot or 0, kv_cache.stride(0), *query.stride()[:2],
-                *table_2d.stride(), *mid_o.stride()[:3])  # fmt: skip
-        constexprs = dict(shape, **options)
-        launch_tma = Launch(kernel, grid, tail, constexprs)
-        if dependent:
-            launch_tma = grid_dependency.WhenCaptured(launch_tma, Launch(kernel, grid, tail, constexprs | {
-                "launch_pdl": True}))  # fmt: skip
-        stage1 = _DescribedLaunch(launch_tma, DescriptorsByAddress(turboquant_sm90.descriptors), geometry)
+        stage1 = _DescribedLaunch(Launch(kernel, grid, (
+            float(scale), num_splits, num_blocks, table_keys, q_slot or 0, kv_cache.stride(0), *query.stride()[:2],
+            *table_2d.stride(), *mid_o.stride()[:3],
+        ), dict(shape, **options)),
+            DescriptorsByAddress(turboquant_sm90.descriptors), geometry)  # fmt: skip
     elif gluon:  # the sm_90 fast path (triton_impl/turboquant_sm90.py): the same partials, operands built in place
         stage1 = Launch(turboquant_sm90.decode_stage1_kernel, grid, (
             float(scale), num_splits, num_blocks, table_keys, kv_cache.stride(0), *query.stride()[:2],
@@ -1441,17 +1430,16 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
     if not key_fp8:
         pit_strides = rotation.stride() if PiT is not None else rotation.stride()[::-1]
         rotate = rotate_query_launch(query, pit_strides, mid_o, "tf32x3" if config.get("ROTATE_TF32X3") else "ieee",
-                                     q_slot, dependents=dependent)  # fmt: skip
+                                     q_slot)  # fmt: skip
     return make_plan(rotate, stage1, merge_splits_launch(batch, mid_o, output, lse), True,
                      contiguous_lens=seq_lens.shape[0] <= 1 or seq_lens.stride(0) == 1)  # fmt: skip
 
 
 def rotate_query_launch(query: torch.Tensor, pit_strides: tuple[int, int], mid_o: torch.Tensor,
-                        precision: str, slot: int | None = None, dependents: bool = False) -> Launch:  # fmt: skip
+                        precision: str, slot: int | None = None) -> Launch:  # fmt: skip
     """The decode's first launch (:func:`_rotate_query_kernel`): ``q~ = q @ PiT`` into every split slot of ``mid_o``
     (``[B, H, S, D+1]``, its ``S`` the call's splits), or into slot ``slot`` alone, ``PiT`` read through
-    ``pit_strides`` (``Pi``'s swapped); launched as ``launch(stream, query, rotation, mid_o)``. ``dependents``: stage
-    1 follows it with PDL."""
+    ``pit_strides`` (``Pi``'s swapped); launched as ``launch(stream, query, rotation, mid_o)``."""
     batch, num_heads, head_dim = query.shape
     block_m, block_d = 16, max(32, next_pow2(head_dim))
     d_chunk = min(block_d, 32)  # [BLOCK_D, 32] fp32 of PiT per program: ~32 registers a thread
@@ -1459,7 +1447,7 @@ def rotate_query_launch(query: torch.Tensor, pit_strides: tuple[int, int], mid_o
         num_heads, mid_o.shape[2] if slot is None else 1, slot or 0, *query.stride()[:2], *pit_strides,
         *mid_o.stride()[:3],
     ), dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d, D_CHUNK=d_chunk, num_warps=4,
-            PRECISION=precision, TRIGGER_DEPENDENTS=dependents))  # fmt: skip
+            PRECISION=precision))  # fmt: skip
 
 
 def _portable_stage1(config, query, kv_cache, table_2d, mid_o, scale, num_splits, num_kv_heads, block_size, num_blocks,

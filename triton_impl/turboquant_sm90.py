@@ -107,7 +107,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
-from triton_impl.grid_dependency import launch_dependents, wait_for_primary
 from triton_impl.launch import device_arch, register_cap
 
 HEAD_DIM = gl.constexpr(128)
@@ -1296,9 +1295,6 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     value_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[4]
     CHUNK_BYTES: gl.constexpr = 16 * _box_bytes(KEY_DATA_BYTES, SLOT_BYTES, VALUE_BITS)
     kv_head = gl.program_id(1)
-    # Launched with PDL after the query's rotation (MSE keys), the split's bounds and block checks overlap it; the
-    # rotated query is that kernel's output (triton_impl.grid_dependency).
-    wait_for_primary()
     q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps,
                                 query_slot, KV_GROUP, KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
     pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
@@ -1486,7 +1482,6 @@ def decode_stage1_warp_kernel(
     gl.static_assert(gl.num_warps() == 1)
     gl.static_assert((VALUE_BITS == 3) or (VALUE_BITS == 4))
     gl.static_assert(FP16_OPERANDS == 1)
-    launch_dependents()  # the split merge after it may start (triton_impl.grid_dependency)
     NUM_FIELDS: gl.constexpr = 2 if KEY_BITS == 8 else 3
     start, end, row_ptr, too_long, bad_pages, first_page, last_page = _split(
         seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)
