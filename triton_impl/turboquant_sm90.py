@@ -1083,8 +1083,8 @@ def _chunk_bases(chunks, rank, dim=0, unit=1):
 
 @gluon.constexpr_function
 def _tma_key_layout(words, chunks=1):
-    """``[16 chunks, 4 words]`` words of chunk buffers read by one warp as :func:`_key_words` holds them: key ``16c + 8
-    half + quad``, thread ``t``'s words ``words t ..`` (``words`` 4 for 4-bit keys, 8 for FP8)."""
+    """``[16 * chunks, 4 * words]`` words of chunk buffers read by one warp as :func:`_key_words` holds them: key ``16c
+    + 8 half + quad``, thread ``t``'s words ``words t ..`` (``words`` 4 for 4-bit keys, 8 for FP8)."""
     words = int(words)
     reg = [*([0, 1 << i] for i in range(words.bit_length() - 1)), [8, 0], *_chunk_bases(chunks, 2, 0, 16)]
     lane = [[0, words], [0, 2 * words], [1, 0], [2, 0], [4, 0]]
@@ -1093,9 +1093,9 @@ def _tma_key_layout(words, chunks=1):
 
 @gluon.constexpr_function
 def _tma_value_layout(chunks=1):
-    """``[16 chunks, 32 halfwords]`` of 4-bit value codes read by one warp as :func:`_value_words` holds them: halfword
-    ``8 q + quad`` of key ``16c + 8j + 2t + e`` (``ldmatrix.trans``-shaped: a thread's two keys ``e`` adjacent), each
-    quarter ``q`` of the output dimensions in registers."""
+    """``[16 * chunks, 32]`` halfwords of 4-bit value codes read by one warp as :func:`_value_words` holds them:
+    halfword ``8 q + quad`` of key ``16c + 8j + 2t + e`` (``ldmatrix.trans``-shaped: a thread's two keys ``e``
+    adjacent), each quarter ``q`` of the output dimensions in registers."""
     reg = [[1, 0], [8, 0], [0, 8], [0, 16], *_chunk_bases(chunks, 2, 0, 16)]  # [0, 8], [0, 16]: the quarters
     lane = [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]]
     return gl.DistributedLinearLayout(reg, lane, [], [], [16 * int(chunks), 32])
