@@ -1244,20 +1244,18 @@ def _step_pages(row_ptr, stride_btc, chunk_start, end, num_blocks, BLOCK_SIZE: g
 
 
 @gluon.jit
-def _step_value_words(cache_ptr, pages, chunk_start, count_left, kv_head, stride_block, shape: gl.constexpr,
-                      LAYOUT: gl.constexpr):  # fmt: skip
-    """3-bit values' words of the ``STEP`` chunks from ``chunk_start`` (in blocks ``pages``, :func:`_step_pages`), of
-    which the first ``count_left`` exist (:func:`_value_words`, its chunk dim the step's chunks)."""
-    KEY_DATA_BYTES: gl.constexpr = shape[2]
-    SLOT_BYTES: gl.constexpr = shape[3]
-    BLOCK_SIZE: gl.constexpr = shape[5]
-    VALUE_BITS: gl.constexpr = shape[9]
-    NUM_KV_HEADS: gl.constexpr = shape[10]
+def _step_value_words(cache_ptr, row_ptr, stride_btc, chunk_start, end, num_blocks, count_left, kv_head, stride_block,
+                      shape: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
+    """3-bit values' words of the ``STEP`` chunks from ``chunk_start`` (their blocks from the table,
+    :func:`_step_pages`), of which the first ``count_left`` exist (:func:`_value_words`, its chunk dim the step's
+    chunks). ``shape``: :func:`_chunks`'."""
     STEP: gl.constexpr = shape[11]
+    pages = _step_pages(row_ptr, stride_btc, chunk_start, end, num_blocks, shape[5], STEP)
     c = _iota(STEP, 3, 6, LAYOUT)
     page = gl.where(c == 0, pages[0], pages[1])
-    return _value_words(cache_ptr, page, chunk_start, c < count_left, kv_head, NUM_KV_HEADS, stride_block, SLOT_BYTES,
-                        KEY_DATA_BYTES, VALUE_BITS, BLOCK_SIZE, LAYOUT, STEP)  # fmt: skip
+    # shape: KEY_DATA_BYTES 2, SLOT_BYTES 3, BLOCK_SIZE 5, VALUE_BITS 9, NUM_KV_HEADS 10
+    return _value_words(cache_ptr, page, chunk_start, c < count_left, kv_head, shape[10], stride_block, shape[3],
+                        shape[2], shape[9], shape[5], LAYOUT, STEP)  # fmt: skip
 
 
 @gluon.jit
@@ -1323,9 +1321,8 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     # buffer gives): each iteration's value words are loaded into registers an iteration ahead (:func:`_value_words`).
     v_next = 0
     if VALUE_BITS == 3:
-        v_next = _step_value_words(cache_ptr, _step_pages(row_ptr, stride_btc, tile + 16 * stream, end, num_blocks,
-                                                          BLOCK_SIZE, STEP),
-                                   tile + 16 * stream, count, kv_head, stride_block, shape, value_layout)  # fmt: skip
+        v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, tile + 16 * stream, end, num_blocks, count, kv_head,
+                                   stride_block, shape, value_layout)  # fmt: skip
     for i in range(gl.cdiv(count, STEP)):
         n = STEP * i  # the iteration's first chunk (of this stream's)
         buffer = first + n % STAGES
@@ -1335,10 +1332,8 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
         v_words = v_next
         if VALUE_BITS == 3:
             following = tile + 16 * (stream + STRIDE * (n + STEP))
-            v_next = _step_value_words(cache_ptr, _step_pages(row_ptr, stride_btc, following, end, num_blocks,
-                                                              BLOCK_SIZE, STEP),
-                                       following, count - n - STEP, kv_head, stride_block, shape,
-                                       value_layout)  # fmt: skip
+            v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, following, end, num_blocks, count - n - STEP,
+                                       kv_head, stride_block, shape, value_layout)  # fmt: skip
         mbarrier.wait(full.index(buffer), (n // STAGES) & 1)
         if STEP == 2 and n + 1 < count:  # else its buffer holds no copy: its keys are past the split, not live
             mbarrier.wait(full.index(buffer + 1), (n // STAGES) & 1)
