@@ -1474,8 +1474,8 @@ def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correct
 
 def _run_ptx(asm: str, inputs: list[int], outputs: int, laneid: int = 0) -> list[int]:
     """A model of the b32 PTX our inline lookups use, on Python ints: ``mov`` (of ``%laneid``), ``and``, ``or``,
-    ``shl``, ``shr``, ``prmt`` (its default mode: 4 selector nibbles, the high bit replicating the byte's sign) and
-    ``lop3`` (bit ``4a + 2b + c`` of the immediate); ``$k`` the operands, the ``outputs`` results first."""
+    ``shl``, ``shr``, ``mul.lo``, ``prmt`` (its default mode: 4 selector nibbles, the high bit replicating the byte's
+    sign) and ``lop3`` (bit ``4a + 2b + c`` of the immediate); ``$k`` the operands, the ``outputs`` results first."""
     regs = {f"${k}": 0 for k in range(outputs)} | {f"${outputs + k}": v & 0xFFFFFFFF for k, v in enumerate(inputs)}
 
     def value(token: str) -> int:
@@ -1501,6 +1501,8 @@ def _run_ptx(asm: str, inputs: list[int], outputs: int, laneid: int = 0) -> list
             out = x[0] << x[1]
         elif op == "shr.b32":
             out = x[0] >> x[1]
+        elif op == "mul.lo.u32":
+            out = x[0] * x[1]
         elif op == "prmt.b32":
             source, out = x[0] | (x[1] << 32), 0
             for i in range(4):
@@ -1540,6 +1542,24 @@ def test_inline_ptx_of_the_4bit_lookup_does_what_its_docstrings_say() -> None:
         codes = [(word >> (4 * i)) & 0xF for i in range(8)]
         expected = [centroids[codes[2 * j]] | (centroids[codes[2 * j + 1]] << 16) for j in range(4)]
         assert _run_ptx(ttq_sm90.NIBBLE_PAIRS_ASM.value, [word, *tables], 4) == expected, (hex(word), centroids)
+
+
+def test_inline_ptx_of_the_symmetric_4bit_lookup_does_what_its_comment_says() -> None:
+    """``SYMMETRIC_PAIRS_ASM`` on the model of its instructions: for a codebook with ``c[15 - k] = -c[k]`` bit for bit
+    (random fp16 bit patterns for centroids 8-15, the others their sign flips) it gives what the general lookup
+    gives, from the 4 table registers of centroids 8-15, for random words. (Centroids 8-15 of such a codebook may
+    have either sign: the flip is a XOR.)"""
+    rng = random.Random(7)
+    for _ in range(200):
+        upper = [rng.getrandbits(16) for _ in range(8)]
+        centroids = [upper[7 - k] ^ 0x8000 for k in range(8)] + upper
+        word = rng.getrandbits(32)
+        tables = _byte_tables(centroids, 0, 4)
+        general = _run_ptx(ttq_sm90.NIBBLE_PAIRS_ASM.value, [word, *tables], 4)
+        symmetric = _run_ptx(ttq_sm90.SYMMETRIC_PAIRS_ASM.value, [word, tables[2], tables[3], tables[6], tables[7]], 4)
+        assert symmetric == general, (hex(word), centroids)
+    instructions = [x for x in ttq_sm90.SYMMETRIC_PAIRS_ASM.value.split(";") if x.strip(" \n{}") and ".reg" not in x]
+    assert len(instructions) == 18
 
 
 def test_inline_ptx_of_the_3bit_lookup_does_what_its_docstring_says() -> None:
@@ -1790,6 +1810,28 @@ def test_sm90_decode_of_each_gluon_kernel_matches_golden(preset, kernel, device:
         _check_decode_against_golden(41, preset, 128, [300, 129], 2, 4, 2, 16, torch.float16, device)
         _check_decode_against_golden(44, preset, 128, [2048, 1], 1, 8, 3, 32, torch.bfloat16, device)
         _check_decode_against_golden(45, preset, 128, [97, 0], 1, 16, 1, 16, torch.float16, device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon stage 1 kernels need an sm_90 GPU")  # fmt: skip
+def test_sm90_decode_of_an_asymmetric_codebook_takes_the_general_lookup(device: torch.device) -> None:
+    """A 4-bit codebook that is not symmetric bit for bit (centroid 3 one fp16 step up) runs the one-warp kernel's
+    loop with the general lookup (``turboquant_sm90._chunk_loop``, ``SYMMETRIC`` 0), the package's own the shorter one:
+    each matches golden on its own codebook, on the same bytes."""
+    preset, head_dim = "turboquant_4bit_nc", 128
+    gen = generator(46)
+    cache, table, lens = _decode_setup(preset, head_dim, [700, 129], 2, 16, gen, device)
+    config, pit, centroids, _ = _quantizer(preset, head_dim)
+    nudged = centroids.clone()
+    nudged[3] = (centroids[3:4].half().view(torch.int16) + 1).view(torch.float16).float()
+    query = torch.randn(2, 8, head_dim, generator=gen).half()
+    for codebook in (centroids, nudged):
+        out = ttq.triton_turboquant_decode_attention_v2(
+            query.to(device), cache, table, lens, pit.T.contiguous().to(device), codebook.to(device),
+            1 / math.sqrt(head_dim), config.key_mse_bits, config.key_packed_size, config.value_quant_bits,
+            config.value_packed_size, norm_correction=config.norm_correction, max_num_kv_splits=4)  # fmt: skip
+        expected = _decode_expected(query, cache, table, lens, preset, head_dim, centroids=codebook)
+        assert_close(out, expected.out, ("turboquant", "out", torch.float16), expected.out_bound)
 
 
 def test_pair_lut_is_never_stale_when_centroids_change_in_place(device: torch.device) -> None:

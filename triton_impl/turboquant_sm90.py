@@ -318,6 +318,39 @@ NIBBLE_PAIRS_ASM = gl.constexpr("""{
         lop3.b32 h1, a, b, m1, 0xD8;""" + _INTERLEAVE_PAIRS)
 
 
+# The 4-bit lookup of a symmetric codebook (``c[15 - k] = -c[k]`` bit for bit: :func:`_centroid_tables` checks it),
+# checked like the others: code ``k``'s centroid is ``c[8 + (k & 7)]`` where its bit 3 is set, else ``c[8 + 7 - (k &
+# 7)]`` with the sign flipped. The selectors are ``(k & 7) ^ 7`` where bit 3 is clear (``shr``, ``lop3``, ``mul`` by 7,
+# ``lop3``), one ``prmt`` per 4 codes and byte plane from the 2 table registers of centroids 8-15, the high bytes'
+# sign bit flipped where bit 3 is clear (the same byte masks as the general lookup), and the interleave: 18
+# instructions for 8 codes where the general lookup takes 21.
+SYMMETRIC_PAIRS_ASM = gl.constexpr("""{
+        .reg .b32 t, s0, s1, y, m0, m1, l0, h0, l1, h1;
+        shr.b32 t, $4, 3;
+        lop3.b32 t, t, 0x11111111, 0, 0x0C;
+        mul.lo.u32 t, t, 7;
+        lop3.b32 s0, $4, 0x77777777, t, 0x6A;
+        shr.b32 s1, s0, 16;
+        shl.b32 y, $4, 4;
+        prmt.b32 m0, $4, y, 0x9D8C;
+        prmt.b32 m1, $4, y, 0xBFAE;
+        prmt.b32 l0, $5, $6, s0;
+        prmt.b32 h0, $7, $8, s0;
+        prmt.b32 l1, $5, $6, s1;
+        prmt.b32 h1, $7, $8, s1;
+        lop3.b32 h0, h0, m0, 0x80808080, 0xD2;
+        lop3.b32 h1, h1, m1, 0x80808080, 0xD2;""" + _INTERLEAVE_PAIRS)
+
+
+@gluon.jit
+def _symmetric_pairs(w, tables):
+    """:func:`_nibble_pairs` for a symmetric codebook, from the 4 table registers of centroids 8-15 (``tables[2:4]``
+    and ``tables[6:8]``: their low and high bytes) (:data:`SYMMETRIC_PAIRS_ASM`)."""
+    return gl.inline_asm_elementwise(
+        SYMMETRIC_PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r,r", [w, tables[2], tables[3], tables[6], tables[7]],
+        dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True, pack=1)  # fmt: skip
+
+
 @gluon.jit
 def _byte_table(centroid_ptr, FIRST: gl.constexpr, SHIFT: gl.constexpr):
     """Byte ``SHIFT // 8`` of the fp16 centroids ``FIRST .. FIRST + 3``, packed: byte ``i`` is centroid
@@ -441,7 +474,7 @@ def _key_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_bl
 
 
 @gluon.jit
-def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.constexpr):
+def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.constexpr, SYMMETRIC: gl.constexpr = 0):
     """Packed keys (:func:`_key_words`, ``CHUNKS`` 16-key chunks) -> ``[16 CHUNKS, HEAD_DIM]`` fp16, K index ``k``
     holding dimension ``_score_dim(k)``: each pair of codes (4-bit: a byte, its two centroids by ``prmt`` from the 8
     byte tables in ``pair_lut``; 3-bit: 6 bits of a 24-bit group, by ``prmt`` from the 4 byte tables) or 16-bit half
@@ -453,7 +486,10 @@ def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.const
         pairs = _e4m3_pairs(gl.reshape(halves, [CHUNKS, 2, 8, 4, 16]))
     else:
         if KEY_BITS == 4:
-            p0, p1, p2, p3 = _nibble_pairs(words, pair_lut)  # pair u = 4w + j of word w in p_j
+            if SYMMETRIC:
+                p0, p1, p2, p3 = _symmetric_pairs(words, pair_lut)  # pair u = 4w + j of word w in p_j
+            else:
+                p0, p1, p2, p3 = _nibble_pairs(words, pair_lut)
             pairs = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [CHUNKS, 2, 8, 4, 16])
         else:
             # A thread's 32 codes are the 96 bits of its words 0-2: codes 8g .. 8g + 7 are the 24-bit group g at bits
@@ -592,9 +628,20 @@ def _tile_loads(cache_ptr, pages, tile_start, start, end, kv_head, num_kv_heads,
 
 
 @gluon.jit
+def _scores(k, q_hi, q_lo, zero, FP16_OPERANDS: gl.constexpr):
+    """``K q^T`` on the MMA (``zero``'s layout): the key operand ``k`` against the query, rounded once to fp16
+    (``FP16_OPERANDS``) or as hi + lo parts (two independent MMA chains)."""
+    k = gl.convert_layout(k, gl.DotOperandLayout(operand_index=0, parent=zero.type.layout, k_width=2))
+    if FP16_OPERANDS:
+        return mma_v2(k, q_hi, zero)
+    return mma_v2(k, q_hi, zero) + mma_v2(k, q_lo, zero)
+
+
+@gluon.jit
 def _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo, score_scale, m_i, l_part, z_part,
                acc, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, KEY_BYTES: gl.constexpr,
-               FP16_OPERANDS: gl.constexpr = 0, RESCALE_IF_GREW: gl.constexpr = 0):  # fmt: skip
+               FP16_OPERANDS: gl.constexpr = 0, RESCALE_IF_GREW: gl.constexpr = 0,
+               SYMMETRIC: gl.constexpr = 0):  # fmt: skip
     """One tile of the online softmax: scores ``K q^T``, the running max, ``(l, z)`` partial sums and ``O^T += V^T
     P^T`` (the module docstring says how each operand is built). Returns ``(m_i, l_part, z_part, acc)``.
     ``RESCALE_IF_GREW``: the sums and ``O^T`` are rescaled only when some head's running max grew (else every factor
@@ -604,13 +651,9 @@ def _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     BLOCK_H: gl.constexpr = q_hi.shape[1]
-    k = gl.convert_layout(_key_operand(k_words, pair_lut, KEY_BITS, KEY_BYTES), dot_a)
-    KEYS: gl.constexpr = k.shape[0]
+    KEYS: gl.constexpr = norm.shape[0]
     zero = gl.zeros([KEYS, BLOCK_H], gl.float32, mma)
-    if FP16_OPERANDS:
-        s = mma_v2(k, q_hi, zero)
-    else:
-        s = mma_v2(k, q_hi, zero) + mma_v2(k, q_lo, zero)  # two independent MMA chains
+    s = _scores(_key_operand(k_words, pair_lut, KEY_BITS, KEY_BYTES, SYMMETRIC), q_hi, q_lo, zero, FP16_OPERANDS)
     if KEY_BITS != 8:
         s = s * norm[:, None]
     s = gl.where(live[:, None], s * score_scale, float("-inf"))
@@ -801,9 +844,16 @@ def _centroid_tables(centroid_ptr, KEY_BITS: gl.constexpr):
     tables (:func:`_nibble_pairs`), for 3-bit keys 4 (:func:`_triple_pairs`); nothing (0) for FP8 keys."""
     pair_lut = 0
     if KEY_BITS == 4:
+        # Whether the fp16 codebook is symmetric bit for bit (c[15 - k] = -c[k]), as this package's codebooks are:
+        # then the shorter lookup serves (:data:`SYMMETRIC_PAIRS_ASM`).
+        symmetric = True
+        for k in gl.static_range(8):
+            low = gl.load(centroid_ptr + k).to(gl.float16).to(gl.uint16, bitcast=True)
+            high = gl.load(centroid_ptr + 15 - k).to(gl.float16).to(gl.uint16, bitcast=True)
+            symmetric = symmetric & (low == (high ^ 0x8000))
         pair_lut = (_byte_table(centroid_ptr, 0, 0), _byte_table(centroid_ptr, 4, 0), _byte_table(centroid_ptr, 8, 0),
                     _byte_table(centroid_ptr, 12, 0), _byte_table(centroid_ptr, 0, 8), _byte_table(centroid_ptr, 4, 8),
-                    _byte_table(centroid_ptr, 8, 8), _byte_table(centroid_ptr, 12, 8))  # fmt: skip
+                    _byte_table(centroid_ptr, 8, 8), _byte_table(centroid_ptr, 12, 8), symmetric)  # fmt: skip
     elif KEY_BITS == 3:
         pair_lut = (_byte_table(centroid_ptr, 0, 0), _byte_table(centroid_ptr, 4, 0), _byte_table(centroid_ptr, 0, 8),
                     _byte_table(centroid_ptr, 4, 8))  # fmt: skip
@@ -1259,6 +1309,65 @@ def _step_value_words(cache_ptr, row_ptr, stride_btc, chunk_start, end, num_bloc
 
 
 @gluon.jit
+def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, shape: gl.constexpr,
+                SYMMETRIC: gl.constexpr):  # fmt: skip
+    """:func:`_chunks`'s loop over the stream's chunks, from ``state`` (``m, l, z, acc``, the blocks of the first
+    refills and, 3-bit values, the first chunks' value words) to the same after the last chunk; ``SYMMETRIC``: 4-bit
+    keys of a symmetric codebook (:data:`SYMMETRIC_PAIRS_ASM`)."""
+    data, values, meta, full = ring
+    data_desc, value_desc, meta_desc = descs
+    row_ptr, stride_btc, num_blocks, tile, start, end, count, first, kv_head, stride_block = split_state
+    q_hi, q_lo, pair_lut, score_scale, key_rows = operands
+    m_i, l_part, z_part, acc, ahead, v_next = state
+    KEY_BITS: gl.constexpr = shape[1]
+    KEY_DATA_BYTES: gl.constexpr = shape[2]
+    SLOT_BYTES: gl.constexpr = shape[3]
+    NUM_FIELDS: gl.constexpr = shape[4]
+    BLOCK_SIZE: gl.constexpr = shape[5]
+    STAGES: gl.constexpr = shape[7]
+    STRIDE: gl.constexpr = shape[8]
+    VALUE_BITS: gl.constexpr = shape[9]
+    STEP: gl.constexpr = shape[11]
+    KEY_FP8: gl.constexpr = KEY_BITS == 8
+    key_bytes: gl.constexpr = _operand_layouts(KEY_FP8, 1)[2]
+    key_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[3]
+    value_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[4]
+    CHUNK_BYTES: gl.constexpr = 16 * _box_bytes(KEY_DATA_BYTES, SLOT_BYTES, VALUE_BITS)
+    for i in range(gl.cdiv(count, STEP)):
+        n = STEP * i  # the iteration's first chunk (of this stream's)
+        buffer = first + n % STAGES
+        pages = ahead
+        ahead = _step_pages(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * (n + STEP + STAGES)), end, num_blocks,
+                            BLOCK_SIZE, STEP)  # fmt: skip
+        v_words = v_next
+        mbarrier.wait(full.index(buffer), (n // STAGES) & 1)
+        if STEP == 2 and n + 1 < count:  # else its buffer holds no copy: its keys are past the split, not live
+            mbarrier.wait(full.index(buffer + 1), (n // STAGES) & 1)
+        k_words, staged_values, norm, v_scale, v_zero, live = _tma_stage_reads(
+            data, values, meta, buffer // STEP, tile + 16 * (stream + STRIDE * n), start, end, key_rows, KEY_BITS,
+            KEY_DATA_BYTES, NUM_FIELDS, key_layout, value_layout, VALUE_BITS)  # fmt: skip
+        if VALUE_BITS == 4:
+            v_words = staged_values
+        m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
+                                              score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS, key_bytes,
+                                              1, 1, SYMMETRIC)  # fmt: skip
+        if VALUE_BITS == 3:  # the next iteration's value words, loaded once this iteration's are used
+            following = tile + 16 * (stream + STRIDE * (n + STEP))
+            v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, following, end, num_blocks, count - n - STEP,
+                                       kv_head, stride_block, shape, value_layout)  # fmt: skip
+        # This warp's reads of the buffers are done: refill them.
+        if n + STAGES < count:
+            fence_async_shared()
+            for j in gl.static_range(STEP):
+                if n + j + STAGES < count:
+                    mbarrier.expect(full.index(buffer + j), CHUNK_BYTES)
+                    _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(buffer + j),
+                                 buffer + j, pages[j], tile + 16 * (stream + STRIDE * (n + j + STAGES)), kv_head,
+                                 SLOT_BYTES, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE, VALUE_BITS)  # fmt: skip
+    return m_i, l_part, z_part, acc, ahead, v_next
+
+
+@gluon.jit
 def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     """One warp's online softmax over chunks ``stream, stream + STRIDE, ...`` of the split (16 keys from ``tile``
     each), copied by TMA through its chunk buffers ``STAGES stream ..`` of ``ring`` (``data, values, meta, full``):
@@ -1288,8 +1397,6 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     KEY_FP8: gl.constexpr = KEY_BITS == 8
     mma: gl.constexpr = _operand_layouts(KEY_FP8, 1)[0]
     dot_b: gl.constexpr = _operand_layouts(KEY_FP8, 1)[1]
-    key_bytes: gl.constexpr = _operand_layouts(KEY_FP8, 1)[2]
-    key_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[3]
     value_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[4]
     CHUNK_BYTES: gl.constexpr = 16 * _box_bytes(KEY_DATA_BYTES, SLOT_BYTES, VALUE_BITS)
     kv_head = gl.program_id(1)
@@ -1318,42 +1425,25 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     acc = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, mma)
     key_rows = gl.arange(0, 16 * STEP, layout=gl.SliceLayout(1, mma))
     # 3-bit values are not copied by TMA (a quad's 12-bit fields start at word offsets no linear layout of a shared
-    # buffer gives): each iteration's value words are loaded into registers an iteration ahead (:func:`_value_words`).
+    # buffer gives): each iteration's value words are loaded into registers an iteration ahead (:func:`_value_words`),
+    # at the end of the iteration before (loaded at its top, they held 16 more registers through its keys' work).
     v_next = 0
     if VALUE_BITS == 3:
         v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, tile + 16 * stream, end, num_blocks, count, kv_head,
                                    stride_block, shape, value_layout)  # fmt: skip
-    for i in range(gl.cdiv(count, STEP)):
-        n = STEP * i  # the iteration's first chunk (of this stream's)
-        buffer = first + n % STAGES
-        pages = ahead
-        ahead = _step_pages(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * (n + STEP + STAGES)), end, num_blocks,
-                            BLOCK_SIZE, STEP)  # fmt: skip
-        v_words = v_next
-        if VALUE_BITS == 3:
-            following = tile + 16 * (stream + STRIDE * (n + STEP))
-            v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, following, end, num_blocks, count - n - STEP,
-                                       kv_head, stride_block, shape, value_layout)  # fmt: skip
-        mbarrier.wait(full.index(buffer), (n // STAGES) & 1)
-        if STEP == 2 and n + 1 < count:  # else its buffer holds no copy: its keys are past the split, not live
-            mbarrier.wait(full.index(buffer + 1), (n // STAGES) & 1)
-        k_words, staged_values, norm, v_scale, v_zero, live = _tma_stage_reads(
-            data, values, meta, buffer // STEP, tile + 16 * (stream + STRIDE * n), start, end, key_rows, KEY_BITS,
-            KEY_DATA_BYTES, NUM_FIELDS, key_layout, value_layout, VALUE_BITS)  # fmt: skip
-        if VALUE_BITS == 4:
-            v_words = staged_values
-        m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
-                                              score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS, key_bytes,
-                                              1, 1)  # fmt: skip
-        # This warp's reads of the buffers are done: refill them.
-        if n + STAGES < count:
-            fence_async_shared()
-            for j in gl.static_range(STEP):
-                if n + j + STAGES < count:
-                    mbarrier.expect(full.index(buffer + j), CHUNK_BYTES)
-                    _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(buffer + j),
-                                 buffer + j, pages[j], tile + 16 * (stream + STRIDE * (n + j + STAGES)), kv_head,
-                                 SLOT_BYTES, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE, VALUE_BITS)  # fmt: skip
+    split_state = (row_ptr, stride_btc, num_blocks, tile, start, end, count, first, kv_head, stride_block)
+    operands = (q_hi, q_lo, pair_lut, score_scale, key_rows)
+    state = (m_i, l_part, z_part, acc, ahead, v_next)
+    if KEY_BITS == 4:
+        # A codebook symmetric bit for bit (:func:`_centroid_tables`) takes the shorter lookup: the branch is around
+        # the whole loop, so that each loop holds only its own lookup's registers (inside it, 56 bytes spilled).
+        if pair_lut[8]:
+            state = _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, shape, 1)
+        else:
+            state = _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, shape, 0)
+    else:
+        state = _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, shape, 0)
+    m_i, l_part, z_part, acc, _, _ = state
     return acc, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0)
 
 
