@@ -1333,7 +1333,7 @@ def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, sh
     key_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[3]
     value_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[4]
     CHUNK_BYTES: gl.constexpr = 16 * _box_bytes(KEY_DATA_BYTES, SLOT_BYTES, VALUE_BITS)
-    for i in range(gl.cdiv(count, STEP)):
+    for i in range(count // STEP):
         n = STEP * i  # the iteration's first chunk (of this stream's)
         buffer = first + n % STAGES
         pages = ahead
@@ -1341,7 +1341,7 @@ def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, sh
                             BLOCK_SIZE, STEP)  # fmt: skip
         v_words = v_next
         mbarrier.wait(full.index(buffer), (n // STAGES) & 1)
-        if STEP == 2 and n + 1 < count:  # else its buffer holds no copy: its keys are past the split, not live
+        if STEP == 2:  # (count is a multiple of STEP: a chunk past the split is copied too, its keys not live)
             mbarrier.wait(full.index(buffer + 1), (n // STAGES) & 1)
         k_words, staged_values, norm, v_scale, v_zero, live = _tma_stage_reads(
             data, values, meta, buffer // STEP, tile + 16 * (stream + STRIDE * n), start, end, key_rows, KEY_BITS,
@@ -1375,7 +1375,8 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, STRIDE, VALUE_BITS, NUM_KV_HEADS,
     STEP)``; the other arguments are the kernels' in tuples. Each iteration takes ``STEP`` consecutive chunks (1, or 2
     with ``STRIDE`` 1: one softmax step and one row max over 32 keys, which halves what an iteration costs besides
-    its keys), a group of ``STEP`` buffers, the last one's copy waited for only if that chunk exists."""
+    its keys), a group of ``STEP`` buffers; a split's last group is copied whole, past its keys if need be (those keys
+    are not live)."""
     data, values, meta, full = ring
     data_desc, value_desc, meta_desc = descs
     q_ptr, partials_ptr, centroid_ptr, cache_ptr = pointers
@@ -1405,6 +1406,7 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
     num_chunks = gl.where(end > start, gl.cdiv(end - tile, 16), 0)
     count = gl.maximum(num_chunks - stream + STRIDE - 1, 0) // STRIDE  # this stream's chunks
+    count = gl.cdiv(count, STEP) * STEP  # whole iterations: the second wait needs no test of its own
     first = stream * STAGES  # its chunk buffers and mbarriers
     for st in gl.static_range(STAGES):
         if st < count:
