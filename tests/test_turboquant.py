@@ -1147,10 +1147,15 @@ def _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads,
     config, pit = _quantizer(preset, head_dim)[:2]
     key_bits = 8 if config.key_fp8 else config.key_mse_bits
     run = ttq.decode_num_splits(num_splits, batch, num_kv_heads, device, key_bits, config.value_quant_bits)
-    split = _decode_expected(query, cache, table, lens, preset, head_dim, num_splits=run)
-    assert_close(mid_o[:, :, :run, :head_dim], split.out, ("turboquant", "split_o", "float32"), split.out_bound)
-    assert_close(mid_o[:, :, :run, head_dim], split.lse, ("turboquant", "lse", "float32"))
     entry = ttq.select_decode_config(device, key_bits, config.value_quant_bits)
+    programs = ttq.stream_k_programs(entry, device, run) if out.is_cuda else None
+    if programs:  # stream-K: the slots its pieces take hold a state, the rest LSE -inf
+        _check_stream_k_slots(mid_o[:, :, :run, head_dim], seq_lens, table.shape[1] * cache.shape[1], num_kv_heads,
+                              group, 16 * ttq.warp_stages(entry)["STEP"], programs)  # fmt: skip
+    else:
+        split = _decode_expected(query, cache, table, lens, preset, head_dim, num_splits=run)
+        assert_close(mid_o[:, :, :run, :head_dim], split.out, ("turboquant", "split_o", "float32"), split.out_bound)
+        assert_close(mid_o[:, :, :run, head_dim], split.lse, ("turboquant", "lse", "float32"))
     slot = ttq.query_slot(entry, num_splits, key_bits, config.value_quant_bits)
     past = mid_o[:, :, run:]
     if slot is not None and slot >= run and not bool(past[:, :, slot - run, :head_dim].isnan().all()):
@@ -1160,6 +1165,37 @@ def _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads,
         assert bool(past[:, :, slot - run, head_dim].isnan().all())  # the rotation writes no lse
         past = torch.cat([past[:, :, : slot - run], past[:, :, slot - run + 1 :]], dim=2)
     assert bool(past.isnan().all())
+
+
+def test_stream_k_pieces_cover_every_key_once_in_at_most_the_slots() -> None:
+    """The stream-K division (the model the GPU tests check the kernel's slots against): each (request, KV head)'s
+    keys, cut at the table's, covered once in order by at most ``num_splits`` pieces, a long request among short ones
+    too (2 slots: at most 2 pieces)."""
+    for lens, table_keys, heads, step, grid, splits in [([8192] * 32, 8192, 8, 32, 2112, 16),
+                                                         ([0, 5, 3000, 0, 17, 100000], 4096, 2, 16, 64, 2),
+                                                         ([1] * 300, 16, 3, 32, 2112, 4), ([0, 0], 64, 1, 32, 8, 5)]:
+        pieces = ttq.stream_k_pieces(lens, table_keys, heads, step, grid, splits)
+        assert sorted(pieces) == [(b, h) for b in range(len(lens)) for h in range(heads)]
+        for (b, _), taken in pieces.items():
+            assert [slot for slot, _, _ in taken] == list(range(len(taken))) and len(taken) <= splits
+            ends = [0] + [end for _, _, end in taken]
+            assert [start for _, start, _ in taken] == ends[:-1] and ends[-1] == min(lens[b], table_keys)
+    # B=32 HKV=8 L=8K at 2112 programs: 31 or 32 steps a program, 9 pieces a (request, KV head) of 16 slots.
+    assert {len(taken) for taken in ttq.stream_k_pieces([8192] * 32, 8192, 8, 32, 2112, 16).values()} == {9}
+
+
+def _check_stream_k_slots(lse, seq_lens, table_keys, num_kv_heads, group, step_keys, programs) -> None:
+    """Stage 1 by stream-K (``lse``: ``[B, H, S]``): for each (request, KV head), a finite LSE in the slots of its
+    pieces (:func:`triton_impl.turboquant.stream_k_pieces`) and -inf in the rest; NaN throughout for a request longer
+    than its table."""
+    pieces = ttq.stream_k_pieces(list(seq_lens), table_keys, num_kv_heads, step_keys, programs, lse.shape[2])
+    for (b, h), taken in pieces.items():
+        heads = lse[b, h * group : (h + 1) * group].cpu()
+        if seq_lens[b] > table_keys:
+            assert bool(heads.isnan().all()), (b, h)
+            continue
+        assert bool(heads[:, : len(taken)].isfinite().all()), (b, h, taken)
+        assert bool((heads[:, len(taken) :] == float("-inf")).all()), (b, h, taken)
 
 
 @pytest.mark.parametrize("fp16_operands, query_scale", [(0, 3.0), (1, 1.0)])
@@ -1576,6 +1612,7 @@ def test_inline_ptx_of_the_3bit_lookup_does_what_its_docstring_says() -> None:
 
 
 _SM90_COMPILE = """
+import itertools
 import json
 from triton_impl import turboquant, turboquant_sm90
 from triton_impl.bench import SASS_UNIFORM_MOVE, sass_loop, sass_resources
@@ -1593,12 +1630,12 @@ for key_bits, value_bits in ((3, 3), (3, 4), (4, 4), (8, 4)):
         maxnreg = (entry["WARP_MAXNREG"] if warp else turboquant_sm90.STREAMS_LAUNCH_REGS if streams
                    else entry.get("GLUON_MAXNREG"))
         staging = turboquant.warp_stages(entry) if warp else {"STAGES": max(2, entry["GLUON_STAGES"]), "STEP": 1}
-        for block_size in (16, 32):
+        for block_size, stream_k in itertools.product((16, 32), (False, True) if warp else (False,)):
             kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits, group=group,
                                                       block_size=block_size, maxnreg=maxnreg,
                                                       stages=staging["STAGES"] if tma else stages,
                                                       step=staging["STEP"], fp16_operands=fp16_operands,
-                                                      streams=streams, warp=warp)
+                                                      streams=streams, warp=warp, stream_k=stream_k)
             resources = sass_resources(kernel.asm["cubin"])
             loop = sass_loop(kernel.asm["cubin"], "HMMA")
             moves = sum(bool(SASS_UNIFORM_MOVE.search(line)) for line in loop)
@@ -1635,7 +1672,8 @@ for key_bits in (3, 4):
 def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     """The Gluon fast paths never run under the interpreter: compile them for sm_90 here (a process of its own,
     TRITON_INTERPRET=0). Decode stage 1: every preset's key and value widths (with the sm90 entry's register cap,
-    stages and operand rounding), groups 1/4/16 and two block sizes, with no stack (3-bit keys: 8 bytes, outside the
+    stages and operand rounding), groups 1/4/16 and two block sizes (the one-warp programs by the grid and by
+    stream-K), with no stack (3-bit keys: 8 bytes, outside the
     loop), at most 40 KiB of shared memory and, for 4-bit keys, no uniform register copied at each use in the loop.
     Store: 3/4-bit keys and values, with and without norm correction, at the sm90 entry's register cap (the spills
     bounded below), and no multiply, fma or min that flushes subnormals (the grid bucketize reads the bits of
@@ -1644,7 +1682,7 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
-    assert len(rows) == 24 + 8 + 8 + 8
+    assert len(rows) == 24 + 16 + 8 + 8 + 8  # the one-warp groups (1 and 4) twice: by the grid and by stream-K
     # Decode: the staged presets (4-bit values) hold three stages of a 64-key tile (one-warp programs: three 16-key
     # chunks), so that the entry's programs a SM fit its 228 KiB (1 KiB of it reserved per program); the others a few
     # KiB. At most 8 bytes of stack, outside the tile loop: no LDL or STL in it (the 4-warp kernel at 96 registers
@@ -1794,22 +1832,39 @@ def test_decode_variants_outside_the_config_table_match_golden(variant, preset, 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon stage 1 kernels need an sm_90 GPU")  # fmt: skip
-@pytest.mark.parametrize("kernel", ["tile", "streams", "warp"])
+@pytest.mark.parametrize("kernel", ["tile", "streams", "warp", "stream_k"])
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc",
                                     "turboquant_3bit_nc"])
 def test_sm90_decode_of_each_gluon_kernel_matches_golden(preset, kernel, device: torch.device) -> None:
     """Each Gluon stage 1 kernel for the keys the TMA kernels serve, whichever the sm90 entry selects: the cp.async
     tile kernel, the per-warp streams and the one-warp programs; partly live chunks, every stream with more chunks than
     its 3 buffers (L=2048: each buffer and its mbarrier phase reused), and group 16 (the TMA kernels decline it)."""
-    streams, warp = int(kernel == "streams"), int(kernel == "warp")
-    config = ttq.DECODE_CONFIGS["sm90"] | {"GLUON_STREAMS": streams, "GLUON_WARP": warp,
-                                           "PROGRAMS_PER_SM": {"tile": 5, "streams": 4, "warp": 16}[kernel]}
+    streams, warp = int(kernel == "streams"), int(kernel in ("warp", "stream_k"))
+    config = ttq.DECODE_CONFIGS["sm90"] | {"GLUON_STREAMS": streams, "GLUON_WARP": warp, "STREAM_K": int(
+        kernel == "stream_k"), "PROGRAMS_PER_SM": {"tile": 5, "streams": 4, "warp": 16, "stream_k": 16}[kernel]}
     per_preset = ("GLUON_STREAMS_", "GLUON_WARP_", "PROGRAMS_PER_SM_")
     config = {k: v for k, v in config.items() if not k.startswith(per_preset)}
     with _decode_config_table(dict.fromkeys(ttq.DECODE_CONFIGS, config)):
         _check_decode_against_golden(41, preset, 128, [300, 129], 2, 4, 2, 16, torch.float16, device)
         _check_decode_against_golden(44, preset, 128, [2048, 1], 1, 8, 3, 32, torch.bfloat16, device)
         _check_decode_against_golden(45, preset, 128, [97, 0], 1, 16, 1, 16, torch.float16, device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon stage 1 kernels need an sm_90 GPU")  # fmt: skip
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
+def test_sm90_stream_k_decode_of_mixed_lengths_matches_golden(preset, device: torch.device) -> None:
+    """Stream-K over a batch of long, short and empty requests: 40 requests (two blocks of the kernel's scans over
+    seq_lens), pieces crossing (request, KV head) boundaries, and a call of 2 slots (3 splits asked, one the rotated
+    query's) where one long request among short ones cuts the programs so that it takes at most 2 pieces."""
+    gen = generator(46)
+    lens = [int(x) for x in torch.randint(0, 700, (40,), generator=gen)]
+    lens[3] = lens[17] = lens[39] = 0
+    lens[20] = 5000
+    config = ttq.DECODE_CONFIGS["sm90"] | {"STREAM_K": 1}
+    with _decode_config_table(dict.fromkeys(ttq.DECODE_CONFIGS, config)):
+        _check_decode_against_golden(47, preset, 128, lens, 2, 4, 8, 16, torch.float16, device)
+        _check_decode_against_golden(48, preset, 128, [33, 4000, 0, 65], 2, 4, 3, 32, torch.bfloat16, device)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,

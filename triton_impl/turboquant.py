@@ -22,6 +22,7 @@ centroids. Value codes need no table: they enter the MMA as exact fp16 integers.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -240,6 +241,9 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # 420.6 -> 406.6 -> 402.1, 3bit_nc 175.2 -> 169.9 -> 161.7 / 561.0 -> 549.1 -> 551.6; in the next call, 2 -> 1 round:
 # 4-bit 122.2 -> 121.6 / 403.6 -> 413.6, k3v4 123.0 -> 121.5 / 400.7 -> 410.9, 3bit_nc 161.4 -> 156.4 / 551.1 ->
 # 583.9, k8v4 123.7 -> 124.9 / 486.0 -> 506.3 (four rounds in the first call: 128.4 / 473.5).
+# STREAM_K (sm90, the one-warp kernel): turboquant_sm90.decode_stage1_stream_k_kernel, PROGRAMS_PER_SM programs a SM in
+# one round, the call's keys divided evenly among them (its section there says how), where the call has at least two
+# splits (partial slots); SPLIT_ROUNDS still sets the slots.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
@@ -247,7 +251,7 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
              "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
              "GLUON_MAXNREG": 96, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 16, "GLUON_STAGES": 3, "ROTATE_TF32X3": 1,
              "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 128, "WARP_STEP": 2,
-             "WARP_STAGES": 4, "WARP_STEP_v3": 1, "WARP_STAGES_v3": 3},
+             "WARP_STAGES": 4, "WARP_STEP_v3": 1, "WARP_STAGES_v3": 3, "STREAM_K": 1},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -286,6 +290,38 @@ def warp_stages(config: dict[str, int]) -> dict[str, int]:
     chunk buffers (else ``GLUON_STAGES``, at least 2) and ``WARP_STEP`` chunks an iteration (else 1)."""
     return {"STAGES": config.get("WARP_STAGES", max(2, config.get("GLUON_STAGES", 0))),
             "STEP": config.get("WARP_STEP", 1)}
+
+
+def stream_k_programs(config: dict[str, int], device: torch.device, num_splits: int) -> int | None:
+    """The grid of ``turboquant_sm90.decode_stage1_stream_k_kernel`` where a decode entry runs it (``STREAM_K``, one
+    warp a program, at least two splits): ``PROGRAMS_PER_SM`` programs a SM; else ``None``."""
+    if not (config.get("GLUON") and config.get("GLUON_WARP") and config.get("STREAM_K") and num_splits >= 2):
+        return None
+    return config["PROGRAMS_PER_SM"] * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def stream_k_pieces(seq_lens: list[int], table_keys: int, num_kv_heads: int, step_keys: int, grid: int,
+                    num_splits: int) -> dict[tuple[int, int], list[tuple[int, int, int]]]:  # fmt: skip
+    """The stream-K kernel's division of a call's keys, in plain Python: ``{(b, kv_head): [(slot, start, end), ..]}``,
+    the key range of each piece and the partial slot it writes (the slots after the last are empty). Steps of
+    ``step_keys`` keys over the keys each table holds, request-major, ``grid`` programs cut to ``T // ceil(most steps
+    / (num_splits - 1))``, program ``p`` taking steps ``[p T // P, (p + 1) T // P)``."""
+    steps = [-(-min(max(n, 0), table_keys) // step_keys) for n in seq_lens]
+    total = sum(steps) * num_kv_heads
+    least = max(-(-max(steps, default=0) // (num_splits - 1)), 1)
+    programs = max(min(grid, total // least), 1)
+    bounds = [p * total // programs for p in range(programs + 1)]
+    pieces: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    first = 0
+    for b, n in enumerate(steps):
+        for h in range(num_kv_heads):
+            # A piece a program: slot i is the i-th program from the one holding the first step.
+            cuts = sorted({first, first + n} | {x for x in bounds if first < x < first + n})
+            pieces[(b, h)] = [(slot, (lo - first) * step_keys, min((hi - first) * step_keys, seq_lens[b], table_keys))
+                              for slot, (lo, hi) in enumerate(itertools.pairwise(cuts))]  # fmt: skip
+            assert len(pieces[(b, h)]) <= num_splits
+            first += n
+    return pieces
 
 
 def query_slot(config: dict[str, int], max_num_kv_splits: int, key_bits: int, value_bits: int) -> int | None:
@@ -1403,19 +1439,21 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
             num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
             slot_bytes=layout["data_bytes_per_slot"], key_bytes=layout["key_data_bytes"],
             stride_block=kv_cache.stride(0), meta_offset=meta_offset, num_fields=layout["num_fields"])  # fmt: skip
+        args = (float(scale), num_splits, num_blocks, table_keys, q_slot or 0, kv_cache.stride(0), *query.stride()[:2],
+                *table_2d.stride(), *mid_o.stride()[:3])  # fmt: skip
         if config.get("GLUON_WARP"):
             kernel = turboquant_sm90.decode_stage1_warp_kernel
             options = turboquant_sm90.launch_options(group, config["WARP_MAXNREG"], warps=1)
             options |= warp_stages(config)
+            programs = stream_k_programs(config, device, num_splits)
+            if programs:  # one round of programs, the keys divided evenly
+                kernel, grid, args = turboquant_sm90.decode_stage1_stream_k_kernel, (programs,), (*args, batch)
         else:
             kernel = turboquant_sm90.decode_stage1_streams_kernel
             options = turboquant_sm90.launch_options(group, turboquant_sm90.STREAMS_LAUNCH_REGS)
             options["STAGES"] = max(2, config.get("GLUON_STAGES", 0))
-        stage1 = _DescribedLaunch(Launch(kernel, grid, (
-            float(scale), num_splits, num_blocks, table_keys, q_slot or 0, kv_cache.stride(0), *query.stride()[:2],
-            *table_2d.stride(), *mid_o.stride()[:3],
-        ), dict(shape, **options)),
-            DescriptorsByAddress(turboquant_sm90.descriptors), geometry)  # fmt: skip
+        stage1 = _DescribedLaunch(Launch(kernel, grid, args, dict(shape, **options)),
+                                  DescriptorsByAddress(turboquant_sm90.descriptors), geometry)  # fmt: skip
     elif gluon:  # the sm_90 fast path (triton_impl/turboquant_sm90.py): the same partials, operands built in place
         stage1 = Launch(turboquant_sm90.decode_stage1_kernel, grid, (
             float(scale), num_splits, num_blocks, table_keys, kv_cache.stride(0), *query.stride()[:2],

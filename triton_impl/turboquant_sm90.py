@@ -157,17 +157,21 @@ def launch_options(group: int, maxnreg: int | None, warps: int = int(NUM_WARPS))
 
 def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, block_size: int = 16,
                      maxnreg: int | None = None, stages: int = 0, fp16_operands: bool = False,
-                     streams: bool = False, warp: bool = False, step: int = 1) -> Any:  # fmt: skip
+                     streams: bool = False, warp: bool = False, step: int = 1,
+                     stream_k: bool = False) -> Any:  # fmt: skip
     """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a launch of the bench's
     shapes is (16-byte aligned pointers, the integer arguments that are multiples of 16 marked so, the
     block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``.
     ``streams``: :func:`decode_stage1_streams_kernel` (``stages`` chunk buffers a stream); ``warp``:
-    :func:`decode_stage1_warp_kernel` (``step`` chunks an iteration); else :func:`decode_stage1_kernel`."""
+    :func:`decode_stage1_warp_kernel` (``step`` chunks an iteration; with ``stream_k``,
+    :func:`decode_stage1_stream_k_kernel`); else :func:`decode_stage1_kernel`."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = decode_stage1_warp_kernel if warp else decode_stage1_streams_kernel if streams else decode_stage1_kernel
+    fn = decode_stage1_streams_kernel if streams else decode_stage1_kernel
+    if warp:
+        fn = decode_stage1_stream_k_kernel if stream_k else decode_stage1_warp_kernel
     names = fn.arg_names
     key_bytes = 16 * key_bits  # D = 128 codes of key_bits bits (FP8 keys: 8)
     pointers = {"q_ptr": "*bf16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -803,6 +807,15 @@ def _split(seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, st
     split_len = (seq_len + num_splits - 1) // num_splits
     start = split * split_len
     end = gl.minimum(start + split_len, seq_len)
+    return _key_range(block_table_ptr, b, start, end, seq_len, num_blocks, table_keys, stride_bt, stride_btc,
+                      BLOCK_SIZE)  # fmt: skip
+
+
+@gluon.jit
+def _key_range(block_table_ptr, b, start, end, seq_len, num_blocks, table_keys, stride_bt, stride_btc,
+               BLOCK_SIZE: gl.constexpr):  # fmt: skip
+    """:func:`_split`'s tuple for keys ``[start, end)`` of request ``b`` (``seq_len`` keys): ``end`` cut at the table's
+    keys, and the request's table row, whether it is too long, and the check of its blocks."""
     too_long = seq_len > table_keys
     end = gl.minimum(end, table_keys)
     row_ptr = block_table_ptr + b.to(gl.int64) * stride_bt
@@ -817,15 +830,13 @@ def _split(seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, st
 
 
 @gluon.jit
-def _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, slot,
+def _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, b, kv_head, slot,
                    KV_GROUP: gl.constexpr, KEY_FP8: gl.constexpr, BLOCK_H: gl.constexpr,
                    DOT_B: gl.constexpr):  # fmt: skip
     """The query as the B operand ``[HEAD_DIM, BLOCK_H]`` of the scores, K index ``k`` holding dimension
     ``_score_dim(k)``, as fp16 ``(hi, lo)`` parts (``lo`` unused with ``FP16_OPERANDS``). MSE keys read the
     rotated query from partials slot ``slot`` (the program's own split, or the one slot past the splits), FP8 keys
-    the query itself."""
-    b = gl.program_id(0)
-    kv_head = gl.program_id(1)
+    the query itself, of request ``b``'s heads of KV head ``kv_head``."""
     qk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, DOT_B))
     qh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, DOT_B))
     q_heads = kv_head * KV_GROUP + qh
@@ -870,16 +881,14 @@ def _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, n
 
 
 @gluon.jit
-def _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps,
-                    KV_GROUP: gl.constexpr, VALUE_BITS: gl.constexpr):  # fmt: skip
+def _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps, b, kv_head,
+                    split, KV_GROUP: gl.constexpr, VALUE_BITS: gl.constexpr):  # fmt: skip
     """The split's partial ``(o, lse)`` from the loop's state (``acc`` ``[HEAD_DIM, BLOCK_H]``, row ``d`` holding
     dimension ``_value_dim(d)`` times :func:`_value_row_scale`'s inverse; ``m_i``, ``l_i``, ``z_i`` per head in base
-    2), stored in its slot: ``(0, -inf)`` without keys, NaN where the request is ``poisoned``."""
+    2), stored in slot ``split`` of request ``b``'s heads of KV head ``kv_head``: ``(0, -inf)`` without keys, NaN
+    where the request is ``poisoned``."""
     layout: gl.constexpr = acc.type.layout
     BLOCK_H: gl.constexpr = acc.shape[1]
-    b = gl.program_id(0)
-    kv_head = gl.program_id(1)
-    split = gl.program_id(2)
     h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, layout))
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, layout))
     acc = acc * _value_row_scale(d, VALUE_BITS)[:, None]
@@ -906,7 +915,8 @@ def _finish(acc, m_i, l_part, z_part, start, end, too_long, bad_pages, row_ptr, 
         acc = gl.convert_layout(gl.sum(gl.reshape(acc, [HEAD_DIM, 2, BLOCK_H]), axis=1), mma)
     poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)
     _store_partials(acc, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0), start, end, poisoned, partials_ptr,
-                    stride_pb, stride_ph, stride_ps, KV_GROUP, VALUE_BITS)  # fmt: skip
+                    stride_pb, stride_ph, stride_ps, gl.program_id(0), gl.program_id(1), gl.program_id(2), KV_GROUP,
+                    VALUE_BITS)  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -958,7 +968,8 @@ def decode_stage1_kernel(
     start, end, row_ptr, too_long, bad_pages, first_page, last_page = _split(
         seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)
     q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps,
-                                gl.program_id(2), KV_GROUP, KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
+                                gl.program_id(0), kv_head, gl.program_id(2), KV_GROUP, KEY_FP8, BLOCK_H,
+                                dot_b)  # fmt: skip
     pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
 
     score_scale = sm_scale * _LOG2E
@@ -1316,7 +1327,7 @@ def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, sh
     keys of a symmetric codebook (:data:`SYMMETRIC_PAIRS_ASM`)."""
     data, values, meta, full = ring
     data_desc, value_desc, meta_desc = descs
-    row_ptr, stride_btc, num_blocks, tile, start, end, count, first, kv_head, stride_block = split_state
+    row_ptr, stride_btc, num_blocks, tile, start, end, count, first, ring_base, kv_head, stride_block = split_state
     q_hi, q_lo, pair_lut, score_scale, key_rows = operands
     m_i, l_part, z_part, acc, ahead, v_next = state
     KEY_BITS: gl.constexpr = shape[1]
@@ -1333,8 +1344,12 @@ def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, sh
     key_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[3]
     value_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[4]
     CHUNK_BYTES: gl.constexpr = 16 * _box_bytes(KEY_DATA_BYTES, SLOT_BYTES, VALUE_BITS)
-    for i in range(count // STEP):
-        n = STEP * i  # the iteration's first chunk (of this stream's)
+    # Counted in the ring's sequence of copies: the stream's chunk c is copy ring_base + c, so that the loop carries
+    # that index alone (the rebased tile and count hold ring_base).
+    tile -= 16 * STRIDE * ring_base
+    count += ring_base
+    for i in range(ring_base // STEP, count // STEP):
+        n = STEP * i  # the iteration's first chunk (of this stream's), as the ring's copy n
         buffer = first + n % STAGES
         pages = ahead
         ahead = _step_pages(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * (n + STEP + STAGES)), end, num_blocks,
@@ -1368,19 +1383,22 @@ def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, sh
 
 
 @gluon.jit
-def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
+def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.constexpr):
     """One warp's online softmax over chunks ``stream, stream + STRIDE, ...`` of the split (16 keys from ``tile``
     each), copied by TMA through its chunk buffers ``STAGES stream ..`` of ``ring`` (``data, values, meta, full``):
     ``(acc, m, l, z)``, ``acc`` ``[HEAD_DIM, BLOCK_H]`` in the MMA layout, the rest per head. ``shape`` is ``(KV_GROUP,
     KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, STRIDE, VALUE_BITS, NUM_KV_HEADS,
     STEP)``; the other arguments are the kernels' in tuples. Each iteration takes ``STEP`` consecutive chunks (1, or 2
     with ``STRIDE`` 1: one softmax step and one row max over 32 keys, which halves what an iteration costs besides
-    its keys), a group of ``STEP`` buffers; a split's last group is copied whole, past its keys if need be (those keys
-    are not live)."""
+    its keys), a group of ``STEP`` buffers; a split's last group is copied whole, past its keys if need be. ``split``
+    ends with the request, the KV head and ``ring_base``: the copies the ring took before (a program may run several
+    splits one after another through the same buffers, :func:`decode_stage1_stream_k_kernel`), a multiple of
+    ``STEP``. ``pair_lut``: :func:`_centroid_tables`. Returns ``(acc, m, l, z, ring_base)``, the last the ring's copies
+    after this split's."""
     data, values, meta, full = ring
     data_desc, value_desc, meta_desc = descs
-    q_ptr, partials_ptr, centroid_ptr, cache_ptr = pointers
-    row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale, query_slot = split
+    q_ptr, partials_ptr, _, cache_ptr = pointers
+    row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale, query_slot, b, kv_head, ring_base = split
     stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block = strides
     KV_GROUP: gl.constexpr = shape[0]
     KEY_BITS: gl.constexpr = shape[1]
@@ -1400,21 +1418,20 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     dot_b: gl.constexpr = _operand_layouts(KEY_FP8, 1)[1]
     value_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[4]
     CHUNK_BYTES: gl.constexpr = 16 * _box_bytes(KEY_DATA_BYTES, SLOT_BYTES, VALUE_BITS)
-    kv_head = gl.program_id(1)
-    q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps,
-                                query_slot, KV_GROUP, KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
-    pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
+    q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, b,
+                                kv_head, query_slot, KV_GROUP, KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
     num_chunks = gl.where(end > start, gl.cdiv(end - tile, 16), 0)
     count = gl.maximum(num_chunks - stream + STRIDE - 1, 0) // STRIDE  # this stream's chunks
-    count = gl.cdiv(count, STEP) * STEP  # whole iterations: the second wait needs no test of its own
+    count = gl.cdiv(count, STEP) * STEP  # whole iterations: the next split's groups stay aligned in the ring
     first = stream * STAGES  # its chunk buffers and mbarriers
     for st in gl.static_range(STAGES):
         if st < count:
             chunk_start = tile + 16 * (stream + STRIDE * st)
             page = _page(row_ptr, stride_btc, chunk_start, end, num_blocks, BLOCK_SIZE)
-            mbarrier.expect(full.index(first + st), CHUNK_BYTES)
-            _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(first + st), first + st,
-                         page, chunk_start, kv_head, SLOT_BYTES, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE,
+            buffer = first + (ring_base + st) % STAGES
+            mbarrier.expect(full.index(buffer), CHUNK_BYTES)
+            _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(buffer), buffer, page,
+                         chunk_start, kv_head, SLOT_BYTES, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE,
                          VALUE_BITS)  # fmt: skip
     # The blocks of the chunks each iteration refills its buffers with are read an iteration ahead.
     ahead = _step_pages(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * STAGES), end, num_blocks, BLOCK_SIZE,
@@ -1433,7 +1450,7 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     if VALUE_BITS == 3:
         v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, tile + 16 * stream, end, num_blocks, count, kv_head,
                                    stride_block, shape, value_layout)  # fmt: skip
-    split_state = (row_ptr, stride_btc, num_blocks, tile, start, end, count, first, kv_head, stride_block)
+    split_state = (row_ptr, stride_btc, num_blocks, tile, start, end, count, first, ring_base, kv_head, stride_block)
     operands = (q_hi, q_lo, pair_lut, score_scale, key_rows)
     state = (m_i, l_part, z_part, acc, ahead, v_next)
     if KEY_BITS == 4:
@@ -1446,7 +1463,7 @@ def _chunks(stream, ring, descs, pointers, split, strides, shape: gl.constexpr):
     else:
         state = _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, shape, 0)
     m_i, l_part, z_part, acc, _, _ = state
-    return acc, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0)
+    return acc, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0), ring_base + count
 
 
 @gluon.jit
@@ -1455,7 +1472,9 @@ def _stream(stream: gl.constexpr, shared, descs, pointers, split, strides, shape
     ``STREAMS``-th chunk from chunk ``stream``; leaves its ``acc`` in ``states[stream]``, its ``(m, l, z)`` in
     ``sums[stream]``."""
     data, values, meta, full, states, sums = shared
-    acc, m_i, l_i, z_i = _chunks(stream, (data, values, meta, full), descs, pointers, split, strides, shape)
+    pair_lut = _centroid_tables(pointers[2], shape[1])
+    acc, m_i, l_i, z_i, _ = _chunks(stream, (data, values, meta, full), descs, pointers, split, strides, pair_lut,
+                                    shape)  # fmt: skip
     states.index(stream).store(acc)
     mine = sums.index(stream)
     mine.slice(0, 1, 0).store(m_i[None, :])
@@ -1507,7 +1526,8 @@ def decode_stage1_streams_kernel(
     shared = (data, values, meta, full, states, sums)
     descs = (data_desc, value_desc, meta_desc)
     pointers = (q_ptr, partials_ptr, centroid_ptr, cache_ptr)
-    split = (row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale, query_slot)
+    split = (row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale, query_slot, gl.program_id(0),
+             gl.program_id(1), 0)
     strides = (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
                            STREAMS, VALUE_BITS, NUM_KV_HEADS, 1)  # fmt: skip
@@ -1536,7 +1556,7 @@ def decode_stage1_streams_kernel(
         l_i += gl.max(theirs.slice(1, 1, 0).load(layout), axis=0) * weight
         z_i += gl.max(theirs.slice(2, 1, 0).load(layout), axis=0) * weight
     _store_partials(acc, m_all, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps,
-                    KV_GROUP, VALUE_BITS)  # fmt: skip
+                    gl.program_id(0), gl.program_id(1), gl.program_id(2), KV_GROUP, VALUE_BITS)  # fmt: skip
 
 
 # One warp a program (``decode_stage1_warp_kernel``): the stream above as a whole program. Four stream partitions are
@@ -1574,16 +1594,179 @@ def decode_stage1_warp_kernel(
         seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)
     data, values, meta, full = _chunk_ring(STAGES, data_desc, value_desc, meta_desc, KEY_DATA_BYTES, SLOT_BYTES,
                                            VALUE_BITS)  # fmt: skip
-    split = (row_ptr, stride_btc, num_blocks, (start // 16) * 16, start, end, sm_scale, query_slot)
+    b = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    split = (row_ptr, stride_btc, num_blocks, (start // 16) * 16, start, end, sm_scale, query_slot, b, kv_head, 0)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, 1,
                            VALUE_BITS, NUM_KV_HEADS, STEP)  # fmt: skip
-    acc, m_i, l_i, z_i = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
-                                 (q_ptr, partials_ptr, centroid_ptr, cache_ptr), split,
-                                 (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block),
-                                 shape)  # fmt: skip
+    acc, m_i, l_i, z_i, _ = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
+                                    (q_ptr, partials_ptr, centroid_ptr, cache_ptr), split,
+                                    (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block),
+                                    _centroid_tables(centroid_ptr, KEY_BITS), shape)  # fmt: skip
     poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)
-    _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps,
-                    KV_GROUP, VALUE_BITS)  # fmt: skip
+    _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps, b,
+                    kv_head, gl.program_id(2), KV_GROUP, VALUE_BITS)  # fmt: skip
+
+
+# Stream-K (``decode_stage1_stream_k_kernel``): the same one-warp programs, as many as fit the GPU at once, the keys of
+# the whole call divided evenly among them. Concatenate every (request, KV head)'s chunks of 16 STEP keys ("steps"),
+# request-major; program p of P takes steps [p T / P, (p + 1) T / P) of the T there are, which may cross (request, KV
+# head) boundaries: each piece is a split of its own, its partial written to slot (p - the program of the piece's first
+# step). The grid's splits run in rounds, the last of which leaves SMs idle (at B=32 HKV=8, 16 splits: 4096 programs
+# for 2112 places), and each program pays its start and end; here every SM gets the same work in one round, and a
+# batch of long and short requests is split where its keys are, not per request. The pieces of a (request, KV head)
+# number at most S (its partial slots) because P is cut to T // ceil(max steps / (S - 1)) where a request is that
+# long. Slots no piece takes get LSE -inf (the merge skips them) from the program of the (request, KV head)'s last
+# piece; a request without keys gets them in every slot (NaN where it is too long for its table) from program b % P.
+# Each piece looks its (request, KV head) up from the step it starts at. A walk of the empty requests by their place
+# in the steps (from the program that holds it) spilled the chunk loop, wherever it stood (Triton 3.6, 4-bit keys:
+# 14-19 local loads an iteration, 88-120 bytes of stack); the stride over requests does not.
+
+STREAM_K_REQUESTS = gl.constexpr(32)  # requests a block of the scans over seq_lens: one register a thread each
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _stream_k_steps(seq_lens_ptr, batch, table_keys, b0, before, STEP_KEYS: gl.constexpr,
+                    NUM_KV_HEADS: gl.constexpr):  # fmt: skip
+    """Requests ``b0 .. b0 + 31``, after ``before`` steps a KV head: their indices, lengths (0 past ``batch``), steps of
+    ``STEP_KEYS`` keys (over the keys their table holds), and the steps of all (request, KV head)s up to and
+    including theirs."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    index = b0 + gl.arange(0, STREAM_K_REQUESTS, layout=layout)
+    seq_len = gl.maximum(gl.load(seq_lens_ptr + index, mask=index < batch, other=0).to(gl.int32), 0)
+    steps = (gl.minimum(seq_len, table_keys) + STEP_KEYS - 1) // STEP_KEYS
+    return index, seq_len, steps, (before + gl.associative_scan(steps, 0, _add)) * NUM_KV_HEADS
+
+
+@gluon.jit
+def _stream_k_owner(x, total, programs):
+    """The program whose steps hold step ``x`` (``x`` past the last step: the last program; none: program 0)."""
+    x64 = gl.minimum(x, gl.maximum(total - 1, 0)).to(gl.int64)
+    return gl.where(total > 0, ((x64 + 1) * programs - 1) // gl.maximum(total, 1), 0).to(gl.int32)
+
+
+@gluon.jit
+def _stream_k_locate(seq_lens_ptr, batch, table_keys, pos, STEP_KEYS: gl.constexpr, NUM_KV_HEADS: gl.constexpr):
+    """The (request, KV head) holding step ``pos`` (one there is): ``(b, kv_head, its first step, its steps, the
+    request's length)``. The first request whose steps end past ``pos`` has some."""
+    b = 0
+    first = 0
+    n = 1
+    seq_len = 0
+    found = False
+    before = 0
+    for b0 in range(0, batch, STREAM_K_REQUESTS):
+        index, lens, steps, ends = _stream_k_steps(seq_lens_ptr, batch, table_keys, b0, before, STEP_KEYS,
+                                                   NUM_KV_HEADS)  # fmt: skip
+        hit = gl.min(gl.where((ends > pos) & (index < batch), index, batch), axis=0)
+        mine = index == hit
+        take = (not found) & (hit < batch)
+        b = gl.where(take, hit, b)
+        first = gl.where(take, gl.sum(gl.where(mine, ends - steps * NUM_KV_HEADS, 0), axis=0), first)
+        n = gl.where(take, gl.sum(gl.where(mine, steps, 0), axis=0), n)
+        seq_len = gl.where(take, gl.sum(gl.where(mine, lens, 0), axis=0), seq_len)
+        found = found | take
+        before += gl.sum(steps, axis=0)
+    kv_head = (pos - first) // n
+    return b, kv_head, first + kv_head * n, n, seq_len
+
+
+@gluon.jit
+def _empty_slots(partials_ptr, b, kv_head, first, num_splits, lse, stride_pb, stride_ph, stride_ps,
+                 KV_GROUP: gl.constexpr, BLOCK_H: gl.constexpr):  # fmt: skip
+    """LSE ``lse`` (-inf: no keys; NaN: poisoned) in slots ``first ..`` below ``num_splits`` of request ``b``'s heads of
+    KV head ``kv_head``, the merge's signal to skip them (or to return NaN)."""
+    ROWS: gl.constexpr = 32 // BLOCK_H
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [ROWS, BLOCK_H], [1, 1], [1, 0])
+    slot = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, layout))
+    base = partials_ptr + b.to(gl.int64) * stride_pb + (kv_head * KV_GROUP + h) * stride_ph + HEAD_DIM
+    for s0 in range(0, gl.maximum(num_splits - first, 0), ROWS):
+        at = slot[:, None] + s0
+        gl.store(base[None, :] + at * stride_ps, gl.full([ROWS, BLOCK_H], lse, gl.float32, layout),
+                 mask=(at < num_splits) & (h < KV_GROUP)[None, :])  # fmt: skip
+
+
+@gluon.jit
+def decode_stage1_stream_k_kernel(
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr, data_desc, value_desc, meta_desc,
+    sm_scale, num_splits, num_blocks, table_keys, query_slot, stride_block,
+    stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps, batch,
+    KV_GROUP: gl.constexpr,
+    KEY_BITS: gl.constexpr,  # 3 or 4 (MSE codes) or 8 (FP8 keys)
+    KEY_DATA_BYTES: gl.constexpr,
+    VALUE_BITS: gl.constexpr,  # 3 or 4
+    SLOT_BYTES: gl.constexpr,
+    NUM_KV_HEADS: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    STAGES: gl.constexpr = 3,
+    FP16_OPERANDS: gl.constexpr = 1,
+    STEP: gl.constexpr = 1,
+):  # fmt: skip
+    """:func:`decode_stage1_warp_kernel`'s partials by stream-K (the section above): grid ``(P,)``, one warp a
+    program, ``num_splits`` (at least 2) partial slots a (request, KV head)."""
+    gl.static_assert(gl.num_warps() == 1)
+    gl.static_assert((VALUE_BITS == 3) or (VALUE_BITS == 4))
+    gl.static_assert(FP16_OPERANDS == 1)
+    NUM_FIELDS: gl.constexpr = 2 if KEY_BITS == 8 else 3
+    STEP_KEYS: gl.constexpr = 16 * STEP
+    pid = gl.program_id(0)
+    # The steps of every (request, KV head), and the most of one request.
+    total = 0
+    longest = 0
+    for b0 in range(0, batch, STREAM_K_REQUESTS):
+        _, _, steps, ends = _stream_k_steps(seq_lens_ptr, batch, table_keys, b0, 0, STEP_KEYS, NUM_KV_HEADS)
+        total += gl.max(ends, axis=0)
+        longest = gl.maximum(longest, gl.max(steps, axis=0))
+    least = gl.maximum(gl.cdiv(longest, num_splits - 1), 1)  # a program's fewest steps: S pieces at most
+    programs = gl.maximum(gl.minimum(gl.num_programs(0), total // least), 1)
+    # The requests without keys: every slot of theirs empty (NaN if too long for the table), request b by program b % P.
+    for b in range(pid, batch, gl.num_programs(0)):
+        seq_len = gl.maximum(gl.load(seq_lens_ptr + b).to(gl.int32), 0)
+        if gl.minimum(seq_len, table_keys) == 0:
+            for kv_head in range(NUM_KV_HEADS):
+                _empty_slots(partials_ptr, b, kv_head, 0, num_splits,
+                             gl.where(seq_len > table_keys, float("nan"), float("-inf")), stride_pb, stride_ph,
+                             stride_ps, KV_GROUP, BLOCK_H)  # fmt: skip
+    if pid < programs:
+        data, values, meta, full = _chunk_ring(STAGES, data_desc, value_desc, meta_desc, KEY_DATA_BYTES, SLOT_BYTES,
+                                               VALUE_BITS)  # fmt: skip
+        pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
+        shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
+                               1, VALUE_BITS, NUM_KV_HEADS, STEP)  # fmt: skip
+        hi = (((pid + 1).to(gl.int64) * total) // programs).to(gl.int32)
+        pos = ((pid.to(gl.int64) * total) // programs).to(gl.int32)
+        ring_base = 0
+        while pos < hi:  # a piece: the steps from pos in one (request, KV head)
+            b, kv_head, head_first, n, seq_len = _stream_k_locate(seq_lens_ptr, batch, table_keys, pos, STEP_KEYS,
+                                                                  NUM_KV_HEADS)  # fmt: skip
+            piece_end = gl.minimum(hi, head_first + n)
+            owner = _stream_k_owner(head_first, total, programs)
+            # Its last piece empties the slots past the (request, KV head)'s pieces.
+            empty_from = gl.where(piece_end == head_first + n,
+                                  _stream_k_owner(head_first + n - 1, total, programs) - owner + 1, num_splits)
+            start, end, row_ptr, too_long, bad_pages, first_page, last_page = _key_range(
+                block_table_ptr, b, (pos - head_first) * STEP_KEYS, (piece_end - head_first) * STEP_KEYS, seq_len,
+                num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)  # fmt: skip
+            end = gl.minimum(end, seq_len)
+            # The block-table check before the loop: four registers a thread fewer held through it.
+            poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)
+            split = (row_ptr, stride_btc, num_blocks, start, start, end, sm_scale, query_slot, b, kv_head, ring_base)
+            acc, m_i, l_i, z_i, ring_base = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
+                                                    (q_ptr, partials_ptr, centroid_ptr, cache_ptr), split,
+                                                    (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps,
+                                                     stride_block), pair_lut, shape)  # fmt: skip
+            _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps, b,
+                            kv_head, pid - owner, KV_GROUP, VALUE_BITS)  # fmt: skip
+            _empty_slots(partials_ptr, b, kv_head, empty_from, num_splits, float("-inf"), stride_pb, stride_ph,
+                         stride_ps, KV_GROUP, BLOCK_H)  # fmt: skip
+            pos = piece_end
 
 
 # ----------------------------------------------------------------------------------------------

@@ -367,12 +367,17 @@ def cases() -> list[Case]:
 
 
 def bench_cases() -> list:
-    """Decode per preset at B=32, Hq=32, Hk=8, D=128 (block 16), against a bf16 GQA decode of the same shape."""
+    """Decode per preset at B=32, Hq=32, Hk=8, D=128 (block 16), against a bf16 GQA decode of the same shape; and
+    4-bit keys over a batch of mixed lengths (1 to 32K keys, drawn once with seed 0: 16.6K on average)."""
     from triton_impl.bench import Bench, BenchCase, device_paged_cache
     from triton_impl.decode_attention import _compute_num_kv_splits, decode_attention_fwd
 
-    def case(preset: str, length: int, batch: int = 32, heads: int = 32, kv_heads: int = 8) -> BenchCase:
+    def case(preset: str, length: int, batch: int = 32, heads: int = 32, kv_heads: int = 8,
+             mixed: bool = False) -> BenchCase:  # fmt: skip
         head_dim, block_size = 128, 16
+        lengths = [length] * batch
+        if mixed:  # each request 1 .. length keys, its table still length keys long
+            lengths = torch.randint(1, length + 1, (batch,), generator=torch.Generator().manual_seed(0)).tolist()
 
         def setup(device: torch.device) -> Bench:
             config = TurboQuantConfig.from_cache_dtype(preset, head_dim)
@@ -390,7 +395,7 @@ def bench_cases() -> list:
             triton_turboquant_store(key, value, cache, slots, pit, midpoints, config.key_mse_bits,
                                     config.key_packed_size, config.value_quant_bits, config.key_fp8, centroids,
                                     config.norm_correction)  # fmt: skip
-            seq_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+            seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
             query = torch.randn(batch, heads, head_dim, device=device).to(torch.bfloat16)
             lse = torch.empty(batch, heads, device=device)
             sizes = (config.key_mse_bits, config.key_packed_size, config.value_quant_bits, config.value_packed_size)
@@ -413,7 +418,7 @@ def bench_cases() -> list:
                 ]
 
             # bf16 GQA decode of the same shape: the baseline the compressed cache must beat.
-            kv, kv_table = device_paged_cache([length] * batch, block_size, kv_heads, 2 * head_dim, torch.bfloat16,
+            kv, kv_table = device_paged_cache(lengths, block_size, kv_heads, 2 * head_dim, torch.bfloat16,
                                               device)  # fmt: skip
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             splits = _compute_num_kv_splits(length, sms)
@@ -425,16 +430,19 @@ def bench_cases() -> list:
                 decode_attention_fwd(query, kv[..., :head_dim], kv[..., head_dim:], o_bf16, lse_bf16, kv_table,
                                      seq_lens, logits, splits, head_dim**-0.5, block_size)  # fmt: skip
 
-            nbytes = blocks * cache.stride(0) + query.numel() * 2 * 2 + table.numel() * 4
-            flops = 2 * batch * heads * length * 2 * head_dim
+            read = sum(-(-n // block_size) for n in lengths)  # the blocks the call reads
+            nbytes = read * cache.stride(0) + query.numel() * 2 * 2 + table.numel() * 4
+            flops = 2 * heads * sum(lengths) * 2 * head_dim
             return Bench(run, check, nbytes, flops, {"bf16 GQA decode": bf16_decode},
                          kernels=("_decode_stage1_kernel", "decode_stage1_kernel", "decode_stage1_streams_kernel",
-                                  "decode_stage1_warp_kernel"))  # fmt: skip
+                                  "decode_stage1_warp_kernel", "decode_stage1_stream_k_kernel"))  # fmt: skip
 
-        return BenchCase("turboquant", f"{preset} decode B={batch} Hq={heads} Hk={kv_heads} D=128 L={length}", setup)
+        span = f"L=1-{length // 1024}K mixed" if mixed else f"L={length}"
+        return BenchCase("turboquant", f"{preset} decode B={batch} Hq={heads} Hk={kv_heads} D=128 {span}", setup)
 
     presets = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
     decodes = [case(p, length) for length in (8192, 32768) for p in presets]
+    decodes.append(case("turboquant_4bit_nc", 32768, mixed=True))
     return decodes + [store_case(p, 32 * 32768) for p in presets]
 
 
