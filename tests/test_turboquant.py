@@ -1148,10 +1148,10 @@ def _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads,
     key_bits = 8 if config.key_fp8 else config.key_mse_bits
     run = ttq.decode_num_splits(num_splits, batch, num_kv_heads, device, key_bits, config.value_quant_bits)
     entry = ttq.select_decode_config(device, key_bits, config.value_quant_bits)
-    programs = ttq.stream_k_programs(entry, device, run) if out.is_cuda else None
+    programs = ttq.stream_k_programs(entry, device, run, num_kv_heads) if out.is_cuda else None
     if programs:  # stream-K: the slots its pieces take hold a state, the rest LSE -inf
-        _check_stream_k_slots(mid_o[:, :, :run, head_dim], seq_lens, table.shape[1] * cache.shape[1], num_kv_heads,
-                              group, 16 * ttq.warp_stages(entry)["STEP"], programs)  # fmt: skip
+        _check_stream_k_slots(mid_o[:, :, :run, head_dim], seq_lens, table.shape[1] * cache.shape[1],
+                              16 * ttq.warp_stages(entry)["STEP"], programs // num_kv_heads)  # fmt: skip
     else:
         split = _decode_expected(query, cache, table, lens, preset, head_dim, num_splits=run)
         assert_close(mid_o[:, :, :run, :head_dim], split.out, ("turboquant", "split_o", "float32"), split.out_bound)
@@ -1168,34 +1168,34 @@ def _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads,
 
 
 def test_stream_k_pieces_cover_every_key_once_in_at_most_the_slots() -> None:
-    """The stream-K division (the model the GPU tests check the kernel's slots against): each (request, KV head)'s
-    keys, cut at the table's, covered once in order by at most ``num_splits`` pieces, a long request among short ones
-    too (2 slots: at most 2 pieces)."""
-    for lens, table_keys, heads, step, grid, splits in [([8192] * 32, 8192, 8, 32, 2112, 16),
-                                                         ([0, 5, 3000, 0, 17, 100000], 4096, 2, 16, 64, 2),
-                                                         ([1] * 300, 16, 3, 32, 2112, 4), ([0, 0], 64, 1, 32, 8, 5)]:
-        pieces = ttq.stream_k_pieces(lens, table_keys, heads, step, grid, splits)
-        assert sorted(pieces) == [(b, h) for b in range(len(lens)) for h in range(heads)]
-        for (b, _), taken in pieces.items():
+    """The stream-K division (the model the GPU tests check the kernel's slots against): each request's keys, cut at
+    the table's, covered once in order by at most ``num_splits`` pieces, a long request among short ones too (2
+    slots: at most 2 pieces)."""
+    for lens, table_keys, step, programs, splits in [([8192] * 32, 8192, 32, 264, 16), ([0, 5, 3000, 0, 17, 100000],
+                                                      4096, 16, 32, 2), ([1] * 300, 16, 32, 704, 4), ([0, 0], 64, 32, 8,
+                                                      5)]:  # fmt: skip
+        pieces = ttq.stream_k_pieces(lens, table_keys, step, programs, splits)
+        assert len(pieces) == len(lens)
+        for b, taken in enumerate(pieces):
             assert [slot for slot, _, _ in taken] == list(range(len(taken))) and len(taken) <= splits
             ends = [0] + [end for _, _, end in taken]
             assert [start for _, start, _ in taken] == ends[:-1] and ends[-1] == min(lens[b], table_keys)
-    # B=32 HKV=8 L=8K at 2112 programs: 31 or 32 steps a program, 9 pieces a (request, KV head) of 16 slots.
-    assert {len(taken) for taken in ttq.stream_k_pieces([8192] * 32, 8192, 8, 32, 2112, 16).values()} == {9}
+    # B=32 L=8K, 264 programs a KV head (2112 on the H200, 8 KV heads): 31 or 32 steps a program, 9 pieces a request.
+    assert {len(taken) for taken in ttq.stream_k_pieces([8192] * 32, 8192, 32, 264, 16)} == {9}
 
 
-def _check_stream_k_slots(lse, seq_lens, table_keys, num_kv_heads, group, step_keys, programs) -> None:
-    """Stage 1 by stream-K (``lse``: ``[B, H, S]``): for each (request, KV head), a finite LSE in the slots of its
-    pieces (:func:`triton_impl.turboquant.stream_k_pieces`) and -inf in the rest; NaN throughout for a request longer
-    than its table."""
-    pieces = ttq.stream_k_pieces(list(seq_lens), table_keys, num_kv_heads, step_keys, programs, lse.shape[2])
-    for (b, h), taken in pieces.items():
-        heads = lse[b, h * group : (h + 1) * group].cpu()
+def _check_stream_k_slots(lse, seq_lens, table_keys, step_keys, programs) -> None:
+    """Stage 1 by stream-K (``lse``: ``[B, H, S]``): for each request, a finite LSE in the slots of its pieces
+    (:func:`triton_impl.turboquant.stream_k_pieces`, ``programs`` a KV head's) and -inf in the rest, for every head;
+    NaN throughout for a request longer than its table."""
+    pieces = ttq.stream_k_pieces(list(seq_lens), table_keys, step_keys, programs, lse.shape[2])
+    for b, taken in enumerate(pieces):
+        heads = lse[b].cpu()
         if seq_lens[b] > table_keys:
-            assert bool(heads.isnan().all()), (b, h)
+            assert bool(heads.isnan().all()), b
             continue
-        assert bool(heads[:, : len(taken)].isfinite().all()), (b, h, taken)
-        assert bool((heads[:, len(taken) :] == float("-inf")).all()), (b, h, taken)
+        assert bool(heads[:, : len(taken)].isfinite().all()), (b, taken)
+        assert bool((heads[:, len(taken) :] == float("-inf")).all()), (b, taken)
 
 
 @pytest.mark.parametrize("fp16_operands, query_scale", [(0, 3.0), (1, 1.0)])
@@ -1842,7 +1842,7 @@ def test_sm90_decode_of_each_gluon_kernel_matches_golden(preset, kernel, device:
     streams, warp = int(kernel == "streams"), int(kernel in ("warp", "stream_k"))
     config = ttq.DECODE_CONFIGS["sm90"] | {"GLUON_STREAMS": streams, "GLUON_WARP": warp, "STREAM_K": int(
         kernel == "stream_k"), "PROGRAMS_PER_SM": {"tile": 5, "streams": 4, "warp": 16, "stream_k": 16}[kernel]}
-    per_preset = ("GLUON_STREAMS_", "GLUON_WARP_", "PROGRAMS_PER_SM_")
+    per_preset = ("GLUON_STREAMS_", "GLUON_WARP_", "PROGRAMS_PER_SM_", "STREAM_K_")
     config = {k: v for k, v in config.items() if not k.startswith(per_preset)}
     with _decode_config_table(dict.fromkeys(ttq.DECODE_CONFIGS, config)):
         _check_decode_against_golden(41, preset, 128, [300, 129], 2, 4, 2, 16, torch.float16, device)

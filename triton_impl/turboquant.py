@@ -242,8 +242,14 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # 4-bit 122.2 -> 121.6 / 403.6 -> 413.6, k3v4 123.0 -> 121.5 / 400.7 -> 410.9, 3bit_nc 161.4 -> 156.4 / 551.1 ->
 # 583.9, k8v4 123.7 -> 124.9 / 486.0 -> 506.3 (four rounds in the first call: 128.4 / 473.5).
 # STREAM_K (sm90, the one-warp kernel): turboquant_sm90.decode_stage1_stream_k_kernel, PROGRAMS_PER_SM programs a SM in
-# one round, the call's keys divided evenly among them (its section there says how), where the call has at least two
-# splits (partial slots); SPLIT_ROUNDS still sets the slots.
+# one round, each KV head's keys divided evenly among its programs (its section there says how), where the call has
+# at least two splits (partial slots); SPLIT_ROUNDS still sets the slots. One call on the H200 against the grid
+# (STREAM_K 0), stage 1 in us, B=32 Hq=32 Hk=8, L=8K / 32K (2026-12-02): 4-bit 97.0 -> 99.3 / 347.9 -> 358.0, k3v4
+# 106.9 -> 106.6 / 386.0 -> 382.4, 3bit_nc 138.5 -> 141.8 / 506.4 -> 515.7, k8v4 116.7 -> 129.4 / 479.1 -> 507.6; 4-bit
+# over 32 requests of 1-32K keys (16.6K on average) 267.9 -> 203.6: the grid gives a 32K request as many splits as a
+# 3K one, and its programs' ends straggle. Its loop takes 2% more instructions than the grid's (4-bit 823 against 805
+# for two chunks, Triton 3.6: its bookkeeping derives from the seq_lens scans, not from program ids, and ptxas keeps it
+# in per-thread registers), which is the loss at one length; FP8 keys (STREAM_K_k8 0) lose more and keep the grid.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
@@ -251,7 +257,7 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
              "GATHER_WORDS": 1, "PREFETCH": 0, "maxnreg": 168, "PREFETCH_k4": 1, "maxnreg_k4": 0, "GLUON": 1,
              "GLUON_MAXNREG": 96, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 16, "GLUON_STAGES": 3, "ROTATE_TF32X3": 1,
              "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 128, "WARP_STEP": 2,
-             "WARP_STAGES": 4, "WARP_STEP_v3": 1, "WARP_STAGES_v3": 3, "STREAM_K": 1},
+             "WARP_STAGES": 4, "WARP_STEP_v3": 1, "WARP_STAGES_v3": 3, "STREAM_K": 1, "STREAM_K_k8": 0},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -292,35 +298,36 @@ def warp_stages(config: dict[str, int]) -> dict[str, int]:
             "STEP": config.get("WARP_STEP", 1)}
 
 
-def stream_k_programs(config: dict[str, int], device: torch.device, num_splits: int) -> int | None:
+def stream_k_programs(config: dict[str, int], device: torch.device, num_splits: int, num_kv_heads: int) -> int | None:
     """The grid of ``turboquant_sm90.decode_stage1_stream_k_kernel`` where a decode entry runs it (``STREAM_K``, one
-    warp a program, at least two splits): ``PROGRAMS_PER_SM`` programs a SM; else ``None``."""
+    warp a program, at least two splits): ``PROGRAMS_PER_SM`` programs a SM, cut to a multiple of the KV heads; else
+    ``None``."""
     if not (config.get("GLUON") and config.get("GLUON_WARP") and config.get("STREAM_K") and num_splits >= 2):
         return None
-    return config["PROGRAMS_PER_SM"] * torch.cuda.get_device_properties(device).multi_processor_count
+    places = config["PROGRAMS_PER_SM"] * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(places // num_kv_heads, 1) * num_kv_heads
 
 
-def stream_k_pieces(seq_lens: list[int], table_keys: int, num_kv_heads: int, step_keys: int, grid: int,
-                    num_splits: int) -> dict[tuple[int, int], list[tuple[int, int, int]]]:  # fmt: skip
-    """The stream-K kernel's division of a call's keys, in plain Python: ``{(b, kv_head): [(slot, start, end), ..]}``,
-    the key range of each piece and the partial slot it writes (the slots after the last are empty). Steps of
-    ``step_keys`` keys over the keys each table holds, request-major, ``grid`` programs cut to ``T // ceil(most steps
-    / (num_splits - 1))``, program ``p`` taking steps ``[p T // P, (p + 1) T // P)``."""
+def stream_k_pieces(seq_lens: list[int], table_keys: int, step_keys: int, programs: int,
+                    num_splits: int) -> list[list[tuple[int, int, int]]]:  # fmt: skip
+    """The stream-K kernel's division of each KV head's keys, in plain Python: for each request, ``[(slot, start,
+    end), ..]``, the key range of each piece and the partial slot it writes (the slots after the last are empty).
+    Steps of ``step_keys`` keys over the keys each table holds, request after request, ``programs`` (a KV head's)
+    cut to ``T // ceil(most steps / (num_splits - 1))``, program ``q`` taking steps ``[q T // P, (q + 1) T // P)``."""
     steps = [-(-min(max(n, 0), table_keys) // step_keys) for n in seq_lens]
-    total = sum(steps) * num_kv_heads
+    total = sum(steps)
     least = max(-(-max(steps, default=0) // (num_splits - 1)), 1)
-    programs = max(min(grid, total // least), 1)
-    bounds = [p * total // programs for p in range(programs + 1)]
-    pieces: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    programs = max(min(programs, total // least), 1)
+    bounds = [q * total // programs for q in range(programs + 1)]
+    pieces = []
     first = 0
     for b, n in enumerate(steps):
-        for h in range(num_kv_heads):
-            # A piece a program: slot i is the i-th program from the one holding the first step.
-            cuts = sorted({first, first + n} | {x for x in bounds if first < x < first + n})
-            pieces[(b, h)] = [(slot, (lo - first) * step_keys, min((hi - first) * step_keys, seq_lens[b], table_keys))
-                              for slot, (lo, hi) in enumerate(itertools.pairwise(cuts))]  # fmt: skip
-            assert len(pieces[(b, h)]) <= num_splits
-            first += n
+        # A piece a program: slot i is the i-th program from the one holding the request's first step.
+        cuts = sorted({first, first + n} | {x for x in bounds if first < x < first + n})
+        pieces.append([(slot, (lo - first) * step_keys, min((hi - first) * step_keys, seq_lens[b], table_keys))
+                       for slot, (lo, hi) in enumerate(itertools.pairwise(cuts))])  # fmt: skip
+        assert len(pieces[-1]) <= num_splits
+        first += n
     return pieces
 
 
@@ -1445,7 +1452,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
             kernel = turboquant_sm90.decode_stage1_warp_kernel
             options = turboquant_sm90.launch_options(group, config["WARP_MAXNREG"], warps=1)
             options |= warp_stages(config)
-            programs = stream_k_programs(config, device, num_splits)
+            programs = stream_k_programs(config, device, num_splits, num_kv_heads)
             if programs:  # one round of programs, the keys divided evenly
                 kernel, grid, args = turboquant_sm90.decode_stage1_stream_k_kernel, (programs,), (*args, batch)
         else:

@@ -1609,18 +1609,21 @@ def decode_stage1_warp_kernel(
 
 
 # Stream-K (``decode_stage1_stream_k_kernel``): the same one-warp programs, as many as fit the GPU at once, the keys of
-# the whole call divided evenly among them. Concatenate every (request, KV head)'s chunks of 16 STEP keys ("steps"),
-# request-major; program p of P takes steps [p T / P, (p + 1) T / P) of the T there are, which may cross (request, KV
-# head) boundaries: each piece is a split of its own, its partial written to slot (p - the program of the piece's first
-# step). The grid's splits run in rounds, the last of which leaves SMs idle (at B=32 HKV=8, 16 splits: 4096 programs
-# for 2112 places), and each program pays its start and end; here every SM gets the same work in one round, and a
-# batch of long and short requests is split where its keys are, not per request. The pieces of a (request, KV head)
-# number at most S (its partial slots) because P is cut to T // ceil(max steps / (S - 1)) where a request is that
-# long. Slots no piece takes get LSE -inf (the merge skips them) from the program of the (request, KV head)'s last
-# piece; a request without keys gets them in every slot (NaN where it is too long for its table) from program b % P.
-# Each piece looks its (request, KV head) up from the step it starts at. A walk of the empty requests by their place
-# in the steps (from the program that holds it) spilled the chunk loop, wherever it stood (Triton 3.6, 4-bit keys:
-# 14-19 local loads an iteration, 88-120 bytes of stack); the stride over requests does not.
+# the whole call divided evenly among them. Per KV head, concatenate the requests' chunks of 16 STEP keys ("steps"):
+# T steps; each KV head gets P / HKV programs (program p: KV head p % HKV, q = p // HKV), program q taking steps [q T /
+# P', (q + 1) T / P') of its head's, which may cross requests: each piece is a split of its own, its partial written
+# to slot (q - the program of the piece's first step). The programs of the HKV heads of one q read the same tokens at
+# once, as the grid's programs of one (request, split) do: a token's slots of all heads are adjacent in the cache, and
+# sectors and metadata boxes that two heads share are then read from DRAM once (a request-major order over (request,
+# head) lost that: k3v4 28% slower, 4-bit 5%, on the H200). The grid's splits run in rounds, the last of which leaves
+# SMs idle (B=32 HKV=8, 16 splits: 4096 programs for 2112 places), and a request's splits are as many for 300 keys as
+# for 32K; here every SM gets the same work in one round, and a batch of long and short requests is split where its
+# keys are. The pieces of a (request, KV head) number at most S (its partial slots) because P' is cut to T // ceil(most
+# steps / (S - 1)) where a request is that long. Slots no piece takes get LSE -inf (the merge skips them) from the
+# program of the last piece; a request without keys gets them in every slot (NaN where it is too long for its table)
+# from program b % P. A walk of the empty requests by their place in the steps (from the program that holds it)
+# spilled the chunk loop, wherever it stood (Triton 3.6, 4-bit keys: 14-19 local loads an iteration, 88-120 bytes of
+# stack); the stride over requests does not.
 
 STREAM_K_REQUESTS = gl.constexpr(32)  # requests a block of the scans over seq_lens: one register a thread each
 
@@ -1631,29 +1634,26 @@ def _add(a, b):
 
 
 @gluon.jit
-def _stream_k_steps(seq_lens_ptr, batch, table_keys, b0, before, STEP_KEYS: gl.constexpr,
-                    NUM_KV_HEADS: gl.constexpr):  # fmt: skip
-    """Requests ``b0 .. b0 + 31``, after ``before`` steps a KV head: their indices, lengths (0 past ``batch``), steps of
-    ``STEP_KEYS`` keys (over the keys their table holds), and the steps of all (request, KV head)s up to and
-    including theirs."""
+def _stream_k_steps(seq_lens_ptr, batch, table_keys, b0, before, STEP_KEYS: gl.constexpr):
+    """Requests ``b0 .. b0 + 31``, after ``before`` steps: their indices, lengths (0 past ``batch``), steps of
+    ``STEP_KEYS`` keys (over the keys their table holds), and the steps up to and including theirs."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     index = b0 + gl.arange(0, STREAM_K_REQUESTS, layout=layout)
     seq_len = gl.maximum(gl.load(seq_lens_ptr + index, mask=index < batch, other=0).to(gl.int32), 0)
     steps = (gl.minimum(seq_len, table_keys) + STEP_KEYS - 1) // STEP_KEYS
-    return index, seq_len, steps, (before + gl.associative_scan(steps, 0, _add)) * NUM_KV_HEADS
+    return index, seq_len, steps, before + gl.associative_scan(steps, 0, _add)
 
 
 @gluon.jit
 def _stream_k_owner(x, total, programs):
-    """The program whose steps hold step ``x`` (``x`` past the last step: the last program; none: program 0)."""
-    x64 = gl.minimum(x, gl.maximum(total - 1, 0)).to(gl.int64)
-    return gl.where(total > 0, ((x64 + 1) * programs - 1) // gl.maximum(total, 1), 0).to(gl.int32)
+    """The program (of a KV head's ``programs``) whose steps hold step ``x`` (``0 <= x < total``)."""
+    return (((x.to(gl.int64) + 1) * programs - 1) // total).to(gl.int32)
 
 
 @gluon.jit
-def _stream_k_locate(seq_lens_ptr, batch, table_keys, pos, STEP_KEYS: gl.constexpr, NUM_KV_HEADS: gl.constexpr):
-    """The (request, KV head) holding step ``pos`` (one there is): ``(b, kv_head, its first step, its steps, the
-    request's length)``. The first request whose steps end past ``pos`` has some."""
+def _stream_k_locate(seq_lens_ptr, batch, table_keys, pos, STEP_KEYS: gl.constexpr):
+    """The request holding step ``pos`` (one there is): ``(b, its first step, its steps, its length)``. The first
+    request whose steps end past ``pos`` has some."""
     b = 0
     first = 0
     n = 1
@@ -1661,19 +1661,17 @@ def _stream_k_locate(seq_lens_ptr, batch, table_keys, pos, STEP_KEYS: gl.constex
     found = False
     before = 0
     for b0 in range(0, batch, STREAM_K_REQUESTS):
-        index, lens, steps, ends = _stream_k_steps(seq_lens_ptr, batch, table_keys, b0, before, STEP_KEYS,
-                                                   NUM_KV_HEADS)  # fmt: skip
+        index, lens, steps, ends = _stream_k_steps(seq_lens_ptr, batch, table_keys, b0, before, STEP_KEYS)
         hit = gl.min(gl.where((ends > pos) & (index < batch), index, batch), axis=0)
         mine = index == hit
         take = (not found) & (hit < batch)
         b = gl.where(take, hit, b)
-        first = gl.where(take, gl.sum(gl.where(mine, ends - steps * NUM_KV_HEADS, 0), axis=0), first)
+        first = gl.where(take, gl.sum(gl.where(mine, ends - steps, 0), axis=0), first)
         n = gl.where(take, gl.sum(gl.where(mine, steps, 0), axis=0), n)
         seq_len = gl.where(take, gl.sum(gl.where(mine, lens, 0), axis=0), seq_len)
         found = found | take
         before += gl.sum(steps, axis=0)
-    kv_head = (pos - first) // n
-    return b, kv_head, first + kv_head * n, n, seq_len
+    return b, first, n, seq_len
 
 
 @gluon.jit
@@ -1709,52 +1707,53 @@ def decode_stage1_stream_k_kernel(
     FP16_OPERANDS: gl.constexpr = 1,
     STEP: gl.constexpr = 1,
 ):  # fmt: skip
-    """:func:`decode_stage1_warp_kernel`'s partials by stream-K (the section above): grid ``(P,)``, one warp a
-    program, ``num_splits`` (at least 2) partial slots a (request, KV head)."""
+    """:func:`decode_stage1_warp_kernel`'s partials by stream-K (the section above): grid ``(P,)``, ``P`` a multiple
+    of ``HKV``, one warp a program, ``num_splits`` (at least 2) partial slots a (request, KV head)."""
     gl.static_assert(gl.num_warps() == 1)
     gl.static_assert((VALUE_BITS == 3) or (VALUE_BITS == 4))
     gl.static_assert(FP16_OPERANDS == 1)
     NUM_FIELDS: gl.constexpr = 2 if KEY_BITS == 8 else 3
     STEP_KEYS: gl.constexpr = 16 * STEP
     pid = gl.program_id(0)
-    # The steps of every (request, KV head), and the most of one request.
+    kv_head = pid % NUM_KV_HEADS
+    mine = pid // NUM_KV_HEADS  # this program's place among its KV head's
+    # The steps of a KV head, and the most of one request.
     total = 0
     longest = 0
     for b0 in range(0, batch, STREAM_K_REQUESTS):
-        _, _, steps, ends = _stream_k_steps(seq_lens_ptr, batch, table_keys, b0, 0, STEP_KEYS, NUM_KV_HEADS)
+        _, _, steps, ends = _stream_k_steps(seq_lens_ptr, batch, table_keys, b0, 0, STEP_KEYS)
         total += gl.max(ends, axis=0)
         longest = gl.maximum(longest, gl.max(steps, axis=0))
     least = gl.maximum(gl.cdiv(longest, num_splits - 1), 1)  # a program's fewest steps: S pieces at most
-    programs = gl.maximum(gl.minimum(gl.num_programs(0), total // least), 1)
+    programs = gl.maximum(gl.minimum(gl.num_programs(0) // NUM_KV_HEADS, total // least), 1)
     # The requests without keys: every slot of theirs empty (NaN if too long for the table), request b by program b % P.
     for b in range(pid, batch, gl.num_programs(0)):
         seq_len = gl.maximum(gl.load(seq_lens_ptr + b).to(gl.int32), 0)
         if gl.minimum(seq_len, table_keys) == 0:
-            for kv_head in range(NUM_KV_HEADS):
-                _empty_slots(partials_ptr, b, kv_head, 0, num_splits,
+            for head in range(NUM_KV_HEADS):
+                _empty_slots(partials_ptr, b, head, 0, num_splits,
                              gl.where(seq_len > table_keys, float("nan"), float("-inf")), stride_pb, stride_ph,
                              stride_ps, KV_GROUP, BLOCK_H)  # fmt: skip
-    if pid < programs:
+    if mine < programs:
         data, values, meta, full = _chunk_ring(STAGES, data_desc, value_desc, meta_desc, KEY_DATA_BYTES, SLOT_BYTES,
                                                VALUE_BITS)  # fmt: skip
         pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
         shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
                                1, VALUE_BITS, NUM_KV_HEADS, STEP)  # fmt: skip
-        hi = (((pid + 1).to(gl.int64) * total) // programs).to(gl.int32)
-        pos = ((pid.to(gl.int64) * total) // programs).to(gl.int32)
+        hi = (((mine + 1).to(gl.int64) * total) // programs).to(gl.int32)
+        pos = ((mine.to(gl.int64) * total) // programs).to(gl.int32)
         ring_base = 0
-        while pos < hi:  # a piece: the steps from pos in one (request, KV head)
-            b, kv_head, head_first, n, seq_len = _stream_k_locate(seq_lens_ptr, batch, table_keys, pos, STEP_KEYS,
-                                                                  NUM_KV_HEADS)  # fmt: skip
-            piece_end = gl.minimum(hi, head_first + n)
-            owner = _stream_k_owner(head_first, total, programs)
-            # Its last piece empties the slots past the (request, KV head)'s pieces.
-            empty_from = gl.where(piece_end == head_first + n,
-                                  _stream_k_owner(head_first + n - 1, total, programs) - owner + 1, num_splits)
+        while pos < hi:  # a piece: the steps from pos in one request
+            b, first, n, seq_len = _stream_k_locate(seq_lens_ptr, batch, table_keys, pos, STEP_KEYS)
+            piece_end = gl.minimum(hi, first + n)
+            owner = _stream_k_owner(first, total, programs)
+            # Its last piece empties the slots past the request's pieces.
+            empty_from = gl.where(piece_end == first + n, _stream_k_owner(first + n - 1, total, programs) - owner + 1,
+                                  num_splits)  # fmt: skip
+            # (The last step may reach past the request's keys, and its blocks past the request's: cut first.)
             start, end, row_ptr, too_long, bad_pages, first_page, last_page = _key_range(
-                block_table_ptr, b, (pos - head_first) * STEP_KEYS, (piece_end - head_first) * STEP_KEYS, seq_len,
-                num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)  # fmt: skip
-            end = gl.minimum(end, seq_len)
+                block_table_ptr, b, (pos - first) * STEP_KEYS, gl.minimum((piece_end - first) * STEP_KEYS, seq_len),
+                seq_len, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)  # fmt: skip
             # The block-table check before the loop: four registers a thread fewer held through it.
             poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)
             split = (row_ptr, stride_btc, num_blocks, start, start, end, sm_scale, query_slot, b, kv_head, ring_base)
@@ -1763,7 +1762,7 @@ def decode_stage1_stream_k_kernel(
                                                     (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps,
                                                      stride_block), pair_lut, shape)  # fmt: skip
             _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps, b,
-                            kv_head, pid - owner, KV_GROUP, VALUE_BITS)  # fmt: skip
+                            kv_head, mine - owner, KV_GROUP, VALUE_BITS)  # fmt: skip
             _empty_slots(partials_ptr, b, kv_head, empty_from, num_splits, float("-inf"), stride_pb, stride_ph,
                          stride_ps, KV_GROUP, BLOCK_H)  # fmt: skip
             pos = piece_end
