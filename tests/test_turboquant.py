@@ -37,6 +37,7 @@ from golden.lse_merge import merge_states
 from tests.support import assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled
 from triton_impl import turboquant as ttq
 from triton_impl import turboquant_sm90 as ttq_sm90
+from triton_impl.bench import capture_launches
 from triton_impl.launch import forget_plans
 from triton_impl.parity import turboquant as ptq
 
@@ -1136,8 +1137,10 @@ def _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads,
     mid_o = nan_filled((batch, num_heads, num_splits, head_dim + 1), torch.float32, device)
     output = nan_filled((batch, num_heads, head_dim), dtype, device)
     lse = nan_filled((batch, num_heads), torch.float32, device)
-    out = _decode_triton(query, cache, table, lens, preset, head_dim, mid_o_buf=mid_o, output_buf=output,
-                         lse_buf=lse, max_num_kv_splits=num_splits)  # fmt: skip
+    with capture_launches() as launched:
+        out = _decode_triton(query, cache, table, lens, preset, head_dim, mid_o_buf=mid_o, output_buf=output,
+                             lse_buf=lse, max_num_kv_splits=num_splits)  # fmt: skip
+    stream_k = any(getattr(kernel, "name", "") == "decode_stage1_stream_k_kernel" for kernel in launched.values())
     expected = _decode_expected(query, cache, table, lens, preset, head_dim)
     assert out.dtype == dtype and out.data_ptr() == output.data_ptr()
     assert_close(out, expected.out, ("turboquant", "out", dtype), expected.out_bound)
@@ -1148,8 +1151,8 @@ def _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads,
     key_bits = 8 if config.key_fp8 else config.key_mse_bits
     run = ttq.decode_num_splits(num_splits, batch, num_kv_heads, device, key_bits, config.value_quant_bits)
     entry = ttq.select_decode_config(device, key_bits, config.value_quant_bits)
-    programs = ttq.stream_k_programs(entry, device, run, num_kv_heads) if out.is_cuda else None
-    if programs:  # stream-K: the slots its pieces take hold a state, the rest LSE -inf
+    programs = ttq.stream_k_programs(entry, device, run, num_kv_heads) if stream_k else None
+    if programs:  # stream-K ran: the slots its pieces take hold a state, the rest LSE -inf
         _check_stream_k_slots(mid_o[:, :, :run, head_dim], seq_lens, table.shape[1] * cache.shape[1],
                               16 * ttq.warp_stages(entry)["STEP"], programs // num_kv_heads)  # fmt: skip
     else:
