@@ -1256,7 +1256,9 @@ def triton_turboquant_decode_attention_v2(
     ``SPLIT_ROUNDS`` rounds of resident programs (``decode_attention.stage1_splits``; ``S`` depends on
     ``B``, ``HKV`` and the GPU only, so a CUDA graph replays the same grid). Split ``s``
     of request ``b`` covers ``[s*c, min((s+1)*c, L_b))``, ``c = cdiv(L_b, S)``; slots of ``mid_o_buf``
-    past ``S`` are not written. Buffers are used
+    past ``S`` are not written. Where the sm_90 entry runs stream-K (3/4-bit keys, ``S >= 2``), the slots hold
+    pieces instead: each KV head's keys over all requests divided evenly among one round of programs, a (request,
+    KV head)'s pieces in its first slots and LSE -inf in the rest (:func:`stream_k_pieces`). Buffers are used
     when given (their leading ``[B, H, S, D+1]`` / ``[B, H, D]`` / ``[B, H]`` part); missing ones
     are allocated and parked on ``buf_holder`` as ``_tq_mid_o_buf`` / ``_tq_output_buf`` /
     ``_tq_lse_buf``.
