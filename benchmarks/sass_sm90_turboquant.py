@@ -111,8 +111,9 @@ def decode(preset: str, config: dict[str, int]) -> None:
 
 def gluon_decode(preset: str) -> None:
     """The sm_90 Gluon stage 1 (triton_impl/turboquant_sm90.py) as the bench launches it: one warp a program over
-    16-key chunks where the entry selects that kernel (``GLUON_WARP``), else 64-key tiles on 4 warps; the sm90 entry's
-    register cap, shared-memory stages and operand rounding (``FP16_OPERANDS``)."""
+    16-key chunks where the entry selects that kernel (``GLUON_WARP``; by stream-K where it selects that, ``STREAM_K``),
+    else 64-key tiles on 4 warps; the sm90 entry's register cap, shared-memory stages and operand rounding
+    (``FP16_OPERANDS``)."""
     quantizer = TurboQuantConfig.from_cache_dtype(preset, 128)
     key_bits, value_bits = 8 if quantizer.key_fp8 else quantizer.key_mse_bits, quantizer.value_quant_bits
     config = ttq.decode_entry(ttq.DECODE_CONFIGS["sm90"], key_bits, value_bits)
@@ -124,7 +125,8 @@ def gluon_decode(preset: str) -> None:
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,
                                                   maxnreg=config["WARP_MAXNREG"],
                                                   stages=ttq.warp_stages(config)["STAGES"], step=step,
-                                                  fp16_operands=fp16_operands, warp=True)  # fmt: skip
+                                                  fp16_operands=fp16_operands, warp=True,
+                                                  stream_k=bool(config.get("STREAM_K")))  # fmt: skip
     else:
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,
                                                   maxnreg=config.get("GLUON_MAXNREG"),
@@ -134,6 +136,7 @@ def gluon_decode(preset: str) -> None:
     count, mix, memory, moves = _loop_mix(kernel.asm["cubin"], "HMMA")
     per_key = 1 / (16 * step) if warp else int(turboquant_sm90.NUM_WARPS) / int(turboquant_sm90.BLOCK_N)
     shape = f"one warp, {step} 16-key chunks an iteration" if warp else "4 warps, 64-key tiles"
+    shape += ", stream-K" if warp and config.get("STREAM_K") else ""
     print(f"decode {preset} Gluon stage 1 ({shape}): "
           f"{_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
           f"{count} instructions per warp per iteration = {count * per_key:.1f} warp instructions per key and KV head, "

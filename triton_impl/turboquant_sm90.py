@@ -301,13 +301,17 @@ _INTERLEAVE_PAIRS = """
         prmt.b32 $2, l1, h1, 0x5140;
         prmt.b32 $3, l1, h1, 0x7362;
         }"""
-NIBBLE_PAIRS_ASM = gl.constexpr("""{
-        .reg .b32 s0, s1, y, m0, m1, a, b, l0, h0, l1, h1;
-        and.b32 s0, $4, 0x77777777;
+# Both 4-bit lookups begin alike: from the selectors of codes 0-3 (s0), those of codes 4-7 (s1), and each code's bit 3
+# spread over its byte (``prmt``'s sign-replicate mode on the codes' bytes, shifted so that each code's bit 3 is a
+# byte's top bit): the byte masks m0 (codes 0-3) and m1 (codes 4-7).
+_SECOND_SELECTORS_AND_MASKS = """
         shr.b32 s1, s0, 16;
         shl.b32 y, $4, 4;
         prmt.b32 m0, $4, y, 0x9D8C;
-        prmt.b32 m1, $4, y, 0xBFAE;
+        prmt.b32 m1, $4, y, 0xBFAE;"""
+NIBBLE_PAIRS_ASM = gl.constexpr("""{
+        .reg .b32 s0, s1, y, m0, m1, a, b, l0, h0, l1, h1;
+        and.b32 s0, $4, 0x77777777;""" + _SECOND_SELECTORS_AND_MASKS + """
         prmt.b32 a, $5, $6, s0;
         prmt.b32 b, $7, $8, s0;
         lop3.b32 l0, a, b, m0, 0xD8;
@@ -333,11 +337,7 @@ SYMMETRIC_PAIRS_ASM = gl.constexpr("""{
         shr.b32 t, $4, 3;
         lop3.b32 t, t, 0x11111111, 0, 0x0C;
         mul.lo.u32 t, t, 7;
-        lop3.b32 s0, $4, 0x77777777, t, 0x6A;
-        shr.b32 s1, s0, 16;
-        shl.b32 y, $4, 4;
-        prmt.b32 m0, $4, y, 0x9D8C;
-        prmt.b32 m1, $4, y, 0xBFAE;
+        lop3.b32 s0, $4, 0x77777777, t, 0x6A;""" + _SECOND_SELECTORS_AND_MASKS + """
         prmt.b32 l0, $5, $6, s0;
         prmt.b32 h0, $7, $8, s0;
         prmt.b32 l1, $5, $6, s1;
