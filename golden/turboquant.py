@@ -635,6 +635,11 @@ def split_ranges(seq_len: int, num_splits: int) -> list[tuple[int, int]]:
     return [(min(s * chunk, seq_len), min((s + 1) * chunk, seq_len)) for s in range(num_splits)]
 
 
+def padded_ranges(ranges: list[tuple[int, int]], seq_len: int, num_splits: int) -> list[tuple[int, int]]:
+    """A request's split key ranges, then empty ones up to ``num_splits``."""
+    return list(ranges) + [(seq_len, seq_len)] * (num_splits - len(ranges))
+
+
 def turboquant_decode_split_states(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -645,14 +650,17 @@ def turboquant_decode_split_states(
     scale: float,
     config: TurboQuantConfig,
     num_splits: int,
+    ranges: list[list[tuple[int, int]]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 1 of the split-KV decode: each split's attention state (:func:`split_ranges`).
+    """Stage 1 of the split-KV decode: each split's attention state (:func:`split_ranges`, or ``ranges``).
 
     ``merge_states`` of these equals :func:`turboquant_decode_attention`. An empty split is the
     neutral state ``(0, -inf)``. Paper: papers.md#turboquant.
 
     Args:
-        as :func:`turboquant_decode_attention`, plus num_splits: ``S``.
+        as :func:`turboquant_decode_attention`, plus num_splits: ``S``; ranges: each request's splits as key ranges
+            ``[lo, hi)`` instead of :func:`split_ranges` (at most ``S``; the slots after them empty), e.g. a
+            stream-K division of the keys.
 
     Returns:
         ``(o [B, H, S, D], lse [B, H, S])`` float64.
@@ -665,7 +673,8 @@ def turboquant_decode_split_states(
     for b in range(query.shape[0]):
         seq_len = int(seq_lens[b])
         keys, values = _request_keys_values(kv_cache, block_table[b], seq_len, centroids, config)
-        parts = [torch.arange(lo, hi, device=kv_cache.device) for lo, hi in split_ranges(seq_len, num_splits)]
+        cuts = split_ranges(seq_len, num_splits) if ranges is None else padded_ranges(ranges[b], seq_len, num_splits)
+        parts = [torch.arange(lo, hi, device=kv_cache.device) for lo, hi in cuts]
         states = [split_states(q[b, h], keys[:, h], values[:, h], scale, parts) for h in range(num_kv_heads)]
         outs.append(torch.stack([o for o, _ in states]))  # [HKV, G, S, D]
         lses.append(torch.stack([lse for _, lse in states]))

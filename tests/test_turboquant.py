@@ -1056,13 +1056,14 @@ def _decode_triton(query, cache, table, seq_lens, preset, head_dim, **kwargs):
     )  # fmt: skip
 
 
-def _decode_expected(query, cache, table, seq_lens, preset, head_dim, centroids=None, num_splits=None):
+def _decode_expected(query, cache, table, seq_lens, preset, head_dim, centroids=None, num_splits=None, ranges=None):
     """What a decode call on ``cache``'s device is checked against, under the config it selects now
     (:func:`triton_impl.parity.turboquant.decode_expected`: golden on the same bytes and the kernel's fp16
     centroids; with ``FP16_OPERANDS``, on the kernel's fp16 query and with the weights' rounding bound)."""
     config, pit, default_centroids, _ = _quantizer(preset, head_dim)
     c = default_centroids if centroids is None else centroids
-    return ptq.decode_expected(query, cache, table, seq_lens, pit, c, 1 / math.sqrt(head_dim), config, num_splits)
+    return ptq.decode_expected(query, cache, table, seq_lens, pit, c, 1 / math.sqrt(head_dim), config, num_splits,
+                               ranges)  # fmt: skip
 
 
 def _decode_golden(query, cache, table, seq_lens, preset, head_dim, exact_centroids=False):
@@ -1151,14 +1152,15 @@ def _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads,
     key_bits = 8 if config.key_fp8 else config.key_mse_bits
     run = ttq.decode_num_splits(num_splits, batch, num_kv_heads, device, key_bits, config.value_quant_bits)
     entry = ttq.select_decode_config(device, key_bits, config.value_quant_bits)
-    programs = ttq.stream_k_programs(entry, device, run, num_kv_heads) if stream_k else None
-    if programs:  # stream-K ran: the slots its pieces take hold a state, the rest LSE -inf
-        _check_stream_k_slots(mid_o[:, :, :run, head_dim], seq_lens, table.shape[1] * cache.shape[1],
-                              16 * ttq.warp_stages(entry)["STEP"], programs // num_kv_heads)  # fmt: skip
-    else:
-        split = _decode_expected(query, cache, table, lens, preset, head_dim, num_splits=run)
-        assert_close(mid_o[:, :, :run, :head_dim], split.out, ("turboquant", "split_o", "float32"), split.out_bound)
-        assert_close(mid_o[:, :, :run, head_dim], split.lse, ("turboquant", "lse", "float32"))
+    ranges = None
+    if stream_k:  # the slots hold its pieces (the same for every KV head), the rest LSE -inf
+        programs = ttq.stream_k_programs(entry, device, run, num_kv_heads) // num_kv_heads
+        pieces = ttq.stream_k_pieces(list(seq_lens), table.shape[1] * cache.shape[1],
+                                     16 * ttq.warp_stages(entry)["STEP"], programs, run)  # fmt: skip
+        ranges = [[(start, end) for _, start, end in taken] for taken in pieces]
+    split = _decode_expected(query, cache, table, lens, preset, head_dim, num_splits=run, ranges=ranges)
+    assert_close(mid_o[:, :, :run, :head_dim], split.out, ("turboquant", "split_o", "float32"), split.out_bound)
+    assert_close(mid_o[:, :, :run, head_dim], split.lse, ("turboquant", "lse", "float32"))
     slot = ttq.query_slot(entry, num_splits, key_bits, config.value_quant_bits)
     past = mid_o[:, :, run:]
     if slot is not None and slot >= run and not bool(past[:, :, slot - run, :head_dim].isnan().all()):
@@ -1185,20 +1187,6 @@ def test_stream_k_pieces_cover_every_key_once_in_at_most_the_slots() -> None:
             assert [start for _, start, _ in taken] == ends[:-1] and ends[-1] == min(lens[b], table_keys)
     # B=32 L=8K, 264 programs a KV head (2112 on the H200, 8 KV heads): 31 or 32 steps a program, 9 pieces a request.
     assert {len(taken) for taken in ttq.stream_k_pieces([8192] * 32, 8192, 32, 264, 16)} == {9}
-
-
-def _check_stream_k_slots(lse, seq_lens, table_keys, step_keys, programs) -> None:
-    """Stage 1 by stream-K (``lse``: ``[B, H, S]``): for each request, a finite LSE in the slots of its pieces
-    (:func:`triton_impl.turboquant.stream_k_pieces`, ``programs`` a KV head's) and -inf in the rest, for every head;
-    NaN throughout for a request longer than its table."""
-    pieces = ttq.stream_k_pieces(list(seq_lens), table_keys, step_keys, programs, lse.shape[2])
-    for b, taken in enumerate(pieces):
-        heads = lse[b].cpu()
-        if seq_lens[b] > table_keys:
-            assert bool(heads.isnan().all()), b
-            continue
-        assert bool(heads[:, : len(taken)].isfinite().all()), (b, taken)
-        assert bool((heads[:, len(taken) :] == float("-inf")).all()), (b, taken)
 
 
 @pytest.mark.parametrize("fp16_operands, query_scale", [(0, 3.0), (1, 1.0)])
@@ -2019,7 +2007,8 @@ def test_batch_invariance_and_gqa_equals_repeated_kv(device: torch.device) -> No
 
 
 def test_golden_decode_equals_attention_in_the_original_basis(device: torch.device) -> None:
-    """<q Pi^T, c> scoring equals plain attention over the un-rotated reconstructed keys."""
+    """<q Pi^T, c> scoring equals plain attention over the un-rotated reconstructed keys; the split states (equal
+    splits, or given key ranges) merge back to it."""
     preset, head_dim, gen = "turboquant_4bit_nc", 64, generator(22)
     cache, table, lens = _decode_setup(preset, head_dim, [30], 1, 16, gen, device)
     config, pit, centroids, _ = _quantizer(preset, head_dim)
@@ -2033,6 +2022,16 @@ def test_golden_decode_equals_attention_in_the_original_basis(device: torch.devi
     split_o, split_lse = tq.turboquant_decode_split_states(query, cache.cpu(), table.cpu(), lens.cpu(), pit, centroids,
                                                            1 / math.sqrt(head_dim), config, 4)  # fmt: skip
     merged, merged_lse = merge_states(split_o, split_lse)
+    torch.testing.assert_close(merged, out, atol=1e-12, rtol=0)
+    torch.testing.assert_close(merged_lse, lse, atol=1e-12, rtol=0)
+    # Any division of the keys merges back to the same state: stream-K's pieces (uneven, fewer than the slots; the
+    # slots after them empty).
+    ranges = [[(0, 3), (3, 19), (19, 30)]]
+    pieces_o, pieces_lse = tq.turboquant_decode_split_states(query, cache.cpu(), table.cpu(), lens.cpu(), pit,
+                                                             centroids, 1 / math.sqrt(head_dim), config, 5,
+                                                             ranges)  # fmt: skip
+    assert bool((pieces_lse[:, :, 3:] == float("-inf")).all()) and bool((pieces_o[:, :, 3:] == 0).all())
+    merged, merged_lse = merge_states(pieces_o, pieces_lse)
     torch.testing.assert_close(merged, out, atol=1e-12, rtol=0)
     torch.testing.assert_close(merged_lse, lse, atol=1e-12, rtol=0)
 

@@ -554,6 +554,7 @@ def weight_rounding_bound(
     scale: float,
     config: TurboQuantConfig,
     num_splits: int | None = None,
+    ranges: list[list[tuple[int, int]]] | None = None,
 ) -> torch.Tensor:
     """A bound on how far a decode that rounds each value weight ``w_j = p_j * v_scale_j`` to fp16 before its ``P V``
     product (not as an fp16 hi + lo pair) moves from golden scored with the same query and centroids.
@@ -571,7 +572,8 @@ def weight_rounding_bound(
         query_basis: ``[B, H, D]`` the query as the kernel scores it (float64 values); the rest as
             :func:`golden.turboquant.turboquant_decode_attention` (``centroids``: the ones the kernel reads).
         num_splits: the bound of each split's state (:func:`golden.turboquant.split_ranges`, the sums over that
-            split's keys) instead of the merged output's.
+            split's keys) instead of the merged output's; ranges: the splits' key ranges instead
+            (:func:`golden.turboquant.turboquant_decode_split_states`).
 
     Returns:
         ``[B, H, D]`` (``[B, H, S, D]`` with ``num_splits``) float64 on the CPU; 0 for an empty request or split.
@@ -593,8 +595,11 @@ def weight_rounding_bound(
         v_scale, v_zero = fields[..., -2, None], fields[..., -1, None]  # [L, HKV, 1]
         levels = (values - v_zero).abs()  # |code * v_scale|
         codes = torch.where(v_scale != 0, levels / v_scale.abs(), 0.0)  # [L, HKV, D]
-        ranges = tq.split_ranges(length, num_splits) if num_splits else [(0, length)]
-        for split, (lo, hi) in enumerate(ranges):
+        cuts = [(0, length)]
+        if num_splits:
+            cuts = tq.split_ranges(length, num_splits) if ranges is None else tq.padded_ranges(ranges[b], length,
+                                                                                               num_splits)  # fmt: skip
+        for split, (lo, hi) in enumerate(cuts):
             if hi <= lo:
                 continue
             p = torch.softmax(scores[..., lo:hi], dim=-1)
@@ -637,6 +642,7 @@ def decode_expected(
     scale: float,
     config: TurboQuantConfig,
     num_splits: int | None = None,
+    ranges: list[list[tuple[int, int]]] | None = None,
 ) -> DecodeExpected:
     """Golden's decode as a call of ``triton_turboquant_decode_attention_v2`` on ``kv_cache``'s device is checked
     against, under the decode config that device selects now (``select_decode_config``).
@@ -646,8 +652,8 @@ def decode_expected(
     alone applies. With it on, the kernel scores ``fp16(q~)``, its own fp32 rotation rounded once to fp16 (FP8
     keys: ``fp16(query)``), and rounds each value weight once to fp16: golden is fed that query (read back by
     :func:`kernel_rotated_query`, ``PiT`` then the identity), so the scores agree, and :func:`weight_rounding_bound`
-    covers the weights. With ``num_splits``: stage 1's split states (``turboquant_decode_split_states``), ``out`` as
-    ``[B, H, S, D]`` and ``lse`` as ``[B, H, S]``.
+    covers the weights. With ``num_splits``: stage 1's split states (``turboquant_decode_split_states``, over
+    ``ranges`` where given: a stream-K division), ``out`` as ``[B, H, S, D]`` and ``lse`` as ``[B, H, S]``.
     """
     device = kv_cache.device
     key_bits = 8 if config.key_fp8 else config.key_mse_bits
@@ -662,11 +668,11 @@ def decode_expected(
             rotated = kernel_rotated_query(query.to(device), PiT.to(device), precision)
             basis = rotated[:, :, 0].cpu().half().double()
         rotation = torch.eye(query.shape[-1], dtype=torch.float64)
-        bound = weight_rounding_bound(basis, *host, read, scale, config, num_splits)
+        bound = weight_rounding_bound(basis, *host, read, scale, config, num_splits, ranges)
     else:
         basis, rotation, bound = query.cpu(), PiT.cpu(), None
     if num_splits:
-        out, lse = tq.turboquant_decode_split_states(basis, *host, rotation, read, scale, config, num_splits)
+        out, lse = tq.turboquant_decode_split_states(basis, *host, rotation, read, scale, config, num_splits, ranges)
     else:
         out, lse = turboquant_decode_attention(basis, *host, rotation, read, scale, config)
     return DecodeExpected(out, lse, bound)
