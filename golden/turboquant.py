@@ -635,8 +635,11 @@ def split_ranges(seq_len: int, num_splits: int) -> list[tuple[int, int]]:
     return [(min(s * chunk, seq_len), min((s + 1) * chunk, seq_len)) for s in range(num_splits)]
 
 
-def padded_ranges(ranges: list[tuple[int, int]], seq_len: int, num_splits: int) -> list[tuple[int, int]]:
-    """A request's split key ranges, then empty ones up to ``num_splits``."""
+def request_splits(seq_len: int, num_splits: int, ranges: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+    """A request's ``num_splits`` key ranges: :func:`split_ranges`, or the given ``ranges`` (e.g. a stream-K
+    division) then empty ones."""
+    if ranges is None:
+        return split_ranges(seq_len, num_splits)
     return list(ranges) + [(seq_len, seq_len)] * (num_splits - len(ranges))
 
 
@@ -673,7 +676,7 @@ def turboquant_decode_split_states(
     for b in range(query.shape[0]):
         seq_len = int(seq_lens[b])
         keys, values = _request_keys_values(kv_cache, block_table[b], seq_len, centroids, config)
-        cuts = split_ranges(seq_len, num_splits) if ranges is None else padded_ranges(ranges[b], seq_len, num_splits)
+        cuts = request_splits(seq_len, num_splits, None if ranges is None else ranges[b])
         parts = [torch.arange(lo, hi, device=kv_cache.device) for lo, hi in cuts]
         states = [split_states(q[b, h], keys[:, h], values[:, h], scale, parts) for h in range(num_kv_heads)]
         outs.append(torch.stack([o for o, _ in states]))  # [HKV, G, S, D]

@@ -595,10 +595,8 @@ def weight_rounding_bound(
         v_scale, v_zero = fields[..., -2, None], fields[..., -1, None]  # [L, HKV, 1]
         levels = (values - v_zero).abs()  # |code * v_scale|
         codes = torch.where(v_scale != 0, levels / v_scale.abs(), 0.0)  # [L, HKV, D]
-        cuts = [(0, length)]
-        if num_splits:
-            cuts = tq.split_ranges(length, num_splits) if ranges is None else tq.padded_ranges(ranges[b], length,
-                                                                                               num_splits)  # fmt: skip
+        cuts = tq.request_splits(length, num_splits, None if ranges is None else ranges[b]) if num_splits else [
+            (0, length)]  # fmt: skip
         for split, (lo, hi) in enumerate(cuts):
             if hi <= lo:
                 continue
