@@ -247,9 +247,10 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # (STREAM_K 0), stage 1 in us, B=32 Hq=32 Hk=8, L=8K / 32K (2026-12-02): 4-bit 97.0 -> 99.3 / 347.9 -> 358.0, k3v4
 # 106.9 -> 106.6 / 386.0 -> 382.4, 3bit_nc 138.5 -> 141.8 / 506.4 -> 515.7, k8v4 116.7 -> 129.4 / 479.1 -> 507.6; 4-bit
 # over 32 requests of 1-32K keys (16.6K on average) 267.9 -> 203.6: the grid gives a 32K request as many splits as a
-# 3K one, and its programs' ends straggle. Its loop takes 2% more instructions than the grid's (4-bit 823 against 805
-# for two chunks, Triton 3.6: its bookkeeping derives from the seq_lens scans, not from program ids, and ptxas keeps it
-# in per-thread registers), which is the loss at one length; FP8 keys (STREAM_K_k8 0) lose more and keep the grid.
+# 3K one, and its programs' ends straggle. Its loop took 2% more instructions than the grid's (4-bit 823 against 805
+# for two chunks, Triton 3.6), 6 of them the chunk ring carried across pieces; with the ring restarted at each piece,
+# 805, and in one call 4-bit 100.0 -> 98.8 / 358.0 -> 352.9, k3v4 107.1 -> 108.6 / 382.8 -> 384.1, mixed lengths
+# 203.5 -> 201.1. FP8 keys (STREAM_K_k8 0) lose 6-11% by stream-K and keep the grid.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},

@@ -1327,7 +1327,7 @@ def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, sh
     keys of a symmetric codebook (:data:`SYMMETRIC_PAIRS_ASM`)."""
     data, values, meta, full = ring
     data_desc, value_desc, meta_desc = descs
-    row_ptr, stride_btc, num_blocks, tile, start, end, count, first, ring_base, kv_head, stride_block = split_state
+    row_ptr, stride_btc, num_blocks, tile, start, end, count, first, kv_head, stride_block = split_state
     q_hi, q_lo, pair_lut, score_scale, key_rows = operands
     m_i, l_part, z_part, acc, ahead, v_next = state
     KEY_BITS: gl.constexpr = shape[1]
@@ -1344,12 +1344,8 @@ def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, sh
     key_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[3]
     value_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[4]
     CHUNK_BYTES: gl.constexpr = 16 * _box_bytes(KEY_DATA_BYTES, SLOT_BYTES, VALUE_BITS)
-    # Counted in the ring's sequence of copies: the stream's chunk c is copy ring_base + c, so that the loop carries
-    # that index alone (the rebased tile and count hold ring_base).
-    tile -= 16 * STRIDE * ring_base
-    count += ring_base
-    for i in range(ring_base // STEP, count // STEP):
-        n = STEP * i  # the iteration's first chunk (of this stream's), as the ring's copy n
+    for i in range(count // STEP):
+        n = STEP * i  # the iteration's first chunk (of this stream's)
         buffer = first + n % STAGES
         pages = ahead
         ahead = _step_pages(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * (n + STEP + STAGES)), end, num_blocks,
@@ -1391,14 +1387,13 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
     STEP)``; the other arguments are the kernels' in tuples. Each iteration takes ``STEP`` consecutive chunks (1, or 2
     with ``STRIDE`` 1: one softmax step and one row max over 32 keys, which halves what an iteration costs besides
     its keys), a group of ``STEP`` buffers; a split's last group is copied whole, past its keys if need be. ``split``
-    ends with the request, the KV head and ``ring_base``: the copies the ring took before (a program may run several
-    splits one after another through the same buffers, :func:`decode_stage1_stream_k_kernel`), a multiple of
-    ``STEP``. ``pair_lut``: :func:`_centroid_tables`. Returns ``(acc, m, l, z, ring_base)``, the last the ring's copies
-    after this split's."""
+    ends with the request and the KV head; the ring's mbarriers are at their first phase (a program that runs several
+    splits through the same buffers initializes them again between, :func:`decode_stage1_stream_k_kernel`).
+    ``pair_lut``: :func:`_centroid_tables`."""
     data, values, meta, full = ring
     data_desc, value_desc, meta_desc = descs
     q_ptr, partials_ptr, _, cache_ptr = pointers
-    row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale, query_slot, b, kv_head, ring_base = split
+    row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale, query_slot, b, kv_head = split
     stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block = strides
     KV_GROUP: gl.constexpr = shape[0]
     KEY_BITS: gl.constexpr = shape[1]
@@ -1422,16 +1417,15 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
                                 kv_head, query_slot, KV_GROUP, KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
     num_chunks = gl.where(end > start, gl.cdiv(end - tile, 16), 0)
     count = gl.maximum(num_chunks - stream + STRIDE - 1, 0) // STRIDE  # this stream's chunks
-    count = gl.cdiv(count, STEP) * STEP  # whole iterations: the next split's groups stay aligned in the ring
+    count = gl.cdiv(count, STEP) * STEP  # whole iterations: the second wait needs no test of its own
     first = stream * STAGES  # its chunk buffers and mbarriers
     for st in gl.static_range(STAGES):
         if st < count:
             chunk_start = tile + 16 * (stream + STRIDE * st)
             page = _page(row_ptr, stride_btc, chunk_start, end, num_blocks, BLOCK_SIZE)
-            buffer = first + (ring_base + st) % STAGES
-            mbarrier.expect(full.index(buffer), CHUNK_BYTES)
-            _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(buffer), buffer, page,
-                         chunk_start, kv_head, SLOT_BYTES, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE,
+            mbarrier.expect(full.index(first + st), CHUNK_BYTES)
+            _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(first + st), first + st,
+                         page, chunk_start, kv_head, SLOT_BYTES, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE,
                          VALUE_BITS)  # fmt: skip
     # The blocks of the chunks each iteration refills its buffers with are read an iteration ahead.
     ahead = _step_pages(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * STAGES), end, num_blocks, BLOCK_SIZE,
@@ -1450,7 +1444,7 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
     if VALUE_BITS == 3:
         v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, tile + 16 * stream, end, num_blocks, count, kv_head,
                                    stride_block, shape, value_layout)  # fmt: skip
-    split_state = (row_ptr, stride_btc, num_blocks, tile, start, end, count, first, ring_base, kv_head, stride_block)
+    split_state = (row_ptr, stride_btc, num_blocks, tile, start, end, count, first, kv_head, stride_block)
     operands = (q_hi, q_lo, pair_lut, score_scale, key_rows)
     state = (m_i, l_part, z_part, acc, ahead, v_next)
     if KEY_BITS == 4:
@@ -1463,7 +1457,7 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
     else:
         state = _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, shape, 0)
     m_i, l_part, z_part, acc, _, _ = state
-    return acc, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0), ring_base + count
+    return acc, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0)
 
 
 @gluon.jit
@@ -1473,8 +1467,7 @@ def _stream(stream: gl.constexpr, shared, descs, pointers, split, strides, shape
     ``sums[stream]``."""
     data, values, meta, full, states, sums = shared
     pair_lut = _centroid_tables(pointers[2], shape[1])
-    acc, m_i, l_i, z_i, _ = _chunks(stream, (data, values, meta, full), descs, pointers, split, strides, pair_lut,
-                                    shape)  # fmt: skip
+    acc, m_i, l_i, z_i = _chunks(stream, (data, values, meta, full), descs, pointers, split, strides, pair_lut, shape)
     states.index(stream).store(acc)
     mine = sums.index(stream)
     mine.slice(0, 1, 0).store(m_i[None, :])
@@ -1527,7 +1520,7 @@ def decode_stage1_streams_kernel(
     descs = (data_desc, value_desc, meta_desc)
     pointers = (q_ptr, partials_ptr, centroid_ptr, cache_ptr)
     split = (row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale, query_slot, gl.program_id(0),
-             gl.program_id(1), 0)
+             gl.program_id(1))
     strides = (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
                            STREAMS, VALUE_BITS, NUM_KV_HEADS, 1)  # fmt: skip
@@ -1596,13 +1589,13 @@ def decode_stage1_warp_kernel(
                                            VALUE_BITS)  # fmt: skip
     b = gl.program_id(0)
     kv_head = gl.program_id(1)
-    split = (row_ptr, stride_btc, num_blocks, (start // 16) * 16, start, end, sm_scale, query_slot, b, kv_head, 0)
+    split = (row_ptr, stride_btc, num_blocks, (start // 16) * 16, start, end, sm_scale, query_slot, b, kv_head)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, 1,
                            VALUE_BITS, NUM_KV_HEADS, STEP)  # fmt: skip
-    acc, m_i, l_i, z_i, _ = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
-                                    (q_ptr, partials_ptr, centroid_ptr, cache_ptr), split,
-                                    (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block),
-                                    _centroid_tables(centroid_ptr, KEY_BITS), shape)  # fmt: skip
+    acc, m_i, l_i, z_i = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
+                                 (q_ptr, partials_ptr, centroid_ptr, cache_ptr), split,
+                                 (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block),
+                                 _centroid_tables(centroid_ptr, KEY_BITS), shape)  # fmt: skip
     poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)
     _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps, b,
                     kv_head, gl.program_id(2), KV_GROUP, VALUE_BITS)  # fmt: skip
@@ -1742,7 +1735,6 @@ def decode_stage1_stream_k_kernel(
                                1, VALUE_BITS, NUM_KV_HEADS, STEP)  # fmt: skip
         hi = (((mine + 1).to(gl.int64) * total) // programs).to(gl.int32)
         pos = ((mine.to(gl.int64) * total) // programs).to(gl.int32)
-        ring_base = 0
         while pos < hi:  # a piece: the steps from pos in one request
             b, first, n, seq_len = _stream_k_locate(seq_lens_ptr, batch, table_keys, pos, STEP_KEYS)
             piece_end = gl.minimum(hi, first + n)
@@ -1756,11 +1748,17 @@ def decode_stage1_stream_k_kernel(
                 seq_len, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)  # fmt: skip
             # The block-table check before the loop: four registers a thread fewer held through it.
             poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)
-            split = (row_ptr, stride_btc, num_blocks, start, start, end, sm_scale, query_slot, b, kv_head, ring_base)
-            acc, m_i, l_i, z_i, ring_base = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
-                                                    (q_ptr, partials_ptr, centroid_ptr, cache_ptr), split,
-                                                    (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps,
-                                                     stride_block), pair_lut, shape)  # fmt: skip
+            split = (row_ptr, stride_btc, num_blocks, start, start, end, sm_scale, query_slot, b, kv_head)
+            acc, m_i, l_i, z_i = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
+                                         (q_ptr, partials_ptr, centroid_ptr, cache_ptr), split,
+                                         (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block),
+                                         pair_lut, shape)  # fmt: skip
+            # Every copy of the piece has landed and been read: the next piece starts the ring at its first phase (a
+            # ring carried across pieces took 6 more instructions an iteration, 4-bit keys, Triton 3.6).
+            for st in gl.static_range(STAGES):
+                mbarrier.invalidate(full.index(st))
+                mbarrier.init(full.index(st), count=1)
+            fence_async_shared()
             _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps, b,
                             kv_head, mine - owner, KV_GROUP, VALUE_BITS)  # fmt: skip
             _empty_slots(partials_ptr, b, kv_head, empty_from, num_splits, float("-inf"), stride_pb, stride_ph,
