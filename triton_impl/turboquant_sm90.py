@@ -515,12 +515,17 @@ def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.const
 
 
 @gluon.jit
-def _value_word_pointers(cache_ptr, page, tile_start, kv_head, num_kv_heads, stride_block, slot_bytes,
-                         KEY_DATA_BYTES: gl.constexpr, VALUE_BITS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                         LAYOUT: gl.constexpr, CHUNKS: gl.constexpr = 4):  # fmt: skip
-    """Where :func:`_value_words` reads each thread's value codes, as ``[warp, quad, t, c, j, e]`` pointers (key ``16c +
-    8j + 2t + e`` of chunk ``c`` in block ``page``): 4-bit values, the aligned 16-bit word at value byte ``16 warp + 2
-    quad``; 3-bit values, the 32-bit word holding bit ``12 quad`` of the warp's 12 bytes."""
+def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes,
+                 KEY_DATA_BYTES: gl.constexpr, VALUE_BITS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                 LAYOUT: gl.constexpr, CHUNKS: gl.constexpr = 4):  # fmt: skip
+    """The tile's value codes as ``[warp, quad, t, c, j, e]``: the ``4 VALUE_BITS`` bits (4 codes, dimensions
+    ``32 warp + 4 quad ..``) from value bit ``4 VALUE_BITS (8 warp + quad)`` of key ``16c + 8j + 2t + e`` (chunk
+    ``c`` in block ``page``), in the low bits of a uint16. 4-bit values: the aligned 16-bit word at value byte ``16
+    warp + 2 quad``. 3-bit values: 12 bits at bit ``12 quad`` of the warp's 12 bytes, which no aligned 16-bit load
+    holds for ``quad`` = 1, 2, 5, 6: the 32-bit word holding the first bit, funnel-shifted with the next word
+    (``shf.r.wrap``), which only ``quad`` = 2 and 5 need (bits 24-35 and 60-71 of the 96) and which is lane quad
+    ``quad + 1``'s first word of the same keys: a warp shuffle, not a second load (a load per key and 716 -> 624
+    instructions a tile; the H200 at L=8K: 0.2576 -> 0.2127 ms). Read only where ``go``, as :func:`_key_words`."""
     warp = _iota(4, 0, 6, LAYOUT)
     quad = _iota(8, 1, 6, LAYOUT)
     t = _iota(4, 2, 6, LAYOUT)
@@ -530,41 +535,17 @@ def _value_word_pointers(cache_ptr, page, tile_start, kv_head, num_kv_heads, str
     slot = _chunk_slot(page, tile_start + c * 16, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE)
     slot += (j * 8 + t * 2 + e) * (num_kv_heads * slot_bytes)
     if VALUE_BITS == 4:
-        return (cache_ptr + slot + KEY_DATA_BYTES + warp * 16 + quad * 2).to(gl.pointer_type(gl.uint16))
-    return (cache_ptr + slot + KEY_DATA_BYTES + warp * 12 + ((quad * 12) >> 5) * 4).to(gl.pointer_type(gl.uint32))
-
-
-@gluon.jit
-def _three_bit_fields(low):
-    """3-bit values' words as :func:`_value_word_pointers` reads them -> each thread's 12 bits at bit ``12 quad``, in
-    the low bits of a uint16: the word holding the first bit funnel-shifted (``shf.r.wrap``) with the next word, which
-    only ``quad`` = 2 and 5 need (bits 24-35 and 60-71 of the 96) and which is lane quad ``quad + 1``'s word of the
-    same keys: a warp shuffle, not a second load."""
-    layout: gl.constexpr = low.type.layout
-    bit = _iota(8, 1, 6, layout) * 12
+        words = (cache_ptr + slot + KEY_DATA_BYTES + warp * 16 + quad * 2).to(gl.pointer_type(gl.uint16))
+        return gl.load(words, mask=go, other=0)
+    bit = quad * 12
+    word = (cache_ptr + slot + KEY_DATA_BYTES + warp * 12 + (bit >> 5) * 4).to(gl.pointer_type(gl.uint32))
+    low = gl.load(word, mask=go, other=0)
+    # The next word is lane quad g + 1's first (the same keys; quads 2 and 5 need it): a shuffle, not a load.
     high = gl.inline_asm_elementwise("shfl.sync.down.b32 $0, $1, 4, 0x1f, 0xffffffff;", "=r,r", [low],
                                      dtype=gl.uint32, is_pure=False, pack=1)  # fmt: skip
     field = gl.inline_asm_elementwise("shf.r.wrap.b32 $0, $1, $2, $3;", "=r,r,r,r", [low, high, bit.to(gl.uint32)],
                                       dtype=gl.uint32, is_pure=True, pack=1)  # fmt: skip
     return field.to(gl.uint16) & 0xFFF
-
-
-@gluon.jit
-def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes,
-                 KEY_DATA_BYTES: gl.constexpr, VALUE_BITS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                 LAYOUT: gl.constexpr, CHUNKS: gl.constexpr = 4):  # fmt: skip
-    """The tile's value codes as ``[warp, quad, t, c, j, e]``: the ``4 VALUE_BITS`` bits (4 codes, dimensions
-    ``32 warp + 4 quad ..``) from value bit ``4 VALUE_BITS (8 warp + quad)`` of key ``16c + 8j + 2t + e`` (chunk
-    ``c`` in block ``page``), in the low bits of a uint16 (:func:`_value_word_pointers`; 3-bit values, whose 12 bits
-    no aligned 16-bit load holds for ``quad`` = 1, 2, 5, 6: :func:`_three_bit_fields`, one load per key rather than
-    two: 716 -> 624 instructions a tile, the H200 at L=8K 0.2576 -> 0.2127 ms). Read only where ``go``, as
-    :func:`_key_words`."""
-    pointers = _value_word_pointers(cache_ptr, page, tile_start, kv_head, num_kv_heads, stride_block, slot_bytes,
-                                    KEY_DATA_BYTES, VALUE_BITS, BLOCK_SIZE, LAYOUT, CHUNKS)  # fmt: skip
-    words = gl.load(pointers, mask=go, other=0)
-    if VALUE_BITS == 3:
-        words = _three_bit_fields(words)
-    return words
 
 
 @gluon.jit
@@ -695,8 +676,6 @@ def _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_
         z_part = z_part * alpha[None, :] + p * v_zero[:, None]
     w = p * v_scale[:, None]
     w_hi = w.to(gl.float16)
-    if not isinstance(v_words, gl.tensor):  # 3-bit values' words in shared memory (one warp: :func:`_chunks`)
-        v_words = _three_bit_fields(v_words.load(_operand_layouts(KEY_BITS == 8, 1)[4]))
     if FP16_OPERANDS:
         v = gl.convert_layout(_value_operand(v_words, VALUE_BITS), dot_a)
         if not RESCALE_IF_GREW:
@@ -1298,17 +1277,14 @@ def _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, bar, buff
 
 @gluon.jit
 def _chunk_ring(BUFFERS: gl.constexpr, data_desc, value_desc, meta_desc, KEY_DATA_BYTES: gl.constexpr,
-                SLOT_BYTES: gl.constexpr, VALUE_BITS: gl.constexpr = 4, STEP: gl.constexpr = 1):  # fmt: skip
+                SLOT_BYTES: gl.constexpr, VALUE_BITS: gl.constexpr = 4):  # fmt: skip
     """``BUFFERS`` chunk buffers for the TMA copies (:func:`_issue_chunk`) and their mbarriers, initialized: ``(data,
-    values, meta, full)``, ``values`` the data buffers themselves where a token's values lie in its data box; for 3-bit
-    values, the words each thread copies for itself (:func:`_issue_value_words`), a group of ``STEP`` chunks'
-    ``[4, 8, 4, STEP, 2, 2]`` as :func:`_value_words` indexes them, per group of ``STEP`` buffers."""
+    values, meta, full)``, ``values`` the data buffers themselves where a token's values lie in its data box or are
+    not copied (3-bit values)."""
     data = gl.allocate_shared_memory(gl.uint8, [BUFFERS, 1, 16, data_row(KEY_DATA_BYTES)], data_desc.layout)
     values = data
     if separate_values(KEY_DATA_BYTES, SLOT_BYTES, VALUE_BITS):
         values = gl.allocate_shared_memory(gl.uint8, [BUFFERS, 1, 16, 64], value_desc.layout)
-    if VALUE_BITS == 3:
-        values = gl.allocate_shared_memory(gl.uint32, [BUFFERS // STEP, 4, 8, 4, STEP, 2, 2], _VALUE_WORDS_SMEM)
     meta = gl.allocate_shared_memory(gl.float16, [BUFFERS, 1, TMA_META_ROWS, 16], meta_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(BUFFERS):
@@ -1328,42 +1304,32 @@ def _step_pages(row_ptr, stride_btc, chunk_start, end, num_blocks, BLOCK_SIZE: g
     return first, second
 
 
-# 3-bit values are not copied by TMA: a lane quad's 12-bit fields start at word offsets (0, 0, 0, 1, 1, 1, 2, 2 of
-# each 12 bytes) that no linear layout of a shared buffer gives. Each thread copies its own words by cp.async into a
-# ring beside the chunk buffers, as many chunks ahead, and reads them back (ldmatrix) just before the value product.
-# Loaded into registers a chunk ahead instead, they held 16 registers a chunk through the keys' work, and two chunks an
-# iteration then spilled (160 bytes of stack at 128 registers, Triton 3.6): 619 warp instructions a chunk at one chunk
-# an iteration, 547.5 at two through shared memory. A register's 32 lanes copy and read 32 consecutive words: no bank
-# conflict either way.
-_VALUE_WORDS_SMEM = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 5, 4, 3, 0])  # a group of the ring: [q, quad, t, c, j, e]
-
-
 @gluon.jit
-def _issue_value_words(words, cache_ptr, pages, chunk_start, kv_head, stride_block, shape: gl.constexpr,
-                       LAYOUT: gl.constexpr):  # fmt: skip
-    """cp.async of 3-bit values' words of the ``STEP`` chunks from ``chunk_start`` (in blocks ``pages``,
-    :func:`_step_pages`) into ``words`` (a group of :func:`_chunk_ring`'s), each thread's where it reads them back;
-    the caller commits the group. Unmasked: a block past the keys is block 0 or clamped into the cache
-    (:func:`_page`), and its words go unused (their keys are not live). ``shape``: :func:`_chunks`'."""
+def _step_value_words(cache_ptr, row_ptr, stride_btc, chunk_start, end, num_blocks, count_left, kv_head, stride_block,
+                      shape: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
+    """3-bit values' words of the ``STEP`` chunks from ``chunk_start`` (their blocks from the table,
+    :func:`_step_pages`), of which the first ``count_left`` exist (:func:`_value_words`, its chunk dim the step's
+    chunks). ``shape``: :func:`_chunks`'."""
     STEP: gl.constexpr = shape[11]
+    pages = _step_pages(row_ptr, stride_btc, chunk_start, end, num_blocks, shape[5], STEP)
     c = _iota(STEP, 3, 6, LAYOUT)
     page = gl.where(c == 0, pages[0], pages[1])
     # shape: KEY_DATA_BYTES 2, SLOT_BYTES 3, BLOCK_SIZE 5, VALUE_BITS 9, NUM_KV_HEADS 10
-    _async_load(words, _value_word_pointers(cache_ptr, page, chunk_start, kv_head, shape[10], stride_block, shape[3],
-                                            shape[2], shape[9], shape[5], LAYOUT, STEP))  # fmt: skip
+    return _value_words(cache_ptr, page, chunk_start, c < count_left, kv_head, shape[10], stride_block, shape[3],
+                        shape[2], shape[9], shape[5], LAYOUT, STEP)  # fmt: skip
 
 
 @gluon.jit
 def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, shape: gl.constexpr,
                 SYMMETRIC: gl.constexpr):  # fmt: skip
-    """:func:`_chunks`'s loop over the stream's chunks, from ``state`` (``m, l, z, acc`` and the blocks of the first
-    refills) to the same after the last chunk; ``SYMMETRIC``: 4-bit keys of a symmetric codebook
-    (:data:`SYMMETRIC_PAIRS_ASM`)."""
+    """:func:`_chunks`'s loop over the stream's chunks, from ``state`` (``m, l, z, acc``, the blocks of the first
+    refills and, 3-bit values, the first chunks' value words) to the same after the last chunk; ``SYMMETRIC``: 4-bit
+    keys of a symmetric codebook (:data:`SYMMETRIC_PAIRS_ASM`)."""
     data, values, meta, full = ring
     data_desc, value_desc, meta_desc = descs
     row_ptr, stride_btc, num_blocks, tile, start, end, count, first, kv_head, stride_block = split_state
     q_hi, q_lo, pair_lut, score_scale, key_rows = operands
-    m_i, l_part, z_part, acc, ahead = state
+    m_i, l_part, z_part, acc, ahead, v_next = state
     KEY_BITS: gl.constexpr = shape[1]
     KEY_DATA_BYTES: gl.constexpr = shape[2]
     SLOT_BYTES: gl.constexpr = shape[3]
@@ -1384,25 +1350,22 @@ def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, sh
         pages = ahead
         ahead = _step_pages(row_ptr, stride_btc, tile + 16 * (stream + STRIDE * (n + STEP + STAGES)), end, num_blocks,
                             BLOCK_SIZE, STEP)  # fmt: skip
+        v_words = v_next
         mbarrier.wait(full.index(buffer), (n // STAGES) & 1)
         if STEP == 2:  # (count is a multiple of STEP: a chunk past the split is copied too, its keys not live)
             mbarrier.wait(full.index(buffer + 1), (n // STAGES) & 1)
         k_words, staged_values, norm, v_scale, v_zero, live = _tma_stage_reads(
             data, values, meta, buffer // STEP, tile + 16 * (stream + STRIDE * n), start, end, key_rows, KEY_BITS,
             KEY_DATA_BYTES, NUM_FIELDS, key_layout, value_layout, VALUE_BITS)  # fmt: skip
-        v_words = staged_values
-        if VALUE_BITS == 3:  # read back in _tile_step, just before the value product
-            async_copy.wait_group(STAGES // STEP - 1)  # this iteration's group: one committed an iteration
-            v_words = values.index(buffer // STEP)
+        if VALUE_BITS == 4:
+            v_words = staged_values
         m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
                                               score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS, key_bytes,
                                               1, 1, SYMMETRIC)  # fmt: skip
-        if VALUE_BITS == 3:  # the group's refill, its words read and used
-            if n + STAGES < count:
-                _issue_value_words(values.index(buffer // STEP), cache_ptr, pages,
-                                   tile + 16 * (stream + STRIDE * (n + STAGES)), kv_head, stride_block, shape,
-                                   value_layout)  # fmt: skip
-            async_copy.commit_group()
+        if VALUE_BITS == 3:  # the next iteration's value words, loaded once this iteration's are used
+            following = tile + 16 * (stream + STRIDE * (n + STEP))
+            v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, following, end, num_blocks, count - n - STEP,
+                                       kv_head, stride_block, shape, value_layout)  # fmt: skip
         # This warp's reads of the buffers are done: refill them.
         if n + STAGES < count:
             fence_async_shared()
@@ -1412,7 +1375,7 @@ def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, sh
                     _issue_chunk(data_desc, value_desc, meta_desc, data, values, meta, full.index(buffer + j),
                                  buffer + j, pages[j], tile + 16 * (stream + STRIDE * (n + j + STAGES)), kv_head,
                                  SLOT_BYTES, KEY_DATA_BYTES, NUM_FIELDS, BLOCK_SIZE, VALUE_BITS)  # fmt: skip
-    return m_i, l_part, z_part, acc, ahead
+    return m_i, l_part, z_part, acc, ahead, v_next
 
 
 @gluon.jit
@@ -1474,17 +1437,16 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
     z_part = gl.zeros([16 * STEP, BLOCK_H], gl.float32, mma)
     acc = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, mma)
     key_rows = gl.arange(0, 16 * STEP, layout=gl.SliceLayout(1, mma))
-    if VALUE_BITS == 3:  # the value words of the first groups (the section above _issue_value_words)
-        for g in gl.static_range(STAGES // STEP):
-            if g * STEP < count:
-                chunk_start = tile + 16 * (stream + STRIDE * g * STEP)
-                pages = _step_pages(row_ptr, stride_btc, chunk_start, end, num_blocks, BLOCK_SIZE, STEP)
-                _issue_value_words(values.index(first // STEP + g), cache_ptr, pages, chunk_start, kv_head,
+    # 3-bit values are not copied by TMA (a quad's 12-bit fields start at word offsets no linear layout of a shared
+    # buffer gives): each iteration's value words are loaded into registers an iteration ahead (:func:`_value_words`),
+    # at the end of the iteration before (loaded at its top, they held 16 more registers through its keys' work).
+    v_next = 0
+    if VALUE_BITS == 3:
+        v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, tile + 16 * stream, end, num_blocks, count, kv_head,
                                    stride_block, shape, value_layout)  # fmt: skip
-            async_copy.commit_group()
     split_state = (row_ptr, stride_btc, num_blocks, tile, start, end, count, first, kv_head, stride_block)
     operands = (q_hi, q_lo, pair_lut, score_scale, key_rows)
-    state = (m_i, l_part, z_part, acc, ahead)
+    state = (m_i, l_part, z_part, acc, ahead, v_next)
     if KEY_BITS == 4:
         # A codebook symmetric bit for bit (:func:`_centroid_tables`) takes the shorter lookup: the branch is around
         # the whole loop, so that each loop holds only its own lookup's registers (inside it, 56 bytes spilled).
@@ -1494,9 +1456,7 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
             state = _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, shape, 0)
     else:
         state = _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, shape, 0)
-    m_i, l_part, z_part, acc, _ = state
-    if VALUE_BITS == 3:
-        async_copy.wait_group(0)  # (groups past the chunks are empty) no copy outlives the stream
+    m_i, l_part, z_part, acc, _, _ = state
     return acc, m_i, gl.sum(l_part, axis=0), gl.sum(z_part, axis=0)
 
 
@@ -1626,7 +1586,7 @@ def decode_stage1_warp_kernel(
     start, end, row_ptr, too_long, bad_pages, first_page, last_page = _split(
         seq_lens_ptr, block_table_ptr, num_splits, num_blocks, table_keys, stride_bt, stride_btc, BLOCK_SIZE)
     data, values, meta, full = _chunk_ring(STAGES, data_desc, value_desc, meta_desc, KEY_DATA_BYTES, SLOT_BYTES,
-                                           VALUE_BITS, STEP)  # fmt: skip
+                                           VALUE_BITS)  # fmt: skip
     b = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = (row_ptr, stride_btc, num_blocks, (start // 16) * 16, start, end, sm_scale, query_slot, b, kv_head)
@@ -1769,7 +1729,7 @@ def decode_stage1_stream_k_kernel(
                              stride_ps, KV_GROUP, BLOCK_H)  # fmt: skip
     if mine < programs:
         data, values, meta, full = _chunk_ring(STAGES, data_desc, value_desc, meta_desc, KEY_DATA_BYTES, SLOT_BYTES,
-                                               VALUE_BITS, STEP)  # fmt: skip
+                                               VALUE_BITS)  # fmt: skip
         pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
         shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
                                1, VALUE_BITS, NUM_KV_HEADS, STEP)  # fmt: skip
