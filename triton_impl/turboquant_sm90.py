@@ -525,7 +525,8 @@ def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_
     holds for ``quad`` = 1, 2, 5, 6: the 32-bit word holding the first bit, funnel-shifted with the next word
     (``shf.r.wrap``), which only ``quad`` = 2 and 5 need (bits 24-35 and 60-71 of the 96) and which is lane quad
     ``quad + 1``'s first word of the same keys: a warp shuffle, not a second load (a load per key and 716 -> 624
-    instructions a tile; the H200 at L=8K: 0.2576 -> 0.2127 ms). Read only where ``go``, as :func:`_key_words`."""
+    instructions a tile; the H200 at L=8K: 0.2576 -> 0.2127 ms). Read only where ``go``, as :func:`_key_words`, or
+    (``go`` None) everywhere, where every ``page`` is in the cache."""
     warp = _iota(4, 0, 6, LAYOUT)
     quad = _iota(8, 1, 6, LAYOUT)
     t = _iota(4, 2, 6, LAYOUT)
@@ -539,7 +540,10 @@ def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_
         return gl.load(words, mask=go, other=0)
     bit = quad * 12
     word = (cache_ptr + slot + KEY_DATA_BYTES + warp * 12 + (bit >> 5) * 4).to(gl.pointer_type(gl.uint32))
-    low = gl.load(word, mask=go, other=0)
+    if go is None:
+        low = gl.load(word)
+    else:
+        low = gl.load(word, mask=go, other=0)
     # The next word is lane quad g + 1's first (the same keys; quads 2 and 5 need it): a shuffle, not a load.
     high = gl.inline_asm_elementwise("shfl.sync.down.b32 $0, $1, 4, 0x1f, 0xffffffff;", "=r,r", [low],
                                      dtype=gl.uint32, is_pure=False, pack=1)  # fmt: skip
@@ -1305,18 +1309,19 @@ def _step_pages(row_ptr, stride_btc, chunk_start, end, num_blocks, BLOCK_SIZE: g
 
 
 @gluon.jit
-def _step_value_words(cache_ptr, row_ptr, stride_btc, chunk_start, end, num_blocks, count_left, kv_head, stride_block,
+def _step_value_words(cache_ptr, row_ptr, stride_btc, chunk_start, end, num_blocks, kv_head, stride_block,
                       shape: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
     """3-bit values' words of the ``STEP`` chunks from ``chunk_start`` (their blocks from the table,
-    :func:`_step_pages`), of which the first ``count_left`` exist (:func:`_value_words`, its chunk dim the step's
-    chunks). ``shape``: :func:`_chunks`'."""
+    :func:`_step_pages`; :func:`_value_words`, its chunk dim the step's chunks). Unmasked: a chunk past the split's
+    reads block 0 or a block clamped into the cache (:func:`_page`), and its words go unused; a mask cost a predicate
+    move a load (16 of 619 instructions a chunk, Triton 3.6). ``shape``: :func:`_chunks`'."""
     STEP: gl.constexpr = shape[11]
     pages = _step_pages(row_ptr, stride_btc, chunk_start, end, num_blocks, shape[5], STEP)
     c = _iota(STEP, 3, 6, LAYOUT)
     page = gl.where(c == 0, pages[0], pages[1])
     # shape: KEY_DATA_BYTES 2, SLOT_BYTES 3, BLOCK_SIZE 5, VALUE_BITS 9, NUM_KV_HEADS 10
-    return _value_words(cache_ptr, page, chunk_start, c < count_left, kv_head, shape[10], stride_block, shape[3],
-                        shape[2], shape[9], shape[5], LAYOUT, STEP)  # fmt: skip
+    return _value_words(cache_ptr, page, chunk_start, None, kv_head, shape[10], stride_block, shape[3], shape[2],
+                        shape[9], shape[5], LAYOUT, STEP)  # fmt: skip
 
 
 @gluon.jit
@@ -1364,8 +1369,8 @@ def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, sh
                                               1, 1, SYMMETRIC)  # fmt: skip
         if VALUE_BITS == 3:  # the next iteration's value words, loaded once this iteration's are used
             following = tile + 16 * (stream + STRIDE * (n + STEP))
-            v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, following, end, num_blocks, count - n - STEP,
-                                       kv_head, stride_block, shape, value_layout)  # fmt: skip
+            v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, following, end, num_blocks, kv_head,
+                                       stride_block, shape, value_layout)  # fmt: skip
         # This warp's reads of the buffers are done: refill them.
         if n + STAGES < count:
             fence_async_shared()
@@ -1442,7 +1447,7 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
     # at the end of the iteration before (loaded at its top, they held 16 more registers through its keys' work).
     v_next = 0
     if VALUE_BITS == 3:
-        v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, tile + 16 * stream, end, num_blocks, count, kv_head,
+        v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, tile + 16 * stream, end, num_blocks, kv_head,
                                    stride_block, shape, value_layout)  # fmt: skip
     split_state = (row_ptr, stride_btc, num_blocks, tile, start, end, count, first, kv_head, stride_block)
     operands = (q_hi, q_lo, pair_lut, score_scale, key_rows)
