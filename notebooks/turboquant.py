@@ -375,12 +375,13 @@ plt.show()
 # general one): stage 1 107 -> 98 / 388 -> 350 us. And stream-K for 3- and 4-bit keys: one round of programs, each KV
 # head's keys over all requests divided evenly among its programs, so that a batch of long and short requests keeps
 # every SM busy (the grid gives a 32K request as many splits as a 3K one): over 32 requests of 1-32K keys, stage 1
-# 268 -> 204 us; at one length it is within -1..+3% of the grid. The bench at 5aa991b, against the bf16 decode in the
-# same run (257-258 / 983-987 us): FP8 keys 124 / 486 us (2.07x / 2.02x its speed), 4-bit keys 113 / 370 (2.28x /
-# 2.66x), 3-bit keys 120 / 396 (2.14x / 2.49x), 3-bit keys and values 154 / 525 (1.67x / 1.87x).
+# 268 -> 204 us; at one length it is within -1..+3% of the grid (and its loop at the grid's instruction count once
+# the chunk ring restarts at each piece, 358 -> 353 us at 32K). The bench at 39cc476, against the bf16 decode in the
+# same run (253-254 / 963-964 us): FP8 keys 122 / 473 us (2.07x / 2.03x its speed), 4-bit keys 113 / 366 (2.25x /
+# 2.63x), 3-bit keys 121 / 399 (2.10x / 2.42x), 3-bit keys and values 149 / 505 (1.69x / 1.91x).
 # The goal, twice the bf16 speed, is reached for every preset with 4-bit values at both lengths, not for 3-bit values.
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory (4-bit keys
-# at 58% / 71% of their copy roofline).
+# at 59% / 72% of their copy roofline).
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
 
 # %% [markdown]
