@@ -376,9 +376,13 @@ plt.show()
 # head's keys over all requests divided evenly among its programs, so that a batch of long and short requests keeps
 # every SM busy (the grid gives a 32K request as many splits as a 3K one): over 32 requests of 1-32K keys, stage 1
 # 268 -> 204 us; at one length it is within -1..+3% of the grid (and its loop at the grid's instruction count once
-# the chunk ring restarts at each piece, 358 -> 353 us at 32K). The bench at 39cc476, against the bf16 decode in the
-# same run (253-254 / 963-964 us): FP8 keys 122 / 473 us (2.07x / 2.03x its speed), 4-bit keys 113 / 366 (2.25x /
-# 2.63x), 3-bit keys 121 / 399 (2.10x / 2.42x), 3-bit keys and values 149 / 505 (1.69x / 1.91x).
+# the chunk ring restarts at each piece, 358 -> 353 us at 32K). 3-bit values' word loads lost their mask (a chunk past
+# the split reads a block inside the cache, its words unused; ptxas had copied the mask into a predicate before each
+# load): 619 -> 594 warp instructions a chunk, stage 1 140 -> 135 / 511 -> 492 us; their words parked in shared memory
+# by 4-byte copies instead, so that two chunks fit an iteration, were 1.5x slower again (140 -> 207 us at 8K), as in
+# the 4-warp kernel. The bench at 39cc476, against the bf16 decode in the same run (253-254 / 963-964 us): FP8 keys
+# 122 / 473 us (2.07x / 2.03x its speed), 4-bit keys 113 / 366 (2.25x / 2.63x), 3-bit keys 121 / 399 (2.10x / 2.42x),
+# 3-bit keys and values 149 / 505 (1.69x / 1.91x).
 # The goal, twice the bf16 speed, is reached for every preset with 4-bit values at both lengths, not for 3-bit values.
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory (4-bit keys
 # at 59% / 72% of their copy roofline).
