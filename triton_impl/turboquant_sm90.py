@@ -535,15 +535,17 @@ def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_
     e = _iota(2, 5, 6, LAYOUT)
     slot = _chunk_slot(page, tile_start + c * 16, kv_head, stride_block, num_kv_heads, slot_bytes, BLOCK_SIZE)
     slot += (j * 8 + t * 2 + e) * (num_kv_heads * slot_bytes)
-    if VALUE_BITS == 4:
-        words = (cache_ptr + slot + KEY_DATA_BYTES + warp * 16 + quad * 2).to(gl.pointer_type(gl.uint16))
-        return gl.load(words, mask=go, other=0)
     bit = quad * 12
-    word = (cache_ptr + slot + KEY_DATA_BYTES + warp * 12 + (bit >> 5) * 4).to(gl.pointer_type(gl.uint32))
+    if VALUE_BITS == 4:
+        word = (cache_ptr + slot + KEY_DATA_BYTES + warp * 16 + quad * 2).to(gl.pointer_type(gl.uint16))
+    else:
+        word = (cache_ptr + slot + KEY_DATA_BYTES + warp * 12 + (bit >> 5) * 4).to(gl.pointer_type(gl.uint32))
     if go is None:
         low = gl.load(word)
     else:
         low = gl.load(word, mask=go, other=0)
+    if VALUE_BITS == 4:
+        return low
     # The next word is lane quad g + 1's first (the same keys; quads 2 and 5 need it): a shuffle, not a load.
     high = gl.inline_asm_elementwise("shfl.sync.down.b32 $0, $1, 4, 0x1f, 0xffffffff;", "=r,r", [low],
                                      dtype=gl.uint32, is_pure=False, pack=1)  # fmt: skip
