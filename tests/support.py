@@ -139,3 +139,61 @@ def paginate(tokens: list[torch.Tensor], page_size: int, gen: torch.Generator) -
         j = torch.arange(t.shape[0])
         cache[table[r, j // page_size].long(), j % page_size] = t
     return cache, table
+
+
+def run_ptx(asm: str, inputs: list[int], outputs: int, laneid: int = 0) -> list[int]:
+    """A model of the b32 PTX our inline asm uses (the Gluon kernels' lookups and conversions run only compiled), on
+    Python ints: ``mov`` (of ``%laneid``), ``and``, ``or``, ``shl``, ``shr``, ``mul.lo``, ``prmt`` (its default mode: 4
+    selector nibbles, the high bit replicating the byte's sign), ``lop3`` (bit ``4a + 2b + c`` of the immediate), and
+    on two bf16 lanes ``mul.rn.bf16x2`` (round to nearest even) and ``set.eq.u32.bf16x2`` (all ones where equal);
+    ``$k`` the operands, the ``outputs`` results first."""
+    regs = {f"${k}": 0 for k in range(outputs)} | {f"${outputs + k}": v & 0xFFFFFFFF for k, v in enumerate(inputs)}
+
+    def value(token: str) -> int:
+        token = token.strip()
+        if token == "%laneid":
+            return laneid
+        return regs[token] if token in regs else int(token, 0)
+
+    for line in asm.replace("{", ";").replace("}", ";").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        x = [value(a) for a in src]
+        if op == "mov.b32":
+            out = x[0]
+        elif op == "and.b32":
+            out = x[0] & x[1]
+        elif op == "or.b32":
+            out = x[0] | x[1]
+        elif op == "shl.b32":
+            out = x[0] << x[1]
+        elif op == "shr.b32":
+            out = x[0] >> x[1]
+        elif op == "mul.lo.u32":
+            out = x[0] * x[1]
+        elif op == "prmt.b32":
+            source, out = x[0] | (x[1] << 32), 0
+            for i in range(4):
+                select = (x[2] >> (4 * i)) & 0xF
+                byte = (source >> (8 * (select & 7))) & 0xFF
+                if select & 8:
+                    byte = 0xFF if byte & 0x80 else 0
+                out |= byte << (8 * i)
+        elif op in ("mul.rn.bf16x2", "set.eq.u32.bf16x2"):
+            a, b = (torch.tensor([v & 0xFFFF, v >> 16], dtype=torch.int32).to(torch.int16) for v in x)
+            a, b = (t.view(torch.bfloat16).float() for t in (a, b))
+            if op == "mul.rn.bf16x2":
+                lanes = (a * b).to(torch.bfloat16).view(torch.int16).int() & 0xFFFF  # exact in fp32, then rounded
+            else:
+                lanes = torch.where(a == b, 0xFFFF, 0)
+            out = int(lanes[0]) | int(lanes[1]) << 16
+        elif op == "lop3.b32":
+            out = sum((((x[3] >> ((((x[0] >> i) & 1) << 2) | (((x[1] >> i) & 1) << 1) | ((x[2] >> i) & 1))) & 1) << i)
+                      for i in range(32))  # fmt: skip
+        else:
+            raise AssertionError(f"no model of {op}")
+        regs[dst] = out & 0xFFFFFFFF
+    return [regs[f"${k}"] for k in range(outputs)]

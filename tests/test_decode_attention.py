@@ -15,11 +15,22 @@ import torch
 import triton
 from hypothesis import example, given
 from hypothesis import strategies as st
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from golden.decode_attention import decode_attention, decode_attention_splits, split_bounds, window_start
 from golden.decode_attention import expand_decode_rows as golden_expand_decode_rows
 from golden.lse_merge import merge_states
-from tests.support import assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled, paged_cache, paginate
+from tests.support import (
+    assert_bits_equal,
+    assert_close,
+    fails_tolerance,
+    generator,
+    nan_filled,
+    paged_cache,
+    paginate,
+    run_ptx,
+)
 from triton_impl import decode_attention_sm90
 from triton_impl.decode_attention import (
     DECODE_CONFIGS,
@@ -398,29 +409,33 @@ def padded_query(q: torch.Tensor, pad: int) -> torch.Tensor:
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon stage 1 runs on compute capability 9.x only")
 @pytest.mark.parametrize(
-    ("num_heads", "page_size", "layout", "window", "splits", "cap", "dtype"),
-    [(128, 64, "4d", None, 2, 0.0, torch.bfloat16), (128, 128, "3d", 150, 3, 0.0, torch.bfloat16),
-     (96, 64, "4d", None, 1, 0.0, torch.bfloat16), (64, 64, "4d", 150, 5, 30.0, torch.float16),
-     (128, 64, "4d", None, 1, 0.0, torch.bfloat16), (40, 64, "4d", None, 2, 0.0, torch.bfloat16),
-     (16, 64, "4d", None, 2, 0.0, torch.bfloat16), (16, 128, "3d", 150, 3, 30.0, torch.float16),
-     (10, 64, "4d", None, 1, 0.0, torch.bfloat16), (1, 64, "4d", 150, 5, 0.0, torch.bfloat16)],
+    ("num_heads", "page_size", "layout", "window", "splits", "cap", "dtype", "fp8"),
+    [(128, 64, "4d", None, 2, 0.0, torch.bfloat16, False), (128, 128, "3d", 150, 3, 0.0, torch.bfloat16, False),
+     (96, 64, "4d", None, 1, 0.0, torch.bfloat16, False), (64, 64, "4d", 150, 5, 30.0, torch.float16, False),
+     (128, 64, "4d", None, 1, 0.0, torch.bfloat16, False), (40, 64, "4d", None, 2, 0.0, torch.bfloat16, False),
+     (16, 64, "4d", None, 2, 0.0, torch.bfloat16, False), (16, 128, "3d", 150, 3, 30.0, torch.float16, False),
+     (10, 64, "4d", None, 1, 0.0, torch.bfloat16, False), (1, 64, "4d", 150, 5, 0.0, torch.bfloat16, False),
+     (128, 64, "4d", None, 2, 0.0, torch.bfloat16, True), (64, 128, "3d", 150, 3, 30.0, torch.float16, True),
+     (40, 64, "4d", None, 1, 0.0, torch.bfloat16, True)],
 )  # fmt: skip
-def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout, window, splits, cap, dtype) -> None:
-    """The Gluon stage 1 (DeepSeek's widths, 32 heads or more, 16-bit cache, pages of 64k keys) against golden:
-    whole tiles and the partial tiles at each split's ends (window and split starts off a tile, rows shorter
-    than a tile, an empty row), the NaN moat around every row, a head count that leaves a half-empty head
-    block and one (40 heads) with 24 empty rows, one split (o and lse written directly) and several, a logit cap,
-    fp16, a query whose heads are 592 elements apart (96 heads)."""
+def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout, window, splits, cap, dtype,
+                                           fp8) -> None:  # fmt: skip
+    """The Gluon stage 1 (DeepSeek's widths, 32 heads or more, pages of 64k keys) against golden: whole tiles and
+    the partial tiles at each split's ends (window and split starts off a tile, rows shorter than a tile, an
+    empty row), the NaN moat around every row, a head count that leaves a half-empty head block and one (40
+    heads) with 24 empty rows, one split (o and lse written directly) and several, a logit cap, fp16, a query
+    whose heads are 592 elements apart (96 heads); an FP8 cache (its codes widened in shared memory, the moat's
+    NaN codes zeroed there, the scale on scores and output) with bf16 and fp16 queries."""
     lens = [300, 200, 64, 63, 1, 0, 1000]
     d = make_decode(device, 43, lens, is_mla=True, num_heads=num_heads, widths=(512, 64), page_size=page_size,
-                    layout=layout, dtype=dtype, window=window, cap=cap)  # fmt: skip
+                    layout=layout, dtype=dtype, fp8=fp8, window=window, cap=cap)  # fmt: skip
     d.q = padded_query(d.q, 16) if num_heads == 96 else d.q
     d.sm_scale = 192**-0.5
     config = _config("sm90", True)
     rows = len(lens)
     o, lse = torch.empty(rows, num_heads, 512, device=device), torch.empty(rows, num_heads, device=device)
     args = (d.q, d.k, d.v, o, lse, d.table, d.lens, torch.empty(rows, num_heads, splits, 513, device=device), splits,
-            d.sm_scale, page_size, cap, None, None, True, window, config)  # fmt: skip
+            d.sm_scale, page_size, cap, d.k_scale, d.v_scale, True, window, config)  # fmt: skip
     few = num_heads <= 16
     kernel = decode_attention_sm90.mla_decode_few_rows_kernel if few else decode_attention_sm90.mla_decode_stage1_kernel
     assert _plan_decode(*args).stage1._kernel is kernel
@@ -434,17 +449,18 @@ def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout,
     ("heads", "page_size", "fp8", "layout", "q_pad", "served"),
     [(128, 64, False, "4d", 0, "wide"), (64, 128, False, "3d", 0, "wide"), (40, 64, False, "4d", 0, "wide"),
      (16, 64, False, "4d", 0, "few"), (20, 64, False, "4d", 0, None), (128, 16, False, "4d", 0, None),
-     (16, 16, False, "4d", 0, None), (128, 64, True, "4d", 0, None), (16, 64, True, "4d", 0, None),
+     (16, 16, False, "4d", 0, None), (128, 64, True, "4d", 0, "wide"), (16, 64, True, "4d", 0, None),
+     (128, 16, True, "4d", 0, None),
      (128, 64, False, "cross_layer", 0, None), (128, 64, False, "4d", 16, "wide"), (128, 64, False, "4d", 8, None),
      (16, 64, False, "4d", 8, None)],
 )  # fmt: skip
 def test_the_sm90_decode_path_takes_exactly_the_calls_it_serves(device, monkeypatch, heads, page_size, fp8, layout,
                                                                 q_pad, served) -> None:  # fmt: skip
-    """With the device taken for an H100/H200, the plan launches a Gluon stage 1 for a 16-bit cache at DeepSeek's
-    widths, TMA-addressable pages of 64k keys and a query whose strides are multiples of 16 elements: the 64-row
-    schedule for 32 heads or more, the few-rows one for 16 or fewer; the portable kernel otherwise (20 heads,
-    pages of 16, FP8, pages not back to back, a head stride of 584). Nothing is launched: only the plan is built
-    (on the CPU in CI)."""
+    """With the device taken for an H100/H200, the plan launches a Gluon stage 1 at DeepSeek's widths,
+    TMA-addressable pages of 64k keys and a query whose strides are multiples of 16 elements: the 64-row schedule
+    for 32 heads or more (a 16-bit or an FP8 cache), the few-rows one for 16 or fewer (a 16-bit cache); the
+    portable kernel otherwise (20 heads, pages of 16, FP8 at 16 heads, pages not back to back, a head stride of
+    584). Nothing is launched: only the plan is built (on the CPU in CI)."""
     monkeypatch.setattr(decode_attention_sm90, "device_arch", lambda device: "sm90")
     d = make_decode(device, 3, [70, 0], is_mla=True, num_heads=heads, widths=(512, 64), page_size=page_size, fp8=fp8,
                     layout=layout)  # fmt: skip
@@ -459,13 +475,84 @@ def test_the_sm90_decode_path_takes_exactly_the_calls_it_serves(device, monkeypa
     assert (plan.descriptors.make is decode_attention_sm90.descriptors) == (served is not None)
 
 
+def test_inline_ptx_of_the_fp8_widening_is_exact_for_every_code() -> None:
+    """The Gluon stage 1's e4m3 -> bf16 widening (``decode_attention_sm90._E4M3_TO_BF16_ASM``, run only compiled) on
+    the model of its instructions (:func:`tests.support.run_ptx`): each of the 256 codes at each of a word's 4 bytes
+    gives torch's conversion bit for bit, the NaN codes (0x7F, 0xFF) a NaN; and the patch is needed: without it they
+    give +-480."""
+    asm = decode_attention_sm90._E4M3_TO_BF16_ASM.value
+    codes = torch.arange(256, dtype=torch.int32)
+    expected = codes.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.bfloat16)
+    unpatched = asm.replace("or.b32 $0, a, f;", "mov.b32 $0, a;").replace("or.b32 $1, b, g;", "mov.b32 $1, b;")
+    for code in range(256):
+        for position in range(4):
+            word = (code << (8 * position)) | (0x38 << (8 * ((position + 1) % 4)))  # a neighbour: 1.0
+            lanes = []
+            for out in run_ptx(asm, [word], 2):
+                lanes += [out & 0xFFFF, out >> 16]
+            got = torch.tensor(lanes, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+            want = torch.tensor([code if p == position else 0x38 if p == (position + 1) % 4 else 0 for p in range(4)],
+                                dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.bfloat16)  # fmt: skip
+            if expected[code].isnan():
+                assert got[position].isnan(), hex(code)
+                got[position] = want[position] = 0
+                plain = run_ptx(unpatched, [word], 2)[position // 2] >> (16 * (position % 2)) & 0xFFFF
+                assert plain == (0x43F0 if code == 0x7F else 0xC3F0), hex(code)  # +-480
+            assert_bits_equal(got, want)
+
+
+@gluon.jit
+def _widen_probe(codes_ptr, out_ptr, start, end, WIDTH: gl.constexpr, SWIZZLE: gl.constexpr, ROWS: gl.constexpr,
+                 WORDS_LAYOUT: gl.constexpr, DTYPE: gl.constexpr):  # fmt: skip
+    """``decode_attention_sm90._widen`` alone: 64 rows of ``WIDTH`` FP8 codes through shared memory laid out as the
+    stage 1's TMA leaves them, widened to ``DTYPE`` and written back out."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    offsets = rows[:, None] * WIDTH + cols[None, :]
+    codes = gl.allocate_shared_memory(gl.float8e4nv, [64, WIDTH], gl.NVMMASharedLayout(SWIZZLE, 8, rank=2))
+    wide = gl.allocate_shared_memory(DTYPE, [64, WIDTH], decode_attention_sm90._SMEM)
+    codes.store(gl.load(codes_ptr + offsets))
+    decode_attention_sm90._barrier()
+    decode_attention_sm90._widen(codes, wide, 0, start, end, SWIZZLE, WORDS_LAYOUT, ROWS)
+    decode_attention_sm90._barrier()
+    gl.store(out_ptr + offsets, wide.load(layout))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon stage 1 runs on compute capability 9.x only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("part", ["latent", "rope"])
+@pytest.mark.parametrize(("start", "end"), [(0, 64), (5, 50)])
+def test_sm90_fp8_widening_is_exact_for_every_code(device, dtype, part, start, end) -> None:
+    """The Gluon stage 1 widens an FP8 cache's codes in shared memory (bf16: integer moves and one exact multiply,
+    the NaN codes patched; fp16: the hardware conversion): every one of the 256 codes, in both swizzles its parts
+    use, against torch's conversion bit for bit (NaN codes: NaN), keys outside ``[start, end)`` zero."""
+    width, swizzle, rows, words = ((256, 128, 16, decode_attention_sm90._WIDEN_LAYOUT) if part == "latent" else
+                                   (64, 64, 32, decode_attention_sm90._WIDEN_PE_LAYOUT))  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.arange(256, dtype=torch.int32).repeat(64 * width // 256)[torch.randperm(64 * width, generator=gen)]
+    codes = codes.to(torch.uint8).view(torch.float8_e4m3fn).reshape(64, width).to(device)
+    out = torch.empty(64, width, dtype=dtype, device=device)
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    _widen_probe[(1,)](codes, out, start, end, width, swizzle, rows, words, gl_dtype, num_warps=4)
+    expected = codes.to(dtype)
+    expected[:start] = 0
+    expected[end:] = 0
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert_bits_equal(out[~nan], expected[~nan])
+
+
 _SM90_COMPILE = """
 import json
 from triton_impl import decode_attention_sm90
 from triton_impl.bench import cuobjdump, sass_resources
-for verify, heads, qlen in ((False, 128, 1), (False, 64, 1), (True, 16, 4), (True, 128, 2), (False, 16, 1)):
+for verify, heads, qlen, fp8 in ((False, 128, 1, False), (False, 64, 1, False), (True, 16, 4, False),
+                                 (True, 128, 2, False), (False, 16, 1, False), (False, 128, 1, True),
+                                 (True, 128, 2, True)):
     for single_split in (False, True):
-        kernel = decode_attention_sm90.compile_for_sm90(verify=verify, heads=heads, qlen=qlen,
+        kernel = decode_attention_sm90.compile_for_sm90(verify=verify, heads=heads, qlen=qlen, fp8=fp8,
                                                         single_split=single_split, few_rows=heads == 16 and not verify)
         sass = cuobjdump(kernel.asm["cubin"], "--dump-sass")
         print(json.dumps([verify, heads, single_split, *sass_resources(kernel.asm["cubin"]), kernel.metadata.shared,
@@ -475,8 +562,9 @@ for verify, heads, qlen in ((False, 128, 1), (False, 64, 1), (True, 16, 4), (Tru
 
 def test_sm90_mla_kernels_compile_for_hopper() -> None:
     """The Gluon MLA stage 1 never runs under the interpreter: compile the decode and verify entries for sm_90
-    here (a process of its own, TRITON_INTERPRET=0), one and several splits, and the few-rows decode entry.
-    Shared memory: the query, two 64-key stages and P (224 KiB of the 227 an H100/H200 block may take; the
+    here (a process of its own, TRITON_INTERPRET=0), one and several splits, the few-rows decode entry and the
+    64-row entries over an FP8 cache. Shared memory: the query, two 64-key stages and P (224 KiB of the 227 an
+    H100/H200 block may take; an FP8 cache's two stages of codes and its one widened tile take the same bytes; the
     few-rows schedule's 16-row query leaves 164 KiB). No stack under the H200's Triton 3.6 (168 registers at
     launch; the partitions then take 256 / 192 / 40; the few-rows kernel, one warpgroup, 242); Triton 3.9 spills
     32 bytes (the few-rows kernel 48). The MMAs stay asynchronous: no wait after each one."""
@@ -484,7 +572,7 @@ def test_sm90_mla_kernels_compile_for_hopper() -> None:
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
-    assert len(rows) == 10
+    assert len(rows) == 14
     for verify, heads, _, registers, stack, shared, hgmma, waits in rows:
         few = heads == 16 and not verify  # the few-rows schedule: a 16-row query, 48 bytes of stack under Triton 3.9
         spill = 0 if triton.__version__.startswith("3.6") else 48 if few else 32

@@ -245,18 +245,21 @@ def test_verify_tma_tiles_and_the_cut_last_tile(device, page_size, layout, fp8) 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon stage 1 runs on compute capability 9.x only")
 @pytest.mark.parametrize(
-    ("qlen", "heads", "num_kv_splits", "real", "page_size", "layout"),
-    [(4, 16, 2, False, 64, "4d"), (4, 128, 1, False, 64, "4d"), (3, 32, 3, True, 128, "3d"),
-     (1, 64, 4, True, 64, "4d"), (2, 16, 3, True, 64, "4d"), (3, 16, 2, False, 128, "3d")],
+    ("qlen", "heads", "num_kv_splits", "real", "page_size", "layout", "fp8"),
+    [(4, 16, 2, False, 64, "4d", False), (4, 128, 1, False, 64, "4d", False), (3, 32, 3, True, 128, "3d", False),
+     (1, 64, 4, True, 64, "4d", False), (2, 16, 3, True, 64, "4d", False), (3, 16, 2, False, 128, "3d", False),
+     (2, 128, 2, False, 64, "4d", True), (4, 16, 1, True, 64, "4d", True), (3, 32, 3, True, 128, "3d", True)],
 )  # fmt: skip
-def test_sm90_verify_fast_path_matches_golden(device, qlen, heads, num_kv_splits, real, page_size, layout) -> None:
-    """The Gluon stage 1 (DeepSeek's widths, 32 rows or more per request, a 16-bit cache, pages of 64k keys)
-    against golden, partials included: one row block of 4 tokens x 16 heads (per-row causal limits in one
-    tile), 8 blocks of one token each, 96 rows (a token cut across two blocks, the second half empty), 32 and
-    48 rows (one block, partly empty), real lengths below the kernel's, the NaN moat around every request, the
-    cut last tile of each split."""
+def test_sm90_verify_fast_path_matches_golden(device, qlen, heads, num_kv_splits, real, page_size, layout,
+                                              fp8) -> None:  # fmt: skip
+    """The Gluon stage 1 (DeepSeek's widths, 32 rows or more per request, pages of 64k keys) against golden,
+    partials included: one row block of 4 tokens x 16 heads (per-row causal limits in one tile), 8 blocks of one
+    token each, 96 rows (a token cut across two blocks, the second half empty), 32 and 48 rows (one block, partly
+    empty), real lengths below the kernel's, the NaN moat around every request, the cut last tile of each split;
+    a 16-bit and an FP8 cache (its codes widened in shared memory, the moat's NaN codes zeroed there)."""
     lens = [300, 129, 64, 1, 0, 700]
     problem = make_problem(lens, qlen, heads, 512, 64, page_size, device, seed=11, layout=layout,
+                           cache_dtype=torch.float8_e4m3fn if fp8 else None,
                            real_seq_lens=[250, 129, 10, 1, 0, 700] if real else None)  # fmt: skip
     config = _config("large", arch="sm90")
     rows = len(lens) * qlen
@@ -264,7 +267,7 @@ def test_sm90_verify_fast_path_matches_golden(device, qlen, heads, num_kv_splits
     plan = tv._plan_verify(problem.q, problem.cache, problem.cache[..., :512], o, lse, problem.block_table,
                            problem.seq_lens, problem.real_seq_lens, qlen,
                            torch.empty(rows, heads, num_kv_splits, 513, device=device), num_kv_splits,
-                           problem.sm_scale, page_size, None, config)  # fmt: skip
+                           problem.sm_scale, page_size, problem.k_scale, config)  # fmt: skip
     assert plan.stage1._kernel is decode_attention_sm90.mla_verify_stage1_kernel
     check_against_golden(problem, num_kv_splits, config)
 
@@ -291,28 +294,30 @@ def test_sm90_one_draft_token_at_few_heads_matches_golden_as_a_decode(device, he
 
 
 @pytest.mark.parametrize(
-    ("qlen", "heads", "cache_dtype", "real", "served"),
-    [(4, 16, None, False, "gluon"), (1, 64, None, False, "gluon"), (2, 16, None, False, "gluon"),
-     (1, 16, None, False, "few rows"), (1, 8, None, False, "few rows"), (1, 16, None, True, "verify"),
-     (4, 128, torch.float8_e4m3fn, False, "decode"), (2, 64, torch.float8_e4m3fn, False, "decode"),
-     (4, 16, torch.float8_e4m3fn, False, "verify"), (1, 16, torch.float8_e4m3fn, False, "verify")],
+    ("qlen", "heads", "cache_dtype", "real", "page_size", "served"),
+    [(4, 16, None, False, 64, "gluon"), (1, 64, None, False, 64, "gluon"), (2, 16, None, False, 64, "gluon"),
+     (1, 16, None, False, 64, "few rows"), (1, 8, None, False, 64, "few rows"), (1, 16, None, True, 64, "verify"),
+     (4, 128, torch.float8_e4m3fn, False, 64, "gluon"), (2, 64, torch.float8_e4m3fn, False, 64, "gluon"),
+     (4, 16, torch.float8_e4m3fn, False, 64, "gluon"), (1, 16, torch.float8_e4m3fn, False, 64, "verify"),
+     (4, 128, torch.float8_e4m3fn, False, 16, "decode"), (4, 16, torch.float8_e4m3fn, False, 16, "verify")],
 )  # fmt: skip
 def test_the_sm90_verify_path_takes_exactly_the_calls_it_serves(device, monkeypatch, qlen, heads, cache_dtype, real,
-                                                                served) -> None:  # fmt: skip
+                                                                page_size, served) -> None:  # fmt: skip
     """With the device taken for an H100/H200, the plan launches the Gluon stage 1 for 32 or more (token, head)
-    rows per request and a 16-bit cache; decode's few-rows Gluon kernel for one draft token at 16 heads or fewer
-    (a decode call) unless real lengths cap it; decode's portable stage 1 for an FP8 cache whose verify tiles hold
-    one draft token each (64 heads or a multiple); the portable verify kernel otherwise (16 rows with real lengths;
-    FP8 at 16 heads, where a tile holds 4 tokens that share each key fetch). Nothing is launched: only the plan is
-    built (on the CPU in CI)."""
+    rows per request, a 16-bit or an FP8 cache in pages of 64k keys; decode's few-rows Gluon kernel for one draft
+    token at 16 heads or fewer (a decode call, a 16-bit cache) unless real lengths cap it; where no Gluon kernel
+    serves (pages of 16), decode's portable stage 1 for an FP8 cache whose verify tiles hold one draft token each
+    (64 heads or a multiple); the portable verify kernel otherwise (16 rows with real lengths; one FP8 draft token
+    at 16 heads; FP8 at 16 heads in pages of 16, where a tile holds 4 tokens that share each key fetch). Nothing is
+    launched: only the plan is built (on the CPU in CI)."""
     monkeypatch.setattr(decode_attention_sm90, "device_arch", lambda device: "sm90")
-    problem = make_problem([70, 0], qlen, heads, 512, 64, 64, device, seed=5, cache_dtype=cache_dtype,
+    problem = make_problem([70, 0], qlen, heads, 512, 64, page_size, device, seed=5, cache_dtype=cache_dtype,
                            real_seq_lens=[60, 0] if real else None)  # fmt: skip
     rows = 2 * qlen
     plan = tv._plan_verify(problem.q, problem.cache, problem.cache[..., :512], torch.empty(rows, heads, 512,
                            device=device), torch.empty(rows, heads, device=device), problem.block_table,
                            problem.seq_lens, problem.real_seq_lens, qlen, torch.empty(rows, heads, 2, 513,
-                           device=device), 2, problem.sm_scale, 64, problem.k_scale,
+                           device=device), 2, problem.sm_scale, page_size, problem.k_scale,
                            _config("large", arch="sm90"))  # fmt: skip
     kernel = getattr(plan.stage1, "kernel", None)  # decode's stage 1 runs through an argument adapter (no kernel)
     gluon_descriptors = plan.descriptors.make is decode_attention_sm90.descriptors

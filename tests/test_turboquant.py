@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from golden import _lloyd_max
 from golden import turboquant as tq
 from golden.lse_merge import merge_states
-from tests.support import assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled
+from tests.support import assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled, run_ptx
 from triton_impl import turboquant as ttq
 from triton_impl import turboquant_sm90 as ttq_sm90
 from triton_impl.bench import capture_launches
@@ -1502,54 +1502,6 @@ def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correct
     assert cmp.ok, cmp.summary()
 
 
-def _run_ptx(asm: str, inputs: list[int], outputs: int, laneid: int = 0) -> list[int]:
-    """A model of the b32 PTX our inline lookups use, on Python ints: ``mov`` (of ``%laneid``), ``and``, ``or``,
-    ``shl``, ``shr``, ``mul.lo``, ``prmt`` (its default mode: 4 selector nibbles, the high bit replicating the byte's
-    sign) and ``lop3`` (bit ``4a + 2b + c`` of the immediate); ``$k`` the operands, the ``outputs`` results first."""
-    regs = {f"${k}": 0 for k in range(outputs)} | {f"${outputs + k}": v & 0xFFFFFFFF for k, v in enumerate(inputs)}
-
-    def value(token: str) -> int:
-        token = token.strip()
-        if token == "%laneid":
-            return laneid
-        return regs[token] if token in regs else int(token, 0)
-
-    for line in asm.replace("{", ";").replace("}", ";").split(";"):
-        line = line.strip()
-        if not line or line.startswith(".reg"):
-            continue
-        op, args = line.split(None, 1)
-        dst, *src = [a.strip() for a in args.split(",")]
-        x = [value(a) for a in src]
-        if op == "mov.b32":
-            out = x[0]
-        elif op == "and.b32":
-            out = x[0] & x[1]
-        elif op == "or.b32":
-            out = x[0] | x[1]
-        elif op == "shl.b32":
-            out = x[0] << x[1]
-        elif op == "shr.b32":
-            out = x[0] >> x[1]
-        elif op == "mul.lo.u32":
-            out = x[0] * x[1]
-        elif op == "prmt.b32":
-            source, out = x[0] | (x[1] << 32), 0
-            for i in range(4):
-                select = (x[2] >> (4 * i)) & 0xF
-                byte = (source >> (8 * (select & 7))) & 0xFF
-                if select & 8:
-                    byte = 0xFF if byte & 0x80 else 0
-                out |= byte << (8 * i)
-        elif op == "lop3.b32":
-            out = sum((((x[3] >> ((((x[0] >> i) & 1) << 2) | (((x[1] >> i) & 1) << 1) | ((x[2] >> i) & 1))) & 1) << i)
-                      for i in range(32))  # fmt: skip
-        else:
-            raise AssertionError(f"no model of {op}")
-        regs[dst] = out & 0xFFFFFFFF
-    return [regs[f"${k}"] for k in range(outputs)]
-
-
 def _byte_tables(centroids: list[int], first: int, count: int) -> list[int]:
     """``_byte_table``'s registers for ``count`` groups of 4 fp16 bit patterns from ``first``: low bytes, then high."""
     return [sum(((centroids[first + 4 * g + i] >> shift) & 0xFF) << (8 * i) for i in range(4))
@@ -1565,13 +1517,13 @@ def test_inline_ptx_of_the_4bit_lookup_does_what_its_docstrings_say() -> None:
     rng = random.Random(5)
     for _ in range(200):
         table = rng.getrandbits(32)
-        assert all(_run_ptx(ttq_sm90.PER_THREAD_ASM.value, [table], 1, lane) == [table] for lane in range(32))
+        assert all(run_ptx(ttq_sm90.PER_THREAD_ASM.value, [table], 1, lane) == [table] for lane in range(32))
         centroids = [rng.getrandbits(16) for _ in range(16)]
         word = rng.getrandbits(32)
         tables = _byte_tables(centroids, 0, 4)
         codes = [(word >> (4 * i)) & 0xF for i in range(8)]
         expected = [centroids[codes[2 * j]] | (centroids[codes[2 * j + 1]] << 16) for j in range(4)]
-        assert _run_ptx(ttq_sm90.NIBBLE_PAIRS_ASM.value, [word, *tables], 4) == expected, (hex(word), centroids)
+        assert run_ptx(ttq_sm90.NIBBLE_PAIRS_ASM.value, [word, *tables], 4) == expected, (hex(word), centroids)
 
 
 def test_inline_ptx_of_the_symmetric_4bit_lookup_does_what_its_comment_says() -> None:
@@ -1585,8 +1537,8 @@ def test_inline_ptx_of_the_symmetric_4bit_lookup_does_what_its_comment_says() ->
         centroids = [upper[7 - k] ^ 0x8000 for k in range(8)] + upper
         word = rng.getrandbits(32)
         tables = _byte_tables(centroids, 0, 4)
-        general = _run_ptx(ttq_sm90.NIBBLE_PAIRS_ASM.value, [word, *tables], 4)
-        symmetric = _run_ptx(ttq_sm90.SYMMETRIC_PAIRS_ASM.value, [word, tables[2], tables[3], tables[6], tables[7]], 4)
+        general = run_ptx(ttq_sm90.NIBBLE_PAIRS_ASM.value, [word, *tables], 4)
+        symmetric = run_ptx(ttq_sm90.SYMMETRIC_PAIRS_ASM.value, [word, tables[2], tables[3], tables[6], tables[7]], 4)
         assert symmetric == general, (hex(word), centroids)
     instructions = [x for x in ttq_sm90.SYMMETRIC_PAIRS_ASM.value.split(";") if x.strip(" \n{}") and ".reg" not in x]
     assert len(instructions) == 18
@@ -1602,7 +1554,7 @@ def test_inline_ptx_of_the_3bit_lookup_does_what_its_docstring_says() -> None:
         codes = [(group >> (3 * i)) & 7 for i in range(8)]
         expected = [centroids[codes[2 * j]] | (centroids[codes[2 * j + 1]] << 16) for j in range(4)]
         tables = _byte_tables(centroids, 0, 2)
-        assert _run_ptx(ttq_sm90.TRIPLE_PAIRS_ASM.value, [group, *tables], 4) == expected, (hex(group), centroids)
+        assert run_ptx(ttq_sm90.TRIPLE_PAIRS_ASM.value, [group, *tables], 4) == expected, (hex(group), centroids)
 
 
 _SM90_COMPILE = """
@@ -1640,7 +1592,7 @@ for key_bits, value_bits in ((3, 3), (3, 4), (4, 4), (8, 4)):
             # PROGRAMS_PER_SM (the split count's) says.
             programs = entry["PROGRAMS_PER_SM"] if tma or not entry.get("GLUON_WARP") else 5
             print(json.dumps([key_bits, value_bits, group, block_size, *resources, kernel.metadata.shared, moves,
-                              programs, local, stream_k]))
+                              programs, local, stream_k, tma]))
     for fp16_operands in (False, True):  # uncapped, the bench's group and block size
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits, stages=stages,
                                                   fp16_operands=fp16_operands)
@@ -1689,13 +1641,13 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     # identity prmt 3-10 of any kind are left (bookkeeping of the loop).
     decode = [row for row in rows if isinstance(row[0], int)]
     for row in decode:
-        key_bits, value_bits, registers, stack, shared, moves, programs, local, stream_k = row[0], row[1], *row[4:]
-        staged = value_bits == 4
-        # 3-bit values in the one-warp kernel at 128 registers (their loads unmasked): no stack under Triton 3.6 (the
-        # H200's), 16 bytes and one reload an iteration by the grid at group 4 under 3.9; stream-K's 3-bit keys under
+        key_bits, value_bits, registers, stack, shared, moves, programs, local, stream_k, tma = row[0], row[1], *row[4:]
+        staged = value_bits == 4 or tma  # (the one-warp kernels' chunk buffers hold 3-bit keys too)
+        # 3-bit values in the one-warp kernel, two chunks an iteration at 168 registers: by the grid 16 bytes outside
+        # the loop under Triton 3.6 (the H200's), 8 and one reload an iteration under 3.9; stream-K's 3-bit keys under
         # 3.9, 24 bytes (none in the loop)
         triton36 = triton.__version__.startswith("3.6")
-        most = (8 if triton36 or not stream_k else 24, 0) if value_bits == 4 else (0, 0) if triton36 else (16, 1)
+        most = (8 if triton36 or not stream_k else 24, 0) if value_bits == 4 else (16, 0) if triton36 else (8, 1)
         assert stack <= most[0] and local <= most[1], row
         assert registers <= 255 and (programs * (shared + 1024) <= 228 * 1024 if staged else shared <= 4096), row
         assert key_bits != 4 or moves <= 16, row
@@ -2164,10 +2116,10 @@ def test_shared_memory_stages_of_the_sm90_entry() -> None:
     assert launched == {(3, 3): 0, (3, 4): 3, (4, 4): 3, (8, 4): 3}
     assert ttq_sm90.stages(1, 4, 4) == 0 and ttq_sm90.stages(2, 8, 4) == 2 and ttq_sm90.stages(3, 8, 3) == 0
     assert ttq_sm90.stages(4, 3, 4) == 4
-    # The one-warp kernel: two chunks an iteration through four buffers, one through three for 3-bit values (their
-    # words, loaded into registers a step ahead, spill at two chunks: 208 bytes at 128 registers, Triton 3.6).
+    # The one-warp kernel: two chunks an iteration through four buffers; 3-bit values at 168 registers (their words,
+    # loaded into registers a step ahead, spill at two chunks at 128: 88 bytes, Triton 3.6), 12 programs a SM.
     warp = {(k, v): ttq.warp_stages(ttq.decode_entry(sm90, k, v)) for k, v in ((3, 3), (3, 4), (4, 4), (8, 4))}
-    assert warp == {(3, 3): {"STAGES": 3, "STEP": 1}, (3, 4): {"STAGES": 4, "STEP": 2},
+    assert warp == {(3, 3): {"STAGES": 4, "STEP": 2}, (3, 4): {"STAGES": 4, "STEP": 2},
                     (4, 4): {"STAGES": 4, "STEP": 2}, (8, 4): {"STAGES": 4, "STEP": 2}}  # fmt: skip
 
 
@@ -2179,7 +2131,7 @@ def test_decode_split_cap_of_the_sm90_entry() -> None:
 
     sm90 = ttq.DECODE_CONFIGS["sm90"]
     entry = {(k, v): ttq.decode_entry(sm90, k, v) for k, v in ((3, 3), (3, 4), (4, 4), (8, 4))}
-    assert {kv: stage1_splits(32, 32 * 8, 132, e) for kv, e in entry.items()} == {(3, 3): 16, (3, 4): 16, (4, 4): 16,
+    assert {kv: stage1_splits(32, 32 * 8, 132, e) for kv, e in entry.items()} == {(3, 3): 12, (3, 4): 16, (4, 4): 16,
                                                                                    (8, 4): 16}  # fmt: skip
     assert stage1_splits(32, 2 * 8, 132, entry[4, 4]) == 32
     assert ttq.decode_num_splits(32, 32, 8, torch.device("cpu"), 4, 4) == 32

@@ -113,6 +113,14 @@ _ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 # The swizzled shared layout of every 16-bit tile (128-byte swizzle rows: 64 columns); per-row floats plain.
 _SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 _VEC_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+# An FP8 cache's codes as TMA lands them: the latent halves in 128-byte swizzle rows, the 64-byte rope rows in 64.
+_SMEM8 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+_SMEM8_PE = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
+# Codes -> 16-bit keys as 32-bit words, 4 words (16 codes) a thread: a warp covers 2 keys x 256 codes (latent), 8 x 64
+# (rope); the 16-bit tiles' words in the same swizzle.
+_WIDEN_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0]))
+_WIDEN_PE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
+_SMEM32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
 # An output half on its way out, [64, 256] fp32 in the 64 KiB of a latent half's two key stages: 32-byte pieces
 # swizzled by row, so the accumulator's stores (8 rows x 32 bytes a warp) and the row reads are conflict-free.
 _OUT_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 4, [1, 0]))
@@ -133,12 +141,13 @@ def supports_few_rows(*, device: torch.device, is_mla: bool, key_width: int, val
                       cache_dtype: torch.dtype, rows: int, page_size: int, tma_rows: bool) -> bool:  # fmt: skip
     """Whether a decode call is one :func:`mla_decode_few_rows_kernel` serves: as :func:`supports`, with at most
     16 heads (``rows``)."""
-    return rows <= FEW_ROWS and _served(device, is_mla, key_width, value_width, q, cache_dtype, page_size, tma_rows)
+    return (rows <= FEW_ROWS and cache_dtype == q.dtype
+            and _served(device, is_mla, key_width, value_width, q, cache_dtype, page_size, tma_rows))
 
 
 def _served(device, is_mla, key_width, value_width, q, cache_dtype, page_size, tma_rows) -> bool:
     """What both schedules need (:func:`supports`), the row count aside."""
-    served = is_mla and key_width == LK and value_width == LV and cache_dtype == q.dtype
+    served = is_mla and key_width == LK and value_width == LV and cache_dtype in (q.dtype, torch.float8_e4m3fn)
     served = served and q.dtype in (torch.bfloat16, torch.float16) and page_size % 64 == 0
     served = served and q.data_ptr() % 16 == 0 and all(stride % 16 == 0 for stride in q.stride()[:2])
     return served and tma_rows and device_arch(device).startswith("sm9")
@@ -149,8 +158,9 @@ def descriptors(k_buffer: torch.Tensor, rows: tuple) -> tuple[Any, Any]:
     64-key tiles: shape, strides, the ``[64, 256]`` latent and ``[64, 64]`` rope boxes). A plan remembers them by
     the cache's address (``launch.DescriptorsByAddress``)."""
     shape, strides, lat_box, pe_box = rows
-    return (TensorDescriptor(k_buffer, shape, strides, lat_box, _SMEM.value),
-            TensorDescriptor(k_buffer, shape, strides, pe_box, _SMEM.value))  # fmt: skip
+    lat, pe = (_SMEM8, _SMEM8_PE) if k_buffer.dtype.itemsize == 1 else (_SMEM, _SMEM)
+    return (TensorDescriptor(k_buffer, shape, strides, lat_box, lat.value),
+            TensorDescriptor(k_buffer, shape, strides, pe_box, pe.value))  # fmt: skip
 
 
 @gluon.jit
@@ -216,21 +226,28 @@ def _loader(lat_desc, pe_desc, k_s0, k_s1, k_spe, k_full, k_free, table_row, str
 
 
 @gluon.jit
-def _values(k_s1, p_s, vec_s, k_full, k_free, p_full, p_free, num_tiles, out_ptr, stride_out_r, stride_out_h,
-            request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr):  # fmt: skip
+def _values(k_s1, codes1, p_s, vec_s, k_full, k_free, w_full, p_full, p_free, first_tile, num_tiles, start, tile_end,
+            out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN: gl.constexpr,
+            NUM_HEADS: gl.constexpr):  # fmt: skip
     """The value warpgroup: ``O[:, 256:]``, rescaled by each tile's factor and finally by the row scale that the
-    softmax warpgroup leaves in ``vec_s`` after the loop, stored at ``out_ptr`` (partials or the output)."""
+    softmax warpgroup leaves in ``vec_s`` after the loop, stored at ``out_ptr`` (partials or the output). With an
+    FP8 cache it first widens each tile's second latent half (``codes1`` -> :func:`_key_tile` of ``k_s1``)."""
+    FP8: gl.constexpr = codes1.dtype.primitive_bitwidth == 8
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=_O_LAYOUT)
     for i in range(num_tiles):
         stage = i % STAGES
-        mbarrier.wait(k_full.index(stage), (i // STAGES) & 1)
+        if FP8:
+            _widen_parts(codes1, k_s1.index(0), None, None, k_full, k_free, w_full, i, first_tile, start, tile_end)
+        else:
+            mbarrier.wait(k_full.index(stage), (i // STAGES) & 1)
         mbarrier.wait(p_full, i & 1)
         alpha = vec_s.load(_ROWS)
-        acc = warpgroup_mma(p_s, k_s1.index(stage), acc * alpha[:, None], is_async=True)
+        acc = warpgroup_mma(p_s, _key_tile(k_s1, i, FP8), acc * alpha[:, None], is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         _barrier()
         mbarrier.arrive(p_free, count=1)
-        mbarrier.arrive(k_free.index(stage), count=1)
+        if not FP8:
+            mbarrier.arrive(k_free.index(stage), count=1)
     mbarrier.wait(p_full, num_tiles & 1)  # the row scale, handed over once every MMA of the loop is done
     row_scale = vec_s.load(_ROWS)
     _store_half(acc * row_scale[:, None], k_s1, out_ptr + HALF, stride_out_r, stride_out_h, request, row_block, QLEN,
@@ -277,10 +294,115 @@ def _wait_tile(k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end):
 
 
 @gluon.jit
-def _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end):
-    """Wait for tile ``i`` (:func:`_wait_tile`) and start ``S = Q K^T`` (three asynchronous MMAs: the latent halves
-    and the rope part)."""
-    k0, k1, kpe = _wait_tile(k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end)
+def _key_tile(k_s, i, FP8: gl.constexpr):
+    """Tile ``i``'s 16-bit keys of one part: its stage, or with an FP8 cache the one widened tile."""
+    if FP8:
+        tile = k_s.index(0)
+    else:
+        tile = k_s.index(i % STAGES)
+    return tile
+
+
+@gluon.jit
+def _codes(k_s, WIDTH: gl.constexpr, LAYOUT: gl.constexpr):
+    """An FP8 cache's stages of one key part, ``[STAGES, 64, WIDTH]`` codes in the upper half of the part's 16-bit
+    allocation ``k_s`` (``[STAGES, 64, WIDTH]``, two stages: the codes of both fill its stage 1); its lower half,
+    stage 0, holds the one widened tile."""
+    gl.static_assert(STAGES == 2)
+    return _reinterpret(k_s.index(1), gl.float8e4nv, [STAGES, BLOCK_N, WIDTH], LAYOUT)
+
+
+# e4m3 -> bf16 for 4 codes (a uint32 word, code i in byte i) -> 2 uint32 words of bf16 pairs (codes 0, 1 and 2, 3),
+# exactly and on the integer and half-precision pipes, not the conversion unit's (a quarter of their rate on sm_90;
+# Triton's conversion is 3 instructions a code there, 2 of them conversions). With the bytes reordered to (0, 2, 1,
+# 3), shifting the word left by 4 puts codes 0 and 1 at bits 4..11 of the two 16-bit lanes, right by 4 codes 2 and
+# 3. A code's 7 magnitude bits there, with its sign at bit 15 (shifted by 8 for codes 0, 1; in place for 2, 3), are
+# the bf16 whose exponent is e4m3's 4 exponent bits: the code's value times 2**-120, subnormals included (each is a
+# bf16 subnormal), so one multiply by 2**120 (bf16 0x7B80) is exact. The NaN codes (magnitude 0x7F) would give
+# +-480; their lanes (magnitude bits 0x07F0, compared as a bf16) become all ones, a NaN.
+_E4M3_TO_BF16_ASM = gl.constexpr("""{
+        .reg .b32 x, a, b, m, n, f, g, k;
+        prmt.b32 x, $2, 0, 0x3120;
+        shl.b32 a, x, 4;
+        shr.b32 b, x, 4;
+        and.b32 m, a, 0x07F007F0;
+        and.b32 n, b, 0x07F007F0;
+        shl.b32 a, x, 8;
+        lop3.b32 a, a, 0x80008000, m, 0xEA;
+        lop3.b32 b, x, 0x80008000, n, 0xEA;
+        mov.b32 k, 0x07F007F0;
+        set.eq.u32.bf16x2 f, m, k;
+        set.eq.u32.bf16x2 g, n, k;
+        mov.b32 k, 0x7B807B80;
+        mul.rn.bf16x2 a, a, k;
+        mul.rn.bf16x2 b, b, k;
+        or.b32 $0, a, f;
+        or.b32 $1, b, g;
+        }""")
+
+
+# e4m3 -> fp16 for the same 4 codes: the hardware conversion, one instruction for two codes.
+_E4M3_TO_F16_ASM = gl.constexpr("""{
+        .reg .b16 l, h;
+        mov.b32 {l, h}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, l;
+        cvt.rn.f16x2.e4m3x2 $1, h;
+        }""")
+
+
+@gluon.jit
+def _e4m3_words(x, DTYPE: gl.constexpr):
+    """uint32 words of 4 e4m3 codes -> ``(codes 0, 1; codes 2, 3)`` as uint32 words of ``DTYPE`` (bf16 or fp16)
+    pairs (:data:`_E4M3_TO_BF16_ASM`, :data:`_E4M3_TO_F16_ASM`)."""
+    asm: gl.constexpr = _E4M3_TO_BF16_ASM if gl.bfloat16 == DTYPE else _E4M3_TO_F16_ASM
+    return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _widen(codes, wide, tile, start, tile_end, SWIZZLE: gl.constexpr, LAYOUT: gl.constexpr, ROWS: gl.constexpr):
+    """Widen one stage's codes ``[64, W]`` (e4m3, rows swizzled by ``SWIZZLE`` bytes) into ``wide`` (the query's 16-bit
+    type, exactly: every e4m3 value is a bf16 and an fp16 value), ``ROWS`` keys at a time, as 32-bit words
+    (``LAYOUT``: 4 words of codes a thread): a swizzled layout places each 16-byte piece by its byte offset, so a
+    tile read or written as words is the same bytes. A partial tile's keys outside ``[start, tile_end)`` become
+    zeros (their codes, before widening)."""
+    W: gl.constexpr = codes.shape[1]
+    words = _reinterpret(codes, gl.uint32, [BLOCK_N, W // 4], gl.NVMMASharedLayout(SWIZZLE, 32, rank=2))
+    out = _reinterpret(wide, gl.uint32, [BLOCK_N, W // 2], _SMEM32)
+    partial = (tile < start) | (tile + BLOCK_N > tile_end)
+    for r0 in gl.static_range(0, BLOCK_N, ROWS):
+        x = words.slice(r0, ROWS).load(LAYOUT)
+        if partial:
+            keys = tile + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
+            x = gl.where(((keys >= start) & (keys < tile_end))[:, None], x, gl.zeros_like(x))
+        lo, hi = _e4m3_words(x, wide.dtype)
+        out.slice(r0, ROWS).store(gl.join(lo, hi).reshape([ROWS, W // 2]))
+
+
+@gluon.jit
+def _widen_parts(codes, wide, codes_pe, wide_pe, k_full, k_free, w_full, i, first_tile, start, tile_end):
+    """An FP8 cache: wait for tile ``i``'s codes, widen this warpgroup's parts (a latent half, and the rope part
+    unless ``codes_pe`` is None), then give the stage back to the loader (``k_free``) and count the parts written
+    (``w_full``: both warpgroups' parts of tile ``i``)."""
+    stage = i % STAGES
+    tile = first_tile + i * BLOCK_N
+    mbarrier.wait(k_full.index(stage), (i // STAGES) & 1)
+    _widen(codes.index(stage), wide, tile, start, tile_end, 128, _WIDEN_LAYOUT, 16)
+    if codes_pe is not None:
+        _widen(codes_pe.index(stage), wide_pe, tile, start, tile_end, 64, _WIDEN_PE_LAYOUT, 32)
+    fence_async_shared()
+    _barrier()
+    mbarrier.arrive(k_free.index(stage), count=1)
+    mbarrier.arrive(w_full, count=1)
+
+
+@gluon.jit
+def _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end, FP8: gl.constexpr):
+    """Wait for tile ``i`` (:func:`_wait_tile`; with an FP8 cache the caller has waited for it widened) and start
+    ``S = Q K^T`` (three asynchronous MMAs: the latent halves and the rope part)."""
+    if FP8:
+        k0, k1, kpe = k_s0.index(0), k_s1.index(0), k_spe.index(0)
+    else:
+        k0, k1, kpe = _wait_tile(k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end)
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=_S_LAYOUT)
     s = warpgroup_mma(q_s0, k0.permute((1, 0)), s, use_acc=False, is_async=True)
     s = warpgroup_mma(q_s1, k1.permute((1, 0)), s, is_async=True)
@@ -319,16 +441,19 @@ def _hand_over(p, row_values, p_s, vec_s, p_full, p_free, i):
 
 
 @gluon.jit
-def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, p_s, vec_s, k_full, k_free, p_full,
-            p_free, table_row, stride_t_p, num_pages, table_keys, first_tile, num_tiles, start, tile_end, limit,
-            row_end, qk_scale, logit_cap, out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN: gl.constexpr,
-            NUM_HEADS: gl.constexpr, PAGE_SIZE: gl.constexpr, HAS_CAP: gl.constexpr):  # fmt: skip
+def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, codes0, codes_pe, p_s, vec_s, k_full,
+            k_free, w_full, p_full, p_free, table_row, stride_t_p, num_pages, table_keys, first_tile, num_tiles, start,
+            tile_end, limit, row_end, qk_scale, out_scale, logit_cap, out_ptr, stride_out_r, stride_out_h, request,
+            row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, PAGE_SIZE: gl.constexpr,
+            HAS_CAP: gl.constexpr):  # fmt: skip
     """The softmax warpgroup (the default partition): the query into shared memory and the block-table check
     (their loads in flight together, and beside the loader's first tiles), then per tile the scores, the online
     softmax and ``O[:, :256]``; the value product of a tile runs under the wait for the next tile and its
-    scores. Stores ``O[:, :256]`` times the row scale, leaves the row scale for the value warpgroup and returns
-    ``(lse,)``."""
+    scores. With an FP8 cache it first widens each tile's first latent half and rope part (``codes0``,
+    ``codes_pe``) and waits for the value warpgroup's half. Stores ``O[:, :256]`` times the row scale (times
+    ``out_scale``), leaves the row scale for the value warpgroup and returns ``(lse,)``."""
     dtype: gl.constexpr = q_s0.dtype
+    FP8: gl.constexpr = codes0.dtype.primitive_bitwidth == 8
     r, h, _, ok = _rows(request, row_block, QLEN, NUM_HEADS, gl.SliceLayout(1, _ROWS_LAYOUT))
     q_rows = q_ptr + r.to(gl.int64) * stride_q_r + h * stride_q_h
     _copy_q(q_s0, q_rows, ok, 0, HALF)
@@ -352,23 +477,29 @@ def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe,
     for i in range(num_tiles):
         # The last tile's value product done, its stage is released before these scores run (not after them), so
         # the load two tiles ahead starts a score product earlier; the scores queue behind it on the tensor cores.
+        # With an FP8 cache the one widened tile is free once the last value products are done: widen this
+        # tile's parts, then wait for the value warpgroup's.
         acc = warpgroup_mma_wait(0, deps=[acc])
-        if i > 0:
+        if FP8:
+            _widen_parts(codes0, k_s0.index(0), codes_pe, k_spe.index(0), k_full, k_free, w_full, i, first_tile,
+                         start, tile_end)  # fmt: skip
+            mbarrier.wait(w_full, i & 1)
+        elif i > 0:
             mbarrier.arrive(k_free.index((i - 1) % STAGES), count=1)
-        s = _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end)
+        s = _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end, FP8)
         s = warpgroup_mma_wait(0, deps=[s])
         p, alpha, m_i, l_i = _softmax(s, first_tile + i * BLOCK_N, start, row_end, m_i, l_i, qk_scale, logit_cap,
                                       HAS_CAP)  # fmt: skip
         p = p.to(dtype)
         _hand_over(p, alpha, p_s, vec_s, p_full, p_free, i)
-        acc = warpgroup_mma(gl.convert_layout(p, _P_OPERAND), k_s0.index(i % STAGES), acc * alpha[:, None],
+        acc = warpgroup_mma(gl.convert_layout(p, _P_OPERAND), _key_tile(k_s0, i, FP8), acc * alpha[:, None],
                             is_async=True)  # fmt: skip
     acc = warpgroup_mma_wait(0, deps=[acc])
 
     # A row with no key in this split is the neutral state (0, -inf): stage 2 then needs no boundaries.
     l_o = gl.convert_layout(l_i, _ROWS)
     empty = gl.convert_layout(row_end <= start, _ROWS)
-    row_scale = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_o))
+    row_scale = gl.where(empty, 0.0, out_scale / gl.where(empty, 1.0, l_o))
     lse = gl.where(empty, float("-inf"), (gl.convert_layout(m_i, _ROWS) + gl.log2(gl.where(empty, 1.0, l_o))) * _LN2)
     poisoned = gl.convert_layout(poisoned, _ROWS)
     row_scale = gl.where(poisoned, float("nan"), row_scale)
@@ -390,12 +521,23 @@ def _copy_q(q_s, q_rows, row_ok, COL0: gl.constexpr, WIDTH: gl.constexpr):
 @gluon.jit
 def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_t_p, num_pages, table_keys,
             out_ptr, stride_out_r, stride_out_h, lse_ptr, stride_lse_r, stride_lse_h, seq_len, real_len, start, end,
-            qk_scale, logit_cap, request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,
+            qk_scale, k_scale_ptr, logit_cap, request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,
             PAGE_SIZE: gl.constexpr, HAS_CAP: gl.constexpr):  # fmt: skip
     """One program: keys ``[start, end)`` of request ``request`` for its 64 rows, row ``r`` (token ``t``) up to
     its causal limit ``min(seq_len - QLEN + 1 + t, real_len)``; the output halves and LSE (natural log) stored
-    at ``out_ptr`` / ``lse_ptr`` with the given row (query row) and head strides."""
+    at ``out_ptr`` / ``lse_ptr`` with the given row (query row) and head strides.
+
+    An FP8 cache (the descriptors' type): the codes go to the MMAs undequantized, widened to the query's type in
+    shared memory, and its scale ``k_scale_ptr[0]`` multiplies the scores and the output (MLA's V is part of K),
+    as in the portable kernels. Each part's allocation then holds the TMA stages of its codes in its upper half
+    (the same bytes: two stages of one-byte codes) and one widened tile in its lower half, which both warpgroups
+    refill once the tile's value products are done."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
+    FP8: gl.constexpr = lat_desc.dtype.primitive_bitwidth == 8
+    out_scale = 1.0
+    if FP8:
+        out_scale = gl.load(k_scale_ptr).to(gl.float32)
+        qk_scale = qk_scale * out_scale
     _, _, t, ok = _rows(request, row_block, QLEN, NUM_HEADS, _ROWS)
     limit = gl.where(ok, gl.maximum(gl.minimum(seq_len - QLEN + 1 + t, real_len), 0), 0)
     row_end = gl.minimum(gl.minimum(limit, end), table_keys)
@@ -415,21 +557,29 @@ def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    w_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # FP8: a tile widened
     for st in gl.static_range(STAGES):
         mbarrier.init(k_full.index(st), count=1)
         mbarrier.init(k_free.index(st), count=2)
     mbarrier.init(p_full, count=1)
     mbarrier.init(p_free, count=1)
+    mbarrier.init(w_full, count=2)
     fence_async_shared()
+    if FP8:  # where TMA puts the codes (the loader's stages)
+        codes0 = _codes(k_s0, HALF, _SMEM8)
+        codes1 = _codes(k_s1, HALF, _SMEM8)
+        codes_pe = _codes(k_spe, ROPE, _SMEM8_PE)
+    else:
+        codes0, codes1, codes_pe = k_s0, k_s1, k_spe
 
     (lse,) = gl.warp_specialize([
-        (_scores, (q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, p_s, vec_s, k_full, k_free,
-                   p_full, p_free, table_row, stride_t_p, num_pages, table_keys, first_tile, num_tiles, start, tile_end,
-                   limit, row_end, qk_scale, logit_cap, out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN,
-                   NUM_HEADS, PAGE_SIZE, HAS_CAP)),
-        (_values, (k_s1, p_s, vec_s, k_full, k_free, p_full, p_free, num_tiles, out_ptr, stride_out_r, stride_out_h,
-                   request, row_block, QLEN, NUM_HEADS)),
-        (_loader, (lat_desc, pe_desc, k_s0, k_s1, k_spe, k_full, k_free, table_row, stride_t_p, num_pages,
+        (_scores, (q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, codes0, codes_pe, p_s, vec_s,
+                   k_full, k_free, w_full, p_full, p_free, table_row, stride_t_p, num_pages, table_keys, first_tile,
+                   num_tiles, start, tile_end, limit, row_end, qk_scale, out_scale, logit_cap, out_ptr, stride_out_r,
+                   stride_out_h, request, row_block, QLEN, NUM_HEADS, PAGE_SIZE, HAS_CAP)),
+        (_values, (k_s1, codes1, p_s, vec_s, k_full, k_free, w_full, p_full, p_free, first_tile, num_tiles, start,
+                   tile_end, out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN, NUM_HEADS)),
+        (_loader, (lat_desc, pe_desc, codes0, codes1, codes_pe, k_full, k_free, table_row, stride_t_p, num_pages,
                    first_tile, num_tiles, PAGE_SIZE)),
     ], [4, 1], [VALUE_REGS, LOADER_REGS])  # fmt: skip
 
@@ -482,8 +632,8 @@ def mla_decode_stage1_kernel(
 ):  # fmt: skip
     """Decode, grid ``(R, cdiv(GROUP, 64), S)``: split ``S`` of row ``R``'s visible keys for 64 query heads; the
     same partials (or, with ``SINGLE_SPLIT``, outputs) as ``decode_attention._decode_stage1_kernel``. ``k_ptr``,
-    ``v_ptr``, ``real_lens_ptr`` and the scales are unused (the head of the portable kernel's arguments, so one call
-    site launches either)."""
+    ``v_ptr``, ``real_lens_ptr`` and ``v_scale_ptr`` are unused (the head of the portable kernel's arguments, so
+    one call site launches either; MLA's V takes ``k_scale``)."""
     row = gl.program_id(0)
     split = gl.program_id(2)
     n, start, end, qk_scale = _decode_split(seq_lens_ptr, stride_sl, row, split, window, num_kv_splits, sm_scale,
@@ -493,7 +643,8 @@ def mla_decode_stage1_kernel(
         stride_p_s, split, SINGLE_SPLIT)  # fmt: skip
     _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_ptr + row.to(gl.int64) * stride_t_r, stride_t_p,
             num_pages, table_keys, out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h,
-            n, n, start, end, qk_scale, logit_cap, row, gl.program_id(1), 1, GROUP, PAGE_SIZE, HAS_CAP)  # fmt: skip
+            n, n, start, end, qk_scale, k_scale_ptr, logit_cap, row, gl.program_id(1), 1, GROUP, PAGE_SIZE,
+            HAS_CAP)  # fmt: skip
 
 
 @gluon.jit
@@ -514,7 +665,7 @@ def mla_verify_stage1_kernel(
 ):  # fmt: skip
     """Verify, grid ``(B * S * cdiv(QLEN * NUM_HEADS, 64),)`` as ``mla_verify._fwd_verify_kernel_stage1`` (its
     split rule and partials; the row blocks of one request and split adjacent in the program id, so they share
-    each key tile through L2). ``k_ptr`` and ``k_scale_ptr`` are unused (a 16-bit cache)."""
+    each key tile through L2). ``k_ptr`` is unused; ``k_scale_ptr`` only with an FP8 cache."""
     ROW_BLOCKS: gl.constexpr = (QLEN * NUM_HEADS + BLOCK_H - 1) // BLOCK_H
     pid = gl.program_id(0)
     row_block = pid % ROW_BLOCKS
@@ -533,7 +684,7 @@ def mla_verify_stage1_kernel(
         stride_p_s, split, SINGLE_SPLIT)  # fmt: skip
     _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_ptr + b.to(gl.int64) * stride_t_b, stride_t_p,
             num_pages, table_keys, out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h,
-            seq_len, real_len, start, end, sm_scale_log2, 0.0, b, row_block, QLEN, NUM_HEADS, PAGE_SIZE,
+            seq_len, real_len, start, end, sm_scale_log2, k_scale_ptr, 0.0, b, row_block, QLEN, NUM_HEADS, PAGE_SIZE,
             False)  # fmt: skip
 
 
@@ -687,10 +838,10 @@ def mla_decode_few_rows_kernel(
 
 
 def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, page_size: int = 64,
-                     single_split: bool = False, few_rows: bool = False) -> Any:  # fmt: skip
+                     single_split: bool = False, few_rows: bool = False, fp8: bool = False) -> Any:  # fmt: skip
     """The decode (or, ``verify``, the verify) stage 1 compiled for sm_90 on any machine (no GPU needed),
-    specialized as a bench launch is (bf16, 16-byte aligned pointers, the block table's unit column stride a
-    constant): the ``CompiledKernel``, with ``asm["cubin"]``."""
+    specialized as a bench launch is (a bf16 query, a bf16 or, ``fp8``, an FP8 cache, 16-byte aligned pointers, the
+    block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -701,8 +852,9 @@ def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, p
                 "part_ptr": "*fp32", "table_ptr": "*i32", "seq_lens_ptr": "*i32", "real_seq_lens_ptr": "*i32",
                 "real_lens_ptr": "*i32",
                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}  # fmt: skip
-    layout = _SMEM.value
-    descs = {"lat_desc": f"tensordesc<bf16[64, 256],{layout!r}>", "pe_desc": f"tensordesc<bf16[64, 64],{layout!r}>"}
+    cache, lat, pe = ("fp8e4nv", _SMEM8.value, _SMEM8_PE.value) if fp8 else ("bf16", _SMEM.value, _SMEM.value)
+    pointers["k_ptr"] = pointers["v_ptr"] = f"*{cache}"
+    descs = {"lat_desc": f"tensordesc<{cache}[64, 256],{lat!r}>", "pe_desc": f"tensordesc<{cache}[64, 64],{pe!r}>"}
     floats = ("sm_scale", "sm_scale_log2", "logit_cap")
     if verify:
         constexprs = dict(QLEN=qlen, NUM_HEADS=heads, HAS_REAL=True, NUM_KV_SPLITS=1 if single_split else 4,
