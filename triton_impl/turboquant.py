@@ -229,16 +229,17 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # within 1.3%, 104 kept then. Groups the TMA kernels decline run decode_stage1_kernel at the same split count.
 # WARP_STEP, WARP_STAGES (sm90, the one-warp kernel; turboquant.warp_stages): WARP_STEP 16-key chunks an iteration (one
 # row max and softmax step over 32 keys) through WARP_STAGES chunk buffers; two chunks need WARP_MAXNREG 128 (104
-# spills), which keeps 16 programs a SM. 3-bit values (the _v3 keys) take two chunks at WARP_MAXNREG_v3 168, where
-# their words, loaded a step ahead, do not spill (at 128: 88 bytes of stack, 55 local loads and stores in the loop), so
-# 12 programs a SM (PROGRAMS_PER_SM_v3): 1087 warp instructions for two chunks against 594 for one (Triton 3.6); one
-# call on the H200 (2026-12-02, stage 1, us, L=8K / 32K), one chunk -> two at 168 registers: 3bit_nc 137.1 -> 128.6 /
-# 492.3 -> 469.4 (at 144 registers and 14 programs a SM, 8 bytes of stack: 163.9 / 598.8). With the value codes
-# masked and biased by one lop3 in every preset (turboquant_sm90.masked_codes_asm), 4-bit keys take 517 -> 486 (lop3)
-# -> 437 (two chunks) warp instructions per 16 keys. One call on the H200 (stage 1, us, L=8K / 32K, 2026-12-02, four
-# rounds), 877fa50 -> lop3 -> both: 4-bit 131.8 -> 124.3 -> 119.7 / 457.3 -> 426.4 -> 405.9, k3v4 129.7 -> 122.6 ->
-# 118.6 / 444.6 -> 420.0 -> 401.5, k8v4 119.3 -> 119.4 -> 118.3 / 461.0 -> 461.3 -> 462.5, 3bit_nc (lop3 only) 165.7 -> 159.1 / 571.1 -> 546.0. Six buffers instead
-# of four (and four for FP8 keys): 4-bit 119.3 -> 121.2 / 404.7 -> 409.5, 3bit_nc 158.3 -> 158.5 / 545.2 -> 545.6.
+# spills), which keeps 16 programs a SM. 3-bit values (the _v3 keys) take two chunks at WARP_MAXNREG_v3 168, where their
+# words, loaded a step ahead, do not spill (at 128: 88 bytes of stack, 55 local loads and stores in the loop), so 12
+# programs a SM (PROGRAMS_PER_SM_v3): 1087 warp instructions for two chunks against 594 for one (Triton 3.6); one call
+# on the H200 (2026-12-02, stage 1, us, L=8K / 32K), one chunk -> two at 168 registers: 3bit_nc 137.1 -> 128.6 / 492.3
+# -> 469.4 (at 144 registers and 14 programs a SM, 8 bytes of stack: 163.9 / 598.8). With the value codes masked and
+# biased by one lop3 in every preset (turboquant_sm90.masked_codes_asm), 4-bit keys take 517 -> 486 (lop3) -> 437 (two
+# chunks) warp instructions per 16 keys. One call on the H200 (stage 1, us, L=8K / 32K, 2026-12-02, four rounds),
+# 877fa50 -> lop3 -> both: 4-bit 131.8 -> 124.3 -> 119.7 / 457.3 -> 426.4 -> 405.9, k3v4 129.7 -> 122.6 -> 118.6 / 444.6
+# -> 420.0 -> 401.5, k8v4 119.3 -> 119.4 -> 118.3 / 461.0 -> 461.3 -> 462.5, 3bit_nc (lop3 only) 165.7 -> 159.1 / 571.1
+# -> 546.0. Six buffers instead of four (and four for FP8 keys): 4-bit 119.3 -> 121.2 / 404.7 -> 409.5, 3bit_nc 158.3 ->
+# 158.5 / 545.2 -> 545.6.
 # With these shorter programs SPLIT_ROUNDS went 4 -> 2 (16 splits at B=32 Hk=8; the merge reads half the partials).
 # One call, the call after a reading flush (us, L=8K / 32K), 4 -> 3 -> 2 rounds: 4-bit 135.5 -> 129.4 -> 121.5 /
 # 420.6 -> 406.6 -> 402.1, 3bit_nc 175.2 -> 169.9 -> 161.7 / 561.0 -> 549.1 -> 551.6; in the next call, 2 -> 1 round:
