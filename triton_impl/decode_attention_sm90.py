@@ -36,10 +36,20 @@ accumulation, online softmax in base 2. Partial tiles at a split's ends are load
 them) and their keys outside the split are zeroed in shared memory before any MMA reads them, so a NaN in
 an unused cache slot never reaches the value product.
 
+An FP8 (e4m3) cache takes the same schedule with its codes widened in shared memory (:func:`_attend` says where
+they live): TMA brings two stages of codes (36 KiB a tile), and each warpgroup widens its parts of a tile into one
+16-bit tile once its last value product is done (the softmax warpgroup the first latent half and the rope part, the
+value warpgroup the second half), exactly, since every e4m3 value is a bf16 and an fp16 value; the scale multiplies
+the scores and the output, as in the portable kernels. bf16 is widened by integer moves and one exact multiply per
+two codes (:data:`_E4M3_TO_BF16_ASM`: sm_90's conversion unit runs at a quarter of the integer pipe's rate, and
+Triton's conversion takes two of its instructions a code). The widening runs with the tensor cores idle (one
+widened tile: the shared memory holds no second).
+
 Served (:func:`supports`): compiled for compute capability 9.x, MLA with ``Lk = 576``, ``Lv = 512``, a 16-bit
-cache of the query's dtype, pages a multiple of 64 keys back to back (the cache as ``[pages * page_size,
-576]`` rows for TMA), a query whose address and row and head strides are multiples of 16 bytes and 16 elements,
-``MIN_ROWS`` (32) rows or more per request. Everything else runs the portable kernels.
+cache of the query's dtype or an FP8 e4m3 cache (the 64-row schedule only), pages a multiple of 64 keys back to
+back (the cache as ``[pages * page_size, 576]`` rows for TMA), a query whose address and row and head strides are
+multiples of 16 bytes and 16 elements, ``MIN_ROWS`` (32) rows or more per request. Everything else runs the
+portable kernels.
 
 Decode with at most 16 heads (:func:`supports_few_rows`; a 64-row tile would be three-quarters empty) runs
 :func:`mla_decode_few_rows_kernel` instead: one warpgroup takes the keys as wgmma's M, ``S^T = K Q^T`` (``[64 keys,

@@ -107,15 +107,16 @@ VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
 #   rows, so sm_90 no longer takes the small config by row count (_VERIFY_SMALL_MAX_ROWS). SASS: large 80
 #   HGMMA, small 272 HMMA (notebooks/results/sass_sm90.md). 27.8% of roofline (geomean, bench_h200.md) against the
 #   80% target: notebooks/results/perf_log.md says what bounds it.
-#   GLUON: a 16-bit cache at DeepSeek's widths, pages of 64k keys and >= 32 rows per request runs the Gluon stage 1
+#   GLUON: a 16-bit or FP8 cache at DeepSeek's widths, pages of 64k keys and >= 32 rows per request runs the Gluon
+#   stage 1
 #   of triton_impl/decode_attention_sm90.py (same split rule and partials): B=16 qlen=8 H=128 0.5136 -> 0.2657 ms,
 #   B=8 qlen=4 H=128 0.1533 -> 0.0862, B=64 qlen=1 H=128 0.1440 -> 0.0859, B=32 qlen=4 H=16 0.0902 -> 0.0640,
 #   B=8 qlen=4 H=16 0.0362 -> 0.0255, B=64 qlen=2 H=16 0.1526 -> 0.1007 (bench_h200.md: the portable kernel at
 #   580e9fc, 35e837f for B=64 qlen=2, against 72fbe8a).
-#   FP8_VIA_DECODE: an FP8 cache whose verify tiles hold one draft token each (heads a multiple of BLOCK_H) runs
-#   decode's stage 1 with per-token lengths (_via_decode): where a tile holds one token both kernels read the
-#   same bytes: B=32 H=128 qlen=2 L=8K 0.8114 -> 0.7510 ms (bench_h200.md, 72fbe8a -> c7e2fb0; the flattened
-#   per-row decode 0.753 in the same run).
+#   FP8_VIA_DECODE (where GLUON does not serve): an FP8 cache whose verify tiles hold one draft token each (heads a
+#   multiple of BLOCK_H) runs decode's stage 1 with per-token lengths (_via_decode): where a tile holds one token
+#   both kernels read the same bytes: B=32 H=128 qlen=2 L=8K 0.8114 -> 0.7510 ms (bench_h200.md, 72fbe8a ->
+#   c7e2fb0; the flattened per-row decode 0.753 in the same run).
 #   FEW_ROWS_VIA_DECODE: one draft token (qlen 1, no real_seq_lens) at 16 heads or fewer is a decode call, and runs
 #   as one where decode's sm90 entry takes it to decode_attention_sm90.mla_decode_few_rows_kernel (the keys as wgmma's
 #   M, every head from one read of each key) instead of a 64-row verify tile three-quarters empty: B=32 H=16 qlen=1
