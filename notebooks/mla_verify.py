@@ -460,9 +460,10 @@ assert all(0.9 < speedup < 1.1 for case, speedup in speedups.items() if "H=128" 
 # %% [markdown]
 # With 16 heads verify is faster in every benchmarked case, as the fetch count says. With 128 heads the count gives
 # both paths the same K/V fetches, and on an H100/H200 both run the same Gluon core for a 16-bit cache (section 7):
-# they are within a few percent of each other. The FP8 case runs the portable kernels: through the verify kernel's own
-# FP8 tile the per-row decode was the faster one (0.811 against 0.758 ms at 72fbe8a, 0.9x); an FP8 verify call now
-# runs decode's stage 1 (below), and the two paths take the same time (1.0x above).
+# they are within a few percent of each other. So does the FP8 case, since both paths now run the Gluon core over an
+# FP8 cache too (the end of section 7); before that, through the portable kernels, the verify kernel's own FP8 tile
+# lost to the per-row decode (0.811 against 0.758 ms at 72fbe8a, 0.9x), and an FP8 verify call went through decode's
+# stage 1 (below), which is where such a call still goes off Hopper.
 
 # %% [markdown]
 # **Verify is decode with per-token lengths.** Draft token `t` of a request with `L` keys sees the first
@@ -470,7 +471,8 @@ assert all(0.9 < speedup < 1.1 for case, speedup in speedups.items() if "H=128" 
 # verify call as it is: row `r` of the `B * qlen` rows reads table row `r // qlen` and takes its length from the
 # request's (`decode_attention.portable_stage1` with `qlen > 1`). Where a verify tile holds one draft token (64 or
 # more heads on Hopper) the two kernels read the same bytes, and on an H100/H200 an FP8 cache goes this way
-# (`FP8_VIA_DECODE`): the decode kernel's FP8 tile was the faster one. The cell runs one FP8 call both ways here
+# where the Gluon kernel does not serve (`FP8_VIA_DECODE`): the decode kernel's FP8 tile was the faster one. The cell
+# runs one FP8 call both ways here
 # (tiles of 32 heads, one token each) against the float64 golden model.
 
 # %%
@@ -540,8 +542,8 @@ assert ratios and min(ratios.values()) > 0.85 and max(ratios.values()) < 1.1 and
 #
 # ## 7. The schedule on Hopper: three roles, one program per SM
 #
-# On an H100/H200, a 16-bit cache at DeepSeek's widths with pages of 64k keys and at least 32 (token, head) rows per
-# request runs `triton_impl/decode_attention_sm90.py`, a Gluon kernel (Triton's explicit-layout dialect: warpgroup
+# On an H100/H200, a 16-bit (or FP8: the end of this section) cache at DeepSeek's widths with pages of 64k keys and at
+# least 32 (token, head) rows per request runs `triton_impl/decode_attention_sm90.py`, a Gluon kernel (Triton's explicit-layout dialect: warpgroup
 # MMAs, TMA and mbarriers written out), beside the portable Triton kernel this notebook runs on a CPU. The two
 # compute the same partials; the property tests check both against the golden model. One program owns 64 rows and
 # one split and runs three roles at once (warp specialization):
@@ -623,3 +625,39 @@ assert all(a < b for b, a in stored.values()) and after < before / 4
 # bandwidth; before, each SM wrote 7 GB/s. The query's three loads used to sit between the block-table check and
 # the first scores: now `cp.async` copies it while the table is checked, so the first tile's wait is the first
 # tile's bytes (every SM asks for two tiles at once: 18.9 MB, 4.4 us of bandwidth).
+
+# %% [markdown]
+# **An FP8 cache in the same schedule.** An e4m3 cache has half the bytes, but wgmma multiplies FP8 only by FP8,
+# and rounding the query or `P` to e4m3 would change the numerics. So the kernel widens the codes to the query's
+# type in shared memory, exactly (every e4m3 value is a bf16 and an fp16 value), and multiplies by the scale in fp32,
+# on the scores and the output, as the portable kernel does. The shared memory is the 16-bit schedule's: each key
+# part's two stages now hold, in their upper half, two stages of codes (TMA lands them there) and, in their lower
+# half, one widened tile. After its value product each warpgroup widens its own parts of the next tile (the softmax
+# warpgroup the first latent half and the rope part, the value warpgroup the second half), and the scores wait for
+# both. How to widen matters on sm_90: Triton converts e4m3 to bf16 through fp16, two conversion-unit instructions a
+# code, and that unit runs at a quarter of the integer pipe's rate. The kernel does it with bit moves: a code's sign
+# at bit 15 and its 7 magnitude bits at bits 10..4 of a 16-bit lane make the bf16 whose exponent is e4m3's 4
+# exponent bits, which is the code's value times `2**-120` (bf16's exponent bias is 127, e4m3's 7), subnormal codes
+# included; one multiply by `2**120` is exact. The cell checks that on the CPU for all 256 codes. The two NaN codes
+# come out as +-480, a value no finite code has (448 is the largest), so the kernel patches those lanes to NaN.
+
+# %%
+codes = torch.arange(256, dtype=torch.int32)
+value = codes.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+placed = ((codes & 0x80) << 8) | ((codes & 0x7F) << 4)  # sign to bit 15, magnitude to bits 10..4
+widened = placed.to(torch.int16).view(torch.bfloat16).float() * 2.0**120
+finite = ~value.isnan()
+assert torch.equal(widened[finite], value[finite]) and set(widened[~finite].tolist()) == {480.0, -480.0}
+print(f"{int(finite.sum())} finite codes exact (subnormals from {float(value[1]):.3e}); the NaN codes give "
+      f"{sorted(set(widened[~finite].tolist()))}")
+fp8_rows = {r["op"]: r for r in bench["results"] if r["case"].endswith("L=8192 fp8")}
+for op, row in fp8_rows.items():
+    print(f"{op:16s} {row['case']:42s} {row['ms']:.4f} ms, {row['pct_roofline']:.1f}% of the roofline")
+assert all(row["pct_roofline"] > 40 for row in fp8_rows.values())
+
+# %% [markdown]
+# In the bench at 0b5137d that took B=32 H=128 L=8K from 0.398 to 0.216 ms (decode) and verify at qlen 2 from 0.756
+# to 0.398 ms, 24-26% to 46-50% of the roofline (`perf_log.md`, twentieth session). Through Triton's conversion the
+# same schedule took 252 and 499 us of stage 1, against 208 and 397 now. What is left: the widening runs while the
+# tensor cores wait (one widened tile is all that fits), about 6300 cycles a verify tile against 4200 with a 16-bit
+# cache.
