@@ -543,8 +543,9 @@ assert ratios and min(ratios.values()) > 0.85 and max(ratios.values()) < 1.1 and
 # ## 7. The schedule on Hopper: three roles, one program per SM
 #
 # On an H100/H200, a 16-bit (or FP8: the end of this section) cache at DeepSeek's widths with pages of 64k keys and at
-# least 32 (token, head) rows per request runs `triton_impl/decode_attention_sm90.py`, a Gluon kernel (Triton's explicit-layout dialect: warpgroup
-# MMAs, TMA and mbarriers written out), beside the portable Triton kernel this notebook runs on a CPU. The two
+# least 32 (token, head) rows per request runs `triton_impl/decode_attention_sm90.py`, a Gluon kernel (Triton's
+# explicit-layout dialect: warpgroup MMAs, TMA and mbarriers written out), beside the portable Triton kernel this
+# notebook runs on a CPU. The two
 # compute the same partials; the property tests check both against the golden model. One program owns 64 rows and
 # one split and runs three roles at once (warp specialization):
 #
