@@ -70,7 +70,7 @@ def _stamp(trace_ptr, slot: gl.constexpr):
 @gluon.jit
 def _zero_rows('''
 
-_SCORES_ARGS = "q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end)\n"
+_SCORES_ARGS = "q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, w_full, i, first_tile, start, tile_end, FP8)\n"
 _SCORES_WAIT = "        s = warpgroup_mma_wait(0, deps=[s])\n"
 
 
@@ -83,8 +83,8 @@ def _after(where: str, slot: int, indent: str = "    ") -> tuple[str, str]:
 # pointer passed down). A ``where`` that no longer matches stops the tool with its text.
 _EDITS = (
     ("\n@gluon.jit\ndef _zero_rows(", _STAMP),
-    ("request, row_block, QLEN: gl.constexpr,\n            NUM_HEADS: gl.constexpr, PAGE_SIZE",
-     "request, row_block, trace_ptr, QLEN: gl.constexpr,\n            NUM_HEADS: gl.constexpr, PAGE_SIZE"),
+    ("request,\n            row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, PAGE_SIZE",
+     "request,\n            row_block, trace_ptr, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, PAGE_SIZE"),
     _after("    poisoned = (limit > table_keys) | (row_end > first_bad)\n    async_copy.wait_group(0)\n"
            "    fence_async_shared()\n    _barrier()\n", 2),
     ("    acc = warpgroup_mma_wait(0, deps=[acc])\n\n",
@@ -97,8 +97,8 @@ _EDITS = (
     ("logit_cap, request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,",
      "logit_cap, request, row_block, trace_ptr, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,"),
     _after("    first_tile = start // BLOCK_N * BLOCK_N\n", 1),
-    ("request, row_block, QLEN,\n                   NUM_HEADS, PAGE_SIZE, HAS_CAP)),",
-     "request, row_block, trace_ptr, QLEN,\n                   NUM_HEADS, PAGE_SIZE, HAS_CAP)),"),
+    ("request, row_block, QLEN, NUM_HEADS, PAGE_SIZE, HAS_CAP)),",
+     "request, row_block, trace_ptr, QLEN, NUM_HEADS, PAGE_SIZE, HAS_CAP)),"),
     _after("lse.to(lse_ptr.dtype.element_ty), mask=ok)\n", 5),
     ("    stride_t_r, stride_t_p, stride_sl,\n", "    stride_t_r, stride_t_p, stride_sl, trace_ptr,\n"),
     ("    row = gl.program_id(0)\n    split = gl.program_id(2)\n",

@@ -42,8 +42,10 @@ they live): TMA brings two stages of codes (36 KiB a tile), and each warpgroup w
 value warpgroup the second half), exactly, since every e4m3 value is a bf16 and an fp16 value; the scale multiplies
 the scores and the output, as in the portable kernels. bf16 is widened by integer moves and one exact multiply per
 two codes (:data:`_E4M3_TO_BF16_ASM`: sm_90's conversion unit runs at a quarter of the integer pipe's rate, and
-Triton's conversion takes two of its instructions a code). The widening runs with the tensor cores idle (one
-widened tile: the shared memory holds no second).
+Triton's conversion takes two of its instructions a code). The shared memory holds one widened tile, no second, so
+the widening is hidden only where MMAs run beside it: the softmax warpgroup's under the value warpgroup's product,
+the value warpgroup's under the scores of the first latent half and the rope part (``w_full`` then lets the second
+half's scores start).
 
 Served (:func:`supports`): compiled for compute capability 9.x, MLA with ``Lk = 576``, ``Lv = 512``, a 16-bit
 cache of the query's dtype or an FP8 e4m3 cache (the 64-row schedule only), pages a multiple of 64 keys back to
@@ -391,8 +393,8 @@ def _widen(codes, wide, tile, start, tile_end, SWIZZLE: gl.constexpr, LAYOUT: gl
 @gluon.jit
 def _widen_parts(codes, wide, codes_pe, wide_pe, k_full, k_free, w_full, i, first_tile, start, tile_end):
     """An FP8 cache: wait for tile ``i``'s codes, widen this warpgroup's parts (a latent half, and the rope part
-    unless ``codes_pe`` is None), then give the stage back to the loader (``k_free``) and count the parts written
-    (``w_full``: both warpgroups' parts of tile ``i``)."""
+    unless ``codes_pe`` is None), then give the stage back to the loader (``k_free``) and, unless ``w_full`` is None,
+    tell the other warpgroup (``w_full``)."""
     stage = i % STAGES
     tile = first_tile + i * BLOCK_N
     mbarrier.wait(k_full.index(stage), (i // STAGES) & 1)
@@ -402,21 +404,29 @@ def _widen_parts(codes, wide, codes_pe, wide_pe, k_full, k_free, w_full, i, firs
     fence_async_shared()
     _barrier()
     mbarrier.arrive(k_free.index(stage), count=1)
-    mbarrier.arrive(w_full, count=1)
+    if w_full is not None:
+        mbarrier.arrive(w_full, count=1)
 
 
 @gluon.jit
-def _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end, FP8: gl.constexpr):
-    """Wait for tile ``i`` (:func:`_wait_tile`; with an FP8 cache the caller has waited for it widened) and start
-    ``S = Q K^T`` (three asynchronous MMAs: the latent halves and the rope part)."""
+def _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, w_full, i, first_tile, start, tile_end,
+                  FP8: gl.constexpr):  # fmt: skip
+    """Wait for tile ``i`` (:func:`_wait_tile`) and start ``S = Q K^T`` (three asynchronous MMAs: the latent halves
+    and the rope part). With an FP8 cache the caller has widened the first latent half and the rope part: their
+    MMAs start at once, and the second half's waits for the value warpgroup to have widened it (``w_full``), which
+    it does while they run."""
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=_S_LAYOUT)
     if FP8:
-        k0, k1, kpe = k_s0.index(0), k_s1.index(0), k_spe.index(0)
+        s = warpgroup_mma(q_s0, k_s0.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_spe, k_spe.index(0).permute((1, 0)), s, is_async=True)
+        mbarrier.wait(w_full, i & 1)
+        s = warpgroup_mma(q_s1, k_s1.index(0).permute((1, 0)), s, is_async=True)
     else:
         k0, k1, kpe = _wait_tile(k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end)
-    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=_S_LAYOUT)
-    s = warpgroup_mma(q_s0, k0.permute((1, 0)), s, use_acc=False, is_async=True)
-    s = warpgroup_mma(q_s1, k1.permute((1, 0)), s, is_async=True)
-    return warpgroup_mma(q_spe, kpe.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_s0, k0.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_s1, k1.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_spe, kpe.permute((1, 0)), s, is_async=True)
+    return s
 
 
 @gluon.jit
@@ -460,8 +470,8 @@ def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe,
     (their loads in flight together, and beside the loader's first tiles), then per tile the scores, the online
     softmax and ``O[:, :256]``; the value product of a tile runs under the wait for the next tile and its
     scores. With an FP8 cache it first widens each tile's first latent half and rope part (``codes0``,
-    ``codes_pe``) and waits for the value warpgroup's half. Stores ``O[:, :256]`` times the row scale (times
-    ``out_scale``), leaves the row scale for the value warpgroup and returns ``(lse,)``."""
+    ``codes_pe``; :func:`_issue_scores` waits for the value warpgroup's half). Stores ``O[:, :256]`` times the row
+    scale (times ``out_scale``), leaves the row scale for the value warpgroup and returns ``(lse,)``."""
     dtype: gl.constexpr = q_s0.dtype
     FP8: gl.constexpr = codes0.dtype.primitive_bitwidth == 8
     r, h, _, ok = _rows(request, row_block, QLEN, NUM_HEADS, gl.SliceLayout(1, _ROWS_LAYOUT))
@@ -487,16 +497,15 @@ def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe,
     for i in range(num_tiles):
         # The last tile's value product done, its stage is released before these scores run (not after them), so
         # the load two tiles ahead starts a score product earlier; the scores queue behind it on the tensor cores.
-        # With an FP8 cache the one widened tile is free once the last value products are done: widen this
-        # tile's parts, then wait for the value warpgroup's.
+        # With an FP8 cache this warpgroup's parts of the one widened tile are free once its last value product is
+        # done: it widens this tile's first latent half and rope part (while the value warpgroup's product runs).
         acc = warpgroup_mma_wait(0, deps=[acc])
         if FP8:
-            _widen_parts(codes0, k_s0.index(0), codes_pe, k_spe.index(0), k_full, k_free, w_full, i, first_tile,
+            _widen_parts(codes0, k_s0.index(0), codes_pe, k_spe.index(0), k_full, k_free, None, i, first_tile,
                          start, tile_end)  # fmt: skip
-            mbarrier.wait(w_full, i & 1)
         elif i > 0:
             mbarrier.arrive(k_free.index((i - 1) % STAGES), count=1)
-        s = _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, i, first_tile, start, tile_end, FP8)
+        s = _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, w_full, i, first_tile, start, tile_end, FP8)
         s = warpgroup_mma_wait(0, deps=[s])
         p, alpha, m_i, l_i = _softmax(s, first_tile + i * BLOCK_N, start, row_end, m_i, l_i, qk_scale, logit_cap,
                                       HAS_CAP)  # fmt: skip
@@ -567,13 +576,13 @@ def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    w_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # FP8: a tile widened
+    w_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # FP8: a second latent half widened
     for st in gl.static_range(STAGES):
         mbarrier.init(k_full.index(st), count=1)
         mbarrier.init(k_free.index(st), count=2)
     mbarrier.init(p_full, count=1)
     mbarrier.init(p_free, count=1)
-    mbarrier.init(w_full, count=2)
+    mbarrier.init(w_full, count=1)
     fence_async_shared()
     if FP8:  # where TMA puts the codes (the loader's stages)
         codes0 = _codes(k_s0, HALF, _SMEM8)
