@@ -367,7 +367,7 @@ _E4M3_TO_F16_ASM = gl.constexpr("""{
 def _e4m3_words(x, DTYPE: gl.constexpr):
     """uint32 words of 4 e4m3 codes -> ``(codes 0, 1; codes 2, 3)`` as uint32 words of ``DTYPE`` (bf16 or fp16)
     pairs (:data:`_E4M3_TO_BF16_ASM`, :data:`_E4M3_TO_F16_ASM`)."""
-    asm: gl.constexpr = _E4M3_TO_BF16_ASM if gl.bfloat16 == DTYPE else _E4M3_TO_F16_ASM
+    asm: gl.constexpr = _E4M3_TO_BF16_ASM if DTYPE.is_bf16() else _E4M3_TO_F16_ASM
     return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
 
 
