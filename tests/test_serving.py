@@ -673,8 +673,8 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
         lambda i: _new_lengths_and_pages(v5cache.block_table, v5cache.seq_lens, v5cache.cache.shape[0], 64, i),
     )  # fmt: skip
 
-    # Verify with an FP8 cache, 2 draft tokens x 64 heads (one token a tile): on an H100/H200 decode's stage 1 runs it
-    # (FP8_VIA_DECODE), through an argument adapter around its launch.
+    # Verify with an FP8 cache, 2 draft tokens x 64 heads: on an H100/H200 the Gluon stage 1 (its codes widened in
+    # shared memory); elsewhere decode's stage 1 (FP8_VIA_DECODE), through an argument adapter around its launch.
     f8q = randn((8, 64, 576), torch.bfloat16, device, gen)
     f8cache = paged_cache([40, 70, 3, 129], 64, 1, 576, torch.float8_e4m3fn, device, gen, moat=False, scale=8.0)
     f8o, f8lse = torch.empty(8, 64, 512, dtype=torch.bfloat16, device=device), torch.empty(8, 64, device=device)
