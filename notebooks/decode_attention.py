@@ -699,8 +699,8 @@ for (batch_, heads_, length_), times in tma_sweep.items():
 # **The schedule, per tile.** One program owns 64 heads of one row and one split and walks 64-key tiles: the three
 # QK^T products (two latent halves and the rope part, wgmma), the online softmax on the scores, and the two P V
 # products (the latent halves are V). On an H100/H200 this row runs the Gluon kernel of
-# `triton_impl/decode_attention_sm90.py` (a 16-bit cache, 32 or more heads; elsewhere the portable Triton kernel
-# this notebook runs on a CPU). The cell below takes the H=128 B=32 L=32K bench row (`bench_h200.json`) and
+# `triton_impl/decode_attention_sm90.py` (32 or more heads, a 16-bit cache or an FP8 one whose codes it widens in
+# shared memory; elsewhere the portable Triton kernel this notebook runs on a CPU). The cell below takes the H=128 B=32 L=32K bench row (`bench_h200.json`) and
 # divides it into tiles: the bytes a tile loads, its FLOPs, and the time one SM spends on it.
 
 # %%
