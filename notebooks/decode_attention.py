@@ -700,8 +700,9 @@ for (batch_, heads_, length_), times in tma_sweep.items():
 # QK^T products (two latent halves and the rope part, wgmma), the online softmax on the scores, and the two P V
 # products (the latent halves are V). On an H100/H200 this row runs the Gluon kernel of
 # `triton_impl/decode_attention_sm90.py` (32 or more heads, a 16-bit cache or an FP8 one whose codes it widens in
-# shared memory; elsewhere the portable Triton kernel this notebook runs on a CPU). The cell below takes the H=128 B=32 L=32K bench row (`bench_h200.json`) and
-# divides it into tiles: the bytes a tile loads, its FLOPs, and the time one SM spends on it.
+# shared memory; elsewhere the portable Triton kernel this notebook runs on a CPU). The cell below takes the H=128
+# B=32 L=32K bench row (`bench_h200.json`) and divides it into tiles: the bytes a tile loads, its FLOPs, and the time
+# one SM spends on it.
 
 # %%
 bench_rows = {row["case"]: row for row in json.loads((RESULTS / "bench_h200.json").read_text())["results"]}
