@@ -502,7 +502,7 @@ def test_inline_ptx_of_the_fp8_widening_is_exact_for_every_code() -> None:
 
 
 @gluon.jit
-def _widen_probe(codes_ptr, out_ptr, start, end, WIDTH: gl.constexpr, SWIZZLE: gl.constexpr, ROWS: gl.constexpr,
+def _widen_probe(codes_ptr, out_ptr, start, end, WIDTH: gl.constexpr, SWIZZLE: gl.constexpr,
                  WORDS_LAYOUT: gl.constexpr, DTYPE: gl.constexpr):  # fmt: skip
     """``decode_attention_sm90._widen`` alone: 64 rows of ``WIDTH`` FP8 codes through shared memory laid out as the
     stage 1's TMA leaves them, widened to ``DTYPE`` and written back out."""
@@ -514,7 +514,7 @@ def _widen_probe(codes_ptr, out_ptr, start, end, WIDTH: gl.constexpr, SWIZZLE: g
     wide = gl.allocate_shared_memory(DTYPE, [64, WIDTH], decode_attention_sm90._SMEM)
     codes.store(gl.load(codes_ptr + offsets))
     decode_attention_sm90._barrier()
-    decode_attention_sm90._widen(codes, wide, 0, start, end, SWIZZLE, WORDS_LAYOUT, ROWS)
+    decode_attention_sm90._widen(codes, wide, 0, start, end, SWIZZLE, WORDS_LAYOUT)
     decode_attention_sm90._barrier()
     gl.store(out_ptr + offsets, wide.load(layout))
 
@@ -528,14 +528,14 @@ def test_sm90_fp8_widening_is_exact_for_every_code(device, dtype, part, start, e
     """The Gluon stage 1 widens an FP8 cache's codes in shared memory (bf16: integer moves and one exact multiply,
     the NaN codes patched; fp16: the hardware conversion): every one of the 256 codes, in both swizzles its parts
     use, against torch's conversion bit for bit (NaN codes: NaN), keys outside ``[start, end)`` zero."""
-    width, swizzle, rows, words = ((256, 128, 16, decode_attention_sm90._WIDEN_LAYOUT) if part == "latent" else
-                                   (64, 64, 32, decode_attention_sm90._WIDEN_PE_LAYOUT))  # fmt: skip
+    width, swizzle, words = ((256, 128, decode_attention_sm90._WIDEN_LAYOUT) if part == "latent" else
+                             (64, 64, decode_attention_sm90._WIDEN_PE_LAYOUT))  # fmt: skip
     gen = torch.Generator().manual_seed(3)
     codes = torch.arange(256, dtype=torch.int32).repeat(64 * width // 256)[torch.randperm(64 * width, generator=gen)]
     codes = codes.to(torch.uint8).view(torch.float8_e4m3fn).reshape(64, width).to(device)
     out = torch.empty(64, width, dtype=dtype, device=device)
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    _widen_probe[(1,)](codes, out, start, end, width, swizzle, rows, words, gl_dtype, num_warps=4)
+    _widen_probe[(1,)](codes, out, start, end, width, swizzle, words, gl_dtype, num_warps=4)
     expected = codes.to(dtype)
     expected[:start] = 0
     expected[end:] = 0

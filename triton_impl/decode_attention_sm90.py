@@ -45,8 +45,8 @@ two codes (:data:`_E4M3_TO_BF16_ASM`: sm_90's conversion unit runs at a quarter 
 Triton's conversion takes two of its instructions a code). The shared memory holds one widened tile, no second:
 the softmax warpgroup's widening runs beside the value warpgroup's product, the value warpgroup's beside the scores
 of the first latent half and the rope part (``w_full`` then lets the second half's scores start). On the H200 an
-FP8 verify tile takes ~6300 cycles against ~4200 for a 16-bit one (B=32 H=128 qlen=2 L=8K, stage 1 399 us); what
-binds it is in ``notebooks/results/perf_log.md`` (twentieth session).
+FP8 verify tile takes ~5900 cycles against ~4200 for a 16-bit one (B=32 H=128 qlen=2 L=8K, stage 1 375 us); what
+binds it is in ``notebooks/results/perf_log.md`` (twentieth and twenty-first sessions).
 
 Served (:func:`supports`): compiled for compute capability 9.x, MLA with ``Lk = 576``, ``Lv = 512``, a 16-bit
 cache of the query's dtype or an FP8 e4m3 cache (the 64-row schedule only), pages a multiple of 64 keys back to
@@ -102,7 +102,7 @@ STAGES = gl.constexpr(2)
 # (verify B=64 H=16 qlen=2 L=4K, stage 1 87.2 against 141.2 us) and ties at 16 (decode B=32 H=16 L=32K, 326.6
 # against 326.9 us).
 MIN_ROWS = 32
-VALUE_REGS = gl.constexpr(192)  # registers per thread of the value warpgroup
+VALUE_REGS = gl.constexpr(208)  # registers per thread of the value warpgroup
 LOADER_REGS = gl.constexpr(40)
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
@@ -372,23 +372,21 @@ def _e4m3_words(x, DTYPE: gl.constexpr):
 
 
 @gluon.jit
-def _widen(codes, wide, tile, start, tile_end, SWIZZLE: gl.constexpr, LAYOUT: gl.constexpr, ROWS: gl.constexpr):
+def _widen(codes, wide, tile, start, tile_end, SWIZZLE: gl.constexpr, LAYOUT: gl.constexpr):
     """Widen one stage's codes ``[64, W]`` (e4m3, rows swizzled by ``SWIZZLE`` bytes) into ``wide`` (the query's 16-bit
-    type, exactly: every e4m3 value is a bf16 and an fp16 value), ``ROWS`` keys at a time, as 32-bit words
-    (``LAYOUT``: 4 words of codes a thread): a swizzled layout places each 16-byte piece by its byte offset, so a
-    tile read or written as words is the same bytes. A partial tile's keys outside ``[start, tile_end)`` become
-    zeros (their codes, before widening)."""
+    type, exactly: every e4m3 value is a bf16 and an fp16 value) as 32-bit words (``LAYOUT``: 4 words of codes a
+    thread in a row): a swizzled layout places each 16-byte piece by its byte offset, so a tile read or written as
+    words is the same bytes. All 64 keys are read before any is written: the codes and the widened tile share an
+    allocation, so a read after a write would need a barrier. A partial tile's keys outside ``[start, tile_end)``
+    become zeros (their codes, before widening)."""
     W: gl.constexpr = codes.shape[1]
-    words = _reinterpret(codes, gl.uint32, [BLOCK_N, W // 4], gl.NVMMASharedLayout(SWIZZLE, 32, rank=2))
+    x = _reinterpret(codes, gl.uint32, [BLOCK_N, W // 4], gl.NVMMASharedLayout(SWIZZLE, 32, rank=2)).load(LAYOUT)
+    if (tile < start) | (tile + BLOCK_N > tile_end):
+        keys = tile + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
+        x = gl.where(((keys >= start) & (keys < tile_end))[:, None], x, gl.zeros_like(x))
+    lo, hi = _e4m3_words(x, wide.dtype)
     out = _reinterpret(wide, gl.uint32, [BLOCK_N, W // 2], _SMEM32)
-    partial = (tile < start) | (tile + BLOCK_N > tile_end)
-    for r0 in gl.static_range(0, BLOCK_N, ROWS):
-        x = words.slice(r0, ROWS).load(LAYOUT)
-        if partial:
-            keys = tile + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
-            x = gl.where(((keys >= start) & (keys < tile_end))[:, None], x, gl.zeros_like(x))
-        lo, hi = _e4m3_words(x, wide.dtype)
-        out.slice(r0, ROWS).store(gl.join(lo, hi).reshape([ROWS, W // 2]))
+    out.store(gl.join(lo, hi).reshape([BLOCK_N, W // 2]))
 
 
 @gluon.jit
@@ -399,9 +397,9 @@ def _widen_parts(codes, wide, codes_pe, wide_pe, k_full, k_free, w_full, i, firs
     stage = i % STAGES
     tile = first_tile + i * BLOCK_N
     mbarrier.wait(k_full.index(stage), (i // STAGES) & 1)
-    _widen(codes.index(stage), wide, tile, start, tile_end, 128, _WIDEN_LAYOUT, 16)
+    _widen(codes.index(stage), wide, tile, start, tile_end, 128, _WIDEN_LAYOUT)
     if codes_pe is not None:
-        _widen(codes_pe.index(stage), wide_pe, tile, start, tile_end, 64, _WIDEN_PE_LAYOUT, 32)
+        _widen(codes_pe.index(stage), wide_pe, tile, start, tile_end, 64, _WIDEN_PE_LAYOUT)
     fence_async_shared()
     _barrier()
     mbarrier.arrive(k_free.index(stage), count=1)
