@@ -657,11 +657,12 @@ for op, row in fp8_rows.items():
 assert all(row["pct_roofline"] > 40 for row in fp8_rows.values())
 
 # %% [markdown]
-# In the bench at 0b5137d that took B=32 H=128 L=8K from 0.398 to 0.216 ms (decode) and verify at qlen 2 from 0.756
-# to 0.398 ms, 24-26% to 46-50% of the roofline (`perf_log.md`, twentieth session). Through Triton's conversion the
-# same schedule took 252 and 499 us of stage 1, against 203-208 and 397-399 now. What is left: about 6300 cycles a
-# verify tile against 4200 with a 16-bit cache. One widened tile is all that fits, so the widening can only run
+# In the bench at 50c7376 that took B=32 H=128 L=8K from 0.398 to 0.207 ms (decode) and verify at qlen 2 from 0.756
+# to 0.378 ms, 24-26% to 48-53% of the roofline (`perf_log.md`, twentieth and twenty-first sessions). Through Triton's
+# conversion the same schedule took 252 and 499 us of stage 1, against 196 and 375 now. What is left: about 5900
+# cycles a verify tile against 4200 with a 16-bit cache. One widened tile is all that fits, so the widening can only run
 # beside other MMAs: the softmax warpgroup's beside the value warpgroup's product, the value warpgroup's beside the
-# first latent half's and the rope part's scores. Arranged so, the time did not move, and the softmax warpgroup's
-# widening in chunks, each read after a write to the same shared allocation and so after a barrier, is the next
-# suspect (`perf_log.md`).
+# first latent half's and the rope part's scores. Arranged so, the time did not move. Reading each part's codes whole
+# (one load phase, then one store phase, 15 fewer barriers a tile) took verify's stage 1 from 399 to 375 us, a quarter
+# of what was predicted: the widening's own integer work, ~1700 cycles a tile that no MMA hides, is what remains
+# (`perf_log.md`).
