@@ -24,10 +24,8 @@ found, 2026-12-01 (``notebooks/results/perf_log.md``).
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -35,57 +33,22 @@ from pathlib import Path
 import torch
 
 import triton_impl.decode_attention_sm90 as fast
-from triton_impl import launch as launch_module
+from benchmarks.timeline import STAMP_SOURCE, after, apply_edits, load_module, median_max, stamped_launches
 from triton_impl.validation import CONTENT_CHECKS_ENV
 
 PHASES = ("start", "bounds", "query", "tile 0", "loop", "stored")
-
-_STAMP = '''
-@gluon.jit
-def _now():
-    """``%globaltimer`` in every thread of a warpgroup (a tensor: no reduction, no barrier)."""
-    lane = gl.arange(0, 32 * NUM_WARPS, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lane], dtype=gl.int64, is_pure=False,
-                                     pack=1)
-
-
-@gluon.jit
-def _put(trace_ptr, slot: gl.constexpr, value):
-    """Store thread 0's ``value`` (from :func:`_now`'s layout) at ``trace_ptr[program * 8 + slot]``."""
-    lane = gl.arange(0, 32 * NUM_WARPS, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
-    program = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
-    gl.store(trace_ptr + program * 8 + slot + lane * 0, value, mask=lane == 0)
-
-
-@gluon.jit
-def _stamp(trace_ptr, slot: gl.constexpr):
-    """The time at ``slot``; with slot 0 the SM id at slot 7."""
-    _put(trace_ptr, slot, _now())
-    if slot == 0:
-        lane = gl.arange(0, 32 * NUM_WARPS, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
-        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
-        _put(trace_ptr, 7, sm.to(gl.int64))
-
-
-@gluon.jit
-def _zero_rows('''
 
 _SCORES_ARGS = "q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, w_full, i, first_tile, start, tile_end, FP8)\n"
 _SCORES_WAIT = "        s = warpgroup_mma_wait(0, deps=[s])\n"
 
 
-def _after(where: str, slot: int, indent: str = "    ") -> tuple[str, str]:
-    """An edit that stamps ``slot`` right after ``where`` (``indent``: what precedes the stamp on its line)."""
-    return where, f"{where}{indent}_stamp(trace_ptr, {slot})\n"
-
-
 # (where, what): each ``where`` occurs once in the kernel's source and becomes ``what`` (a stamp added, or the trace
 # pointer passed down). A ``where`` that no longer matches stops the tool with its text.
 _EDITS = (
-    ("\n@gluon.jit\ndef _zero_rows(", _STAMP),
+    ("\n@gluon.jit\ndef _zero_rows(", "\n" + STAMP_SOURCE + "\n@gluon.jit\ndef _zero_rows("),
     ("request,\n            row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, PAGE_SIZE",
      "request,\n            row_block, trace_ptr, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, PAGE_SIZE"),
-    _after("    poisoned = (limit > table_keys) | (row_end > first_bad)\n    async_copy.wait_group(0)\n"
+    after("    poisoned = (limit > table_keys) | (row_end > first_bad)\n    async_copy.wait_group(0)\n"
            "    fence_async_shared()\n    _barrier()\n", 2),
     ("    acc = warpgroup_mma_wait(0, deps=[acc])\n\n",
      "    acc = warpgroup_mma_wait(0, deps=[acc])\n    _stamp(trace_ptr, 4)\n    _put(trace_ptr, 6, waited)\n\n"),
@@ -96,10 +59,10 @@ _EDITS = (
      + _SCORES_WAIT + "        if i == 0:\n            _stamp(trace_ptr, 3)\n"),
     ("logit_cap, request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,",
      "logit_cap, request, row_block, trace_ptr, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,"),
-    _after("    first_tile = start // BLOCK_N * BLOCK_N\n", 1),
+    after("    first_tile = start // BLOCK_N * BLOCK_N\n", 1),
     ("request, row_block, QLEN, NUM_HEADS, PAGE_SIZE, HAS_CAP)),",
      "request, row_block, trace_ptr, QLEN, NUM_HEADS, PAGE_SIZE, HAS_CAP)),"),
-    _after("lse.to(lse_ptr.dtype.element_ty), mask=ok)\n", 5),
+    after("lse.to(lse_ptr.dtype.element_ty), mask=ok)\n", 5),
     ("    stride_t_r, stride_t_p, stride_sl,\n", "    stride_t_r, stride_t_p, stride_sl, trace_ptr,\n"),
     ("    row = gl.program_id(0)\n    split = gl.program_id(2)\n",
      "    _stamp(trace_ptr, 0)\n    row = gl.program_id(0)\n    split = gl.program_id(2)\n"),
@@ -123,21 +86,12 @@ def stamped_source() -> str:
     # The few-rows kernel is not stamped: its text (which repeats some anchors) is set aside while the edits apply.
     few_start, few_end = text.index(_FEW_ROWS_FROM), text.index(_FEW_ROWS_TO)
     few, text = text[few_start:few_end], text[:few_start] + _FEW_ROWS_TO + text[few_end + len(_FEW_ROWS_TO) :]
-    for where, what in _EDITS:
-        if text.count(where) != 1:
-            raise SystemExit(f"mla_timeline: the kernel's source changed, {where!r} occurs {text.count(where)} times")
-        text = text.replace(where, what)
-    return text.replace(_FEW_ROWS_TO, few + _FEW_ROWS_TO, 1)
+    return apply_edits(text, _EDITS, "mla_timeline").replace(_FEW_ROWS_TO, few + _FEW_ROWS_TO, 1)
 
 
 def load_stamped(folder: Path):
     """The stamped module, written to ``folder`` (Gluon reads a kernel's source from its file)."""
-    path = folder / "mla_timeline_kernels.py"
-    path.write_text(stamped_source())
-    spec = importlib.util.spec_from_file_location("mla_timeline_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(stamped_source(), folder, "mla_timeline_kernels")
 
 
 def main(specs: list[str]) -> None:
@@ -146,22 +100,7 @@ def main(specs: list[str]) -> None:
     os.environ[CONTENT_CHECKS_ENV] = "0"
     with tempfile.TemporaryDirectory() as folder:
         stamped = load_stamped(Path(folder))
-        trace: dict[str, torch.Tensor] = {}
-        plain_call = launch_module.Launch.__call__
-
-        def call(self, stream, *head):  # the Gluon entry kernels launch their stamped twins, with a trace buffer
-            name = getattr(getattr(self._kernel, "fn", None), "__name__", "")
-            if name not in ("mla_decode_stage1_kernel", "mla_verify_stage1_kernel"):
-                return plain_call(self, stream, *head)
-            programs = 1
-            for size in self._grid:
-                programs *= size
-            trace["t"] = torch.zeros(programs * 8, dtype=torch.int64, device="cuda")
-            getattr(stamped, name)[self._grid](*head, *self._tail, trace_ptr=trace["t"], **self._constexprs)
-            return None
-
-        launch_module.Launch.__call__ = call
-        try:
+        with stamped_launches(stamped, ("mla_decode_stage1_kernel", "mla_verify_stage1_kernel")) as trace:
             phases = " | ".join(f"{a} -> {b} us (median, max)" for a, b in itertools.pairwise(PHASES))
             print(f"| op | case | programs | span us | {phases} | waiting for tiles us (median, max) |")
             print("| --- " * (5 + len(PHASES) - 1) + "|")
@@ -179,18 +118,12 @@ def main(specs: list[str]) -> None:
                     stamps = trace["t"].view(-1, 8).cpu().tolist()
                     zero = min(s[0] for s in stamps)
                     span = (max(s[5] for s in stamps) - zero) / 1e3
-                    cells = []
-                    for k in range(len(PHASES) - 1):
-                        gaps = [(s[k + 1] - s[k]) / 1e3 for s in stamps]
-                        cells.append(f"{statistics.median(gaps):.2f}, {max(gaps):.2f}")
-                    waits = [s[6] / 1e3 for s in stamps]
-                    cells.append(f"{statistics.median(waits):.2f}, {max(waits):.2f}")
+                    cells = [median_max([(s[k + 1] - s[k]) / 1e3 for s in stamps]) for k in range(len(PHASES) - 1)]
+                    cells.append(median_max([s[6] / 1e3 for s in stamps]))
                     print(f"| {case.op} | {case.name} | {len(stamps)} | {span:.1f} | " + " | ".join(cells) + " |",
                           flush=True)  # fmt: skip
                     del bench
                     torch.cuda.empty_cache()
-        finally:
-            launch_module.Launch.__call__ = plain_call
 
 
 if __name__ == "__main__":

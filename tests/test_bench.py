@@ -376,18 +376,49 @@ for verify in (False, True):
 """
 
 
+_TQ_TIMELINE_COMPILE = """
+import json, sys
+from pathlib import Path
+from benchmarks import tq_timeline
+from triton_impl import turboquant
+from triton_impl.bench import sass_loop
+kernels = tq_timeline.load_stamped(Path(sys.argv[1]))
+for key_bits, value_bits in ((4, 4), (3, 3)):
+    entry = turboquant.decode_entry(turboquant.DECODE_CONFIGS["sm90"], key_bits, value_bits)
+    staging = turboquant.warp_stages(entry)
+    kernel = kernels.compile_for_sm90(key_bits=key_bits, value_bits=value_bits, maxnreg=entry["WARP_MAXNREG"],
+                                      stages=staging["STAGES"], step=staging["STEP"], fp16_operands=True, warp=True,
+                                      stream_k=True)
+    print(json.dumps([key_bits, len(sass_loop(kernel.asm["cubin"], "HMMA"))]))
+"""
+
+
+def _compiled_rows(script: str, tmp_path: Path) -> list:
+    """The JSON rows ``script`` prints, run in a process of its own (TRITON_INTERPRET=0) with ``tmp_path`` as its
+    argument."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+
+
 def test_the_mla_timeline_stamps_compile_for_hopper(tmp_path: Path) -> None:
     """``benchmarks/mla_timeline.py`` rebuilds the Gluon MLA stage 1 from its source with timer stamps: every edit
     still finds its place in the kernel (else it stops, naming the text), and both stamped entry kernels compile
-    for sm_90 (a process of its own, TRITON_INTERPRET=0), with the unstamped kernel's shared memory."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, "-c", _TIMELINE_COMPILE, str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    for sm_90, with the unstamped kernel's shared memory."""
+    rows = _compiled_rows(_TIMELINE_COMPILE, tmp_path)
     assert [row[0] for row in rows] == [False, True]
     assert all(224 * 1024 <= row[3] <= 232448 for row in rows), rows
+
+
+def test_the_turboquant_timeline_stamps_compile_for_hopper(tmp_path: Path) -> None:
+    """``benchmarks/tq_timeline.py`` rebuilds the TurboQuant stream-K stage 1 the same way: every edit finds its place,
+    and the stamped kernel compiles for sm_90 with 4-bit and 3-bit keys and values, its chunk loop found (the stamps
+    sit outside it)."""
+    rows = _compiled_rows(_TQ_TIMELINE_COMPILE, tmp_path)
+    assert [row[0] for row in rows] == [4, 3] and all(row[1] > 500 for row in rows), rows
 
 
 def test_ncu_stalls_sums_the_source_page_over_the_hottest_loop(tmp_path: Path, capsys) -> None:

@@ -1,0 +1,121 @@
+"""Where a program of the TurboQuant decode's stream-K stage 1 spends its time: a timeline per program, for the GPU
+machine.
+
+``PYTHONPATH=. python3 benchmarks/tq_timeline.py "op:name part" ...`` (specs as ``benchmarks/kernel_times.py`` takes
+them; cases that run ``turboquant_sm90.decode_stage1_stream_k_kernel``: 3- and 4-bit keys on sm_90). The kernel is
+rebuilt from its own source with ``%globaltimer`` stamps (``benchmarks/timeline.py``). Each program records:
+
+0. ``start``: the kernel begins (slot 0);
+1. ``ready``: its chunk ring and centroid tables are made, its first piece next (slot 1; idle programs, past the
+   ones a KV head's keys need, record 0);
+2. ``prologue``: summed over its pieces, the time from a piece's start to its first copy (the scan of the sequence
+   lengths for the piece's request, the block-table check);
+3. ``chunks``: summed over its pieces, :func:`_chunks` (the first copies asked for, the query, the chunk loop);
+4. ``store``: summed over its pieces, the ring's reset and the partial's store;
+5. ``end``: the kernel's last instruction (slot 5), and its pieces (slot 6).
+
+A case is set up as the bench sets it up (content checks off), run 3 times, then once stamped. The table gives, per
+case, the kernel's span (first start to last end), how far apart the programs start (last start minus first), the
+median and maximum over the working programs of each phase, and when they end (from the first start): the median
+and the last, for the programs with one piece and with more. The stamps add four int64 values carried through the
+pieces' loop (a few registers) and twelve timer reads a piece; the chunk loop is not stamped.
+
+What it is for: at L=8K about 15 us of stage 1 does not grow with L (``notebooks/results/perf_log.md``, twenty-first
+session); merging in stage 1 and giving two-piece programs fewer steps both made it slower, so where the fixed
+part goes is measured here before anything else is tried.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import triton_impl.turboquant_sm90 as fast
+from benchmarks.timeline import STAMP_SOURCE, apply_edits, load_module, median_max, stamped_launches
+from triton_impl.validation import CONTENT_CHECKS_ENV
+
+KERNEL = "decode_stage1_stream_k_kernel"
+_ENTRY = "@gluon.jit\ndef decode_stage1_stream_k_kernel("
+_PIECE_LOOP = "        while pos < hi:  # a piece: the steps from pos in one request\n"
+_LAST_LINE = "            pos = piece_end\n"
+_SUMS = ("spent_prologue", "spent_chunks", "spent_store", "pieces_run")  # carried through the pieces' loop
+
+# (where, what): each ``where`` occurs once in the module's source.
+_EDITS = (
+    (_ENTRY, STAMP_SOURCE + "\n" + _ENTRY),
+    ("stride_pb, stride_ph, stride_ps, batch,\n", "stride_pb, stride_ph, stride_ps, batch, trace_ptr,\n"),
+    ("    pid = gl.program_id(0)\n    kv_head = pid % NUM_KV_HEADS\n",
+     "    _stamp(trace_ptr, 0)\n    pid = gl.program_id(0)\n    kv_head = pid % NUM_KV_HEADS\n"),
+    (_PIECE_LOOP, "        _stamp(trace_ptr, 1)\n" + "".join(f"        {name} = _now() * 0\n" for name in _SUMS)
+                  + _PIECE_LOOP + "            piece_start = _now()\n"),
+    ("            poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)\n",
+     "            poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)\n"
+     "            chunks_start = _now()\n            spent_prologue += chunks_start - piece_start\n"),
+    ("                                         pair_lut, shape)  # fmt: skip\n",
+     "                                         pair_lut, shape)  # fmt: skip\n"
+     "            store_start = _now()\n            spent_chunks += store_start - chunks_start\n"),
+    (_LAST_LINE + "\n\n",
+     "            spent_store += _now() - store_start\n            pieces_run += 1\n" + _LAST_LINE
+     + "        _put(trace_ptr, 2, spent_prologue)\n        _put(trace_ptr, 3, spent_chunks)\n"
+       "        _put(trace_ptr, 4, spent_store)\n        _put(trace_ptr, 6, pieces_run)\n"
+       "    _stamp(trace_ptr, 5)\n\n\n"),
+    ('"centroid_ptr": "*fp32", "partials_ptr": "*fp32",', '"centroid_ptr": "*fp32", "partials_ptr": "*fp32", '
+                                                         '"trace_ptr": "*i64",'),
+)
+
+
+def load_stamped(folder: Path):
+    """The stamped ``triton_impl.turboquant_sm90``, written to ``folder`` (Gluon reads a kernel's source from its
+    file); its ``compile_for_sm90`` compiles the stamped kernels."""
+    return load_module(apply_edits(Path(fast.__file__).read_text(), _EDITS, "tq_timeline"), folder,
+                       "tq_timeline_kernels")  # fmt: skip
+
+
+def _ends(stamps: list[list[int]], zero: int, pieces) -> str:
+    """``"median, last"`` end (us from ``zero``) of the working programs whose pieces ``pieces`` accepts, or ``-``."""
+    ends = [(s[5] - zero) / 1e3 for s in stamps if s[6] and pieces(s[6])]
+    return f"{statistics.median(ends):.1f}, {max(ends):.1f}" if ends else "-"
+
+
+def main(specs: list[str]) -> None:
+    from benchmarks.kernel_times import matching
+
+    os.environ[CONTENT_CHECKS_ENV] = "0"
+    with tempfile.TemporaryDirectory() as folder:
+        stamped = load_stamped(Path(folder))
+        with stamped_launches(stamped, (KERNEL,)) as trace:
+            print("| op | case | programs (working) | span us | starts apart us | start -> ready | prologue | chunks | "
+                  "store | end, one piece (median, last) | end, more pieces (median, last) |")  # fmt: skip
+            print("| --- " * 11 + "|")
+            for spec in specs:
+                for case in matching(spec):
+                    bench = case.setup(torch.device("cuda"))
+                    for _ in range(3):
+                        bench.run()
+                    trace.clear()
+                    bench.run()
+                    torch.cuda.synchronize()
+                    if "t" not in trace:
+                        print(f"| {case.op} | {case.name} | the stream-K stage 1 did not run | |")
+                        continue
+                    stamps = trace["t"].view(-1, 8).cpu().tolist()
+                    working = [s for s in stamps if s[6]]
+                    zero = min(s[0] for s in stamps)
+                    span = (max(s[5] for s in stamps) - zero) / 1e3
+                    apart = (max(s[0] for s in stamps) - zero) / 1e3
+                    cells = [median_max([(s[1] - s[0]) / 1e3 for s in working]),
+                             *(median_max([s[k] / 1e3 for s in working]) for k in (2, 3, 4)),
+                             _ends(stamps, zero, lambda n: n == 1), _ends(stamps, zero, lambda n: n > 1)]
+                    print(f"| {case.op} | {case.name} | {len(stamps)} ({len(working)}) | {span:.1f} | {apart:.1f} | "
+                          + " | ".join(cells) + " |", flush=True)  # fmt: skip
+                    del bench
+                    torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
