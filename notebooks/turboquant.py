@@ -579,6 +579,30 @@ for length in (8192, 32768):
         assert fat_row["ms"] / fat_bytes < lean_row["ms"] / lean_bytes, (fat, lean)  # fewer bytes, more time a byte
 
 # %% [markdown]
+# **The part of a call that does not shrink with L.** At L=8K the MSE presets sit further from their roofline than
+# at 32K (4-bit keys 59% against 72%). Stage 1 alone, timed on the H200 at every request length from 1K to 32K
+# (`perf_log.md`, twenty-first session; the profiler's kernel time, the bench's shape), grows by a fixed time per
+# 1K keys and starts well above zero: the cell fits the line through 2K-32K. That intercept, the query's rotation
+# and the split merge (3.4-3.8 and 2.5-3.6 us, two more kernels) and the idle gaps before and between the three
+# kernels are paid once a call, whatever L. Two attempts to shorten it made stage 1 slower (merging the pieces in
+# stage 1 itself, and fewer steps for the programs that hold two pieces), both kept in `benchmarks/variants/`.
+
+# %%
+stage1_us = {  # B=32 Hq=32 Hk=8 D=128, block 16, every request L keys: L -> stage 1 in us (H200, Triton 3.6)
+    "turboquant_3bit_nc": {1024: 26.5, 2048: 43.3, 4096: 71.4, 8192: 128.1, 16384: 240.5, 32768: 464.8},
+    "turboquant_4bit_nc": {1024: 22.3, 2048: 34.2, 4096: 55.7, 8192: 98.6, 16384: 184.3, 32768: 352.6},
+}
+for preset, times in stage1_us.items():
+    lengths = torch.tensor([n for n in times if n >= 2048], dtype=torch.float64)
+    us = torch.tensor([times[int(n)] for n in lengths], dtype=torch.float64)
+    design = torch.stack([lengths / 1024, torch.ones_like(lengths)], 1)
+    slope, intercept = torch.linalg.lstsq(design, us[:, None]).solution[:, 0].tolist()
+    call_8k = by_case[f"{preset} decode B={batch} Hq={q_heads} Hk={bench_kv_heads} D={D} L=8192"]["ms"] * 1e3
+    print(f"{preset:20s} stage 1 = {slope:.2f} us per 1K keys + {intercept:.1f} us; the bench's L=8K call "
+          f"{call_8k:.1f} us, of which {call_8k - slope * 8:.1f} us do not grow with L")
+    assert 12 < intercept < 18 and 10 < slope < 15
+
+# %% [markdown]
 # **Splitting where the keys are (stream-K).** The grid of splits gives every request `S` splits, whatever its
 # length: a 32K-key request's splits are ten times as long as a 3K one's, and the last programs to finish keep SMs
 # waiting. For 3- and 4-bit keys the sm_90 decode instead concatenates each KV head's 32-key steps over all requests
