@@ -25,16 +25,12 @@ found, 2026-12-01 (``notebooks/results/perf_log.md``).
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 import triton_impl.decode_attention_sm90 as fast
-from benchmarks.timeline import STAMP_SOURCE, after, apply_edits, load_module, median_max, stamped_launches
-from triton_impl.validation import CONTENT_CHECKS_ENV
+from benchmarks.timeline import STAMP_SOURCE, after, apply_edits, load_module, median_max, print_timelines
 
 PHASES = ("start", "bounds", "query", "tile 0", "loop", "stored")
 
@@ -94,36 +90,20 @@ def load_stamped(folder: Path):
     return load_module(stamped_source(), folder, "mla_timeline_kernels")
 
 
-def main(specs: list[str]) -> None:
-    from benchmarks.kernel_times import matching
+def _cells(stamps: list[list[int]]) -> list[str]:
+    """A case's row: programs, span, each phase and the waits for tiles (median, max over programs)."""
+    zero = min(s[0] for s in stamps)
+    span = (max(s[5] for s in stamps) - zero) / 1e3
+    cells = [median_max([(s[k + 1] - s[k]) / 1e3 for s in stamps]) for k in range(len(PHASES) - 1)]
+    return [str(len(stamps)), f"{span:.1f}", *cells, median_max([s[6] / 1e3 for s in stamps])]
 
-    os.environ[CONTENT_CHECKS_ENV] = "0"
+
+def main(specs: list[str]) -> None:
     with tempfile.TemporaryDirectory() as folder:
-        stamped = load_stamped(Path(folder))
-        with stamped_launches(stamped, ("mla_decode_stage1_kernel", "mla_verify_stage1_kernel")) as trace:
-            phases = " | ".join(f"{a} -> {b} us (median, max)" for a, b in itertools.pairwise(PHASES))
-            print(f"| op | case | programs | span us | {phases} | waiting for tiles us (median, max) |")
-            print("| --- " * (5 + len(PHASES) - 1) + "|")
-            for spec in specs:
-                for case in matching(spec):
-                    bench = case.setup(torch.device("cuda"))
-                    for _ in range(3):
-                        bench.run()
-                    trace.clear()
-                    bench.run()
-                    torch.cuda.synchronize()
-                    if "t" not in trace:
-                        print(f"| {case.op} | {case.name} | the Gluon stage 1 did not run | |")
-                        continue
-                    stamps = trace["t"].view(-1, 8).cpu().tolist()
-                    zero = min(s[0] for s in stamps)
-                    span = (max(s[5] for s in stamps) - zero) / 1e3
-                    cells = [median_max([(s[k + 1] - s[k]) / 1e3 for s in stamps]) for k in range(len(PHASES) - 1)]
-                    cells.append(median_max([s[6] / 1e3 for s in stamps]))
-                    print(f"| {case.op} | {case.name} | {len(stamps)} | {span:.1f} | " + " | ".join(cells) + " |",
-                          flush=True)  # fmt: skip
-                    del bench
-                    torch.cuda.empty_cache()
+        phases = [f"{a} -> {b} us (median, max)" for a, b in itertools.pairwise(PHASES)]
+        print_timelines(specs, load_stamped(Path(folder)), ("mla_decode_stage1_kernel", "mla_verify_stage1_kernel"),
+                        ["programs", "span us", *phases, "waiting for tiles us (median, max)"], _cells,
+                        "the Gluon stage 1 did not run")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from triton_impl import launch as launch_module
+from triton_impl.validation import CONTENT_CHECKS_ENV
 
 # The stamp functions, inserted into the kernel's module. One element a thread of the calling warps (a warp-specialized
 # partition's own warps): reading the timer needs no reduction and no barrier.
@@ -110,3 +112,29 @@ def stamped_launches(stamped: ModuleType, names: Sequence[str]) -> Iterator[dict
 def median_max(values: Sequence[float]) -> str:
     """``"median, max"`` with two decimals."""
     return f"{statistics.median(values):.2f}, {max(values):.2f}"
+
+
+def print_timelines(specs: Sequence[str], stamped: ModuleType, names: Sequence[str], columns: Sequence[str],
+                    cells: Callable[[list[list[int]]], list[str]], missing: str) -> None:  # fmt: skip
+    """A markdown table: for each bench case the specs name (as ``benchmarks/kernel_times.py`` takes them), set up as
+    the bench sets it up (content checks off), run 3 times, then once with the kernels ``names`` launched from
+    ``stamped``: the row ``op | case | cells(stamps)`` (``stamps``: 8 slots a program), or ``missing`` where none of
+    them ran. ``columns`` are the header's cells after op and case."""
+    from benchmarks.kernel_times import matching
+
+    os.environ[CONTENT_CHECKS_ENV] = "0"
+    with stamped_launches(stamped, names) as trace:
+        print("| op | case | " + " | ".join(columns) + " |")
+        print("| --- " * (2 + len(columns)) + "|")
+        for spec in specs:
+            for case in matching(spec):
+                bench = case.setup(torch.device("cuda"))
+                for _ in range(3):
+                    bench.run()
+                trace.clear()
+                bench.run()
+                torch.cuda.synchronize()
+                row = cells(trace["t"].view(-1, 8).cpu().tolist()) if "t" in trace else [missing]
+                print(f"| {case.op} | {case.name} | " + " | ".join(row) + " |", flush=True)
+                del bench
+                torch.cuda.empty_cache()

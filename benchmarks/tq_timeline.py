@@ -27,17 +27,13 @@ part goes is measured here before anything else is tried.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 import triton_impl.turboquant_sm90 as fast
-from benchmarks.timeline import STAMP_SOURCE, apply_edits, load_module, median_max, stamped_launches
-from triton_impl.validation import CONTENT_CHECKS_ENV
+from benchmarks.timeline import STAMP_SOURCE, apply_edits, load_module, median_max, print_timelines
 
 KERNEL = "decode_stage1_stream_k_kernel"
 _ENTRY = "@gluon.jit\ndef decode_stage1_stream_k_kernel("
@@ -82,39 +78,23 @@ def _ends(stamps: list[list[int]], zero: int, pieces) -> str:
     return f"{statistics.median(ends):.1f}, {max(ends):.1f}" if ends else "-"
 
 
-def main(specs: list[str]) -> None:
-    from benchmarks.kernel_times import matching
+def _cells(stamps: list[list[int]]) -> list[str]:
+    """A case's row: programs (working), span, start spread, each phase (median, max over the working programs) and
+    the end times by pieces a program."""
+    working = [s for s in stamps if s[6]]
+    zero = min(s[0] for s in stamps)
+    return [f"{len(stamps)} ({len(working)})", f"{(max(s[5] for s in stamps) - zero) / 1e3:.1f}",
+            f"{(max(s[0] for s in stamps) - zero) / 1e3:.1f}", median_max([(s[1] - s[0]) / 1e3 for s in working]),
+            *(median_max([s[k] / 1e3 for s in working]) for k in (2, 3, 4)),
+            _ends(stamps, zero, lambda n: n == 1), _ends(stamps, zero, lambda n: n > 1)]  # fmt: skip
 
-    os.environ[CONTENT_CHECKS_ENV] = "0"
+
+def main(specs: list[str]) -> None:
     with tempfile.TemporaryDirectory() as folder:
-        stamped = load_stamped(Path(folder))
-        with stamped_launches(stamped, (KERNEL,)) as trace:
-            print("| op | case | programs (working) | span us | starts apart us | start -> ready | prologue | chunks | "
-                  "store | end, one piece (median, last) | end, more pieces (median, last) |")  # fmt: skip
-            print("| --- " * 11 + "|")
-            for spec in specs:
-                for case in matching(spec):
-                    bench = case.setup(torch.device("cuda"))
-                    for _ in range(3):
-                        bench.run()
-                    trace.clear()
-                    bench.run()
-                    torch.cuda.synchronize()
-                    if "t" not in trace:
-                        print(f"| {case.op} | {case.name} | the stream-K stage 1 did not run | |")
-                        continue
-                    stamps = trace["t"].view(-1, 8).cpu().tolist()
-                    working = [s for s in stamps if s[6]]
-                    zero = min(s[0] for s in stamps)
-                    span = (max(s[5] for s in stamps) - zero) / 1e3
-                    apart = (max(s[0] for s in stamps) - zero) / 1e3
-                    cells = [median_max([(s[1] - s[0]) / 1e3 for s in working]),
-                             *(median_max([s[k] / 1e3 for s in working]) for k in (2, 3, 4)),
-                             _ends(stamps, zero, lambda n: n == 1), _ends(stamps, zero, lambda n: n > 1)]
-                    print(f"| {case.op} | {case.name} | {len(stamps)} ({len(working)}) | {span:.1f} | {apart:.1f} | "
-                          + " | ".join(cells) + " |", flush=True)  # fmt: skip
-                    del bench
-                    torch.cuda.empty_cache()
+        columns = ["programs (working)", "span us", "starts apart us", "start -> ready", "prologue", "chunks",
+                   "store", "end, one piece (median, last)", "end, more pieces (median, last)"]  # fmt: skip
+        print_timelines(specs, load_stamped(Path(folder)), (KERNEL,), columns, _cells,
+                        "the stream-K stage 1 did not run")
 
 
 if __name__ == "__main__":

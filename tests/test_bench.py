@@ -421,6 +421,20 @@ def test_the_turboquant_timeline_stamps_compile_for_hopper(tmp_path: Path) -> No
     assert [row[0] for row in rows] == [4, 3] and all(row[1] > 500 for row in rows), rows
 
 
+def test_the_turboquant_timeline_row_reads_the_stamps() -> None:
+    """``benchmarks/tq_timeline.py``'s row from a trace (ns, 8 slots a program): an idle program (no pieces) counts in
+    the span and the start spread but not in the phases, and the end times are split by pieces a program."""
+    from benchmarks import tq_timeline
+
+    stamps = [  # start, ready, prologue, chunks, store, end, pieces, SM
+        [1000, 3000, 2000, 90000, 1000, 97000, 1, 0],
+        [1500, 4500, 4000, 88000, 2000, 99500, 2, 1],
+        [2000, 0, 0, 0, 0, 2500, 0, 2],
+    ]
+    assert tq_timeline._cells(stamps) == ["3 (2)", "98.5", "1.0", "2.50, 3.00", "3.00, 4.00", "89.00, 90.00",
+                                          "1.50, 2.00", "96.0, 96.0", "98.5, 98.5"]  # fmt: skip
+
+
 def test_ncu_stalls_sums_the_source_page_over_the_hottest_loop(tmp_path: Path, capsys) -> None:
     """``benchmarks/ncu_stalls.py`` on a small source page in Nsight Compute's CSV form: the innermost loop holding
     an MMA is found by its backward branch (not the wider loop around it), and samples are summed by reason (the
