@@ -581,7 +581,8 @@ for length in (8192, 32768):
 # %% [markdown]
 # **The part of a call that does not shrink with L.** At L=8K the MSE presets sit further from their roofline than
 # at 32K (4-bit keys 59% against 72%). Stage 1 alone, timed on the H200 at every request length from 1K to 32K
-# (`perf_log.md`, twenty-first session; the profiler's kernel time, the bench's shape), grows by a fixed time per
+# (`perf_log.md`, twenty-first session; the profiler's kernel time, the bench's shape: `benchmarks/turboquant_kernels.py
+# 3bit_nc lengths`), grows by a fixed time per
 # 1K keys and starts well above zero: the cell fits the line through 2K-32K. That intercept, the query's rotation
 # and the split merge (3.4-3.8 and 2.5-3.6 us, two more kernels) and the idle gaps before and between the three
 # kernels are paid once a call, whatever L. Two attempts to shorten it made stage 1 slower (merging the pieces in

@@ -366,83 +366,87 @@ def cases() -> list[Case]:
     ]
 
 
-def bench_cases() -> list:
-    """Decode per preset at B=32, Hq=32, Hk=8, D=128 (block 16), against a bf16 GQA decode of the same shape; and
-    4-bit keys over a batch of mixed lengths (1 to 32K keys, drawn once with seed 0: 16.6K on average)."""
+def decode_bench_case(preset: str, length: int, batch: int = 32, heads: int = 32, kv_heads: int = 8,
+                      mixed: bool = False):  # fmt: skip
+    """The bench's TurboQuant decode case: ``batch`` requests of ``length`` keys (``mixed``: 1 .. ``length`` each,
+    drawn once with seed 0, every table ``length`` keys long) at D=128, block 16, a random bf16 cache stored by the
+    Triton store into shuffled blocks, timed against a bf16 GQA decode of the same shape."""
     from triton_impl.bench import Bench, BenchCase, device_paged_cache
     from triton_impl.decode_attention import _compute_num_kv_splits, decode_attention_fwd
 
-    def case(preset: str, length: int, batch: int = 32, heads: int = 32, kv_heads: int = 8,
-             mixed: bool = False) -> BenchCase:  # fmt: skip
-        head_dim, block_size = 128, 16
-        lengths = [length] * batch
-        if mixed:  # each request 1 .. length keys, its table still length keys long
-            lengths = torch.randint(1, length + 1, (batch,), generator=torch.Generator().manual_seed(0)).tolist()
+    head_dim, block_size = 128, 16
+    lengths = [length] * batch
+    if mixed:  # each request 1 .. length keys, its table still length keys long
+        lengths = torch.randint(1, length + 1, (batch,), generator=torch.Generator().manual_seed(0)).tolist()
 
-        def setup(device: torch.device) -> Bench:
-            config = TurboQuantConfig.from_cache_dtype(preset, head_dim)
-            centroids, midpoints = (t.to(device) for t in solve_lloyd_max(head_dim, config.centroid_bits))
-            pit = hadamard_rotation(head_dim).T.contiguous().to(device)
-            blocks = batch * length // block_size
-            cache = torch.zeros(
-                blocks, block_size, kv_heads, config.slot_size_aligned, dtype=torch.uint8, device=device
-            )
-            table = torch.randperm(blocks, device=device).to(torch.int32).view(batch, -1)
-            positions = torch.arange(block_size, device=device)
-            slots = (table.to(torch.int64)[:, :, None] * block_size + positions).flatten()
-            key = torch.randn(slots.numel(), kv_heads, head_dim, device=device).to(torch.bfloat16)
-            value = torch.randn_like(key)
-            triton_turboquant_store(key, value, cache, slots, pit, midpoints, config.key_mse_bits,
-                                    config.key_packed_size, config.value_quant_bits, config.key_fp8, centroids,
-                                    config.norm_correction)  # fmt: skip
-            seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
-            query = torch.randn(batch, heads, head_dim, device=device).to(torch.bfloat16)
-            lse = torch.empty(batch, heads, device=device)
-            sizes = (config.key_mse_bits, config.key_packed_size, config.value_quant_bits, config.value_packed_size)
-            args = (query, cache, table, seq_lens, pit.T.contiguous(), centroids, head_dim**-0.5, *sizes)
-            holder = type("Buffers", (), {})()  # buffers allocated once, reused by every call
+    def setup(device: torch.device) -> Bench:
+        config = TurboQuantConfig.from_cache_dtype(preset, head_dim)
+        centroids, midpoints = (t.to(device) for t in solve_lloyd_max(head_dim, config.centroid_bits))
+        pit = hadamard_rotation(head_dim).T.contiguous().to(device)
+        blocks = batch * length // block_size
+        cache = torch.zeros(
+            blocks, block_size, kv_heads, config.slot_size_aligned, dtype=torch.uint8, device=device
+        )
+        table = torch.randperm(blocks, device=device).to(torch.int32).view(batch, -1)
+        positions = torch.arange(block_size, device=device)
+        slots = (table.to(torch.int64)[:, :, None] * block_size + positions).flatten()
+        key = torch.randn(slots.numel(), kv_heads, head_dim, device=device).to(torch.bfloat16)
+        value = torch.randn_like(key)
+        triton_turboquant_store(key, value, cache, slots, pit, midpoints, config.key_mse_bits,
+                                config.key_packed_size, config.value_quant_bits, config.key_fp8, centroids,
+                                config.norm_correction)  # fmt: skip
+        seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        query = torch.randn(batch, heads, head_dim, device=device).to(torch.bfloat16)
+        lse = torch.empty(batch, heads, device=device)
+        sizes = (config.key_mse_bits, config.key_packed_size, config.value_quant_bits, config.value_packed_size)
+        args = (query, cache, table, seq_lens, pit.T.contiguous(), centroids, head_dim**-0.5, *sizes)
+        holder = type("Buffers", (), {})()  # buffers allocated once, reused by every call
 
-            def run() -> torch.Tensor:
-                return triton_turboquant_decode_attention_v2(*args, key_fp8=config.key_fp8,
-                                                             norm_correction=config.norm_correction, lse_buf=lse,
-                                                             buf_holder=holder)  # fmt: skip
+        def run() -> torch.Tensor:
+            return triton_turboquant_decode_attention_v2(*args, key_fp8=config.key_fp8,
+                                                         norm_correction=config.norm_correction, lse_buf=lse,
+                                                         buf_holder=holder)  # fmt: skip
 
-            def check() -> list[Check]:
-                out = run()
-                expected = decode_expected(query[:1], cache, table[:1], seq_lens[:1], pit, centroids,
-                                           head_dim**-0.5, config)  # fmt: skip
-                out_tol = tolerance("turboquant", "out", query.dtype)
-                return [
-                    Check("out", out[:1], expected.out, out_tol, expected.out_bound),
-                    Check("lse", lse[:1], expected.lse, tolerance("turboquant", "lse", "float32")),
-                ]
+        def check() -> list[Check]:
+            out = run()
+            expected = decode_expected(query[:1], cache, table[:1], seq_lens[:1], pit, centroids,
+                                       head_dim**-0.5, config)  # fmt: skip
+            out_tol = tolerance("turboquant", "out", query.dtype)
+            return [
+                Check("out", out[:1], expected.out, out_tol, expected.out_bound),
+                Check("lse", lse[:1], expected.lse, tolerance("turboquant", "lse", "float32")),
+            ]
 
-            # bf16 GQA decode of the same shape: the baseline the compressed cache must beat.
-            kv, kv_table = device_paged_cache(lengths, block_size, kv_heads, 2 * head_dim, torch.bfloat16,
-                                              device)  # fmt: skip
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            splits = _compute_num_kv_splits(length, sms)
-            o_bf16 = torch.empty(batch, heads, head_dim, dtype=torch.bfloat16, device=device)
-            lse_bf16 = torch.empty(batch, heads, device=device)
-            logits = torch.empty(batch, heads, splits, head_dim + 1, device=device)
+        # bf16 GQA decode of the same shape: the baseline the compressed cache must beat.
+        kv, kv_table = device_paged_cache(lengths, block_size, kv_heads, 2 * head_dim, torch.bfloat16,
+                                          device)  # fmt: skip
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        splits = _compute_num_kv_splits(length, sms)
+        o_bf16 = torch.empty(batch, heads, head_dim, dtype=torch.bfloat16, device=device)
+        lse_bf16 = torch.empty(batch, heads, device=device)
+        logits = torch.empty(batch, heads, splits, head_dim + 1, device=device)
 
-            def bf16_decode() -> None:
-                decode_attention_fwd(query, kv[..., :head_dim], kv[..., head_dim:], o_bf16, lse_bf16, kv_table,
-                                     seq_lens, logits, splits, head_dim**-0.5, block_size)  # fmt: skip
+        def bf16_decode() -> None:
+            decode_attention_fwd(query, kv[..., :head_dim], kv[..., head_dim:], o_bf16, lse_bf16, kv_table,
+                                 seq_lens, logits, splits, head_dim**-0.5, block_size)  # fmt: skip
 
-            read = sum(-(-n // block_size) for n in lengths)  # the blocks the call reads
-            nbytes = read * cache.stride(0) + query.numel() * 2 * 2 + table.numel() * 4
-            flops = 2 * heads * sum(lengths) * 2 * head_dim
-            return Bench(run, check, nbytes, flops, {"bf16 GQA decode": bf16_decode},
-                         kernels=("_decode_stage1_kernel", "decode_stage1_kernel", "decode_stage1_streams_kernel",
-                                  "decode_stage1_warp_kernel", "decode_stage1_stream_k_kernel"))  # fmt: skip
+        read = sum(-(-n // block_size) for n in lengths)  # the blocks the call reads
+        nbytes = read * cache.stride(0) + query.numel() * 2 * 2 + table.numel() * 4
+        flops = 2 * heads * sum(lengths) * 2 * head_dim
+        return Bench(run, check, nbytes, flops, {"bf16 GQA decode": bf16_decode},
+                     kernels=("_decode_stage1_kernel", "decode_stage1_kernel", "decode_stage1_streams_kernel",
+                              "decode_stage1_warp_kernel", "decode_stage1_stream_k_kernel"))  # fmt: skip
 
-        span = f"L=1-{length // 1024}K mixed" if mixed else f"L={length}"
-        return BenchCase("turboquant", f"{preset} decode B={batch} Hq={heads} Hk={kv_heads} D=128 {span}", setup)
+    span = f"L=1-{length // 1024}K mixed" if mixed else f"L={length}"
+    return BenchCase("turboquant", f"{preset} decode B={batch} Hq={heads} Hk={kv_heads} D=128 {span}", setup)
 
+
+def bench_cases() -> list:
+    """Decode per preset at B=32, Hq=32, Hk=8, D=128 (block 16), against a bf16 GQA decode of the same shape; and
+    4-bit keys over a batch of mixed lengths (1 to 32K keys, drawn once with seed 0: 16.6K on average)."""
     presets = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
-    decodes = [case(p, length) for length in (8192, 32768) for p in presets]
-    decodes.append(case("turboquant_4bit_nc", 32768, mixed=True))
+    decodes = [decode_bench_case(p, length) for length in (8192, 32768) for p in presets]
+    decodes.append(decode_bench_case("turboquant_4bit_nc", 32768, mixed=True))
     return decodes + [store_case(p, 32 * 32768) for p in presets]
 
 
