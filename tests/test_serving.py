@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -833,6 +834,9 @@ def test_no_host_sync_with_default_checks(name: str, monkeypatch: pytest.MonkeyP
         torch.cuda.set_sync_debug_mode("default")
 
 
+_HOST_WARMED: list[bool] = []  # set by the first host-overhead case a process runs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", serving.CASES, ids=[case[0] for case in serving.CASES])
 def test_host_overhead_per_call(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -845,7 +849,10 @@ def test_host_overhead_per_call(case: tuple, monkeypatch: pytest.MonkeyPatch) ->
     kernels of MLA decode B=8 H=16 L=4K (20 us) hide the least of it: 26-27 us over graph replay in
     two runs of this test (before its untimed warm-up loop), 10.8 us in the table; MLA verify B=8 H=16 Q=4
     L=4K measured 26.4 us in one run (eager 52.6 us, 38.7 in the table: the host, not the graph, was
-    slower), 12.5 us in the table, and MLA decode B=8 H=16 L=4K 27.2 us once more at 1aee0a3 (eager 47.4 us).
+    slower), 12.5 us in the table, and MLA decode B=8 H=16 L=4K 27.2 us once more at 1aee0a3 (eager 47.4 us) and 26.3
+    us at 50c7376 (eager 46.5-47.8 us), each time the first case timed right after the suite, and passing when run
+    again: so the first case of a process now runs two seconds of eager calls before its timing, and the GPU job
+    waits for the suite's workers to exit.
     Host jitter only ever adds time, so the test measures three times and holds the smallest difference to the
     budget: a regression of our host path shows in all three. Only meaningful with
     the GPU and the host to itself: beside other pytest workers both times stretch and their difference
@@ -855,5 +862,11 @@ def test_host_overhead_per_call(case: tuple, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv(CONTENT_CHECKS_ENV, raising=False)
     _, kind, *shape = case
     run = serving.build(kind, *shape)
+    if not _HOST_WARMED:  # the first case of a process: two seconds of eager calls before any timing
+        _HOST_WARMED.append(True)
+        deadline = time.perf_counter() + 2.0
+        while time.perf_counter() < deadline:
+            run()
+        torch.cuda.synchronize()
     measured = [eager_and_graph_us(run) for _ in range(3)]
     assert min(eager - graph for eager, graph in measured) <= serving.BUDGET_US, measured
