@@ -20,7 +20,7 @@ import torch
 
 import triton_impl.turboquant as turboquant
 from benchmarks.kernel_times import kernel_times
-from triton_impl.bench import bench_ms
+from triton_impl.bench import bench_ms, per_length_line
 from triton_impl.parity.turboquant import bench_cases, decode_bench_case
 
 # Variants: the sm90 entry's keys each sets; the last is the reference the outputs are compared with.
@@ -50,10 +50,7 @@ def over_lengths(preset: str) -> None:
         print(f"| | {length} | {rotate:.1f} | {stage1[length]:.1f} | {merge:.1f} | {whole:.1f} |", flush=True)
         del bench
         torch.cuda.empty_cache()
-    fitted = [n for n in LENGTHS if n >= 2048]
-    design = torch.tensor([[n / 1024, 1.0] for n in fitted], dtype=torch.float64)
-    slope, intercept = torch.linalg.lstsq(design, torch.tensor([[stage1[n]] for n in fitted], dtype=torch.float64)
-                                          ).solution[:, 0].tolist()  # fmt: skip
+    slope, intercept = per_length_line(stage1)
     print(f"stage 1 of {preset}: {slope:.2f} us per 1K keys + {intercept:.1f} us (2K-32K)")
 
 

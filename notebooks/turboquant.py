@@ -30,6 +30,7 @@ import torch
 
 import triton_impl  # selects the Triton interpreter on a CPU-only machine; locates the repository
 from golden import turboquant as tq
+from triton_impl.bench import per_length_line
 from triton_impl.parity.turboquant import compare_store, decode_expected
 from triton_impl.tolerances import compare, tolerance
 from triton_impl.turboquant import (
@@ -594,10 +595,7 @@ stage1_us = {  # B=32 Hq=32 Hk=8 D=128, block 16, every request L keys: L -> sta
     "turboquant_4bit_nc": {1024: 22.3, 2048: 34.2, 4096: 55.7, 8192: 98.6, 16384: 184.3, 32768: 352.6},
 }
 for preset, times in stage1_us.items():
-    lengths = torch.tensor([n for n in times if n >= 2048], dtype=torch.float64)
-    us = torch.tensor([times[int(n)] for n in lengths], dtype=torch.float64)
-    design = torch.stack([lengths / 1024, torch.ones_like(lengths)], 1)
-    slope, intercept = torch.linalg.lstsq(design, us[:, None]).solution[:, 0].tolist()
+    slope, intercept = per_length_line(times)  # least squares through L = 2K..32K
     call_8k = by_case[f"{preset} decode B={batch} Hq={q_heads} Hk={bench_kv_heads} D={D} L=8192"]["ms"] * 1e3
     print(f"{preset:20s} stage 1 = {slope:.2f} us per 1K keys + {intercept:.1f} us; the bench's L=8K call "
           f"{call_8k:.1f} us, of which {call_8k - slope * 8:.1f} us do not grow with L")

@@ -179,6 +179,16 @@ def us_per_call(step: Callable[[], object], calls: int, repeats: int, *, wait_fo
     return sorted(times)[repeats // 2]
 
 
+def per_length_line(us_by_length: dict[int, float], from_length: int = 2048) -> tuple[float, float]:
+    """``(us per 1K keys, us at L=0)``: the least-squares line through the times of the lengths from
+    ``from_length`` (a kernel's time over request lengths; its value at 0 is what every call pays)."""
+    lengths = [n for n in us_by_length if n >= from_length]
+    design = torch.tensor([[n / 1024, 1.0] for n in lengths], dtype=torch.float64)
+    times = torch.tensor([[us_by_length[n]] for n in lengths], dtype=torch.float64)
+    slope, intercept = torch.linalg.lstsq(design, times).solution[:, 0].tolist()
+    return slope, intercept
+
+
 def eager_and_graph_us(run: Callable[[], object], iters: int = 200, repeats: int = 5) -> tuple[float, float]:
     """``(eager, graph)``: microseconds per call of ``run`` back to back, called from Python and
     replayed from one CUDA graph capture; each the median of ``repeats`` loops of ``iters`` calls.

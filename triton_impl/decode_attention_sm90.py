@@ -171,9 +171,14 @@ def descriptors(k_buffer: torch.Tensor, rows: tuple) -> tuple[Any, Any]:
     64-key tiles: shape, strides, the ``[64, 256]`` latent and ``[64, 64]`` rope boxes). A plan remembers them by
     the cache's address (``launch.DescriptorsByAddress``)."""
     shape, strides, lat_box, pe_box = rows
-    lat, pe = (_SMEM8, _SMEM8_PE) if k_buffer.dtype.itemsize == 1 else (_SMEM, _SMEM)
-    return (TensorDescriptor(k_buffer, shape, strides, lat_box, lat.value),
-            TensorDescriptor(k_buffer, shape, strides, pe_box, pe.value))  # fmt: skip
+    lat, pe = _tile_layouts(k_buffer.dtype.itemsize == 1)
+    return (TensorDescriptor(k_buffer, shape, strides, lat_box, lat),
+            TensorDescriptor(k_buffer, shape, strides, pe_box, pe))  # fmt: skip
+
+
+def _tile_layouts(fp8: bool) -> tuple[Any, Any]:
+    """The shared layouts TMA lands a tile's latent and rope parts in: 16-bit keys, or an FP8 cache's codes."""
+    return (_SMEM8.value, _SMEM8_PE.value) if fp8 else (_SMEM.value, _SMEM.value)
 
 
 @gluon.jit
@@ -870,7 +875,8 @@ def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, p
                 "part_ptr": "*fp32", "table_ptr": "*i32", "seq_lens_ptr": "*i32", "real_seq_lens_ptr": "*i32",
                 "real_lens_ptr": "*i32",
                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}  # fmt: skip
-    cache, lat, pe = ("fp8e4nv", _SMEM8.value, _SMEM8_PE.value) if fp8 else ("bf16", _SMEM.value, _SMEM.value)
+    cache = "fp8e4nv" if fp8 else "bf16"
+    lat, pe = _tile_layouts(fp8)
     pointers["k_ptr"] = pointers["v_ptr"] = f"*{cache}"
     descs = {"lat_desc": f"tensordesc<{cache}[64, 256],{lat!r}>", "pe_desc": f"tensordesc<{cache}[64, 64],{pe!r}>"}
     floats = ("sm_scale", "sm_scale_log2", "logit_cap")
