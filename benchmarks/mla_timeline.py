@@ -15,12 +15,11 @@ and, summed over the tiles, how long the softmax warpgroup waited for each tile'
 MMAs, a few dozen cycles): with two stages a tile's load starts once both warpgroups have released the tile two
 before it, so this says whether the loads keep up.
 
-A case is set up as the bench sets it up (content checks off), run 3 times, then once stamped. The table gives, per
-case, the kernel's span (first start to last store), the median and maximum over programs of each phase and of the
-time spent waiting for tiles. The stamps cost a few instructions per program and two timer reads per tile; nothing
-else changes. This is how the output halves' stores (8 rows a store, 13-23 us a program of fp32 partials) were
-found, 2026-12-01 (``notebooks/results/perf_log.md``).
-"""
+A case is set up as the bench sets it up (content checks off), run 3 times, then twice stamped (the second counts). The
+table gives, per case, the kernel's span (first start to last store), the median and maximum over programs of each phase
+and of the time spent waiting for tiles. The stamps cost a few instructions per program and two timer reads per tile;
+nothing else changes. This is how the output halves' stores (8 rows a store, 13-23 us a program of fp32 partials) were
+found, 2026-12-01 (``notebooks/results/perf_log.md``). """
 
 from __future__ import annotations
 

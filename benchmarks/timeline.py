@@ -4,14 +4,17 @@ A Gluon kernel is rebuilt from its module's source with ``%globaltimer`` stamps 
 GPU): a list of edits, each ``(where, what)`` with ``where`` occurring exactly once in the source, adds the stamp
 functions below and the calls to them, and a ``trace_ptr`` argument (int64, 8 slots a program). The stamped module
 is written to a folder (Gluon reads a kernel's source from its file) and imported; while a case runs, the launches of
-the named kernels go to their stamped twins with a fresh trace buffer. Slot 7 of each program holds its SM.
+the named kernels go to their stamped twins with a fresh trace buffer. Slot 7 of each program holds its SM and its
+first warp's slot there (:func:`placement`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
+import re
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -48,12 +51,14 @@ def _put(trace_ptr, slot: gl.constexpr, value):
 
 @gluon.jit
 def _stamp(trace_ptr, slot: gl.constexpr):
-    """The time at ``slot``; with slot 0 the SM id at slot 7."""
+    """The time at ``slot``; with slot 0 the SM id and the warp's slot on it at slot 7 (:func:`placement`)."""
     _put(trace_ptr, slot, _now())
     if slot == 0:
         sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [_stamp_lanes()], dtype=gl.int32,
                                        is_pure=False, pack=1)
-        _put(trace_ptr, 7, sm.to(gl.int64))
+        warp = gl.inline_asm_elementwise("mov.u32 $0, %warpid;", "=r,r", [_stamp_lanes()], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+        _put(trace_ptr, 7, sm.to(gl.int64) + warp.to(gl.int64) * 65536)
 
 '''
 
@@ -109,6 +114,13 @@ def stamped_launches(stamped: ModuleType, names: Sequence[str]) -> Iterator[dict
         launch_module.Launch.__call__ = plain_call
 
 
+def placement(stamps: Sequence[int]) -> tuple[int, int, int]:
+    """``(SM, scheduler, rank)`` of a program's first warp from its slot 7: the SM id; the warp's slot on the SM
+    modulo 4, the SM sub-partition (warp scheduler) it issues from under the usual mapping of warp slots; and the
+    slot divided by 4, its place among the warps of that scheduler (slots fill in the order programs arrive)."""
+    return stamps[7] % 65536, stamps[7] // 65536 % 4, stamps[7] // 65536 // 4
+
+
 def median_max(values: Sequence[float]) -> str:
     """``"median, max"`` with two decimals."""
     return f"{statistics.median(values):.2f}, {max(values):.2f}"
@@ -117,9 +129,9 @@ def median_max(values: Sequence[float]) -> str:
 def print_timelines(specs: Sequence[str], stamped: ModuleType, names: Sequence[str], columns: Sequence[str],
                     cells: Callable[[list[list[int]]], list[str]], missing: str) -> None:  # fmt: skip
     """A markdown table: for each bench case the specs name (as ``benchmarks/kernel_times.py`` takes them), set up as
-    the bench sets it up (content checks off), run 3 times, then once with the kernels ``names`` launched from
-    ``stamped``: the row ``op | case | cells(stamps)`` (``stamps``: 8 slots a program), or ``missing`` where none of
-    them ran. ``columns`` are the header's cells after op and case."""
+    the bench sets it up (content checks off), run 3 times, then twice with the kernels ``names`` launched from
+    ``stamped`` (the second run's stamps count): the row ``op | case | cells(stamps)`` (``stamps``: 8 slots a
+    program), or ``missing`` where none of them ran. ``columns`` are the header's cells after op and case."""
     from benchmarks.kernel_times import matching
 
     os.environ[CONTENT_CHECKS_ENV] = "0"
@@ -131,10 +143,15 @@ def print_timelines(specs: Sequence[str], stamped: ModuleType, names: Sequence[s
                 bench = case.setup(torch.device("cuda"))
                 for _ in range(3):
                     bench.run()
-                trace.clear()
-                bench.run()
-                torch.cuda.synchronize()
-                row = cells(trace["t"].view(-1, 8).cpu().tolist()) if "t" in trace else [missing]
+                for _ in range(2):  # the first stamped run compiles and loads the stamped kernel: the second counts
+                    trace.clear()
+                    bench.run()
+                    torch.cuda.synchronize()
+                stamps = trace["t"].view(-1, 8).cpu().tolist() if "t" in trace else None
+                if stamps and os.environ.get("TIMELINE_RAW"):  # a folder: every program's 8 slots, a file a case
+                    name = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{case.op} {case.name}")
+                    (Path(os.environ["TIMELINE_RAW"]) / f"{name}.json").write_text(json.dumps(stamps))
+                row = cells(stamps) if stamps else [missing]
                 print(f"| {case.op} | {case.name} | " + " | ".join(row) + " |", flush=True)
                 del bench
                 torch.cuda.empty_cache()

@@ -6,34 +6,38 @@ them; cases that run ``turboquant_sm90.decode_stage1_stream_k_kernel``: 3- and 4
 rebuilt from its own source with ``%globaltimer`` stamps (``benchmarks/timeline.py``). Each program records:
 
 0. ``start``: the kernel begins (slot 0);
-1. ``ready``: its chunk ring and centroid tables are made, its first piece next (slot 1; idle programs, past the
-   ones a KV head's keys need, record 0);
+1. ``ready``: its place taken (by its rank on its warp scheduler where the kernel weighs the ranks), its chunk ring
+   and centroid tables made, its first piece next (slot 1; idle programs, past the ones a KV head's keys need,
+   record 0);
 2. ``prologue``: summed over its pieces, the time from a piece's start to its first copy (the scan of the sequence
    lengths for the piece's request, the block-table check);
 3. ``chunks``: summed over its pieces, :func:`_chunks` (the first copies asked for, the query, the chunk loop);
 4. ``store``: summed over its pieces, the ring's reset and the partial's store;
 5. ``end``: the kernel's last instruction (slot 5), and its pieces (slot 6).
 
-A case is set up as the bench sets it up (content checks off), run 3 times, then once stamped. The table gives, per
-case, the kernel's span (first start to last end), how far apart the programs start (last start minus first), the
-median and maximum over the working programs of each phase, and when they end (from the first start): the median
-and the last, for the programs with one piece and with more. The stamps add four int64 values carried through the
-pieces' loop (a few registers) and twelve timer reads a piece; the chunk loop is not stamped.
+A case is set up as the bench sets it up (content checks off), run 3 times, then twice stamped (the second counts). The
+table gives, per case, the kernel's span (first start to last end), how far apart the programs start (last start minus
+first), the median and maximum over the working programs of each phase, and when they end (from the first start): the
+median and the last, for the programs with one piece and with more; and the end (median, last) by the program's rank on
+its warp scheduler (``benchmarks.timeline.placement``: its warp slot on the SM divided by 4). The stamps add four int64
+values carried through the pieces' loop (a few registers) and twelve timer reads a piece; the chunk loop is not stamped.
 
-What it is for: at L=8K about 15 us of stage 1 does not grow with L (``notebooks/results/perf_log.md``, twenty-first
-session); merging in stage 1 and giving two-piece programs fewer steps both made it slower, so where the fixed
-part goes is measured here before anything else is tried.
+What it found (``notebooks/results/perf_log.md``, twenty-second session): the ~15 us of stage 1 that does not grow
+with L is mostly the programs' ends spreading by their rank on their warp scheduler. With the same steps each, the
+warps that arrived first on a scheduler are issued first and end first (3bit_nc L=8K: ranks 0 / 1 / 2 end at
+93.9 / 110.3 / 128.1 us, median), and the youngest rank runs alone at the end.
 """
 
 from __future__ import annotations
 
+import collections
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 import triton_impl.turboquant_sm90 as fast
-from benchmarks.timeline import STAMP_SOURCE, apply_edits, load_module, median_max, print_timelines
+from benchmarks.timeline import STAMP_SOURCE, apply_edits, load_module, median_max, placement, print_timelines
 
 KERNEL = "decode_stage1_stream_k_kernel"
 _ENTRY = "@gluon.jit\ndef decode_stage1_stream_k_kernel("
@@ -45,8 +49,8 @@ _SUMS = ("spent_prologue", "spent_chunks", "spent_store", "pieces_run")  # carri
 _EDITS = (
     (_ENTRY, STAMP_SOURCE + "\n" + _ENTRY),
     ("stride_pb, stride_ph, stride_ps, batch,\n", "stride_pb, stride_ph, stride_ps, batch, trace_ptr,\n"),
-    ("    pid = gl.program_id(0)\n    kv_head = pid % NUM_KV_HEADS\n",
-     "    _stamp(trace_ptr, 0)\n    pid = gl.program_id(0)\n    kv_head = pid % NUM_KV_HEADS\n"),
+    ("    pid = gl.program_id(0)\n    launched = gl.num_programs(0) // NUM_KV_HEADS\n",
+     "    _stamp(trace_ptr, 0)\n    pid = gl.program_id(0)\n    launched = gl.num_programs(0) // NUM_KV_HEADS\n"),
     (_PIECE_LOOP, "        _stamp(trace_ptr, 1)\n" + "".join(f"        {name} = _now() * 0\n" for name in _SUMS)
                   + _PIECE_LOOP + "            piece_start = _now()\n"),
     ("            poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)\n",
@@ -86,13 +90,26 @@ def _cells(stamps: list[list[int]]) -> list[str]:
     return [f"{len(stamps)} ({len(working)})", f"{(max(s[5] for s in stamps) - zero) / 1e3:.1f}",
             f"{(max(s[0] for s in stamps) - zero) / 1e3:.1f}", median_max([(s[1] - s[0]) / 1e3 for s in working]),
             *(median_max([s[k] / 1e3 for s in working]) for k in (2, 3, 4)),
-            _ends(stamps, zero, lambda n: n == 1), _ends(stamps, zero, lambda n: n > 1)]  # fmt: skip
+            _ends(stamps, zero, lambda n: n == 1), _ends(stamps, zero, lambda n: n > 1),
+            _by_rank(stamps, zero)]  # fmt: skip
+
+
+def _by_rank(stamps: list[list[int]], zero: int) -> str:
+    """The working programs' end (us from ``zero``: median, last) grouped by their rank on their warp scheduler
+    (:func:`benchmarks.timeline.placement`): ``"rank: programs, median, last"`` for each rank."""
+    groups = collections.defaultdict(list)
+    for s in stamps:
+        if s[6]:
+            groups[placement(s)[2]].append((s[5] - zero) / 1e3)
+    return "; ".join(f"{rank}: {len(ends)}, {statistics.median(ends):.1f}, {max(ends):.1f}"
+                     for rank, ends in sorted(groups.items()))  # fmt: skip
 
 
 def main(specs: list[str]) -> None:
     with tempfile.TemporaryDirectory() as folder:
         columns = ["programs (working)", "span us", "starts apart us", "start -> ready", "prologue", "chunks",
-                   "store", "end, one piece (median, last)", "end, more pieces (median, last)"]  # fmt: skip
+                   "store", "end, one piece (median, last)", "end, more pieces (median, last)",
+                   "end by rank on its scheduler (rank: programs, median, last)"]  # fmt: skip
         print_timelines(specs, load_stamped(Path(folder)), (KERNEL,), columns, _cells,
                         "the stream-K stage 1 did not run")
 

@@ -423,16 +423,20 @@ def test_the_turboquant_timeline_stamps_compile_for_hopper(tmp_path: Path) -> No
 
 def test_the_turboquant_timeline_row_reads_the_stamps() -> None:
     """``benchmarks/tq_timeline.py``'s row from a trace (ns, 8 slots a program): an idle program (no pieces) counts in
-    the span and the start spread but not in the phases, and the end times are split by pieces a program."""
+    the span and the start spread but not in the phases, the end times are split by pieces a program, and the chunks
+    by the program's rank on its warp scheduler (SM id + 65536 x warp slot: the scheduler is the slot modulo 4, the
+    rank the slot divided by 4)."""
     from benchmarks import tq_timeline
 
-    stamps = [  # start, ready, prologue, chunks, store, end, pieces, SM
-        [1000, 3000, 2000, 90000, 1000, 97000, 1, 0],
-        [1500, 4500, 4000, 88000, 2000, 99500, 2, 1],
-        [2000, 0, 0, 0, 0, 2500, 0, 2],
+    stamps = [  # start, ready, prologue, chunks, store, end, pieces, placement
+        [1000, 3000, 2000, 90000, 1000, 97000, 1, 0],  # SM 0, warp slot 0: rank 0 on scheduler 0
+        [1500, 4500, 4000, 88000, 2000, 99500, 2, 4 * 65536],  # SM 0, warp slot 4: rank 1 on scheduler 0
+        [1200, 4000, 3000, 80000, 1000, 90000, 1, 1 * 65536],  # SM 0, warp slot 1: rank 0 on scheduler 1
+        [2000, 0, 0, 0, 0, 2500, 0, 2 * 65536 + 5],  # idle: SM 5
     ]
-    assert tq_timeline._cells(stamps) == ["3 (2)", "98.5", "1.0", "2.50, 3.00", "3.00, 4.00", "89.00, 90.00",
-                                          "1.50, 2.00", "96.0, 96.0", "98.5, 98.5"]  # fmt: skip
+    assert tq_timeline._cells(stamps) == ["4 (3)", "98.5", "1.0", "2.80, 3.00", "3.00, 4.00", "88.00, 90.00",
+                                          "1.00, 2.00", "92.5, 96.0", "98.5, 98.5",
+                                          "0: 2, 92.5, 96.0; 1: 1, 98.5, 98.5"]  # fmt: skip
 
 
 def test_ncu_stalls_sums_the_source_page_over_the_hottest_loop(tmp_path: Path, capsys) -> None:

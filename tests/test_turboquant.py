@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -1155,8 +1156,10 @@ def _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads,
     ranges, states = None, mid_o[:, :, :run, :head_dim]
     if stream_k:  # the slots hold its pieces (the same for every KV head), the rest LSE -inf and no output
         programs = ttq.stream_k_programs(entry, device, run, num_kv_heads) // num_kv_heads
+        ranks = ttq.stream_k_ranks(entry, batch, num_heads, key_bits)
         pieces = ttq.stream_k_pieces(list(seq_lens), table.shape[1] * cache.shape[1],
-                                     16 * ttq.warp_stages(entry)["STEP"], programs, run)  # fmt: skip
+                                     16 * ttq.warp_stages(entry)["STEP"], programs, run, ranks["RANKS"],
+                                     ranks["TILT"])  # fmt: skip
         ranges = [[(start, end) for _, start, end in taken] for taken in pieces]
         states = states.clone()
         for b, taken in enumerate(ranges):
@@ -1170,7 +1173,17 @@ def _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads,
         precision = "tf32x3" if entry.get("ROTATE_TF32X3") else "ieee"
         rotated = ptq.kernel_rotated_query(query.to(device), pit.to(device), precision)
         assert_bits_equal(past[:, :, slot - run, :head_dim], rotated[:, :, 0])
-        assert bool(past[:, :, slot - run, head_dim].isnan().all())  # the rotation writes no lse
+        # Its LSE column: 0 from the rotation, and where stream-K weighs its places by rank, the places each rank's
+        # count handed out (int32, in request-major order): all of each rank's, and a program sent on from a full
+        # rank counted in each rank it tried.
+        counts = past[:, :, slot - run, head_dim].contiguous().view(torch.int32).flatten().cpu()
+        ranks = ttq.stream_k_ranks(entry, batch, num_heads, key_bits)["RANKS"] if stream_k else 1
+        if ranks > 1:
+            launched = ttq.stream_k_programs(entry, device, run, num_kv_heads) // num_kv_heads
+            first = [-(-r * launched // ranks) for r in range(ranks + 1)]
+            sizes = [(hi - lo) * num_kv_heads for lo, hi in itertools.pairwise(first)]
+            assert [int(c) >= size for c, size in zip(counts[:ranks], sizes)] == [True] * ranks, (counts, sizes)
+        assert bool((counts[ranks if ranks > 1 else 0 :] == 0).all())
         past = torch.cat([past[:, :, : slot - run], past[:, :, slot - run + 1 :]], dim=2)
     assert bool(past.isnan().all())
 
@@ -1190,6 +1203,20 @@ def test_stream_k_pieces_cover_every_key_once_in_at_most_the_slots() -> None:
             assert [start for _, start, _ in taken] == ends[:-1] and ends[-1] == min(lens[b], table_keys)
     # B=32 L=8K, 264 programs a KV head (2112 on the H200, 8 KV heads): 31 or 32 steps a program, 9 pieces a request.
     assert {len(taken) for taken in ttq.stream_k_pieces([8192] * 32, 8192, 32, 264, 16)} == {9}
+    # Places weighted by rank (4 ranks, tilt 20: 160, 140, 120, 100): the same cover, the weights' shares of the steps.
+    for lens, table_keys, step, programs, splits in [([8192] * 32, 8192, 32, 264, 16), ([0, 5, 3000, 0, 17, 100000],
+                                                      4096, 16, 32, 2), ([1] * 300, 16, 32, 704, 4)]:  # fmt: skip
+        pieces = ttq.stream_k_pieces(lens, table_keys, step, programs, splits, 4, 20)
+        for b, taken in enumerate(pieces):
+            assert [slot for slot, _, _ in taken] == list(range(len(taken))) and len(taken) <= splits
+            ends = [0] + [end for _, _, end in taken]
+            assert [start for _, start, _ in taken] == ends[:-1] and ends[-1] == min(lens[b], table_keys)
+    bounds = ttq.stream_k_bounds(8192, 264, 264, 4, 20)
+    sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
+    assert bounds[0] == 0 and bounds[-1] == 8192 and len(sizes) == 264
+    assert [(min(sizes[r * 66 : r * 66 + 66]), max(sizes[r * 66 : r * 66 + 66])) for r in range(4)] == [
+        (38, 39), (33, 34), (28, 29), (23, 24)]  # 8192 * (160, 140, 120, 100) / 34320 = 38.2, 33.4, 28.6, 23.9
+    assert ttq.stream_k_bounds(100, 4, 4) == [0, 25, 50, 75, 100]  # one rank: the even division
 
 
 @pytest.mark.parametrize("fp16_operands, query_scale", [(0, 3.0), (1, 1.0)])

@@ -263,7 +263,7 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
              "GLUON_MAXNREG": 96, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 16, "GLUON_STAGES": 3, "ROTATE_TF32X3": 1,
              "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 128, "WARP_STEP": 2,
              "WARP_STAGES": 4, "WARP_STEP_v3": 2, "WARP_STAGES_v3": 4, "WARP_MAXNREG_v3": 168, "PROGRAMS_PER_SM_v3": 12,
-             "STREAM_K": 1, "STREAM_K_k8": 0},
+             "STREAM_K": 1, "STREAM_K_k8": 0, "STREAM_K_TILT": 0},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -314,17 +314,39 @@ def stream_k_programs(config: dict[str, int], device: torch.device, num_splits: 
     return max(places // num_kv_heads, 1) * num_kv_heads
 
 
+def stream_k_ranks(config: dict[str, int], batch: int, num_heads: int, key_bits: int) -> dict[str, int]:
+    """``RANKS`` and ``TILT`` of ``turboquant_sm90.decode_stage1_stream_k_kernel`` under a decode entry: where it
+    sets ``STREAM_K_TILT``, ``PROGRAMS_PER_SM / 4`` ranks of programs on each warp scheduler (the entry's programs a
+    SM a multiple of 4; MSE keys, whose rotation zeroes a count a rank in the rotated query's slot; ``B * H`` at
+    least the ranks); else one."""
+    ranks = config.get("PROGRAMS_PER_SM", 0) // 4
+    if (not config.get("STREAM_K_TILT") or config.get("PROGRAMS_PER_SM", 0) % 4 or key_bits == 8
+            or not 1 < ranks <= batch * num_heads):  # fmt: skip
+        return {"RANKS": 1, "TILT": 0}
+    return {"RANKS": ranks, "TILT": config["STREAM_K_TILT"]}
+
+
+def stream_k_bounds(total: int, programs: int, launched: int, ranks: int = 1, tilt: int = 0) -> list[int]:
+    """The first step of each of a KV head's ``programs`` working places (of ``launched``), and ``total``: place
+    ``q`` of rank ``q * ranks // launched`` weighs ``100 + tilt * (ranks - 1 - rank)``, and takes ``W_q * total //
+    W`` on, ``W_q`` the weights of the places before it."""
+    weights = [100 + tilt * (ranks - 1 - q * ranks // launched) for q in range(programs)]
+    return [w * total // sum(weights) for w in itertools.accumulate(weights, initial=0)]
+
+
 def stream_k_pieces(seq_lens: list[int], table_keys: int, step_keys: int, programs: int,
-                    num_splits: int) -> list[list[tuple[int, int, int]]]:  # fmt: skip
+                    num_splits: int, ranks: int = 1, tilt: int = 0) -> list[list[tuple[int, int, int]]]:  # fmt: skip
     """The stream-K kernel's division of each KV head's keys, in plain Python: for each request, ``[(slot, start,
     end), ..]``, the key range of each piece and the partial slot it writes (the slots after the last are empty).
-    Steps of ``step_keys`` keys over the keys each table holds, request after request, ``programs`` (a KV head's)
-    cut to ``T // ceil(most steps / (num_splits - 1))``, program ``q`` taking steps ``[q T // P, (q + 1) T // P)``."""
+    Steps of ``step_keys`` keys over the keys each table holds, request after request, among a KV head's
+    ``programs`` places, cut to ``T // ceil(most steps / (num_splits - 1))`` (times ``100 / (100 + tilt * (ranks -
+    1))`` with ranks, so that the lightest place still takes that many), each taking its steps of
+    :func:`stream_k_bounds`."""
     steps = [-(-min(max(n, 0), table_keys) // step_keys) for n in seq_lens]
     total = sum(steps)
     least = max(-(-max(steps, default=0) // (num_splits - 1)), 1)
-    programs = max(min(programs, total // least), 1)
-    bounds = [q * total // programs for q in range(programs + 1)]
+    bounds = stream_k_bounds(total, max(min(programs, total * 100 // (least * (100 + tilt * (ranks - 1)))), 1),
+                             programs, ranks, tilt)  # fmt: skip
     pieces = []
     first = 0
     for b, n in enumerate(steps):
@@ -1008,7 +1030,9 @@ def _rotate_query_kernel(
 
     The decode's own partials buffer ``[B, H, S, D+1]`` is the rotated query's home: stage 1's program for split
     ``s`` reads ``q~`` from its slot, then overwrites the slot with its partial; or (the sm_90 TMA kernels) every
-    program reads it from one slot past the splits, which no program writes. Nothing else is allocated and the
+    program reads it from one slot past the splits, which no program writes; that slot's LSE column gets 0, where
+    the stream-K stage 1 counts the places it hands out (``turboquant_sm90._stream_k_claim``; a split's slot has its
+    LSE overwritten by stage 1). Nothing else is allocated and the
     query's rotation follows its contents on every call (a graph replay included). ``PiT`` is read through its
     strides (``Pi`` transposed is ``PiT`` with its strides swapped). ``PRECISION`` is the dot's: ``"ieee"`` (fp32
     products and sums, as an fp32 matmul) or, where tensor cores take TF32 (the sm90 entry's ``ROTATE_TF32X3``),
@@ -1033,6 +1057,9 @@ def _rotate_query_kernel(
     ok = head_ok[:, None] & (cols < HEAD_DIM)[None, :]
     for split in range(first_slot, first_slot + num_splits):
         tl.store(slot + split * stride_ps, q_rot, mask=ok)
+    if tl.program_id(2) == 0:  # slot first_slot's LSE column: 0 (int32 0 is +0.0), stream-K's rank counts
+        tl.store(partials_ptr + b.to(tl.int64) * stride_pb + heads * stride_ph + first_slot * stride_ps + HEAD_DIM,
+                 tl.zeros([BLOCK_M], tl.float32), mask=head_ok)  # fmt: skip
 
 
 @triton.jit
@@ -1461,8 +1488,9 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
             options = turboquant_sm90.launch_options(group, config["WARP_MAXNREG"], warps=1)
             options |= warp_stages(config)
             programs = stream_k_programs(config, device, num_splits, num_kv_heads)
-            if programs:  # one round of programs, the keys divided evenly
+            if programs:  # one round of programs, the keys divided by their places' weights
                 kernel, grid, args = turboquant_sm90.decode_stage1_stream_k_kernel, (programs,), (*args, batch)
+                options |= stream_k_ranks(config, batch, num_heads, key_bits)
         else:
             kernel = turboquant_sm90.decode_stage1_streams_kernel
             options = turboquant_sm90.launch_options(group, turboquant_sm90.STREAMS_LAUNCH_REGS)

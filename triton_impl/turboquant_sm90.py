@@ -158,13 +158,14 @@ def launch_options(group: int, maxnreg: int | None, warps: int = int(NUM_WARPS))
 def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, block_size: int = 16,
                      maxnreg: int | None = None, stages: int = 0, fp16_operands: bool = False,
                      streams: bool = False, warp: bool = False, step: int = 1,
-                     stream_k: bool = False) -> Any:  # fmt: skip
+                     stream_k: bool = False, ranks: int = 1, tilt: int = 0) -> Any:  # fmt: skip
     """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a launch of the bench's
     shapes is (16-byte aligned pointers, the integer arguments that are multiples of 16 marked so, the
     block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``.
     ``streams``: :func:`decode_stage1_streams_kernel` (``stages`` chunk buffers a stream); ``warp``:
     :func:`decode_stage1_warp_kernel` (``step`` chunks an iteration; with ``stream_k``,
-    :func:`decode_stage1_stream_k_kernel`); else :func:`decode_stage1_kernel`."""
+    :func:`decode_stage1_stream_k_kernel`, its places weighted by ``ranks`` and ``tilt``); else
+    :func:`decode_stage1_kernel`."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -187,6 +188,8 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
                       stride_btc=1)  # fmt: skip
     if warp:
         constexprs["STEP"] = step
+    if warp and stream_k:
+        constexprs |= {"RANKS": ranks, "TILT": tilt}
     options = launch_options(group, maxnreg, warps=1 if warp else int(NUM_WARPS))
     constexprs["BLOCK_H"] = options.pop("BLOCK_H")
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "sm_scale" else "i32")
@@ -1645,9 +1648,77 @@ def _stream_k_steps(seq_lens_ptr, batch, table_keys, b0, before, STEP_KEYS: gl.c
 
 
 @gluon.jit
-def _stream_k_owner(x, total, programs):
-    """The program (of a KV head's ``programs``) whose steps hold step ``x`` (``0 <= x < total``)."""
-    return (((x.to(gl.int64) + 1) * programs - 1) // total).to(gl.int32)
+def _stream_k_weight_before(q, launched, RANKS: gl.constexpr, TILT: gl.constexpr):
+    """The summed weights of a KV head's places ``0 .. q - 1`` (int64): place ``p`` is in rank ``p * RANKS //
+    launched`` (0 the oldest programs on their warp schedulers) and weighs ``100 + TILT * (RANKS - 1 - rank)``."""
+    weight = q.to(gl.int64) * 100
+    for r in gl.static_range(RANKS - 1):  # the youngest rank adds nothing to 100
+        lo = (r * launched + RANKS - 1) // RANKS
+        hi = ((r + 1) * launched + RANKS - 1) // RANKS
+        weight += (TILT * (RANKS - 1 - r)) * gl.minimum(gl.maximum(q - lo, 0), hi - lo).to(gl.int64)
+    return weight
+
+
+@gluon.jit
+def _stream_k_bound(q, total, programs, launched, RANKS: gl.constexpr, TILT: gl.constexpr):
+    """The first step of place ``q`` (``0 <= q <= programs``; ``total`` at ``programs``): the steps divided in
+    proportion to the places' weights."""
+    if RANKS == 1:
+        return ((q.to(gl.int64) * total) // programs).to(gl.int32)
+    return (_stream_k_weight_before(q, launched, RANKS, TILT) * total
+            // _stream_k_weight_before(programs, launched, RANKS, TILT)).to(gl.int32)  # fmt: skip
+
+
+@gluon.jit
+def _stream_k_owner(x, total, programs, launched, RANKS: gl.constexpr, TILT: gl.constexpr):
+    """The place (of a KV head's ``programs``) whose steps hold step ``x`` (``0 <= x < total``): the last place ``q``
+    whose first step is at most ``x``, that is whose weights before it are at most ``K = ((x + 1) W - 1) // total``;
+    within a rank the weights before a place grow by the rank's weight a place."""
+    if RANKS == 1:
+        return (((x.to(gl.int64) + 1) * programs - 1) // total).to(gl.int32)
+    most = ((x.to(gl.int64) + 1) * _stream_k_weight_before(programs, launched, RANKS, TILT) - 1) // total
+    owner = (most // (100 + TILT * (RANKS - 1))).to(gl.int32)  # in rank 0
+    for r in gl.static_range(1, RANKS):
+        first = (r * launched + RANKS - 1) // RANKS
+        before = _stream_k_weight_before(first, launched, RANKS, TILT)
+        owner = gl.where(before <= most, first + ((most - before) // (100 + TILT * (RANKS - 1 - r))).to(gl.int32),
+                         owner)  # fmt: skip
+    return owner
+
+
+@gluon.jit
+def _stream_k_claim(partials_ptr, query_slot, stride_pb, stride_ph, stride_ps, num_heads, launched,
+                    NUM_KV_HEADS: gl.constexpr, RANKS: gl.constexpr):  # fmt: skip
+    """This program's ``(KV head, place)``. With one rank, from its id. With ``RANKS``, it takes a place of its
+    rank on its warp scheduler (its warp slot on the SM divided by 4: programs arrive in slot order, and the
+    scheduler issues the older warps first): one int32 count a rank, in the LSE column of the rotated query's slot
+    of (request, head) ``r // H, r % H``, which the rotation zeroes on every call, hands out that rank's places
+    one each (``HKV`` a place). A full rank sends the program on to the next: every program gets one place
+    whatever the warps' placement (all ranks full would mean more programs than places); only its speed depends on
+    the placement."""
+    pid = gl.program_id(0)
+    if RANKS == 1:
+        return pid % NUM_KV_HEADS, pid // NUM_KV_HEADS
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lane = gl.arange(0, 32, layout=layout)
+    slot = gl.inline_asm_elementwise("mov.u32 $0, %warpid;", "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
+    rank = gl.minimum(gl.max(slot, axis=0) // 4, RANKS - 1)
+    kv_head = pid * 0
+    place = -1
+    for step in gl.static_range(RANKS):
+        if place < 0:
+            r = (rank + step) % RANKS
+            count = (partials_ptr + (r // num_heads).to(gl.int64) * stride_pb + (r % num_heads) * stride_ph
+                     + query_slot * stride_ps + HEAD_DIM).to(gl.pointer_type(gl.int32), bitcast=True)  # fmt: skip
+            taken = gl.atomic_add(count + lane * 0, gl.full([32], 1, gl.int32, layout), mask=lane == 0,
+                                  sem="relaxed", scope="gpu")  # fmt: skip
+            index = gl.max(gl.where(lane == 0, taken, -1), axis=0)
+            first = (r * launched + RANKS - 1) // RANKS
+            size = ((r + 1) * launched + RANKS - 1) // RANKS - first
+            if index < size * NUM_KV_HEADS:
+                kv_head = index % NUM_KV_HEADS
+                place = first + index // NUM_KV_HEADS
+    return kv_head, place
 
 
 @gluon.jit
@@ -1706,17 +1777,23 @@ def decode_stage1_stream_k_kernel(
     STAGES: gl.constexpr = 3,
     FP16_OPERANDS: gl.constexpr = 1,
     STEP: gl.constexpr = 1,
+    RANKS: gl.constexpr = 1,
+    TILT: gl.constexpr = 0,
 ):  # fmt: skip
     """:func:`decode_stage1_warp_kernel`'s partials by stream-K (the section above): grid ``(P,)``, ``P`` a multiple
-    of ``HKV``, one warp a program, ``num_splits`` (at least 2) partial slots a (request, KV head)."""
+    of ``HKV``, one warp a program, ``num_splits`` (at least 2) partial slots a (request, KV head). With ``RANKS``
+    above 1 the programs take their places by their rank on their warp scheduler (:func:`_stream_k_claim`), and a
+    place of rank ``r`` gets ``100 + TILT * (RANKS - 1 - r)`` parts of the steps to the youngest rank's 100."""
     gl.static_assert(gl.num_warps() == 1)
     gl.static_assert((VALUE_BITS == 3) or (VALUE_BITS == 4))
     gl.static_assert(FP16_OPERANDS == 1)
+    gl.static_assert((RANKS == 1) or (KEY_BITS != 8))  # the counts need the rotation (MSE keys) to zero them
     NUM_FIELDS: gl.constexpr = 2 if KEY_BITS == 8 else 3
     STEP_KEYS: gl.constexpr = 16 * STEP
     pid = gl.program_id(0)
-    kv_head = pid % NUM_KV_HEADS
-    mine = pid // NUM_KV_HEADS  # this program's place among its KV head's
+    launched = gl.num_programs(0) // NUM_KV_HEADS
+    kv_head, mine = _stream_k_claim(partials_ptr, query_slot, stride_pb, stride_ph, stride_ps,
+                                    NUM_KV_HEADS * KV_GROUP, launched, NUM_KV_HEADS, RANKS)  # fmt: skip
     # The steps of a KV head, and the most of one request.
     total = 0
     longest = 0
@@ -1725,7 +1802,8 @@ def decode_stage1_stream_k_kernel(
         total += gl.max(ends, axis=0)
         longest = gl.maximum(longest, gl.max(steps, axis=0))
     least = gl.maximum(gl.cdiv(longest, num_splits - 1), 1)  # a program's fewest steps: S pieces at most
-    programs = gl.maximum(gl.minimum(gl.num_programs(0) // NUM_KV_HEADS, total // least), 1)
+    # (The lightest place gets at least 100 / heaviest of the mean: that many fewer places.)
+    programs = gl.maximum(gl.minimum(launched, (total * 100) // (least * (100 + TILT * (RANKS - 1)))), 1)
     # The requests without keys: every slot of theirs empty (NaN if too long for the table), request b by program b % P.
     for b in range(pid, batch, gl.num_programs(0)):
         seq_len = gl.maximum(gl.load(seq_lens_ptr + b).to(gl.int32), 0)
@@ -1740,14 +1818,15 @@ def decode_stage1_stream_k_kernel(
         pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
         shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
                                1, VALUE_BITS, NUM_KV_HEADS, STEP)  # fmt: skip
-        hi = (((mine + 1).to(gl.int64) * total) // programs).to(gl.int32)
-        pos = ((mine.to(gl.int64) * total) // programs).to(gl.int32)
+        hi = _stream_k_bound(mine + 1, total, programs, launched, RANKS, TILT)
+        pos = _stream_k_bound(mine, total, programs, launched, RANKS, TILT)
         while pos < hi:  # a piece: the steps from pos in one request
             b, first, n, seq_len = _stream_k_locate(seq_lens_ptr, batch, table_keys, pos, STEP_KEYS)
             piece_end = gl.minimum(hi, first + n)
-            owner = _stream_k_owner(first, total, programs)
+            owner = _stream_k_owner(first, total, programs, launched, RANKS, TILT)
             # Its last piece empties the slots past the request's pieces.
-            empty_from = gl.where(piece_end == first + n, _stream_k_owner(first + n - 1, total, programs) - owner + 1,
+            empty_from = gl.where(piece_end == first + n,
+                                  _stream_k_owner(first + n - 1, total, programs, launched, RANKS, TILT) - owner + 1,
                                   num_splits)  # fmt: skip
             # (The last step may reach past the request's keys, and its blocks past the request's: cut first.)
             start, end, row_ptr, too_long, bad_pages, first_page, last_page = _key_range(
