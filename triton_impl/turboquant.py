@@ -263,7 +263,7 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
              "GLUON_MAXNREG": 96, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 16, "GLUON_STAGES": 3, "ROTATE_TF32X3": 1,
              "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 128, "WARP_STEP": 2,
              "WARP_STAGES": 4, "WARP_STEP_v3": 2, "WARP_STAGES_v3": 4, "WARP_MAXNREG_v3": 168, "PROGRAMS_PER_SM_v3": 12,
-             "STREAM_K": 1, "STREAM_K_k8": 0, "STREAM_K_TILT": 0},
+             "STREAM_K": 1, "STREAM_K_k8": 0, "STREAM_K_TILT": 0, "STREAM_K_TILT_v3": 35},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -339,14 +339,15 @@ def stream_k_pieces(seq_lens: list[int], table_keys: int, step_keys: int, progra
     """The stream-K kernel's division of each KV head's keys, in plain Python: for each request, ``[(slot, start,
     end), ..]``, the key range of each piece and the partial slot it writes (the slots after the last are empty).
     Steps of ``step_keys`` keys over the keys each table holds, request after request, among a KV head's
-    ``programs`` places, cut to ``T // ceil(most steps / (num_splits - 1))`` (times ``100 / (100 + tilt * (ranks -
-    1))`` with ranks, so that the lightest place still takes that many), each taking its steps of
-    :func:`stream_k_bounds`."""
+    ``programs`` places, cut to ``T // ceil(most steps / (num_splits - 1))``, each taking its steps of
+    :func:`stream_k_bounds`; weighted by rank only where none is cut and the lightest place (``100 / (100 + tilt *
+    (ranks - 1))`` of the mean) still takes ``ceil(most steps / (num_splits - 1))``."""
     steps = [-(-min(max(n, 0), table_keys) // step_keys) for n in seq_lens]
     total = sum(steps)
     least = max(-(-max(steps, default=0) // (num_splits - 1)), 1)
-    bounds = stream_k_bounds(total, max(min(programs, total * 100 // (least * (100 + tilt * (ranks - 1)))), 1),
-                             programs, ranks, tilt)  # fmt: skip
+    if total * 100 // (least * (100 + tilt * (ranks - 1))) < programs:  # the lightest place would take fewer
+        tilt = 0
+    bounds = stream_k_bounds(total, max(min(programs, total // least), 1), programs, ranks, tilt)
     pieces = []
     first = 0
     for b, n in enumerate(steps):

@@ -1648,40 +1648,40 @@ def _stream_k_steps(seq_lens_ptr, batch, table_keys, b0, before, STEP_KEYS: gl.c
 
 
 @gluon.jit
-def _stream_k_weight_before(q, launched, RANKS: gl.constexpr, TILT: gl.constexpr):
+def _stream_k_weight_before(q, launched, tilt, RANKS: gl.constexpr):
     """The summed weights of a KV head's places ``0 .. q - 1`` (int64): place ``p`` is in rank ``p * RANKS //
-    launched`` (0 the oldest programs on their warp schedulers) and weighs ``100 + TILT * (RANKS - 1 - rank)``."""
+    launched`` (0 the oldest programs on their warp schedulers) and weighs ``100 + tilt * (RANKS - 1 - rank)``."""
     weight = q.to(gl.int64) * 100
     for r in gl.static_range(RANKS - 1):  # the youngest rank adds nothing to 100
         lo = (r * launched + RANKS - 1) // RANKS
         hi = ((r + 1) * launched + RANKS - 1) // RANKS
-        weight += (TILT * (RANKS - 1 - r)) * gl.minimum(gl.maximum(q - lo, 0), hi - lo).to(gl.int64)
+        weight += (tilt * (RANKS - 1 - r)) * gl.minimum(gl.maximum(q - lo, 0), hi - lo).to(gl.int64)
     return weight
 
 
 @gluon.jit
-def _stream_k_bound(q, total, programs, launched, RANKS: gl.constexpr, TILT: gl.constexpr):
+def _stream_k_bound(q, total, programs, launched, tilt, RANKS: gl.constexpr):
     """The first step of place ``q`` (``0 <= q <= programs``; ``total`` at ``programs``): the steps divided in
     proportion to the places' weights."""
     if RANKS == 1:
         return ((q.to(gl.int64) * total) // programs).to(gl.int32)
-    return (_stream_k_weight_before(q, launched, RANKS, TILT) * total
-            // _stream_k_weight_before(programs, launched, RANKS, TILT)).to(gl.int32)  # fmt: skip
+    return (_stream_k_weight_before(q, launched, tilt, RANKS) * total
+            // _stream_k_weight_before(programs, launched, tilt, RANKS)).to(gl.int32)  # fmt: skip
 
 
 @gluon.jit
-def _stream_k_owner(x, total, programs, launched, RANKS: gl.constexpr, TILT: gl.constexpr):
+def _stream_k_owner(x, total, programs, launched, tilt, RANKS: gl.constexpr):
     """The place (of a KV head's ``programs``) whose steps hold step ``x`` (``0 <= x < total``): the last place ``q``
     whose first step is at most ``x``, that is whose weights before it are at most ``K = ((x + 1) W - 1) // total``;
     within a rank the weights before a place grow by the rank's weight a place."""
     if RANKS == 1:
         return (((x.to(gl.int64) + 1) * programs - 1) // total).to(gl.int32)
-    most = ((x.to(gl.int64) + 1) * _stream_k_weight_before(programs, launched, RANKS, TILT) - 1) // total
-    owner = (most // (100 + TILT * (RANKS - 1))).to(gl.int32)  # in rank 0
+    most = ((x.to(gl.int64) + 1) * _stream_k_weight_before(programs, launched, tilt, RANKS) - 1) // total
+    owner = (most // (100 + tilt * (RANKS - 1))).to(gl.int32)  # in rank 0
     for r in gl.static_range(1, RANKS):
         first = (r * launched + RANKS - 1) // RANKS
-        before = _stream_k_weight_before(first, launched, RANKS, TILT)
-        owner = gl.where(before <= most, first + ((most - before) // (100 + TILT * (RANKS - 1 - r))).to(gl.int32),
+        before = _stream_k_weight_before(first, launched, tilt, RANKS)
+        owner = gl.where(before <= most, first + ((most - before) // (100 + tilt * (RANKS - 1 - r))).to(gl.int32),
                          owner)  # fmt: skip
     return owner
 
@@ -1783,7 +1783,8 @@ def decode_stage1_stream_k_kernel(
     """:func:`decode_stage1_warp_kernel`'s partials by stream-K (the section above): grid ``(P,)``, ``P`` a multiple
     of ``HKV``, one warp a program, ``num_splits`` (at least 2) partial slots a (request, KV head). With ``RANKS``
     above 1 the programs take their places by their rank on their warp scheduler (:func:`_stream_k_claim`), and a
-    place of rank ``r`` gets ``100 + TILT * (RANKS - 1 - r)`` parts of the steps to the youngest rank's 100."""
+    place of rank ``r`` gets ``100 + TILT * (RANKS - 1 - r)`` parts of the steps to the youngest rank's 100, where
+    every place still gets the fewest steps that keep a request within its slots (else the even division)."""
     gl.static_assert(gl.num_warps() == 1)
     gl.static_assert((VALUE_BITS == 3) or (VALUE_BITS == 4))
     gl.static_assert(FP16_OPERANDS == 1)
@@ -1802,8 +1803,10 @@ def decode_stage1_stream_k_kernel(
         total += gl.max(ends, axis=0)
         longest = gl.maximum(longest, gl.max(steps, axis=0))
     least = gl.maximum(gl.cdiv(longest, num_splits - 1), 1)  # a program's fewest steps: S pieces at most
-    # (The lightest place gets at least 100 / heaviest of the mean: that many fewer places.)
-    programs = gl.maximum(gl.minimum(launched, (total * 100) // (least * (100 + TILT * (RANKS - 1)))), 1)
+    programs = gl.maximum(gl.minimum(launched, total // least), 1)
+    # The ranks weighed where every place still gets at least `least` steps (the lightest gets 100 / heaviest of the
+    # mean; a batch of even lengths); else (a long request among short ones) the even division.
+    tilt = gl.where((total * 100) // (least * (100 + TILT * (RANKS - 1))) >= launched, TILT, 0)
     # The requests without keys: every slot of theirs empty (NaN if too long for the table), request b by program b % P.
     for b in range(pid, batch, gl.num_programs(0)):
         seq_len = gl.maximum(gl.load(seq_lens_ptr + b).to(gl.int32), 0)
@@ -1818,15 +1821,15 @@ def decode_stage1_stream_k_kernel(
         pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
         shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
                                1, VALUE_BITS, NUM_KV_HEADS, STEP)  # fmt: skip
-        hi = _stream_k_bound(mine + 1, total, programs, launched, RANKS, TILT)
-        pos = _stream_k_bound(mine, total, programs, launched, RANKS, TILT)
+        hi = _stream_k_bound(mine + 1, total, programs, launched, tilt, RANKS)
+        pos = _stream_k_bound(mine, total, programs, launched, tilt, RANKS)
         while pos < hi:  # a piece: the steps from pos in one request
             b, first, n, seq_len = _stream_k_locate(seq_lens_ptr, batch, table_keys, pos, STEP_KEYS)
             piece_end = gl.minimum(hi, first + n)
-            owner = _stream_k_owner(first, total, programs, launched, RANKS, TILT)
+            owner = _stream_k_owner(first, total, programs, launched, tilt, RANKS)
             # Its last piece empties the slots past the request's pieces.
             empty_from = gl.where(piece_end == first + n,
-                                  _stream_k_owner(first + n - 1, total, programs, launched, RANKS, TILT) - owner + 1,
+                                  _stream_k_owner(first + n - 1, total, programs, launched, tilt, RANKS) - owner + 1,
                                   num_splits)  # fmt: skip
             # (The last step may reach past the request's keys, and its blocks past the request's: cut first.)
             start, end, row_ptr, too_long, bad_pages, first_page, last_page = _key_range(
