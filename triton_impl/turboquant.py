@@ -255,6 +255,11 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # for two chunks, Triton 3.6), 6 of them the chunk ring carried across pieces; with the ring restarted at each piece,
 # 805, and in one call 4-bit 100.0 -> 98.8 / 358.0 -> 352.9, k3v4 107.1 -> 108.6 / 382.8 -> 384.1, mixed lengths
 # 203.5 -> 201.1. FP8 keys (STREAM_K_k8 0) lose 6-11% by stream-K and keep the grid.
+# STREAM_K_TILT (percent a rank): the one-warp programs of a one-round grid end by their rank on their warp scheduler
+# (the older warps are issued first; benchmarks/tq_timeline.py), so a place of rank r of PROGRAMS_PER_SM / 4 takes
+# 100 + TILT * (ranks - 1 - r) parts of the steps (turboquant_sm90._stream_k_claim). One call on the H200, stage 1 in
+# us, tilt 0 / 10 / 20 / 35: 3bit_nc L=8K 128.3 / 128.3 / 125.2 / 122.2, L=32K 466.5 / 457.3 / 448.6 / 440.5; 4-bit
+# 98.3 / 100.5 / 99.4 / 106.2 and 352.3 / 349.5 / 344.8 / 366.8: 3-bit values only (_v3 35).
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
