@@ -385,7 +385,13 @@ plt.show()
 # words no longer spill, and stage 1 took 137 -> 129 / 492 -> 469 us (594 -> 544 warp instructions a chunk). The
 # bench at 0b5137d, against the bf16 decode in the same run (257-258 / 982-984 us): FP8 keys 125 / 486 us (2.05x /
 # 2.02x its speed), 4-bit keys 112 / 367 (2.29x / 2.68x), 3-bit keys 122 / 400 (2.12x / 2.46x), 3-bit keys and values
-# 141 / 478 (1.82x / 2.05x).
+# 141 / 478 (1.82x / 2.05x). Then a timeline of every program (`benchmarks/tq_timeline.py`) showed that with the same
+# steps each, the one-warp programs end by their rank on their warp scheduler: the warps that arrived first are issued
+# first (3-bit values at L=8K: ranks 0 / 1 / 2 end at 94 / 110 / 128 us), and the youngest ends alone. Stream-K now
+# gives the places of 3-bit values' programs steps in proportion 170 : 135 : 100 by rank (the program reads its warp
+# slot and takes a place of its rank): 3-bit keys and values 138 / 457 us (1.84x / 2.11x the bf16 decode of that run,
+# 254 / 963 us). With 4-bit values the same weights only moved the time between ranks (the scheduler stays near
+# saturation until one warp is left).
 # The goal, twice the bf16 speed, is reached for every preset with 4-bit values at both lengths, for 3-bit values at
 # L=32K only.
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory (4-bit keys
@@ -572,7 +578,7 @@ for length in (8192, 32768):
         assert row["ms"] < bf16_ms, preset  # every preset beats the bf16 decode
         layout = tq.TurboQuantConfig.from_cache_dtype(preset, D)
         # at twice its speed or more: every preset with 4-bit values, at both lengths (2.02-2.68x); 3-bit values at
-        # L=32K only (1.82x / 2.05x)
+        # L=32K only (1.84x / 2.11x)
         assert (row["ms"] <= 0.5 * bf16_ms) == (layout.value_quant_bits == 4 or length == 32768), preset
         # MSE keys short of byte-bound (33-71% of the copy roofline), FP8 keys 78-79%
         assert row["pct_roofline"] < (85 if layout.key_fp8 else 75), preset
