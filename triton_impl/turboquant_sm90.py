@@ -1627,6 +1627,11 @@ def decode_stage1_warp_kernel(
 # from program b % P. A walk of the empty requests by their place in the steps (from the program that holds it)
 # spilled the chunk loop, wherever it stood (Triton 3.6, 4-bit keys: 14-19 local loads an iteration, 88-120 bytes of
 # stack); the stride over requests does not.
+# Even steps do not end together: a warp scheduler issues its older warps first, so with 3 or 4 programs a scheduler
+# they end by their rank there (the order they arrived in; B=32 L=8K on the H200, 3-bit values: ranks 0 / 1 / 2 end
+# at 94 / 110 / 128 us, median, benchmarks/tq_timeline.py), the youngest alone. With RANKS (PROGRAMS_PER_SM / 4) a
+# program reads its warp slot, takes a place of its rank (_stream_k_claim), and places of older ranks get more steps
+# (TILT); the places' first steps and the owner of a step follow the weights (_stream_k_bound, _stream_k_owner).
 
 STREAM_K_REQUESTS = gl.constexpr(32)  # requests a block of the scans over seq_lens: one register a thread each
 
