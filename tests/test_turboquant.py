@@ -1219,6 +1219,39 @@ def test_stream_k_pieces_cover_every_key_once_in_at_most_the_slots() -> None:
     assert ttq.stream_k_bounds(100, 4, 4) == [0, 25, 50, 75, 100]  # one rank: the even division
 
 
+def _owner_by_ranks(x: int, total: int, programs: int, launched: int, ranks: int, tilt: int) -> int:
+    """``turboquant_sm90._stream_k_owner`` line for line (its closed form over the ranks), in Python integers."""
+    def before(q: int) -> int:  # _stream_k_weight_before
+        weight = q * 100
+        for r in range(ranks - 1):
+            lo, hi = -(-r * launched // ranks), -(-(r + 1) * launched // ranks)
+            weight += tilt * (ranks - 1 - r) * min(max(q - lo, 0), hi - lo)
+        return weight
+
+    most = ((x + 1) * before(programs) - 1) // total
+    owner = most // (100 + tilt * (ranks - 1))
+    for r in range(1, ranks):
+        first = -(-r * launched // ranks)
+        if before(first) <= most:
+            owner = first + (most - before(first)) // (100 + tilt * (ranks - 1 - r))
+    return owner
+
+
+def test_stream_k_owner_of_a_step_is_the_place_whose_steps_hold_it() -> None:
+    """The stream-K kernel finds the place holding a step (the piece's partial slot is its distance from the place of
+    the request's first step) by a closed form over the ranks' weights, not a search: for every step of sizes around
+    the H200's (198 or 264 places a KV head, 3 or 4 ranks) and small odd ones, it is the last place whose first step
+    (:func:`triton_impl.turboquant.stream_k_bounds`) is at most the step."""
+    for total, programs, launched, ranks, tilt in [(16384, 198, 198, 3, 35), (65536, 198, 198, 3, 35),
+                                                   (8192, 264, 264, 4, 20), (997, 7, 7, 3, 35), (1000, 9, 12, 4, 50),
+                                                   (50, 5, 5, 2, 10), (4096, 198, 198, 3, 0)]:  # fmt: skip
+        bounds = ttq.stream_k_bounds(total, programs, launched, ranks, tilt)
+        owners = [q for q in range(programs) for _ in range(bounds[q + 1] - bounds[q])]
+        assert len(owners) == total
+        assert [_owner_by_ranks(x, total, programs, launched, ranks, tilt) for x in range(total)] == owners, (
+            total, programs, ranks, tilt)
+
+
 @pytest.mark.parametrize("fp16_operands, query_scale", [(0, 3.0), (1, 1.0)])
 def test_decode_comparison_catches_planted_errors(fp16_operands, query_scale, device: torch.device) -> None:
     """The Triton decode with a planted wrong input fails the comparison with golden on the true input:
