@@ -1154,9 +1154,9 @@ def _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads,
     run = ttq.decode_num_splits(num_splits, batch, num_kv_heads, device, key_bits, config.value_quant_bits)
     entry = ttq.select_decode_config(device, key_bits, config.value_quant_bits)
     ranges, states = None, mid_o[:, :, :run, :head_dim]
+    ranks = ttq.stream_k_ranks(entry, batch, num_heads, key_bits) if stream_k else {"RANKS": 1, "TILT": 0}
     if stream_k:  # the slots hold its pieces (the same for every KV head), the rest LSE -inf and no output
         programs = ttq.stream_k_programs(entry, device, run, num_kv_heads) // num_kv_heads
-        ranks = ttq.stream_k_ranks(entry, batch, num_heads, key_bits)
         pieces = ttq.stream_k_pieces(list(seq_lens), table.shape[1] * cache.shape[1],
                                      16 * ttq.warp_stages(entry)["STEP"], programs, run, ranks["RANKS"],
                                      ranks["TILT"])  # fmt: skip
@@ -1177,13 +1177,12 @@ def _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads,
         # count handed out (int32, in request-major order): all of each rank's, and a program sent on from a full
         # rank counted in each rank it tried.
         counts = past[:, :, slot - run, head_dim].contiguous().view(torch.int32).flatten().cpu()
-        ranks = ttq.stream_k_ranks(entry, batch, num_heads, key_bits)["RANKS"] if stream_k else 1
-        if ranks > 1:
-            launched = ttq.stream_k_programs(entry, device, run, num_kv_heads) // num_kv_heads
-            first = [-(-r * launched // ranks) for r in range(ranks + 1)]
+        weighed = ranks["RANKS"] if ranks["RANKS"] > 1 else 0
+        if weighed:
+            first = _rank_starts(programs, weighed)
             sizes = [(hi - lo) * num_kv_heads for lo, hi in itertools.pairwise(first)]
-            assert [int(c) >= size for c, size in zip(counts[:ranks], sizes)] == [True] * ranks, (counts, sizes)
-        assert bool((counts[ranks if ranks > 1 else 0 :] == 0).all())
+            assert [int(c) >= size for c, size in zip(counts[:weighed], sizes)] == [True] * weighed, (counts, sizes)
+        assert bool((counts[weighed:] == 0).all())
         past = torch.cat([past[:, :, : slot - run], past[:, :, slot - run + 1 :]], dim=2)
     assert bool(past.isnan().all())
 
@@ -1219,19 +1218,26 @@ def test_stream_k_pieces_cover_every_key_once_in_at_most_the_slots() -> None:
     assert ttq.stream_k_bounds(100, 4, 4) == [0, 25, 50, 75, 100]  # one rank: the even division
 
 
+def _rank_starts(launched: int, ranks: int) -> list[int]:
+    """The first place of each rank of a KV head's ``launched``, and ``launched`` (``turboquant_sm90.
+    _stream_k_rank_start``)."""
+    return [-(-r * launched // ranks) for r in range(ranks + 1)]
+
+
 def _owner_by_ranks(x: int, total: int, programs: int, launched: int, ranks: int, tilt: int) -> int:
     """``turboquant_sm90._stream_k_owner`` line for line (its closed form over the ranks), in Python integers."""
+    starts = _rank_starts(launched, ranks)
+
     def before(q: int) -> int:  # _stream_k_weight_before
         weight = q * 100
         for r in range(ranks - 1):
-            lo, hi = -(-r * launched // ranks), -(-(r + 1) * launched // ranks)
-            weight += tilt * (ranks - 1 - r) * min(max(q - lo, 0), hi - lo)
+            weight += tilt * (ranks - 1 - r) * min(max(q - starts[r], 0), starts[r + 1] - starts[r])
         return weight
 
     most = ((x + 1) * before(programs) - 1) // total
     owner = most // (100 + tilt * (ranks - 1))
     for r in range(1, ranks):
-        first = -(-r * launched // ranks)
+        first = starts[r]
         if before(first) <= most:
             owner = first + (most - before(first)) // (100 + tilt * (ranks - 1 - r))
     return owner

@@ -1653,13 +1653,20 @@ def _stream_k_steps(seq_lens_ptr, batch, table_keys, b0, before, STEP_KEYS: gl.c
 
 
 @gluon.jit
+def _stream_k_rank_start(r, launched, RANKS: gl.constexpr):
+    """The first of a KV head's ``launched`` places in rank ``r``: ``ceil(r * launched / RANKS)`` (place ``p`` is in
+    rank ``p * RANKS // launched``)."""
+    return (r * launched + RANKS - 1) // RANKS
+
+
+@gluon.jit
 def _stream_k_weight_before(q, launched, tilt, RANKS: gl.constexpr):
-    """The summed weights of a KV head's places ``0 .. q - 1`` (int64): place ``p`` is in rank ``p * RANKS //
-    launched`` (0 the oldest programs on their warp schedulers) and weighs ``100 + tilt * (RANKS - 1 - rank)``."""
+    """The summed weights of a KV head's places ``0 .. q - 1`` (int64): a place of rank ``r`` (0 the oldest programs
+    on their warp schedulers) weighs ``100 + tilt * (RANKS - 1 - r)``."""
     weight = q.to(gl.int64) * 100
     for r in gl.static_range(RANKS - 1):  # the youngest rank adds nothing to 100
-        lo = (r * launched + RANKS - 1) // RANKS
-        hi = ((r + 1) * launched + RANKS - 1) // RANKS
+        lo = _stream_k_rank_start(r, launched, RANKS)
+        hi = _stream_k_rank_start(r + 1, launched, RANKS)
         weight += (tilt * (RANKS - 1 - r)) * gl.minimum(gl.maximum(q - lo, 0), hi - lo).to(gl.int64)
     return weight
 
@@ -1684,7 +1691,7 @@ def _stream_k_owner(x, total, programs, launched, tilt, RANKS: gl.constexpr):
     most = ((x.to(gl.int64) + 1) * _stream_k_weight_before(programs, launched, tilt, RANKS) - 1) // total
     owner = (most // (100 + tilt * (RANKS - 1))).to(gl.int32)  # in rank 0
     for r in gl.static_range(1, RANKS):
-        first = (r * launched + RANKS - 1) // RANKS
+        first = _stream_k_rank_start(r, launched, RANKS)
         before = _stream_k_weight_before(first, launched, tilt, RANKS)
         owner = gl.where(before <= most, first + ((most - before) // (100 + tilt * (RANKS - 1 - r))).to(gl.int32),
                          owner)  # fmt: skip
@@ -1718,8 +1725,8 @@ def _stream_k_claim(partials_ptr, query_slot, stride_pb, stride_ph, stride_ps, n
             taken = gl.atomic_add(count + lane * 0, gl.full([32], 1, gl.int32, layout), mask=lane == 0,
                                   sem="relaxed", scope="gpu")  # fmt: skip
             index = gl.max(gl.where(lane == 0, taken, -1), axis=0)
-            first = (r * launched + RANKS - 1) // RANKS
-            size = ((r + 1) * launched + RANKS - 1) // RANKS - first
+            first = _stream_k_rank_start(r, launched, RANKS)
+            size = _stream_k_rank_start(r + 1, launched, RANKS) - first
             if index < size * NUM_KV_HEADS:
                 kv_head = index % NUM_KV_HEADS
                 place = first + index // NUM_KV_HEADS
