@@ -1612,11 +1612,12 @@ def test_inline_ptx_of_the_symmetric_4bit_lookup_does_what_its_comment_says() ->
 
 def test_inline_ptx_of_the_3bit_lookup_does_what_its_docstring_says() -> None:
     """``TRIPLE_PAIRS_ASM`` (3-bit keys, :func:`turboquant_sm90._triple_pairs`) on the model of its instructions: a
-    24-bit group of 8 codes becomes the fp16 pairs of their centroids, for random groups and fp16 bit patterns."""
+    24-bit group of 8 codes becomes the fp16 pairs of their centroids, for random groups and fp16 bit patterns, whatever
+    the 8 bits above the group hold (the kernel leaves the next group's codes there)."""
     rng = random.Random(6)
     for _ in range(200):
         centroids = [rng.getrandbits(16) for _ in range(8)]
-        group = rng.getrandbits(24)
+        group = rng.getrandbits(32)
         codes = [(group >> (3 * i)) & 7 for i in range(8)]
         expected = [centroids[codes[2 * j]] | (centroids[codes[2 * j + 1]] << 16) for j in range(4)]
         tables = _byte_tables(centroids, 0, 2)

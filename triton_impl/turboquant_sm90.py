@@ -389,12 +389,13 @@ def _nibble_pairs(w, tables):
 # The 3-bit keys' lookup (:func:`_triple_pairs`), checked like the 4-bit one: a 24-bit group of 8 codes spread so
 # that code ``i`` is nibble ``i`` of a prmt selector (its sign-replicate bit clear), then one prmt per 4 bytes from
 # the 2 table registers of a byte of the 8 centroids, and two prmt interleave low and high bytes into fp16 pairs.
+# The spread first moves codes 4-7 up by 4 bits (one ``lop3`` selecting bits 0-11 from the group, the rest from it
+# shifted), then each nibble takes its code from the group shifted by 0-3 bits under a mask: the bits it never
+# takes (12-15 and 28-31 of ``y``, so the group's top 8 bits) may hold anything.
 TRIPLE_PAIRS_ASM = gl.constexpr("""{
-        .reg .b32 a, b, y, t, z, zs, l0, l1, h0, h1;
-        and.b32 a, $4, 0xFFF;
+        .reg .b32 b, y, t, z, zs, l0, l1, h0, h1;
         shl.b32 b, $4, 4;
-        and.b32 b, b, 0xFFF0000;
-        or.b32 y, a, b;
+        lop3.b32 y, $4, b, 0xFFF, 0xE4;
         and.b32 z, y, 0x70007;
         shl.b32 t, y, 1;
         and.b32 t, t, 0x700070;
@@ -414,7 +415,7 @@ TRIPLE_PAIRS_ASM = gl.constexpr("""{
 
 @gluon.jit
 def _triple_pairs(g, tables):
-    """uint32 of 8 3-bit codes (bits ``3i ..``; the top 8 bits 0) -> 4 uint32, register ``j`` the fp16 centroids of
+    """uint32 of 8 3-bit codes (bits ``3i ..``; the top 8 bits ignored) -> 4 uint32, register ``j`` the fp16 centroids of
     codes ``2j`` (low half) and ``2j + 1`` (high half), by ``prmt`` from 4 table registers: the low bytes of
     centroids 0-3 and 4-7 (``tables[0:2]``), then their high bytes (``tables[2:4]``) (:data:`TRIPLE_PAIRS_ASM`)."""
     return gl.inline_asm_elementwise(TRIPLE_PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r,r",
@@ -504,8 +505,8 @@ def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.const
             w02, w13 = gl.split(gl.reshape(words, [CHUNKS, 2, 8, 4, 2, 2]))  # word 2a + b: split by b, then by a
             w0, w2 = gl.split(w02)
             w1, _ = gl.split(w13)
-            g01 = gl.join(w0 & 0xFFFFFF, ((w0 >> 24) | (w1 << 8)) & 0xFFFFFF)
-            g23 = gl.join(((w1 >> 16) | (w2 << 16)) & 0xFFFFFF, w2 >> 8)
+            g01 = gl.join(w0, (w0 >> 24) | (w1 << 8))  # (the bits above a group's 24 are ignored)
+            g23 = gl.join((w1 >> 16) | (w2 << 16), w2 >> 8)
             groups = gl.reshape(gl.permute(gl.join(g01, g23), (0, 1, 2, 3, 5, 4)), [CHUNKS, 2, 8, 4, 4])
             groups = gl.convert_layout(groups, words.type.layout)
             p0, p1, p2, p3 = _triple_pairs(groups, pair_lut)  # pair u = 4g + j in p_j
@@ -523,13 +524,12 @@ def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_
                  LAYOUT: gl.constexpr, CHUNKS: gl.constexpr = 4):  # fmt: skip
     """The tile's value codes as ``[warp, quad, t, c, j, e]``: the ``4 VALUE_BITS`` bits (4 codes, dimensions
     ``32 warp + 4 quad ..``) from value bit ``4 VALUE_BITS (8 warp + quad)`` of key ``16c + 8j + 2t + e`` (chunk
-    ``c`` in block ``page``), in the low bits of a uint16. 4-bit values: the aligned 16-bit word at value byte ``16
-    warp + 2 quad``. 3-bit values: 12 bits at bit ``12 quad`` of the warp's 12 bytes, which no aligned 16-bit load
-    holds for ``quad`` = 1, 2, 5, 6: the 32-bit word holding the first bit, funnel-shifted with the next word
-    (``shf.r.wrap``), which only ``quad`` = 2 and 5 need (bits 24-35 and 60-71 of the 96) and which is lane quad
-    ``quad + 1``'s first word of the same keys: a warp shuffle, not a second load (a load per key and 716 -> 624
-    instructions a tile; the H200 at L=8K: 0.2576 -> 0.2127 ms). Read only where ``go``, as :func:`_key_words`, or
-    (``go`` None) everywhere, where every ``page`` is in the cache."""
+    ``c`` in block ``page``). 4-bit values: the aligned 16-bit word at value byte ``16 warp + 2 quad``, a uint16.
+    3-bit values: 12 bits at bit ``12 quad`` of the warp's 12 bytes, which no aligned 16-bit load holds for ``quad`` =
+    1, 2, 5, 6: the 32-bit word holding the first bit, a uint32, which :func:`_three_bit_fields` turns into the field
+    where the codes are used (not here: its shuffle waits for the load, and the loads of a step ahead would be waited
+    for at once). Read only where ``go``, as :func:`_key_words`, or (``go`` None) everywhere, where every ``page`` is
+    in the cache."""
     warp = _iota(4, 0, 6, LAYOUT)
     quad = _iota(8, 1, 6, LAYOUT)
     t = _iota(4, 2, 6, LAYOUT)
@@ -544,17 +544,26 @@ def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_
     else:
         word = (cache_ptr + slot + KEY_DATA_BYTES + warp * 12 + (bit >> 5) * 4).to(gl.pointer_type(gl.uint32))
     if go is None:
-        low = gl.load(word)
+        words = gl.load(word)
     else:
-        low = gl.load(word, mask=go, other=0)
-    if VALUE_BITS == 4:
-        return low
-    # The next word is lane quad g + 1's first (the same keys; quads 2 and 5 need it): a shuffle, not a load.
+        words = gl.load(word, mask=go, other=0)
+    return words
+
+
+@gluon.jit
+def _three_bit_fields(low):
+    """3-bit values' words (:func:`_value_words`) -> each thread's 12-bit fields, in the low bits of a uint32 (the bits
+    above them are the next codes': :func:`_value_operand` masks them off). Lane quad ``quad`` wants the 12 bits at
+    bit ``12 quad`` of its 96, which cross into the next word for ``quad`` = 2 and 5 only (bits 24-35 and 60-71); that
+    word is lane quad ``quad + 1``'s first of the same keys: a warp shuffle, not a second load (a load per key and 716
+    -> 624 instructions a tile; the H200 at L=8K: 0.2576 -> 0.2127 ms), then one funnel shift (``shf.r.wrap``)."""
+    layout: gl.constexpr = low.type.layout
+    quad = _iota(8, 1, 6, layout)
     high = gl.inline_asm_elementwise("shfl.sync.down.b32 $0, $1, 4, 0x1f, 0xffffffff;", "=r,r", [low],
                                      dtype=gl.uint32, is_pure=False, pack=1)  # fmt: skip
-    field = gl.inline_asm_elementwise("shf.r.wrap.b32 $0, $1, $2, $3;", "=r,r,r,r", [low, high, bit.to(gl.uint32)],
-                                      dtype=gl.uint32, is_pure=True, pack=1)  # fmt: skip
-    return field.to(gl.uint16) & 0xFFF
+    return gl.inline_asm_elementwise("shf.r.wrap.b32 $0, $1, $2, $3;", "=r,r,r,r",
+                                     [low, high, (quad * 12).to(gl.uint32)], dtype=gl.uint32, is_pure=True,
+                                     pack=1)  # fmt: skip
 
 
 @gluon.jit
@@ -565,8 +574,13 @@ def _value_operand(w, VALUE_BITS: gl.constexpr):
     code at one dimension. Codes 1 and 3 are not shifted down, only masked in place: they come out as
     ``2^VALUE_BITS c`` (``1024 + 2^VALUE_BITS c`` is an fp16 below 2048, exact), one shift a word instead of three,
     and :func:`_store_partials` divides their output rows by ``2^VALUE_BITS`` (:func:`_value_row_scale`: exact)."""
-    w0, w1 = gl.split(w)  # keys e = 0, 1
-    pair = w0.to(gl.uint32) | (w1.to(gl.uint32) << 16)
+    if VALUE_BITS == 3:
+        w0, w1 = gl.split(_three_bit_fields(w))  # keys e = 0, 1
+        pair = gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r", [w0, w1], dtype=gl.uint32,
+                                         is_pure=True, pack=1)  # low halves: w0's in the low 16 bits, w1's above
+    else:
+        w0, w1 = gl.split(w)  # keys e = 0, 1
+        pair = w0.to(gl.uint32) | (w1.to(gl.uint32) << 16)
     low: gl.constexpr = ((1 << VALUE_BITS) - 1) * 0x10001
     high: gl.constexpr = low << VALUE_BITS
     rest = pair >> 2 * VALUE_BITS
