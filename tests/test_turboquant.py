@@ -1478,22 +1478,26 @@ def test_sm90_operand_orders_are_permutations_with_one_load_per_thread() -> None
 
 def test_sm90_three_bit_value_words_hold_each_threads_codes() -> None:
     """With 3-bit values, thread ``4g + t`` of warp ``w`` needs the 12 bits of dimensions ``32w + 4g ..`` (bit
-    ``96w + 12g`` of the value bytes), which no aligned 16-bit load holds for every ``g``. The Gluon stage 1
-    (``_value_words``) reads the 32-bit word holding the first bit and, where the 12 bits cross into the next word
-    (``g`` = 2 and 5 only), that word too: modelled here on ``pack_codes``'s bytes, the fields give back every code,
-    and no read leaves the warp's 12 bytes (the word after the last one is poisoned)."""
-    codes = torch.randint(0, 8, (128,), generator=generator(31))
-    data = tq.pack_codes(codes, 3).tolist()
-    words = [int.from_bytes(bytes(data[4 * i : 4 * i + 4]), "little") for i in range(12)] + [0xDEADBEEF]
+    ``96w + 12g`` of the value bytes), which no aligned 16-bit load holds for every ``g``. The Gluon stage 1 loads the
+    32-bit word holding the first bit (``_value_words``) and, where the 12 bits cross into the next word (``g`` = 2
+    and 5 only), takes that word from lane quad ``g + 1`` (``_three_bit_fields``: a shuffle and a funnel shift). The
+    field is not masked there: ``_value_operand`` pairs two keys' fields by their low halves (``prmt``) and masks each
+    code out of the pair. Modelled here on ``pack_codes``'s bytes for two keys: the masks give back every code, and no
+    read leaves the warp's 12 bytes (the word after the last one is poisoned)."""
+    codes = torch.randint(0, 8, (2, 128), generator=generator(31))
+    data = [tq.pack_codes(c, 3).tolist() for c in codes]
+    words = [[int.from_bytes(bytes(d[4 * i : 4 * i + 4]), "little") for i in range(12)] + [0xDEADBEEF] for d in data]
     crossing = []
     for w in range(4):
         for g in range(8):
             bit = 12 * g
             shift, first = bit % 32, 3 * w + bit // 32
-            high = words[first + 1] if shift > 20 else 0
             assert first + (shift > 20) < 3 * (w + 1), (w, g)
-            field = ((words[first] >> shift) | (high << (32 - shift))) & 0xFFF
-            assert [(field >> 3 * r) & 7 for r in range(4)] == codes[32 * w + 4 * g : 32 * w + 4 * g + 4].tolist()
+            fields = [((k[first] | k[first + 1] << 32) >> shift) & 0xFFFFFFFF for k in words]  # shf.r.wrap
+            pair = (fields[0] & 0xFFFF) | (fields[1] & 0xFFFF) << 16  # prmt 0x5410
+            rest = pair >> 6
+            got = [[(x >> (16 * e + 3 * (r % 2))) & 7 for r, x in enumerate((pair, pair, rest, rest))] for e in (0, 1)]
+            assert got == codes[:, 32 * w + 4 * g : 32 * w + 4 * g + 4].tolist(), (w, g)
             crossing += [g] if shift > 20 else []
     assert sorted(set(crossing)) == [2, 5]
 
@@ -1713,11 +1717,12 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
         key_bits, value_bits, registers, stack, shared, moves, programs, local, stream_k, tma = row[0], row[1], *row[4:]
         staged = value_bits == 4 or tma  # (the one-warp kernels' chunk buffers hold 3-bit keys too)
         # 3-bit values in the one-warp kernel, two chunks an iteration at 168 registers: by the grid 16 bytes outside
-        # the loop under Triton 3.6 (the H200's), 8 and one reload an iteration under 3.9 (32 by stream-K with its
-        # places weighed by rank); stream-K's 3-bit keys under 3.9, 24 bytes (none in the loop)
+        # the loop under Triton 3.6 (the H200's), 8 and one reload an iteration under 3.9; by stream-K (its places
+        # weighed by rank, its value words made fields where they are used: turboquant_sm90._chunks) 24 bytes under
+        # 3.6 and 40 under 3.9, none in the loop; stream-K's 3-bit keys under 3.9, 32 bytes (none in the loop)
         triton36 = triton.__version__.startswith("3.6")
-        most = (8 if triton36 or not stream_k else 24, 0) if value_bits == 4 else (16, 0) if triton36 else (
-            32 if stream_k else 8, 1)
+        most = (8 if triton36 or not stream_k else 32, 0) if value_bits == 4 else (24 if stream_k else 16, 0) if (
+            triton36) else (40, 0) if stream_k else (8, 1)
         assert stack <= most[0] and local <= most[1], row
         assert registers <= 255 and (programs * (shared + 1024) <= 228 * 1024 if staged else shared <= 4096), row
         assert key_bits != 4 or moves <= 16, row

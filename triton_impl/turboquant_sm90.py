@@ -415,9 +415,10 @@ TRIPLE_PAIRS_ASM = gl.constexpr("""{
 
 @gluon.jit
 def _triple_pairs(g, tables):
-    """uint32 of 8 3-bit codes (bits ``3i ..``; the top 8 bits ignored) -> 4 uint32, register ``j`` the fp16 centroids of
-    codes ``2j`` (low half) and ``2j + 1`` (high half), by ``prmt`` from 4 table registers: the low bytes of
-    centroids 0-3 and 4-7 (``tables[0:2]``), then their high bytes (``tables[2:4]``) (:data:`TRIPLE_PAIRS_ASM`)."""
+    """uint32 of 8 3-bit codes (bits ``3i ..``; the top 8 bits ignored) -> 4 uint32, register ``j`` the fp16
+    centroids of codes ``2j`` (low half) and ``2j + 1`` (high half), by ``prmt`` from 4 table registers: the low
+    bytes of centroids 0-3 and 4-7 (``tables[0:2]``), then their high bytes (``tables[2:4]``)
+    (:data:`TRIPLE_PAIRS_ASM`)."""
     return gl.inline_asm_elementwise(TRIPLE_PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r,r",
                                      [g, tables[0], tables[1], tables[2], tables[3]],
                                      dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True,
@@ -567,14 +568,23 @@ def _three_bit_fields(low):
 
 
 @gluon.jit
-def _value_operand(w, VALUE_BITS: gl.constexpr):
+def _held_fields(low):
+    """:func:`_three_bit_fields` as masked 12-bit uint16, for a kernel that makes the fields as soon as the words are
+    loaded and holds them until the value product: unmasked, or as uint32, the one-warp grid kernel's loop spills
+    (Triton 3.6)."""
+    return _three_bit_fields(low).to(gl.uint16) & 0xFFF
+
+
+@gluon.jit
+def _value_operand(w, VALUE_BITS: gl.constexpr, FIELDS: gl.constexpr = 0):
     """Value words (:func:`_value_words`) -> codes ``[HEAD_DIM, keys]`` fp16 (exact), the A operand of
     ``O^T += V^T P^T``, output row ``d`` holding dimension ``_value_dim(d)``: the words of keys ``e = 0, 1``
     are paired (low and high halves), and each of their 4 codes becomes one register holding both keys'
     code at one dimension. Codes 1 and 3 are not shifted down, only masked in place: they come out as
     ``2^VALUE_BITS c`` (``1024 + 2^VALUE_BITS c`` is an fp16 below 2048, exact), one shift a word instead of three,
-    and :func:`_store_partials` divides their output rows by ``2^VALUE_BITS`` (:func:`_value_row_scale`: exact)."""
-    if VALUE_BITS == 3:
+    and :func:`_store_partials` divides their output rows by ``2^VALUE_BITS`` (:func:`_value_row_scale`: exact).
+    3-bit values: ``w`` the words as loaded, or (``FIELDS``) :func:`_held_fields`."""
+    if (VALUE_BITS == 3) and not FIELDS:
         w0, w1 = gl.split(_three_bit_fields(w))  # keys e = 0, 1
         pair = gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r", [w0, w1], dtype=gl.uint32,
                                          is_pure=True, pack=1)  # low halves: w0's in the low 16 bits, w1's above
@@ -639,14 +649,16 @@ def _tile_loads(cache_ptr, pages, tile_start, start, end, kv_head, num_kv_heads,
                 VALUE_BITS: gl.constexpr, NUM_FIELDS: gl.constexpr, BLOCK_SIZE: gl.constexpr, KEY_LAYOUT: gl.constexpr,
                 VALUE_LAYOUT: gl.constexpr):  # fmt: skip
     """Everything tile ``[tile_start, tile_start + BLOCK_N)`` reads from its blocks ``pages``
-    (:func:`_tile_pages`): ``(key words, value words, norm, value scale, value zero)``, and which of its keys
-    (``key_rows``) lie in ``[start, end)``. A tile at or past ``end`` reads nothing."""
+    (:func:`_tile_pages`): ``(key words, value words (3-bit: :func:`_held_fields`), norm, value scale, value zero)``,
+    and which of its keys (``key_rows``) lie in ``[start, end)``. A tile at or past ``end`` reads nothing."""
     k_page, v_page, m_page = pages
     go = tile_start < end
     k_words = _key_words(cache_ptr, k_page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes, KEY_BITS,
                          BLOCK_SIZE, KEY_LAYOUT)  # fmt: skip
     v_words = _value_words(cache_ptr, v_page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes,
                            KEY_DATA_BYTES, VALUE_BITS, BLOCK_SIZE, VALUE_LAYOUT)  # fmt: skip
+    if VALUE_BITS == 3:
+        v_words = _held_fields(v_words)
     token = tile_start + key_rows
     live = (token >= start) & (token < end)
     norm, v_scale, v_zero = _metadata(cache_ptr, m_page, token, live, kv_head, stride_block, meta_offset, NUM_FIELDS,
@@ -668,12 +680,13 @@ def _scores(k, q_hi, q_lo, zero, FP16_OPERANDS: gl.constexpr):
 def _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo, score_scale, m_i, l_part, z_part,
                acc, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, KEY_BYTES: gl.constexpr,
                FP16_OPERANDS: gl.constexpr = 0, RESCALE_IF_GREW: gl.constexpr = 0,
-               SYMMETRIC: gl.constexpr = 0):  # fmt: skip
+               SYMMETRIC: gl.constexpr = 0, VALUE_FIELDS: gl.constexpr = 0):  # fmt: skip
     """One tile of the online softmax: scores ``K q^T``, the running max, ``(l, z)`` partial sums and ``O^T += V^T
     P^T`` (the module docstring says how each operand is built). Returns ``(m_i, l_part, z_part, acc)``.
     ``RESCALE_IF_GREW``: the sums and ``O^T`` are rescaled only when some head's running max grew (else every factor
     is exactly 1: the same result), a branch on a reduction within the warp (per-warp streams: their ``O^T`` is 32
-    registers a thread, 4 times a 4-warp tile's)."""
+    registers a thread, 4 times a 4-warp tile's). ``VALUE_FIELDS``: 3-bit ``v_words`` are fields already
+    (:func:`_value_operand`)."""
     mma: gl.constexpr = acc.type.layout
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -700,7 +713,7 @@ def _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_
     w = p * v_scale[:, None]
     w_hi = w.to(gl.float16)
     if FP16_OPERANDS:
-        v = gl.convert_layout(_value_operand(v_words, VALUE_BITS), dot_a)
+        v = gl.convert_layout(_value_operand(v_words, VALUE_BITS, VALUE_FIELDS), dot_a)
         if not RESCALE_IF_GREW:
             acc = acc * gl.convert_layout(alpha[None, :], mma)
         acc = mma_v2(v, gl.convert_layout(w_hi, dot_b), acc)
@@ -709,7 +722,7 @@ def _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_
         # One B operand [BLOCK_N, 2 BLOCK_H] = [hi | lo]: one trip through shared memory, not two.
         w2 = gl.reshape(gl.permute(gl.join(w_hi, w_lo), (0, 2, 1)), [KEYS, 2 * BLOCK_H])
         alpha2 = gl.reshape(gl.permute(gl.join(alpha[None, :], alpha[None, :]), (0, 2, 1)), [1, 2 * BLOCK_H])
-        v = gl.convert_layout(_value_operand(v_words, VALUE_BITS), dot_a)
+        v = gl.convert_layout(_value_operand(v_words, VALUE_BITS, VALUE_FIELDS), dot_a)
         acc = mma_v2(v, gl.convert_layout(w2, dot_b), acc * gl.convert_layout(alpha2, mma))
     return m_new, l_part, z_part, acc
 
@@ -1014,7 +1027,7 @@ def decode_stage1_kernel(
                                 key_layout, value_layout)  # fmt: skip
             m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
                                                   score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS,
-                                                  key_bytes, FP16_OPERANDS)  # fmt: skip
+                                                  key_bytes, FP16_OPERANDS, 0, 0, 1)  # fmt: skip
     else:
         fields: gl.constexpr = 4 if NUM_FIELDS == 3 else 2
         key_copy: gl.constexpr = _copy_layout("keys", KEY_BITS, fields)
@@ -1338,9 +1351,12 @@ def _step_value_words(cache_ptr, row_ptr, stride_btc, chunk_start, end, num_bloc
     pages = _step_pages(row_ptr, stride_btc, chunk_start, end, num_blocks, shape[5], STEP)
     c = _iota(STEP, 3, 6, LAYOUT)
     page = gl.where(c == 0, pages[0], pages[1])
-    # shape: KEY_DATA_BYTES 2, SLOT_BYTES 3, BLOCK_SIZE 5, VALUE_BITS 9, NUM_KV_HEADS 10
-    return _value_words(cache_ptr, page, chunk_start, None, kv_head, shape[10], stride_block, shape[3], shape[2],
-                        shape[9], shape[5], LAYOUT, STEP)  # fmt: skip
+    # shape: KEY_DATA_BYTES 2, SLOT_BYTES 3, BLOCK_SIZE 5, VALUE_BITS 9, NUM_KV_HEADS 10, LATE_FIELDS 12
+    words = _value_words(cache_ptr, page, chunk_start, None, kv_head, shape[10], stride_block, shape[3], shape[2],
+                         shape[9], shape[5], LAYOUT, STEP)  # fmt: skip
+    if not shape[12]:
+        words = _held_fields(words)
+    return words
 
 
 @gluon.jit
@@ -1385,7 +1401,7 @@ def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, sh
             v_words = staged_values
         m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
                                               score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS, key_bytes,
-                                              1, 1, SYMMETRIC)  # fmt: skip
+                                              1, 1, SYMMETRIC, 1 - shape[12])  # fmt: skip
         if VALUE_BITS == 3:  # the next iteration's value words, loaded once this iteration's are used
             following = tile + 16 * (stream + STRIDE * (n + STEP))
             v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, following, end, num_blocks, kv_head,
@@ -1408,9 +1424,14 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
     each), copied by TMA through its chunk buffers ``STAGES stream ..`` of ``ring`` (``data, values, meta, full``):
     ``(acc, m, l, z)``, ``acc`` ``[HEAD_DIM, BLOCK_H]`` in the MMA layout, the rest per head. ``shape`` is ``(KV_GROUP,
     KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, STRIDE, VALUE_BITS, NUM_KV_HEADS,
-    STEP)``; the other arguments are the kernels' in tuples. Each iteration takes ``STEP`` consecutive chunks (1, or 2
-    with ``STRIDE`` 1: one softmax step and one row max over 32 keys, which halves what an iteration costs besides
-    its keys), a group of ``STEP`` buffers; a split's last group is copied whole, past its keys if need be. ``split``
+    STEP, LATE_FIELDS)``; the other arguments are the kernels' in tuples. Each iteration takes ``STEP`` consecutive
+    chunks (1, or 2 with ``STRIDE`` 1: one softmax step and one row max over 32 keys, which halves what an iteration
+    costs besides its keys), a group of ``STEP`` buffers; a split's last group is copied whole, past its keys if need
+    be. ``LATE_FIELDS``: 3-bit value words, loaded a step ahead, become fields (:func:`_three_bit_fields`, whose
+    shuffle waits for the loads) at the value product, not as soon as they are loaded; the stream-K kernel's choice
+    (stage 1 of 3bit_nc B=32 L=8K / 32K on the H200, one call: 121.8 -> 119.0 / 426.4 -> 419.3 us), not the grid
+    kernel's, which at 168 registers then spills two words across the iteration (2 STL and 2 LDL in its loop, Triton
+    3.6) and took 134.8 -> 135.4 / 483.6 -> 489.2 us. ``split``
     ends with the request and the KV head; the ring's mbarriers are at their first phase (a program that runs several
     splits through the same buffers initializes them again between, :func:`decode_stage1_stream_k_kernel`).
     ``pair_lut``: :func:`_centroid_tables`."""
@@ -1547,7 +1568,7 @@ def decode_stage1_streams_kernel(
              gl.program_id(1))
     strides = (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
-                           STREAMS, VALUE_BITS, NUM_KV_HEADS, 1)  # fmt: skip
+                           STREAMS, VALUE_BITS, NUM_KV_HEADS, 1, 0)  # fmt: skip
     (poisoned,) = gl.warp_specialize([
         (_streams_guard, (too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)),
         (_stream, (gl.constexpr(0), shared, descs, pointers, split, strides, shape)),
@@ -1615,7 +1636,7 @@ def decode_stage1_warp_kernel(
     kv_head = gl.program_id(1)
     split = (row_ptr, stride_btc, num_blocks, (start // 16) * 16, start, end, sm_scale, query_slot, b, kv_head)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, 1,
-                           VALUE_BITS, NUM_KV_HEADS, STEP)  # fmt: skip
+                           VALUE_BITS, NUM_KV_HEADS, STEP, 0)  # fmt: skip
     acc, m_i, l_i, z_i = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
                                  (q_ptr, partials_ptr, centroid_ptr, cache_ptr), split,
                                  (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block),
@@ -1846,7 +1867,7 @@ def decode_stage1_stream_k_kernel(
                                                VALUE_BITS)  # fmt: skip
         pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
         shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
-                               1, VALUE_BITS, NUM_KV_HEADS, STEP)  # fmt: skip
+                               1, VALUE_BITS, NUM_KV_HEADS, STEP, 1)  # fmt: skip
         hi = _stream_k_bound(mine + 1, total, programs, launched, tilt, RANKS)
         pos = _stream_k_bound(mine, total, programs, launched, tilt, RANKS)
         while pos < hi:  # a piece: the steps from pos in one request
