@@ -76,7 +76,12 @@ consecutive 16-key chunks (``STEP``, a group of two buffers read as one 32-row t
 ``lop3`` (:func:`masked_codes_asm`): 4-bit keys 517 -> 437 warp instructions per 16 keys, stage 1 131.8 -> 119.7 /
 457.3 -> 405.9 us, 3-bit keys 129.7 -> 118.6 / 444.6 -> 401.5, 3-bit values (one chunk an iteration: two spill)
 165.7 -> 159.1 / 571.1 -> 546.0; with two rounds of programs instead of four, 4-bit keys 106.5 / 385.7 us (one call
-each, 2026-12-02). ``notebooks/results/perf_log.md`` has the measurements and the variants that lost.
+each, 2026-12-02). With 3-bit keys spread into ``prmt`` selectors by one ``lop3`` fewer (:data:`TRIPLE_PAIRS_ASM`,
+the bits above a group left unmasked) and, by stream-K, 3-bit value words made fields where the value product uses
+them (``LATE_FIELDS`` of :func:`_chunks`), a two-chunk step of stream-K takes 1092 -> 1034 warp instructions for
+3bit_nc and 915 -> 890 for k3v4 (Triton 3.6), and stage 1 124.1 -> 119.0 / 441.9 -> 419.3 us and 107.8 -> 104.6 /
+384.7 -> 371.2 (B=32 L=8K / 32K, one call, 2026-12-03). ``notebooks/results/perf_log.md`` has the measurements and
+the variants that lost.
 
 The store (:func:`store_kernel`, bf16 keys at ``D = 128``, 3- or 4-bit MSE codes; :func:`store_supports`):
 persistent 4-warp programs over tiles of 64 (token, KV head) rows. Each program rounds ``PiT`` once into two bf16
