@@ -533,9 +533,9 @@ def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_
     ``c`` in block ``page``). 4-bit values: the aligned 16-bit word at value byte ``16 warp + 2 quad``, a uint16.
     3-bit values: 12 bits at bit ``12 quad`` of the warp's 12 bytes, which no aligned 16-bit load holds for ``quad`` =
     1, 2, 5, 6: the 32-bit word holding the first bit, a uint32, which :func:`_three_bit_fields` turns into the field
-    where the codes are used (not here: its shuffle waits for the load, and the loads of a step ahead would be waited
-    for at once). Read only where ``go``, as :func:`_key_words`, or (``go`` None) everywhere, where every ``page`` is
-    in the cache."""
+    (its shuffle waits for the load), at the load (:func:`_held_fields`) or where the codes are used
+    (:func:`_chunks`' ``LATE_FIELDS``). Read only where ``go``, as :func:`_key_words`, or (``go`` None) everywhere,
+    where every ``page`` is in the cache."""
     warp = _iota(4, 0, 6, LAYOUT)
     quad = _iota(8, 1, 6, LAYOUT)
     t = _iota(4, 2, 6, LAYOUT)
@@ -1436,7 +1436,7 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
     shuffle waits for the loads) at the value product, not as soon as they are loaded; the stream-K kernel's choice
     (stage 1 of 3bit_nc B=32 L=8K / 32K on the H200, one call: 121.8 -> 119.0 / 426.4 -> 419.3 us), not the grid
     kernel's, which at 168 registers then spills two words across the iteration (2 STL and 2 LDL in its loop, Triton
-    3.6) and took 134.8 -> 135.4 / 483.6 -> 489.2 us. ``split``
+    3.6) and took 134.8 -> 135.4 / 483.6 -> 489.2 us (``STREAM_K`` 0, the same case). ``split``
     ends with the request and the KV head; the ring's mbarriers are at their first phase (a program that runs several
     splits through the same buffers initializes them again between, :func:`decode_stage1_stream_k_kernel`).
     ``pair_lut``: :func:`_centroid_tables`."""
