@@ -526,7 +526,8 @@ for layout in ("striped", "sliced"):
 # For MLA, every head reads the same 576-element latent per key. A program that owns a tile of
 # heads loads each K tile once for all of them, so a request's keys are read `cdiv(H, tile)`
 # times (from L2 after the first). Hopper's warpgroup MMA (wgmma) needs 64 rows per warpgroup, so
-# 16-head tiles can only use the older warp-level MMA: the SASS counts below (`sass_sm90.md`,
+# where the heads are the MMA's rows, as in the portable Triton kernel, 16-head tiles compile to the
+# older warp-level MMA (section 8 turns the product around): the SASS counts below (`sass_sm90.md`,
 # each config compiled for sm_90) show wgmma (HGMMA) exactly for the 64-head tile. A 64-head tile,
 # however, keeps a `64 x 512` fp32 output accumulator, printed below in bytes and in registers
 # per thread, next to the queries and the softmax state. `SPLIT_LATENT` handles the latent as two
@@ -622,8 +623,11 @@ assert small[1] / tflops_ceiling < small[2] / (tbps_ceiling * 1000)  # memory-bo
 # one, with 64-key tiles and its registers capped at 128 per thread (uncapped, Triton 3.6 gives
 # that tile 150, and one 8-warp program fits an SM instead of two), beats upstream, and it is
 # memory-bound. The committed config is the fastest of the sweep at H=128 and within 4% of it at
-# H=16 (a capped 32-key tile on 4 warps: 374 against 387 us). At H=128 what is left is the overlap of softmax and MMA
-# that FlashMLA gets from warp specialization (`notebooks/results/perf_log.md`).
+# H=16 (a capped 32-key tile on 4 warps: 374 against 387 us). These are the portable kernel's configs. On an
+# H100/H200 the committed entry now sends H=128 to the warp-specialized Gluon kernel (`notebooks/mla_verify.py`,
+# section 7: the overlap of softmax and MMA that FlashMLA gets from warp specialization) and H=16 with a 16-bit cache
+# to the few-rows kernel (section 8); the capped 16-head tile is their fallback (an FP8 cache at 16 heads, pages
+# that are no multiple of 64 keys).
 
 # %% [markdown]
 # ## 7. How many splits stage 1 runs, and whole tiles by tensor descriptors
@@ -636,7 +640,9 @@ assert small[1] / tflops_ceiling < small[2] / (tbps_ceiling * 1000)  # memory-bo
 # MLA, two for GQA; the rows of a batch are assumed alike). The cell reads the two split sweeps
 # (`sweep_decode_h200.md`, CUDA-graph replay of both stages): the first, before whole-tile loads,
 # and the newest, which the cap was chosen from, and shows what the cap picks against vLLM's count
-# and the fastest count.
+# and the fastest count. These sweeps time the portable kernel; the Gluon kernels count one program
+# per SM (the few-rows kernel of section 8 takes 164 KiB of shared memory), so at H=16 they run half
+# the splits printed here.
 
 # %%
 split_re = r"(MLA|GQA) B=(\d+) H=(\d+)/(\d+) L=(\d+) S=\s*(\d+) \(vLLM\s+(\d+),\s+[\d.]+ rounds\)\s+([\d.]+) us"
@@ -682,8 +688,9 @@ assert split_sweep[("MLA", 128, 128, 1, 1024)][2] > 1.2 * split_sweep[("MLA", 12
 # most two partial tiles at a split's ends are gathered key by key with masks, so a NaN left in an
 # unused slot of a page never meets the value product. The descriptor sweep below (the sm90 entry
 # with and without descriptors, both capped) shows the 64-head tile gaining and the 16-head tile
-# losing, which is why that tile keeps the gathers (`TMA_H16` 0): its shared memory grows past
-# what two programs per SM can share.
+# losing, which is why that portable tile keeps the gathers (`TMA_H16` 0): its shared memory grows
+# past what two programs per SM can share. (With a 16-bit cache the H200 runs the few-rows Gluon
+# kernel of section 8 at 16 heads, which loads whole tiles by TMA at one program per SM.)
 
 # %%
 tma_re = r"MLA B=(\d+) H=(\d+) L=(\d+) S=\s*\d+ (TMA, cap|gathers, cap|TMA, no cap)\s+([\d.]+) us"
@@ -700,7 +707,8 @@ for (batch_, heads_, length_), times in tma_sweep.items():
 # QK^T products (two latent halves and the rope part, wgmma), the online softmax on the scores, and the two P V
 # products (the latent halves are V). On an H100/H200 this row runs the Gluon kernel of
 # `triton_impl/decode_attention_sm90.py` (32 or more heads, a 16-bit cache or an FP8 one whose codes it widens in
-# shared memory; elsewhere the portable Triton kernel this notebook runs on a CPU). The cell below takes the H=128
+# shared memory; 16 or fewer heads with a 16-bit cache run the few-rows Gluon kernel of section 8, and everything
+# else the portable Triton kernel this notebook runs on a CPU). The cell below takes the H=128
 # B=32 L=32K bench row (`bench_h200.json`) and divides it into tiles: the bytes a tile loads, its FLOPs, and the time
 # one SM spends on it.
 
@@ -721,16 +729,15 @@ print(f"{tiles} tiles on {H200_SMS} SMs: {per_sm_us:.2f} us per tile per SM, {pe
 assert abs(per_sm_tflops * H200_SMS - row["tflops"]) < 0.02 * row["tflops"]
 assert tile_flops / tile_bytes > 100 and 0.5 * bench_ceiling < per_sm_tflops * H200_SMS < 0.8 * bench_ceiling
 
-# %% [markdown]
-# A tile is compute-heavy (121 FLOP per byte) and the SM spends about 2.2 us on it at about two thirds of the
-# matmul rate. Triton's own schedule for this loop, the portable kernel, ran the same row at 1.0411 ms (the bench at
-# 580e9fc, `perf_log.md`): 4 us a tile at 40% of the rate. What each of its warpgroups does is in the SASS of the
-# loop (Triton 3.6, the H200's compiler; `notebooks/results/sass_sm90.md` says how to get it): per 64-key tile,
-# each of the two warpgroups issues 72 `HGMMA.64x32x16` (the whole [64 heads, 64 keys] score tile over 576
+# %% [markdown] A tile is compute-heavy (121 FLOP per byte) and the SM spends about 2.2 us on it at about three quarters
+# of the matmul rate. Triton's own schedule for this loop, the portable kernel, ran the same row at 1.0411 ms (the bench
+# at 580e9fc, `perf_log.md`): 4.2 us a tile at 37% of this run's matmul rate. What each of its warpgroups does is in the
+# SASS of the loop (Triton 3.6, the H200's compiler; `notebooks/results/sass_sm90.md` says how to get it): per 64-key
+# tile, each of the two warpgroups issues 72 `HGMMA.64x32x16` (the whole [64 heads, 64 keys] score tile over 576
 # columns, in two 32-key halves), 34 `MUFU.EX2` per thread (the exponentials of all 64 x 64 scores), and 8
-# `HGMMA.64x128x16` (P V for its own 128 of each latent half's 256 columns). Triton splits P V between the
-# warpgroups by output columns, and each needs all of P, so both compute all of QK^T: the scores are computed
-# twice. The cell counts what the tensor cores execute in that schedule.
+# `HGMMA.64x128x16` (P V for its own 128 of each latent half's 256 columns). Triton splits P V between the warpgroups by
+# output columns, and each needs all of P, so both compute all of QK^T: the scores are computed twice. The cell counts
+# what the tensor cores execute in that schedule.
 
 # %%
 portable_ms = 1.0411  # the portable kernel on this row, bench at 580e9fc
@@ -772,7 +779,8 @@ assert 1.5 < executed / tile_flops < 1.6
 # - values transposed, `O^T = V^T P^T`: two `[256 latent dims, 16 heads]` accumulators, the key tile read as V^T
 #   (its transpose in shared memory, no copy).
 #
-# One warpgroup does all of it; the loads of the next two tiles are in flight by TMA while it works. Every MMA is the
+# One warpgroup does all of it; TMA refills each stage with the tile two ahead as soon as that stage's value product
+# is done, so the next tile's load runs while it works. Every MMA is the
 # full size of the data, so the tile's tensor work is the attention's, and the query's 18 KiB leave room for the two
 # 72 KiB stages at one program per SM. The cell counts a tile and reads the bench rows.
 
@@ -799,6 +807,6 @@ assert bench_rows["MLA 576/512 B=32 H=16 L=32768 bf16"]["pct_roofline"] > 95
 
 # %% [markdown]
 # A tile costs the tensor cores about a seventh of the time its bytes take, so the kernel is a stream of keys: B=32
-# and B=128 run at 98-100% of the measured copy bandwidth (4246 GB/s in that run), 1.04x FlashInfer's speed. At B=8
-# L=4K the call is 19 us for 38 MB (9 us of bandwidth): each program has a few tiles, and the first two loads and
-# the stores of the partials are not hidden; FlashInfer takes 18.4 us.
+# and B=128 run at 101-103% of the bench's copy ceiling (4248 GB/s in that run), 1.01-1.02x FlashInfer's speed. At
+# B=8 L=4K the call is 19 us for 38 MB (9 us of bandwidth): each program has a few tiles, and the first two loads
+# and the stores of the partials are not hidden; FlashInfer takes 18.6 us.

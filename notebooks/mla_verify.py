@@ -542,18 +542,18 @@ assert ratios and min(ratios.values()) > 0.85 and max(ratios.values()) < 1.1 and
 #
 # ## 7. The schedule on Hopper: three roles, one program per SM
 #
-# On an H100/H200, a 16-bit (or FP8: the end of this section) cache at DeepSeek's widths with pages of 64k keys and at
-# least 32 (token, head) rows per request runs `triton_impl/decode_attention_sm90.py`, a Gluon kernel (Triton's
-# explicit-layout dialect: warpgroup MMAs, TMA and mbarriers written out), beside the portable Triton kernel this
-# notebook runs on a CPU. The two
-# compute the same partials; the property tests check both against the golden model. One program owns 64 rows and
-# one split and runs three roles at once (warp specialization):
+# On an H100/H200, a 16-bit (or FP8: the end of this section) cache at DeepSeek's widths with pages a multiple of 64
+# keys and at least 32 (token, head) rows per request runs `triton_impl/decode_attention_sm90.py`, a Gluon kernel
+# (Triton's explicit-layout dialect: warpgroup MMAs, TMA and mbarriers written out), beside the portable Triton kernel
+# this notebook runs on a CPU. The two compute the same partials; the property tests check both against the golden
+# model. One program owns 64 rows and one split and runs three roles at once (warp specialization):
 #
 # - a **loader warp** brings each 64-key tile by TMA (latent halves and rope part, 72 KiB) into one of two
 #   shared-memory stages as soon as both warpgroups have released it;
 # - the **softmax warpgroup** computes the scores `S = Q K^T` (`[64 rows, 64 keys]`, K = 576, query and keys from
-#   shared memory), the online softmax, hands `P` (bf16) and the rescale factor to the other warpgroup through
-#   shared memory, and accumulates the first latent half of the output with `P` from its own registers;
+#   shared memory), the online softmax, hands `P` (in the query's dtype) and the rescale factor to the other
+#   warpgroup through shared memory (after the loop, the row scale `1/l`), and accumulates the first latent half of
+#   the output with `P` from its own registers;
 # - the **value warpgroup** accumulates the second half, `P` from shared memory.
 #
 # Nothing is computed twice and each tile is read from memory once per program. The cell below counts what one tile
@@ -572,7 +572,7 @@ print(f"per tile: scores {score_flop / 1e6:.2f} MFLOP, values {value_flop / 1e6:
 print(f"shared memory: {smem // 1024} KiB of the 227 KiB a block may take: two stages, not three")
 case = "MLA 576/512 B=32 H=128 L=32768 bf16"
 row = next(r for r in bench["results"] if r["op"] == "decode_attention" and r["case"] == case)
-tiles = 32768 // tile_keys // 2  # two splits per request (one program per SM for 64 requests x 2 head blocks)
+tiles = 32768 // tile_keys // 2  # two splits a request: 32 requests x 2 head blocks x 2 splits, 128 programs
 cycles = row["ms"] * 1e-3 * 1.76e9 / tiles  # the SM clock Nsight Compute reported under load
 print(f"{case}: {row['ms']:.4f} ms, {cycles:.0f} cycles a tile ({tensor_cycles / cycles:.0%} tensor-busy), "
       f"FlashInfer {row['peers_ms']['FlashInfer']:.4f} ms")
@@ -580,7 +580,7 @@ assert smem <= 227 * 1024 < smem + tile_bytes  # a third stage does not fit besi
 assert 0.4 < tensor_cycles / cycles < 0.7
 
 # %% [markdown]
-# Half the tile time is tensor work; in the other half the tensor pipe waits for the softmax warpgroup (scores, then
+# About 60% of the tile time is tensor work; in the rest the tensor pipe waits for the softmax warpgroup (scores, then
 # softmax, then the hand-over: one warp per scheduler, no other work to hide it) and for the next tile, since two
 # stages let only one load run ahead. Nsight Compute on this case (before the change below): the tensor pipe 49%
 # busy, DRAM reads 1.21 GB (each tile once; the two head-block programs of a request meet in L2), L2 68% busy.
@@ -598,13 +598,13 @@ assert 0.4 < tensor_cycles / cycles < 0.7
 # fit beside the query, and 32-key tiles in four stages (the loader three tiles ahead) were 18-32% slower: each key
 # then pays twice the barriers and softmax reductions (`perf_log.md`).
 #
-# **What a program costs besides its tiles.** Small batches have few tiles per program (B=8 qlen=4 H=16 L=4K: four),
-# so what a program does once matters as much as the loop. `benchmarks/mla_timeline.py` stamps the GPU's clock at
-# six points of every program; `notebooks/results/mla_timeline_h200.md` has the phases before and after the change
-# that the table below shows: each warpgroup's output half used to be stored straight from the MMA accumulator,
-# whose layout gives a warp 8 rows x 8 columns per store. The fp32 partials' rows are 2052 bytes apart (513 floats,
-# LSE last), so one store touched 16 cache lines. Now each half goes through the key stages, free after the loop,
-# and a warp stores 32 consecutive floats of one row.
+# **What a program costs besides its tiles.** Small batches have few tiles per program (B=8 qlen=4 H=16 L=4K: four), so
+# what a program does once matters as much as the loop. `benchmarks/mla_timeline.py` stamps the GPU's clock at six
+# points of every program; `notebooks/results/mla_timeline_h200.md` has the phases before and after the change that the
+# table below shows: each warpgroup's output half used to be stored straight from the MMA accumulator, whose layout
+# gives a warp 8 rows x 8 columns per store. A row's fp32 slot is 513 floats (2052 bytes, LSE last), so row starts are
+# only 4-byte aligned, and one store touched 16 cache lines. Now each half goes through the key stages, free after the
+# loop, and a warp stores 32 consecutive floats of one row.
 
 # %%
 timeline = (RESULTS / "mla_timeline_h200.md").read_text().splitlines()
@@ -634,9 +634,10 @@ assert all(a < b for b, a in stored.values()) and after < before / 4
 # on the scores and the output, as the portable kernel does. The shared memory is the 16-bit schedule's: each key
 # part's two stages now hold, in their upper half, two stages of codes (TMA lands them there) and, in their lower
 # half, one widened tile. After its value product each warpgroup widens its own parts of the next tile (the softmax
-# warpgroup the first latent half and the rope part, the value warpgroup the second half), and the scores wait for
-# both. How to widen matters on sm_90: Triton converts e4m3 to bf16 through fp16, two conversion-unit instructions a
-# code, and that unit runs at a quarter of the integer pipe's rate. The kernel does it with bit moves: a code's sign
+# warpgroup the first latent half and the rope part, the value warpgroup the second half): the scores of the first
+# latent half and the rope part start at once, and the second half's wait for the value warpgroup's widening. How to
+# widen matters on sm_90: Triton converts e4m3 to bf16 through fp16, two conversion-unit instructions a code, and
+# that unit runs at a quarter of the integer pipe's rate. The kernel does it with bit moves: a code's sign
 # at bit 15 and its 7 magnitude bits at bits 10..4 of a 16-bit lane make the bf16 whose exponent is e4m3's 4
 # exponent bits, which is the code's value times `2**-120` (bf16's exponent bias is 127, e4m3's 7), subnormal codes
 # included; one multiply by `2**120` is exact. The cell checks that on the CPU for all 256 codes. The two NaN codes

@@ -566,7 +566,7 @@ def test_sm90_mla_kernels_compile_for_hopper() -> None:
     64-row entries over an FP8 cache. Shared memory: the query, two 64-key stages and P (224 KiB of the 227 an
     H100/H200 block may take; an FP8 cache's two stages of codes and its one widened tile take the same bytes; the
     few-rows schedule's 16-row query leaves 164 KiB). No stack under the H200's Triton 3.6 (168 registers at
-    launch; the partitions then take 256 / 192 / 40; the few-rows kernel, one warpgroup, 242); Triton 3.9 spills
+    launch; the partitions then take 256 / 208 / 40; the few-rows kernel, one warpgroup, 242); Triton 3.9 spills
     32 bytes (the few-rows kernel 48). The MMAs stay asynchronous: no wait after each one."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=900)

@@ -94,7 +94,7 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # two: in two split sweeps on the H200 (sweep_decode_h200.md, 2026-11-30 and 2026-12-01) MLA at 1 round of
 # programs was within 2% of the fastest count at every bench shape where the two runs agree, and GQA at B=32 ran
 # 990-1002 us (L=32K) and 250-257 us (L=8K) at 2 rounds against 998-1067 and 250-268 at 1.
-# GLUON (0): MLA with a 16-bit or FP8 cache at DeepSeek's widths, pages of 64k keys and 32 or more heads runs the Gluon
+# GLUON (0): MLA with a 16-bit or FP8 cache at DeepSeek's widths, pages of 64n keys and 32 or more heads runs the Gluon
 # stage 1 of triton_impl/decode_attention_sm90.py (decode_attention_sm90.supports): on the H200 (bench_h200.md,
 # 72fbe8a, against the portable kernel at 580e9fc) B=32 H=128 L=32K 1.0411 -> 0.6346 ms, B=128 H=128 L=1K 0.1513 ->
 # 0.1061, B=8 H=128 L=8K 0.0890 -> 0.0585, B=1 H=128 L=32K 0.0615 -> 0.0346. The config stays batch-independent.

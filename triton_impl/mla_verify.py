@@ -107,7 +107,7 @@ VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
 #   rows, so sm_90 no longer takes the small config by row count (_VERIFY_SMALL_MAX_ROWS). SASS: large 80
 #   HGMMA, small 272 HMMA (notebooks/results/sass_sm90.md). 27.8% of roofline (geomean, bench_h200.md) against the
 #   80% target: notebooks/results/perf_log.md says what bounds it.
-#   GLUON: a 16-bit or FP8 cache at DeepSeek's widths, pages of 64k keys and >= 32 rows per request runs the Gluon
+#   GLUON: a 16-bit or FP8 cache at DeepSeek's widths, pages of 64n keys and >= 32 rows a request runs the Gluon
 #   stage 1 of triton_impl/decode_attention_sm90.py (same split rule and partials): B=16 qlen=8 H=128 0.5136 ->
 #   0.2657 ms,
 #   B=8 qlen=4 H=128 0.1533 -> 0.0862, B=64 qlen=1 H=128 0.1440 -> 0.0859, B=32 qlen=4 H=16 0.0902 -> 0.0640,
