@@ -1223,7 +1223,9 @@ def _three_bit_words(words):
     """Key words ``[chunk, half, quad, t, w]`` read as 4-bit keys' (thread ``t``'s words ``4t + w``, 16-byte reads)
     -> as 3-bit keys' (:func:`_key_words`: words ``3t + w`` of thread ``t``'s 12 bytes, ``w < 3``; word 3 is not
     read). Word ``3t + w`` is the thread's own word ``w - t`` where ``w >= t``, else its left neighbour's (lane ``t -
-    1`` of the same keys) word ``w - t + 4``: three shuffles and selects."""
+    1`` of the same keys) word ``w - t + 4``. So thread ``t``'s three words are ``S[s], S[s + 1], S[s + 2]`` of
+    ``S = [p1, p2, p3, a0, a1, a2]`` (``p``: the neighbour's words, three shuffles) at ``s = 3 - t``: a window
+    shifted by 2 where ``s``'s bit 1 is set (4 selects), then by 1 where its bit 0 is (3 selects)."""
     w02, w13 = gl.split(gl.reshape(words, [words.shape[0], 2, 8, 4, 2, 2]))  # word 2a + b: split by b, then by a
     a0, a2 = gl.split(w02)
     a1, a3 = gl.split(w13)
@@ -1232,9 +1234,15 @@ def _three_bit_words(words):
     p3 = _shuffle_up(a3)
     layout: gl.constexpr = a0.type.layout
     t = _iota(4, 3, 4, layout)
-    b0 = gl.where(t == 0, a0, gl.where(t == 1, p3, gl.where(t == 2, p2, p1)))
-    b1 = gl.where(t == 0, a1, gl.where(t == 1, a0, gl.where(t == 2, p3, p2)))
-    b2 = gl.where(t == 0, a2, gl.where(t == 1, a1, gl.where(t == 2, a0, p3)))
+    by_two = t < 2  # s = 3 - t has bit 1 set
+    by_one = (t & 1) == 0  # ... and bit 0
+    t0 = gl.where(by_two, p3, p1)
+    t1 = gl.where(by_two, a0, p2)
+    t2 = gl.where(by_two, a1, p3)
+    t3 = gl.where(by_two, a2, a0)
+    b0 = gl.where(by_one, t1, t0)
+    b1 = gl.where(by_one, t2, t1)
+    b2 = gl.where(by_one, t3, t2)
     out = gl.join(gl.join(b0, b2), gl.join(b1, b2))  # word 2c + d at [c, d]; word 3 is not read: b2 again
     words_layout: gl.constexpr = words.type.layout
     return gl.convert_layout(gl.reshape(out, words.shape), words_layout)
