@@ -388,17 +388,19 @@ plt.show()
 # 141 / 478 (1.82x / 2.05x). Then a timeline of every program (`benchmarks/tq_timeline.py`) showed that with the same
 # steps each, the one-warp programs end by their rank on their warp scheduler: the warps that arrived first are issued
 # first (3-bit values at L=8K: ranks 0 / 1 / 2 end at 94 / 110 / 128 us), and the youngest ends alone. Stream-K now
-# gives the places of 3-bit values' programs steps in proportion 170 : 135 : 100 by rank (the program reads its warp
+# gave the places of 3-bit values' programs steps in proportion 170 : 135 : 100 by rank (the program reads its warp
 # slot and takes a place of its rank): 3-bit keys and values 138 / 457 us (1.84x / 2.11x the bf16 decode of that run,
 # 254 / 963 us). With 4-bit values the same weights only moved the time between ranks (the scheduler stays near
 # saturation until one warp is left). Then fewer integer instructions for 3-bit codes: the 3-bit keys' spread into
 # `prmt` selectors one `lop3` shorter, 3-bit value fields made where the value product uses them (no longer right
 # after their loads, which each step then waited for), and each thread's three key words picked from its own and its
-# neighbour's in 7 selects instead of 9: 3-bit keys and values 133 / 432 us (1.90x / 2.23x), 3-bit keys 115 / 376
-# (2.20x / 2.56x). Nsight Compute on the 3-bit values' stage 1 finds a warp ready to issue on 44% of its samples and
-# the integer pipe throttling another 15%: the scheduler's issue slots and the integer pipe, not latency, bound it.
-# The goal, twice the bf16 speed, is reached for every preset with 4-bit values at both lengths, for 3-bit values at
-# L=32K only.
+# neighbour's in 7 selects instead of 9: 3-bit keys 115 / 376 us (2.20x / 2.56x). With the shorter steps the
+# oldest rank ended last (6 us after the others at L=8K), so the weights went to 150 : 125 : 100: 3-bit keys and
+# values 130 / 423 us (1.99x / 2.33x the bf16 decode of that run, 258 / 985 us). Nsight Compute on the 3-bit
+# values' stage 1 finds a warp ready to issue on 44% of its samples and the integer pipe throttling another 15%: the
+# scheduler's issue slots and the integer pipe, not latency, bound it. The goal, twice the bf16 speed, is reached for
+# every preset with 4-bit values at both lengths, for 3-bit values at L=32K only (at L=8K 0.8 us short of it in
+# that run).
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory (4-bit keys
 # at 59% / 72% of their copy roofline).
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
@@ -583,7 +585,7 @@ for length in (8192, 32768):
         assert row["ms"] < bf16_ms, preset  # every preset beats the bf16 decode
         layout = tq.TurboQuantConfig.from_cache_dtype(preset, D)
         # at twice its speed or more: every preset with 4-bit values, at both lengths (2.02-2.68x); 3-bit values at
-        # L=32K only (1.90x / 2.23x)
+        # L=32K only (1.99x / 2.33x)
         assert (row["ms"] <= 0.5 * bf16_ms) == (layout.value_quant_bits == 4 or length == 32768), preset
         # MSE keys short of byte-bound (38-72% of the copy roofline), FP8 keys 77-79%
         assert row["pct_roofline"] < (85 if layout.key_fp8 else 75), preset

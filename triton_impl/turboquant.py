@@ -260,7 +260,10 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # (the older warps are issued first; benchmarks/tq_timeline.py), so a place of rank r of PROGRAMS_PER_SM / 4 takes
 # 100 + TILT * (ranks - 1 - r) parts of the steps (turboquant_sm90._stream_k_claim). One call on the H200, stage 1 in
 # us, tilt 0 / 10 / 20 / 35: 3bit_nc L=8K 128.3 / 128.3 / 125.2 / 122.2, L=32K 466.5 / 457.3 / 448.6 / 440.5; 4-bit
-# 98.3 / 100.5 / 99.4 / 106.2 and 352.3 / 349.5 / 344.8 / 366.8: 3-bit values only (_v3 35).
+# 98.3 / 100.5 / 99.4 / 106.2 and 352.3 / 349.5 / 344.8 / 366.8: 3-bit values only (_v3 35). With fewer instructions a
+# step (2026-12-03) the oldest rank ended last at 35 (ranks 0 / 1 / 2 at 116.1 / 110.0 / 110.2 us, median, L=8K):
+# one call, 3bit_nc stage 1, tilt 35 / 25 / 20 / 15: L=8K 119.0 / 116.1 / 115.5 / 116.5, L=32K (25, 20) 408.6 /
+# 409.1 against 416.9-418.8 at 35 in the call before; 25 kept.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
@@ -269,7 +272,7 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
              "GLUON_MAXNREG": 96, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 16, "GLUON_STAGES": 3, "ROTATE_TF32X3": 1,
              "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 128, "WARP_STEP": 2,
              "WARP_STAGES": 4, "WARP_STEP_v3": 2, "WARP_STAGES_v3": 4, "WARP_MAXNREG_v3": 168, "PROGRAMS_PER_SM_v3": 12,
-             "STREAM_K": 1, "STREAM_K_k8": 0, "STREAM_K_TILT": 0, "STREAM_K_TILT_v3": 35},
+             "STREAM_K": 1, "STREAM_K_k8": 0, "STREAM_K_TILT": 0, "STREAM_K_TILT_v3": 25},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
