@@ -80,8 +80,10 @@ each, 2026-12-02). With 3-bit keys spread into ``prmt`` selectors by one ``lop3`
 the bits above a group left unmasked) and, by stream-K, 3-bit value words made fields where the value product uses
 them (``LATE_FIELDS`` of :func:`_chunks`), a two-chunk step of stream-K takes 1092 -> 1034 warp instructions for
 3bit_nc and 915 -> 890 for k3v4 (Triton 3.6), and stage 1 124.1 -> 119.0 / 441.9 -> 419.3 us and 107.8 -> 104.6 /
-384.7 -> 371.2 (B=32 L=8K / 32K, one call, 2026-12-03). ``notebooks/results/perf_log.md`` has the measurements and
-the variants that lost.
+384.7 -> 371.2 (B=32 L=8K / 32K, one call, 2026-12-03). Each thread's 3-bit key words picked in 7 selects instead of 9
+(:func:`_three_bit_words`): 1022 and 878, k3v4 stage 1 103.2 -> 100.9 / 370.1 -> 363.1 us (3bit_nc within the
+noise). The spread in three halvings (:data:`TRIPLE_PAIRS_ASM`, 8 instructions for 8 codes instead of 10): 988 and
+846, not yet timed. ``notebooks/results/perf_log.md`` has the measurements and the variants that lost.
 
 The store (:func:`store_kernel`, bf16 keys at ``D = 128``, 3- or 4-bit MSE codes; :func:`store_supports`):
 persistent 4-warp programs over tiles of 64 (token, KV head) rows. Each program rounds ``PiT`` once into two bf16
@@ -394,23 +396,21 @@ def _nibble_pairs(w, tables):
 # The 3-bit keys' lookup (:func:`_triple_pairs`), checked like the 4-bit one: a 24-bit group of 8 codes spread so
 # that code ``i`` is nibble ``i`` of a prmt selector (its sign-replicate bit clear), then one prmt per 4 bytes from
 # the 2 table registers of a byte of the 8 centroids, and two prmt interleave low and high bytes into fp16 pairs.
-# The spread first moves codes 4-7 up by 4 bits (one ``lop3`` selecting bits 0-11 from the group, the rest from it
-# shifted), then each nibble takes its code from the group shifted by 0-3 bits under a mask: the bits it never
-# takes (12-15 and 28-31 of ``y``, so the group's top 8 bits) may hold anything.
+# The spread moves code ``i`` up by ``i`` bits in three halvings, each one shift and one ``lop3`` selecting, under a
+# mask, the bits that stay from the value and the rest from it shifted: codes 4-7 up by 4 (bits 0-11 stay), then codes
+# 2, 3, 6, 7 by 2 (0-5 and 16-21 stay), then the odd codes by 1 (each nibble's low 3 bits stay). A select fills the
+# bits that no code lands on with neighbours' bits, so one ``and`` clears each nibble's top (sign-replicate) bit at
+# the end; the other bits of the gaps, and the group's top 8 bits, are never read. 8 instructions for 8 codes (with
+# an ``and`` and ``or`` under each shift: 10).
 TRIPLE_PAIRS_ASM = gl.constexpr("""{
         .reg .b32 b, y, t, z, zs, l0, l1, h0, h1;
         shl.b32 b, $4, 4;
         lop3.b32 y, $4, b, 0xFFF, 0xE4;
-        and.b32 z, y, 0x70007;
-        shl.b32 t, y, 1;
-        and.b32 t, t, 0x700070;
-        or.b32 z, z, t;
         shl.b32 t, y, 2;
-        and.b32 t, t, 0x7000700;
-        or.b32 z, z, t;
-        shl.b32 t, y, 3;
-        and.b32 t, t, 0x70007000;
-        or.b32 z, z, t;
+        lop3.b32 z, y, t, 0x3F003F, 0xE4;
+        shl.b32 t, z, 1;
+        lop3.b32 z, z, t, 0x7070707, 0xE4;
+        and.b32 z, z, 0x77777777;
         shr.b32 zs, z, 16;
         prmt.b32 l0, $5, $6, z;
         prmt.b32 h0, $7, $8, z;
