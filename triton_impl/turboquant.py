@@ -232,7 +232,8 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # spills), which keeps 16 programs a SM. 3-bit values (the _v3 keys) take two chunks at WARP_MAXNREG_v3 168, where their
 # words, loaded a step ahead, do not spill (at 128: 88 bytes of stack, 55 local loads and stores in the loop), so 12
 # programs a SM (PROGRAMS_PER_SM_v3): 1087 warp instructions for two chunks against 594 for one (Triton 3.6; 1034 by
-# stream-K since 2026-12-03, turboquant_sm90.TRIPLE_PAIRS_ASM and _chunks' LATE_FIELDS); one call
+# stream-K since 2026-12-03, turboquant_sm90.TRIPLE_PAIRS_ASM and _chunks' LATE_FIELDS, then 1022 and 988 by
+# _three_bit_words' 7 selects and the spread's halvings); one call
 # on the H200 (2026-12-02, stage 1, us, L=8K / 32K), one chunk -> two at 168 registers: 3bit_nc 137.1 -> 128.6 / 492.3
 # -> 469.4 (at 144 registers and 14 programs a SM, 8 bytes of stack: 163.9 / 598.8). With the value codes masked and
 # biased by one lop3 in every preset (turboquant_sm90.masked_codes_asm), 4-bit keys take 517 -> 486 (lop3) -> 437 (two
