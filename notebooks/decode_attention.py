@@ -729,15 +729,16 @@ print(f"{tiles} tiles on {H200_SMS} SMs: {per_sm_us:.2f} us per tile per SM, {pe
 assert abs(per_sm_tflops * H200_SMS - row["tflops"]) < 0.02 * row["tflops"]
 assert tile_flops / tile_bytes > 100 and 0.5 * bench_ceiling < per_sm_tflops * H200_SMS < 0.8 * bench_ceiling
 
-# %% [markdown] A tile is compute-heavy (121 FLOP per byte) and the SM spends about 2.2 us on it at about three quarters
-# of the matmul rate. Triton's own schedule for this loop, the portable kernel, ran the same row at 1.0411 ms (the bench
-# at 580e9fc, `perf_log.md`): 4.2 us a tile at 37% of this run's matmul rate. What each of its warpgroups does is in the
+# %% [markdown]
+# A tile is compute-heavy (121 FLOP per byte) and the SM spends about 2.2 us on it at about three quarters of the
+# matmul rate. Triton's own schedule for this loop, the portable kernel, ran the same row at 1.0411 ms (the bench at
+# 580e9fc, `perf_log.md`): 4.2 us a tile at 37% of this run's matmul rate. What each of its warpgroups does is in the
 # SASS of the loop (Triton 3.6, the H200's compiler; `notebooks/results/sass_sm90.md` says how to get it): per 64-key
 # tile, each of the two warpgroups issues 72 `HGMMA.64x32x16` (the whole [64 heads, 64 keys] score tile over 576
 # columns, in two 32-key halves), 34 `MUFU.EX2` per thread (the exponentials of all 64 x 64 scores), and 8
-# `HGMMA.64x128x16` (P V for its own 128 of each latent half's 256 columns). Triton splits P V between the warpgroups by
-# output columns, and each needs all of P, so both compute all of QK^T: the scores are computed twice. The cell counts
-# what the tensor cores execute in that schedule.
+# `HGMMA.64x128x16` (P V for its own 128 of each latent half's 256 columns). Triton splits P V between the warpgroups
+# by output columns, and each needs all of P, so both compute all of QK^T: the scores are computed twice. The cell
+# counts what the tensor cores execute in that schedule.
 
 # %%
 portable_ms = 1.0411  # the portable kernel on this row, bench at 580e9fc
