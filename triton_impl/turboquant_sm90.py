@@ -1236,13 +1236,13 @@ def _three_bit_words(words):
     t = _iota(4, 3, 4, layout)
     by_two = t < 2  # s = 3 - t has bit 1 set
     by_one = (t & 1) == 0  # ... and bit 0
-    t0 = gl.where(by_two, p3, p1)
-    t1 = gl.where(by_two, a0, p2)
-    t2 = gl.where(by_two, a1, p3)
-    t3 = gl.where(by_two, a2, a0)
-    b0 = gl.where(by_one, t1, t0)
-    b1 = gl.where(by_one, t2, t1)
-    b2 = gl.where(by_one, t3, t2)
+    s0 = gl.where(by_two, p3, p1)  # S[s], S[s + 1], .. after the shift by 2
+    s1 = gl.where(by_two, a0, p2)
+    s2 = gl.where(by_two, a1, p3)
+    s3 = gl.where(by_two, a2, a0)
+    b0 = gl.where(by_one, s1, s0)
+    b1 = gl.where(by_one, s2, s1)
+    b2 = gl.where(by_one, s3, s2)
     out = gl.join(gl.join(b0, b2), gl.join(b1, b2))  # word 2c + d at [c, d]; word 3 is not read: b2 again
     words_layout: gl.constexpr = words.type.layout
     return gl.convert_layout(gl.reshape(out, words.shape), words_layout)
