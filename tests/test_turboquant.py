@@ -1503,6 +1503,54 @@ def test_sm90_three_bit_value_words_hold_each_threads_codes() -> None:
     assert sorted(set(crossing)) == [2, 5]
 
 
+def test_sm90_three_bit_value_spans_hold_each_lanes_codes() -> None:
+    """With 3-bit values, a one-warp kernel's lane quad ``g`` holds the 16 codes of dimensions ``16g ..`` of each key
+    (``_span_dim``): 6 bytes from value byte ``6g``, which two aligned 32-bit words hold (from byte ``6g - 2(g & 1)``:
+    the span at byte 0 or 2 of the first). ``_span_operand`` takes 16 bits of two keys' spans into one register by one
+    ``prmt`` per field (bytes 0-1, 1-2, 3-4, 4-5; the middle two from each key's bytes 1-4, one ``prmt`` a key), then
+    masks each code out in place or after one shift (``_field_codes``), and ``_span_row_scale`` undoes the factors.
+    Modelled here on ``pack_codes``'s bytes for two keys, with the kernel's selectors and PTX: every code comes back at
+    its dimension, no read leaves the key's 48 value bytes, and the selectors a quad's parity picks are needed (the
+    other parity's give other codes)."""
+    codes = torch.randint(0, 8, (2, 128), generator=generator(37))
+    data = [bytes(tq.pack_codes(c, 3).tolist()) for c in codes]
+    rows = torch.arange(128)
+    dims, scales = ttq_sm90._span_dim.fn(rows), ttq_sm90._span_row_scale.fn(rows)
+    assert sorted(dims.tolist()) == list(range(128))
+
+    def prmt(a, b, selector):
+        return run_ptx(ttq_sm90.prmt_asm(None), [a, b, selector], 1)[0]
+
+    def lop3(x, mask):
+        return run_ptx(ttq_sm90.masked_codes_asm(mask), [x], 1)[0]
+
+    def field_codes(pair, offset):  # _field_codes' masks and shift: [code r][key e], as _code_pair_halves leaves it
+        rest = pair >> (6 + offset)
+        masked = [lop3(pair, 0x70007 << offset), lop3(pair, 0x380038 << offset), lop3(rest, 0x70007),
+                  lop3(rest, 0x380038)]  # fmt: skip
+        return [[(x >> 16 * e & 0xFFFF) - 0x6400 for e in (0, 1)] for x in masked]
+
+    for g in range(8):
+        first = 6 * g - 2 * (g & 1)
+        assert first % 4 == 0 and first + 8 <= 48, g
+        words = [[int.from_bytes(d[first + 4 * i : first + 4 * i + 4], "little") for i in (0, 1)] for d in data]
+        for odd in (g & 1, 1 - g & 1):
+            middle_selector, pair_selector = (s.item() for s in ttq_sm90._span_selectors.fn(torch.tensor(odd)))
+            middle = [prmt(w[0], w[1], middle_selector) for w in words]
+            pairs = [(prmt(words[0][0], words[1][0], pair_selector), 0), (prmt(middle[0], middle[1], 0x5410), 4),
+                     (prmt(middle[0], middle[1], 0x7632), 0), (prmt(words[0][1], words[1][1], pair_selector), 4)]
+            got = torch.zeros(2, 128)
+            for f, (pair, offset) in enumerate(pairs):
+                for r, by_key in enumerate(field_codes(pair, offset)):
+                    row = 64 * (r // 2) + 16 * f + 8 * (r % 2) + g  # where _span_operand puts code r of field f
+                    got[:, dims[row]] = torch.tensor(by_key, dtype=torch.float32) * scales[row]
+            held = got[:, 16 * g : 16 * g + 16]
+            if odd == g & 1:
+                assert torch.equal(held, codes[:, 16 * g : 16 * g + 16].float()), g
+            else:
+                assert not torch.equal(held, codes[:, 16 * g : 16 * g + 16].float()), g
+
+
 def test_bf16x2_band_lies_inside_the_tf32x3_band() -> None:
     """The sm90 store's check uses the TF32X3 band for whichever kernel runs; at ``D = 128`` (the only width the
     bf16x2 fast path serves) that band contains the fast path's own (``2 gamma(2D, 2u) + 2^-16`` against

@@ -527,16 +527,17 @@ def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.const
 @gluon.jit
 def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_block, slot_bytes,
                  KEY_DATA_BYTES: gl.constexpr, VALUE_BITS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                 LAYOUT: gl.constexpr, CHUNKS: gl.constexpr = 4):  # fmt: skip
+                 LAYOUT: gl.constexpr, CHUNKS: gl.constexpr = 4, SPANS: gl.constexpr = 0):  # fmt: skip
     """The tile's value codes as ``[warp, quad, t, c, j, e]``: the ``4 VALUE_BITS`` bits (4 codes, dimensions
     ``32 warp + 4 quad ..``) from value bit ``4 VALUE_BITS (8 warp + quad)`` of key ``16c + 8j + 2t + e`` (chunk
     ``c`` in block ``page``). 4-bit values: the aligned 16-bit word at value byte ``16 warp + 2 quad``, a uint16.
     3-bit values: 12 bits at bit ``12 quad`` of the warp's 12 bytes, which no aligned 16-bit load holds for ``quad`` =
-    1, 2, 5, 6: the 32-bit word holding the first bit, a uint32, which :func:`_three_bit_fields` turns into the field
-    (its shuffle waits for the load), at the load (:func:`_held_fields`) or where the codes are used
-    (:func:`_chunks`' ``LATE_FIELDS``). Read only where ``go``, as :func:`_key_words`, or (``go`` None) everywhere,
-    where every ``page`` is in the cache."""
-    warp = _iota(4, 0, 6, LAYOUT)
+    1, 2, 5, 6: the 32-bit word holding the first bit, a uint32, which :func:`_held_fields` turns into the field (its
+    shuffle waits for the load). ``SPANS`` (3-bit values in one warp): ``[word, quad, t, c, j, e]``, lane quad
+    ``quad``'s span of 6 bytes (dimensions ``16 quad ..``, :func:`_span_operand`) as the two aligned 32-bit words that
+    hold it, from value byte ``6 quad - 2 (quad & 1)``. Read only where ``go``, as :func:`_key_words`, or (``go``
+    None) everywhere, where every ``page`` is in the cache."""
+    warp = _iota(2 if SPANS else 4, 0, 6, LAYOUT)
     quad = _iota(8, 1, 6, LAYOUT)
     t = _iota(4, 2, 6, LAYOUT)
     c = _iota(CHUNKS, 3, 6, LAYOUT)
@@ -547,6 +548,8 @@ def _value_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_
     bit = quad * 12
     if VALUE_BITS == 4:
         word = (cache_ptr + slot + KEY_DATA_BYTES + warp * 16 + quad * 2).to(gl.pointer_type(gl.uint16))
+    elif SPANS:  # warp: the word of the two
+        word = (cache_ptr + slot + KEY_DATA_BYTES + quad * 6 - (quad & 1) * 2 + warp * 4).to(gl.pointer_type(gl.uint32))
     else:
         word = (cache_ptr + slot + KEY_DATA_BYTES + warp * 12 + (bit >> 5) * 4).to(gl.pointer_type(gl.uint32))
     if go is None:
@@ -588,26 +591,103 @@ def _value_operand(w, VALUE_BITS: gl.constexpr, FIELDS: gl.constexpr = 0):
     code at one dimension. Codes 1 and 3 are not shifted down, only masked in place: they come out as
     ``2^VALUE_BITS c`` (``1024 + 2^VALUE_BITS c`` is an fp16 below 2048, exact), one shift a word instead of three,
     and :func:`_store_partials` divides their output rows by ``2^VALUE_BITS`` (:func:`_value_row_scale`: exact).
-    3-bit values: ``w`` the words as loaded, or (``FIELDS``) :func:`_held_fields`."""
+    3-bit values: ``w`` (``FIELDS``) :func:`_held_fields`, or a one-warp kernel's spans (:func:`_span_operand`)."""
     if (VALUE_BITS == 3) and not FIELDS:
-        w0, w1 = gl.split(_three_bit_fields(w))  # keys e = 0, 1
-        pair = gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r", [w0, w1], dtype=gl.uint32,
-                                         is_pure=True, pack=1)  # low halves: w0's in the low 16 bits, w1's above
+        v = _span_operand(w)
     else:
         w0, w1 = gl.split(w)  # keys e = 0, 1
-        pair = w0.to(gl.uint32) | (w1.to(gl.uint32) << 16)
+        v = _field_codes(w0.to(gl.uint32) | (w1.to(gl.uint32) << 16), VALUE_BITS, 0)  # [warp, quad, t, c, j, e, h, m]
+        v = gl.permute(v, (7, 0, 6, 1, 3, 4, 2, 5))  # [row: m, warp, h, quad | key: c, j, t, e]
+        v = gl.reshape(v, [HEAD_DIM, 16 * w.shape[3]])
+    return v
+
+
+@gluon.jit
+def _field_codes(pair, VALUE_BITS: gl.constexpr, OFFSET: gl.constexpr):
+    """Two keys' fields of 4 codes at bit ``OFFSET`` of each 16-bit half of ``pair`` (the bits outside them ignored)
+    -> ``[..., e, h, m]`` fp16, code ``r = h + 2m`` of key ``e``, exact: codes 0 and 1 masked in place (``2^OFFSET``
+    and ``2^(OFFSET + VALUE_BITS)`` times the code: at most ``1024 + 2^10 - 2^7``, an fp16 below 2048), codes 2 and 3
+    after one shift down (1 and ``2^VALUE_BITS`` times the code); :func:`_value_row_scale` and :func:`_span_row_scale`
+    undo the factors."""
     low: gl.constexpr = ((1 << VALUE_BITS) - 1) * 0x10001
     high: gl.constexpr = low << VALUE_BITS
-    rest = pair >> 2 * VALUE_BITS
-    c0lo, c0hi = _code_pair_halves(_masked_codes(pair, low))  # code r of each key: dimension 4 quad + r
-    c1lo, c1hi = _code_pair_halves(_masked_codes(pair, high))  # 2^VALUE_BITS times code 1
+    rest = pair >> (2 * VALUE_BITS + OFFSET)
+    c0lo, c0hi = _code_pair_halves(_masked_codes(pair, low << OFFSET))
+    c1lo, c1hi = _code_pair_halves(_masked_codes(pair, high << OFFSET))
     c2lo, c2hi = _code_pair_halves(_masked_codes(rest, low))
-    c3lo, c3hi = _code_pair_halves(_masked_codes(rest, high))  # 2^VALUE_BITS times code 3
-    r0 = gl.join(gl.join(c0lo, c0hi), gl.join(c1lo, c1hi))  # [..., e, h]: r = h + 2m
+    c3lo, c3hi = _code_pair_halves(_masked_codes(rest, high))
+    r0 = gl.join(gl.join(c0lo, c0hi), gl.join(c1lo, c1hi))  # [..., e, h]
     r1 = gl.join(gl.join(c2lo, c2hi), gl.join(c3lo, c3hi))
-    v = gl.join(r0, r1)  # [warp, quad, t, c, j, e, h, m]
-    v = gl.permute(v, (7, 0, 6, 1, 3, 4, 2, 5))  # [row: m, warp, h, quad | key: c, j, t, e]
+    return gl.join(r0, r1)
+
+
+@gluon.jit
+def _span_selectors(odd):
+    """The ``prmt`` selectors of :func:`_span_operand` that depend on the lane quad's parity ``odd`` (its span starts
+    at byte 0 of its first word, or at byte 2): ``(one key's span bytes 1-4 from its two words, two keys' span bytes
+    0-1 from their first words or 4-5 from their second)``."""
+    return 0x4321 + odd * 0x2222, 0x5410 + odd * 0x2222
+
+
+@gluon.constexpr_function
+def prmt_asm(selector):
+    """Inline PTX of ``prmt`` with the selector ``selector`` (an immediate), or (None) a register: ``$3``."""
+    return f"prmt.b32 $0, $1, $2, {'$3' if selector is None else hex(int(selector))};"
+
+
+@gluon.jit
+def _prmt(a, b, selector):
+    """``prmt.b32`` of ``a, b`` by a uint32 tensor of selectors."""
+    return gl.inline_asm_elementwise(prmt_asm(None), "=r,r,r,r", [a, b, selector], dtype=gl.uint32, is_pure=True,
+                                     pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _halves(a, b, SELECTOR: gl.constexpr):
+    """``prmt.b32`` of ``a, b`` by the immediate ``SELECTOR``."""
+    return gl.inline_asm_elementwise(prmt_asm(SELECTOR), "=r,r,r", [a, b], dtype=gl.uint32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _span_operand(w):
+    """3-bit value spans (:func:`_value_words` with ``SPANS``: ``[word, quad, t, c, j, e]``) -> codes ``[HEAD_DIM,
+    keys]`` fp16, row ``d`` holding dimension :func:`_span_dim` times :func:`_span_row_scale`'s inverse. Lane quad
+    ``quad``'s 16 codes of a key are the 48 bits at value byte ``6 quad``: 4 fields of 12 bits, each inside 16 bits
+    at a byte boundary (bytes 0-1, 1-2, 3-4, 4-5: the field at bit 0, 4, 0, 4). One ``prmt`` takes those 16 bits of
+    keys ``e = 0, 1`` into one register, the middle two fields' from the span's bytes 1-4 (one ``prmt`` a key): 6
+    instructions for 8 fields, then :func:`_field_codes`. No shuffle and no funnel shift: a field never leaves the
+    lane's two words."""
+    first, second = gl.split(gl.permute(w, (1, 2, 3, 4, 5, 0)))  # [quad, t, c, j, e]
+    layout: gl.constexpr = first.type.layout
+    middle_selector, pair_selector = _span_selectors((_iota(8, 0, 5, layout) & 1).to(gl.uint32))
+    pair_selector, _ = gl.split(gl.zeros_like(first) + pair_selector)
+    middle = _prmt(first, second, middle_selector)  # the span's bytes 1-4
+    a0, a1 = gl.split(first)  # keys e = 0, 1
+    b0, b1 = gl.split(middle)
+    c0, c1 = gl.split(second)
+    f0 = _field_codes(_prmt(a0, a1, pair_selector), 3, 0)  # span bits 0-11 ([quad, t, c, j, e, h, m])
+    f1 = _field_codes(_halves(b0, b1, 0x5410), 3, 4)  # bits 12-23
+    f2 = _field_codes(_halves(b0, b1, 0x7632), 3, 0)  # bits 24-35
+    f3 = _field_codes(_prmt(c0, c1, pair_selector), 3, 4)  # bits 36-47
+    v = gl.join(gl.join(f0, f1), gl.join(f2, f3))  # [.., fa, fb]: field fa + 2 fb
+    v = gl.permute(v, (6, 8, 7, 5, 0, 2, 3, 1, 4))  # [row: m, fb, fa, h, quad | key: c, j, t, e]
     return gl.reshape(v, [HEAD_DIM, 16 * w.shape[3]])
+
+
+@gluon.jit
+def _span_dim(d):
+    """The head dimension :func:`_span_operand`'s output row ``d`` holds: rows ``64m + 16f + 8h + g`` (M tile ``4m +
+    f``, half ``h``, lane quad ``g``) are code ``h + 2m`` of field ``f`` of the quad's span, dimension ``16g + 4f + 2m +
+    h``."""
+    return (d & 7) * 16 + ((d >> 4) & 3) * 4 + (d >> 6) * 2 + ((d >> 3) & 1)
+
+
+@gluon.jit
+def _span_row_scale(d):
+    """What :func:`_span_operand`'s output row ``d`` is multiplied by: ``1/8`` on codes 1 and 3 of a field (``h`` =
+    1), and ``1/16`` more on codes 0 and 1 (``m`` = 0) of the fields held at bit 4 (``f`` odd)."""
+    shifted = ((d >> 4) & 1) & (1 - (d >> 6))  # code 0 or 1 of a field held at bit 4
+    return 1.0 / ((1 + 7 * ((d >> 3) & 1)) * (1 + 15 * shifted))
 
 
 @gluon.jit
@@ -923,16 +1003,22 @@ def _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, n
 
 @gluon.jit
 def _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps, b, kv_head,
-                    split, KV_GROUP: gl.constexpr, VALUE_BITS: gl.constexpr):  # fmt: skip
+                    split, KV_GROUP: gl.constexpr, VALUE_BITS: gl.constexpr, SPANS: gl.constexpr = 0):  # fmt: skip
     """The split's partial ``(o, lse)`` from the loop's state (``acc`` ``[HEAD_DIM, BLOCK_H]``, row ``d`` holding
-    dimension ``_value_dim(d)`` times :func:`_value_row_scale`'s inverse; ``m_i``, ``l_i``, ``z_i`` per head in base
-    2), stored in slot ``split`` of request ``b``'s heads of KV head ``kv_head``: ``(0, -inf)`` without keys, NaN
-    where the request is ``poisoned``."""
+    dimension ``_value_dim(d)`` times :func:`_value_row_scale`'s inverse, or (``SPANS``: 3-bit values in one warp)
+    :func:`_span_dim` and :func:`_span_row_scale`; ``m_i``, ``l_i``, ``z_i`` per head in base 2), stored in slot
+    ``split`` of request ``b``'s heads of KV head ``kv_head``: ``(0, -inf)`` without keys, NaN where the request is
+    ``poisoned``."""
     layout: gl.constexpr = acc.type.layout
     BLOCK_H: gl.constexpr = acc.shape[1]
     h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, layout))
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, layout))
-    acc = acc * _value_row_scale(d, VALUE_BITS)[:, None]
+    if SPANS:
+        acc = acc * _span_row_scale(d)[:, None]
+        dim = _span_dim(d)
+    else:
+        acc = acc * _value_row_scale(d, VALUE_BITS)[:, None]
+        dim = _value_dim(d)
     has_keys = end > start
     l_safe = gl.where(l_i == 0, 1.0, l_i)
     out = gl.where(has_keys, (acc + z_i[None, :]) / l_safe[None, :], 0.0)
@@ -941,7 +1027,7 @@ def _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stri
     lse = gl.where(poisoned, float("nan"), lse)
     slot = partials_ptr + b.to(gl.int64) * stride_pb + (kv_head * KV_GROUP + h) * stride_ph + split * stride_ps
     _barrier()  # every thread's load of the slot (MSE keys: the rotated query) before any store to it
-    gl.store(slot[None, :] + _value_dim(d)[:, None], out, mask=(h < KV_GROUP)[None, :])
+    gl.store(slot[None, :] + dim[:, None], out, mask=(h < KV_GROUP)[None, :])
     gl.store(slot + HEAD_DIM, lse, mask=h < KV_GROUP)
 
 
@@ -1177,6 +1263,12 @@ def descriptors(cache: Any, geometry: tuple) -> tuple[Any, Any, Any]:
 
 
 @gluon.constexpr_function
+def _span_layout():
+    """The registers of a one-warp kernel's 3-bit value spans (:func:`_value_words` with ``SPANS``)."""
+    return gl.BlockedLayout([2, 1, 1, 1, 2, 2], [1, 8, 4, 1, 1, 1], [1, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0])
+
+
+@gluon.constexpr_function
 def _chunk_bases(chunks, rank, dim=0, unit=1):
     """The register bases of ``chunks`` consecutive chunk buffers (a power of 2) along ``dim``, ``unit`` apart, in a
     layout of ``rank`` dims: each thread holds every chunk's share."""
@@ -1355,21 +1447,19 @@ def _step_pages(row_ptr, stride_btc, chunk_start, end, num_blocks, BLOCK_SIZE: g
 
 @gluon.jit
 def _step_value_words(cache_ptr, row_ptr, stride_btc, chunk_start, end, num_blocks, kv_head, stride_block,
-                      shape: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
+                      shape: gl.constexpr):  # fmt: skip
     """3-bit values' words of the ``STEP`` chunks from ``chunk_start`` (their blocks from the table,
     :func:`_step_pages`; :func:`_value_words`, its chunk dim the step's chunks). Unmasked: a chunk past the split's
     reads block 0 or a block clamped into the cache (:func:`_page`), and its words go unused; a mask cost a predicate
     move a load (16 of 619 instructions a chunk, Triton 3.6). ``shape``: :func:`_chunks`'."""
     STEP: gl.constexpr = shape[11]
     pages = _step_pages(row_ptr, stride_btc, chunk_start, end, num_blocks, shape[5], STEP)
+    LAYOUT: gl.constexpr = _span_layout()
     c = _iota(STEP, 3, 6, LAYOUT)
     page = gl.where(c == 0, pages[0], pages[1])
-    # shape: KEY_DATA_BYTES 2, SLOT_BYTES 3, BLOCK_SIZE 5, VALUE_BITS 9, NUM_KV_HEADS 10, LATE_FIELDS 12
-    words = _value_words(cache_ptr, page, chunk_start, None, kv_head, shape[10], stride_block, shape[3], shape[2],
-                         shape[9], shape[5], LAYOUT, STEP)  # fmt: skip
-    if not shape[12]:
-        words = _held_fields(words)
-    return words
+    # shape: KEY_DATA_BYTES 2, SLOT_BYTES 3, BLOCK_SIZE 5, VALUE_BITS 9, NUM_KV_HEADS 10
+    return _value_words(cache_ptr, page, chunk_start, None, kv_head, shape[10], stride_block, shape[3], shape[2],
+                        shape[9], shape[5], LAYOUT, STEP, 1)  # fmt: skip
 
 
 @gluon.jit
@@ -1414,11 +1504,11 @@ def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, sh
             v_words = staged_values
         m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
                                               score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS, key_bytes,
-                                              1, 1, SYMMETRIC, 1 - shape[12])  # fmt: skip
+                                              1, 1, SYMMETRIC)  # fmt: skip
         if VALUE_BITS == 3:  # the next iteration's value words, loaded once this iteration's are used
             following = tile + 16 * (stream + STRIDE * (n + STEP))
             v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, following, end, num_blocks, kv_head,
-                                       stride_block, shape, value_layout)  # fmt: skip
+                                       stride_block, shape)  # fmt: skip
         # This warp's reads of the buffers are done: refill them.
         if n + STAGES < count:
             fence_async_shared()
@@ -1437,14 +1527,11 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
     each), copied by TMA through its chunk buffers ``STAGES stream ..`` of ``ring`` (``data, values, meta, full``):
     ``(acc, m, l, z)``, ``acc`` ``[HEAD_DIM, BLOCK_H]`` in the MMA layout, the rest per head. ``shape`` is ``(KV_GROUP,
     KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, STRIDE, VALUE_BITS, NUM_KV_HEADS,
-    STEP, LATE_FIELDS)``; the other arguments are the kernels' in tuples. Each iteration takes ``STEP`` consecutive
-    chunks (1, or 2 with ``STRIDE`` 1: one softmax step and one row max over 32 keys, which halves what an iteration
-    costs besides its keys), a group of ``STEP`` buffers; a split's last group is copied whole, past its keys if need
-    be. ``LATE_FIELDS``: 3-bit value words, loaded a step ahead, become fields (:func:`_three_bit_fields`, whose
-    shuffle waits for the loads) at the value product, not as soon as they are loaded; the stream-K kernel's choice
-    (stage 1 of 3bit_nc B=32 L=8K / 32K on the H200, one call: 121.8 -> 119.0 / 426.4 -> 419.3 us), not the grid
-    kernel's, which at 168 registers then spills two words across the iteration (2 STL and 2 LDL in its loop, Triton
-    3.6) and took 134.8 -> 135.4 / 483.6 -> 489.2 us (``STREAM_K`` 0, the same case). ``split``
+    STEP)``; the other arguments are the kernels' in tuples. Each iteration takes ``STEP`` consecutive chunks (1, or 2
+    with ``STRIDE`` 1: one softmax step and one row max over 32 keys, which halves what an iteration costs besides its
+    keys), a group of ``STEP`` buffers; a split's last group is copied whole, past its keys if need be. 3-bit values
+    are loaded a step ahead as each lane quad's spans (:func:`_step_value_words`), made codes at the value product
+    (:func:`_span_operand`). ``split``
     ends with the request and the KV head; the ring's mbarriers are at their first phase (a program that runs several
     splits through the same buffers initializes them again between, :func:`decode_stage1_stream_k_kernel`).
     ``pair_lut``: :func:`_centroid_tables`."""
@@ -1469,7 +1556,6 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
     KEY_FP8: gl.constexpr = KEY_BITS == 8
     mma: gl.constexpr = _operand_layouts(KEY_FP8, 1)[0]
     dot_b: gl.constexpr = _operand_layouts(KEY_FP8, 1)[1]
-    value_layout: gl.constexpr = _operand_layouts(KEY_FP8, 1)[4]
     CHUNK_BYTES: gl.constexpr = 16 * _box_bytes(KEY_DATA_BYTES, SLOT_BYTES, VALUE_BITS)
     q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, b,
                                 kv_head, query_slot, KV_GROUP, KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
@@ -1501,7 +1587,7 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
     v_next = 0
     if VALUE_BITS == 3:
         v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, tile + 16 * stream, end, num_blocks, kv_head,
-                                   stride_block, shape, value_layout)  # fmt: skip
+                                   stride_block, shape)  # fmt: skip
     split_state = (row_ptr, stride_btc, num_blocks, tile, start, end, count, first, kv_head, stride_block)
     operands = (q_hi, q_lo, pair_lut, score_scale, key_rows)
     state = (m_i, l_part, z_part, acc, ahead, v_next)
@@ -1581,7 +1667,7 @@ def decode_stage1_streams_kernel(
              gl.program_id(1))
     strides = (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
-                           STREAMS, VALUE_BITS, NUM_KV_HEADS, 1, 0)  # fmt: skip
+                           STREAMS, VALUE_BITS, NUM_KV_HEADS, 1)  # fmt: skip
     (poisoned,) = gl.warp_specialize([
         (_streams_guard, (too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)),
         (_stream, (gl.constexpr(0), shared, descs, pointers, split, strides, shape)),
@@ -1649,14 +1735,14 @@ def decode_stage1_warp_kernel(
     kv_head = gl.program_id(1)
     split = (row_ptr, stride_btc, num_blocks, (start // 16) * 16, start, end, sm_scale, query_slot, b, kv_head)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, 1,
-                           VALUE_BITS, NUM_KV_HEADS, STEP, 0)  # fmt: skip
+                           VALUE_BITS, NUM_KV_HEADS, STEP)  # fmt: skip
     acc, m_i, l_i, z_i = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
                                  (q_ptr, partials_ptr, centroid_ptr, cache_ptr), split,
                                  (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block),
                                  _centroid_tables(centroid_ptr, KEY_BITS), shape)  # fmt: skip
     poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)
     _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps, b,
-                    kv_head, gl.program_id(2), KV_GROUP, VALUE_BITS)  # fmt: skip
+                    kv_head, gl.program_id(2), KV_GROUP, VALUE_BITS, VALUE_BITS == 3)  # fmt: skip
 
 
 # Stream-K (``decode_stage1_stream_k_kernel``): the same one-warp programs, as many as fit the GPU at once, the keys of
@@ -1880,7 +1966,7 @@ def decode_stage1_stream_k_kernel(
                                                VALUE_BITS)  # fmt: skip
         pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
         shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
-                               1, VALUE_BITS, NUM_KV_HEADS, STEP, 1)  # fmt: skip
+                               1, VALUE_BITS, NUM_KV_HEADS, STEP)  # fmt: skip
         hi = _stream_k_bound(mine + 1, total, programs, launched, tilt, RANKS)
         pos = _stream_k_bound(mine, total, programs, launched, tilt, RANKS)
         while pos < hi:  # a piece: the steps from pos in one request
@@ -1909,7 +1995,7 @@ def decode_stage1_stream_k_kernel(
                 mbarrier.init(full.index(st), count=1)
             fence_async_shared()
             _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps, b,
-                            kv_head, mine - owner, KV_GROUP, VALUE_BITS)  # fmt: skip
+                            kv_head, mine - owner, KV_GROUP, VALUE_BITS, VALUE_BITS == 3)  # fmt: skip
             _empty_slots(partials_ptr, b, kv_head, empty_from, num_splits, float("-inf"), stride_pb, stride_ph,
                          stride_ps, KV_GROUP, BLOCK_H)  # fmt: skip
             pos = piece_end
