@@ -39,7 +39,7 @@ from triton_impl.turboquant import (
     triton_turboquant_decode_attention_v2,
     triton_turboquant_store,
 )
-from triton_impl.turboquant_sm90 import _score_dim, _value_dim
+from triton_impl.turboquant_sm90 import _score_dim, _span_selectors, _value_dim
 
 torch.manual_seed(0)
 D = 128
@@ -316,11 +316,9 @@ plt.show()
 #   loaded in the same permuted order;
 # - each warp owns 32 of the 128 output dimensions of `O^T = V^T P^T`; a thread pairs two keys'
 #   16-bit code words into registers holding both keys' code at one dimension, `0x6400 | c` per
-#   half, and one packed `sub.f16x2` of 1024 makes them exact fp16: no lookup, no conversion. 3-bit
-#   values give a thread 12 bits a key, which cross a 32-bit word for two of a warp's eight lane quads
-#   (bits 24-35 and 60-71 of the warp's 96): a thread reads the word holding its first bit, takes the
-#   next word from lane quad `g + 1` (whose first word it is, for the same keys) by a warp shuffle,
-#   funnel-shifts the pair by the bit offset, and pairs the 3-bit codes the same way.
+#   half, and one packed `sub.f16x2` of 1024 makes them exact fp16: no lookup, no conversion. With
+#   3-bit values in a one-warp program a lane quad holds 16 dimensions, a 6-byte span of each key's
+#   values, whose four 12-bit fields one byte permute (`prmt`) each takes out (the cells below).
 #
 # Compiled by the H200's Triton 3.6 with the query and the weights as fp16 hi + lo pairs (two MMAs each) that was
 # 34.6 warp instructions per key and KV head for 4-bit keys, 35.6 for 3-bit keys, 39.0 for 3-bit keys and values
@@ -443,23 +441,39 @@ print("pairs (lo code | hi code << 3):", pairs[:6], "...")
 assert pairs == [int(codes[2 * u]) | int(codes[2 * u + 1]) << 3 for u in range(16)]
 
 # %% [markdown]
-# 3-bit values: lane quad `g` of warp `w` holds dimensions `32w + 4g .. + 3`, 12 bits from bit `12g` of the
-# warp's 12 value bytes. The kernel reads the 32-bit word holding bit `12g`; where the 12 bits run past it
-# (`g = 2, 5`) the rest is in the next word, which is lane quad `g + 1`'s first word (a warp shuffle, not a
-# second load), and one funnel shift by `s = 12g mod 32` joins them (`shf.r.wrap`: `(high:low) >> s`). The
-# cell does that on one warp's values packed by the golden model.
+# 3-bit values. The one-warp programs the H200 runs hold all 128 output rows in one warp, so lane quad `g` holds 16
+# dimensions of each key; the kernel makes them `16g .. 16g + 15` (`_span_dim`), the 48 bits at value byte `6g`,
+# which two aligned 32-bit words hold (from byte `6g - 2(g & 1)`: the span starts at byte 0 or 2 of the first).
+# Each 12-bit field of 4 codes lies inside 16 bits that start at a byte (span bytes 0-1, 1-2, 3-4 and 4-5, the field
+# at bit 0, 4, 0 and 4), so one `prmt` (byte permute, its selector set by the quad's parity) takes those 16 bits of
+# two keys into the two halves of one register, which are then masked code by code; the middle two fields come from
+# the span's bytes 1-4, one more `prmt` a key. No field leaves the lane's two words. An earlier layout gave each
+# lane quad 4 codes of each of four 12-byte groups: 12-bit fields at bit `12g`, two of eight crossing a 32-bit word,
+# whose rest came from the next lane quad by a warp shuffle and a funnel shift. The spans took a two-chunk step of
+# stream-K (3bit_nc) from 988 to 924 warp instructions (Triton 3.6) and stage 1 at B=32 L=8K from 113.8 to 106.6
+# us on the H200 (`perf_log.md`, twenty-fifth session). The cell reads one key's spans from bytes packed by the
+# golden model with the kernel's selectors (`_span_selectors`, its Python body), one key at a time (the kernel's
+# `prmt` takes two keys' halves at once).
+
 
 # %%
-codes = torch.randint(0, 8, (32,), generator=gen)  # warp 0's 32 dimensions of one key's values
-words = tq.pack_codes(codes, 3).view(torch.int32).long() & 0xFFFFFFFF
+def prmt(a: int, b: int, selector: int) -> int:
+    """PTX ``prmt.b32`` (default mode): byte ``i`` of the result is byte ``selector``'s nibble ``i`` of ``b:a``."""
+    source = a | b << 32
+    return sum(((source >> 8 * ((selector >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+
+
+codes = torch.randint(0, 8, (128,), generator=gen)  # one key's value codes
+value_bytes = bytes(tq.pack_codes(codes, 3).tolist())  # 48 bytes
 for g in range(8):
-    bit = 12 * g
-    shift, first = bit % 32, bit // 32
-    low = int(words[first])
-    high = int(words[(12 * (g + 1)) // 32]) if g < 7 else 0  # lane quad g + 1's first word
-    field = ((high << 32 | low) >> shift) & 0xFFF
-    assert [(field >> 3 * r) & 7 for r in range(4)] == codes[4 * g : 4 * g + 4].tolist()
-    print(f"lane quad {g}: word {first}{' and ' + str(first + 1) if shift > 20 else ''}, shift {shift}")
+    first = 6 * g - 2 * (g & 1)
+    w0, w1 = (int.from_bytes(value_bytes[first + 4 * i : first + 4 * i + 4], "little") for i in (0, 1))
+    middle_selector, pair_selector = (int(s) for s in _span_selectors.fn(torch.tensor(g & 1)))
+    middle = prmt(w0, w1, middle_selector)  # span bytes 1-4
+    halves = [(prmt(w0, w0, pair_selector), 0), (middle, 4), (middle >> 16, 0), (prmt(w1, w1, pair_selector), 4)]
+    fields = [((half & 0xFFFF) >> bit) & 0xFFF for half, bit in halves]
+    assert [(field >> 3 * r) & 7 for field in fields for r in range(4)] == codes[16 * g : 16 * g + 16].tolist()
+    print(f"lane quad {g}: words from byte {first}, selectors {middle_selector:#06x} {pair_selector:#06x}")
 
 # %% [markdown]
 # A 16-entry table without memory. At the 4-bit kernel's speed before the stages, 9.8M of its 18.9M shared-memory
@@ -584,10 +598,9 @@ for length in (8192, 32768):
               f"({bf16_ms:.3f} ms)  {row['pct_roofline']:.1f}% of its copy roofline")  # fmt: skip
         assert row["ms"] < bf16_ms, preset  # every preset beats the bf16 decode
         layout = tq.TurboQuantConfig.from_cache_dtype(preset, D)
-        # at twice its speed or more: every preset with 4-bit values, at both lengths (2.05-2.64x); 3-bit values at
-        # L=32K only (1.97x / 2.32x)
-        assert (row["ms"] <= 0.5 * bf16_ms) == (layout.value_quant_bits == 4 or length == 32768), preset
-        # MSE keys short of byte-bound (39-73% of the copy roofline), FP8 keys 79-82%
+        # at twice its speed or more: every preset at both lengths (2.05-2.64x; 3-bit values 2.10x / 2.49x)
+        assert row["ms"] <= 0.5 * bf16_ms, preset
+        # MSE keys short of byte-bound (42-72% of the copy roofline), FP8 keys 79-82%
         assert row["pct_roofline"] < (85 if layout.key_fp8 else 75), preset
     for (fat, fat_bytes, fat_row), (lean, lean_bytes, lean_row) in itertools.pairwise(timed):
         assert fat_row["ms"] / fat_bytes < lean_row["ms"] / lean_bytes, (fat, lean)  # fewer bytes, more time a byte

@@ -232,8 +232,11 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # spills), which keeps 16 programs a SM. 3-bit values (the _v3 keys) take two chunks at WARP_MAXNREG_v3 168, where their
 # words, loaded a step ahead, do not spill (at 128: 88 bytes of stack, 55 local loads and stores in the loop), so 12
 # programs a SM (PROGRAMS_PER_SM_v3): 1087 warp instructions for two chunks against 594 for one (Triton 3.6; 1034 by
-# stream-K since 2026-12-03, turboquant_sm90.TRIPLE_PAIRS_ASM and _chunks' LATE_FIELDS, then 1022 and 988 by
-# _three_bit_words' 7 selects and the spread's halvings); one call
+# stream-K since 2026-12-03, turboquant_sm90.TRIPLE_PAIRS_ASM and 12-bit value fields made at the value product, then
+# 1022 and 988 by _three_bit_words' 7 selects and the spread's halvings, then 924 at 168 registers and no stack by
+# each lane quad's 6-byte span of value codes, turboquant_sm90._span_operand). With the spans, 128 registers and 16
+# programs a SM (8 bytes of stack, none of it in the loop) lost in one call on the H200 (stage 1 L=8K / 32K, us, tilt
+# 0 / 15 / 25: 112.3 / 120.7 / 125.4 and 395.3 / 415.3 / 411.4, against 106.6 / 373.9 at 168 and 12); one call
 # on the H200 (2026-12-02, stage 1, us, L=8K / 32K), one chunk -> two at 168 registers: 3bit_nc 137.1 -> 128.6 / 492.3
 # -> 469.4 (at 144 registers and 14 programs a SM, 8 bytes of stack: 163.9 / 598.8). With the value codes masked and
 # biased by one lop3 in every preset (turboquant_sm90.masked_codes_asm), 4-bit keys take 517 -> 486 (lop3) -> 437 (two
@@ -264,7 +267,8 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # 98.3 / 100.5 / 99.4 / 106.2 and 352.3 / 349.5 / 344.8 / 366.8: 3-bit values only (_v3 35). With fewer instructions a
 # step (2026-12-03) the oldest rank ended last at 35 (ranks 0 / 1 / 2 at 116.1 / 110.0 / 110.2 us, median, L=8K):
 # one call, 3bit_nc stage 1, tilt 35 / 25 / 20 / 15: L=8K 119.0 / 116.1 / 115.5 / 116.5, L=32K (25, 20) 408.6 /
-# 409.1 against 416.9-418.8 at 35 in the call before; 25 kept.
+# 409.1 against 416.9-418.8 at 35 in the call before; 25 kept. With the spans (one call, tilt 20 / 25 / 30): 107.5 /
+# 106.4 / 106.0, 377.2 / 372.6 / 372.2: 25 kept.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},

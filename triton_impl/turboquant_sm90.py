@@ -78,12 +78,16 @@ consecutive 16-key chunks (``STEP``, a group of two buffers read as one 32-row t
 165.7 -> 159.1 / 571.1 -> 546.0; with two rounds of programs instead of four, 4-bit keys 106.5 / 385.7 us (one call
 each, 2026-12-02). With 3-bit keys spread into ``prmt`` selectors by one ``lop3`` fewer (:data:`TRIPLE_PAIRS_ASM`,
 the bits above a group left unmasked) and, by stream-K, 3-bit value words made fields where the value product uses
-them (``LATE_FIELDS`` of :func:`_chunks`), a two-chunk step of stream-K takes 1092 -> 1034 warp instructions for
+them (since replaced by the spans, below), a two-chunk step of stream-K takes 1092 -> 1034 warp instructions for
 3bit_nc and 915 -> 890 for k3v4 (Triton 3.6), and stage 1 124.1 -> 119.0 / 441.9 -> 419.3 us and 107.8 -> 104.6 /
 384.7 -> 371.2 (B=32 L=8K / 32K, one call, 2026-12-03). Each thread's 3-bit key words picked in 7 selects instead of 9
 (:func:`_three_bit_words`): 1022 and 878, k3v4 stage 1 103.2 -> 100.9 / 370.1 -> 363.1 us (3bit_nc within the
 noise). The spread in three halvings (:data:`TRIPLE_PAIRS_ASM`, 8 instructions for 8 codes instead of 10): 988 and
-846, not yet timed. ``notebooks/results/perf_log.md`` has the measurements and the variants that lost.
+846, stage 1 116.2 -> 114.0 / 409.2 -> 401.5 and 102.1 -> 100.0 / 362.7 -> 357.5 us. In one warp, 3-bit values are
+read as each lane quad's 6-byte span of a key's codes (:func:`_span_operand`: two aligned words a key, a ``prmt`` a
+field of two keys, where the 12-bit fields of the 4-warp layout took a shuffle and a funnel shift each): 3bit_nc
+988 -> 924 at 168 registers, no stack (24 bytes before), stage 1 113.8 -> 106.6 / 401.0 -> 373.9 us (one call each,
+2026-12-03). ``notebooks/results/perf_log.md`` has the measurements and the variants that lost.
 
 The store (:func:`store_kernel`, bf16 keys at ``D = 128``, 3- or 4-bit MSE codes; :func:`store_supports`):
 persistent 4-warp programs over tiles of 64 (token, KV head) rows. Each program rounds ``PiT`` once into two bf16
@@ -1581,9 +1585,10 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
     z_part = gl.zeros([16 * STEP, BLOCK_H], gl.float32, mma)
     acc = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, mma)
     key_rows = gl.arange(0, 16 * STEP, layout=gl.SliceLayout(1, mma))
-    # 3-bit values are not copied by TMA (a quad's 12-bit fields start at word offsets no linear layout of a shared
-    # buffer gives): each iteration's value words are loaded into registers an iteration ahead (:func:`_value_words`),
-    # at the end of the iteration before (loaded at its top, they held 16 more registers through its keys' work).
+    # 3-bit values are not copied by TMA (the quads' spans start at words 0, 1, 3, 4, 6, .., which no linear layout
+    # of a shared buffer gives): each iteration's spans are loaded into registers an iteration ahead
+    # (:func:`_value_words`), at the end of the iteration before (loaded at its top, they held more registers through
+    # its keys' work).
     v_next = 0
     if VALUE_BITS == 3:
         v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, tile + 16 * stream, end, num_blocks, kv_head,
