@@ -111,7 +111,8 @@ def decode(preset: str, config: dict[str, int]) -> None:
 
 def gluon_decode(preset: str) -> None:
     """The sm_90 Gluon stage 1 (triton_impl/turboquant_sm90.py) as the bench launches it: one warp a program over
-    16-key chunks where the entry selects that kernel (``GLUON_WARP``; by stream-K where it selects that, ``STREAM_K``),
+    16-key chunks where the entry selects that kernel (``GLUON_WARP``; by stream-K where it selects that, ``STREAM_K``,
+    its places weighted as at the bench's B=32 Hq=32),
     else 64-key tiles on 4 warps; the sm90 entry's register cap, shared-memory stages and operand rounding
     (``FP16_OPERANDS``)."""
     quantizer = TurboQuantConfig.from_cache_dtype(preset, 128)
@@ -122,11 +123,13 @@ def gluon_decode(preset: str) -> None:
         key_bits=key_bits, value_bits=value_bits, group=4, fp16_operands=fp16_operands, cache_address=0, one_warp=True)
     step = ttq.warp_stages(config)["STEP"] if warp else 1
     if warp:
+        stream_k = bool(config.get("STREAM_K"))
+        ranks = ttq.stream_k_ranks(config, 32, 32, key_bits) if stream_k else {}  # the bench's B=32 Hq=32
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,
                                                   maxnreg=config["WARP_MAXNREG"],
                                                   stages=ttq.warp_stages(config)["STAGES"], step=step,
-                                                  fp16_operands=fp16_operands, warp=True,
-                                                  stream_k=bool(config.get("STREAM_K")))  # fmt: skip
+                                                  fp16_operands=fp16_operands, warp=True, stream_k=stream_k,
+                                                  **{k.lower(): v for k, v in ranks.items()})  # fmt: skip
     else:
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,
                                                   maxnreg=config.get("GLUON_MAXNREG"),
@@ -137,6 +140,7 @@ def gluon_decode(preset: str) -> None:
     per_key = 1 / (16 * step) if warp else int(turboquant_sm90.NUM_WARPS) / int(turboquant_sm90.BLOCK_N)
     shape = f"one warp, {step} 16-key chunks an iteration" if warp else "4 warps, 64-key tiles"
     shape += ", stream-K" if warp and config.get("STREAM_K") else ""
+    shape += f" (ranks {ranks['RANKS']}, tilt {ranks['TILT']})" if warp and config.get("STREAM_K") else ""
     print(f"decode {preset} Gluon stage 1 ({shape}): "
           f"{_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
           f"{count} instructions per warp per iteration = {count * per_key:.1f} warp instructions per key and KV head, "

@@ -396,9 +396,11 @@ plt.show()
 # oldest rank ended last (6 us after the others at L=8K), so the weights went to 150 : 125 : 100: 3-bit keys and
 # values 130 / 423 us (1.99x / 2.33x the bf16 decode of that run, 258 / 985 us). Nsight Compute on the 3-bit
 # values' stage 1 finds a warp ready to issue on 44% of its samples and the integer pipe throttling another 15%: the
-# scheduler's issue slots and the integer pipe, not latency, bound it. The goal, twice the bf16 speed, is reached for
-# every preset with 4-bit values at both lengths, for 3-bit values at L=32K only (at L=8K 0.8 us short of it in
-# that run).
+# scheduler's issue slots and the integer pipe, not latency, bound it. So two more integer cuts: the 3-bit keys'
+# spread into selectors in three halvings (8 instructions for 8 codes instead of 10), and 3-bit values read as each
+# lane quad's 6-byte span (the cells above: no shuffle, no funnel shift, half the loads), 1022 -> 924 warp
+# instructions a two-chunk step: 3-bit keys and values 121 / 388 us (2.10x / 2.49x the bf16 decode of that run, 254 /
+# 965 us). The goal, twice the bf16 speed, is reached by every preset at both lengths.
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory (4-bit keys
 # at 59% / 72% of their copy roofline).
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
