@@ -664,7 +664,7 @@ def _span_operand(w):
     first, second = gl.split(gl.permute(w, (1, 2, 3, 4, 5, 0)))  # [quad, t, c, j, e]
     layout: gl.constexpr = first.type.layout
     middle_selector, pair_selector = _span_selectors((_iota(8, 0, 5, layout) & 1).to(gl.uint32))
-    pair_selector, _ = gl.split(gl.zeros_like(first) + pair_selector)
+    pair_selector, _ = gl.split(gl.zeros_like(first) + pair_selector)  # in the layout of one key's words, as a0's
     middle = _prmt(first, second, middle_selector)  # the span's bytes 1-4
     a0, a1 = gl.split(first)  # keys e = 0, 1
     b0, b1 = gl.split(middle)
