@@ -122,8 +122,8 @@ def gluon_decode(preset: str) -> None:
     warp = bool(config.get("GLUON_WARP")) and turboquant_sm90.streams_supports(
         key_bits=key_bits, value_bits=value_bits, group=4, fp16_operands=fp16_operands, cache_address=0, one_warp=True)
     step = ttq.warp_stages(config)["STEP"] if warp else 1
+    stream_k = bool(config.get("STREAM_K"))
     if warp:
-        stream_k = bool(config.get("STREAM_K"))
         ranks = ttq.stream_k_ranks(config, 32, 32, key_bits) if stream_k else {}  # the bench's B=32 Hq=32
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,
                                                   maxnreg=config["WARP_MAXNREG"],
@@ -139,8 +139,7 @@ def gluon_decode(preset: str) -> None:
     count, mix, memory, moves = _loop_mix(kernel.asm["cubin"], "HMMA")
     per_key = 1 / (16 * step) if warp else int(turboquant_sm90.NUM_WARPS) / int(turboquant_sm90.BLOCK_N)
     shape = f"one warp, {step} 16-key chunks an iteration" if warp else "4 warps, 64-key tiles"
-    shape += ", stream-K" if warp and config.get("STREAM_K") else ""
-    shape += f" (ranks {ranks['RANKS']}, tilt {ranks['TILT']})" if warp and config.get("STREAM_K") else ""
+    shape += f", stream-K (ranks {ranks['RANKS']}, tilt {ranks['TILT']})" if warp and stream_k else ""
     print(f"decode {preset} Gluon stage 1 ({shape}): "
           f"{_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
           f"{count} instructions per warp per iteration = {count * per_key:.1f} warp instructions per key and KV head, "
