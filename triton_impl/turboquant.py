@@ -134,7 +134,7 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
     "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1, "GLUON": 1,
-             "GLUON_PROGRAMS_PER_SM": 3, "GLUON_MAXNREG": 168},
+             "GLUON_PROGRAMS_PER_SM": 3, "GLUON_MAXNREG": 168, "GLUON_PREFETCH": 1},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
 FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_stages unused: no rotation
@@ -285,6 +285,13 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
 
 def select_store_config(device: torch.device, key_fp8: bool = False) -> dict[str, int]:
     return dict(select_config(FP8_KEY_STORE_CONFIGS if key_fp8 else STORE_CONFIGS, device))
+
+
+def _bulk_aligned(t: torch.Tensor) -> bool:
+    """Whether every row ``t[i, j]`` of a ``[T, HKV, D]`` tensor starts at a multiple of 16 bytes (a bulk copy's
+    alignment): its address and its two outer strides in bytes."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0 and (t.stride(1) * size) % 16 == 0
 
 
 def decode_entry(entry: dict[str, int], key_bits: int, value_bits: int) -> dict[str, int]:
@@ -804,6 +811,7 @@ def triton_turboquant_store(
             WIDE_SLOTS=num_slots > 2**31 - 1,
             WARPS=warps,
             EARLY_VALUES=bool(config.get("GLUON_EARLY_VALUES", 1)),
+            PREFETCH=bool(config.get("GLUON_PREFETCH", 0)) and _bulk_aligned(key) and _bulk_aligned(value),
             num_warps=warps,
             **register_cap(config.get("GLUON_MAXNREG")),
         )  # fmt: skip

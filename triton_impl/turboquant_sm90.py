@@ -214,7 +214,7 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
 
 def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_correction: bool = True,
                            block_size: int = 16, maxnreg: int | None = None, warps: int = 4,
-                           early_values: bool = True) -> Any:
+                           early_values: bool = True, prefetch: bool = True) -> Any:
     """:func:`store_kernel` compiled for sm_90 on any machine, specialized as the bench's launch is (8 KV heads,
     16-byte aligned pointers, the strides multiples of 16): the ``CompiledKernel``."""
     from triton.backends.compiler import GPUTarget
@@ -229,7 +229,7 @@ def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_corre
     slot_bytes = 128 * (key_bits + value_bits) // 8
     constexprs = dict(NUM_KV_HEADS=8, KEY_BITS=key_bits, VALUE_BITS=value_bits, NORM_CORRECTION=norm_correction,
                       SLOT_BYTES=slot_bytes, BLOCK_SIZE=block_size, WIDE_SLOTS=False, WARPS=warps,
-                      EARLY_VALUES=early_values)  # fmt: skip
+                      EARLY_VALUES=early_values, PREFETCH=prefetch)  # fmt: skip
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     values = {(names.index(n),): v for n, v in constexprs.items()}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, *divisible)}
@@ -2069,6 +2069,32 @@ def _slot_offsets(slot, row, num_slots, stride_block, NUM_KV_HEADS: gl.constexpr
     return ok, data, meta
 
 
+# One bulk prefetch into L2 (sm_90: ``cp.async.bulk.prefetch.L2``) of ``$2`` bytes at ``$1``, none where ``$2`` is 0.
+# The address and size must be multiples of 16. It holds no register and no shared memory, and changes no value.
+L2_PREFETCH_ASM = gl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; "
+                               "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
+
+
+@gluon.jit
+def _prefetch_tile(key_ptr, value_ptr, tile, num_rows, stride_kt, stride_kh, stride_vt, stride_vh,
+                   NUM_KV_HEADS: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """Tile ``tile``'s key and value rows (:func:`_tile_rows`) prefetched into L2, one row a thread: the first
+    ``16 WARPS`` threads a key row each, the others a value row; nothing past ``num_rows``."""
+    ROWS: gl.constexpr = 16 * WARPS
+    KEY_BYTES: gl.constexpr = HEAD_DIM * key_ptr.dtype.element_ty.primitive_bitwidth // 8
+    VALUE_BYTES: gl.constexpr = HEAD_DIM * value_ptr.dtype.element_ty.primitive_bitwidth // 8
+    i = gl.arange(0, 2 * ROWS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    is_value = i >= ROWS
+    row = tile * ROWS + gl.where(is_value, i - ROWS, i)
+    token = (row // NUM_KV_HEADS).to(gl.int64)
+    head = row % NUM_KV_HEADS
+    key_row = (key_ptr + token * stride_kt + head * stride_kh).to(gl.pointer_type(gl.uint8))
+    value_row = (value_ptr + token * stride_vt + head * stride_vh).to(gl.pointer_type(gl.uint8))
+    size = gl.where(row < num_rows, gl.where(is_value, VALUE_BYTES, KEY_BYTES), 0)
+    gl.inline_asm_elementwise(L2_PREFETCH_ASM, "=r,l,r", [gl.where(is_value, value_row, key_row), size],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
 @gluon.jit
 def _row_loads(ptr, row, num_rows, dim, stride_t, stride_h, NUM_KV_HEADS: gl.constexpr):
     """``ptr``'s elements ``dim`` of rows ``row`` (token ``row // HKV``, KV head ``row % HKV``); 0 past the rows."""
@@ -2279,6 +2305,7 @@ def store_kernel(
     WIDE_SLOTS: gl.constexpr,  # slot numbers past int32
     WARPS: gl.constexpr = 4,  # warpgroups x 4: tiles of 16 WARPS rows, one PiT a program
     EARLY_VALUES: gl.constexpr = True,  # a tile's values loaded at its start (else where they are quantized)
+    PREFETCH: gl.constexpr = False,  # the next tile's rows prefetched into L2 (rows and bases 16-byte aligned)
 ):  # fmt: skip
     """Persistent programs over tiles of ``16 WARPS`` (token, KV head) rows, ``WARPS`` warps (one warpgroup per 64
     rows, all of them reading the program's one copy of ``PiT``: 4 warps and 64 rows by default). Each program cuts
@@ -2318,12 +2345,12 @@ def store_kernel(
         _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, pit_lo, centroid_sq, table,
                      grid_scale, grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt,
                      stride_vh, NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE,
-                     WIDE_SLOTS, True, WARPS, EARLY_VALUES)  # fmt: skip
+                     WIDE_SLOTS, True, WARPS, EARLY_VALUES, PREFETCH)  # fmt: skip
     else:
         _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, pit_lo, centroid_sq, table,
                      grid_scale, grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt,
                      stride_vh, NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE,
-                     WIDE_SLOTS, False, WARPS, EARLY_VALUES)  # fmt: skip
+                     WIDE_SLOTS, False, WARPS, EARLY_VALUES, PREFETCH)  # fmt: skip
 
 
 @gluon.jit
@@ -2332,7 +2359,7 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
                  stride_vh, NUM_KV_HEADS: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr,
                  NORM_CORRECTION: gl.constexpr, SLOT_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                  WIDE_SLOTS: gl.constexpr, GRID: gl.constexpr, WARPS: gl.constexpr,
-                 EARLY_VALUES: gl.constexpr):  # fmt: skip
+                 EARLY_VALUES: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
     """:func:`store_kernel`'s loop over its tiles; the key codes by the grid's table (``GRID``) or by binary
     search."""
     ROWS: gl.constexpr = 16 * WARPS
@@ -2397,6 +2424,9 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
             code_sq = gl.sum(gl.reshape(gl.gather(centroid_sq, flat, 0), [ROWS, HEAD_DIM]), axis=1)
             norm = norm / gl.sqrt(gl.convert_layout(code_sq, rows) + _NORM_CORRECTION_EPS)
         gl.store((cache_ptr + m_at).to(gl.pointer_type(gl.uint16)), _fp16_bits(norm), mask=m_ok)
+        if PREFETCH:  # the program's next tile: from DRAM into L2 while this one computes
+            _prefetch_tile(key_ptr, value_ptr, tile + gl.num_programs(0), num_rows, stride_kt, stride_kh,
+                           stride_vt, stride_vh, NUM_KV_HEADS, WARPS)  # fmt: skip
 
         if not EARLY_VALUES:
             v = _row_loads(value_ptr, value_rows, num_rows, value_dim, stride_vt, stride_vh, NUM_KV_HEADS)
