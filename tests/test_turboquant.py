@@ -1562,6 +1562,18 @@ def test_bf16x2_band_lies_inside_the_tf32x3_band() -> None:
         assert bool((ours <= ptq.rotation_tolerance(key, pit, ptq.TF32X3_GEMM)).all()) == inside
 
 
+def test_store_prefetches_only_rows_aligned_for_bulk_copies() -> None:
+    """The sm_90 store prefetches each key and value row with a bulk copy, whose address must be a multiple of 16
+    bytes: ``_bulk_aligned`` holds for contiguous rows and a fused QKV tensor's views, not for a view that starts
+    at an odd element or whose rows are 258 or 264 bytes apart."""
+    qkv = torch.zeros(5, 48, 128, dtype=torch.bfloat16)
+    assert ttq._bulk_aligned(qkv[:, 32:40]) and ttq._bulk_aligned(qkv[:, 40:].contiguous())
+    assert not ttq._bulk_aligned(qkv.view(-1)[1:1 + 5 * 8 * 128].view(5, 8, 128))
+    assert not ttq._bulk_aligned(torch.zeros(5, 8, 129, dtype=torch.bfloat16)[..., :128])
+    assert ttq._bulk_aligned(torch.zeros(5, 9, 128, dtype=torch.bfloat16)[1:, 1:])  # starts at byte 2560
+    assert not ttq._bulk_aligned(torch.zeros(5, 8, 132, dtype=torch.bfloat16)[..., :128])  # 264 bytes apart
+
+
 def test_sm90_store_orders_are_permutations_with_whole_loads_and_stores() -> None:
     """The Gluon store's K order (``_rotation_dim``) and accumulator column order (``_code_dim``): in the warpgroup
     MMA's register fragments thread ``4g + t`` holds K indices ``16c + 8h + 2t + e`` and columns ``8b + 2t + e``.
@@ -1584,15 +1596,21 @@ def test_sm90_store_orders_are_permutations_with_whole_loads_and_stores() -> Non
                     reason="the Gluon store runs on compute capability 9.x (its sm_90 compile is tested anywhere)")
 @pytest.mark.parametrize("entry", [{}, {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128},
                                    {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128,
-                                    "GLUON_EARLY_VALUES": 0}], ids=["entry", "8warps", "8warps-late-values"])
+                                    "GLUON_EARLY_VALUES": 0}, {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1},
+                                   {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1, "GLUON_PREFETCH": 0}],
+                         ids=["entry", "8warps", "8warps-late-values", "fused-qkv", "fused-qkv-no-prefetch"])
 @pytest.mark.parametrize("norm_correction", [True, False])
 @pytest.mark.parametrize("preset", MSE_PRESETS)
 def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correction: bool, entry: dict,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """The sm_90 store (bf16 keys, D = 128) against golden with its own rounding model (``BF16X2_GEMM``): many
-    tiles per persistent program, a partial last tile, skipped slots, keys from 1e-30 to past 2^64 (inf and NaN
-    too), values past fp16's range; as the sm90 entry launches it and at 8 warps a program (two warpgroups on one
-    ``PiT``, 128 registers), its values loaded at each tile's start or where they are quantized."""
+    """The sm_90 store (bf16 keys, D = 128) against golden with its own rounding model (``BF16X2_GEMM``): a partial
+    last tile, skipped slots, keys from 1e-30 to past 2^64 (inf and NaN too), values past fp16's range; as the sm90
+    entry launches it, at 8 warps a program (two warpgroups on one ``PiT``, 128 registers) with its values loaded at
+    each tile's start or where they are quantized, and (``fused``) keys and values that are strided views of one
+    QKV tensor, at one program a SM so that each program takes 2-3 tiles and prefetches the next one into L2 (or,
+    with ``GLUON_PREFETCH`` 0, does not)."""
+    entry = dict(entry)
+    fused = entry.pop("fused", 0)
     monkeypatch.setitem(ttq.STORE_CONFIGS, "sm90", ttq.STORE_CONFIGS["sm90"] | entry)
     device = torch.device("cuda")
     gen = generator(17)
@@ -1613,8 +1631,15 @@ def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correct
     value = torch.randn(num_tokens, heads, 128, generator=gen) * scale.flip(0)
     value[13, 1, 5] = 1e6
     key, value = key.to(torch.bfloat16), value.to(torch.bfloat16)
+    stored = key, value
+    if fused:  # [T, 32 query heads + 8 key heads + 8 value heads, 128]
+        qkv = torch.zeros(num_tokens, 32 + 2 * heads, 128, dtype=torch.bfloat16)
+        qkv[:, 32:32 + heads], qkv[:, 32 + heads:] = key, value
+        qkv = qkv.to(device)
+        stored = qkv[:, 32:32 + heads], qkv[:, 32 + heads:]
+        assert all(ttq._bulk_aligned(t) and not t.is_contiguous() for t in stored)
     before = cache.clone()
-    _store_triton(cache, key, value, slots, preset, 128, norm_correction=norm_correction)
+    _store_triton(cache, *stored, slots, preset, 128, norm_correction=norm_correction)
     cmp = ptq.compare_store(cache.cpu(), before.cpu(), key, value, slots, pit, midpoints, centroids, config,
                             ptq.BF16X2_GEMM)  # fmt: skip
     print(f"sm90 store {preset} nc={norm_correction}: {cmp.summary()}")
@@ -1728,8 +1753,9 @@ for key_bits in (3, 4):
                                                             norm_correction=norm_correction, maxnreg=store_cap)
             flushing = [x.strip() for x in kernel.asm["ptx"].splitlines()
                         if ".ftz" in x and x.split()[0].split(".")[0] in ("fma", "min", "mul")]
+            prefetches = kernel.asm["ptx"].count("cp.async.bulk.prefetch.L2.global")
             print(json.dumps(["store", key_bits, value_bits, *sass_resources(kernel.asm["cubin"]),
-                              kernel.metadata.shared, flushing]))
+                              kernel.metadata.shared, flushing, prefetches]))
         # GLUON_WARPS 8 at 128 registers (two programs a SM), not the entry's: values loaded first and late
         for early in (True, False):
             kernel = turboquant_sm90.compile_store_for_sm90(key_bits=key_bits, value_bits=value_bits, warps=8,
@@ -1788,9 +1814,10 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     # 136-528 under Triton 3.9 (not timed).
     spill = 48 if triton.__version__.startswith("3.6") else 528
     for row in (row for row in rows if row[0] == "store"):
-        registers, stack, shared, flushing = row[3:]
+        registers, stack, shared, flushing, prefetches = row[3:]
         assert stack <= spill and registers <= 168 and 64 * 1024 <= shared <= 72 * 1024, row
         assert not flushing, row
+        assert prefetches == 2, row  # the next tile's rows into L2, in both copies of the tile loop
     # 8 warps a program at 128 registers: two programs a SM in registers and shared memory (one PiT each). The stack
     # they spill to outweighed the warps they gain on the H200 (13-27% slower than the entry, turboquant.py's
     # STORE_CONFIGS): with the values loaded at the tile's start, 336-528 bytes under Triton 3.6 and 728-840 under
