@@ -288,13 +288,6 @@ def select_store_config(device: torch.device, key_fp8: bool = False) -> dict[str
     return dict(select_config(FP8_KEY_STORE_CONFIGS if key_fp8 else STORE_CONFIGS, device))
 
 
-def _bulk_aligned(t: torch.Tensor) -> bool:
-    """Whether every row ``t[i, j]`` of a ``[T, HKV, D]`` tensor starts at a multiple of 16 bytes (a bulk copy's
-    alignment): its address and its two outer strides in bytes."""
-    size = t.element_size()
-    return t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0 and (t.stride(1) * size) % 16 == 0
-
-
 def decode_entry(entry: dict[str, int], key_bits: int, value_bits: int) -> dict[str, int]:
     """A decode config entry for ``key_bits`` (3, 4, or 8 for FP8 keys) and ``value_bits``: its ``_k<bits>`` keys
     applied, then its ``_v<bits>`` keys."""
@@ -812,7 +805,7 @@ def triton_turboquant_store(
             WIDE_SLOTS=num_slots > 2**31 - 1,
             WARPS=warps,
             EARLY_VALUES=bool(config.get("GLUON_EARLY_VALUES", 1)),
-            PREFETCH=bool(config.get("GLUON_PREFETCH", 0)) and _bulk_aligned(key) and _bulk_aligned(value),
+            PREFETCH=bool(config.get("GLUON_PREFETCH", 0)),
             num_warps=warps,
             **register_cap(config.get("GLUON_MAXNREG")),
         )  # fmt: skip

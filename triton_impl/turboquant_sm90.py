@@ -2069,20 +2069,20 @@ def _slot_offsets(slot, row, num_slots, stride_block, NUM_KV_HEADS: gl.constexpr
     return ok, data, meta
 
 
-# One bulk prefetch into L2 (sm_90: ``cp.async.bulk.prefetch.L2``) of ``$2`` bytes at ``$1``, none where ``$2`` is 0.
-# The address and size must be multiples of 16. It holds no register and no shared memory, and changes no value.
-L2_PREFETCH_ASM = gl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; "
-                               "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
+# A prefetch into L2 of the 128-byte line holding address ``$1``, none where ``$2`` is 0: a hint that holds no register
+# and no shared memory and changes no value. (The bulk form, ``cp.async.bulk.prefetch.L2``, takes its address in
+# uniform registers: from per-thread addresses ptxas builds a loop over the warp's distinct values, 32 trips.)
+L2_PREFETCH_ASM = gl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }")
 
 
 @gluon.jit
 def _prefetch_tile(key_ptr, value_ptr, tile, num_rows, stride_kt, stride_kh, stride_vt, stride_vh,
                    NUM_KV_HEADS: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
-    """Tile ``tile``'s key and value rows (:func:`_tile_rows`) prefetched into L2, one row a thread: the first
-    ``16 WARPS`` threads a key row each, the others a value row; nothing past ``num_rows``."""
+    """Tile ``tile``'s key and value rows (:func:`_tile_rows`) prefetched into L2, a row a thread (the first ``16
+    WARPS`` threads a key row each, the others a value row), a line at a time; nothing past ``num_rows``."""
     ROWS: gl.constexpr = 16 * WARPS
-    KEY_BYTES: gl.constexpr = HEAD_DIM * key_ptr.dtype.element_ty.primitive_bitwidth // 8
-    VALUE_BYTES: gl.constexpr = HEAD_DIM * value_ptr.dtype.element_ty.primitive_bitwidth // 8
+    KEY_LINES: gl.constexpr = HEAD_DIM * key_ptr.dtype.element_ty.primitive_bitwidth // 1024
+    VALUE_LINES: gl.constexpr = HEAD_DIM * value_ptr.dtype.element_ty.primitive_bitwidth // 1024
     i = gl.arange(0, 2 * ROWS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
     is_value = i >= ROWS
     row = tile * ROWS + gl.where(is_value, i - ROWS, i)
@@ -2090,9 +2090,11 @@ def _prefetch_tile(key_ptr, value_ptr, tile, num_rows, stride_kt, stride_kh, str
     head = row % NUM_KV_HEADS
     key_row = (key_ptr + token * stride_kt + head * stride_kh).to(gl.pointer_type(gl.uint8))
     value_row = (value_ptr + token * stride_vt + head * stride_vh).to(gl.pointer_type(gl.uint8))
-    size = gl.where(row < num_rows, gl.where(is_value, VALUE_BYTES, KEY_BYTES), 0)
-    gl.inline_asm_elementwise(L2_PREFETCH_ASM, "=r,l,r", [gl.where(is_value, value_row, key_row), size],
-                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+    at = gl.where(is_value, value_row, key_row)
+    lines = gl.where(row < num_rows, gl.where(is_value, VALUE_LINES, KEY_LINES), 0)
+    for line in gl.static_range(max(KEY_LINES, VALUE_LINES)):
+        gl.inline_asm_elementwise(L2_PREFETCH_ASM, "=r,l,r", [at + 128 * line, (line < lines).to(gl.int32)],
+                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
@@ -2305,7 +2307,7 @@ def store_kernel(
     WIDE_SLOTS: gl.constexpr,  # slot numbers past int32
     WARPS: gl.constexpr = 4,  # warpgroups x 4: tiles of 16 WARPS rows, one PiT a program
     EARLY_VALUES: gl.constexpr = True,  # a tile's values loaded at its start (else where they are quantized)
-    PREFETCH: gl.constexpr = False,  # the next tile's rows prefetched into L2 (rows and bases 16-byte aligned)
+    PREFETCH: gl.constexpr = False,  # the next tile's rows prefetched into L2
 ):  # fmt: skip
     """Persistent programs over tiles of ``16 WARPS`` (token, KV head) rows, ``WARPS`` warps (one warpgroup per 64
     rows, all of them reading the program's one copy of ``PiT``: 4 warps and 64 rows by default). Each program cuts
@@ -2382,6 +2384,9 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
     # 4-bit) 48 bytes of stack and 9 reloads or spills a tile, against 504 and 71 read first.
     for tile in range(gl.program_id(0), gl.cdiv(num_rows, ROWS), gl.num_programs(0)):
         value_rows = _tile_rows(tile, 5, value_layout, WARPS)
+        if PREFETCH:  # the program's next tile: from DRAM into L2 while this one computes
+            _prefetch_tile(key_ptr, value_ptr, tile + gl.num_programs(0), num_rows, stride_kt, stride_kh,
+                           stride_vt, stride_vh, NUM_KV_HEADS, WARPS)  # fmt: skip
         if EARLY_VALUES:
             v = _row_loads(value_ptr, value_rows, num_rows, value_dim, stride_vt, stride_vh, NUM_KV_HEADS)
         k = _row_loads(key_ptr, _tile_rows(tile, 6, key_layout, WARPS), num_rows, key_dim, stride_kt, stride_kh,
@@ -2424,9 +2429,6 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
             code_sq = gl.sum(gl.reshape(gl.gather(centroid_sq, flat, 0), [ROWS, HEAD_DIM]), axis=1)
             norm = norm / gl.sqrt(gl.convert_layout(code_sq, rows) + _NORM_CORRECTION_EPS)
         gl.store((cache_ptr + m_at).to(gl.pointer_type(gl.uint16)), _fp16_bits(norm), mask=m_ok)
-        if PREFETCH:  # the program's next tile: from DRAM into L2 while this one computes
-            _prefetch_tile(key_ptr, value_ptr, tile + gl.num_programs(0), num_rows, stride_kt, stride_kh,
-                           stride_vt, stride_vh, NUM_KV_HEADS, WARPS)  # fmt: skip
 
         if not EARLY_VALUES:
             v = _row_loads(value_ptr, value_rows, num_rows, value_dim, stride_vt, stride_vh, NUM_KV_HEADS)
