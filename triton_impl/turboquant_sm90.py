@@ -2384,9 +2384,6 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
     # 4-bit) 48 bytes of stack and 9 reloads or spills a tile, against 504 and 71 read first.
     for tile in range(gl.program_id(0), gl.cdiv(num_rows, ROWS), gl.num_programs(0)):
         value_rows = _tile_rows(tile, 5, value_layout, WARPS)
-        if PREFETCH:  # the program's next tile: from DRAM into L2 while this one computes
-            _prefetch_tile(key_ptr, value_ptr, tile + gl.num_programs(0), num_rows, stride_kt, stride_kh,
-                           stride_vt, stride_vh, NUM_KV_HEADS, WARPS)  # fmt: skip
         if EARLY_VALUES:
             v = _row_loads(value_ptr, value_rows, num_rows, value_dim, stride_vt, stride_vh, NUM_KV_HEADS)
         k = _row_loads(key_ptr, _tile_rows(tile, 6, key_layout, WARPS), num_rows, key_dim, stride_kt, stride_kh,
@@ -2414,6 +2411,9 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
             codes = gl.reshape(grid_code(flat, entry), [ROWS, HEAD_DIM])
         else:
             codes = _bucketize(y, midpoint_ptr, KEY_BITS)
+        if PREFETCH:  # the program's next tile: from DRAM into L2 while this one computes
+            _prefetch_tile(key_ptr, value_ptr, tile + gl.num_programs(0), num_rows, stride_kt, stride_kh,
+                           stride_vt, stride_vh, NUM_KV_HEADS, WARPS)  # fmt: skip
         words = _code_words(codes, KEY_BITS)
         w_row = tile * ROWS + _iota(ROWS, 0, 3, words_layout)
         w_t = _iota(4, 1, 3, words_layout)
