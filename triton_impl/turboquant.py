@@ -131,6 +131,14 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # loaded where they are quantized, not at its start) 48 bytes. Both slower on the H200 (1M tokens x 8 KV heads, one
 # call against this entry): 4-bit 2.804 -> 3.556 ms (values first) / 3.180 (values late), k3v4 2.778 -> 3.312 / 3.188,
 # 3-bit 2.652 -> 3.192 / 3.074.
+# GLUON_PREFETCH 1: each Gluon store program prefetches its next tile's key and value rows into L2 (prefetch.global.L2,
+# a line at a time) once the tile's codes are bucketized, so they arrive while it packs its codes and quantizes its
+# values. One call on the H200 at 1M tokens x 8 KV heads, stage in us, no prefetch against it (twice: 2026-12-03):
+# 4-bit 2802 / 2800 -> 2741 / 2747, k3v4 2785 / 2787 -> 2743 / 2745, 3-bit 2650 / 2666 -> 2567 / 2567 (-2 to -4%).
+# Issued at the tile's top (the longest lead) 3089 / 3129 / 3016, before the values 3041 / 3072 / 2936, two tiles
+# ahead 2977 / 3049 / 2877: all slower than none. The bulk form (cp.async.bulk.prefetch.L2) takes its address in
+# uniform registers, and for per-thread rows ptxas wraps it in a loop over the warp's addresses (Nsight: 14% of the
+# samples).
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
     "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1, "GLUON": 1,

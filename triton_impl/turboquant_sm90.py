@@ -103,7 +103,9 @@ midpoints. On the H200 (``attnref bench --op turboquant --case store``, 1M token
 search: 4-bit 3.61 ms, k3v4 3.00, 3-bit 2.90 (35-42% of the copy roofline; the portable kernel 9.52-9.93 ms).
 The table cut the tile loop from 2879 to 2073 SASS instructions per thread (4-bit; k3v4 2232 -> 2035, 3-bit
 2248 -> 2053; Triton 3.6, ``benchmarks/sass_sm90_turboquant.py``); timed at edb6bfc: 4-bit 2.98 ms (42.6%),
-k3v4 3.01, 3-bit 2.98 (41.1% and 40.5%: no gain for 3-bit keys).
+k3v4 3.01, 3-bit 2.98 (41.1% and 40.5%: no gain for 3-bit keys). Once a tile's codes are bucketized, each program
+prefetches its next tile's rows into L2 (:func:`_prefetch_tile`, one ``prefetch.global.L2`` a 128-byte line): at
+609826a 4-bit 2.75 ms, k3v4 2.74, 3-bit 2.57 (45-47% of the copy roofline; 2-4% faster than without).
 """
 
 from __future__ import annotations
