@@ -1250,6 +1250,7 @@ def test_stream_k_owner_of_a_step_is_the_place_whose_steps_hold_it() -> None:
     (:func:`triton_impl.turboquant.stream_k_bounds`) is at most the step."""
     for total, programs, launched, ranks, tilt in [(16384, 198, 198, 3, 35), (65536, 198, 198, 3, 35),
                                                    (8192, 198, 198, 3, 25), (32768, 198, 198, 3, 25),
+                                                   (8192, 198, 198, 3, 30), (32768, 198, 198, 3, 30),
                                                    (8192, 264, 264, 4, 20), (997, 7, 7, 3, 35), (1000, 9, 12, 4, 50),
                                                    (50, 5, 5, 2, 10), (4096, 198, 198, 3, 0)]:  # fmt: skip
         bounds = ttq.stream_k_bounds(total, programs, launched, ranks, tilt)
