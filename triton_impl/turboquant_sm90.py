@@ -2088,10 +2088,8 @@ def _prefetch_tile(key_ptr, value_ptr, tile, num_rows, stride_kt, stride_kh, str
     i = gl.arange(0, 2 * ROWS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
     is_value = i >= ROWS
     row = tile * ROWS + gl.where(is_value, i - ROWS, i)
-    token = (row // NUM_KV_HEADS).to(gl.int64)
-    head = row % NUM_KV_HEADS
-    key_row = (key_ptr + token * stride_kt + head * stride_kh).to(gl.pointer_type(gl.uint8))
-    value_row = (value_ptr + token * stride_vt + head * stride_vh).to(gl.pointer_type(gl.uint8))
+    key_row = _row_start(key_ptr, row, stride_kt, stride_kh, NUM_KV_HEADS).to(gl.pointer_type(gl.uint8))
+    value_row = _row_start(value_ptr, row, stride_vt, stride_vh, NUM_KV_HEADS).to(gl.pointer_type(gl.uint8))
     at = gl.where(is_value, value_row, key_row)
     lines = gl.where(row < num_rows, gl.where(is_value, VALUE_LINES, KEY_LINES), 0)
     for line in gl.static_range(max(KEY_LINES, VALUE_LINES)):
@@ -2100,11 +2098,18 @@ def _prefetch_tile(key_ptr, value_ptr, tile, num_rows, stride_kt, stride_kh, str
 
 
 @gluon.jit
-def _row_loads(ptr, row, num_rows, dim, stride_t, stride_h, NUM_KV_HEADS: gl.constexpr):
-    """``ptr``'s elements ``dim`` of rows ``row`` (token ``row // HKV``, KV head ``row % HKV``); 0 past the rows."""
+def _row_start(ptr, row, stride_t, stride_h, NUM_KV_HEADS: gl.constexpr):
+    """The first element of each (token, KV head) row ``row`` of ``ptr``: token ``row // HKV``, KV head ``row %
+    HKV``."""
     token = row // NUM_KV_HEADS
     head = row - token * NUM_KV_HEADS
-    return gl.load(ptr + token.to(gl.int64) * stride_t + head * stride_h + dim, mask=row < num_rows, other=0.0)
+    return ptr + token.to(gl.int64) * stride_t + head * stride_h
+
+
+@gluon.jit
+def _row_loads(ptr, row, num_rows, dim, stride_t, stride_h, NUM_KV_HEADS: gl.constexpr):
+    """``ptr``'s elements ``dim`` of rows ``row`` (:func:`_row_start`); 0 past the rows."""
+    return gl.load(_row_start(ptr, row, stride_t, stride_h, NUM_KV_HEADS) + dim, mask=row < num_rows, other=0.0)
 
 
 @gluon.constexpr_function
