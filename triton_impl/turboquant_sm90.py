@@ -2386,15 +2386,21 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
 
     # A tile's values are read first (EARLY_VALUES), so that they arrive while its keys are quantized. On the H200
     # (1M tokens x 8 KV heads, 4-bit, 4 warps, two programs a SM): values read first 3.53 ms; read after the keys'
-    # MMAs and norms 3.89; read where they are quantized 3.95; the keys read a tile ahead (255 registers) 4.39. Read
-    # where they are quantized, they are not held through the keys' work: at 8 warps and 128 registers (Triton 3.6,
-    # 4-bit) 48 bytes of stack and 9 reloads or spills a tile, against 504 and 71 read first.
+    # MMAs and norms 3.89; read where they are quantized 3.95. Read where they are quantized, they are not held
+    # through the keys' work: at 8 warps and 128 registers (Triton 3.6, 4-bit) 48 bytes of stack and 9 reloads or
+    # spills a tile, against 504 and 71 read first.
+    # A tile's keys are read during the tile before it, once that tile's norms are stored and its key codes are no
+    # longer held: the first use of a tile's keys waited on their loads in 16% of the store's Nsight samples even with
+    # the L2 prefetch. On the H200 (three programs a SM, Triton 3.6), keys read at the tile's start -> read a tile
+    # ahead: 4-bit 2741 -> 2709 us, k3v4 2677 -> 2607, 3-bit 2530 -> 2440 (perf_log.md, twenty-seventh session). Read
+    # a tile ahead at the tile's start (two programs a SM then, 255 registers) it was 24% slower: 3.53 -> 4.39 ms.
+    k_next = _row_loads(key_ptr, _tile_rows(gl.program_id(0), 6, key_layout, WARPS), num_rows, key_dim, stride_kt,
+                        stride_kh, NUM_KV_HEADS)  # fmt: skip
     for tile in range(gl.program_id(0), gl.cdiv(num_rows, ROWS), gl.num_programs(0)):
         value_rows = _tile_rows(tile, 5, value_layout, WARPS)
         if EARLY_VALUES:
             v = _row_loads(value_ptr, value_rows, num_rows, value_dim, stride_vt, stride_vh, NUM_KV_HEADS)
-        k = _row_loads(key_ptr, _tile_rows(tile, 6, key_layout, WARPS), num_rows, key_dim, stride_kt, stride_kh,
-                       NUM_KV_HEADS)  # fmt: skip
+        k = k_next
         # The tile's slots in each layout that writes (key codes, metadata, values): three loads from L1, not
         # two layout conversions through shared memory.
         slot_k = _slots(slot_ptr, tile * ROWS + _iota(ROWS, 0, 3, words_layout), num_rows, NUM_KV_HEADS)
@@ -2436,6 +2442,8 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
             code_sq = gl.sum(gl.reshape(gl.gather(centroid_sq, flat, 0), [ROWS, HEAD_DIM]), axis=1)
             norm = norm / gl.sqrt(gl.convert_layout(code_sq, rows) + _NORM_CORRECTION_EPS)
         gl.store((cache_ptr + m_at).to(gl.pointer_type(gl.uint16)), _fp16_bits(norm), mask=m_ok)
+        k_next = _row_loads(key_ptr, _tile_rows(tile + gl.num_programs(0), 6, key_layout, WARPS), num_rows, key_dim,
+                            stride_kt, stride_kh, NUM_KV_HEADS)  # fmt: skip
 
         if not EARLY_VALUES:
             v = _row_loads(value_ptr, value_rows, num_rows, value_dim, stride_vt, stride_vh, NUM_KV_HEADS)
