@@ -2259,7 +2259,6 @@ def _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS
     """One tile's values ``v`` (fp32, :func:`_value_layout`; rows ``row``, :func:`_tile_rows`) min-max quantized as
     the portable store does it, into slots ``slot``."""
     layout: gl.constexpr = _value_layout(WARPS)
-    ROWS: gl.constexpr = 16 * WARPS
     t = _iota(4, 3, 5, layout)
     ok, data, meta = _slot_offsets(slot, row, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
                                    WIDE_SLOTS)  # fmt: skip
@@ -2282,11 +2281,13 @@ def _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS
     words_layout: gl.constexpr = words.type.layout
     at = gl.convert_layout(data + KEY_DATA_BYTES + t * (4 * VALUE_BITS), words_layout)
     _store_codes(cache_ptr, at, words, gl.convert_layout(ok & (t < 4), words_layout), VALUE_BITS)
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    row_ok = gl.convert_layout(gl.reshape(ok, [ROWS]), one)
-    fields = (cache_ptr + gl.convert_layout(gl.reshape(meta, [ROWS]), one)).to(gl.pointer_type(gl.uint16))
-    gl.store(fields + BLOCK_SIZE, gl.convert_layout(gl.reshape(_fp16_bits(scale), [ROWS]), one), mask=row_ok)
-    gl.store(fields + 2 * BLOCK_SIZE, gl.convert_layout(gl.reshape(_fp16_bits(v_min), [ROWS]), one), mask=row_ok)
+    # Each row's two fields stored from the layout its scale was reduced to (a row's lanes store it once): the rows go
+    # to scattered slots, so a layout of one row a thread would buy no coalescing, and its four conversions cost two
+    # CTA barriers each. ``ok`` and ``meta`` reduced over their two unit dimensions (no data moves) to that layout.
+    fields = (cache_ptr + gl.max(gl.max(meta, axis=4), axis=3)).to(gl.pointer_type(gl.uint16))
+    row_ok = gl.max(gl.max(ok.to(gl.int32), axis=4), axis=3) != 0
+    gl.store(fields + BLOCK_SIZE, _fp16_bits(scale), mask=row_ok)
+    gl.store(fields + 2 * BLOCK_SIZE, _fp16_bits(v_min), mask=row_ok)
 
 
 @gluon.jit
