@@ -105,7 +105,10 @@ The table cut the tile loop from 2879 to 2073 SASS instructions per thread (4-bi
 2248 -> 2053; Triton 3.6, ``benchmarks/sass_sm90_turboquant.py``); timed at edb6bfc: 4-bit 2.98 ms (42.6%),
 k3v4 3.01, 3-bit 2.98 (41.1% and 40.5%: no gain for 3-bit keys). Once a tile's codes are bucketized, each program
 prefetches its next tile's rows into L2 (:func:`_prefetch_tile`, one ``prefetch.global.L2`` a 128-byte line): at
-609826a 4-bit 2.75 ms, k3v4 2.74, 3-bit 2.57 (45-47% of the copy roofline; 2-4% faster than without).
+609826a 4-bit 2.75 ms, k3v4 2.74, 3-bit 2.57 (45-47% of the copy roofline; 2-4% faster than without). With each
+tile's keys loaded into registers during the tile before it, and each row's value fields stored from the layout
+they were reduced to (no layout conversion, 4 CTA barriers a tile instead of 12), at cd8b10d: 4-bit 2.57 ms, k3v4
+2.47, 3-bit 2.44 (49-50%).
 """
 
 from __future__ import annotations
