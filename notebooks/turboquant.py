@@ -23,6 +23,9 @@
 import itertools
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -662,3 +665,71 @@ assert [len(taken) for taken in pieces] == [4, 2, 1, 0, 2]
 # cache bytes shows it. `tests/test_turboquant.py::test_interleaved_nibbles_into_a_16_key_dot_are_never_our_pattern`
 # reproduces the miscompile on a GPU (skipped where the compiler gets it right) and holds this
 # package's decode to tiles of at least 32 keys.
+
+# %% [markdown]
+# ## 7. The store: a memory-bound kernel that is not
+#
+# The store writes one (token, KV head) row per key and value: it reads 256 bytes of bf16 key and 256 of value
+# (D = 128), rotates the key (`k @ PiT`), takes its norm, bucketizes each rotated coordinate against the codebook's
+# midpoints, packs the codes, quantizes the values min-max, and writes a slot (4-bit keys and values: 64 + 64 bytes of
+# codes and three fp16 fields). About 650 bytes moved and ~30 arithmetic operations per coordinate: on paper a copy.
+# The cell reads the H200 benchmark's store rows (1M tokens x 8 KV heads), beside the copy roofline of their bytes.
+
+# %%
+for preset in tq.PRESETS:
+    row = by_case[f"{preset} store Hk=8 D=128 1024K tokens"]
+    assert row["correct"], preset
+    print(f"{preset:20s} {row['ms']:.3f} ms  {row['gbps']:5.0f} GB/s  {row['pct_roofline']:.1f}% of the copy roofline "
+          f"({row['roofline_ms']:.3f} ms)")  # fmt: skip
+    # FP8 keys (no rotation, no bucketize) near 70%; the MSE presets at half their roofline
+    key_fp8 = tq.TurboQuantConfig.from_cache_dtype(preset, D).key_fp8
+    assert (60 < row["pct_roofline"] < 80) if key_fp8 else (40 < row["pct_roofline"] < 60), preset
+
+# %% [markdown]
+# On sm_90 the MSE presets' store is a Gluon kernel (`triton_impl/turboquant_sm90.py`, `store_kernel`): persistent
+# programs of one warpgroup, each on 64-row tiles, `PiT` split into two bf16 parts in shared memory (64 KiB: three
+# programs a SM) so that the rotation is 16 exact warpgroup MMAs a tile, and the bucketize one lookup per code in a
+# 64-slot table (`grid_table`) instead of a binary search. Its path on the H200, 4-bit keys and values (`perf_log.md`
+# has each step's prediction and A/B): the portable Triton kernel 9.52 ms; the Gluon store with the binary search
+# 3.61; with the table 2.98; three programs a SM 2.80; each program's next tile prefetched into L2 2.75; each tile's
+# keys loaded into registers during the tile before it 2.71; each row's value scale and zero stored from the layout
+# they were reduced to 2.57.
+#
+# That last step is the one to learn from. A Triton tensor has a layout: which thread and register holds each
+# element. Every `convert_layout` that moves elements between warps, and every `gl.gather` whose table is spread over
+# warps, goes through shared memory between two barriers of the whole program (`bar.sync`): all four warps wait for
+# the slowest. The store used to convert each row's two value fields, their slot offsets and their mask to a layout
+# of one row per thread before storing them: four conversions, eight barriers a tile, to buy coalescing that rows
+# headed for scattered slots cannot have. Stored from the layout they were computed in, the loop has 37 instructions
+# fewer (Triton 3.6 at the entry's 168 registers, 2176 -> 2139) and 4 barriers a tile instead of 12, and the store is 2-6% faster (4-bit 2.73 -> 2.58 ms, 3-bit 2.44 ->
+# 2.39). Fewer barriers is not always faster, though: the norm correction's lookup done by warp shuffles (a copy of
+# the table per warp, no barrier) was 2-11% slower (`benchmarks/variants/warp_local_centroids.patch`).
+#
+# The cell compiles the store for sm_90 on this machine (Triton's own `ptxas`; no GPU needed, a process of its own
+# since the interpreter is on here) and counts what is left in its tile loop: two barriers around each of its two
+# gathers, the grid's table and, with norm correction, the centroids' squares.
+
+# %%
+COUNT_LOOP = """
+import json
+from triton_impl.bench import sass_code
+from triton_impl.turboquant_sm90 import compile_store_for_sm90
+for norm_correction in (True, False):
+    code, loops = sass_code(compile_store_for_sm90(norm_correction=norm_correction).asm["cubin"])
+    # the tile loop of the grid's lookup: the loop with the rotation's MMAs and the grid's NaN-keeping min (the
+    # binary search, for codebooks the grid cannot separate, is a second copy of the loop without it)
+    def holds(h, t, name):
+        return any(h <= a <= t and name in (op, op + sfx) for a, op, sfx, _ in code)
+
+    head, tail = next((h, t) for h, t in loops if holds(h, t, "HGMMA") and holds(h, t, "FMNMX.NAN"))
+    body = [op for a, op, _, _ in code if head <= a <= tail and op != "NOP"]
+    print(json.dumps([norm_correction, len(body), body.count("BAR"), body.count("STS")]))
+"""
+env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(triton_impl.__file__).resolve().parent.parent)}
+done = subprocess.run([sys.executable, "-c", COUNT_LOOP], env=env, capture_output=True, text=True, timeout=600)
+assert done.returncode == 0, done.stderr[-2000:]
+for line in done.stdout.splitlines():
+    norm_correction, instructions, barriers, table_stores = json.loads(line)
+    print(f"norm correction {norm_correction!s:5}: {instructions} instructions a tile and thread, {barriers} barriers, "
+          f"{table_stores} gather tables stored to shared memory")  # fmt: skip
+    assert barriers == 2 * table_stores == (4 if norm_correction else 2)
