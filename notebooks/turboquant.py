@@ -701,9 +701,10 @@ for preset in tq.PRESETS:
 # the slowest. The store used to convert each row's two value fields, their slot offsets and their mask to a layout
 # of one row per thread before storing them: four conversions, eight barriers a tile, to buy coalescing that rows
 # headed for scattered slots cannot have. Stored from the layout they were computed in, the loop has 37 instructions
-# fewer (Triton 3.6 at the entry's 168 registers, 2176 -> 2139) and 4 barriers a tile instead of 12, and the store is 2-6% faster (4-bit 2.73 -> 2.58 ms, 3-bit 2.44 ->
-# 2.39). Fewer barriers is not always faster, though: the norm correction's lookup done by warp shuffles (a copy of
-# the table per warp, no barrier) was 2-11% slower (`benchmarks/variants/warp_local_centroids.patch`).
+# fewer (Triton 3.6 at the entry's 168 registers, 2176 -> 2139) and 4 barriers a tile instead of 12, and the store
+# is 2-6% faster (4-bit 2.73 -> 2.58 ms, 3-bit 2.44 -> 2.39). Fewer barriers is not always faster, though: the norm
+# correction's lookup done by warp shuffles (a copy of the table per warp, no barrier) was 2-11% slower
+# (`benchmarks/variants/warp_local_centroids.patch`).
 #
 # The cell compiles the store for sm_90 on this machine (Triton's own `ptxas`; no GPU needed, a process of its own
 # since the interpreter is on here) and counts what is left in its tile loop: two barriers around each of its two
