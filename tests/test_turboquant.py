@@ -1743,8 +1743,9 @@ for key_bits in (3, 4):
             flushing = [x.strip() for x in kernel.asm["ptx"].splitlines()
                         if ".ftz" in x and x.split()[0].split(".")[0] in ("fma", "min", "mul")]
             prefetches = kernel.asm["ptx"].count("prefetch.global.L2 ")
+            barriers = sum("BAR.SYNC" in line for line in sass_loop(kernel.asm["cubin"], "HGMMA"))  # grid's loop
             print(json.dumps(["store", key_bits, value_bits, *sass_resources(kernel.asm["cubin"]),
-                              kernel.metadata.shared, flushing, prefetches]))
+                              kernel.metadata.shared, flushing, prefetches, norm_correction, barriers]))
         # GLUON_WARPS 8 at 128 registers (two programs a SM), not the entry's: values loaded first and late
         for early in (True, False):
             kernel = turboquant_sm90.compile_store_for_sm90(key_bits=key_bits, value_bits=value_bits, warps=8,
@@ -1761,7 +1762,8 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     stream-K), with no stack (3-bit keys: 8 bytes, outside the
     loop), at most 40 KiB of shared memory and, for 4-bit keys, no uniform register copied at each use in the loop.
     Store: 3/4-bit keys and values, with and without norm correction, at the sm90 entry's register cap (the spills
-    bounded below), and no multiply, fma or min that flushes subnormals (the grid bucketize reads the bits of
+    bounded below), no CTA barrier in the tile loop but its gathers', and no multiply, fma or min that flushes
+    subnormals (the grid bucketize reads the bits of
     subnormal results: ``turboquant_sm90.grid_slot``)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
@@ -1806,10 +1808,14 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     # and stores as before (2-3 a tile).
     spill = 168 if triton.__version__.startswith("3.6") else 528
     for row in (row for row in rows if row[0] == "store"):
-        registers, stack, shared, flushing, prefetches = row[3:]
+        registers, stack, shared, flushing, prefetches, norm_correction, barriers = row[3:]
         assert stack <= spill and registers <= 168 and 64 * 1024 <= shared <= 72 * 1024, row
         assert not flushing, row
         assert prefetches == 4, row  # the next tile's rows into L2, two lines a row, in both copies of the tile loop
+        # CTA barriers in the tile loop (the grid's copy, the smaller): two around each gl.gather's table store (the
+        # grid's table; with norm correction the centroids' squares) and none for layout conversions, whose barriers
+        # stall all four warps (four of them in the value fields' stores cost 5.5% on the H200, 2026-12-03).
+        assert barriers == (4 if norm_correction else 2), row
     # 8 warps a program at 128 registers: two programs a SM in registers and shared memory (one PiT each). The stack
     # they spill to outweighed the warps they gain on the H200 (13-27% slower than the entry, turboquant.py's
     # STORE_CONFIGS): with the values loaded at the tile's start, 336-528 bytes under Triton 3.6 and 728-840 under
