@@ -1763,8 +1763,7 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     loop), at most 40 KiB of shared memory and, for 4-bit keys, no uniform register copied at each use in the loop.
     Store: 3/4-bit keys and values, with and without norm correction, at the sm90 entry's register cap (the spills
     bounded below), no CTA barrier in the tile loop but its gathers', and no multiply, fma or min that flushes
-    subnormals (the grid bucketize reads the bits of
-    subnormal results: ``turboquant_sm90.grid_slot``)."""
+    subnormals (the grid bucketize reads the bits of subnormal results: ``turboquant_sm90.grid_slot``)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
