@@ -120,8 +120,9 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # for this table's portable config, Gluon at 1 / 2 programs per SM 6.16 / 3.53 ms; a variant of it at 1 / 2 / 3
 # 6.60 / 3.89 / 4.70 ms (over 200 registers: a third program does not fit beside two and runs as a second wave).
 # Optional GLUON_MAXNREG caps the Gluon store's registers: at 168 three programs fit a SM (3 x 64.5 KiB of shared
-# memory); Triton 3.6 (the H200's) spills 8-48 bytes a thread, Triton 3.9 136-528 (not timed: the H200 machine has no
-# Triton but 3.6; tests/test_turboquant.py compiles both ways). Uncapped at 2 programs per SM against capped
+# memory); Triton 3.6 (the H200's) spills 16-168 bytes a thread at cd8b10d, 2-3 local loads and stores a tile in the
+# loop, Triton 3.9 72-168 (not timed: the H200 machine has no Triton but 3.6; tests/test_turboquant.py compiles both
+# ways and bounds the spills). Uncapped at 2 programs per SM against capped
 # at 3, H200 at 4208a61 (1M tokens x 8 KV heads, one call): 4-bit 2.9679 -> 2.7997 ms (42.8 -> 45.4% of the copy
 # roofline), k3v4 3.0098 -> 2.7885, 3-bit 2.9625 -> 2.6630 (41.2 / 40.8 -> 44.5 / 45.4%).
 # Optional GLUON_WARPS (default 4): warps a Gluon store program, 16 rows each a tile, all reading the program's one
