@@ -2401,6 +2401,7 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
     k_next = _row_loads(key_ptr, _tile_rows(gl.program_id(0), 6, key_layout, WARPS), num_rows, key_dim, stride_kt,
                         stride_kh, NUM_KV_HEADS)  # fmt: skip
     for tile in range(gl.program_id(0), gl.cdiv(num_rows, ROWS), gl.num_programs(0)):
+        following = tile + gl.num_programs(0)  # the program's next tile
         value_rows = _tile_rows(tile, 5, value_layout, WARPS)
         if EARLY_VALUES:
             v = _row_loads(value_ptr, value_rows, num_rows, value_dim, stride_vt, stride_vh, NUM_KV_HEADS)
@@ -2428,9 +2429,9 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
             codes = gl.reshape(grid_code(flat, entry), [ROWS, HEAD_DIM])
         else:
             codes = _bucketize(y, midpoint_ptr, KEY_BITS)
-        if PREFETCH:  # the program's next tile: from DRAM into L2 while this one computes
-            _prefetch_tile(key_ptr, value_ptr, tile + gl.num_programs(0), num_rows, stride_kt, stride_kh,
-                           stride_vt, stride_vh, NUM_KV_HEADS, WARPS)  # fmt: skip
+        if PREFETCH:  # the next tile: from DRAM into L2 while this one computes
+            _prefetch_tile(key_ptr, value_ptr, following, num_rows, stride_kt, stride_kh, stride_vt, stride_vh,
+                           NUM_KV_HEADS, WARPS)  # fmt: skip
         words = _code_words(codes, KEY_BITS)
         w_row = tile * ROWS + _iota(ROWS, 0, 3, words_layout)
         w_t = _iota(4, 1, 3, words_layout)
@@ -2446,8 +2447,8 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
             code_sq = gl.sum(gl.reshape(gl.gather(centroid_sq, flat, 0), [ROWS, HEAD_DIM]), axis=1)
             norm = norm / gl.sqrt(gl.convert_layout(code_sq, rows) + _NORM_CORRECTION_EPS)
         gl.store((cache_ptr + m_at).to(gl.pointer_type(gl.uint16)), _fp16_bits(norm), mask=m_ok)
-        k_next = _row_loads(key_ptr, _tile_rows(tile + gl.num_programs(0), 6, key_layout, WARPS), num_rows, key_dim,
-                            stride_kt, stride_kh, NUM_KV_HEADS)  # fmt: skip
+        k_next = _row_loads(key_ptr, _tile_rows(following, 6, key_layout, WARPS), num_rows, key_dim, stride_kt,
+                            stride_kh, NUM_KV_HEADS)  # fmt: skip
 
         if not EARLY_VALUES:
             v = _row_loads(value_ptr, value_rows, num_rows, value_dim, stride_vt, stride_vh, NUM_KV_HEADS)
