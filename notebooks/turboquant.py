@@ -713,18 +713,15 @@ for preset in tq.PRESETS:
 # %%
 COUNT_LOOP = """
 import json
-from triton_impl.bench import sass_code
+from triton_impl.bench import sass_loop
 from triton_impl.turboquant_sm90 import compile_store_for_sm90
 for norm_correction in (True, False):
-    code, loops = sass_code(compile_store_for_sm90(norm_correction=norm_correction).asm["cubin"])
-    # the tile loop of the grid's lookup: the loop with the rotation's MMAs and the grid's NaN-keeping min (the
-    # binary search, for codebooks the grid cannot separate, is a second copy of the loop without it)
-    def holds(h, t, name):
-        return any(h <= a <= t and name in (op, op + sfx) for a, op, sfx, _ in code)
-
-    head, tail = next((h, t) for h, t in loops if holds(h, t, "HGMMA") and holds(h, t, "FMNMX.NAN"))
-    body = [op for a, op, _, _ in code if head <= a <= tail and op != "NOP"]
-    print(json.dumps([norm_correction, len(body), body.count("BAR"), body.count("STS")]))
+    # the innermost loop with the rotation's MMAs: the grid lookup's tile loop (the binary search, for codebooks the
+    # grid cannot separate, is a second, longer copy of it)
+    loop = sass_loop(compile_store_for_sm90(norm_correction=norm_correction).asm["cubin"], "HGMMA")
+    body = [line for line in loop if " NOP " not in line]
+    print(json.dumps([norm_correction, len(body), sum(" BAR.SYNC" in line for line in body),
+                      sum(" STS" in line for line in body)]))
 """
 env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(triton_impl.__file__).resolve().parent.parent)}
 done = subprocess.run([sys.executable, "-c", COUNT_LOOP], env=env, capture_output=True, text=True, timeout=600)
