@@ -1800,11 +1800,9 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     for row in (row for row in rows if row[0] == "fp16"):
         assert row[4] == 0 and row[3] < pairs[tuple(row[1:3])] + slack, (row, pairs)
     # The store: both bf16 parts of PiT (2 x 32 KiB) in shared memory, at the sm90 entry's cap of 168 registers
-    # (three programs a SM), which spills 8-48 bytes under the H200's Triton 3.6 (the measured compiler) and
-    # 136-528 under Triton 3.9 (not timed); with the L2 prefetch, 8-48 and 104-416; with the next tile's keys loaded
-    # once the norm is stored (2026-12-03, 1-4% faster on the H200), 0-72 and 72-112; with each row's value fields
-    # stored from their reduced layout (no conversions: 2-6% faster), 16-168 and 72-168, the tile loop's local loads
-    # and stores as before (2-3 a tile).
+    # (three programs a SM), which spills 16-168 bytes under the H200's Triton 3.6 (the measured compiler) and 72-168
+    # under Triton 3.9 (not timed), 2-3 local loads and stores a tile in the loop (cd8b10d; the earlier ranges, 8-48
+    # and 136-528 at most, are in perf_log.md with the changes that moved them).
     spill = 168 if triton.__version__.startswith("3.6") else 528
     for row in (row for row in rows if row[0] == "store"):
         registers, stack, shared, flushing, prefetches, norm_correction, barriers = row[3:]
@@ -1818,10 +1816,8 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     # 8 warps a program at 128 registers: two programs a SM in registers and shared memory (one PiT each). The stack
     # they spill to outweighed the warps they gain on the H200 (13-27% slower than the entry, turboquant.py's
     # STORE_CONFIGS): with the values loaded at the tile's start, 336-528 bytes under Triton 3.6 and 728-840 under
-    # 3.9; loaded where they are quantized, 48-64 and 400-496. With the L2 prefetch of the next tile (2026-12-03):
-    # 312-488 and 680-736 loaded at the start, 56-80 and 328-376 loaded late. With the next tile's keys loaded after
-    # the norm: 440-592 and 184-264 at the start, 32-136 and 40-56 late; with the value fields stored unconverted,
-    # 488-568 and 128-200 at the start, 32-152 and 0-72 late.
+    # 3.9; loaded where they are quantized, 48-64 and 400-496. At cd8b10d (the L2 prefetch, the keys a tile ahead,
+    # the value fields unconverted): 488-568 and 128-200 at the start, 32-152 and 0-72 late.
     late = 152 if triton.__version__.startswith("3.6") else 512
     for row in (row for row in rows if row[0] == "store8"):
         registers, stack, shared, early = row[3:]
