@@ -47,6 +47,13 @@ STORE_POINTERS = {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*u8", 
 DECODE_DIVISIBLE = ("num_splits", "block_size", "num_blocks", "table_keys", "stride_block", "data_bytes_per_slot",
                     "meta_offset", "stride_qb", "stride_qh", "stride_bt", "stride_pb", "stride_ph")  # fmt: skip
 MEMORY_OPS = ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "STSM", "BAR", "SHFL", "LDL", "STL")
+# Opcodes that issue to the ALU pipe (bit manipulation, logic, compares, selects, min/max, integer adds; not IMAD,
+# which takes the FMA pipe): 64 lanes a cycle per SM on sm_90, so a warp instruction holds its scheduler's ALU pipe
+# for 2 cycles, against 1 issue cycle. In the 4-bit decode's loop (805 instructions a step, 402 of them ALU), 128 more
+# ALU instructions a step made stage 1 20% slower on the H200 and 113 more IMAD 1.6% (perf_log.md, twenty-eighth
+# session): there the ALU count is the one to watch, not the total.
+ALU_OPS = ("PRMT", "LOP3", "SHF", "SEL", "FSEL", "ISETP", "FSETP", "IADD3", "LEA", "FMNMX", "IMNMX", "VIMNMX", "PLOP3",
+           "SGXT", "MOV", "F2FP")
 
 
 def _compile(fn, pointers: dict[str, str], constexprs: dict[str, int], options: dict[str, int],
@@ -66,12 +73,13 @@ def _resources(cubin: bytes) -> str:
     return " ".join(re.findall(r"(?:REG|STACK):\d+", line))
 
 
-def _loop_mix(cubin: bytes, holding: str | None = None) -> tuple[int, list[tuple[str, int]], dict[str, int], int]:
+def _loop_mix(cubin: bytes, holding: str | None = None) -> tuple[int, list[tuple[str, int]], dict[str, int], int,
+                                                                  int]:
     """Instructions of the widest loop (a backward branch to its head, self-branches excluded), or with ``holding``
     the innermost loop holding that opcode: the decode's tile loop (the one-warp kernel's rescale branch makes a
     wider loop around it). Returns the count, the 12 commonest opcodes, the memory and barrier
-    instructions by opcode with their width (``LDG.E.128``, ``STS.U16``, ...) and the moves of a uniform
-    register into a per-thread one."""
+    instructions by opcode with their width (``LDG.E.128``, ``STS.U16``, ...), the moves of a uniform
+    register into a per-thread one, and the instructions on the ALU pipe (:data:`ALU_OPS`)."""
     code, loops = sass_code(cubin)
     if holding:
         head, tail = innermost_loop(code, loops, (holding,))
@@ -80,8 +88,9 @@ def _loop_mix(cubin: bytes, holding: str | None = None) -> tuple[int, list[tuple
     body = [(opcode, opcode + suffix, line) for address, opcode, suffix, line in code if head <= address <= tail]
     memory = collections.Counter(full for opcode, full, _ in body if opcode in MEMORY_OPS)
     moves = sum(bool(SASS_UNIFORM_MOVE.search(line)) for _, _, line in body)
+    alu = sum(opcode in ALU_OPS for opcode, _, _ in body)
     return (len(body), collections.Counter(opcode for opcode, _, _ in body).most_common(12),
-            dict(sorted(memory.items())), moves)  # fmt: skip
+            dict(sorted(memory.items())), moves, alu)  # fmt: skip
 
 
 def decode(preset: str, config: dict[str, int]) -> None:
@@ -100,7 +109,7 @@ def decode(preset: str, config: dict[str, int]) -> None:
     options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"],
                **register_cap(config.get("maxnreg"))}  # fmt: skip
     kernel = _compile(ttq._decode_stage1_kernel, DECODE_POINTERS, constexprs, options, DECODE_DIVISIBLE)
-    count, mix, memory, _ = _loop_mix(kernel.asm["cubin"])
+    count, mix, memory, _, _ = _loop_mix(kernel.asm["cubin"])
     per_key = config["num_warps"] / config["BLOCK_N"]
     shared = sum(n for op, n in memory.items() if op.startswith(("LDS", "STS")))
     print(f"decode {preset} {config}: {_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
@@ -136,14 +145,15 @@ def gluon_decode(preset: str) -> None:
                                                   stages=turboquant_sm90.stages(config.get("GLUON_STAGES", 0),
                                                                                 key_bits, value_bits),
                                                   fp16_operands=fp16_operands)  # fmt: skip
-    count, mix, memory, moves = _loop_mix(kernel.asm["cubin"], "HMMA")
+    count, mix, memory, moves, alu = _loop_mix(kernel.asm["cubin"], "HMMA")
     per_key = 1 / (16 * step) if warp else int(turboquant_sm90.NUM_WARPS) / int(turboquant_sm90.BLOCK_N)
     shape = f"one warp, {step} 16-key chunks an iteration" if warp else "4 warps, 64-key tiles"
     shape += f", stream-K (ranks {ranks['RANKS']}, tilt {ranks['TILT']})" if warp and stream_k else ""
     print(f"decode {preset} Gluon stage 1 ({shape}): "
           f"{_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
           f"{count} instructions per warp per iteration = {count * per_key:.1f} warp instructions per key and KV head, "
-          f"{moves} of them moves of a uniform register; {mix}; memory and barriers {memory}")  # fmt: skip
+          f"{moves} of them moves of a uniform register, {alu} on the ALU pipe ({2 * alu} of its cycles); {mix}; "
+          f"memory and barriers {memory}")  # fmt: skip
 
 
 def _outer_loops(loops: list[tuple[int, int]]) -> list[tuple[int, int]]:
