@@ -405,6 +405,12 @@ plt.show()
 # instructions a two-chunk step: 3-bit keys and values 121 / 388 us (2.10x / 2.49x the bf16 decode of that run, 254 /
 # 965 us); with the weights at 160 : 130 : 100, 120 / 386 us (2.15x / 2.55x, against 257 / 983 us). The goal,
 # twice the bf16 speed, is reached by every preset at both lengths.
+# Which pipe binds the 4-bit loop: two probes (`benchmarks/variants/pipe_probe_alu.patch`, `pipe_probe_fma.patch`) add
+# work that changes no result to its lookups. 128 more ALU instructions a step (identity `prmt`s) made stage 1 20%
+# slower (354 -> 426 us at 32K), 113 more `IMAD`s 1.6% (-> 360). Of the step's 805 instructions 402 issue to the ALU
+# pipe (`benchmarks/sass_sm90_turboquant.py` counts them), 256 of those in the keys' lookups; cuts on the FMA pipe
+# (`IMAD.MOV`, `HADD2`) left the time where it was, and the lookups' shifts moved to `IMAD.HI` made it 2-4% slower.
+# What is left to cut is ALU work.
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory (4-bit keys
 # at 59% / 72% of their copy roofline).
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
