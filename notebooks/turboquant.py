@@ -410,7 +410,9 @@ plt.show()
 # slower (354 -> 426 us at 32K), 113 more `IMAD`s 1.6% (-> 360). Of the step's 805 instructions 402 issue to the ALU
 # pipe (`benchmarks/sass_sm90_turboquant.py` counts them), 256 of those in the keys' lookups; cuts on the FMA pipe
 # (`IMAD.MOV`, `HADD2`) left the time where it was, and the lookups' shifts moved to `IMAD.HI` made it 2-4% slower.
-# What is left to cut is ALU work.
+# What is left to cut is ALU work. The same probes in the 3-bit keys' lookup (`pipe_probe_alu_3bit.patch`,
+# `pipe_probe_fma_3bit.patch`) say the same of both 3-bit presets: +20% / +19% with 128 more ALU instructions a step
+# (k3v4 355 -> 426 us, 3bit_nc 371 -> 443 at 32K), +2% / +3% with 102 more `IMAD`s.
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory (4-bit keys
 # at 59% / 72% of their copy roofline).
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
