@@ -570,8 +570,10 @@ assert growth > 33 / 32 and rounds[33][2] / (33 * 8 * tiles / 132) < rounds[33][
 # other computes the scores, the softmax and the other half, `P` through shared memory; its work list balances the
 # SMs, and its split partials are stored in the output's dtype (ours fp32, as vLLM's). So the 7% is in how the
 # tiles' loads and products overlap, not in the schedule's shape. FlashMLA's schedule (two math warpgroups on
-# alternate tiles, each tile reloaded in parts as each part's last reader finishes) is the candidate
-# `notebooks/results/perf_log.md` describes.
+# alternate tiles, each tile reloaded in parts as each part's last reader finishes) was built here in three versions
+# (`benchmarks/variants/mla_seesaw.patch`, `mla_seesaw_no_loader.patch`): all pass the GPU tests and all are slower,
+# 11-41% at 128 heads, each warpgroup's loop needing more registers than a thread has
+# (`notebooks/results/perf_log.md`).
 #
 # ## 7. The schedule on Hopper: three roles, one program per SM
 #
