@@ -23,7 +23,7 @@ import sys
 import torch
 
 from triton_impl import bench
-from triton_impl.mla_verify import verify_num_kv_splits
+from triton_impl.mla_verify import verify_num_kv_splits, verify_row_blocks
 from triton_impl.parity.mla_verify import bench_case
 
 
@@ -38,7 +38,7 @@ def main(qlen: int = 4, length: int = 32768, *batches: int) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for batch, r in zip(batches, results):
         splits = verify_num_kv_splits(length, batch, qlen, 128, sms, block_h=64)
-        programs = batch * splits * (qlen * 128 // 64)
+        programs = batch * splits * verify_row_blocks(qlen, 128, 64)
         if not r.correct:
             print(f"| {batch} | {splits} | {programs} | WRONG: {r.detail} | | | |")
             continue
