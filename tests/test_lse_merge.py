@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from golden.lse_merge import attention_state, lse_base2_to_e, merge_states, merge_two, split_states
 from tests.support import assert_close, fails_tolerance, generator, nan_filled
-from triton_impl.lse_merge import merge_attn_states, merge_splits
+from triton_impl.lse_merge import merge_attn_states, merge_splits, split_outputs
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NEG_INF, POS_INF = float("-inf"), float("inf")
@@ -96,21 +96,31 @@ def test_merge_attn_states_edge_cases_exact(device) -> None:
     o_dtype=st.sampled_from(list(DTYPES)),
     lse_dtype=st.sampled_from(["float32", "bfloat16"]),
     p_empty=st.sampled_from([0.0, 0.5, 1.0]),
+    bf16_values=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-@example(rows=2, heads=1, splits=1, head_dim=16, o_dtype="float32", lse_dtype="float32", p_empty=1.0, seed=1)
-@example(rows=2, heads=2, splits=33, head_dim=64, o_dtype="bfloat16", lse_dtype="float32", p_empty=0.5, seed=2)
-def test_merge_splits_matches_golden(device, rows, heads, splits, head_dim, o_dtype, lse_dtype, p_empty, seed) -> None:
+@example(rows=2, heads=1, splits=1, head_dim=16, o_dtype="float32", lse_dtype="float32", p_empty=1.0,
+         bf16_values=False, seed=1)  # fmt: skip
+@example(rows=2, heads=2, splits=33, head_dim=64, o_dtype="bfloat16", lse_dtype="float32", p_empty=0.5,
+         bf16_values=True, seed=2)  # fmt: skip
+def test_merge_splits_matches_golden(device, rows, heads, splits, head_dim, o_dtype, lse_dtype, p_empty, bf16_values,
+                                     seed) -> None:  # fmt: skip
+    """fp32 partials, or (``bf16_values``, even widths) their outputs as bf16 pairs, as stage 1 writes them for a
+    bf16 output; the golden model merges the values the kernel reads."""
+    bf16_values = bf16_values and head_dim % 2 == 0
     gen = generator(seed)
     partials = torch.randn(rows, heads, splits, head_dim + 1, generator=gen)
     partials[..., head_dim] = _lse_pattern((rows, heads, splits), gen, p_empty, 0.0)
     _poison_empty(partials[..., :head_dim], partials[..., head_dim])
+    if bf16_values:  # slots [D / 2, D) stay as they were: the merge must not read them
+        partials[..., : head_dim // 2] = partials[..., :head_dim].to(torch.bfloat16).view(torch.float32)
+    values = split_outputs(partials, torch.bfloat16 if bf16_values else torch.float32)
     o = nan_filled((rows, heads, head_dim), DTYPES[o_dtype], device)
     lse = nan_filled((rows, heads), DTYPES[lse_dtype], device)
 
-    merge_splits(partials.to(device), o, lse)
+    merge_splits(partials.to(device), o, lse, bf16_values=bf16_values)
 
-    ref_o, ref_lse = merge_states(partials[..., :head_dim].double(), partials[..., head_dim].double())
+    ref_o, ref_lse = merge_states(values.double(), partials[..., head_dim].double())
     assert_close(o, ref_o, ("lse_merge", "o", o_dtype))
     assert_close(lse, ref_lse, ("lse_merge", "lse", lse_dtype))
 
@@ -274,3 +284,6 @@ def test_merge_splits_bad_input(device) -> None:
         merge_splits(partials, torch.zeros(2, 3, 8, device=device), torch.zeros(3, 2, device=device))
     with pytest.raises(ValueError, match="partials: expected at least one split"):
         merge_splits(partials[:, :, :0], torch.zeros(2, 3, 8, device=device), torch.zeros(2, 3, device=device))
+    with pytest.raises(ValueError, match="partials: bf16 values come in pairs"):
+        merge_splits(partials[..., :8], torch.zeros(2, 3, 7, device=device), torch.zeros(2, 3, device=device),
+                     bf16_values=True)  # fmt: skip

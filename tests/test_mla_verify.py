@@ -25,7 +25,7 @@ from tests.support import paged_cache as build_paged_cache
 from triton_impl import decode_attention_sm90
 from triton_impl import mla_verify as tv
 from triton_impl.decode_attention import tma_layout
-from triton_impl.lse_merge import merge_splits
+from triton_impl.lse_merge import bf16_partials, merge_splits, split_outputs
 from triton_impl.mla_verify import (
     _VERIFY_SMALL_MAX_ROWS,
     VERIFY_CONFIGS,
@@ -148,7 +148,7 @@ def check_against_golden(problem: Problem, num_kv_splits: int, config: dict | No
         rows, heads = problem.q.shape[:2]
         cfg = config or select_verify_config(rows // problem.qlen, problem.qlen, heads)
         ref = problem.golden_partials(num_kv_splits, cfg)
-        assert_close(logits[..., :-1], ref[..., :-1], ("mla_verify", "split_o", name))
+        assert_close(split_outputs(logits, o.dtype), ref[..., :-1], ("mla_verify", "split_o", name))
         assert_close(logits[..., -1], ref[..., -1], ("mla_verify", "lse", "float32"))
     return o, lse, logits
 
@@ -493,7 +493,7 @@ def test_empty_rows_are_exactly_neutral(device, num_kv_splits) -> None:
     if num_kv_splits > 1:
         empty_slot = torch.isneginf(problem.golden_partials(num_kv_splits, cfg)[..., -1]).to(device)
         assert bool(empty_slot.any()) and bool((~empty_slot).any())
-        assert bool((logits[..., :-1][empty_slot] == 0).all()) and bool(
+        assert bool((split_outputs(logits, o.dtype)[empty_slot] == 0).all()) and bool(
             torch.isneginf(logits[..., -1][empty_slot]).all()
         )
 
@@ -671,7 +671,7 @@ def test_negative_control_dropped_split(device) -> None:
     def merged(partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         o = nan_filled((*partials.shape[:2], problem.value_width), problem.q.dtype, device)
         lse = nan_filled(partials.shape[:2], torch.float32, device)
-        merge_splits(partials, o, lse)
+        merge_splits(partials, o, lse, bf16_values=bf16_partials(o.dtype))
         return o, lse
 
     o, lse = merged(logits)

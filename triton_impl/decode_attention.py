@@ -6,8 +6,8 @@ signature. Every query row has its own extent ``b_seq_len[r]`` and block-table r
 
 Two stages. Stage 1 (:func:`_decode_stage1_kernel`) cuts each row's visible keys ``[lo, n)`` into
 ``S`` splits (window-aware: ``lo = max(0, n - W)``) and writes every split's normalized partial
-output and natural-log LSE into ``attn_logits[r, h, s, :Lv]`` / ``[..., Lv]``, an empty split as
-``(0, -inf)``. Stage 2 is ``triton_impl.lse_merge.merge_splits``; because every slot is written it
+output and natural-log LSE into ``attn_logits[r, h, s, :Lv]`` / ``[..., Lv]`` (for a bf16 output the partial
+output in bf16, two values a slot of ``[:Lv / 2]``: ``lse_merge.bf16_partials``), an empty split as ``(0, -inf)``. Stage 2 is ``triton_impl.lse_merge.merge_splits``; because every slot is written it
 needs no split boundaries, so stage 1 is the only place the window shapes the partition. With
 ``S == 1`` stage 1 writes ``o``/``lse`` directly, and a row's result depends on nothing but that
 row (batch invariance, bit for bit).
@@ -41,7 +41,7 @@ from triton_impl.launch import (
     select_config,
     with_overrides,
 )
-from triton_impl.lse_merge import launch_merge_splits, merge_splits_launch
+from triton_impl.lse_merge import bf16_partials, launch_merge_splits, merge_splits_launch, partial_values
 from triton_impl.validation import (
     block_table_2d,
     cdiv,
@@ -351,6 +351,7 @@ def _decode_stage1_kernel(
     IS_FP8: tl.constexpr,
     HAS_CAP: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    BF16_PARTIALS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -383,7 +384,7 @@ def _decode_stage1_kernel(
     ``BLOCK_D``/``BLOCK_DV`` are the first piece's and V's tile widths and ``BLOCK_DPE`` the rope
     tile's, ``LK - D_FIRST`` padded to a power of two of at least 16 (0 without a rope part); the
     masks cut every tile at the true widths. ``SINGLE_SPLIT``: one split, results straight to
-    ``o``/``lse``.
+    ``o``/``lse``; else ``BF16_PARTIALS``: the partial outputs stored in bf16 (``lse_merge.partial_values``).
 
     ``SPLIT_LATENT`` (MLA): the latent tile, which is also V, is handled as two halves of
     ``BLOCK_D // 2`` columns, each with its own ``[BLOCK_H, BLOCK_D // 2]`` accumulator, as in the
@@ -533,9 +534,10 @@ def _decode_stage1_kernel(
         tl.store(lse_out, cast_for_store(lse, lse_ptr.dtype.element_ty), mask=head_ok)
     else:
         p_rows = part_ptr + row * stride_p_r + head_offs * stride_p_h + split * stride_p_s
-        tl.store(p_rows[:, None] + offs_dv[None, :], out0, mask=out0_mask)
+        values = partial_values(p_rows, BF16_PARTIALS)
+        tl.store(values[:, None] + offs_dv[None, :], cast_for_store(out0, values.dtype.element_ty), mask=out0_mask)
         if SPLIT_LATENT:
-            tl.store(p_rows[:, None] + offs_d1[None, :], out1, mask=out1_mask)
+            tl.store(values[:, None] + offs_d1[None, :], cast_for_store(out1, values.dtype.element_ty), mask=out1_mask)
         tl.store(p_rows + LV, lse, mask=head_ok)
 
 
@@ -602,7 +604,8 @@ def decode_attention_fwd(
             ``o = lse = NaN`` and is never dereferenced. Entries past ``n`` are never read.
         b_seq_len: ``[>= R]`` int32/int64 extents (``<= 0``: empty row).
         attn_logits: ``[>= R, H, S, Lv+1]`` fp32 split scratch (a worst-case workspace works), or
-            None when ``S == 1``.
+            None when ``S == 1``. Each split's record holds its partial output (for a bf16 ``o`` in bf16,
+            two values a fp32 slot: ``lse_merge.bf16_partials``) and its LSE in slot ``Lv``.
         num_kv_splits: ``S >= 1``; splits cover the visible window, so ``S`` past the window length
             only adds empty splits. On a GPU whose config caps splits (``stage1_splits``: the H200's
             does), stage 1 runs ``min(S, cap)`` splits when ``S`` programs per row would overfill
@@ -748,6 +751,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     if num_kv_splits == 1 and not single:
         single = True  # capped to one split: stage 1 writes o and lse, attn_logits is not touched
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]  # with one split, o stands in for part
+    bf16_values = bf16_partials(o.dtype) and not single
     if gluon is not None:
         stage1 = Launch(gluon, (num_rows, head_blocks, num_kv_splits), (
             float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,
@@ -755,14 +759,16 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
             *q.stride()[:2], *o.stride()[:2], *lse.stride(), *part_strides,
             *req_to_token.stride(), b_seq_len.stride(0),
         ), dict(GROUP=group, PAGE_SIZE=page_size, HAS_CAP=logit_cap > 0, SINGLE_SPLIT=single,
-                num_warps=int(decode_attention_sm90.NUM_WARPS)))  # fmt: skip
-        merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse)
+                BF16_PARTIALS=bf16_values, num_warps=int(decode_attention_sm90.NUM_WARPS)))  # fmt: skip
+        merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse,
+                                                        bf16_values=bf16_values)  # fmt: skip
         return make_plan(stage1, merge, tma=tma, descriptors=DescriptorsByAddress(decode_attention_sm90.descriptors))
     stage1, tma = portable_stage1(q, k_buffer, v_buffer, o, lse, req_to_token, part_strides, b_seq_len.stride(0),
                                   num_kv_splits=num_kv_splits, sm_scale=sm_scale, logit_cap=logit_cap,
                                   window=sliding_window, page_size=page_size, num_pages=num_pages, is_mla=is_mla,
                                   single=single, config=config)  # fmt: skip
-    merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse)
+    merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse,
+                                                    bf16_values=bf16_values)  # fmt: skip
     return make_plan(stage1, merge, tma=tma, descriptors=DescriptorsByAddress(tma_descriptors))
 
 
@@ -827,6 +833,7 @@ def portable_stage1(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Ten
         IS_FP8=k_buffer.dtype != q.dtype,
         HAS_CAP=logit_cap > 0,
         SINGLE_SPLIT=single,
+        BF16_PARTIALS=bf16_partials(o.dtype) and not single,
         BLOCK_H=block_h,
         BLOCK_N=config["BLOCK_N"],
         BLOCK_D=block_d,

@@ -245,8 +245,8 @@ def _loader(lat_desc, pe_desc, k_s0, k_s1, k_spe, k_full, k_free, table_row, str
 
 @gluon.jit
 def _values(k_s1, codes1, p_s, vec_s, k_full, k_free, w_full, p_full, p_free, first_tile, num_tiles, start, tile_end,
-            out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN: gl.constexpr,
-            NUM_HEADS: gl.constexpr):  # fmt: skip
+            out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,
+            OUT_VEC: gl.constexpr):  # fmt: skip
     """The value warpgroup: ``O[:, 256:]``, rescaled by each tile's factor and finally by the row scale that the
     softmax warpgroup leaves in ``vec_s`` after the loop, stored at ``out_ptr`` (partials or the output). With an
     FP8 cache it first widens each tile's second latent half (``codes1`` -> :func:`_key_tile` of ``k_s1``)."""
@@ -269,21 +269,21 @@ def _values(k_s1, codes1, p_s, vec_s, k_full, k_free, w_full, p_full, p_free, fi
     mbarrier.wait(p_full, num_tiles & 1)  # the row scale, handed over once every MMA of the loop is done
     row_scale = vec_s.load(_ROWS)
     _store_half(acc * row_scale[:, None], k_s1, out_ptr + HALF, stride_out_r, stride_out_h, request, row_block, QLEN,
-                NUM_HEADS)  # fmt: skip
+                NUM_HEADS, OUT_VEC)  # fmt: skip
 
 
 @gluon.jit
 def _store_half(acc, stages, out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN: gl.constexpr,
-                NUM_HEADS: gl.constexpr):  # fmt: skip
+                NUM_HEADS: gl.constexpr, VEC: gl.constexpr):  # fmt: skip
     """Store an output half ``[64, 256]`` at ``out_ptr`` (its first column) by way of shared memory: ``stages``
     (the two key stages of one latent half, which no MMA reads any more) hold it while each warp reads whole row
-    pieces back. Stored from the accumulator's layout, a warp's store would touch 8 rows (16 cache lines for fp32
-    partials, whose rows are 4-byte aligned) per instruction; this way it touches one or two."""
+    pieces back, ``VEC`` elements a thread (:func:`_store_vec`). Stored from the accumulator's layout, a warp's
+    store would touch 8 rows (16 cache lines for fp32 partials, whose rows are 4-byte aligned) per instruction;
+    this way it touches one or two."""
     staged = _reinterpret(stages, gl.float32, [BLOCK_H, HALF], _OUT_SMEM)
     staged.store(acc)
     _barrier()
-    vec: gl.constexpr = 8 if out_ptr.dtype.element_ty.primitive_bitwidth == 16 else 1
-    layout: gl.constexpr = gl.BlockedLayout([1, vec], [1, 32], [4, 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [4, 1], [1, 0])
     r, h, _, ok = _rows(request, row_block, QLEN, NUM_HEADS, gl.SliceLayout(1, layout))
     ptrs = out_ptr + (r.to(gl.int64) * stride_out_r + h * stride_out_h)[:, None]
     cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
@@ -468,8 +468,8 @@ def _hand_over(p, row_values, p_s, vec_s, p_full, p_free, i):
 def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, codes0, codes_pe, p_s, vec_s, k_full,
             k_free, w_full, p_full, p_free, table_row, stride_t_p, num_pages, table_keys, first_tile, num_tiles, start,
             tile_end, limit, row_end, qk_scale, out_scale, logit_cap, out_ptr, stride_out_r, stride_out_h, request,
-            row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, PAGE_SIZE: gl.constexpr,
-            HAS_CAP: gl.constexpr):  # fmt: skip
+            row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, PAGE_SIZE: gl.constexpr, HAS_CAP: gl.constexpr,
+            OUT_VEC: gl.constexpr):  # fmt: skip
     """The softmax warpgroup (the default partition): the query into shared memory and the block-table check
     (their loads in flight together, and beside the loader's first tiles), then per tile the scores, the online
     softmax and ``O[:, :256]``; the value product of a tile runs under the wait for the next tile and its
@@ -529,7 +529,7 @@ def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe,
     lse = gl.where(poisoned, float("nan"), lse)
     _hand_over(None, row_scale, p_s, vec_s, p_full, p_free, num_tiles)
     _store_half(acc * row_scale[:, None], k_s0, out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN,
-                NUM_HEADS)  # fmt: skip
+                NUM_HEADS, OUT_VEC)  # fmt: skip
     return (lse,)  # the partition's results as a tuple
 
 
@@ -545,7 +545,7 @@ def _copy_q(q_s, q_rows, row_ok, COL0: gl.constexpr, WIDTH: gl.constexpr):
 def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_t_p, num_pages, table_keys,
             out_ptr, stride_out_r, stride_out_h, lse_ptr, stride_lse_r, stride_lse_h, seq_len, real_len, start, end,
             qk_scale, k_scale_ptr, logit_cap, request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,
-            PAGE_SIZE: gl.constexpr, HAS_CAP: gl.constexpr):  # fmt: skip
+            PAGE_SIZE: gl.constexpr, HAS_CAP: gl.constexpr, OUT_VEC: gl.constexpr):  # fmt: skip
     """One program: keys ``[start, end)`` of request ``request`` for its 64 rows, row ``r`` (token ``t``) up to
     its causal limit ``min(seq_len - QLEN + 1 + t, real_len)``; the output halves and LSE (natural log) stored
     at ``out_ptr`` / ``lse_ptr`` with the given row (query row) and head strides.
@@ -599,9 +599,9 @@ def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_
         (_scores, (q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, codes0, codes_pe, p_s, vec_s,
                    k_full, k_free, w_full, p_full, p_free, table_row, stride_t_p, num_pages, table_keys, first_tile,
                    num_tiles, start, tile_end, limit, row_end, qk_scale, out_scale, logit_cap, out_ptr, stride_out_r,
-                   stride_out_h, request, row_block, QLEN, NUM_HEADS, PAGE_SIZE, HAS_CAP)),
+                   stride_out_h, request, row_block, QLEN, NUM_HEADS, PAGE_SIZE, HAS_CAP, OUT_VEC)),
         (_values, (k_s1, codes1, p_s, vec_s, k_full, k_free, w_full, p_full, p_free, first_tile, num_tiles, start,
-                   tile_end, out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN, NUM_HEADS)),
+                   tile_end, out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN, NUM_HEADS, OUT_VEC)),
         (_loader, (lat_desc, pe_desc, codes0, codes1, codes_pe, k_full, k_free, table_row, stride_t_p, num_pages,
                    first_tile, num_tiles, PAGE_SIZE)),
     ], [4, 1], [VALUE_REGS, LOADER_REGS])  # fmt: skip
@@ -612,15 +612,29 @@ def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_
 
 @gluon.jit
 def _destinations(o_ptr, stride_o_r, stride_o_h, lse_ptr, stride_lse_r, stride_lse_h, part_ptr, stride_p_r, stride_p_h,
-                  stride_p_s, split, SINGLE_SPLIT: gl.constexpr):  # fmt: skip
+                  stride_p_s, split, SINGLE_SPLIT: gl.constexpr, BF16_PARTIALS: gl.constexpr):  # fmt: skip
     """Where a program's rows go, as (output, its query-row and head strides, LSE, its strides): ``o`` and ``lse``
-    with one split, else split ``split``'s slot of the fp32 partials ``[rows, heads, S, 512 + 1]`` (LSE last)."""
+    with one split, else split ``split``'s slot of the fp32 partials ``[rows, heads, S, 512 + 1]`` (LSE last), with
+    ``BF16_PARTIALS`` its outputs as bf16 (``lse_merge.partial_values``: the same records, strides in bf16)."""
     if SINGLE_SPLIT:
         where = (o_ptr, stride_o_r, stride_o_h, lse_ptr, stride_lse_r, stride_lse_h)
     else:
         slot = part_ptr + split * stride_p_s
-        where = (slot, stride_p_r, stride_p_h, slot + 2 * HALF, stride_p_r, stride_p_h)
+        if BF16_PARTIALS:
+            values = slot.to(gl.pointer_type(gl.bfloat16))
+            where = (values, 2 * stride_p_r, 2 * stride_p_h, slot + 2 * HALF, stride_p_r, stride_p_h)
+        else:
+            where = (slot, stride_p_r, stride_p_h, slot + 2 * HALF, stride_p_r, stride_p_h)
     return where
+
+
+@gluon.constexpr_function
+def _store_vec(single_split, bf16_partials, out_bits):
+    """Elements a thread stores at once (:func:`_store_half`): 16 bytes of a 16-bit output, whose rows are 16-byte
+    aligned; one fp32 or two bf16 of a partial record (4 bytes: records are ``4 * 513`` bytes apart)."""
+    if single_split:
+        return 8 if out_bits == 16 else 1
+    return 2 if bf16_partials else 1
 
 
 @gluon.jit
@@ -652,6 +666,7 @@ def mla_decode_stage1_kernel(
     PAGE_SIZE: gl.constexpr,
     HAS_CAP: gl.constexpr,
     SINGLE_SPLIT: gl.constexpr,
+    BF16_PARTIALS: gl.constexpr,
 ):  # fmt: skip
     """Decode, grid ``(R, cdiv(GROUP, 64), S)``: split ``S`` of row ``R``'s visible keys for 64 query heads; the
     same partials (or, with ``SINGLE_SPLIT``, outputs) as ``decode_attention._decode_stage1_kernel``. ``k_ptr``,
@@ -663,11 +678,11 @@ def mla_decode_stage1_kernel(
                                             HAS_CAP)  # fmt: skip
     out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h = _destinations(
         o_ptr, stride_o_r, stride_o_h, lse_ptr, stride_lse_r, stride_lse_h, part_ptr, stride_p_r, stride_p_h,
-        stride_p_s, split, SINGLE_SPLIT)  # fmt: skip
+        stride_p_s, split, SINGLE_SPLIT, BF16_PARTIALS)  # fmt: skip
     _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_ptr + row.to(gl.int64) * stride_t_r, stride_t_p,
             num_pages, table_keys, out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h,
             n, n, start, end, qk_scale, k_scale_ptr, logit_cap, row, gl.program_id(1), 1, GROUP, PAGE_SIZE,
-            HAS_CAP)  # fmt: skip
+            HAS_CAP, _store_vec(SINGLE_SPLIT, BF16_PARTIALS, o_ptr.dtype.element_ty.primitive_bitwidth))  # fmt: skip
 
 
 @gluon.jit
@@ -685,6 +700,7 @@ def mla_verify_stage1_kernel(
     MIN_SPLIT_LEN: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
     SINGLE_SPLIT: gl.constexpr,
+    BF16_PARTIALS: gl.constexpr,
 ):  # fmt: skip
     """Verify, grid ``(B * S * cdiv(QLEN * NUM_HEADS, 64),)`` as ``mla_verify._fwd_verify_kernel_stage1`` (its
     split rule and partials; the row blocks of one request and split adjacent in the program id, so they share
@@ -704,11 +720,11 @@ def mla_verify_stage1_kernel(
     end = gl.minimum(start + chunk, seq_len)
     out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h = _destinations(
         o_ptr, stride_o_r, stride_o_h, lse_ptr, stride_lse_r, stride_lse_h, part_ptr, stride_p_r, stride_p_h,
-        stride_p_s, split, SINGLE_SPLIT)  # fmt: skip
+        stride_p_s, split, SINGLE_SPLIT, BF16_PARTIALS)  # fmt: skip
     _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_ptr + b.to(gl.int64) * stride_t_b, stride_t_p,
             num_pages, table_keys, out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h,
             seq_len, real_len, start, end, sm_scale_log2, k_scale_ptr, 0.0, b, row_block, QLEN, NUM_HEADS, PAGE_SIZE,
-            False)  # fmt: skip
+            False, _store_vec(SINGLE_SPLIT, BF16_PARTIALS, o_ptr.dtype.element_ty.primitive_bitwidth))  # fmt: skip
 
 
 # -- Few rows: decode with at most 16 query heads (DeepSeek's 128 heads under tensor parallelism of 8) ---------------
@@ -730,7 +746,7 @@ _OT_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 16, [1, 0]))
 def _store_half_t(acc_t, stages, out_ptr, stride_out_h, group):
     """Store an output half given transposed, ``acc_t`` ``[256 dims, 16 rows]``, at ``out_ptr`` (head 0's first
     column) by way of shared memory (``stages``, as :func:`_store_half`): a warp stores 32 consecutive dims of
-    one head."""
+    one head (two bf16 a thread would take 8 more bytes of stack under Triton 3.9)."""
     staged = _reinterpret(stages, gl.float32, [HALF, FEW_ROWS], _OT_SMEM)
     staged.store(acc_t)
     _barrier()
@@ -842,6 +858,7 @@ def mla_decode_few_rows_kernel(
     PAGE_SIZE: gl.constexpr,
     HAS_CAP: gl.constexpr,
     SINGLE_SPLIT: gl.constexpr,
+    BF16_PARTIALS: gl.constexpr,
 ):  # fmt: skip
     """Decode with ``GROUP <= 16`` heads, grid ``(R, 1, S)``: the arguments and partials of
     :func:`mla_decode_stage1_kernel`, with the keys as wgmma's M (:func:`_attend_few`)."""
@@ -851,7 +868,7 @@ def mla_decode_few_rows_kernel(
                                             HAS_CAP)  # fmt: skip
     out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h = _destinations(
         o_ptr, stride_o_r, stride_o_h, lse_ptr, stride_lse_r, stride_lse_h, part_ptr, stride_p_r, stride_p_h,
-        stride_p_s, split, SINGLE_SPLIT)  # fmt: skip
+        stride_p_s, split, SINGLE_SPLIT, BF16_PARTIALS)  # fmt: skip
     heads = gl.arange(0, FEW_ROWS, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
     q_rows = q_ptr + row.to(gl.int64) * stride_q_r + heads * stride_q_h
     _attend_few(q_rows, GROUP, lat_desc, pe_desc, table_ptr + row.to(gl.int64) * stride_t_r, stride_t_p, num_pages,
@@ -861,10 +878,12 @@ def mla_decode_few_rows_kernel(
 
 
 def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, page_size: int = 64,
-                     single_split: bool = False, few_rows: bool = False, fp8: bool = False) -> Any:  # fmt: skip
+                     single_split: bool = False, few_rows: bool = False, fp8: bool = False,
+                     bf16_partials: bool = True) -> Any:  # fmt: skip
     """The decode (or, ``verify``, the verify) stage 1 compiled for sm_90 on any machine (no GPU needed),
     specialized as a bench launch is (a bf16 query, a bf16 or, ``fp8``, an FP8 cache, 16-byte aligned pointers, the
-    block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``."""
+    block table's unit column stride a constant; partials in bf16 as for a bf16 output, unless ``bf16_partials`` is
+    false): the ``CompiledKernel``, with ``asm["cubin"]``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -885,6 +904,7 @@ def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, p
                           SPLIT_ALIGN=64, MIN_SPLIT_LEN=256, PAGE_SIZE=page_size, SINGLE_SPLIT=single_split)
     else:
         constexprs = dict(GROUP=heads, PAGE_SIZE=page_size, HAS_CAP=False, SINGLE_SPLIT=single_split)
+    constexprs["BF16_PARTIALS"] = bf16_partials and not single_split
     constexprs["stride_t_p"] = 1
     signature = {n: "constexpr" if n in constexprs else pointers.get(n) or descs.get(n) or
                  ("fp32" if n in floats else "i32") for n in names}  # fmt: skip

@@ -4,6 +4,11 @@ Twin of ``golden/lse_merge.py``. ``merge_splits`` is stage 2 of every split-KV
 kernel in this package (``mla_verify``, ``decode_attention``, ``turboquant``): their stage 1
 writes every split slot of every row, an empty split as ``(0, -inf)``, so the merge needs no split
 boundaries and cannot read stale scratch.
+
+Split partials (``[R, H, S, D + 1]`` fp32 records: the normalized output, then the natural-log LSE) hold the output
+in bf16 when the call's output is bf16 (:func:`bf16_partials`): two values a fp32 slot, in slots ``[0, D / 2)``, the
+LSE still fp32 in slot ``D``. That halves the bytes stage 1 writes and the merge reads; the rounding it adds (at most
+``2^-9`` of each value, the size of the output's own) is in the tolerance table.
 """
 
 from __future__ import annotations
@@ -250,6 +255,34 @@ def _plan_merge_two(output, prefix_output, prefix_lse, suffix_output, suffix_lse
 # ----------------------------------------------------------------------------------------------
 
 
+def bf16_partials(out_dtype: torch.dtype) -> bool:
+    """Whether split-KV stage 1 stores its partial outputs in bf16 for an output of ``out_dtype`` (bf16): packed two a
+    fp32 slot of each partial record, its LSE fp32 as before (:func:`partial_values`). fp16 and fp32 outputs keep fp32
+    partials, whose rounding (``2^-24``) is below theirs. FlashInfer stores its partials in the output dtype too."""
+    return out_dtype == torch.bfloat16
+
+
+def split_outputs(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The partial outputs of split records ``partials[..., :D + 1]`` as stage 1 of a call with output dtype
+    ``out_dtype`` stored them, as ``[..., D]``: fp32 slots, or (:func:`bf16_partials`) bf16 pairs widened to fp32."""
+    width = partials.shape[-1] - 1
+    if not bf16_partials(out_dtype):
+        return partials[..., :width]
+    return partials[..., : width // 2].view(torch.bfloat16).float()
+
+
+@triton.jit
+def partial_values(records, BF16_PARTIALS: tl.constexpr):
+    """Pointers to the partial output values of split records ``records`` (fp32 pointers to their first slot): the
+    records themselves, or, with ``BF16_PARTIALS``, the same addresses as bf16, so that value ``d`` of a record is
+    its ``d``-th bf16 (slots ``[0, D / 2)``), while its LSE stays the fp32 in slot ``D``."""
+    if BF16_PARTIALS:
+        values = records.to(tl.pointer_type(tl.bfloat16))
+    else:
+        values = records
+    return values
+
+
 @triton.jit
 def _clean_lse(lse):
     """An LSE as a weight's exponent: ``+inf`` (an empty set for some backends) and NaN (a poisoned
@@ -279,16 +312,18 @@ def _split_lses(base, start, num_splits, head_dim, stride_p_s, BLOCK_S: tl.const
 
 
 @triton.jit
-def _weighted_tile_sum(base, start, w, head_dim, stride_p_s, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                       EVEN_D: tl.constexpr):  # fmt: skip
-    """``sum_s w_s * partial_s`` over splits ``[start, start + BLOCK_S)``, one ``[BLOCK_S, BLOCK_D]``
-    load: every row's loads are issued before the first is used. A split of weight 0 is not read."""
+def _weighted_tile_sum(base, col0, start, w, head_dim, stride_p_s, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                       EVEN_D: tl.constexpr, BF16_PARTIALS: tl.constexpr):  # fmt: skip
+    """``sum_s w_s * partial_s`` in columns ``[col0, col0 + BLOCK_D)`` over splits ``[start, start + BLOCK_S)``, one
+    ``[BLOCK_S, BLOCK_D]`` load: every row's loads are issued before the first is used. A split of weight 0 is not
+    read."""
     s = start + tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, BLOCK_D)
+    dims = col0 + tl.arange(0, BLOCK_D)
     mask = w[:, None] > 0
     if not EVEN_D:
         mask &= dims[None, :] < head_dim
-    part = tl.load(base + s[:, None] * stride_p_s + dims[None, :], mask=mask, other=0.0)
+    values = partial_values(base + s * stride_p_s, BF16_PARTIALS)
+    part = tl.load(values[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
     return tl.sum(part * w[:, None], axis=0)
 
 
@@ -304,6 +339,7 @@ def _merge_splits_kernel(
     LSE_COLS: tl.constexpr,
     EVEN_D: tl.constexpr,
     MULTI_TILE: tl.constexpr,
+    BF16_PARTIALS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(rows, H, cdiv(D, BLOCK_D))``: a program merges the ``S`` split states of one (row, head) in
     ``BLOCK_D`` of its columns (each column block reads the LSEs; the first stores the merged LSE).
@@ -316,6 +352,7 @@ def _merge_splits_kernel(
 
     The first ``BLOCK_S`` LSEs are loaded once and kept for pass 2; with ``S <= BLOCK_S``
     (``MULTI_TILE`` false) there is no loop. ``EVEN_D``: ``D`` a multiple of ``BLOCK_D``, no column mask.
+    ``BF16_PARTIALS``: the outputs are bf16, two a slot (:func:`partial_values`).
     """
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -337,13 +374,14 @@ def _merge_splits_kernel(
 
     w = tl.exp(_clean_lse(lse_first) - m_safe)
     total = w
-    acc = _weighted_tile_sum(base + col0, 0, w, head_dim - col0, stride_p_s, BLOCK_S, BLOCK_D, EVEN_D)
+    acc = _weighted_tile_sum(base, col0, 0, w, head_dim, stride_p_s, BLOCK_S, BLOCK_D, EVEN_D, BF16_PARTIALS)
     if MULTI_TILE:
         for start in range(BLOCK_S, num_splits, BLOCK_S):
             lse_s = _split_lses(base, start, num_splits, head_dim, stride_p_s, BLOCK_S, LSE_COLS)
             w = tl.exp(_clean_lse(lse_s) - m_safe)
             total += w
-            acc += _weighted_tile_sum(base + col0, start, w, head_dim - col0, stride_p_s, BLOCK_S, BLOCK_D, EVEN_D)
+            acc += _weighted_tile_sum(base, col0, start, w, head_dim, stride_p_s, BLOCK_S, BLOCK_D, EVEN_D,
+                                      BF16_PARTIALS)  # fmt: skip
     w_sum = tl.sum(total, axis=0)
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, w_sum))
     inv = tl.where(poison, float("nan"), inv)
@@ -360,7 +398,7 @@ def _merge_splits_kernel(
         tl.store(lse_out, cast_for_store(merged_lse, lse_ptr.dtype.element_ty))
 
 
-def merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+def merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, *, bf16_values: bool = False) -> None:
     """Merge the ``S`` split states of every (row, head): stage 2 of split-KV attention.
 
     ``partials[r, h, s, :D]`` is split ``s``'s normalized output and ``partials[r, h, s, D]`` its
@@ -371,24 +409,27 @@ def merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> 
         partials: ``[R, H, S, D+1]`` fp32 (any strides, unit last stride).
         o: ``[R, H, D]`` fp32/fp16/bf16, written.
         lse: ``[R, H]`` fp32 (or the model dtype, as serving passes it), written.
+        bf16_values: the outputs are bf16, two a fp32 slot of ``partials[r, h, s, :D / 2]`` (as this package's
+            stage 1 writes them for a bf16 output: :func:`bf16_partials`, :func:`split_outputs`).
 
     Traffic: reads ``R*H*S`` LSEs and at most ``R*H*S*D`` partials (empty splits are skipped);
     writes ``R*H*(D+1)``.
     """
     device_index, stream = current_target()
     try:
-        key = (device_index, tensor_facts(partials), tensor_facts(o), tensor_facts(lse))
+        key = (device_index, tensor_facts(partials), tensor_facts(o), tensor_facts(lse), bool(bf16_values))
         merge = _MERGE_SPLITS_PLANS.get(key)
     except (AttributeError, TypeError, ValueError):  # a non-tensor argument: the checks name it
         key, merge = None, None
     if merge is None:
-        merge = _plan_merge_splits(partials, o, lse)
+        merge = _plan_merge_splits(partials, o, lse, bool(bf16_values))
         if key is not None:
             _MERGE_SPLITS_PLANS.add(key, merge)
     merge(stream, partials, o, lse)
 
 
-def _plan_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> Callable[..., None]:
+def _plan_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                       bf16_values: bool) -> Callable[..., None]:  # fmt: skip
     """The argument checks of :func:`merge_splits` and its launch."""
     check_tensor("partials", partials, ndim=4, dtypes=(torch.float32,))
     rows, num_heads, num_splits, width = partials.shape
@@ -399,14 +440,16 @@ def _plan_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tenso
     )
     if num_splits < 1:
         raise ValueError(f"partials: expected at least one split, got shape {list(partials.shape)}")
-    return merge_splits_launch(rows, partials, o, lse)
+    if bf16_values and head_dim % 2:
+        raise ValueError(f"partials: bf16 values come in pairs, got an odd width {head_dim}")
+    return merge_splits_launch(rows, partials, o, lse, bf16_values=bf16_values)
 
 
 def _merge_splits_launch_args(
-    rows: int, partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
+    rows: int, partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, bf16_values: bool
 ) -> tuple[tuple[int, int], tuple[int, ...], dict[str, int]]:
-    """``(grid, runtime arguments after the three pointers, constexprs)`` of the split merge of the
-    first ``rows`` rows of ``[>= rows, H, S, D+1]`` partials."""
+    """``(grid, runtime arguments after the three pointers, constexprs)`` of the split merge of the first ``rows``
+    rows of ``[>= rows, H, S, D+1]`` partials (``bf16_values``: their outputs in bf16, :func:`bf16_partials`)."""
     _, num_heads, num_splits, width = partials.shape
     config = select_config(SPLIT_MERGE_CONFIGS, partials.device)
     block_d = next_pow2(width - 1)
@@ -421,19 +464,21 @@ def _merge_splits_launch_args(
         "LSE_COLS": max(2, threads // block_s),
         "EVEN_D": (width - 1) % block_d == 0,
         "MULTI_TILE": num_splits > block_s,
+        "BF16_PARTIALS": bf16_values,
         "num_warps": config["num_warps"],
     }
     return (rows, num_heads, cdiv(width - 1, block_d)), tail, constexprs
 
 
-def merge_splits_launch(rows: int, partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> Callable[..., None]:
+def merge_splits_launch(rows: int, partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, *,
+                        bf16_values: bool = False) -> Callable[..., None]:  # fmt: skip
     """The split merge of the first ``rows`` rows of checked ``partials`` into ``o``/``lse``, to be
     called with ``(stream, partials, o, lse)``: a :class:`~triton_impl.launch.Launch`, or
-    ``no_launch`` when there is no row or head. Stage 2 of the plans of ``decode_attention`` and
-    ``mla_verify``."""
+    ``no_launch`` when there is no row or head. Stage 2 of the plans of ``decode_attention``,
+    ``mla_verify`` (``bf16_values`` for a bf16 output: :func:`bf16_partials`) and ``turboquant``."""
     if rows == 0 or partials.shape[1] == 0:
         return no_launch
-    return Launch(_merge_splits_kernel, *_merge_splits_launch_args(rows, partials, o, lse))
+    return Launch(_merge_splits_kernel, *_merge_splits_launch_args(rows, partials, o, lse, bf16_values))
 
 
 def launch_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
@@ -442,5 +487,5 @@ def launch_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tens
     rows, num_heads = partials.shape[:2]
     if rows == 0 or num_heads == 0:
         return
-    grid, tail, constexprs = _merge_splits_launch_args(rows, partials, o, lse)
+    grid, tail, constexprs = _merge_splits_launch_args(rows, partials, o, lse, False)
     launch(_merge_splits_kernel, grid, partials, o, lse, *tail, **constexprs)

@@ -37,7 +37,7 @@ from triton_impl.decode_attention import (
 )
 from triton_impl.interpreter import INTERPRETING, cast_for_store, dot_dtype
 from triton_impl.launch import DescriptorsByAddress, Launch, Plans, current_target, device_arch, no_launch
-from triton_impl.lse_merge import merge_splits_launch
+from triton_impl.lse_merge import bf16_partials, merge_splits_launch, partial_values
 from triton_impl.validation import (
     block_table_2d,
     cdiv,
@@ -318,6 +318,7 @@ def _fwd_verify_kernel_stage1(
     LV: tl.constexpr,
     SPLIT_LATENT: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    BF16_PARTIALS: tl.constexpr,
     IS_FP8: tl.constexpr,
     TMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -334,7 +335,8 @@ def _fwd_verify_kernel_stage1(
     (``sm_scale * log2 e`` folded into one multiply; an FP8 cache's scalar ``k_scale`` folds into
     the same multiply and into the output). Every row writes its split slot, an empty one as
     ``(0, -inf)`` with a natural-log LSE, so stage 2 needs no boundaries; with one split
-    (``SINGLE_SPLIT``) the result goes to ``o``/``lse`` directly.
+    (``SINGLE_SPLIT``) the result goes to ``o``/``lse`` directly. ``BF16_PARTIALS``: the partial outputs are
+    stored in bf16 (``lse_merge.partial_values``).
 
     Names as in the decode kernel (``decode_attention._decode_stage1_kernel``): ``LK``/``LV`` are
     the key and value widths (the value is the latent, the key's first ``LV`` columns); ``BLOCK_D``
@@ -462,9 +464,13 @@ def _fwd_verify_kernel_stage1(
         tl.store(lse_ptr + r * stride_lse_r + h * stride_lse_h, lse, mask=row_ok)
     else:
         p_rows = part_ptr + r * stride_p_r + h * stride_p_h + split * stride_p_s
-        tl.store(p_rows[:, None] + offs_d0[None, :], acc0 * row_scale[:, None], mask=row_ok[:, None])
+        values = partial_values(p_rows, BF16_PARTIALS)
+        value_ty = values.dtype.element_ty
+        tl.store(values[:, None] + offs_d0[None, :], cast_for_store(acc0 * row_scale[:, None], value_ty),
+                 mask=row_ok[:, None])  # fmt: skip
         if SPLIT_LATENT:
-            tl.store(p_rows[:, None] + offs_d1[None, :], acc1 * row_scale[:, None], mask=row_ok[:, None])
+            tl.store(values[:, None] + offs_d1[None, :], cast_for_store(acc1 * row_scale[:, None], value_ty),
+                     mask=row_ok[:, None])  # fmt: skip
         tl.store(p_rows + LV, lse, mask=row_ok)
 
 
@@ -594,7 +600,8 @@ def decode_attention_fwd_verify(
         real_seq_lens: ``[>= B]`` int or None; row limit is ``max(min(L - qlen + 1 + t, L_real), 0)``.
         qlen: verify tokens per request.
         attn_logits: fp32 workspace ``[>= B * qlen, H, num_kv_splits, Lv + 1]``; unused, and may be
-            None, when ``num_kv_splits`` is 1.
+            None, when ``num_kv_splits`` is 1. Each split's record holds its partial output (for a bf16 ``o`` in
+            bf16, two values a fp32 slot: ``lse_merge.bf16_partials``) and its LSE in slot ``Lv``.
         num_kv_splits: static cap on KV splits per request (see :func:`verify_num_kv_splits`);
             shorter requests use fewer, longer splits.
         sm_scale: softmax scale.
@@ -710,7 +717,8 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
     # tl.dot needs every dim >= 16: a rope width below 16 (test shapes only) loads a 16-wide tile
     # whose extra columns are masked to zero (_check_verify_args requires Lv >= 16).
     block_dpe = max(16, next_pow2(rope_width)) if rope_width else 0
-    merge = None if single else merge_splits_launch(num_rows, attn_logits, o, lse)
+    bf16_values = bf16_partials(o.dtype) and not single
+    merge = None if single else merge_splits_launch(num_rows, attn_logits, o, lse, bf16_values=bf16_values)
     tma = None
     if split_latent and cfg.get("GLUON") and cfg["SPLIT_ALIGN"] % 64 == 0:
         tma = tma_layout(k_buffer, page_size, _page_stride(k_buffer, page_size), k_buffer.stride(-3), num_pages,
@@ -725,7 +733,8 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
             q.stride(0), q.stride(1), *part_strides, o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
         ), dict(QLEN=qlen, NUM_HEADS=num_heads, HAS_REAL=real_seq_lens is not None, NUM_KV_SPLITS=num_kv_splits,
                 SPLIT_ALIGN=cfg["SPLIT_ALIGN"], MIN_SPLIT_LEN=cfg["MIN_SPLIT_LEN"], PAGE_SIZE=page_size,
-                SINGLE_SPLIT=single, num_warps=int(decode_attention_sm90.NUM_WARPS)))  # fmt: skip
+                SINGLE_SPLIT=single, BF16_PARTIALS=bf16_values,
+                num_warps=int(decode_attention_sm90.NUM_WARPS)))  # fmt: skip
         return make_plan(stage1, merge, tma, DescriptorsByAddress(decode_attention_sm90.descriptors))
     if cfg.get("FP8_VIA_DECODE") and k_buffer.dtype == torch.float8_e4m3fn and num_heads % cfg["BLOCK_H"] == 0:
         stage1, tma = _via_decode(q, k_buffer, v_buffer, o, lse, block_table, seq_lens, real_seq_lens, qlen,
@@ -757,6 +766,7 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
         LV=value_width,
         SPLIT_LATENT=split_latent,
         SINGLE_SPLIT=single,
+        BF16_PARTIALS=bf16_values,
         IS_FP8=k_buffer.dtype in _FP8_CACHE_DTYPES,
         TMA=tma is not None,
         DOT_DTYPE=dot_dtype(q.dtype),
