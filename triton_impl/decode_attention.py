@@ -6,8 +6,9 @@ signature. Every query row has its own extent ``b_seq_len[r]`` and block-table r
 
 Two stages. Stage 1 (:func:`_decode_stage1_kernel`) cuts each row's visible keys ``[lo, n)`` into
 ``S`` splits (window-aware: ``lo = max(0, n - W)``) and writes every split's normalized partial
-output and natural-log LSE into ``attn_logits[r, h, s, :Lv]`` / ``[..., Lv]`` (for a bf16 output the partial
-output in bf16, two values a slot of ``[:Lv / 2]``: ``lse_merge.bf16_partials``), an empty split as ``(0, -inf)``. Stage 2 is ``triton_impl.lse_merge.merge_splits``; because every slot is written it
+output and natural-log LSE into ``attn_logits[r, h, s, :Lv]`` / ``[..., Lv]`` (for a bf16 output the
+partial output in bf16, two values a slot of ``[:Lv / 2]``: ``lse_merge.bf16_partials``), an empty
+split as ``(0, -inf)``. Stage 2 is ``triton_impl.lse_merge.merge_splits``; because every slot is written it
 needs no split boundaries, so stage 1 is the only place the window shapes the partition. With
 ``S == 1`` stage 1 writes ``o``/``lse`` directly, and a row's result depends on nothing but that
 row (batch invariance, bit for bit).
