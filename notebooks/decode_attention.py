@@ -635,7 +635,8 @@ assert small[1] / tflops_ceiling < small[2] / (tbps_ceiling * 1000)  # memory-bo
 # vLLM picks the split count from the longest row alone (`_compute_num_kv_splits`: 64 at 32K keys),
 # so at B=32 and H=128 stage 1 launches 32 rows x 2 head tiles x 64 splits = 4096 programs of 8 warps
 # on 132 SMs that hold one each: 31 rounds. Every split costs a query load (64 heads x 576 bf16),
-# a partial write (64 x 513 fp32) and its read in the merge, however few keys it has. The H200's
+# a partial write (64 x 513 fp32 slots; a bf16 output's values in bf16, half of them) and its read in the merge,
+# however few keys it has. The H200's
 # config therefore caps the splits stage 1 runs (`stage1_splits`: one round of resident programs for
 # MLA, two for GQA; the rows of a batch are assumed alike). The cell reads the two split sweeps
 # (`sweep_decode_h200.md`, CUDA-graph replay of both stages): the first, before whole-tile loads,

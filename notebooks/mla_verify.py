@@ -568,8 +568,8 @@ assert growth > 33 / 32 and rounds[33][2] / (33 * 8 * tiles / 132) < rounds[33][
 # than ours at B=33. Its Hopper MLA kernel (`include/flashinfer/attention/mla_hopper.cuh` in its repository) runs
 # the schedule of section 7 below: one warpgroup loads the tiles (`cp.async`) and accumulates one output half, the
 # other computes the scores, the softmax and the other half, `P` through shared memory; its work list balances the
-# SMs, and its split partials are stored in the output's dtype (ours fp32, as vLLM's). So the 7% is in how the
-# tiles' loads and products overlap, not in the schedule's shape. FlashMLA's schedule (two math warpgroups on
+# SMs, and its split partials are stored in the output's dtype (ours too since cc1dbc3; this call has one split). So
+# the 7% is in how the tiles' loads and products overlap, not in the schedule's shape. FlashMLA's schedule (two math warpgroups on
 # alternate tiles, each tile reloaded in parts as each part's last reader finishes) was built here in three versions
 # (`benchmarks/variants/mla_seesaw.patch`, `mla_seesaw_no_loader.patch`): all pass the GPU tests and all are slower,
 # 11-41% at 128 heads, each warpgroup's loop needing more registers than a thread has
@@ -661,6 +661,14 @@ assert all(a < b for b, a in stored.values()) and after < before / 4
 # bandwidth; before, each SM wrote 7 GB/s. The query's three loads used to sit between the block-table check and
 # the first scores: now `cp.async` copies it while the table is checked, so the first tile's wait is the first
 # tile's bytes (every SM asks for two tiles at once: 18.9 MB, 4.4 us of bandwidth).
+#
+# Since cc1dbc3 the partials of a bf16 output are themselves bf16, two to a fp32 slot of the record (the LSE stays
+# fp32 in slot 512: `lse_merge.bf16_partials`), as FlashInfer stores its partials in the output's dtype: a program
+# writes 64 x 257 slots instead of 64 x 513, and the merge reads half. The rounding it adds is one more bf16 rounding
+# of each partial value (at most `2^-9` relative), inside the output's tolerance. In one A/B call on the H200
+# (`benchmarks/kernel_times.py`, the `variants` stage of `.ci/gpu_job`) stage 1 of this B=1 call went 26.3 -> 23.7 us,
+# of verify B=8 H=16 qlen 4 L=4K 20.3 -> 16.2, of decode B=8 H=128 L=8K 42.3 -> 39.8; the merge only 0.3-0.6 us
+# faster (at these sizes it waits on latency, not bytes). `notebooks/results/perf_log.md` has the whole table.
 
 # %% [markdown]
 # **An FP8 cache in the same schedule.** An e4m3 cache has half the bytes, but wgmma multiplies FP8 only by FP8,

@@ -631,7 +631,7 @@ def decode_attention_fwd(
     Traffic: reads ``R*H*Lk`` query elements and per row its ``n - lo`` visible keys once per KV
     head (``Lk`` cache elements each for MLA, ``Lk + Lv`` for GQA; MLA with ``H > BLOCK_H`` re-reads
     them per head block, from L2); with ``S > 1`` writes and re-reads ``R*H*S*(Lv+1)`` fp32
-    partials; writes ``R*H*Lv`` + ``R*H`` outputs.
+    partials (a bf16 output: ``R*H*S*(Lv/2+1)``, its values in bf16); writes ``R*H*Lv`` + ``R*H`` outputs.
     """
     device_index, stream = current_target()
     try:

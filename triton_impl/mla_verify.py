@@ -617,7 +617,8 @@ def decode_attention_fwd_verify(
 
     Traffic: reads ``B*qlen*H*Lk`` query elements and, per request, each key below
     ``max_t n(b, t)`` once per row block (``cdiv(qlen*H, BLOCK_H)`` times, the repeats mostly from
-    L2); writes ``B*qlen*H*(Lv + 1)`` (plus ``S`` times that in fp32 partials when ``S > 1``).
+    L2); writes ``B*qlen*H*(Lv + 1)`` (plus ``S`` times that in partials when ``S > 1``: fp32, and for a bf16
+    output the values in bf16, ``4 * (Lv / 2 + 1)`` bytes a record).
     """
     device_index, stream = current_target()
     try:
