@@ -34,6 +34,7 @@ import triton_impl  # selects the Triton interpreter on a CPU-only machine; loca
 from golden.mla_verify import mla_verify, mla_verify_split_partials, row_limits, split_bounds
 from triton_impl.decode_attention import DECODE_CONFIGS
 from triton_impl.interpreter import INTERPRETING
+from triton_impl.lse_merge import split_outputs
 from triton_impl.mla_verify import (
     VERIFY_CONFIGS,
     VERIFY_DEFAULT_CONFIG,
@@ -131,7 +132,9 @@ assert tile_ends == sorted(tile_ends) and tile_ends[0] < tile_ends[-1] == L
 # and 8 heads per request (32 rows, one row tile), two requests of 70 keys and 2 keys (fewer than
 # `qlen`), two splits. The launch config is the CPU one (`VERIFY_CONFIGS["interpreter"]`, large),
 # whose small tiles keep the printout short, passed explicitly so that a GPU run walks the same
-# tiles. First the real kernel, with its split scratch filled with NaN: afterwards no NaN is left.
+# tiles. First the real kernel, with its split scratch filled with NaN: afterwards no output or LSE of a split is NaN
+# (for this bf16 output a split's outputs are bf16, two to a fp32 slot of the record's first `Lv / 2`, its LSE fp32 in
+# slot `Lv`; `split_outputs` reads them back).
 # Every split slot of every row is written, an empty one as `(0, -inf)`, so the stage-2 merge
 # (`merge_splits`, papers.md#lse-merge) needs no boundaries and never reads stale scratch.
 
@@ -157,10 +160,10 @@ decode_attention_fwd_verify(q.to(device), k_dev, k_dev[..., :LV], o, lse, req_to
                             None, QLEN, attn_logits, NUM_KV_SPLITS, sm_scale, PAGE_SIZE, config=cfg)  # fmt: skip
 print("config:", cfg)
 print("block table (page ids):", req_to_token.tolist())
-print(
-    "attn_logits:", tuple(attn_logits.shape), "= [B * qlen, H, S, Lv + 1]; NaN left:", bool(attn_logits.isnan().any())
-)
-assert not attn_logits.isnan().any()
+split_o, split_lse = split_outputs(attn_logits, o.dtype), attn_logits[..., LV]
+print("attn_logits:", tuple(attn_logits.shape), "= [B * qlen, H, S, Lv + 1]; NaN left:",
+      bool(split_o.isnan().any() or split_lse.isnan().any()))  # fmt: skip
+assert not split_o.isnan().any() and not split_lse.isnan().any()
 assert not o.isnan().any() and bool((o[QLEN : QLEN + 2] == 0).all()) and bool(lse[QLEN : QLEN + 2].isneginf().all())
 
 # %% [markdown]
@@ -279,18 +282,19 @@ for pid in (1, 2):  # request 0, split 1; request 1 (two keys, fewer than qlen),
 #
 # The walk against the kernel's `attn_logits` and against the float64 golden stage 1
 # (`mla_verify_split_partials`), for every program. Under the interpreter the walk does the
-# kernel's fp32 operations in another summation order, so it matches to fp32 rounding; compiled,
+# kernel's fp32 operations in another summation order, so it matches to fp32 rounding, and the outputs to the one
+# bf16 rounding of their store (at most `2^-9` relative); compiled,
 # `exp2` and the bf16 rounding of `p` may differ in the last bit, so there it is held to the
 # package's tolerance. Empty slots are `(0, -inf)` in all three, bit for bit.
 
 # %%
 golden = mla_verify_split_partials(q, k_buffer, req_to_token, seq_lens, None, QLEN, LV, sm_scale, PAGE_SIZE,
                                    NUM_KV_SPLITS, SPLIT_ALIGN, MIN_SPLIT_LEN, dtype=torch.float64)  # fmt: skip
-kernel_part = attn_logits.cpu()
+kernel_out, kernel_lse = split_o.cpu(), split_lse.cpu()
 worst, worst_golden, empty_slots = 0.0, 0.0, 0
 for pid in range(len(seq_lens) * NUM_KV_SPLITS * ROW_BLOCKS):
     r, h, split, out, lse = stage1_program(pid)
-    k_out, k_lse = kernel_part[r, h, split, :LV], kernel_part[r, h, split, LV]
+    k_out, k_lse = kernel_out[r, h, split], kernel_lse[r, h, split]
     g_out, g_lse = golden[r, h, split, :LV], golden[r, h, split, LV]
     empty = torch.isneginf(lse)
     empty_slots += int(empty.sum())
@@ -298,7 +302,7 @@ for pid in range(len(seq_lens) * NUM_KV_SPLITS * ROW_BLOCKS):
     assert not out[empty].any() and not k_out[empty].any() and not g_out[empty].any()
     worst = max(worst, float((out - k_out).abs().max()), float(torch.where(empty, 0.0, lse - k_lse).abs().max()))
     if INTERPRETING:
-        assert torch.allclose(out, k_out, rtol=1e-5, atol=1e-6) and torch.allclose(lse, k_lse, rtol=1e-6, atol=1e-6)
+        assert torch.allclose(out, k_out, rtol=2**-8, atol=1e-6) and torch.allclose(lse, k_lse, rtol=1e-6, atol=1e-6)
     assert compare(k_out, out.double(), tolerance("mla_verify", "split_o", q.dtype)).ok
     assert compare(out, g_out, tolerance("mla_verify", "split_o", q.dtype)).ok
     assert compare(lse, g_lse, tolerance("mla_verify", "lse", "float32")).ok
@@ -528,13 +532,14 @@ for result in bench["results"]:
             print(f"{result['case']:42s} FlashInfer not timed: {status[:90]}")
 geomean = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
 print(f"geomean {geomean:.2f}x over {len(ratios)} cases")
-assert ratios and min(ratios.values()) > 0.85 and max(ratios.values()) < 1.1 and geomean > 0.95
+assert ratios and min(ratios.values()) > 0.9 and max(ratios.values()) < 1.2 and geomean > 1.0
 
 # %% [markdown]
-# FlashInfer's fa3 kernel and ours take the same time within 3.5% in eight of the ten cases it ran (the ratios
-# above, bench at e8603a5: 0.97-1.02x); ours is 1.05x faster at B=32 H=16 qlen=8 L=32K, and FlashInfer is 1.14x
-# faster at the smallest call, B=8 H=16 qlen=4 L=4K (four tiles a program: what a program does once weighs as much as
-# its loop). At c7e2fb0 the ratios were 0.87-1.02x, 0.86-0.97x before the next section's softmax warpgroup released
+# The ratios above (bench at cc1dbc3): 0.96-1.13x, geomean 1.03x. FlashInfer is faster in two cases, both one split
+# at 128 heads (B=16 qlen=8 L=4K 0.97x, B=32 qlen=4 L=32K 0.96x: below); ours is 1.13x faster at the smallest call,
+# B=8 H=16 qlen=4 L=4K, where FlashInfer was 1.14x faster at e8603a5 (0.88x): there each program reads four tiles and
+# writes 64 rows of partials, and since cc1dbc3 those partials are bf16 (section 7: stage 1 20.3 -> 16.2 us). At
+# e8603a5 the ratios were 0.88-1.05x, at c7e2fb0 0.87-1.02x, 0.86-0.97x before the next section's softmax warpgroup released
 # each stage earlier, 1.14-2.4x slower before that kernel stored its outputs through shared memory, 1.5-2.1x slower
 # before that kernel. Its FP8-cache
 # LSE misses this package's tolerance, so that case is reported and not timed: the golden check runs on the peer as
