@@ -103,17 +103,21 @@ def test_merge_attn_states_edge_cases_exact(device) -> None:
          bf16_values=False, seed=1)  # fmt: skip
 @example(rows=2, heads=2, splits=33, head_dim=64, o_dtype="bfloat16", lse_dtype="float32", p_empty=0.5,
          bf16_values=True, seed=2)  # fmt: skip
+@example(rows=3, heads=2, splits=5, head_dim=1, o_dtype="bfloat16", lse_dtype="float32", p_empty=0.0,
+         bf16_values=True, seed=3)  # fmt: skip
+@example(rows=1, heads=3, splits=7, head_dim=200, o_dtype="float32", lse_dtype="bfloat16", p_empty=0.5,
+         bf16_values=True, seed=4)  # fmt: skip
 def test_merge_splits_matches_golden(device, rows, heads, splits, head_dim, o_dtype, lse_dtype, p_empty, bf16_values,
                                      seed) -> None:  # fmt: skip
-    """fp32 partials, or (``bf16_values``, even widths) their outputs as bf16 pairs, as stage 1 writes them for a
-    bf16 output; the golden model merges the values the kernel reads."""
-    bf16_values = bf16_values and head_dim % 2 == 0
+    """fp32 partials, or (``bf16_values``) their outputs as bf16, two a slot, as stage 1 writes them for a bf16
+    output (an odd width leaves half a slot); the golden model merges the values the kernel reads."""
     gen = generator(seed)
     partials = torch.randn(rows, heads, splits, head_dim + 1, generator=gen)
     partials[..., head_dim] = _lse_pattern((rows, heads, splits), gen, p_empty, 0.0)
     _poison_empty(partials[..., :head_dim], partials[..., head_dim])
-    if bf16_values:  # slots [D / 2, D) stay as they were: the merge must not read them
-        partials[..., : head_dim // 2] = partials[..., :head_dim].to(torch.bfloat16).view(torch.float32)
+    if bf16_values:  # the slots past the values stay as they were: the merge must not read them
+        packed = torch.nn.functional.pad(partials[..., :head_dim], (0, head_dim % 2)).to(torch.bfloat16)
+        partials[..., : (head_dim + 1) // 2] = packed.view(torch.float32)
     values = split_outputs(partials, torch.bfloat16 if bf16_values else torch.float32)
     o = nan_filled((rows, heads, head_dim), DTYPES[o_dtype], device)
     lse = nan_filled((rows, heads), DTYPES[lse_dtype], device)
@@ -284,6 +288,4 @@ def test_merge_splits_bad_input(device) -> None:
         merge_splits(partials, torch.zeros(2, 3, 8, device=device), torch.zeros(3, 2, device=device))
     with pytest.raises(ValueError, match="partials: expected at least one split"):
         merge_splits(partials[:, :, :0], torch.zeros(2, 3, 8, device=device), torch.zeros(2, 3, device=device))
-    with pytest.raises(ValueError, match="partials: bf16 values come in pairs"):
-        merge_splits(partials[..., :8], torch.zeros(2, 3, 7, device=device), torch.zeros(2, 3, device=device),
-                     bf16_values=True)  # fmt: skip
+

@@ -7,8 +7,9 @@ boundaries and cannot read stale scratch.
 
 Split partials (``[R, H, S, D + 1]`` fp32 records: the normalized output, then the natural-log LSE) hold the output
 in bf16 when the call's output is bf16 (:func:`bf16_partials`): two values a fp32 slot, in slots ``[0, D / 2)``, the
-LSE still fp32 in slot ``D``. That halves the bytes stage 1 writes and the merge reads; the rounding it adds (at most
-``2^-9`` of each value, the size of the output's own) is in the tolerance table.
+LSE still fp32 in slot ``D`` (value ``d`` is the record's ``d``-th bf16). That halves the bytes stage 1 writes and
+the merge reads; the rounding it adds (at most ``2^-9`` of each value, the size of the output's own) is in the
+tolerance table.
 """
 
 from __future__ import annotations
@@ -268,7 +269,7 @@ def split_outputs(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
     width = partials.shape[-1] - 1
     if not bf16_partials(out_dtype):
         return partials[..., :width]
-    return partials[..., : width // 2].view(torch.bfloat16).float()
+    return partials[..., : (width + 1) // 2].view(torch.bfloat16)[..., :width].float()
 
 
 @triton.jit
@@ -409,8 +410,8 @@ def merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, *, 
         partials: ``[R, H, S, D+1]`` fp32 (any strides, unit last stride).
         o: ``[R, H, D]`` fp32/fp16/bf16, written.
         lse: ``[R, H]`` fp32 (or the model dtype, as serving passes it), written.
-        bf16_values: the outputs are bf16, two a fp32 slot of ``partials[r, h, s, :D / 2]`` (as this package's
-            stage 1 writes them for a bf16 output: :func:`bf16_partials`, :func:`split_outputs`).
+        bf16_values: the outputs are bf16, value ``d`` the ``d``-th bf16 of the record (two a fp32 slot), as this
+            package's stage 1 writes them for a bf16 output (:func:`bf16_partials`, :func:`split_outputs`).
 
     Traffic: reads ``R*H*S`` LSEs and at most ``R*H*S*D`` partials (empty splits are skipped);
     writes ``R*H*(D+1)``.
@@ -440,8 +441,6 @@ def _plan_merge_splits(partials: torch.Tensor, o: torch.Tensor, lse: torch.Tenso
     )
     if num_splits < 1:
         raise ValueError(f"partials: expected at least one split, got shape {list(partials.shape)}")
-    if bf16_values and head_dim % 2:
-        raise ValueError(f"partials: bf16 values come in pairs, got an odd width {head_dim}")
     return merge_splits_launch(rows, partials, o, lse, bf16_values=bf16_values)
 
 
