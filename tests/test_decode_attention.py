@@ -557,7 +557,7 @@ for verify, heads, qlen, fp8 in ((False, 128, 1, False), (False, 64, 1, False), 
                                                         single_split=single_split, few_rows=heads == 16 and not verify)
         sass = cuobjdump(kernel.asm["cubin"], "--dump-sass")
         print(json.dumps([verify, heads, single_split, *sass_resources(kernel.asm["cubin"]), kernel.metadata.shared,
-                          sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR")]))
+                          sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR"), kernel.asm["ptx"].count("st.global.b16")]))
 """
 
 
@@ -568,13 +568,14 @@ def test_sm90_mla_kernels_compile_for_hopper() -> None:
     H100/H200 block may take; an FP8 cache's two stages of codes and its one widened tile take the same bytes; the
     few-rows schedule's 16-row query leaves 164 KiB). No stack under the H200's Triton 3.6 (168 registers at
     launch; the partitions then take 256 / 208 / 40; the few-rows kernel, one warpgroup, 242); Triton 3.9 spills
-    32 bytes (the few-rows kernel 48). The MMAs stay asynchronous: no wait after each one."""
+    32 bytes (the few-rows kernel 48). The MMAs stay asynchronous: no wait after each one. Several splits of a bf16
+    output store the partials as bf16 pairs, one 4-byte store each."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
     assert len(rows) == 14
-    for verify, heads, _, registers, stack, shared, hgmma, waits in rows:
+    for verify, heads, single_split, registers, stack, shared, hgmma, waits, stores16 in rows:
         few = heads == 16 and not verify  # the few-rows schedule: a 16-row query, 48 bytes of stack under Triton 3.9
         spill = 0 if triton.__version__.startswith("3.6") else 48 if few else 32
         least = 160 * 1024 if few else 224 * 1024
@@ -582,6 +583,9 @@ def test_sm90_mla_kernels_compile_for_hopper() -> None:
         # 36 score and 8 value HGMMA (few rows: 36 and 32), issued as groups with a few waits; where ptxas cannot
         # prove a group's registers untouched it waits after every HGMMA and the tensor cores idle between them
         assert hgmma == (68 if few else 44) and waits <= 4, rows
+        # the 64-row kernel's bf16 partials go out as 4-byte words (two values; records are 2052 bytes apart), not
+        # one 2-byte value a store
+        assert few or single_split or stores16 == 0, rows
 
 
 # -- invariances -----------------------------------------------------------------------------
