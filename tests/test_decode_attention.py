@@ -556,8 +556,9 @@ for verify, heads, qlen, fp8 in ((False, 128, 1, False), (False, 64, 1, False), 
         kernel = decode_attention_sm90.compile_for_sm90(verify=verify, heads=heads, qlen=qlen, fp8=fp8,
                                                         single_split=single_split, few_rows=heads == 16 and not verify)
         sass = cuobjdump(kernel.asm["cubin"], "--dump-sass")
+        stores16 = kernel.asm["ptx"].count("st.global.b16")
         print(json.dumps([verify, heads, single_split, *sass_resources(kernel.asm["cubin"]), kernel.metadata.shared,
-                          sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR"), kernel.asm["ptx"].count("st.global.b16")]))
+                          sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR"), stores16]))
 """
 
 

@@ -658,6 +658,19 @@ def test_negative_control_row_limits_off_by_one(device) -> None:
         assert fails_tolerance(bad_lse, ref_lse, ("mla_verify", "lse", "float32"))
 
 
+def test_negative_control_split_outputs(device) -> None:
+    """Stage 1's split outputs (bf16, two a slot, for this bf16 output) pass the ``split_o`` tolerance against the
+    golden stage 1; launched with every row's limit one short they fail it."""
+    problem = make_problem([90, 50], 2, 2, 32, 16, 8, device, seed=14)
+    assert problem.q.dtype == torch.bfloat16
+    cfg = _config("small", short_splits=True)
+    ref = problem.golden_partials(4, cfg)[..., :-1]
+    _, _, logits = problem.run(4, cfg)
+    assert_close(split_outputs(logits, problem.q.dtype), ref, ("mla_verify", "split_o", "bfloat16"))
+    _, _, bad = problem.run(4, cfg, seq_lens=problem.seq_lens - 1)
+    assert fails_tolerance(split_outputs(bad, problem.q.dtype), ref, ("mla_verify", "split_o", "bfloat16"))
+
+
 def test_negative_control_dropped_split(device) -> None:
     """The kernel's stage-1 partials merged by the stage-2 merge kernel (``merge_splits``) give the
     golden result; with one live split's slot marked empty (a stage 1 that skipped it, or a stage 2
