@@ -752,7 +752,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     if num_kv_splits == 1 and not single:
         single = True  # capped to one split: stage 1 writes o and lse, attn_logits is not touched
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]  # with one split, o stands in for part
-    bf16_values = bf16_partials(o.dtype) and not single
+    bf16_values = bf16_partials(o.dtype)
     if gluon is not None:
         stage1 = Launch(gluon, (num_rows, head_blocks, num_kv_splits), (
             float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,
@@ -834,7 +834,7 @@ def portable_stage1(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Ten
         IS_FP8=k_buffer.dtype != q.dtype,
         HAS_CAP=logit_cap > 0,
         SINGLE_SPLIT=single,
-        BF16_PARTIALS=bf16_partials(o.dtype) and not single,
+        BF16_PARTIALS=bf16_partials(o.dtype),
         BLOCK_H=block_h,
         BLOCK_N=config["BLOCK_N"],
         BLOCK_D=block_d,

@@ -904,7 +904,7 @@ def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, p
                           SPLIT_ALIGN=64, MIN_SPLIT_LEN=256, PAGE_SIZE=page_size, SINGLE_SPLIT=single_split)
     else:
         constexprs = dict(GROUP=heads, PAGE_SIZE=page_size, HAS_CAP=False, SINGLE_SPLIT=single_split)
-    constexprs["BF16_PARTIALS"] = bf16_partials and not single_split
+    constexprs["BF16_PARTIALS"] = bf16_partials
     constexprs["stride_t_p"] = 1
     signature = {n: "constexpr" if n in constexprs else pointers.get(n) or descs.get(n) or
                  ("fp32" if n in floats else "i32") for n in names}  # fmt: skip

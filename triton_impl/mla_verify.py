@@ -718,7 +718,7 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
     # tl.dot needs every dim >= 16: a rope width below 16 (test shapes only) loads a 16-wide tile
     # whose extra columns are masked to zero (_check_verify_args requires Lv >= 16).
     block_dpe = max(16, next_pow2(rope_width)) if rope_width else 0
-    bf16_values = bf16_partials(o.dtype) and not single
+    bf16_values = bf16_partials(o.dtype)
     merge = None if single else merge_splits_launch(num_rows, attn_logits, o, lse, bf16_values=bf16_values)
     tma = None
     if split_latent and cfg.get("GLUON") and cfg["SPLIT_ALIGN"] % 64 == 0:
