@@ -116,8 +116,11 @@ def test_merge_splits_matches_golden(device, rows, heads, splits, head_dim, o_dt
     partials[..., head_dim] = _lse_pattern((rows, heads, splits), gen, p_empty, 0.0)
     _poison_empty(partials[..., :head_dim], partials[..., head_dim])
     if bf16_values:  # the slots past the values stay as they were: the merge must not read them
+        # As 2-D rows of bf16 pairs: with an even width the pad is the strided view itself, whose strides (kept
+        # by .to and, for size-1 dims, by .contiguous) need not be even in bf16 elements
         packed = torch.nn.functional.pad(partials[..., :head_dim], (0, head_dim % 2)).to(torch.bfloat16)
-        partials[..., : (head_dim + 1) // 2] = packed.view(torch.float32)
+        pairs = packed.reshape(-1, packed.shape[-1]).view(torch.float32)
+        partials[..., : (head_dim + 1) // 2] = pairs.reshape(*packed.shape[:-1], -1)
     values = split_outputs(partials, torch.bfloat16 if bf16_values else torch.float32)
     o = nan_filled((rows, heads, head_dim), DTYPES[o_dtype], device)
     lse = nan_filled((rows, heads), DTYPES[lse_dtype], device)
