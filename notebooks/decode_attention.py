@@ -768,11 +768,22 @@ assert 1.5 < executed / tile_flops < 1.6
 # repeats the scores, and even at the full rate it stops at 65% of the roofline; the softmax between the products is the
 # rest (Nsight Compute: issue slots 24% busy). The Gluon kernel computes each tile's scores once: a softmax warpgroup
 # computes the scores and the softmax and half of P V, a value warpgroup the other half with P through shared memory, a
-# loader warp feeds both by TMA (the verify notebook's section 7 counts its tile). On this row it takes 0.5344 ms, 1.01x
-# FlashInfer's speed (bench at cc1dbc3; at e8603a5 0.5339 ms and 1.00x, on a GPU that measured a 9% higher matmul rate
-# than the earlier runs; at c7e2fb0 0.6072 ms and 0.95x, and 0.6346 ms and 0.92x before the softmax warpgroup released
-# each key stage ahead of the next tile's scores, the verify notebook's section 7). What keeps it short: the tensor pipe
-# idles while the softmax runs, and the query leaves room for only two stages of keys (`perf_log.md`).
+# loader warp feeds both by TMA (the verify notebook's section 7 counts its tile). On this row it takes 0.5108 ms, 1.02x
+# FlashInfer's speed (bench at 6412cb9; at cc1dbc3 0.5344 ms and 1.01x; at e8603a5 0.5339 ms and 1.00x, on a GPU that
+# measured a 9% higher matmul rate than the earlier runs; at c7e2fb0 0.6072 ms and 0.95x, and 0.6346 ms and 0.92x before
+# the softmax warpgroup released each key stage ahead of the next tile's scores, the verify notebook's section 7). What
+# keeps it short: the tensor pipe idles while the softmax runs, and the query leaves room for only two stages of keys
+# (`perf_log.md`).
+#
+# The order of the programs matters as much as any of that once a call has more programs than SMs. At 128 heads a row
+# has two head blocks, which read the same keys. With the rows fastest in the grid (`(R, head blocks, S)`, as CUDA
+# numbers blocks x first), decode B=128 H=128 L=1K (256 programs on 132 SMs, 151 MB of keys) ran the first head block of
+# every row in the first round and the second in the second, by which time the L2 had long dropped those keys (151 MB
+# against a 50 MB L2): every key came from memory twice. With the head blocks of a row adjacent in the program id
+# (`decode_attention_sm90._decode_program`) the two read each tile at about the same time and the second read hits the
+# L2: stage 1 91.3 -> 76.9 us (`benchmarks/kernel_times.py`), the call 0.0933 -> 0.0815 ms in the bench (cc1dbc3 ->
+# 6412cb9), from 0.88x to 1.01x FlashInfer's speed. The portable kernel takes the same order (stage 1 146 -> 140 us
+# there); the verify kernels always had their row blocks adjacent.
 
 # %% [markdown]
 # ## 8. Sixteen heads on Hopper: the keys as wgmma's M
