@@ -683,10 +683,9 @@ def mla_decode_stage1_kernel(
     BF16_PARTIALS: gl.constexpr,
 ):  # fmt: skip
     """Decode, grid ``(cdiv(GROUP, 64) * R * S,)`` (:func:`_decode_program`): a split of a row's visible keys for 64
-    query heads; the
-    same partials (or, with ``SINGLE_SPLIT``, outputs) as ``decode_attention._decode_stage1_kernel``. ``k_ptr``,
-    ``v_ptr``, ``real_lens_ptr`` and ``v_scale_ptr`` are unused (the head of the portable kernel's arguments, so
-    one call site launches either; MLA's V takes ``k_scale``)."""
+    query heads; the same partials (or, with ``SINGLE_SPLIT``, outputs) as ``decode_attention._decode_stage1_kernel``.
+    ``k_ptr``, ``v_ptr``, ``real_lens_ptr`` and ``v_scale_ptr`` are unused (the head of the portable kernel's
+    arguments, so one call site launches either; MLA's V takes ``k_scale``)."""
     row, head_block, split = _decode_program(num_kv_splits, (GROUP + BLOCK_H - 1) // BLOCK_H)
     n, start, end, qk_scale = _decode_split(seq_lens_ptr, stride_sl, row, split, window, num_kv_splits, sm_scale,
                                             HAS_CAP)  # fmt: skip
