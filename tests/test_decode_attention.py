@@ -42,6 +42,7 @@ from triton_impl.decode_attention import (
     stage1_splits,
     tile_config,
 )
+from triton_impl.launch import Launch, cluster_capacity, cluster_launches, no_launch
 from triton_impl.lse_merge import bf16_partials, merge_splits, split_outputs
 from triton_impl.validation import CONTENT_CHECKS_ENV, cdiv
 
@@ -416,6 +417,8 @@ def padded_query(q: torch.Tensor, pad: int) -> torch.Tensor:
      (128, 64, "4d", None, 1, 0.0, torch.bfloat16, False), (40, 64, "4d", None, 2, 0.0, torch.bfloat16, False),
      (16, 64, "4d", None, 2, 0.0, torch.bfloat16, False), (16, 128, "3d", 150, 3, 30.0, torch.float16, False),
      (10, 64, "4d", None, 1, 0.0, torch.bfloat16, False), (1, 64, "4d", 150, 5, 0.0, torch.bfloat16, False),
+     (16, 64, "4d", None, 8, 0.0, torch.bfloat16, False), (12, 64, "4d", 150, 7, 30.0, torch.float16, False),
+     (16, 64, "4d", None, 9, 0.0, torch.bfloat16, False),
      (128, 64, "4d", None, 2, 0.0, torch.bfloat16, True), (64, 128, "3d", 150, 3, 30.0, torch.float16, True),
      (40, 64, "4d", None, 1, 0.0, torch.bfloat16, True)],
 )  # fmt: skip
@@ -439,11 +442,41 @@ def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout,
             d.sm_scale, page_size, cap, d.k_scale, d.v_scale, True, window, config)  # fmt: skip
     few = num_heads <= 16
     kernel = decode_attention_sm90.mla_decode_few_rows_kernel if few else decode_attention_sm90.mla_decode_stage1_kernel
-    assert _plan_decode(*args).stage1._kernel is kernel
+    plan = _plan_decode(*args)
+    assert plan.stage1._kernel is kernel
+    # the few-rows kernel merges 2 to 8 splits itself, in one cluster a row (7 clusters fit any Hopper GPU); one split
+    # needs no merge, 9 the merge kernel
+    assert (plan.merge is no_launch) == (few and 1 < splits <= 8), (plan.merge, splits)
     o, lse, _ = d.run(splits, config=config)
     ref_o, ref_lse = d.golden()
     assert_close(o, ref_o, ("decode_attention", "o", "bfloat16" if dtype == torch.bfloat16 else "float16"))
     assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
+
+
+def test_this_triton_can_launch_clusters_of_a_compiled_kernel() -> None:
+    """The clustered launch (``Launch(..., cluster=c)``) rests on Triton's NVIDIA launcher reading the packed
+    metadata as ``(num_warps, num_ctas, shared)`` and launching ``num_ctas``-program clusters along x: true of the
+    Triton versions this package pins (3.6 on the H200, 3.9 in CI). A Launch cannot cluster a grid it cannot cut."""
+    assert cluster_launches()
+    with pytest.raises(ValueError, match="cluster"):
+        Launch(decode_attention_sm90.mla_decode_few_rows_kernel, (12,), (), {}, cluster=8)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="thread-block clusters: compute capability 9.x")
+def test_few_rows_decode_clusters_its_splits_only_where_every_cluster_runs_at_once(device) -> None:
+    """``cluster_capacity`` (the driver's ``cuOccupancyMaxActiveClusters``) lies between 1 and ``SMs // c`` clusters
+    of ``c`` one-SM programs, and the few-rows decode merges in clusters exactly up to that many rows: a second wave
+    of clusters would wait for the first (decode B=32 H=16 L=32K: 435 against 276 us on the H200)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    capacities = {c: cluster_capacity(index, c) for c in range(2, 9)}
+    print(f"clusters at once on {torch.cuda.get_device_name(index)} ({sms} SMs): {capacities}")
+    for c, capacity in capacities.items():
+        assert 1 <= capacity <= sms // c, (c, capacity)
+        assert decode_attention_sm90.merges_in_cluster(device, capacity, c)
+        assert not decode_attention_sm90.merges_in_cluster(device, capacity + 1, c)
+    assert not decode_attention_sm90.merges_in_cluster(device, 1, 9)
 
 
 @pytest.mark.parametrize(
@@ -463,6 +496,8 @@ def test_the_sm90_decode_path_takes_exactly_the_calls_it_serves(device, monkeypa
     portable kernel otherwise (20 heads, pages of 16, FP8 at 16 heads, pages not back to back, a head stride of
     584). Nothing is launched: only the plan is built (on the CPU in CI)."""
     monkeypatch.setattr(decode_attention_sm90, "device_arch", lambda device: "sm90")
+    asked = []  # whether the GPU could run a cluster a row is the device's to say; here: yes
+    monkeypatch.setattr(decode_attention_sm90, "merges_in_cluster", lambda *args: asked.append(args[1:]) or True)
     d = make_decode(device, 3, [70, 0], is_mla=True, num_heads=heads, widths=(512, 64), page_size=page_size, fp8=fp8,
                     layout=layout)  # fmt: skip
     d.q = padded_query(d.q, q_pad) if q_pad else d.q
@@ -474,6 +509,8 @@ def test_the_sm90_decode_path_takes_exactly_the_calls_it_serves(device, monkeypa
                "few": decode_attention_sm90.mla_decode_few_rows_kernel}  # fmt: skip
     assert plan.stage1._kernel is kernels.get(served, _decode_stage1_kernel)
     assert (plan.descriptors.make is decode_attention_sm90.descriptors) == (served is not None)
+    assert (plan.merge is no_launch) == (served == "few")  # its two splits merged in one cluster a row
+    assert asked == ([(2, 2)] if served == "few" else [])  # (rows, splits)
 
 
 def test_inline_ptx_of_the_fp8_widening_is_exact_for_every_code() -> None:
@@ -558,7 +595,8 @@ for verify, heads, qlen, fp8 in ((False, 128, 1, False), (False, 64, 1, False), 
         sass = cuobjdump(kernel.asm["cubin"], "--dump-sass")
         stores16 = kernel.asm["ptx"].count("st.global.b16")
         print(json.dumps([verify, heads, single_split, *sass_resources(kernel.asm["cubin"]), kernel.metadata.shared,
-                          sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR"), stores16]))
+                          sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR"), stores16,
+                          kernel.asm["ptx"].count("barrier.cluster.wait")]))
 """
 
 
@@ -568,15 +606,17 @@ def test_sm90_mla_kernels_compile_for_hopper() -> None:
     64-row entries over an FP8 cache. Shared memory: the query, two 64-key stages and P (224 KiB of the 227 an
     H100/H200 block may take; an FP8 cache's two stages of codes and its one widened tile take the same bytes; the
     few-rows schedule's 16-row query leaves 164 KiB). No stack under the H200's Triton 3.6 (168 registers at
-    launch; the partitions then take 256 / 208 / 40; the few-rows kernel, one warpgroup, 242); Triton 3.9 spills
-    32 bytes (the few-rows kernel 48). The MMAs stay asynchronous: no wait after each one. Several splits of a bf16
+    launch; the partitions then take 256 / 208 / 40; the few-rows kernel, one warpgroup, 242, or 246 where it merges
+    several splits itself); Triton 3.9 spills 32 bytes (the few-rows kernel 40-48). The few-rows kernel with several
+    splits waits once for its cluster (``barrier.cluster``), then merges them. The MMAs stay asynchronous: no wait
+    after each one. Several splits of a bf16
     output store the partials as bf16 pairs, one 4-byte store each."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
     assert len(rows) == 14
-    for verify, heads, single_split, registers, stack, shared, hgmma, waits, stores16 in rows:
+    for verify, heads, single_split, registers, stack, shared, hgmma, waits, stores16, cluster_waits in rows:
         few = heads == 16 and not verify  # the few-rows schedule: a 16-row query, 48 bytes of stack under Triton 3.9
         spill = 0 if triton.__version__.startswith("3.6") else 48 if few else 32
         least = 160 * 1024 if few else 224 * 1024
@@ -587,6 +627,8 @@ def test_sm90_mla_kernels_compile_for_hopper() -> None:
         # the 64-row kernel's bf16 partials go out as 4-byte words (two values; records are 2052 bytes apart), not
         # one 2-byte value a store
         assert few or single_split or stores16 == 0, rows
+        # several splits of the few-rows kernel wait once for their cluster, then merge: nothing else waits so
+        assert cluster_waits == (few and not single_split), rows
 
 
 # -- invariances -----------------------------------------------------------------------------

@@ -659,6 +659,16 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
         lambda: [wo, wlse],
         lambda i: _new_lengths_and_pages(wcache.block_table, wcache.seq_lens, wcache.cache.shape[0], 64, i),
     )  # fmt: skip
+    # The same at 16 heads: the few-rows stage 1, its 4 splits a row one thread-block cluster that merges them.
+    fq = randn((4, 16, 576), torch.bfloat16, device, gen)
+    fo, flse = torch.empty(4, 16, 512, dtype=torch.bfloat16, device=device), torch.empty(4, 16, device=device)
+    flogits = torch.empty(4, 16, 4, 513, device=device)
+    calls["decode_mla_few_d576"] = ServingCall(
+        lambda: dec.decode_attention_fwd(fq, wcache.cache, wcache.cache[..., :512], fo, flse, wcache.block_table,
+                                         wcache.seq_lens, flogits, 4, 192**-0.5, 64, is_mla=True),
+        lambda: [fo, flse],
+        lambda i: _new_lengths_and_pages(wcache.block_table, wcache.seq_lens, wcache.cache.shape[0], 64, i),
+    )  # fmt: skip
 
     # Verify at DeepSeek's widths, 4 draft tokens x 16 heads (one 64-row tile a request): the Gluon stage 1 on an
     # H100/H200 as well.
@@ -778,8 +788,9 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
     return calls
 
 
-SERVING_OPS = ["decode_mla", "decode_mla_d576", "verify", "verify_d576", "verify_fp8_d576", "turboquant_decode",
-               "turboquant_decode_d128", "turboquant_decode_k8v4_d128", "turboquant_store", "turboquant_store_d128",
+SERVING_OPS = ["decode_mla", "decode_mla_d576", "decode_mla_few_d576", "verify", "verify_d576", "verify_fp8_d576",
+               "turboquant_decode", "turboquant_decode_d128", "turboquant_decode_k8v4_d128", "turboquant_store",
+               "turboquant_store_d128",
                "merge_attn_states", "merge_splits", "ue8m0_insert", "ue8m0_gather",
                "combine_topk_swa_indices"]  # fmt: skip
 

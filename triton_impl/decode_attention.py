@@ -114,7 +114,7 @@ DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "sm90": {
         "mla": {"BLOCK_N": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1, "GLUON": 1,
                 "maxnreg_h16": 128, "TMA": 1, "TMA_H16": 0, "SPLIT_ROUNDS": 1, "PROGRAMS_PER_SM": 1,
-                "PROGRAMS_PER_SM_H16": 2, "GLUON_FEW": 1},
+                "PROGRAMS_PER_SM_H16": 2, "GLUON_FEW": 1, "CLUSTER_MERGE": 1},
         "gqa": {"BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4},
     },
 }
@@ -672,6 +672,7 @@ class _DecodePlan(NamedTuple):
 
     stage1: Callable[..., None]  # (stream, q, k, v, o, lse, part, table, lens, lens, k_scale, v_scale, lat, pe)
     merge: Callable[..., None] | None  # (stream, attn_logits, o, lse); None: one split, stage 1 writes o, lse
+    # (no_launch: stage 1 merges its splits itself, decode_attention_sm90.merges_in_cluster)
     unit_scale: torch.Tensor  # k_scale / v_scale when None
     tma: tuple | None  # (shape, strides, latent block, rope block) of the cache's descriptors, or None
     descriptors: Callable[..., tuple]  # (k_buffer, tma) -> the (latent, rope) descriptors stage 1 takes
@@ -761,15 +762,23 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]  # with one split, o stands in for part
     bf16_values = bf16_partials(o.dtype)
     if gluon is not None:
+        constexprs = dict(GROUP=group, PAGE_SIZE=page_size, HAS_CAP=logit_cap > 0, SINGLE_SPLIT=single,
+                          BF16_PARTIALS=bf16_values, num_warps=int(decode_attention_sm90.NUM_WARPS))  # fmt: skip
+        cluster = 1
+        if gluon is decode_attention_sm90.mla_decode_few_rows_kernel:
+            # The splits of a row as one thread-block cluster that merges them (no merge kernel, nor its launch gap).
+            merged = config.get("CLUSTER_MERGE", 0) and not single and decode_attention_sm90.merges_in_cluster(
+                device, num_rows, num_kv_splits)  # fmt: skip
+            constexprs["CLUSTER_MERGE"] = bool(merged)
+            cluster = num_kv_splits if merged else 1
         stage1 = Launch(gluon, (head_blocks * num_rows * num_kv_splits,), (
             float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,
             num_pages, req_to_token.shape[1] * page_size,
             *q.stride()[:2], *o.stride()[:2], *lse.stride(), *part_strides,
             *req_to_token.stride(), b_seq_len.stride(0),
-        ), dict(GROUP=group, PAGE_SIZE=page_size, HAS_CAP=logit_cap > 0, SINGLE_SPLIT=single,
-                BF16_PARTIALS=bf16_values, num_warps=int(decode_attention_sm90.NUM_WARPS)))  # fmt: skip
-        merge = None if single else merge_splits_launch(num_rows, attn_logits[:, :, :num_kv_splits], o, lse,
-                                                        bf16_values=bf16_values)  # fmt: skip
+        ), constexprs, cluster=cluster)  # fmt: skip
+        merge = None if single else no_launch if cluster > 1 else merge_splits_launch(
+            num_rows, attn_logits[:, :, :num_kv_splits], o, lse, bf16_values=bf16_values)  # fmt: skip
         return make_plan(stage1, merge, tma=tma, descriptors=DescriptorsByAddress(decode_attention_sm90.descriptors))
     stage1, tma = portable_stage1(q, k_buffer, v_buffer, o, lse, req_to_token, part_strides, b_seq_len.stride(0),
                                   num_kv_splits=num_kv_splits, sm_scale=sm_scale, logit_cap=logit_cap,

@@ -87,7 +87,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from triton_impl.launch import device_arch
+from triton_impl.launch import cluster_capacity, device_arch
 
 LK = 576  # key width: latent + rope
 LV = 512  # latent width, which is also V
@@ -753,6 +753,12 @@ _COLS = gl.constexpr(gl.SliceLayout(0, _ST_LAYOUT))  # one value per query row (
 _PT_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))  # P^T [64, 16]
 # O^T [256, 16] fp32 on its way out, read back as [16, 256]: element (d, n) at column n ^ (d % 16) of row d.
 _OT_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 16, [1, 0]))
+# The split merge in the stage 1 (CLUSTER_MERGE): the S <= MAX_CLUSTER splits of a row run as one thread-block
+# cluster, and after a cluster barrier program ``split`` merges output columns [64 k, 64 k + 64) for k = split,
+# split + S, ... < 8, each thread all S splits of 8 columns of one head: [splits, heads, columns] tiles.
+MAX_CLUSTER = gl.constexpr(8)  # the largest portable cluster
+_MERGE_COLS = gl.constexpr(64)
+_MERGE_LAYOUT = gl.constexpr(gl.BlockedLayout([8, 1, 8], [1, 4, 8], [1, 4, 1], [2, 1, 0]))
 
 
 @gluon.jit
@@ -872,10 +878,17 @@ def mla_decode_few_rows_kernel(
     HAS_CAP: gl.constexpr,
     SINGLE_SPLIT: gl.constexpr,
     BF16_PARTIALS: gl.constexpr,
+    CLUSTER_MERGE: gl.constexpr,
 ):  # fmt: skip
     """Decode with ``GROUP <= 16`` heads, grid ``(R * S,)``: the arguments and partials of
-    :func:`mla_decode_stage1_kernel`, with the keys as wgmma's M (:func:`_attend_few`)."""
-    row, _, split = _decode_program(num_kv_splits, 1)
+    :func:`mla_decode_stage1_kernel`, with the keys as wgmma's M (:func:`_attend_few`). With ``CLUSTER_MERGE``
+    (launched in clusters of the ``S`` splits of a row, ``1 < S <= MAX_CLUSTER``) the programs of a row also merge
+    their partials into ``o`` and ``lse`` (:func:`_merge_in_cluster`): no merge kernel follows."""
+    if CLUSTER_MERGE:  # the splits of a row adjacent in the program id: one cluster
+        pid = gl.program_id(0)
+        row, split = pid // num_kv_splits, pid % num_kv_splits
+    else:
+        row, _, split = _decode_program(num_kv_splits, 1)
     n, start, end, qk_scale = _decode_split(seq_lens_ptr, stride_sl, row, split, window, num_kv_splits, sm_scale,
                                             HAS_CAP)  # fmt: skip
     out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h = _destinations(
@@ -887,15 +900,91 @@ def mla_decode_few_rows_kernel(
                 table_keys, out_ptr + row.to(gl.int64) * stride_out_r, stride_out_h,
                 lse_out_ptr + row.to(gl.int64) * stride_lo_r, stride_lo_h, n, start, end, qk_scale, logit_cap,
                 PAGE_SIZE, HAS_CAP)  # fmt: skip
+    if CLUSTER_MERGE:
+        _cluster_barrier()
+        _merge_in_cluster(part_ptr + row.to(gl.int64) * stride_p_r, stride_p_h, stride_p_s,
+                          o_ptr + row.to(gl.int64) * stride_o_r, stride_o_h, lse_ptr + row.to(gl.int64) * stride_lse_r,
+                          stride_lse_h, split, num_kv_splits, GROUP, BF16_PARTIALS)  # fmt: skip
+
+
+@gluon.jit
+def _cluster_barrier():
+    """Wait until every thread of this program's cluster has arrived here (PTX ``barrier.cluster``, sm_90): what
+    each stored before it arrived (release) is visible to every thread after the wait (acquire). Every thread of
+    the program runs it, as ``.aligned`` requires."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n\t"
+                              "mov.b32 $0, $1;", "=r,r", [gl.full([32 * NUM_WARPS], 0, gl.int32, layout)],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _merge_in_cluster(part_row, stride_p_h, stride_p_s, o_row, stride_o_h, lse_row, stride_lse_h, split, num_splits,
+                      group, BF16_PARTIALS: gl.constexpr):  # fmt: skip
+    """The split merge of one row (``lse_merge._merge_splits_kernel``'s arithmetic and its special cases: an empty
+    split, LSE ``-inf`` or ``+inf``, weighs 0 and its values are not used; a NaN LSE makes the head NaN) for
+    output columns ``[64 k, 64 k + 64)``, ``k = split, split + num_splits, ... < 8``, after every split of the row
+    has stored its record (``part_row``: the row's first record; its LSE in slot 512). Each column block is one
+    load of every split's values, issued with the LSEs' load: one round trip to L2. Program 0 stores the LSE."""
+    lse_layout: gl.constexpr = gl.SliceLayout(2, _MERGE_LAYOUT)
+    out_layout: gl.constexpr = gl.SliceLayout(0, _MERGE_LAYOUT)
+    s = gl.arange(0, MAX_CLUSTER, layout=gl.SliceLayout(1, lse_layout))
+    h = gl.arange(0, FEW_ROWS, layout=gl.SliceLayout(0, lse_layout))
+    live = (s < num_splits)[:, None] & (h < group)[None, :]
+    records = part_row + s[:, None] * stride_p_s + h[None, :] * stride_p_h
+    values = records
+    if BF16_PARTIALS:  # value d of a record is its d-th bf16 (lse_merge.partial_values)
+        values = records.to(gl.pointer_type(gl.bfloat16))
+    cols = gl.arange(0, _MERGE_COLS, layout=gl.SliceLayout(0, gl.SliceLayout(1, _MERGE_LAYOUT)))
+    lse_s = gl.load(records + 2 * HALF, mask=live, other=float("-inf"), cache_modifier=".cg")
+    part = gl.load(values[:, :, None] + (split * _MERGE_COLS + cols)[None, None, :], mask=live[:, :, None],
+                   other=0.0, cache_modifier=".cg")  # fmt: skip
+
+    poison = gl.max((lse_s != lse_s).to(gl.int32), axis=0) > 0
+    clean = gl.where((lse_s == float("inf")) | (lse_s != lse_s), float("-inf"), lse_s)
+    m = gl.max(clean, axis=0)
+    empty = m == float("-inf")
+    m_safe = gl.where(empty, 0.0, m)
+    w = gl.exp(clean - m_safe[None, :])
+    w_sum = gl.sum(w, axis=0)
+    inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, w_sum))
+    inv = gl.convert_layout(gl.where(poison, float("nan"), inv), gl.SliceLayout(1, out_layout))
+    heads = gl.arange(0, FEW_ROWS, layout=gl.SliceLayout(1, out_layout))
+    out_cols = gl.arange(0, _MERGE_COLS, layout=gl.SliceLayout(0, out_layout))
+    weight = w[:, :, None]
+    for block in range(split, 2 * HALF // _MERGE_COLS, num_splits):
+        if block != split:
+            part = gl.load(values[:, :, None] + (block * _MERGE_COLS + cols)[None, None, :], mask=live[:, :, None],
+                           other=0.0, cache_modifier=".cg")  # fmt: skip
+        acc = gl.sum(gl.where(weight > 0, part.to(gl.float32) * weight, 0.0), axis=0)
+        gl.store(o_row + (heads * stride_o_h)[:, None] + (block * _MERGE_COLS + out_cols)[None, :],
+                 (acc * inv[:, None]).to(o_row.dtype.element_ty), mask=(heads < group)[:, None])  # fmt: skip
+    if split == 0:
+        lse = gl.where(empty, float("-inf"), m_safe + gl.log(gl.where(empty, 1.0, w_sum)))
+        lse = gl.where(poison, float("nan"), lse)
+        gl.store(lse_row + h * stride_lse_h, lse.to(lse_row.dtype.element_ty), mask=h < group)
+
+
+def merges_in_cluster(device: torch.device, num_rows: int, num_kv_splits: int) -> bool:
+    """Whether :func:`mla_decode_few_rows_kernel` merges the ``num_kv_splits`` splits of each of ``num_rows`` rows
+    itself (``CLUSTER_MERGE``): more than one and at most ``MAX_CLUSTER`` splits, and a cluster a row all running at
+    once (:func:`triton_impl.launch.cluster_capacity`, one program an SM). Clusters of a second wave would wait for
+    the first: at decode B=32 H=16 L=32K (four splits, 128 programs) stage 1 took 435 us against 276 us unclustered
+    on the H200 (``benchmarks/kernel_times.py``, perf_log.md's thirty-second session)."""
+    if not 1 < num_kv_splits <= int(MAX_CLUSTER) or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return num_rows <= cluster_capacity(index, num_kv_splits)
 
 
 def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, page_size: int = 64,
                      single_split: bool = False, few_rows: bool = False, fp8: bool = False,
-                     bf16_partials: bool = True) -> Any:  # fmt: skip
+                     bf16_partials: bool = True, cluster_merge: bool | None = None) -> Any:  # fmt: skip
     """The decode (or, ``verify``, the verify) stage 1 compiled for sm_90 on any machine (no GPU needed),
     specialized as a bench launch is (a bf16 query, a bf16 or, ``fp8``, an FP8 cache, 16-byte aligned pointers, the
     block table's unit column stride a constant; partials in bf16 as for a bf16 output, unless ``bf16_partials`` is
-    false): the ``CompiledKernel``, with ``asm["cubin"]``."""
+    false; the few-rows kernel with several splits merging them itself unless ``cluster_merge`` is false): the
+    ``CompiledKernel``, with ``asm["cubin"]``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -916,6 +1005,8 @@ def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, p
                           SPLIT_ALIGN=64, MIN_SPLIT_LEN=256, PAGE_SIZE=page_size, SINGLE_SPLIT=single_split)
     else:
         constexprs = dict(GROUP=heads, PAGE_SIZE=page_size, HAS_CAP=False, SINGLE_SPLIT=single_split)
+        if few_rows:
+            constexprs["CLUSTER_MERGE"] = not single_split if cluster_merge is None else cluster_merge
     constexprs["BF16_PARTIALS"] = bf16_partials
     constexprs["stride_t_p"] = 1
     signature = {n: "constexpr" if n in constexprs else pointers.get(n) or descs.get(n) or

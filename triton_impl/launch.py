@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
+import triton
 from triton import knobs
 
 from triton_impl.interpreter import INTERPRETING
@@ -266,6 +267,49 @@ class _DescriptorLauncher:
         self._launch(gx, gy, gz, stream, function, *self._base, packed, None, None, None, *args, *params)
 
 
+@functools.cache
+def cluster_launches() -> bool:
+    """Whether this Triton's NVIDIA launcher can launch a compiled kernel in thread-block clusters: its packed
+    metadata is ``(num_warps, num_ctas, shared)``, and a launch with ``num_ctas`` > 1 runs ``grid x * num_ctas``
+    programs in clusters of ``num_ctas`` consecutive ones along x (Triton 3.6 to 3.9)."""
+    try:
+        from types import SimpleNamespace
+
+        from triton.backends.nvidia.compiler import CUDABackend
+    except ImportError:
+        return False
+    try:
+        packed = CUDABackend.pack_metadata(None, SimpleNamespace(num_warps=3, num_ctas=5, shared=7))
+    except Exception:  # another layout of the metadata
+        return False
+    return packed == (3, 5, 7)
+
+
+@triton.jit
+def _empty_kernel():
+    """Nothing: a compiled function to ask the driver about occupancy (:func:`cluster_capacity`)."""
+
+
+@functools.cache
+def cluster_capacity(index: int, cluster: int) -> int:
+    """How many thread-block clusters of ``cluster`` programs of 4 warps, each program holding an SM's shared memory
+    to itself, CUDA device ``index`` runs at once (``cuOccupancyMaxActiveClusters``): a cluster's programs share one
+    GPC, so this is below ``SMs // cluster`` wherever a GPC's SMs are not a multiple of ``cluster``. 0 where the
+    driver cannot tell."""
+    if not cluster_launches():
+        return 0
+    try:
+        from triton.runtime import driver
+
+        with torch.cuda.device(index):
+            compiled = _empty_kernel.warmup(grid=(1,), num_warps=4)
+            compiled._init_handles()
+            shared = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+            return int(driver.active.utils.cuOccupancyMaxActiveClusters(compiled.function, shared, cluster))
+    except Exception:  # no such query in this Triton or driver
+        return 0
+
+
 class Launch:
     """``kernel[grid](*head, *tail, **constexprs)`` with ``grid``, ``tail`` and ``constexprs`` fixed.
 
@@ -277,12 +321,23 @@ class Launch:
     those of the first call: the public wrappers keep one ``Launch`` per such key (their plans).
     Under the interpreter every call is ``kernel[grid](...)``. A kernel with tensor descriptors among ``head``
     launches through a :class:`_DescriptorLauncher` where Triton's launcher allows it (each descriptor encoded once).
+
+    ``cluster`` > 1 (sm_90 and later, where :func:`cluster_launches`; not under the interpreter) launches the
+    ``grid[0]`` programs in thread-block clusters of ``cluster`` consecutive program ids, which the GPU runs at
+    the same time on one GPC: a kernel compiled as usual may then wait for the rest of its cluster
+    (``barrier.cluster``). ``grid[0]`` must be a multiple of ``cluster``; the first call compiles without
+    launching and every call, the first included, launches through the compiled launcher.
     """
 
-    __slots__ = ("_compiled", "_constexprs", "_described", "_grid", "_kernel", "_launcher", "_params", "_tail")
+    __slots__ = ("_cluster", "_compiled", "_constexprs", "_described", "_grid", "_kernel", "_launcher", "_params",
+                 "_tail")  # fmt: skip
 
-    def __init__(self, kernel: Any, grid: tuple[int, ...], tail: tuple, constexprs: dict[str, Any]) -> None:
+    def __init__(self, kernel: Any, grid: tuple[int, ...], tail: tuple, constexprs: dict[str, Any],
+                 cluster: int = 1) -> None:  # fmt: skip
+        if cluster > 1 and (grid[0] % cluster or len(grid) > 1 or not cluster_launches()):
+            raise ValueError(f"cluster: {cluster} programs a cluster cannot launch grid {grid} here")
         self._kernel, self._grid, self._tail, self._constexprs = kernel, grid, tail, constexprs
+        self._cluster = cluster
         self._compiled: Any = None
         self._launcher: tuple = ()  # (run, grid x, y, z, function, packed metadata), once compiled
         self._described: _DescriptorLauncher | None = None
@@ -295,7 +350,7 @@ class Launch:
 
     def __call__(self, stream: int | None, *head: Any) -> None:
         if not self._launcher:
-            self._first(head)
+            self._first(stream, head)
             return
         run, gx, gy, gz, function, packed = self._launcher
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -311,19 +366,30 @@ class Launch:
         if on_launch is not None:
             on_launch(self._compiled)
 
-    def _first(self, head: tuple) -> None:
+    def _first(self, stream: int | None, head: tuple) -> None:
         kernel, constexprs = self._kernel, self._constexprs
-        compiled = kernel[self._grid](*head, *self._tail, **constexprs)
+        names = kernel.arg_names[len(head) + len(self._tail) :]
+        if self._cluster > 1:  # compiled here, launched below in clusters
+            if INTERPRETING or not all(name in constexprs for name in names):
+                raise ValueError("cluster: a clustered launch needs a GPU and every constexpr given")
+            compiled = kernel.warmup(*head, *self._tail, grid=self._grid, **constexprs)
+            compiled._init_handles()  # loads the module: the launcher and the function handle
+        else:
+            compiled = kernel[self._grid](*head, *self._tail, **constexprs)
         if INTERPRETING or compiled is None:
             return
-        names = kernel.arg_names[len(head) + len(self._tail) :]
         if all(name in constexprs for name in names):  # else a defaulted constexpr: stay on kernel[grid]
             self._params = (*self._tail, *(constexprs[name] for name in names))
             self._compiled = compiled
-            # Loaded by the launch above: the launcher, and the function handle it launches.
-            self._launcher = (compiled.run, *(*self._grid, 1, 1)[:3], compiled.function, compiled.packed_metadata)
+            # Loaded by the launch (or the load) above: the launcher, and the function handle it launches.
+            packed, gx = compiled.packed_metadata, self._grid[0]
+            if self._cluster > 1:  # gx clusters of `cluster` programs each (cluster_launches)
+                packed, gx = (packed[0], self._cluster, packed[2]), gx // self._cluster
+            self._launcher = (compiled.run, gx, *(*self._grid[1:], 1, 1)[:2], compiled.function, packed)
             self._described = _DescriptorLauncher.of(compiled.run, len(head))
-        if on_launch is not None:
+        if self._cluster > 1:
+            self(stream, *head)  # the first clustered launch (and its on_launch)
+        elif on_launch is not None:
             on_launch(compiled)
 
 
