@@ -827,5 +827,22 @@ assert bench_rows["MLA 576/512 B=32 H=16 L=32768 bf16"]["pct_roofline"] > 95
 # %% [markdown]
 # A tile costs the tensor cores about a seventh of the time its bytes take, so the kernel is a stream of keys: B=32
 # and B=128 run at 100-102% of the bench's copy ceiling (4281 GB/s in that run), 1.03-1.04x FlashInfer's speed. At
-# B=8 L=4K the call is 19 us for 38 MB (9 us of bandwidth): each program has a few tiles, and the first two loads
-# and the stores of the partials are not hidden; FlashInfer takes 18.6 us.
+# B=8 L=4K the call is 18-19 us for 38 MB (9 us of bandwidth): each program has a few tiles, and the first two loads
+# and the stores of the partials are not hidden.
+#
+# What is left of such a call is fixed costs, and the split merge was one of them: a second kernel (2.3-2.5 us at B=8
+# L=4K) behind a launch gap (1.2-1.7 us). There the few-rows stage 1 now merges the splits itself. Its programs are
+# numbered with the splits of a row adjacent and launched as thread-block clusters of one row's splits (2 to 8: the
+# portable cluster size), which the GPU schedules together on one GPC. Each program stores its partial record as
+# before, then waits at a cluster barrier (`barrier.cluster.arrive.release` / `wait.acquire`: every store of the
+# cluster's programs is visible after it); then program `s` merges output columns `[64k, 64k + 64)` for `k = s, s + S,
+# ...`, loading the row's LSEs and those columns of every split at once (one round trip to L2), with the merge
+# kernel's arithmetic and special cases (`decode_attention_sm90._merge_in_cluster`). No counter, no zeroed buffer,
+# nothing kept between calls: a CUDA graph replays it as it is. On the H200 at B=8 (`benchmarks/kernel_times.py`,
+# one call, HEAD against the tree): stage 1 16.3-16.4 us plus the merge 2.3-2.5 us became one kernel of 18.1-18.4 us,
+# the graph replay 20.9-21.2 -> 19.8-20.1 us, and the bench 0.0191 -> 0.0184 ms, 0.96x -> 1.00x FlashInfer's speed.
+# A cluster waits for the rest of itself, so every cluster must be resident at once: at B=32 (four splits, 128
+# programs of one SM each) clusters of four fit fewer than 32 at a time on the H200's GPCs, and the first version,
+# which clustered them anyway, took 435 us against 276 for stage 1. So the plan clusters a row's splits only where
+# `triton_impl.launch.cluster_capacity` (the driver's `cuOccupancyMaxActiveClusters`) runs every row's cluster at
+# once; B=32 keeps the merge kernel.

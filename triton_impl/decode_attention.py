@@ -104,6 +104,9 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # wgmma's M, a quarter of the tensor work of a 64-row tile; decode_attention_sm90.supports_few_rows), one program
 # per SM. On the H200 (bench_h200.md, 72fbe8a -> c7e2fb0, the portable kernel before): B=32 H=16 L=32K 0.3401 ->
 # 0.2898 ms (83.8 -> 98.3% of copy bandwidth), B=128 H=16 L=8K 0.3440 -> 0.2864, B=8 H=16 L=4K 0.0327 -> 0.0191.
+# CLUSTER_MERGE (0): the few-rows kernel merges 2-8 splits of a row itself, the row's programs one thread-block
+# cluster, where every row's cluster runs at once (decode_attention_sm90.merges_in_cluster): decode B=8 H=16 L=4K
+# 0.0191 -> 0.0184 ms (bench_h200.md, 6412cb9 -> 4d339f2; 0.96x -> 1.00x FlashInfer).
 # Every key ending in _h16 / _H16 replaces its base key where the head tile is 16 heads (tile_config).
 _CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})
 DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
