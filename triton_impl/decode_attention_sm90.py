@@ -952,17 +952,19 @@ def _merge_in_cluster(part_row, stride_p_h, stride_p_s, o_row, stride_o_h, lse_r
     w = gl.exp(clean - m_safe[None, :])
     w_sum = gl.sum(w, axis=0)
     inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, w_sum))
-    inv = gl.convert_layout(gl.where(poison, float("nan"), inv), gl.SliceLayout(1, out_layout))
+    # Normalized in the LSEs' layout, so that the sum over splits needs no other; a poisoned head's weights are NaN
+    # and taken, an empty split's are not.
+    take = ((w > 0) | poison[None, :])[:, :, None]
+    weight = gl.where(poison[None, :], float("nan"), w * inv[None, :])[:, :, None]
     heads = gl.arange(0, FEW_ROWS, layout=gl.SliceLayout(1, out_layout))
     out_cols = gl.arange(0, _MERGE_COLS, layout=gl.SliceLayout(0, out_layout))
-    weight = w[:, :, None]
     for block in range(split, 2 * HALF // _MERGE_COLS, num_splits):
         if block != split:
             part = gl.load(values[:, :, None] + (block * _MERGE_COLS + cols)[None, None, :], mask=live[:, :, None],
                            other=0.0, cache_modifier=".cg")  # fmt: skip
-        acc = gl.sum(gl.where(weight > 0, part.to(gl.float32) * weight, 0.0), axis=0)
+        acc = gl.sum(gl.where(take, part.to(gl.float32) * weight, 0.0), axis=0)
         gl.store(o_row + (heads * stride_o_h)[:, None] + (block * _MERGE_COLS + out_cols)[None, :],
-                 (acc * inv[:, None]).to(o_row.dtype.element_ty), mask=(heads < group)[:, None])  # fmt: skip
+                 acc.to(o_row.dtype.element_ty), mask=(heads < group)[:, None])  # fmt: skip
     if split == 0:
         lse = gl.where(empty, float("-inf"), m_safe + gl.log(gl.where(empty, 1.0, w_sum)))
         lse = gl.where(poison, float("nan"), lse)
