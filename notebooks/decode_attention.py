@@ -840,7 +840,9 @@ assert bench_rows["MLA 576/512 B=32 H=16 L=32768 bf16"]["pct_roofline"] > 95
 # kernel's arithmetic and special cases (`decode_attention_sm90._merge_in_cluster`). No counter, no zeroed buffer,
 # nothing kept between calls: a CUDA graph replays it as it is. On the H200 at B=8 (`benchmarks/kernel_times.py`,
 # one call, HEAD against the tree): stage 1 16.3-16.4 us plus the merge 2.3-2.5 us became one kernel of 18.1-18.4 us,
-# the graph replay 20.9-21.2 -> 19.8-20.1 us, and the bench 0.0191 -> 0.0184 ms, 0.96x -> 1.00x FlashInfer's speed.
+# the graph replay 20.9-21.2 -> 19.8-20.1 us, and the bench 0.0191 -> 0.0184 ms, 0.96x -> 1.00x FlashInfer's speed
+# (4d339f2); with the weights normalized before the sum (no layout conversion; a4d4a28) stage 1 takes 18.2-18.4 us
+# and the bench 0.0181 ms, 1.04x FlashInfer's 0.0188 in that run.
 # A cluster waits for the rest of itself, so every cluster must be resident at once: at B=32 (four splits, 128
 # programs of one SM each) clusters of four fit fewer than 32 at a time on the H200's GPCs, and the first version,
 # which clustered them anyway, took 435 us against 276 for stage 1. So the plan clusters a row's splits only where

@@ -106,7 +106,7 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # 0.2898 ms (83.8 -> 98.3% of copy bandwidth), B=128 H=16 L=8K 0.3440 -> 0.2864, B=8 H=16 L=4K 0.0327 -> 0.0191.
 # CLUSTER_MERGE (0): the few-rows kernel merges 2-8 splits of a row itself, the row's programs one thread-block
 # cluster, where every row's cluster runs at once (decode_attention_sm90.merges_in_cluster): decode B=8 H=16 L=4K
-# 0.0191 -> 0.0184 ms (bench_h200.md, 6412cb9 -> 4d339f2; 0.96x -> 1.00x FlashInfer).
+# 0.0191 -> 0.0181 ms (bench_h200.md, 6412cb9 -> a4d4a28; 0.96x -> 1.04x FlashInfer).
 # Every key ending in _h16 / _H16 replaces its base key where the head tile is 16 heads (tile_config).
 _CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})
 DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {

@@ -62,7 +62,7 @@ bytes at this SM's share of the copy bandwidth: the kernel streams keys. With 2 
 (``CLUSTER_MERGE``, :func:`merges_in_cluster`): the splits of a row run as one thread-block cluster, wait for each
 other at a cluster barrier once their partials are stored, and then each merges a share of the row's columns
 (:func:`_merge_in_cluster`), so no merge kernel follows (decode B=8 H=16 L=4K on the H200: stage 1 16.3 us and the
-merge 2.4 us behind a 1.2-1.7 us gap became one kernel of 18.1 us).
+merge 2.4 us behind a 1.2-1.7 us gap became one kernel of 18.2-18.4 us).
 
 On the H200 (``attnref bench --op decode_attention --op mla_verify``, FlashInfer 0.7 in the same run, c7e2fb0):
 decode B=32 H=128 L=32K 0.607 ms (the portable kernel 1.041 ms; FlashInfer 0.576 ms), B=1 H=128 L=32K 0.032 ms
