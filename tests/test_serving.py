@@ -647,28 +647,26 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
         lambda: [o, lse], lambda i: _new_lengths_and_pages(table, lens, pages, 16, i),
     )
 
-    # DeepSeek's widths at 128 heads, pages of 64, bf16: on an H100/H200 the Gluon stage 1
-    # (triton_impl/decode_attention_sm90.py) serves it.
+    # DeepSeek's widths, pages of 64, bf16: on an H100/H200 the Gluon stage 1 (triton_impl/decode_attention_sm90.py)
+    # serves 128 heads (the 64-row kernel) and 16 (the few-rows kernel, the 4 splits of a row one thread-block cluster
+    # that merges them).
     wq = randn((4, 128, 576), torch.bfloat16, device, gen)
     wcache = paged_cache([40, 70, 0, 129], 64, 1, 576, torch.bfloat16, device, gen, moat=False)
-    wo, wlse = torch.empty(4, 128, 512, dtype=torch.bfloat16, device=device), torch.empty(4, 128, device=device)
-    wlogits = torch.empty(4, 128, 4, 513, device=device)
-    calls["decode_mla_d576"] = ServingCall(
-        lambda: dec.decode_attention_fwd(wq, wcache.cache, wcache.cache[..., :512], wo, wlse, wcache.block_table,
-                                         wcache.seq_lens, wlogits, 4, 192**-0.5, 64, is_mla=True),
-        lambda: [wo, wlse],
-        lambda i: _new_lengths_and_pages(wcache.block_table, wcache.seq_lens, wcache.cache.shape[0], 64, i),
-    )  # fmt: skip
-    # The same at 16 heads: the few-rows stage 1, its 4 splits a row one thread-block cluster that merges them.
-    fq = randn((4, 16, 576), torch.bfloat16, device, gen)
-    fo, flse = torch.empty(4, 16, 512, dtype=torch.bfloat16, device=device), torch.empty(4, 16, device=device)
-    flogits = torch.empty(4, 16, 4, 513, device=device)
-    calls["decode_mla_few_d576"] = ServingCall(
-        lambda: dec.decode_attention_fwd(fq, wcache.cache, wcache.cache[..., :512], fo, flse, wcache.block_table,
-                                         wcache.seq_lens, flogits, 4, 192**-0.5, 64, is_mla=True),
-        lambda: [fo, flse],
-        lambda i: _new_lengths_and_pages(wcache.block_table, wcache.seq_lens, wcache.cache.shape[0], 64, i),
-    )  # fmt: skip
+
+    def deepseek_decode(q: torch.Tensor) -> ServingCall:
+        rows, heads = q.shape[:2]
+        o = torch.empty(rows, heads, 512, dtype=torch.bfloat16, device=device)
+        lse = torch.empty(rows, heads, device=device)
+        logits = torch.empty(rows, heads, 4, 513, device=device)
+        return ServingCall(
+            lambda: dec.decode_attention_fwd(q, wcache.cache, wcache.cache[..., :512], o, lse, wcache.block_table,
+                                             wcache.seq_lens, logits, 4, 192**-0.5, 64, is_mla=True),
+            lambda: [o, lse],
+            lambda i: _new_lengths_and_pages(wcache.block_table, wcache.seq_lens, wcache.cache.shape[0], 64, i),
+        )  # fmt: skip
+
+    calls["decode_mla_d576"] = deepseek_decode(wq)
+    calls["decode_mla_few_d576"] = deepseek_decode(randn((4, 16, 576), torch.bfloat16, device, gen))
 
     # Verify at DeepSeek's widths, 4 draft tokens x 16 heads (one 64-row tile a request): the Gluon stage 1 on an
     # H100/H200 as well.
