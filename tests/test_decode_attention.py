@@ -609,8 +609,7 @@ def test_sm90_mla_kernels_compile_for_hopper() -> None:
     launch; the partitions then take 256 / 208 / 40; the few-rows kernel, one warpgroup, 242, or 246 where it merges
     several splits itself); Triton 3.9 spills 32 bytes (the few-rows kernel 40-48). The few-rows kernel with several
     splits waits once for its cluster (``barrier.cluster``), then merges them. The MMAs stay asynchronous: no wait
-    after each one. Several splits of a bf16
-    output store the partials as bf16 pairs, one 4-byte store each."""
+    after each one. Several splits of a bf16 output store the partials as bf16 pairs, one 4-byte store each."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

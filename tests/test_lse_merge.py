@@ -291,4 +291,3 @@ def test_merge_splits_bad_input(device) -> None:
         merge_splits(partials, torch.zeros(2, 3, 8, device=device), torch.zeros(3, 2, device=device))
     with pytest.raises(ValueError, match="partials: expected at least one split"):
         merge_splits(partials[:, :, :0], torch.zeros(2, 3, 8, device=device), torch.zeros(2, 3, device=device))
-
