@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import gc
 import itertools
 import json
 import math
@@ -1581,25 +1582,33 @@ def test_sm90_store_orders_are_permutations_with_whole_loads_and_stores() -> Non
         assert code_dim(held).tolist() == list(range(32 * t, 32 * t + 32))  # in register order, too
 
 
+_MMA_STORE = {"HADAMARD": 0}  # the sm90 entry with the MMA store for every PiT
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon store runs on compute capability 9.x (its sm_90 compile is tested anywhere)")
-@pytest.mark.parametrize("entry", [{}, {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128},
-                                   {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128,
-                                    "GLUON_EARLY_VALUES": 0}, {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1},
-                                   {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1, "GLUON_PREFETCH": 0}],
-                         ids=["entry", "8warps", "8warps-late-values", "fused-qkv", "fused-qkv-no-prefetch"])
+@pytest.mark.parametrize("entry", [{}, {"HADAMARD_PROGRAMS_PER_SM": 1, "fused": 1}, _MMA_STORE,
+                                   _MMA_STORE | {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128},
+                                   _MMA_STORE | {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128,
+                                                 "GLUON_EARLY_VALUES": 0},
+                                   _MMA_STORE | {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1},
+                                   _MMA_STORE | {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1, "GLUON_PREFETCH": 0}],
+                         ids=["entry", "fused-qkv", "mma", "mma-8warps", "mma-8warps-late-values", "mma-fused-qkv",
+                              "mma-fused-qkv-no-prefetch"])  # fmt: skip
 @pytest.mark.parametrize("norm_correction", [True, False])
 @pytest.mark.parametrize("preset", MSE_PRESETS)
 def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correction: bool, entry: dict,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """The sm_90 store (bf16 keys, D = 128) against golden with its own rounding model (``BF16X2_GEMM``): a partial
-    last tile, skipped slots, keys from 1e-30 to past 2^64 (inf and NaN too), values past fp16's range; as the sm90
-    entry launches it, at 8 warps a program (two warpgroups on one ``PiT``, 128 registers) with its values loaded at
-    each tile's start or where they are quantized, and (``fused``) keys and values that are strided views of one
-    QKV tensor, at one program a SM so that each program takes 2-3 tiles and prefetches the next one into L2 (or,
-    with ``GLUON_PREFETCH`` 0, does not)."""
+    """The sm_90 stores (bf16 keys, D = 128) against golden, each with its own rounding model: the Hadamard store
+    (the sm90 entry's for serving's ``PiT``, butterflies in fp32: ``FP32_GEMM``) and the MMA store (``BF16X2_GEMM``).
+    A partial last tile, skipped slots, keys from 1e-30 to past 2^64 (inf and NaN too), values past fp16's range;
+    as the sm90 entry launches them; the MMA store also at 8 warps a program (two warpgroups on one ``PiT``, 128
+    registers) with its values loaded at each tile's start or where they are quantized; and (``fused``) keys and
+    values that are strided views of one QKV tensor, at one program a SM so that each program takes several tiles
+    (the MMA store prefetching the next one into L2, or, with ``GLUON_PREFETCH`` 0, not)."""
     entry = dict(entry)
     fused = entry.pop("fused", 0)
+    hadamard = entry.get("HADAMARD", 1)
     monkeypatch.setitem(ttq.STORE_CONFIGS, "sm90", ttq.STORE_CONFIGS["sm90"] | entry)
     device = torch.device("cuda")
     gen = generator(17)
@@ -1628,11 +1637,93 @@ def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correct
         stored = qkv[:, 32:32 + heads], qkv[:, 32 + heads:]
         assert not any(t.is_contiguous() for t in stored)
     before = cache.clone()
-    _store_triton(cache, *stored, slots, preset, 128, norm_correction=norm_correction)
+    with capture_launches() as launched:
+        _store_triton(cache, *stored, slots, preset, 128, norm_correction=norm_correction)
+    names = [getattr(kernel, "name", "") for kernel in launched.values()]
+    assert names == ["store_hadamard_kernel" if hadamard else "store_kernel"], names
     cmp = ptq.compare_store(cache.cpu(), before.cpu(), key, value, slots, pit, midpoints, centroids, config,
-                            ptq.BF16X2_GEMM)  # fmt: skip
+                            ptq.FP32_GEMM if hadamard else ptq.BF16X2_GEMM)  # fmt: skip
     print(f"sm90 store {preset} nc={norm_correction}: {cmp.summary()}")
     assert cmp.ok, cmp.summary()
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon store runs on compute capability 9.x (its sm_90 compile is tested anywhere)")
+def test_sm90_store_takes_the_butterflies_only_for_a_hadamard_rotation() -> None:
+    """Which sm_90 store runs, and that each is right: the Hadamard store for ``hadamard_rotation(128)`` (a new
+    tensor: one check, then none), the MMA store once that ``PiT`` is negated in place (no longer ``c H`` with
+    ``c > 0``: the check is redone for its new version), for a seeded Hadamard and a Haar rotation, and for an
+    unchecked Hadamard ``PiT`` first seen inside a CUDA graph capture (nothing may be read back there); every store
+    against golden with the rounding model of the kernel that ran."""
+    device = torch.device("cuda")
+    gen = generator(23)
+    preset = "turboquant_4bit_nc"
+    config, _, centroids, midpoints = _quantizer(preset, 128)
+    centroids, midpoints = centroids.to(device), midpoints.to(device)
+    num_tokens, heads, block_size = 300, 4, 16
+    num_blocks = -(-num_tokens // block_size) + 1
+    key = torch.randn(num_tokens, heads, 128, generator=gen).to(torch.bfloat16)
+    value = torch.randn(num_tokens, heads, 128, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    args = (key.to(device), value.to(device), None, slots.to(device))
+
+    def store(pit: torch.Tensor, capture: bool = False, no_sync: bool = False) -> str:
+        cache = _garbage_cache(num_blocks, block_size, heads, config, gen, device)
+        before = cache.clone()
+        quant = (pit, midpoints, config.key_mse_bits, config.key_packed_size, config.value_quant_bits, False,
+                 centroids, True)  # fmt: skip
+        torch.cuda.synchronize()
+        with capture_launches() as launched:
+            if capture:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    ttq.triton_turboquant_store(args[0], args[1], cache, args[3], *quant)
+                graph.replay()
+            else:
+                torch.cuda.set_sync_debug_mode("error" if no_sync else "default")
+                try:
+                    ttq.triton_turboquant_store(args[0], args[1], cache, args[3], *quant)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        (name,) = {getattr(kernel, "name", "") for kernel in launched.values()}
+        gemm = ptq.FP32_GEMM if name == "store_hadamard_kernel" else ptq.BF16X2_GEMM
+        cmp = ptq.compare_store(cache.cpu(), before.cpu(), key, value, slots, pit.cpu(), midpoints.cpu(),
+                                centroids.cpu(), config, gemm)  # fmt: skip
+        assert cmp.ok, (name, cmp.summary())
+        return name
+
+    pit = tq.hadamard_rotation(128).T.contiguous().to(device)
+    assert store(pit) == "store_hadamard_kernel"
+    assert store(pit, no_sync=True) == "store_hadamard_kernel"  # checked once: no read-back now
+    pit.neg_()
+    assert store(pit) == "store_kernel"
+    for other in (tq.hadamard_rotation(128, seed=1), tq.haar_rotation(128, seed=2)):
+        assert store(other.T.contiguous().to(device)) == "store_kernel"
+    assert store(tq.hadamard_rotation(128).T.contiguous().to(device), capture=True) == "store_kernel"
+
+
+def test_hadamard_check_names_exactly_c_times_sylvester_and_follows_in_place_changes() -> None:
+    """``turboquant_sm90.is_hadamard_rotation`` (which picks the Hadamard store): true for ``hadamard_rotation(D)`` at
+    every power of two and for any positive finite multiple of it; false for a seeded (sign-randomized) Hadamard,
+    a Haar rotation, a negative, infinite or NaN multiple, one entry off by an ulp; decided again after an in-place
+    change (the tensor's version), and forgotten with its tensor."""
+    check = ttq_sm90.is_hadamard_rotation
+    for d in (1, 2, 8, 64, 128, 1024):
+        assert check(tq.hadamard_rotation(d).T.contiguous()), d
+        assert d == 1 or not check(tq.hadamard_rotation(d, seed=3).T.contiguous()), d
+    h = tq.hadamard_rotation(128)
+    assert check(h * 3.0) and check(h * 2.0**-60)
+    assert not any(check(x) for x in (tq.haar_rotation(128, seed=1), -h, h * float("inf"), h * float("nan")))
+    pit = h.clone()
+    assert check(pit)
+    pit[5, 7] = torch.nextafter(pit[5, 7], torch.tensor(1.0))
+    assert not check(pit)
+    pit[5, 7] = h[5, 7]
+    assert check(pit)
+    entries = len(ttq_sm90._HADAMARD_CHECKED)
+    del pit
+    gc.collect()
+    assert len(ttq_sm90._HADAMARD_CHECKED) == entries - 1
 
 
 def _byte_tables(centroids: list[int], first: int, count: int) -> list[int]:
@@ -1752,6 +1843,17 @@ for key_bits in (3, 4):
                                                             maxnreg=128, early_values=early)  # fmt: skip
             print(json.dumps(["store8", key_bits, value_bits, *sass_resources(kernel.asm["cubin"]),
                               kernel.metadata.shared, early]))
+        # The store for a Hadamard PiT, at the sm90 entry's register cap
+        hadamard_cap = turboquant.STORE_CONFIGS["sm90"]["HADAMARD_MAXNREG"]
+        for norm_correction in (False, True):
+            kernel = turboquant_sm90.compile_store_for_sm90(key_bits=key_bits, value_bits=value_bits, hadamard=True,
+                                                            norm_correction=norm_correction, maxnreg=hadamard_cap)
+            flushing = [x.strip() for x in kernel.asm["ptx"].splitlines()
+                        if ".ftz" in x and x.split()[0].split(".")[0] in ("fma", "min", "mul", "add", "sub")]
+            loop = sass_loop(kernel.asm["cubin"], "SHFL")  # the grid's copy of the tile loop
+            counts = [sum(f" {op}" in line for line in loop) for op in ("BAR.SYNC", "SHFL.BFLY", "LDL", "STL")]
+            print(json.dumps(["hadamard", key_bits, value_bits, *sass_resources(kernel.asm["cubin"]),
+                              kernel.metadata.shared, flushing, norm_correction, *counts]))
 """
 
 
@@ -1768,7 +1870,7 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
-    assert len(rows) == 24 + 12 + 8 + 8 + 8  # 3/4-bit keys' one-warp groups (1 and 4) twice: grid and stream-K
+    assert len(rows) == 24 + 12 + 8 + 8 + 8 + 8  # 3/4-bit keys' one-warp groups (1 and 4) twice: grid and stream-K
     # Decode: the staged presets (4-bit values) hold three stages of a 64-key tile (one-warp programs: three 16-key
     # chunks), so that the entry's programs a SM fit its 228 KiB (1 KiB of it reserved per program); the others a few
     # KiB. At most 8 bytes of stack, outside the tile loop: no LDL or STL in it (the 4-warp kernel at 96 registers
@@ -1822,6 +1924,14 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     for row in (row for row in rows if row[0] == "store8"):
         registers, stack, shared, early = row[3:]
         assert registers <= 128 and 2 * (shared + 1024) <= 228 * 1024 and stack <= (1024 if early else late), row
+    # The store for a Hadamard PiT: no PiT in shared memory (512 bytes: the gathers' tables), six programs a SM at 80
+    # registers; 64 butterfly shuffles a tile (two stages of 32 dimensions) beside the reductions' xor shuffles, the
+    # gathers' barriers as in the MMA store, and 1-2 local loads a tile.
+    for row in (row for row in rows if row[0] == "hadamard"):
+        registers, stack, shared, flushing, norm_correction, barriers, shuffles, loads, stores = row[3:]
+        assert registers <= 80 and 6 * (shared + 1024) <= 228 * 1024 and stack <= 256, row
+        assert not flushing and barriers == (4 if norm_correction else 2), row
+        assert shuffles >= 64 and loads <= 4 and stores <= 4, row
 
 
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc"])

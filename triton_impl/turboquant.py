@@ -143,7 +143,8 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
     "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1, "GLUON": 1,
-             "GLUON_PROGRAMS_PER_SM": 3, "GLUON_MAXNREG": 168, "GLUON_PREFETCH": 1},
+             "GLUON_PROGRAMS_PER_SM": 3, "GLUON_MAXNREG": 168, "GLUON_PREFETCH": 1,
+             "HADAMARD": 1, "HADAMARD_PROGRAMS_PER_SM": 6, "HADAMARD_MAXNREG": 80},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
 FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_stages unused: no rotation
@@ -799,12 +800,19 @@ def triton_turboquant_store(
         stride_block=kv_cache.stride(0), slot_bytes=data_bytes,
     ):  # the sm_90 fast path (triton_impl/turboquant_sm90.py): persistent programs, the rotation on warpgroup MMAs
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-        warps = config.get("GLUON_WARPS", 4)
-        launch(turboquant_sm90.store_kernel, (min(cdiv(rows, turboquant_sm90.STORE_WARP_ROWS * warps),
-                                                  config["GLUON_PROGRAMS_PER_SM"] * sm_count),),
+        if config.get("HADAMARD") and turboquant_sm90.is_hadamard_rotation(PiT):  # PiT = c H: butterflies, no MMA
+            kernel, prefix = turboquant_sm90.store_hadamard_kernel, "HADAMARD"
+            warp_rows, extra, knobs = int(turboquant_sm90.STORE_QUAD_ROWS), (), {}
+        else:
+            kernel, prefix = turboquant_sm90.store_kernel, "GLUON"
+            warp_rows, extra = turboquant_sm90.STORE_WARP_ROWS, (PiT.stride(0),)
+            knobs = dict(EARLY_VALUES=bool(config.get("GLUON_EARLY_VALUES", 1)),
+                         PREFETCH=bool(config.get("GLUON_PREFETCH", 0)))  # fmt: skip
+        warps = config.get(f"{prefix}_WARPS", 4)
+        launch(kernel, (min(cdiv(rows, warp_rows * warps), config[f"{prefix}_PROGRAMS_PER_SM"] * sm_count),),
             key, value, kv_cache, slot_mapping, PiT, midpoints, centroids if norm_correction else unused,
             rows, num_slots, kv_cache.stride(0), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            PiT.stride(0),
+            *extra,
             NUM_KV_HEADS=num_kv_heads,
             KEY_BITS=key_bits,
             VALUE_BITS=value_quant_bits,
@@ -813,10 +821,9 @@ def triton_turboquant_store(
             BLOCK_SIZE=block_size,
             WIDE_SLOTS=num_slots > 2**31 - 1,
             WARPS=warps,
-            EARLY_VALUES=bool(config.get("GLUON_EARLY_VALUES", 1)),
-            PREFETCH=bool(config.get("GLUON_PREFETCH", 0)),
+            **knobs,
             num_warps=warps,
-            **register_cap(config.get("GLUON_MAXNREG")),
+            **register_cap(config.get(f"{prefix}_MAXNREG")),
         )  # fmt: skip
         return
     block_d = next_pow2(head_dim)

@@ -113,6 +113,7 @@ they were reduced to (no layout conversion, 4 CTA barriers a tile instead of 12)
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -219,25 +220,27 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
 
 def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_correction: bool = True,
                            block_size: int = 16, maxnreg: int | None = None, warps: int = 4,
-                           early_values: bool = True, prefetch: bool = True) -> Any:
-    """:func:`store_kernel` compiled for sm_90 on any machine, specialized as the bench's launch is (8 KV heads,
-    16-byte aligned pointers, the strides multiples of 16): the ``CompiledKernel``."""
+                           early_values: bool = True, prefetch: bool = True, hadamard: bool = False) -> Any:
+    """:func:`store_kernel` (``hadamard``: :func:`store_hadamard_kernel`) compiled for sm_90 on any machine,
+    specialized as the bench's launch is (8 KV heads, 16-byte aligned pointers, the strides multiples of 16): the
+    ``CompiledKernel``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = store_kernel
+    fn = store_hadamard_kernel if hadamard else store_kernel
     names = fn.arg_names
     pointers = {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*u8", "slot_ptr": "*i64",
                 "pit_ptr": "*fp32", "midpoint_ptr": "*fp32", "centroid_ptr": "*fp32"}  # fmt: skip
     divisible = ("num_slots", "stride_block", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_pit")
     slot_bytes = 128 * (key_bits + value_bits) // 8
     constexprs = dict(NUM_KV_HEADS=8, KEY_BITS=key_bits, VALUE_BITS=value_bits, NORM_CORRECTION=norm_correction,
-                      SLOT_BYTES=slot_bytes, BLOCK_SIZE=block_size, WIDE_SLOTS=False, WARPS=warps,
-                      EARLY_VALUES=early_values, PREFETCH=prefetch)  # fmt: skip
+                      SLOT_BYTES=slot_bytes, BLOCK_SIZE=block_size, WIDE_SLOTS=False, WARPS=warps)  # fmt: skip
+    if not hadamard:
+        constexprs |= dict(EARLY_VALUES=early_values, PREFETCH=prefetch)
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     values = {(names.index(n),): v for n, v in constexprs.items()}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, *divisible)}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, *divisible) if n in names}
     return triton_compile(GluonASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": int(warps), **register_cap(maxnreg)})  # fmt: skip
 
@@ -2032,6 +2035,34 @@ def store_supports(*, device: torch.device, key_dtype: torch.dtype, head_dim: in
     return served and aligned and _hopper(device)
 
 
+# PiT tensors checked for the Sylvester-Hadamard rotation (:func:`is_hadamard_rotation`): id -> (in-place version,
+# answer); an entry leaves with its tensor (``weakref.finalize``), before its id can name another.
+_HADAMARD_CHECKED: dict[int, tuple[int, bool]] = {}
+
+
+def is_hadamard_rotation(PiT: torch.Tensor) -> bool:
+    """Whether ``PiT`` is ``c H_D`` (``c = PiT[0, 0]`` positive and finite, ``H_D[j, n] = (-1)^popcount(j & n)``),
+    the rotation :func:`store_hadamard_kernel` serves: ``golden.turboquant.hadamard_rotation(D)`` without a seed,
+    what vLLM serves. Decided on ``PiT``'s device once per tensor and in-place version, and read back then (one host
+    sync on the first call with a ``PiT``, as a serving engine makes before it captures graphs); during a CUDA graph
+    capture an unknown ``PiT`` answers False (the general kernel), since nothing may be read back there."""
+    known = _HADAMARD_CHECKED.get(id(PiT))
+    if known is not None and known[0] == PiT._version:
+        return known[1]
+    if PiT.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    j = torch.arange(PiT.shape[0], device=PiT.device)
+    parity = j[:, None] & j[None, :]
+    for shift in (16, 8, 4, 2, 1):
+        parity = parity ^ (parity >> shift)
+    c = PiT[0, 0]
+    answer = bool(((PiT == torch.where(parity & 1 == 1, -c, c)).all() & (c > 0) & (c < float("inf"))).item())
+    if known is None:
+        weakref.finalize(PiT, _HADAMARD_CHECKED.pop, id(PiT), None)
+    _HADAMARD_CHECKED[id(PiT)] = (PiT._version, answer)
+    return answer
+
+
 @gluon.jit
 def _rotation_dim(k):
     """The key dimension the rotation's A operand holds at K index ``k``: thread ``t`` of a quad holds K indices
@@ -2119,6 +2150,12 @@ def _row_loads(ptr, row, num_rows, dim, stride_t, stride_h, NUM_KV_HEADS: gl.con
 def _pairs_shape(shape):
     """``[..., 4]`` -> ``[..., 2, 2]``."""
     return [*shape[:-1], 2, 2]
+
+
+@gluon.constexpr_function
+def _groups_shape(shape):
+    """``[..., 32]`` -> ``[..., 4, 8]``."""
+    return [*shape[:-1], 4, 8]
 
 
 @gluon.jit
@@ -2258,37 +2295,40 @@ def _tile_rows(tile, RANK: gl.constexpr, LAYOUT: gl.constexpr, WARPS: gl.constex
 @gluon.jit
 def _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS: gl.constexpr,
                   BLOCK_SIZE: gl.constexpr, SLOT_BYTES: gl.constexpr, KEY_DATA_BYTES: gl.constexpr,
-                  VALUE_BITS: gl.constexpr, WIDE_SLOTS: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
-    """One tile's values ``v`` (fp32, :func:`_value_layout`; rows ``row``, :func:`_tile_rows`) min-max quantized as
-    the portable store does it, into slots ``slot``."""
-    layout: gl.constexpr = _value_layout(WARPS)
-    t = _iota(4, 3, 5, layout)
+                  VALUE_BITS: gl.constexpr, WIDE_SLOTS: gl.constexpr):  # fmt: skip
+    """One tile's values ``v`` (fp32 ``[..., 4, 32]``, dimension ``32 t + i`` of the row the leading dims name;
+    each thread owns 32 contiguous dimensions of a row: :func:`_value_layout`, :func:`_quad_layout`) min-max
+    quantized as the portable store does it, into slots ``slot`` of rows ``row`` (both ``[..., 1, 1]``)."""
+    RANK: gl.constexpr = len(v.shape)
+    layout: gl.constexpr = v.type.layout
+    t = _iota(4, RANK - 2, RANK, layout)
     ok, data, meta = _slot_offsets(slot, row, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
                                    WIDE_SLOTS)  # fmt: skip
     LEVELS: gl.constexpr = (1 << VALUE_BITS) - 1
-    v_min = gl.min(gl.min(v, axis=4), axis=3)
-    v_max = gl.max(gl.max(v, axis=4), axis=3)
+    v_min = gl.min(gl.min(v, axis=RANK - 1), axis=RANK - 2)
+    v_max = gl.max(gl.max(v, axis=RANK - 1), axis=RANK - 2)
     v_min = gl.minimum(gl.maximum(v_min, -_FP16_MAX), _FP16_MAX)
     v_max = gl.minimum(gl.maximum(v_max, -_FP16_MAX), _FP16_MAX)
     scale = gl.maximum((v_max - v_min) / LEVELS, _MIN_VALUE_SCALE)
     inv_scale = 1.0 / scale
-    lo = gl.expand_dims(gl.expand_dims(v_min, 3), 4)
-    hi = gl.expand_dims(gl.expand_dims(v_max, 3), 4)
+    lo = gl.expand_dims(gl.expand_dims(v_min, RANK - 2), RANK - 1)
+    hi = gl.expand_dims(gl.expand_dims(v_max, RANK - 2), RANK - 1)
     v = gl.minimum(gl.maximum(v, lo), hi)
-    biased = ((v - lo) * gl.expand_dims(gl.expand_dims(inv_scale, 3), 4) + _ROUND_MAGIC).to(gl.uint32, bitcast=True)
-    groups = gl.reshape(biased, [WARPS, 2, 8, 4, 4, 8])  # [..., t, q, p]: dimension 32t + 8q + p
+    inv = gl.expand_dims(gl.expand_dims(inv_scale, RANK - 2), RANK - 1)
+    biased = ((v - lo) * inv + _ROUND_MAGIC).to(gl.uint32, bitcast=True)
+    groups = gl.reshape(biased, _groups_shape(v.shape))  # [..., t, q, p]: dimension 32t + 8q + p
     glayout: gl.constexpr = groups.type.layout
-    shift = (_iota(8, 5, 6, glayout) * VALUE_BITS).to(gl.uint32)
+    shift = (_iota(8, RANK, RANK + 1, glayout) * VALUE_BITS).to(gl.uint32)
     SPREAD: gl.constexpr = 0x11111111 if VALUE_BITS == 4 else 0x249249  # sum_p 2^(BITS p)
-    words = gl.sum(groups << shift, axis=5) - (0x4B400000 * SPREAD % 2**32)
+    words = gl.sum(groups << shift, axis=RANK) - (0x4B400000 * SPREAD % 2**32)
     words_layout: gl.constexpr = words.type.layout
     at = gl.convert_layout(data + KEY_DATA_BYTES + t * (4 * VALUE_BITS), words_layout)
     _store_codes(cache_ptr, at, words, gl.convert_layout(ok & (t < 4), words_layout), VALUE_BITS)
     # Each row's two fields stored from the layout its scale was reduced to (a row's lanes store it once): the rows go
     # to scattered slots, so a layout of one row a thread would buy no coalescing, and its four conversions cost two
     # CTA barriers each. ``ok`` and ``meta`` reduced over their two unit dimensions (no data moves) to that layout.
-    fields = (cache_ptr + gl.max(gl.max(meta, axis=4), axis=3)).to(gl.pointer_type(gl.uint16))
-    row_ok = gl.max(gl.max(ok.to(gl.int32), axis=4), axis=3) != 0
+    fields = (cache_ptr + gl.max(gl.max(meta, axis=RANK - 1), axis=RANK - 2)).to(gl.pointer_type(gl.uint16))
+    row_ok = gl.max(gl.max(ok.to(gl.int32), axis=RANK - 1), axis=RANK - 2) != 0
     gl.store(fields + BLOCK_SIZE, _fp16_bits(scale), mask=row_ok)
     gl.store(fields + 2 * BLOCK_SIZE, _fp16_bits(v_min), mask=row_ok)
 
@@ -2453,4 +2493,129 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
         if not EARLY_VALUES:
             v = _row_loads(value_ptr, value_rows, num_rows, value_dim, stride_vt, stride_vh, NUM_KV_HEADS)
         _store_values(v.to(gl.float32), slot_v, value_rows, cache_ptr, num_slots, stride_block, NUM_KV_HEADS,
-                      BLOCK_SIZE, SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS, WARPS)  # fmt: skip
+                      BLOCK_SIZE, SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS)  # fmt: skip
+
+
+# The store for the Sylvester-Hadamard rotation (``PiT = H_128 / sqrt(128)``, ``golden.turboquant.hadamard_rotation``
+# without a seed: what vLLM serves). ``k @ PiT`` is then ``c * (k @ H)`` with ``c = PiT[0, 0]``, and ``k @ H`` is seven
+# butterfly stages of fp32 additions (the fast Walsh-Hadamard transform): no rotation operand in shared memory and no
+# MMA, so a program holds a tile of 8 rows a warp (a lane quad a row, 32 contiguous dimensions a thread) and more
+# programs fit a SM.
+STORE_QUAD_ROWS = gl.constexpr(8)  # (token, KV head) rows per warp and tile of store_hadamard_kernel
+
+
+@gluon.constexpr_function
+def _quad_layout(warps):
+    """Rows ``[row, t, i]``: row ``8 warp + lane // 4``, dimension ``32 t + i`` with ``t = lane % 4`` (each thread
+    owns 32 contiguous dimensions of one row)."""
+    return gl.BlockedLayout([1, 1, 32], [8, 4, 1], [int(warps), 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _butterfly_asm(lanes):
+    """Inline PTX: the value of the same element in lane ``lane ^ lanes``."""
+    return f"shfl.sync.bfly.b32 $0, $1, {int(lanes)}, 0x1f, -1;"
+
+
+@gluon.jit
+def _hadamard_rows(x, t):
+    """``x @ H_128`` (Sylvester, entries +-1) of each row of ``x`` (fp32, :func:`_quad_layout`; ``t`` the lane's
+    ``[1, 4, 1]`` quarter): ``H_128 = H_4 (x) H_32`` over dimension ``32 t + i``, so five butterfly stages over
+    ``i`` run in each thread's registers and two over ``t`` across the lane quad (a shuffle and an fma each)."""
+    R: gl.constexpr = x.shape[0]
+    for k in gl.static_range(5):  # stage k pairs i with i + 2^k: i = 2^(k+1) hi + 2^k bit + lo
+        pairs = gl.permute(gl.reshape(x, [R, 4, 16 >> k, 2, 1 << k]), (0, 1, 2, 4, 3))
+        a, b = gl.split(pairs)
+        x = gl.reshape(gl.permute(gl.join(a + b, a - b), (0, 1, 2, 4, 3)), [R, 4, 32])
+    for k in gl.static_range(2):
+        partner = gl.inline_asm_elementwise(_butterfly_asm(1 << k), "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                            pack=1)  # fmt: skip
+        x = gl.fma(gl.where((t & (1 << k)) != 0, -1.0, 1.0), x, partner)  # low lane a + b, high lane a - b
+    return x
+
+
+@gluon.jit
+def store_hadamard_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_ptr, pit_ptr, midpoint_ptr, centroid_ptr,
+    num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
+    NUM_KV_HEADS: gl.constexpr,
+    KEY_BITS: gl.constexpr,
+    VALUE_BITS: gl.constexpr,
+    NORM_CORRECTION: gl.constexpr,
+    SLOT_BYTES: gl.constexpr,  # data bytes per (token, KV head) slot
+    BLOCK_SIZE: gl.constexpr,
+    WIDE_SLOTS: gl.constexpr,  # slot numbers past int32
+    WARPS: gl.constexpr = 4,
+):  # fmt: skip
+    """Persistent programs over tiles of ``8 WARPS`` (token, KV head) rows for ``PiT = c H_128``: per tile the
+    rows' norms, ``y = (k @ H) c / (||k|| + eps)`` (:func:`_hadamard_rows`), the bucketize by the grid's table
+    (:func:`grid_table`; the binary search where it cannot separate the midpoints), the packing of each thread's
+    32 contiguous codes, the norm correction, and the values as the portable store quantizes them."""
+    gl.static_assert(gl.num_warps() == WARPS)
+    centroid_sq = 0
+    if NORM_CORRECTION:
+        sq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        centroid = gl.load(centroid_ptr + gl.arange(0, 1 << KEY_BITS, layout=sq_layout))
+        centroid_sq = centroid * centroid
+    table_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    table, grid_scale, grid_offset, grid_ok = grid_table(midpoint_ptr, gl.arange(0, GRID_SLOTS, layout=table_layout),
+                                                         KEY_BITS)  # fmt: skip
+    c = gl.load(pit_ptr)
+    if grid_ok:
+        _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
+                          grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
+                          NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE, WIDE_SLOTS,
+                          True, WARPS)  # fmt: skip
+    else:
+        _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
+                          grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
+                          NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE, WIDE_SLOTS,
+                          False, WARPS)  # fmt: skip
+
+
+@gluon.jit
+def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
+                      grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
+                      NUM_KV_HEADS: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr,
+                      NORM_CORRECTION: gl.constexpr, SLOT_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                      WIDE_SLOTS: gl.constexpr, GRID: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """:func:`store_hadamard_kernel`'s loop over its tiles."""
+    ROWS: gl.constexpr = STORE_QUAD_ROWS * WARPS
+    layout: gl.constexpr = _quad_layout(WARPS)
+    t = _iota(4, 1, 3, layout)
+    dim = t * 32 + _iota(32, 2, 3, layout)
+    tile_rows = _iota(ROWS, 0, 3, layout)
+    k_next = _row_loads(key_ptr, gl.program_id(0) * ROWS + tile_rows, num_rows, dim, stride_kt, stride_kh,
+                        NUM_KV_HEADS)  # fmt: skip
+    for tile in range(gl.program_id(0), gl.cdiv(num_rows, ROWS), gl.num_programs(0)):
+        row = tile * ROWS + tile_rows
+        v = _row_loads(value_ptr, row, num_rows, dim, stride_vt, stride_vh, NUM_KV_HEADS)
+        slot = _slots(slot_ptr, row, num_rows, NUM_KV_HEADS)
+        k = k_next.to(gl.float32)
+        norm = gl.sqrt(gl.sum(gl.sum(k * k, axis=2), axis=1))
+        y = _hadamard_rows(k, t) * gl.expand_dims(gl.expand_dims(c / (norm + _KEY_NORM_EPS), 1), 2)
+        if GRID:
+            flat = gl.reshape(y, [ROWS * HEAD_DIM])
+            entry = gl.gather(table, grid_slot(flat, grid_scale, grid_offset), 0)
+            codes = gl.reshape(grid_code(flat, entry), [ROWS, 4, 32])
+        else:
+            codes = _bucketize(y, midpoint_ptr, KEY_BITS)
+        groups = gl.reshape(codes.to(gl.uint32), [ROWS, 4, 4, 8])  # [row, t, q, p]: dimension 32t + 8q + p
+        groups_layout: gl.constexpr = groups.type.layout
+        words = gl.sum(groups << (_iota(8, 3, 4, groups_layout) * KEY_BITS).to(gl.uint32), axis=3)
+        ok, data, meta = _slot_offsets(slot, row, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
+                                       WIDE_SLOTS)  # fmt: skip
+        words_layout: gl.constexpr = words.type.layout
+        at = gl.convert_layout(data + t * (4 * KEY_BITS), words_layout)
+        _store_codes(cache_ptr, at, words, gl.convert_layout(ok & (t < 4), words_layout), KEY_BITS)
+        if NORM_CORRECTION:
+            flat = gl.reshape(codes, [ROWS * HEAD_DIM])
+            code_sq = gl.reshape(gl.gather(centroid_sq, flat, 0), [ROWS, 4, 32])
+            norm = norm / gl.sqrt(gl.sum(gl.sum(code_sq, axis=2), axis=1) + _NORM_CORRECTION_EPS)
+        fields = (cache_ptr + gl.max(gl.max(meta, axis=2), axis=1)).to(gl.pointer_type(gl.uint16))
+        row_ok = gl.max(gl.max(ok.to(gl.int32), axis=2), axis=1) != 0
+        gl.store(fields, _fp16_bits(norm), mask=row_ok)
+        k_next = _row_loads(key_ptr, row + gl.num_programs(0) * ROWS, num_rows, dim, stride_kt, stride_kh,
+                            NUM_KV_HEADS)  # fmt: skip
+        _store_values(v.to(gl.float32), slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE,
+                      SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS)  # fmt: skip
