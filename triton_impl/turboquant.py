@@ -132,6 +132,12 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # loaded where they are quantized, not at its start) 48 bytes. Both slower on the H200 (1M tokens x 8 KV heads, one
 # call against this entry): 4-bit 2.804 -> 3.556 ms (values first) / 3.180 (values late), k3v4 2.778 -> 3.312 / 3.188,
 # 3-bit 2.652 -> 3.192 / 3.074.
+# HADAMARD 1 (sm90): where PiT is c H_128 (turboquant_sm90.is_hadamard_rotation: serving's rotation), the Gluon store
+# is turboquant_sm90.store_hadamard_kernel (the rotation as fp32 butterflies, no PiT in shared memory, 8 rows a warp),
+# HADAMARD_PROGRAMS_PER_SM programs of HADAMARD_WARPS (4) warps at HADAMARD_MAXNREG registers. On the H200 (1M tokens
+# x 8 KV heads, one call each, stage us, 4-bit / k3v4 / 3-bit): 6 programs at 80 registers 2193 / 2203 / 2029 (the
+# MMA store in the same call 2575 / 2606 / 2410), 5 at 96 2230 / 2211 / 2137, 4 at 128 2288 / 2245 / 2137, 8 at 64
+# (keys loaded at the tile's start, not a tile ahead) 2421 / 2301 / 2136.
 # GLUON_PREFETCH 1: each Gluon store program prefetches its next tile's key and value rows into L2 (prefetch.global.L2,
 # a line at a time) once the tile's codes are bucketized, so they arrive while it packs its codes and quantizes its
 # values. One call on the H200 at 1M tokens x 8 KV heads, stage in us, no prefetch against it (twice: 2026-12-03):

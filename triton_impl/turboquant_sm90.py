@@ -109,6 +109,18 @@ prefetches its next tile's rows into L2 (:func:`_prefetch_tile`, one ``prefetch.
 tile's keys loaded into registers during the tile before it, and each row's value fields stored from the layout
 they were reduced to (no layout conversion, 4 CTA barriers a tile instead of 12), at cd8b10d: 4-bit 2.57 ms, k3v4
 2.47, 3-bit 2.44 (49-50%).
+
+For the rotation serving uses, ``PiT = H_128 / sqrt(128)`` (Sylvester-Hadamard, no signs; :func:`is_hadamard_rotation`
+checks a ``PiT`` once per tensor), :func:`store_hadamard_kernel` replaces the MMAs by the fast Walsh-Hadamard transform:
+``k @ PiT = c (k @ H)`` with ``c = PiT[0, 0]``, seven butterfly stages of fp32 additions, five in each thread's
+registers and two across a lane quad (:func:`_hadamard_rows`), exact but for their roundings (``FP32_GEMM``'s band,
+tighter than the MMA store's). No ``PiT`` in shared memory and tiles of 8 rows a warp (32 contiguous dimensions a
+thread) let six 4-warp programs share a SM at 80 registers, against three for the MMA store: 24 warps instead of 12,
+for 21% more instructions a row (162 warp instructions against 134, Triton 3.6; the butterflies are 288 of a tile's
+1298 a thread). On the H200 (``attnref bench --op turboquant --case store`` at 49bc981): 4-bit 2.20 ms, k3v4 2.21,
+3-bit 2.03 (56-59% of the copy roofline), against 2.58 / 2.61 / 2.41 for the MMA store in the same call
+(``benchmarks/kernel_times.py``); at five programs a SM (96 registers) 2.23 / 2.21 / 2.14, at four (128) 2.29 / 2.25 /
+2.14, at eight (64, no keys loaded a tile ahead) 2.42 / 2.30 / 2.14.
 """
 
 from __future__ import annotations
