@@ -1588,14 +1588,15 @@ _MMA_STORE = {"HADAMARD": 0}  # the sm90 entry with the MMA store for every PiT
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon store runs on compute capability 9.x (its sm_90 compile is tested anywhere)")
-@pytest.mark.parametrize("entry", [{}, {"HADAMARD_PROGRAMS_PER_SM": 1, "fused": 1}, _MMA_STORE,
+@pytest.mark.parametrize("entry", [{}, {"HADAMARD_PROGRAMS_PER_SM": 1, "fused": 1}, {"HADAMARD_MMA_H32": 0},
+                                   {"HADAMARD_MMA_H32": 1}, _MMA_STORE,
                                    _MMA_STORE | {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128},
                                    _MMA_STORE | {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128,
                                                  "GLUON_EARLY_VALUES": 0},
                                    _MMA_STORE | {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1},
                                    _MMA_STORE | {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1, "GLUON_PREFETCH": 0}],
-                         ids=["entry", "fused-qkv", "mma", "mma-8warps", "mma-8warps-late-values", "mma-fused-qkv",
-                              "mma-fused-qkv-no-prefetch"])  # fmt: skip
+                         ids=["entry", "fused-qkv", "butterflies", "h32-mma", "mma", "mma-8warps",
+                              "mma-8warps-late-values", "mma-fused-qkv", "mma-fused-qkv-no-prefetch"])  # fmt: skip
 @pytest.mark.parametrize("norm_correction", [True, False])
 @pytest.mark.parametrize("preset", MSE_PRESETS)
 def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correction: bool, entry: dict,

@@ -808,7 +808,8 @@ def triton_turboquant_store(
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         if config.get("HADAMARD") and turboquant_sm90.is_hadamard_rotation(PiT):  # PiT = c H: butterflies, no MMA
             kernel, prefix = turboquant_sm90.store_hadamard_kernel, "HADAMARD"
-            warp_rows, extra, knobs = int(turboquant_sm90.STORE_QUAD_ROWS), (), {}
+            warp_rows, extra = int(turboquant_sm90.STORE_QUAD_ROWS), ()
+            knobs = dict(MMA_H32=bool(config.get("HADAMARD_MMA_H32", 0)))
         else:
             kernel, prefix = turboquant_sm90.store_kernel, "GLUON"
             warp_rows, extra = turboquant_sm90.STORE_WARP_ROWS, (PiT.stride(0),)

@@ -232,7 +232,8 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
 
 def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_correction: bool = True,
                            block_size: int = 16, maxnreg: int | None = None, warps: int = 4,
-                           early_values: bool = True, prefetch: bool = True, hadamard: bool = False) -> Any:
+                           early_values: bool = True, prefetch: bool = True, hadamard: bool = False,
+                           mma_h32: bool = False) -> Any:
     """:func:`store_kernel` (``hadamard``: :func:`store_hadamard_kernel`) compiled for sm_90 on any machine,
     specialized as the bench's launch is (8 KV heads, 16-byte aligned pointers, the strides multiples of 16): the
     ``CompiledKernel``."""
@@ -248,8 +249,7 @@ def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_corre
     slot_bytes = 128 * (key_bits + value_bits) // 8
     constexprs = dict(NUM_KV_HEADS=8, KEY_BITS=key_bits, VALUE_BITS=value_bits, NORM_CORRECTION=norm_correction,
                       SLOT_BYTES=slot_bytes, BLOCK_SIZE=block_size, WIDE_SLOTS=False, WARPS=warps)  # fmt: skip
-    if not hadamard:
-        constexprs |= dict(EARLY_VALUES=early_values, PREFETCH=prefetch)
+    constexprs |= dict(MMA_H32=mma_h32) if hadamard else dict(EARLY_VALUES=early_values, PREFETCH=prefetch)
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     values = {(names.index(n),): v for n, v in constexprs.items()}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, *divisible) if n in names}
@@ -2546,6 +2546,55 @@ def _hadamard_rows(x, t):
     return x
 
 
+@gluon.constexpr_function
+def _h32_layout(warps, operand):
+    """Warp MMAs (``mma.sync`` m16n8k16) on ``[32 warps, 32]`` tiles, the warps along M: the accumulator's layout
+    (``operand`` None) or operand ``operand``'s (0: A, 1: B)."""
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[int(warps), 1], instr_shape=[16, 8])
+    return mma if operand is None else gl.DotOperandLayout(operand_index=int(operand), parent=mma, k_width=2)
+
+
+@gluon.jit
+def _h32_operand(WARPS: gl.constexpr):
+    """``H_32`` as the B operand of :func:`_hadamard_rows_mma` (+-1 in bf16, exact), its rows and columns permuted
+    so that the MMA's fragments line up with :func:`_quad_layout`: K index ``k`` (thread ``t = (k >> 1) & 3`` of a
+    quad holds it) is input index ``8t + 4 (k >> 4) + 2 ((k >> 3) & 1) + (k & 1)``, N index ``n`` output index ``8t +
+    2 (n >> 3) + (n & 1)`` with ``t = (n >> 1) & 3``."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [WARPS, 1], [1, 0])
+    k = gl.arange(0, 32, layout=gl.SliceLayout(1, layout))
+    n = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
+    i = ((k >> 1) & 3) * 8 + (k >> 4) * 4 + ((k >> 3) & 1) * 2 + (k & 1)
+    o = ((n >> 1) & 3) * 8 + (n >> 3) * 2 + (n & 1)
+    parity = i[:, None] & o[None, :]
+    parity = parity ^ (parity >> 4)
+    parity = parity ^ (parity >> 2)
+    parity = parity ^ (parity >> 1)
+    return gl.convert_layout(gl.where((parity & 1) != 0, -1.0, 1.0).to(gl.bfloat16), _h32_layout(WARPS, 1))
+
+
+@gluon.jit
+def _hadamard_rows_mma(k, h32):
+    """``k @ H_128`` (fp32) of each row of ``k`` (bf16, :func:`_quad_layout`), as :func:`_hadamard_rows` gives it,
+    with ``H_128 = H_32 (x) H_4`` over dimension ``4 i + c``: ``H_32`` over ``i`` by warp MMAs (``h32``,
+    :func:`_h32_operand`; a row's four residues ``c`` are four MMA rows, held by the thread that loaded them), then
+    ``H_4`` over ``c`` in each thread's registers. Thread ``(g, t)`` of warp ``w`` holds row ``8w + g``, dimensions
+    ``32t + 16 ks + 8 j + 4 e + 2 mt + h``, which are K index ``16 ks + 8 j + 2 t + e`` of MMA row ``16 WARPS mt +
+    16 w + 8 h + g``: the A fragment of ``mma.sync`` as loaded, and its accumulator's columns the same way."""
+    R: gl.constexpr = k.shape[0]
+    WARPS: gl.constexpr = R // 8
+    mma: gl.constexpr = _h32_layout(WARPS, None)
+    a = gl.reshape(k, [WARPS, 8, 4, 2, 2, 2, 2, 2])  # [w, g, t, ks, j, e, mt, h]
+    a = gl.reshape(gl.permute(a, (6, 0, 7, 1, 3, 4, 2, 5)), [32 * WARPS, 32])  # [mt w h g | ks j t e]
+    z = mma_v2(gl.convert_layout(a, _h32_layout(WARPS, 0)), h32, gl.zeros([32 * WARPS, 32], gl.float32, mma))
+    z = gl.reshape(z, [2, WARPS, 2, 8, 4, 4, 2])  # [mt, w, h, g | nt, t, e]: output 8t + 2 nt + e of residue 2mt + h
+    a, b = gl.split(gl.permute(z, (1, 2, 3, 4, 5, 6, 0)))  # the butterflies over mt, then over h
+    z = gl.permute(gl.join(a + b, a - b), (6, 0, 1, 2, 3, 4, 5))
+    a, b = gl.split(gl.permute(z, (0, 1, 3, 4, 5, 6, 2)))
+    z = gl.permute(gl.join(a + b, a - b), (0, 1, 6, 2, 3, 4, 5))
+    y = gl.reshape(gl.permute(z, (1, 3, 5, 4, 6, 0, 2)), [R, 4, 32])  # [w, g, t, nt, e, mt, h]: 32t + 8nt + 4e + c
+    return gl.convert_layout(y, k.type.layout)
+
+
 @gluon.jit
 def store_hadamard_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr, pit_ptr, midpoint_ptr, centroid_ptr,
@@ -2558,6 +2607,7 @@ def store_hadamard_kernel(
     BLOCK_SIZE: gl.constexpr,
     WIDE_SLOTS: gl.constexpr,  # slot numbers past int32
     WARPS: gl.constexpr = 4,
+    MMA_H32: gl.constexpr = False,  # H_32 by warp MMAs (_hadamard_rows_mma), else butterflies (_hadamard_rows)
 ):  # fmt: skip
     """Persistent programs over tiles of ``8 WARPS`` (token, KV head) rows for ``PiT = c H_128``: per tile the
     rows' norms, ``y = (k @ H) c / (||k|| + eps)`` (:func:`_hadamard_rows`), the bucketize by the grid's table
@@ -2577,12 +2627,12 @@ def store_hadamard_kernel(
         _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
                           grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
                           NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE, WIDE_SLOTS,
-                          True, WARPS)  # fmt: skip
+                          True, WARPS, MMA_H32)  # fmt: skip
     else:
         _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
                           grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
                           NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE, WIDE_SLOTS,
-                          False, WARPS)  # fmt: skip
+                          False, WARPS, MMA_H32)  # fmt: skip
 
 
 @gluon.jit
@@ -2590,12 +2640,14 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
                       grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
                       NUM_KV_HEADS: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr,
                       NORM_CORRECTION: gl.constexpr, SLOT_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                      WIDE_SLOTS: gl.constexpr, GRID: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+                      WIDE_SLOTS: gl.constexpr, GRID: gl.constexpr, WARPS: gl.constexpr,
+                      MMA_H32: gl.constexpr):  # fmt: skip
     """:func:`store_hadamard_kernel`'s loop over its tiles."""
     ROWS: gl.constexpr = STORE_QUAD_ROWS * WARPS
     layout: gl.constexpr = _quad_layout(WARPS)
     t = _iota(4, 1, 3, layout)
     dim = t * 32 + _iota(32, 2, 3, layout)
+    h32 = _h32_operand(WARPS) if MMA_H32 else 0
     tile_rows = _iota(ROWS, 0, 3, layout)
     k_next = _row_loads(key_ptr, gl.program_id(0) * ROWS + tile_rows, num_rows, dim, stride_kt, stride_kh,
                         NUM_KV_HEADS)  # fmt: skip
@@ -2605,7 +2657,11 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
         slot = _slots(slot_ptr, row, num_rows, NUM_KV_HEADS)
         k = k_next.to(gl.float32)
         norm = gl.sqrt(gl.sum(gl.sum(k * k, axis=2), axis=1))
-        y = _hadamard_rows(k, t) * gl.expand_dims(gl.expand_dims(c / (norm + _KEY_NORM_EPS), 1), 2)
+        if MMA_H32:
+            h = _hadamard_rows_mma(k_next, h32)
+        else:
+            h = _hadamard_rows(k, t)
+        y = h * gl.expand_dims(gl.expand_dims(c / (norm + _KEY_NORM_EPS), 1), 2)
         if GRID:
             flat = gl.reshape(y, [ROWS * HEAD_DIM])
             entry = gl.gather(table, grid_slot(flat, grid_scale, grid_offset), 0)
