@@ -725,7 +725,10 @@ for preset in tq.PRESETS:
 # and 32 values a thread instead of 64, six programs of 4 warps share a SM at 80 registers, 24 warps; the price is
 # 21% more instructions a row (the butterflies are 288 of a tile's 1298 a thread). 4-bit 2.58 -> 2.20 ms, k3v4 2.61
 # -> 2.21, 3-bit 2.41 -> 2.03 (56-59% of the copy roofline). The wrapper checks `PiT` once per tensor
-# (`turboquant_sm90.is_hadamard_rotation`); any other rotation takes the MMA store.
+# (`turboquant_sm90.is_hadamard_rotation`); any other rotation takes the MMA store. For 4-bit keys the entry takes the
+# `H_32` factor to the tensor cores after all (`_hadamard_rows_mma`: the +-1 matrix is exact in bf16 and small enough
+# for registers, a row's four residues mod 4 are four MMA rows of the thread that loaded them, and `H_4` stays in
+# registers), 1070 instructions a tile, 2.20 -> 2.12 ms at five programs a SM.
 #
 # The cell compiles both stores for sm_90 on this machine (Triton's own `ptxas`; no GPU needed, a process of its own
 # since the interpreter is on here) and counts what is in their tile loops: two barriers around each of the two

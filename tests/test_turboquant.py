@@ -1588,8 +1588,9 @@ _MMA_STORE = {"HADAMARD": 0}  # the sm90 entry with the MMA store for every PiT
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon store runs on compute capability 9.x (its sm_90 compile is tested anywhere)")
-@pytest.mark.parametrize("entry", [{}, {"HADAMARD_PROGRAMS_PER_SM": 1, "fused": 1}, {"HADAMARD_MMA_H32": 0},
-                                   {"HADAMARD_MMA_H32": 1}, _MMA_STORE,
+@pytest.mark.parametrize("entry", [{}, {"HADAMARD_PROGRAMS_PER_SM": 1, "HADAMARD_PROGRAMS_PER_SM_k4": 1, "fused": 1},
+                                   {"HADAMARD_MMA_H32_k4": 0, "HADAMARD_PROGRAMS_PER_SM_k4": 6,
+                                    "HADAMARD_MAXNREG_k4": 80}, {"HADAMARD_MMA_H32": 1}, _MMA_STORE,
                                    _MMA_STORE | {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128},
                                    _MMA_STORE | {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128,
                                                  "GLUON_EARLY_VALUES": 0},
@@ -1602,7 +1603,9 @@ _MMA_STORE = {"HADAMARD": 0}  # the sm90 entry with the MMA store for every PiT
 def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correction: bool, entry: dict,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The sm_90 stores (bf16 keys, D = 128) against golden, each with its own rounding model: the Hadamard store
-    (the sm90 entry's for serving's ``PiT``, butterflies in fp32: ``FP32_GEMM``) and the MMA store (``BF16X2_GEMM``).
+    (the sm90 entry's for serving's ``PiT``: ``FP32_GEMM``, with ``H_32`` by butterflies in fp32 or, for 4-bit keys
+    in the entry, by warp MMAs on the exact +-1 operand, whose accumulation error over 32 terms is inside
+    ``gamma_128``) and the MMA store (``BF16X2_GEMM``).
     A partial last tile, skipped slots, keys from 1e-30 to past 2^64 (inf and NaN too), values past fp16's range;
     as the sm90 entry launches them; the MMA store also at 8 warps a program (two warpgroups on one ``PiT``, 128
     registers) with its values loaded at each tile's start or where they are quantized; and (``fused``) keys and
@@ -1848,17 +1851,20 @@ for key_bits in (3, 4):
                                                             maxnreg=128, early_values=early)  # fmt: skip
             print(json.dumps(["store8", key_bits, value_bits, *sass_resources(kernel.asm["cubin"]),
                               kernel.metadata.shared, early]))
-        # The store for a Hadamard PiT, at the sm90 entry's register cap
-        hadamard_cap = turboquant.STORE_CONFIGS["sm90"]["HADAMARD_MAXNREG"]
+        # The store for a Hadamard PiT, as the sm90 entry launches it for these keys
+        entry = turboquant.with_overrides(turboquant.STORE_CONFIGS["sm90"], f"_k{key_bits}")
+        hadamard_cap, mma_h32 = entry["HADAMARD_MAXNREG"], bool(entry.get("HADAMARD_MMA_H32", 0))
         for norm_correction in (False, True):
             kernel = turboquant_sm90.compile_store_for_sm90(key_bits=key_bits, value_bits=value_bits, hadamard=True,
-                                                            norm_correction=norm_correction, maxnreg=hadamard_cap)
+                                                            norm_correction=norm_correction, maxnreg=hadamard_cap,
+                                                            mma_h32=mma_h32)  # fmt: skip
             flushing = [x.strip() for x in kernel.asm["ptx"].splitlines()
                         if ".ftz" in x and x.split()[0].split(".")[0] in ("fma", "min", "mul", "add", "sub")]
-            loop = sass_loop(kernel.asm["cubin"], "SHFL")  # the grid's copy of the tile loop
-            counts = [sum(f" {op}" in line for line in loop) for op in ("BAR.SYNC", "SHFL.BFLY", "LDL", "STL")]
+            loop = sass_loop(kernel.asm["cubin"], "HMMA" if mma_h32 else "SHFL")  # the grid's copy of the tile loop
+            counts = [sum(f" {op}" in line for line in loop) for op in ("BAR.SYNC", "SHFL.BFLY", "HMMA", "LDL", "STL")]
             print(json.dumps(["hadamard", key_bits, value_bits, *sass_resources(kernel.asm["cubin"]),
-                              kernel.metadata.shared, flushing, norm_correction, *counts]))
+                              kernel.metadata.shared, flushing, norm_correction, hadamard_cap,
+                              entry["HADAMARD_PROGRAMS_PER_SM"], *counts]))
 """
 
 
@@ -1929,14 +1935,18 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     for row in (row for row in rows if row[0] == "store8"):
         registers, stack, shared, early = row[3:]
         assert registers <= 128 and 2 * (shared + 1024) <= 228 * 1024 and stack <= (1024 if early else late), row
-    # The store for a Hadamard PiT: no PiT in shared memory (512 bytes: the gathers' tables), six programs a SM at 80
-    # registers; 64 butterfly shuffles a tile (two stages of 32 dimensions) beside the reductions' xor shuffles, the
-    # gathers' barriers as in the MMA store, and 1-2 local loads a tile.
+    # The store for a Hadamard PiT: no PiT in shared memory (the gathers' tables; with H_32 by MMAs its operand's
+    # conversion, 2 KiB), as many programs a SM as the entry launches within its register cap (six at 80, 3-bit keys;
+    # five at 96, 4-bit keys, H_32 by 16 warp MMAs a tile); with butterflies 64 shuffles a tile (two stages of 32
+    # dimensions) beside the reductions' 6-8, with MMAs the reductions' alone; the gathers' barriers as in the MMA
+    # store, and 0-2 local loads a tile (Triton 3.6; 3.9: up to 5).
     for row in (row for row in rows if row[0] == "hadamard"):
-        registers, stack, shared, flushing, norm_correction, barriers, shuffles, loads, stores = row[3:]
-        assert registers <= 80 and 6 * (shared + 1024) <= 228 * 1024 and stack <= 256, row
-        assert not flushing and barriers == (4 if norm_correction else 2), row
-        assert shuffles >= 64 and loads <= 4 and stores <= 4, row
+        registers, stack, shared, flushing, norm_correction, cap, programs, barriers, shuffles, mmas, loads, stores = (
+            row[3:])
+        assert registers <= cap and programs * registers * 128 <= 65536 and programs * (shared + 1024) <= 228 * 1024
+        assert stack <= 256 and not flushing and barriers == (4 if norm_correction else 2), row
+        assert (mmas == 16 and shuffles <= 8) if row[1] == 4 else (mmas == 0 and shuffles >= 64), row
+        assert loads <= (4 if triton.__version__.startswith("3.6") else 6) and stores <= 4, row
 
 
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc"])

@@ -138,6 +138,11 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # x 8 KV heads, one call each, stage us, 4-bit / k3v4 / 3-bit): 6 programs at 80 registers 2193 / 2203 / 2029 (the
 # MMA store in the same call 2575 / 2606 / 2410), 5 at 96 2230 / 2211 / 2137, 4 at 128 2288 / 2245 / 2137, 8 at 64
 # (keys loaded at the tile's start, not a tile ahead) 2421 / 2301 / 2136.
+# HADAMARD_MMA_H32 1: H_32 of the Hadamard store by warp MMAs (turboquant_sm90._hadamard_rows_mma; H_4 in registers,
+# no shuffles), 1298 -> 1102 instructions a tile at 80 registers (9 local loads a tile), 1070 at 96 (Triton 3.6,
+# 4-bit). One call on the H200, stage us, 4-bit / k3v4 / 3-bit: butterflies at 6 programs 2195 / 2218 / 2034; MMAs at
+# 6 programs, 80 registers 2293 / 2324 / 2192; at 5 programs, 96 registers 2125 / 2264 / 2054: taken for 4-bit keys
+# only (the _k4 keys).
 # GLUON_PREFETCH 1: each Gluon store program prefetches its next tile's key and value rows into L2 (prefetch.global.L2,
 # a line at a time) once the tile's codes are bucketized, so they arrive while it packs its codes and quantizes its
 # values. One call on the H200 at 1M tokens x 8 KV heads, stage in us, no prefetch against it (twice: 2026-12-03):
@@ -150,7 +155,8 @@ STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
     "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1, "GLUON": 1,
              "GLUON_PROGRAMS_PER_SM": 3, "GLUON_MAXNREG": 168, "GLUON_PREFETCH": 1,
-             "HADAMARD": 1, "HADAMARD_PROGRAMS_PER_SM": 6, "HADAMARD_MAXNREG": 80},
+             "HADAMARD": 1, "HADAMARD_PROGRAMS_PER_SM": 6, "HADAMARD_MAXNREG": 80, "HADAMARD_PROGRAMS_PER_SM_k4": 5,
+             "HADAMARD_MAXNREG_k4": 96, "HADAMARD_MMA_H32_k4": 1},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
 FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_stages unused: no rotation
@@ -300,8 +306,10 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
 }  # fmt: skip
 
 
-def select_store_config(device: torch.device, key_fp8: bool = False) -> dict[str, int]:
-    return dict(select_config(FP8_KEY_STORE_CONFIGS if key_fp8 else STORE_CONFIGS, device))
+def select_store_config(device: torch.device, key_fp8: bool = False, key_bits: int = 0) -> dict[str, int]:
+    """The device's store entry, its ``_k<key_bits>`` keys applied (``launch.with_overrides``)."""
+    entry = select_config(FP8_KEY_STORE_CONFIGS if key_fp8 else STORE_CONFIGS, device)
+    return with_overrides(entry, f"_k{key_bits}") if key_bits else dict(entry)
 
 
 def decode_entry(entry: dict[str, int], key_bits: int, value_bits: int) -> dict[str, int]:
@@ -797,7 +805,7 @@ def triton_turboquant_store(
 
     key_bits = 8 if key_fp8 else mse_bits
     unused = kv_cache  # FP8 keys never read PiT, midpoints or centroids; any pointer will do
-    config = select_store_config(device, key_fp8)
+    config = select_store_config(device, key_fp8, key_bits)
     num_slots = num_blocks * block_size
     data_bytes = layout["data_bytes_per_slot"]
     rows = num_tokens * num_kv_heads

@@ -120,7 +120,11 @@ for 21% more instructions a row (162 warp instructions against 134, Triton 3.6; 
 1298 a thread). On the H200 (``attnref bench --op turboquant --case store`` at 49bc981): 4-bit 2.20 ms, k3v4 2.21,
 3-bit 2.03 (56-59% of the copy roofline), against 2.58 / 2.61 / 2.41 for the MMA store in the same call
 (``benchmarks/kernel_times.py``); at five programs a SM (96 registers) 2.23 / 2.21 / 2.14, at four (128) 2.29 / 2.25 /
-2.14, at eight (64, no keys loaded a tile ahead) 2.42 / 2.30 / 2.14.
+2.14, at eight (64, no keys loaded a tile ahead) 2.42 / 2.30 / 2.14. With ``MMA_H32`` the ``H_32`` factor runs on warp
+MMAs instead (:func:`_hadamard_rows_mma`: ``H_128 = H_32 (x) H_4`` over dimension ``4 i + c``, a row's four residues
+``c`` four MMA rows held by the thread that loaded them, the +-1 operand exact in bf16, then ``H_4`` in registers; no
+shuffles): 1298 -> 1070 instructions a tile at 96 registers, and 4-bit keys at five programs a SM 2.20 -> 2.12 ms,
+the sm90 entry's choice for them (3-bit keys were 1-2% slower that way).
 """
 
 from __future__ import annotations
