@@ -2399,17 +2399,10 @@ def store_kernel(
     fence_async_shared()
     _barrier()
 
-    centroid_sq = 0
-    if NORM_CORRECTION:
-        sq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        centroid = gl.load(centroid_ptr + gl.arange(0, 1 << KEY_BITS, layout=sq_layout))
-        centroid_sq = centroid * centroid
-
-    # The grid's table (grid_table), one entry per thread, built once per program; where it cannot separate the
-    # midpoints, every tile of the program takes the binary search (a second copy of the tile loop: no branch in it).
-    table_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    table, grid_scale, grid_offset, grid_ok = grid_table(midpoint_ptr, gl.arange(0, GRID_SLOTS, layout=table_layout),
-                                                         KEY_BITS)  # fmt: skip
+    # Where the grid cannot separate the midpoints, every tile of the program takes the binary search (a second copy
+    # of the tile loop: no branch in it).
+    centroid_sq, table, grid_scale, grid_offset, grid_ok = _store_tables(midpoint_ptr, centroid_ptr, KEY_BITS,
+                                                                         NORM_CORRECTION, WARPS)  # fmt: skip
     if grid_ok:
         _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, pit_lo, centroid_sq, table,
                      grid_scale, grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt,
@@ -2420,6 +2413,21 @@ def store_kernel(
                      grid_scale, grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt,
                      stride_vh, NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE,
                      WIDE_SLOTS, False, WARPS, EARLY_VALUES, PREFETCH)  # fmt: skip
+
+
+@gluon.jit
+def _store_tables(midpoint_ptr, centroid_ptr, KEY_BITS: gl.constexpr, NORM_CORRECTION: gl.constexpr,
+                  WARPS: gl.constexpr):  # fmt: skip
+    """A store program's lookup tables, built once: ``(centroid_sq, table, grid_scale, grid_offset, grid_ok)``, the
+    codebook's squares (0 without norm correction) and the grid's table (:func:`grid_table`), an entry a thread."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    centroid_sq = 0
+    if NORM_CORRECTION:
+        centroid = gl.load(centroid_ptr + gl.arange(0, 1 << KEY_BITS, layout=layout))
+        centroid_sq = centroid * centroid
+    table, grid_scale, grid_offset, grid_ok = grid_table(midpoint_ptr, gl.arange(0, GRID_SLOTS, layout=layout),
+                                                         KEY_BITS)  # fmt: skip
+    return centroid_sq, table, grid_scale, grid_offset, grid_ok
 
 
 @gluon.jit
@@ -2618,14 +2626,8 @@ def store_hadamard_kernel(
     (:func:`grid_table`; the binary search where it cannot separate the midpoints), the packing of each thread's
     32 contiguous codes, the norm correction, and the values as the portable store quantizes them."""
     gl.static_assert(gl.num_warps() == WARPS)
-    centroid_sq = 0
-    if NORM_CORRECTION:
-        sq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        centroid = gl.load(centroid_ptr + gl.arange(0, 1 << KEY_BITS, layout=sq_layout))
-        centroid_sq = centroid * centroid
-    table_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    table, grid_scale, grid_offset, grid_ok = grid_table(midpoint_ptr, gl.arange(0, GRID_SLOTS, layout=table_layout),
-                                                         KEY_BITS)  # fmt: skip
+    centroid_sq, table, grid_scale, grid_offset, grid_ok = _store_tables(midpoint_ptr, centroid_ptr, KEY_BITS,
+                                                                         NORM_CORRECTION, WARPS)  # fmt: skip
     c = gl.load(pit_ptr)
     if grid_ok:
         _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
