@@ -764,7 +764,11 @@ def triton_turboquant_store(
     content checks say). CUDA graphs: the tensors stay fixed across replays; new slots and
     keys are written into them in place. FP8 keys (``key_fp8=True``, ``mse_bits=0``) ignore ``PiT``/``midpoints``.
     A key with a NaN stores a NaN norm; an infinite one the saturated 65504. On sm_90, MSE keys in bf16 at D = 128
-    go to the Gluon store (``triton_impl.turboquant_sm90``), whose rotation rounds as ``BF16X2_GEMM`` says.
+    go to a Gluon store (``triton_impl.turboquant_sm90``): for ``PiT = c H_128`` (the Sylvester-Hadamard rotation
+    serving uses) ``store_hadamard_kernel``, whose rotation rounds as ``FP32_GEMM`` says, else ``store_kernel``, as
+    ``BF16X2_GEMM`` says. Which one is decided once per ``PiT`` tensor (and in-place version): the first call with a
+    ``PiT`` reads one flag back from the device (a host sync; none after), and a ``PiT`` first seen inside a CUDA
+    graph capture takes ``store_kernel``.
 
     Args:
         key, value: ``[T, HKV, D]`` float16/bfloat16/float32 (unit last stride).
@@ -812,9 +816,9 @@ def triton_turboquant_store(
     if config.get("GLUON") and turboquant_sm90.store_supports(
         device=device, key_dtype=key.dtype, head_dim=head_dim, key_bits=key_bits, num_rows=rows,
         stride_block=kv_cache.stride(0), slot_bytes=data_bytes,
-    ):  # the sm_90 fast path (triton_impl/turboquant_sm90.py): persistent programs, the rotation on warpgroup MMAs
+    ):  # the sm_90 fast path (triton_impl/turboquant_sm90.py): persistent programs
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-        if config.get("HADAMARD") and turboquant_sm90.is_hadamard_rotation(PiT):  # PiT = c H: butterflies, no MMA
+        if config.get("HADAMARD") and turboquant_sm90.is_hadamard_rotation(PiT):  # PiT = c H: no PiT in shared memory
             kernel, prefix = turboquant_sm90.store_hadamard_kernel, "HADAMARD"
             warp_rows, extra = int(turboquant_sm90.STORE_QUAD_ROWS), ()
             knobs = dict(MMA_H32=bool(config.get("HADAMARD_MMA_H32", 0)))

@@ -2522,9 +2522,9 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
 
 # The store for the Sylvester-Hadamard rotation (``PiT = H_128 / sqrt(128)``, ``golden.turboquant.hadamard_rotation``
 # without a seed: what vLLM serves). ``k @ PiT`` is then ``c * (k @ H)`` with ``c = PiT[0, 0]``, and ``k @ H`` is seven
-# butterfly stages of fp32 additions (the fast Walsh-Hadamard transform): no rotation operand in shared memory and no
-# MMA, so a program holds a tile of 8 rows a warp (a lane quad a row, 32 contiguous dimensions a thread) and more
-# programs fit a SM.
+# butterfly stages of fp32 additions (the fast Walsh-Hadamard transform), or five of them as warp MMAs on a 32 x 32
+# +-1 operand held in registers: no rotation operand in shared memory, so a program holds a tile of 8 rows a warp (a
+# lane quad a row, 32 contiguous dimensions a thread) and more programs fit a SM.
 STORE_QUAD_ROWS = gl.constexpr(8)  # (token, KV head) rows per warp and tile of store_hadamard_kernel
 
 
@@ -2622,7 +2622,8 @@ def store_hadamard_kernel(
     MMA_H32: gl.constexpr = False,  # H_32 by warp MMAs (_hadamard_rows_mma), else butterflies (_hadamard_rows)
 ):  # fmt: skip
     """Persistent programs over tiles of ``8 WARPS`` (token, KV head) rows for ``PiT = c H_128``: per tile the
-    rows' norms, ``y = (k @ H) c / (||k|| + eps)`` (:func:`_hadamard_rows`), the bucketize by the grid's table
+    rows' norms, ``y = (k @ H) c / (||k|| + eps)`` (:func:`_hadamard_rows`, or with ``MMA_H32``
+    :func:`_hadamard_rows_mma`), the bucketize by the grid's table
     (:func:`grid_table`; the binary search where it cannot separate the midpoints), the packing of each thread's
     32 contiguous codes, the norm correction, and the values as the portable store quantizes them."""
     gl.static_assert(gl.num_warps() == WARPS)
