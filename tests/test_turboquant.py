@@ -788,6 +788,33 @@ def _write_record_codes(cache: torch.Tensor, config, where: tuple[int, int, int]
     data[where][start : start + size] = tq.pack_codes(codes, bits)
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_scatter_baseline_writes_the_store_s_bytes_and_nothing_else(preset: str, device: torch.device) -> None:
+    """The store bench's baseline (``parity.turboquant.scatter_slots``: the store's traffic with no arithmetic) writes
+    exactly the bytes the golden store writes, for every preset, with skipped slots: both written into caches of all
+    0x00 and all 0xFF, a byte counts as written where either run changed it."""
+    gen = generator(43)
+    config, pit, centroids, midpoints = _quantizer(preset, 128)
+    num_tokens, heads, block_size, num_blocks = 37, 2, 16, 4
+    key = torch.randn(num_tokens, heads, 128, generator=gen).to(torch.bfloat16)
+    value = torch.randn(num_tokens, heads, 128, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::5] = -1
+    shape = (num_blocks, block_size, heads, config.slot_size_aligned)
+
+    def written(store) -> torch.Tensor:
+        zeros, ones = torch.zeros(shape, dtype=torch.uint8), torch.full(shape, 255, dtype=torch.uint8)
+        return (store(zeros) != 0) | (store(ones) != 255)
+
+    def scatter(cache: torch.Tensor) -> torch.Tensor:
+        cache = cache.to(device)
+        ptq.scatter_slots(key.to(device), value.to(device), cache, slots.to(device), config)
+        return cache.cpu()
+
+    golden = written(lambda cache: tq.turboquant_store(cache, key, value, slots, pit, midpoints, centroids, config))
+    assert golden.any() and torch.equal(written(scatter), golden)
+
+
 def test_store_check_catches_planted_errors(device: torch.device) -> None:
     """Negative controls on the kernel's path: the Triton store with a wrong argument (no norm correction;
     midpoints moved by 2e-3, beyond any tie band), and its output with one planted error each (a key code

@@ -71,6 +71,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import triton
+import triton.language as tl
 from einops import einsum, rearrange
 
 from golden import turboquant as tq
@@ -447,14 +449,68 @@ def bench_cases() -> list:
     presets = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
     decodes = [decode_bench_case(p, length) for length in (8192, 32768) for p in presets]
     decodes.append(decode_bench_case("turboquant_4bit_nc", 32768, mixed=True))
-    return decodes + [store_case(p, 32 * 32768) for p in presets]
+    stores = [store_case(p, 32 * 32768) for p in presets]
+    return decodes + stores + [store_case(p, 32 * 32768, consecutive=True) for p in presets[1:]]
 
 
-def store_case(preset: str, tokens: int, kv_heads: int = 8, head_dim: int = 128, block_size: int = 16):
-    """The store of ``tokens`` bf16 keys and values (B=32 x L=32K at the defaults) into shuffled
-    slots, timed against the copy roofline: it reads ``2 * 2`` bytes per key and value element and
-    writes the slots' bytes. Checked first: the same kernel on the first 256 tokens, into a small
-    cache, against the golden store (:func:`compare_store`)."""
+@triton.jit
+def _scatter_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, num_rows, block_words, NUM_KV_HEADS: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, SLOT_WORDS: tl.constexpr, NUM_FIELDS: tl.constexpr,
+                    ROW_WORDS: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """Per (token, KV head) row: its key and value rows read whole (``ROW_WORDS`` 4-byte words each, contiguous
+    ``[T, HKV, D]`` tensors) and folded by XOR into 32 words, which (and past them the unfolded words, for a slot of
+    more than 32 words) are written to the row's slot data, and the first half-word to each of its ``NUM_FIELDS``
+    fp16 fields: the store's traffic, to the store's addresses, with no arithmetic to speak of. A negative slot
+    writes nothing."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = row < num_rows
+    slot = tl.load(slot_ptr + row // NUM_KV_HEADS, mask=live, other=-1).to(tl.int64)
+    live = live & (slot >= 0)
+    head = row % NUM_KV_HEADS
+    block, position = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    words = tl.arange(0, ROW_WORDS)
+    at = row[:, None].to(tl.int64) * ROW_WORDS + words[None, :]
+    both = tl.load(key_ptr + at, mask=live[:, None], other=0) ^ tl.load(value_ptr + at, mask=live[:, None], other=0)
+    folded = tl.xor_sum(tl.reshape(both, [ROWS, ROW_WORDS // 32, 32]), axis=1)  # every word read is used
+    half = tl.arange(0, 32)
+    data = block * block_words + (position * NUM_KV_HEADS + head) * SLOT_WORDS
+    tl.store(cache_ptr + data[:, None] + half[None, :], folded, mask=live[:, None] & (half[None, :] < SLOT_WORDS))
+    if SLOT_WORDS > 32:  # FP8 keys: 48 words
+        upper = live[:, None] & (words[None, :] >= 32) & (words[None, :] < SLOT_WORDS)
+        tl.store(cache_ptr + data[:, None] + words[None, :], both, mask=upper)
+    # fp16 fields [HKV][fields][block] after the block's data, in 2-byte units
+    meta = 2 * (block * block_words + BLOCK_SIZE * NUM_KV_HEADS * SLOT_WORDS) + (head * NUM_FIELDS * BLOCK_SIZE
+                                                                                 + position)  # fmt: skip
+    first = tl.sum(tl.where(half[None, :] == 0, folded, 0), axis=1).to(tl.int16)
+    for f in tl.static_range(NUM_FIELDS):
+        tl.store(cache_ptr.to(tl.pointer_type(tl.int16)) + meta + f * BLOCK_SIZE, first, mask=live)
+
+
+def scatter_slots(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                  config: TurboQuantConfig) -> None:  # fmt: skip
+    """The store's memory traffic with no arithmetic (:func:`_scatter_kernel`): each (token, KV head) row's key and
+    value read whole, its slot's data bytes and fp16 fields written where the store writes them. For contiguous
+    bf16 ``[T, HKV, D]`` keys and values with ``D = 128`` and slots in the cache (no checks: a benchmark's baseline,
+    the ceiling of the access pattern)."""
+    num_tokens, heads, head_dim = key.shape
+    assert head_dim == 128 and key.is_contiguous() and value.is_contiguous() and kv_cache.stride(0) % 4 == 0
+    rows = num_tokens * heads
+    _scatter_kernel[(triton.cdiv(rows, 16),)](
+        key.view(torch.int32), value.view(torch.int32), kv_cache.view(-1).view(torch.int32), slots, rows,
+        kv_cache.stride(0) // 4, NUM_KV_HEADS=heads, BLOCK_SIZE=kv_cache.shape[1],
+        SLOT_WORDS=config.data_bytes_per_slot // 4, NUM_FIELDS=config.num_meta_fields, ROW_WORDS=head_dim // 2,
+        ROWS=16, num_warps=4,
+    )  # fmt: skip
+
+
+def store_case(preset: str, tokens: int, kv_heads: int = 8, head_dim: int = 128, block_size: int = 16,
+               consecutive: bool = False):
+    """The store of ``tokens`` bf16 keys and values (B=32 x L=32K at the defaults) into shuffled slots (a decode
+    step's pattern) or consecutive ones (``consecutive``: a prefill's), timed against the copy roofline: it reads
+    ``2 * 2`` bytes per key and value element and writes the slots' bytes; its baseline, :func:`scatter_slots`,
+    moves the same bytes to the same addresses with no arithmetic: the ceiling of the access pattern. Checked
+    first: the same kernel on the first 256 tokens, into a small cache, against the golden store
+    (:func:`compare_store`)."""
     from triton_impl.bench import Bench, BenchCase
 
     def setup(device: torch.device) -> Bench:
@@ -463,7 +519,7 @@ def store_case(preset: str, tokens: int, kv_heads: int = 8, head_dim: int = 128,
         pit = hadamard_rotation(head_dim).T.contiguous().to(device)
         shape = (tokens // block_size, block_size, kv_heads, config.slot_size_aligned)
         cache = torch.zeros(shape, dtype=torch.uint8, device=device)
-        slots = torch.randperm(tokens, device=device)
+        slots = torch.arange(tokens, device=device) if consecutive else torch.randperm(tokens, device=device)
         key = torch.randn(tokens, kv_heads, head_dim, device=device).to(torch.bfloat16)
         value = torch.randn_like(key)
         quant = (pit, midpoints, config.key_mse_bits, config.key_packed_size, config.value_quant_bits,
@@ -485,9 +541,12 @@ def store_case(preset: str, tokens: int, kv_heads: int = 8, head_dim: int = 128,
             return [Check(f"kv_cache, first {few} tokens ({ties})", flags, torch.zeros_like(flags), None)]
 
         nbytes = key.numel() * 2 * 2 + (tokens // block_size) * cache.stride(0) + slots.numel() * 8
-        return Bench(run, check, nbytes, 0.0)
+        scratch = torch.empty_like(cache)
+        scatter = lambda: scatter_slots(key, value, scratch, slots, config)
+        return Bench(run, check, nbytes, 0.0, {"scatter, no arithmetic": scatter})
 
-    return BenchCase("turboquant", f"{preset} store Hk={kv_heads} D={head_dim} {tokens // 1024}K tokens", setup)
+    order = " consecutive slots" if consecutive else ""
+    return BenchCase("turboquant", f"{preset} store Hk={kv_heads} D={head_dim} {tokens // 1024}K tokens{order}", setup)
 
 
 def centroid_rounding_bound(
