@@ -44,13 +44,19 @@ def opcode(source: str) -> str:
 
 
 def hottest_loop(rows: list[dict[str, str]]) -> tuple[int, int]:
-    """Row indices ``(head, tail)`` of the innermost backward branch's range that holds an MMA (the whole kernel if
-    none does): ``triton_impl.bench.innermost_loop`` on the rows, each row's index its address."""
+    """Row indices ``(head, tail)`` of the innermost backward branch's range that holds an MMA
+    (``triton_impl.bench.innermost_loop`` on the rows, each row's index its address); with no MMA in a loop, the
+    loop with the most samples an instruction (the Hadamard store's butterflies: of its two copies of the tile loop
+    the one that ran, and of nested loops the hot inner one); with no loop, the whole kernel."""
     index = {int(r["Address"], 16): i for i, r in enumerate(rows)}
     code = [(i, opcode(r["Source"]), "", r["Source"]) for i, r in enumerate(rows)]
     loops = [(index[target], i) for i, r in enumerate(rows)
              if (b := SASS_BRANCH.search(r["Source"])) and index.get(target := int(b.group(1), 16), i) < i]  # fmt: skip
-    return innermost_loop(code, loops, ("HMMA", "HGMMA")) or (0, len(rows) - 1)
+    found = innermost_loop(code, loops, ("HMMA", "HGMMA"))
+    if found is None and loops:
+        density = lambda loop: sum(reasons(rows[loop[0] : loop[1] + 1]).values()) / (loop[1] - loop[0] + 1)
+        found = max(loops, key=density)
+    return found or (0, len(rows) - 1)
 
 
 def reasons(rows: list[dict[str, str]]) -> collections.Counter:

@@ -471,3 +471,7 @@ def test_ncu_stalls_sums_the_source_page_over_the_hottest_loop(tmp_path: Path, c
     ncu_stalls.summarize(str(path))
     out = capsys.readouterr().out
     assert "loop: 3 instructions (rows 2-4), 17 of 25 samples" in out
+    # With no MMA (the Hadamard store's butterflies): the loop with the most samples an instruction, the inner one
+    no_mma = [{**r, "Source": r["Source"].replace("HMMA.16816.F32", "FADD")} for r in loaded]
+    assert ncu_stalls.hottest_loop(no_mma) == (2, 4)
+    assert ncu_stalls.hottest_loop([r for r in no_mma if "BRA" not in r["Source"]]) == (0, len(rows) - 3)
