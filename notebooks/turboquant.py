@@ -739,12 +739,14 @@ for preset in tq.PRESETS:
 COUNT_LOOP = """
 import json
 from triton_impl.bench import sass_loop
+from triton_impl.turboquant import STORE_CONFIGS
 from triton_impl.turboquant_sm90 import compile_store_for_sm90
+entry = STORE_CONFIGS["sm90"]  # the butterflies' and the MMA store's register caps
 for hadamard, norm_correction in ((False, True), (False, False), (True, True), (True, False)):
     # the innermost loop with the rotation's MMAs (the Hadamard store's: its shuffles): the grid lookup's tile loop
     # (the binary search, for codebooks the grid cannot separate, is a second, longer copy of it)
     cubin = compile_store_for_sm90(norm_correction=norm_correction, hadamard=hadamard,
-                                   maxnreg=80 if hadamard else 168).asm["cubin"]
+                                   maxnreg=entry["HADAMARD_MAXNREG" if hadamard else "GLUON_MAXNREG"]).asm["cubin"]
     body = [line for line in sass_loop(cubin, "SHFL" if hadamard else "HGMMA") if " NOP " not in line]
     print(json.dumps([hadamard, norm_correction, len(body), sum(" BAR.SYNC" in line for line in body),
                       sum(" STS" in line for line in body), sum(" SHFL.BFLY" in line for line in body)]))

@@ -1699,7 +1699,8 @@ def test_sm90_store_takes_the_butterflies_only_for_a_hadamard_rotation(monkeypat
     key = torch.randn(num_tokens, heads, 128, generator=gen).to(torch.bfloat16)
     value = torch.randn(num_tokens, heads, 128, generator=gen).to(torch.bfloat16)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    args = (key.to(device), value.to(device), None, slots.to(device))
+    stored = key.to(device), value.to(device)
+    slots_d = slots.to(device)
 
     def store(pit: torch.Tensor, capture: bool = False, no_sync: bool = False) -> str:
         cache = _garbage_cache(num_blocks, block_size, heads, config, gen, device)
@@ -1711,12 +1712,12 @@ def test_sm90_store_takes_the_butterflies_only_for_a_hadamard_rotation(monkeypat
             if capture:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    ttq.triton_turboquant_store(args[0], args[1], cache, args[3], *quant)
+                    ttq.triton_turboquant_store(*stored, cache, slots_d, *quant)
                 graph.replay()
             else:
                 torch.cuda.set_sync_debug_mode("error" if no_sync else "default")
                 try:
-                    ttq.triton_turboquant_store(args[0], args[1], cache, args[3], *quant)
+                    ttq.triton_turboquant_store(*stored, cache, slots_d, *quant)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
         (name,) = {getattr(kernel, "name", "") for kernel in launched.values()}
@@ -1822,6 +1823,7 @@ import itertools
 import json
 from triton_impl import turboquant, turboquant_sm90
 from triton_impl.bench import SASS_UNIFORM_MOVE, sass_loop, sass_resources
+from triton_impl.launch import with_overrides
 for key_bits, value_bits in ((3, 3), (3, 4), (4, 4), (8, 4)):
     entry = turboquant.decode_entry(turboquant.DECODE_CONFIGS["sm90"], key_bits, value_bits)
     stages = turboquant_sm90.stages(entry.get("GLUON_STAGES", 0), key_bits, value_bits)
@@ -1879,7 +1881,7 @@ for key_bits in (3, 4):
             print(json.dumps(["store8", key_bits, value_bits, *sass_resources(kernel.asm["cubin"]),
                               kernel.metadata.shared, early]))
         # The store for a Hadamard PiT, as the sm90 entry launches it for these keys
-        entry = turboquant.with_overrides(turboquant.STORE_CONFIGS["sm90"], f"_k{key_bits}")
+        entry = with_overrides(turboquant.STORE_CONFIGS["sm90"], f"_k{key_bits}")
         hadamard_cap, mma_h32 = entry["HADAMARD_MAXNREG"], bool(entry.get("HADAMARD_MMA_H32", 0))
         for norm_correction in (False, True):
             kernel = turboquant_sm90.compile_store_for_sm90(key_bits=key_bits, value_bits=value_bits, hadamard=True,
