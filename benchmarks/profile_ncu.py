@@ -24,6 +24,8 @@ from triton_impl.validation import CONTENT_CHECKS_ENV
 
 def find(spec: str):
     hits = matching(spec)
+    exact = [case for case in hits if case.name == spec.rpartition(":")[2]]
+    hits = exact or hits  # a name that is a prefix of another's ("... tokens", "... tokens consecutive slots")
     if len(hits) != 1:
         raise SystemExit(f"{spec!r} matches {len(hits)} cases: {[c.name for c in hits]}")
     return hits[0]

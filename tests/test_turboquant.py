@@ -474,6 +474,7 @@ def test_kernel_store_matches_golden_with_every_tiling(tiling: str, monkeypatch:
 # ----------------------------------------------------------------------------------------------
 
 _U = 2.0**-149  # the least subnormal fp32; the grid's scale and offset are integer multiples of it
+_GRID_SLOTS, _GRID_SPAN = ttq_sm90.GRID_SLOTS.value, ttq_sm90.GRID_SPAN.value
 _CODEBOOK_KINDS = ("lloyd_gaussian_128", "lloyd_gaussian_64", "lloyd_beta_64", "uneven", "very_uneven",
                    "negative_only", "positive_from_zero", "from_negative_zero", "tiny_span", "close_pair",
                    "equal_pair", "outlier", "huge_span")  # fmt: skip
@@ -485,7 +486,7 @@ def _grid_params(midpoints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``turboquant_sm90.grid_table``'s ``(scale, offset)``, by the same fp32 operations (unfused, as the
     interpreter runs them)."""
     unit = torch.tensor(_U, dtype=torch.float32)
-    scale = (torch.tensor(60.0) / (midpoints[-1] - midpoints[0])) * unit
+    scale = (torch.tensor(_GRID_SPAN) / (midpoints[-1] - midpoints[0])) * unit
     offset = -midpoints[0] * scale + unit
     return scale, torch.where(offset == 0, torch.zeros(()), offset)
 
@@ -493,15 +494,16 @@ def _grid_params(midpoints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _grid_slot_model(y: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """``grid_slot`` in float64: the fma's exact value ``y S + C`` (``S``, ``C`` the integers ``scale / u``,
     ``offset / u``; ``y S`` is exact in float64, 24 x 24 bits) rounded to nearest even; a negative value rounds
-    to -0 or below, slot 63, and so does NaN; clamped at 62 above."""
+    to -0 or below, the last slot (``GRID_SLOTS - 1``), and so does NaN; clamped at the one before it above."""
     big, low = scale.double() / _U, offset.double() / _U
     p = y.double() * big
     whole = torch.floor(p)
     frac = p - whole
     base = whole + low
     rounded = base + ((frac > 0.5) | ((frac == 0.5) & (torch.remainder(base, 2) == 1))).double()
-    slot = torch.where(p < -low, 63.0, rounded.clamp(max=62.0))
-    return torch.where(slot.isnan() | y.isnan(), 63.0, slot).long()  # NaN p: 0 times an infinite scale, or y NaN
+    last = float(_GRID_SLOTS - 1)
+    slot = torch.where(p < -low, last, rounded.clamp(max=last - 1))
+    return torch.where(slot.isnan() | y.isnan(), last, slot).long()  # NaN p: 0 times an infinite scale, or y NaN
 
 
 def _grid_model(midpoints: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -509,10 +511,11 @@ def _grid_model(midpoints: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor,
     the table built from the midpoints' own slots."""
     scale, offset = _grid_params(midpoints)
     slots = _grid_slot_model(midpoints, scale, offset)
-    ok = bool(0 < scale < math.inf) and int(slots[0]) < 63 and bool((slots[1:] > slots[:-1]).all())
-    k = torch.arange(64)
-    below = (slots[None, :] < torch.where(k == 63, 0, k)[:, None]).sum(dim=1)
-    mid = torch.full((64,), float("nan"))
+    last = _GRID_SLOTS - 1
+    ok = bool(0 < scale < math.inf) and int(slots[0]) < last and bool((slots[1:] > slots[:-1]).all())
+    k = torch.arange(last + 1)
+    below = (slots[None, :] < torch.where(k == last, 0, k)[:, None]).sum(dim=1)
+    mid = torch.full((last + 1,), float("nan"))
     mid[slots] = midpoints  # one midpoint per slot where ok
     at = _grid_slot_model(y, scale, offset)
     return below[at] + (y >= mid[at]).long(), ok
@@ -525,9 +528,9 @@ def _codebook(kind: str, bits: int, gen: torch.Generator) -> torch.Tensor:
         _, model, d = kind.split("_")
         return tq.solve_lloyd_max(int(d), bits, model)[1].clone()
     lloyd = tq.solve_lloyd_max(128, bits)[1].clone()
-    if kind in ("uneven", "very_uneven"):  # gaps within a factor 2.2 (separable), or three orders of magnitude
+    if kind in ("uneven", "very_uneven"):  # gaps within a factor 1.8 (separable), or three orders of magnitude
         noise = torch.rand(n - 1, generator=gen, dtype=torch.float64)
-        gaps = 1 + 1.2 * noise if kind == "uneven" else torch.exp(torch.randn(n - 1, generator=gen) * 2).double()
+        gaps = 1 + 0.8 * noise if kind == "uneven" else torch.exp(torch.randn(n - 1, generator=gen) * 2).double()
         points = torch.cat([torch.zeros(1, dtype=torch.float64), gaps.cumsum(0)]) / gaps.sum()
         return (points * 0.6 - 0.3 + torch.rand(1, generator=gen, dtype=torch.float64) * 0.1).float()
     if kind == "negative_only":
@@ -556,7 +559,7 @@ def _grid_probes(midpoints: torch.Tensor, gen: torch.Generator, count: int = 204
     (``y S + C = k + 1/2``) with their two neighbours either side, +-0, +-inf, NaNs of both signs, subnormals,
     the extremes, then random bit patterns and random values across the midpoints' range."""
     scale, offset = _grid_params(midpoints)
-    edges = (torch.arange(-2, 64, dtype=torch.float64) + 0.5 - offset.double() / _U) / (scale.double() / _U)
+    edges = (torch.arange(-2, _GRID_SLOTS, dtype=torch.float64) + 0.5 - offset.double() / _U) / (scale.double() / _U)
     special = _float_bits([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF,
                            1, 0x80000001, 0x007FFFFF, 0x807FFFFF, 0x00800000, 0x7F7FFFFF, 0xFF7FFFFF])  # fmt: skip
     base = torch.cat([midpoints, edges.float(), special])
@@ -1821,6 +1824,7 @@ def test_inline_ptx_of_the_3bit_lookup_does_what_its_docstring_says() -> None:
 _SM90_COMPILE = """
 import itertools
 import json
+import re
 from triton_impl import turboquant, turboquant_sm90
 from triton_impl.bench import SASS_UNIFORM_MOVE, sass_loop, sass_resources
 from triton_impl.launch import with_overrides
@@ -1890,7 +1894,9 @@ for key_bits in (3, 4):
             flushing = [x.strip() for x in kernel.asm["ptx"].splitlines()
                         if ".ftz" in x and x.split()[0].split(".")[0] in ("fma", "min", "mul", "add", "sub")]
             loop = sass_loop(kernel.asm["cubin"], "HMMA" if mma_h32 else "SHFL")  # the grid's copy of the tile loop
-            counts = [sum(f" {op}" in line for line in loop) for op in ("BAR.SYNC", "SHFL.BFLY", "HMMA", "LDL", "STL")]
+            counts = [sum(f" {op}" in line for line in loop) for op in ("BAR.SYNC", "SHFL.BFLY", "SHFL.IDX", "HMMA",
+                                                                      "LDL", "STL", "LDS", "STS")]
+            counts.append(sum(bool(re.search(r" STG[.][A-Z.]*128 ", line)) for line in loop))  # 16-byte stores
             print(json.dumps(["hadamard", key_bits, value_bits, *sass_resources(kernel.asm["cubin"]),
                               kernel.metadata.shared, flushing, norm_correction, hadamard_cap,
                               entry["HADAMARD_PROGRAMS_PER_SM"], *counts]))
@@ -1901,11 +1907,11 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     """The Gluon fast paths never run under the interpreter: compile them for sm_90 here (a process of its own,
     TRITON_INTERPRET=0). Decode stage 1: every preset's key and value widths (with the sm90 entry's register cap,
     stages and operand rounding), groups 1/4/16 and two block sizes (the one-warp programs by the grid and by
-    stream-K), with no stack (3-bit keys: 8 bytes, outside the
-    loop), at most 40 KiB of shared memory and, for 4-bit keys, no uniform register copied at each use in the loop.
-    Store: 3/4-bit keys and values, with and without norm correction, at the sm90 entry's register cap (the spills
-    bounded below), no CTA barrier in the tile loop but its gathers', and no multiply, fma or min that flushes
-    subnormals (the grid bucketize reads the bits of subnormal results: ``turboquant_sm90.grid_slot``)."""
+    stream-K), with no stack (3-bit keys: 8 bytes, outside the loop), at most 40 KiB of shared memory and, for
+    4-bit keys, no uniform register copied at each use in the loop. Store: 3/4-bit keys and values, with and without
+    norm correction, at the sm90 entry's register cap (the spills bounded below), no CTA barrier in the tile loop
+    but its gathers' (the Hadamard store: none, and no shared memory access), and no multiply, fma or min that
+    flushes subnormals (the grid bucketize reads the bits of subnormal results: ``turboquant_sm90.grid_slot``)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -1964,17 +1970,20 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     for row in (row for row in rows if row[0] == "store8"):
         registers, stack, shared, early = row[3:]
         assert registers <= 128 and 2 * (shared + 1024) <= 228 * 1024 and stack <= (1024 if early else late), row
-    # The store for a Hadamard PiT: no PiT in shared memory (the gathers' tables; with H_32 by MMAs its operand's
-    # conversion, 2 KiB), as many programs a SM as the entry launches within its register cap (six at 80, 3-bit keys;
-    # five at 96, 4-bit keys, H_32 by 16 warp MMAs a tile); with butterflies 64 shuffles a tile (two stages of 32
-    # dimensions) beside the reductions' 6-8, with MMAs the reductions' alone; the gathers' barriers as in the MMA
-    # store, and 0-2 local loads a tile (Triton 3.6; 3.9: up to 5).
+    # The store for a Hadamard PiT: no PiT in shared memory (with H_32 by MMAs its operand's conversion, 2 KiB), as
+    # many programs a SM as the entry launches within its register cap (six at 80, 3-bit keys; five at 96, 4-bit
+    # keys, H_32 by 16 warp MMAs a tile); with butterflies 64 shuffles a tile (two stages of 32 dimensions) beside the
+    # reductions' 6-8, with MMAs the reductions' alone. Its lookups (the grid's two tables, with norm correction the
+    # centroids' squares) are warp shuffles, an index shuffle a code and table: no shared memory and no barrier in
+    # the tile loop. 4-bit codes go out 16 bytes a store, and 0-4 local loads a tile (Triton 3.6; 3.9: up to 6).
     for row in (row for row in rows if row[0] == "hadamard"):
-        registers, stack, shared, flushing, norm_correction, cap, programs, barriers, shuffles, mmas, loads, stores = (
-            row[3:])
+        registers, stack, shared, flushing, norm_correction, cap, programs = row[3:10]
+        barriers, butterflies, lookups, mmas, loads, stores, shared_loads, shared_stores, wide_stores = row[10:]
         assert registers <= cap and programs * registers * 128 <= 65536 and programs * (shared + 1024) <= 228 * 1024
-        assert stack <= 256 and not flushing and barriers == (4 if norm_correction else 2), row
-        assert (mmas == 16 and shuffles <= 8) if row[1] == 4 else (mmas == 0 and shuffles >= 64), row
+        assert stack <= 256 and not flushing and barriers == shared_loads == shared_stores == 0, row
+        assert lookups == 32 * (2 + norm_correction), row  # a thread's 32 codes of a tile
+        assert (mmas == 16 and butterflies <= 8) if row[1] == 4 else (mmas == 0 and butterflies >= 64), row
+        assert wide_stores == (row[1] == 4) + (row[2] == 4), row
         assert loads <= (4 if triton.__version__.startswith("3.6") else 6) and stores <= 4, row
 
 

@@ -2095,6 +2095,13 @@ def _code_dim(n):
     return ((n >> 1) & 3) * 32 + (n >> 3) * 2 + (n & 1)
 
 
+# L2 eviction hints of the stores (:data:`STORE_FIELDS_EVICTION`): keys and values are read once and each slot's data
+# is written whole by one tile, so both leave L2 first; a slot's fp16 fields are 2 bytes of a 32-byte sector the other
+# 15 positions of its block fill, in a decode step's order at other times, so they stay: a sector evicted before it
+# is whole costs DRAM a read of it as well as the write.
+STORE_FIELDS_EVICTION = gl.constexpr("evict_last")
+
+
 @gluon.jit
 def _slots(slot_ptr, row, num_rows, NUM_KV_HEADS: gl.constexpr):
     """The slot of each (token, KV head) row ``row`` (-1 past ``num_rows``: nothing to write)."""
@@ -2158,8 +2165,10 @@ def _row_start(ptr, row, stride_t, stride_h, NUM_KV_HEADS: gl.constexpr):
 
 @gluon.jit
 def _row_loads(ptr, row, num_rows, dim, stride_t, stride_h, NUM_KV_HEADS: gl.constexpr):
-    """``ptr``'s elements ``dim`` of rows ``row`` (:func:`_row_start`); 0 past the rows."""
-    return gl.load(_row_start(ptr, row, stride_t, stride_h, NUM_KV_HEADS) + dim, mask=row < num_rows, other=0.0)
+    """``ptr``'s elements ``dim`` of rows ``row`` (:func:`_row_start`); 0 past the rows. Read once: first out of L2
+    (:data:`STORE_EVICTION`)."""
+    return gl.load(_row_start(ptr, row, stride_t, stride_h, NUM_KV_HEADS) + dim, mask=row < num_rows, other=0.0,
+                   eviction_policy="evict_first")
 
 
 @gluon.constexpr_function
@@ -2182,8 +2191,8 @@ def _store_codes(cache_ptr, at, groups, ok, BITS: gl.constexpr):
     if BITS == 4:
         RANK: gl.constexpr = len(groups.shape)
         LAYOUT: gl.constexpr = groups.type.layout
-        q = _iota(4, RANK - 1, RANK, LAYOUT)
-        gl.store((cache_ptr + at + 4 * q).to(gl.pointer_type(gl.uint32)), groups, mask=ok)
+        q = _iota(4, RANK - 1, RANK, LAYOUT)  # a word pointer plus q, not a byte pointer plus 4 q: one 16-byte store
+        gl.store((cache_ptr + at).to(gl.pointer_type(gl.uint32)) + q, groups, mask=ok, eviction_policy="evict_first")
     else:
         even, odd = gl.split(gl.reshape(groups, _pairs_shape(groups.shape)))  # q = 2a + b: [..., a] each
         g0, g2 = gl.split(even)
@@ -2192,29 +2201,30 @@ def _store_codes(cache_ptr, at, groups, ok, BITS: gl.constexpr):
         at = gl.convert_layout(gl.reshape(at, g0.shape), LAYOUT3)
         ok = gl.convert_layout(gl.reshape(ok, g0.shape), LAYOUT3)
         words = (cache_ptr + at).to(gl.pointer_type(gl.uint32))
-        gl.store(words, g0 | (g1 << 24), mask=ok)
-        gl.store(words + 1, (g1 >> 8) | (g2 << 16), mask=ok)
-        gl.store(words + 2, (g2 >> 16) | (g3 << 8), mask=ok)
+        gl.store(words, g0 | (g1 << 24), mask=ok, eviction_policy="evict_first")
+        gl.store(words + 1, (g1 >> 8) | (g2 << 16), mask=ok, eviction_policy="evict_first")
+        gl.store(words + 2, (g2 >> 16) | (g3 << 8), mask=ok, eviction_policy="evict_first")
 
 
 # Bucketize by a uniform grid, shared by this store and the portable one (``turboquant._store_kernel``): written
-# with triton.language ops, which Gluon compiles too (the caller gives the table's index tensor its layout).
-GRID_SLOTS = tl.constexpr(64)  # table entries: 63 grid cells, and slot 63 for NaN and everything below the grid
-_GRID_SPAN = tl.constexpr(60.0)  # cells from the first midpoint (cell 1) to the last (cell 61)
+# with triton.language ops, which Gluon compiles too (the caller gives the table's index tensor its layout). 32 slots:
+# a warp holds the table with an entry a lane, so the Hadamard store looks a code up by a warp shuffle.
+GRID_SLOTS = tl.constexpr(32)  # table entries: 31 grid cells, and slot 31 for NaN and everything below the grid
+GRID_SPAN = tl.constexpr(28.0)  # cells from the first midpoint (cell 1) to the last (cell 29)
 
 
 @triton.jit
 def grid_slot(y, scale, offset):
-    """The table slot of each fp32 ``y``: ``min(bits(min(fma(y, scale, offset), 62 u)), 63)`` (unsigned), with
+    """The table slot of each fp32 ``y``: ``min(bits(min(fma(y, scale, offset), 30 u)), 31)`` (unsigned), with
     ``u = 2^-149`` the least subnormal and ``scale``, ``offset`` multiples of it (:func:`grid_table`).
 
     The fma rounds once, to a multiple of ``u`` whose bit pattern is that integer, ``round(y S + C)`` (``S =
-    scale / u``, ``C = offset / u``; to nearest even): slots ``0 .. 62`` are the grid's cells, clamped above by a
-    float min that keeps NaN. A result with the sign bit set (negative, or -0) and NaN have bits above 63: slot
-    63. In the order ``63 < 0 < 1 < .. < 62`` the slot is a nondecreasing function of ``y``'s value (``offset``
+    scale / u``, ``C = offset / u``; to nearest even): slots ``0 .. 30`` are the grid's cells, clamped above by a
+    float min that keeps NaN. A result with the sign bit set (negative, or -0) and NaN have bits above 31: slot
+    31. In the order ``31 < 0 < 1 < .. < 30`` the slot is a nondecreasing function of ``y``'s value (``offset``
     is never -0, so -0 and +0 share a slot). Subnormals must not be flushed: ``fma.rn.f32`` and ``min.NaN.f32``
     have no ``.ftz`` in the PTX Triton emits."""
-    top = tl.cast(GRID_SLOTS - 2, tl.uint32).to(tl.float32, bitcast=True)  # 62 u
+    top = tl.cast(GRID_SLOTS - 2, tl.uint32).to(tl.float32, bitcast=True)  # 30 u
     t = tl.minimum(tl.fma(y, scale, offset), top, propagate_nan=tl.PropagateNan.ALL)
     return tl.minimum(t.to(tl.uint32, bitcast=True), GRID_SLOTS - 1).to(tl.int32)
 
@@ -2222,29 +2232,30 @@ def grid_slot(y, scale, offset):
 @triton.jit
 def grid_table(midpoint_ptr, slot, BITS: tl.constexpr):
     """The grid's table for the ``2^BITS - 1`` ascending midpoints ``m``: ``(table, scale, offset, ok)``; ``slot``
-    is ``0 .. 63`` (any layout: the table's).
+    is ``0 .. 31`` (any layout: the table's).
 
-    ``scale = 60 / (m_last - m_0)`` and ``offset = 1 - m_0 scale``, in units of ``u`` and rounded
-    (:func:`grid_slot`): ``y``'s cell is ``round(1 + 60 (y - m_0) / (m_last - m_0))`` up to that rounding, so
-    ``m_0`` is in cell 0, 1 or 2 and no midpoint is in slot 63. Entry ``k`` packs ``below_k = #{m : slot(m) <
-    k}`` (high word; 0 for slot 63) and ``mid_k``, the midpoint in slot ``k`` (NaN if none), and
+    ``scale = 28 / (m_last - m_0)`` and ``offset = 1 - m_0 scale``, in units of ``u`` and rounded
+    (:func:`grid_slot`): ``y``'s cell is ``round(1 + 28 (y - m_0) / (m_last - m_0))`` up to that rounding, so
+    ``m_0`` is in cell 0, 1 or 2 and no midpoint is in slot 31. Entry ``k`` packs ``below_k = #{m : slot(m) <
+    k}`` (high word; 0 for slot 31) and ``mid_k``, the midpoint in slot ``k`` (NaN if none), and
     :func:`grid_code` gives ``#{m : m <= y} = below_k + (y >= mid_k)`` for ``k = slot(y)``, exactly for every fp32
     ``y``: the midpoints get their slots from the same nondecreasing :func:`grid_slot`, so a midpoint in an
     earlier slot than ``y``'s is below ``y`` and one in a later slot above it; only the one sharing ``y``'s slot
-    is in doubt, and it is compared. NaN ``y`` is in slot 63: ``below = 0`` and the compare is false, code 0.
-    ``ok``: the scale is positive and finite and the midpoints' slots increase strictly from below 63 (no two
-    share one, none is NaN or in slot 63); else the caller takes the binary search."""
+    is in doubt, and it is compared. NaN ``y`` is in slot 31: ``below = 0`` and the compare is false, code 0.
+    ``ok``: the scale is positive and finite and the midpoints' slots increase strictly from below 31 (no two
+    share one, none is NaN or in slot 31); else the caller takes the binary search. The 4-bit Lloyd-Max
+    midpoints' closest pair is 1/19 of their span apart, 1.5 cells."""
     NUM: tl.constexpr = (1 << BITS) - 1
     m_first = tl.load(midpoint_ptr)
     unit = tl.cast(1, tl.uint32).to(tl.float32, bitcast=True)  # u = 2^-149
-    scale = (_GRID_SPAN / (tl.load(midpoint_ptr + NUM - 1) - m_first)) * unit
+    scale = (GRID_SPAN / (tl.load(midpoint_ptr + NUM - 1) - m_first)) * unit
     offset = -m_first * scale + unit
     offset = tl.where(offset == 0, 0.0, offset)  # +0, never -0 (a fused multiply-add could round to -0)
     ok = (scale > 0) & (scale < float("inf"))
-    limit = tl.where(slot == GRID_SLOTS - 1, 0, slot)  # slot 63 comes first: no midpoint is before it
+    limit = tl.where(slot == GRID_SLOTS - 1, 0, slot)  # slot 31 comes first: no midpoint is before it
     below = slot * 0
     mid = tl.where(slot < 0, 0.0, float("nan"))
-    previous = GRID_SLOTS - 1  # m_0 must not be in slot 63 either
+    previous = GRID_SLOTS - 1  # m_0 must not be in slot 31 either
     for j in tl.static_range(NUM):
         m = tl.load(midpoint_ptr + j)
         m_slot = grid_slot(m, scale, offset)
@@ -2260,10 +2271,16 @@ def grid_table(midpoint_ptr, slot, BITS: tl.constexpr):
 
 
 @triton.jit
+def grid_split(entry):
+    """``(below, mid)`` of table entries (:func:`grid_table`): int32 and fp32."""
+    return (entry >> 32).to(tl.int32), (entry & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def grid_code(y, entry):
     """``below + (y >= mid)`` from ``y``'s table entry (:func:`grid_table`)."""
-    mid = (entry & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-    return (entry >> 32).to(tl.int32) + (y >= mid).to(tl.int32)
+    below, mid = grid_split(entry)
+    return below + (y >= mid).to(tl.int32)
 
 
 @gluon.jit
@@ -2345,8 +2362,8 @@ def _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS
     # CTA barriers each. ``ok`` and ``meta`` reduced over their two unit dimensions (no data moves) to that layout.
     fields = (cache_ptr + gl.max(gl.max(meta, axis=RANK - 1), axis=RANK - 2)).to(gl.pointer_type(gl.uint16))
     row_ok = gl.max(gl.max(ok.to(gl.int32), axis=RANK - 1), axis=RANK - 2) != 0
-    gl.store(fields + BLOCK_SIZE, _fp16_bits(scale), mask=row_ok)
-    gl.store(fields + 2 * BLOCK_SIZE, _fp16_bits(v_min), mask=row_ok)
+    gl.store(fields + BLOCK_SIZE, _fp16_bits(scale), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
+    gl.store(fields + 2 * BLOCK_SIZE, _fp16_bits(v_min), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
 
 
 @gluon.jit
@@ -2417,16 +2434,24 @@ def store_kernel(
 
 @gluon.jit
 def _store_tables(midpoint_ptr, centroid_ptr, KEY_BITS: gl.constexpr, NORM_CORRECTION: gl.constexpr,
-                  WARPS: gl.constexpr):  # fmt: skip
+                  WARPS: gl.constexpr, BY_WARP: gl.constexpr = False):  # fmt: skip
     """A store program's lookup tables, built once: ``(centroid_sq, table, grid_scale, grid_offset, grid_ok)``, the
-    codebook's squares (0 without norm correction) and the grid's table (:func:`grid_table`), an entry a thread."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    codebook's squares (0 without norm correction) and the grid's table (:func:`grid_table`), an entry a thread;
+    ``BY_WARP``: ``[WARPS, n]``, a whole copy in each warp, an entry a lane (:func:`_lookup`)."""
+    if BY_WARP:
+        layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
+        warp = _iota(WARPS, 0, 2, layout) * 0
+        slot = warp + _iota(GRID_SLOTS, 1, 2, layout)
+        code = warp + _iota(1 << KEY_BITS, 1, 2, layout)
+    else:
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        slot = gl.arange(0, GRID_SLOTS, layout=layout)
+        code = gl.arange(0, 1 << KEY_BITS, layout=layout)
     centroid_sq = 0
     if NORM_CORRECTION:
-        centroid = gl.load(centroid_ptr + gl.arange(0, 1 << KEY_BITS, layout=layout))
+        centroid = gl.load(centroid_ptr + code)
         centroid_sq = centroid * centroid
-    table, grid_scale, grid_offset, grid_ok = grid_table(midpoint_ptr, gl.arange(0, GRID_SLOTS, layout=layout),
-                                                         KEY_BITS)  # fmt: skip
+    table, grid_scale, grid_offset, grid_ok = grid_table(midpoint_ptr, slot, KEY_BITS)
     return centroid_sq, table, grid_scale, grid_offset, grid_ok
 
 
@@ -2510,7 +2535,8 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
             flat = gl.reshape(codes, [ROWS * HEAD_DIM])
             code_sq = gl.sum(gl.reshape(gl.gather(centroid_sq, flat, 0), [ROWS, HEAD_DIM]), axis=1)
             norm = norm / gl.sqrt(gl.convert_layout(code_sq, rows) + _NORM_CORRECTION_EPS)
-        gl.store((cache_ptr + m_at).to(gl.pointer_type(gl.uint16)), _fp16_bits(norm), mask=m_ok)
+        gl.store((cache_ptr + m_at).to(gl.pointer_type(gl.uint16)), _fp16_bits(norm), mask=m_ok,
+                 eviction_policy=STORE_FIELDS_EVICTION)
         k_next = _row_loads(key_ptr, _tile_rows(following, 6, key_layout, WARPS), num_rows, key_dim, stride_kt,
                             stride_kh, NUM_KV_HEADS)  # fmt: skip
 
@@ -2608,6 +2634,16 @@ def _hadamard_rows_mma(k, h32):
 
 
 @gluon.jit
+def _lookup(table, index):
+    """``table[index]`` for ``index [8 WARPS, 4, 32]`` (:func:`_quad_layout`) and a table ``[WARPS, n]`` whose warps
+    each hold a copy, an entry a lane (:func:`_store_tables`): viewed as ``[WARPS, 1024]``, each warp's indices
+    along the gather axis (no data moves), the gather stays in the warp, one ``shfl.idx`` an element, no shared
+    memory and no barrier."""
+    by_warp = gl.reshape(index, [table.shape[0], index.numel // table.shape[0]])
+    return gl.reshape(gl.gather(table, by_warp, 1), index.shape)
+
+
+@gluon.jit
 def store_hadamard_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr, pit_ptr, midpoint_ptr, centroid_ptr,
     num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -2628,7 +2664,7 @@ def store_hadamard_kernel(
     32 contiguous codes, the norm correction, and the values as the portable store quantizes them."""
     gl.static_assert(gl.num_warps() == WARPS)
     centroid_sq, table, grid_scale, grid_offset, grid_ok = _store_tables(midpoint_ptr, centroid_ptr, KEY_BITS,
-                                                                         NORM_CORRECTION, WARPS)  # fmt: skip
+                                                                         NORM_CORRECTION, WARPS, True)  # fmt: skip
     c = gl.load(pit_ptr)
     if grid_ok:
         _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
@@ -2655,6 +2691,7 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
     t = _iota(4, 1, 3, layout)
     dim = t * 32 + _iota(32, 2, 3, layout)
     h32 = _h32_operand(WARPS) if MMA_H32 else 0
+    below, mid = grid_split(table)
     tile_rows = _iota(ROWS, 0, 3, layout)
     k_next = _row_loads(key_ptr, gl.program_id(0) * ROWS + tile_rows, num_rows, dim, stride_kt, stride_kh,
                         NUM_KV_HEADS)  # fmt: skip
@@ -2670,9 +2707,8 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
             h = _hadamard_rows(k, t)
         y = h * gl.expand_dims(gl.expand_dims(c / (norm + _KEY_NORM_EPS), 1), 2)
         if GRID:
-            flat = gl.reshape(y, [ROWS * HEAD_DIM])
-            entry = gl.gather(table, grid_slot(flat, grid_scale, grid_offset), 0)
-            codes = gl.reshape(grid_code(flat, entry), [ROWS, 4, 32])
+            slot_y = grid_slot(y, grid_scale, grid_offset)
+            codes = _lookup(below, slot_y) + (y >= _lookup(mid, slot_y)).to(gl.int32)
         else:
             codes = _bucketize(y, midpoint_ptr, KEY_BITS)
         groups = gl.reshape(codes.to(gl.uint32), [ROWS, 4, 4, 8])  # [row, t, q, p]: dimension 32t + 8q + p
@@ -2684,12 +2720,11 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
         at = gl.convert_layout(data + t * (4 * KEY_BITS), words_layout)
         _store_codes(cache_ptr, at, words, gl.convert_layout(ok & (t < 4), words_layout), KEY_BITS)
         if NORM_CORRECTION:
-            flat = gl.reshape(codes, [ROWS * HEAD_DIM])
-            code_sq = gl.reshape(gl.gather(centroid_sq, flat, 0), [ROWS, 4, 32])
+            code_sq = _lookup(centroid_sq, codes)
             norm = norm / gl.sqrt(gl.sum(gl.sum(code_sq, axis=2), axis=1) + _NORM_CORRECTION_EPS)
         fields = (cache_ptr + gl.max(gl.max(meta, axis=2), axis=1)).to(gl.pointer_type(gl.uint16))
         row_ok = gl.max(gl.max(ok.to(gl.int32), axis=2), axis=1) != 0
-        gl.store(fields, _fp16_bits(norm), mask=row_ok)
+        gl.store(fields, _fp16_bits(norm), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
         k_next = _row_loads(key_ptr, row + gl.num_programs(0) * ROWS, num_rows, dim, stride_kt, stride_kh,
                             NUM_KV_HEADS)  # fmt: skip
         _store_values(v.to(gl.float32), slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE,
