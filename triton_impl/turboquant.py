@@ -91,9 +91,9 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # byte-by-byte packing and 8 warps, the store got slower (k8v4 2.42 -> 4.79 ms, MSE presets
 # 27.9-33.2 ms, `attnref bench`); packing went back to one masked store of each group's bytes and
 # the sm90 entry back to 4 warps: 16.9-17.8 ms for the MSE presets (9ff0941, best of 4 configs).
-# The bucketize is now one lookup per code in a 64-slot table built per program (turboquant_sm90.grid_table; the
-# binary search stays as the fallback for midpoints no such grid separates): static counts on sm_90 (Triton 3.6,
-# benchmarks/sass_sm90_turboquant.py), sm90 entry, 361 -> 312 (4-bit), 328 -> 316 (k3v4), 330 -> 320 (3-bit) warp
+# The bucketize is now one lookup per code in a table built per program (turboquant_sm90.grid_table, 64 slots then,
+# 32 now; the binary search stays as the fallback for midpoints no such grid separates): static counts on sm_90
+# (Triton 3.6, benchmarks/sass_sm90_turboquant.py), sm90 entry, 361 -> 312 (4-bit), 328 -> 316 (k3v4), 330 -> 320 (3-bit) warp
 # instructions per row; this portable store was not timed with it (on the H200 the Gluon store serves bf16 keys at
 # D = 128: 4-bit 3.61 -> 2.98 ms with the table, the 3-bit keys unchanged, turboquant_sm90's docstring).
 # num_stages: the depth of Triton's software pipeline over the rotation's operand loads; each stage holds
@@ -142,7 +142,9 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # no shuffles), 1298 -> 1102 instructions a tile at 80 registers (9 local loads a tile), 1070 at 96 (Triton 3.6,
 # 4-bit). One call on the H200, stage us, 4-bit / k3v4 / 3-bit: butterflies at 6 programs 2195 / 2218 / 2034; MMAs at
 # 6 programs, 80 registers 2293 / 2324 / 2192; at 5 programs, 96 registers 2125 / 2264 / 2054: taken for 4-bit keys
-# only (the _k4 keys).
+# only (the _k4 keys). Again with the lookups by warp shuffles and the L2 hints (00a5c3a; one call, stage us, k3v4 /
+# 3-bit): butterflies at 6 programs 1972 / 1916, MMAs at 6 programs 2085 / 2011, MMAs at 5 programs 1965 / 1926,
+# butterflies at 5 programs 1962 / 1962: no change worth its registers.
 # GLUON_PREFETCH 1: each Gluon store program prefetches its next tile's key and value rows into L2 (prefetch.global.L2,
 # a line at a time) once the tile's codes are bucketized, so they arrive while it packs its codes and quantizes its
 # values. One call on the H200 at 1M tokens x 8 KV heads, stage in us, no prefetch against it (twice: 2026-12-03):

@@ -97,8 +97,8 @@ parts (``hi`` to nearest, ``lo`` the rest to nearest: each product within ``2^-1
 same two permutations make the MMA's fragments line up with memory: the K order (:func:`_rotation_dim`) gives
 each thread 16-byte pieces of its rows' keys, the column order (:func:`_code_dim`) gives each thread 32
 contiguous codes of a row (a 16-byte store of 4-bit codes). Norms, bucketize, norm correction and the values'
-min-max quantization are the portable store's arithmetic; the bucketize is a lookup in a 64-slot table per code
-(:func:`grid_table`, shared with the portable store), the binary search where the table cannot separate the
+min-max quantization are the portable store's arithmetic; the bucketize is a lookup in a table per code (64 slots
+then, 32 now: :func:`grid_table`, shared with the portable store), the binary search where the table cannot separate the
 midpoints. On the H200 (``attnref bench --op turboquant --case store``, 1M tokens x 8 KV heads), with the binary
 search: 4-bit 3.61 ms, k3v4 3.00, 3-bit 2.90 (35-42% of the copy roofline; the portable kernel 9.52-9.93 ms).
 The table cut the tile loop from 2879 to 2073 SASS instructions per thread (4-bit; k3v4 2232 -> 2035, 3-bit
@@ -124,7 +124,13 @@ for 21% more instructions a row (162 warp instructions against 134, Triton 3.6; 
 MMAs instead (:func:`_hadamard_rows_mma`: ``H_128 = H_32 (x) H_4`` over dimension ``4 i + c``, a row's four residues
 ``c`` four MMA rows held by the thread that loaded them, the +-1 operand exact in bf16, then ``H_4`` in registers; no
 shuffles): 1298 -> 1070 instructions a tile at 96 registers, and 4-bit keys at five programs a SM 2.20 -> 2.12 ms,
-the sm90 entry's choice for them (3-bit keys were 1-2% slower that way).
+the sm90 entry's choice for them (3-bit keys were 1-2% slower that way). Its lookups (the grid's two tables and the
+centroids' squares) are warp shuffles (:func:`_lookup`: a copy of each table in every warp, an entry a lane, one
+``shfl.idx`` a code; the gathers through shared memory had cost the loop 14% of its Nsight samples at barriers and 44%
+of L1's throughput), its 4-bit codes go out 16 bytes a store, and L2 keeps the slots' 2-byte fields while the rows
+and codes leave first (:data:`STORE_FIELDS_EVICTION`): at 00a5c3a (``attnref bench --op turboquant --case store``)
+4-bit 1.82 ms, k3v4 1.97, 3-bit 1.92 (70.1%, 63.1%, 63.2% of the copy roofline; consecutive slots 1.64 / 1.71 / 1.75 ms,
+70-78%), against 2.14 / 2.21 / 2.03 at 658a2cf.
 """
 
 from __future__ import annotations
