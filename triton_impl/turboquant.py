@@ -93,8 +93,8 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # the sm90 entry back to 4 warps: 16.9-17.8 ms for the MSE presets (9ff0941, best of 4 configs).
 # The bucketize is now one lookup per code in a table built per program (turboquant_sm90.grid_table, 64 slots then,
 # 32 now; the binary search stays as the fallback for midpoints no such grid separates): static counts on sm_90
-# (Triton 3.6, benchmarks/sass_sm90_turboquant.py), sm90 entry, 361 -> 312 (4-bit), 328 -> 316 (k3v4), 330 -> 320 (3-bit) warp
-# instructions per row; this portable store was not timed with it (on the H200 the Gluon store serves bf16 keys at
+# (Triton 3.6, benchmarks/sass_sm90_turboquant.py), sm90 entry, 361 -> 312 (4-bit), 328 -> 316 (k3v4), 330 -> 320
+# (3-bit) warp instructions per row; this portable store was not timed with it (on the H200 the Gluon store serves bf16 keys at
 # D = 128: 4-bit 3.61 -> 2.98 ms with the table, the 3-bit keys unchanged, turboquant_sm90's docstring).
 # num_stages: the depth of Triton's software pipeline over the rotation's operand loads; each stage holds
 # both operands in shared memory (sm_90, T64 chunk64: 80 KiB and 254 registers at 3 stages, 32 KiB and 230
