@@ -94,8 +94,8 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # The bucketize is now one lookup per code in a table built per program (turboquant_sm90.grid_table, 64 slots then,
 # 32 now; the binary search stays as the fallback for midpoints no such grid separates): static counts on sm_90
 # (Triton 3.6, benchmarks/sass_sm90_turboquant.py), sm90 entry, 361 -> 312 (4-bit), 328 -> 316 (k3v4), 330 -> 320
-# (3-bit) warp instructions per row; this portable store was not timed with it (on the H200 the Gluon store serves bf16 keys at
-# D = 128: 4-bit 3.61 -> 2.98 ms with the table, the 3-bit keys unchanged, turboquant_sm90's docstring).
+# (3-bit) warp instructions per row; this portable store was not timed with it (on the H200 the Gluon store serves
+# bf16 keys at D = 128: 4-bit 3.61 -> 2.98 ms with the table, the 3-bit keys unchanged, turboquant_sm90's docstring).
 # num_stages: the depth of Triton's software pipeline over the rotation's operand loads; each stage holds
 # both operands in shared memory (sm_90, T64 chunk64: 80 KiB and 254 registers at 3 stages, 32 KiB and 230
 # registers at 1). Optional maxnreg: a cap on registers per thread (none: the compiler's choice).
