@@ -2101,11 +2101,14 @@ def _code_dim(n):
     return ((n >> 1) & 3) * 32 + (n >> 3) * 2 + (n & 1)
 
 
-# L2 eviction hints of the stores (:data:`STORE_FIELDS_EVICTION`): keys and values are read once and each slot's data
-# is written whole by one tile, so both leave L2 first; a slot's fp16 fields are 2 bytes of a 32-byte sector the other
-# 15 positions of its block fill, in a decode step's order at other times, so they stay: a sector evicted before it
-# is whole costs DRAM a read of it as well as the write.
-STORE_FIELDS_EVICTION = gl.constexpr("evict_last")
+# L2 eviction hints of the stores: keys and values are read once and each slot's data is written whole by one tile, so
+# both leave L2 first (STORE_STREAM_EVICTION); a slot's fp16 fields are 2 bytes of a 32-byte sector the other 15
+# positions of its block fill, in a decode step's order at other times, so they stay (STORE_FIELDS_EVICTION): a sector
+# evicted before it is whole costs DRAM a read of it as well as the write. On the H200 (1M tokens x 8 KV heads at
+# random slots) -6 to -8% (perf_log.md, thirty-fourth session). Written with triton.language constants, so that the
+# bench's scatter baseline (triton_impl.parity.turboquant.scatter_slots) takes the same hints.
+STORE_STREAM_EVICTION = tl.constexpr("evict_first")
+STORE_FIELDS_EVICTION = tl.constexpr("evict_last")
 
 
 @gluon.jit
@@ -2172,9 +2175,9 @@ def _row_start(ptr, row, stride_t, stride_h, NUM_KV_HEADS: gl.constexpr):
 @gluon.jit
 def _row_loads(ptr, row, num_rows, dim, stride_t, stride_h, NUM_KV_HEADS: gl.constexpr):
     """``ptr``'s elements ``dim`` of rows ``row`` (:func:`_row_start`); 0 past the rows. Read once: first out of L2
-    (:data:`STORE_EVICTION`)."""
+    (:data:`STORE_STREAM_EVICTION`)."""
     return gl.load(_row_start(ptr, row, stride_t, stride_h, NUM_KV_HEADS) + dim, mask=row < num_rows, other=0.0,
-                   eviction_policy="evict_first")
+                   eviction_policy=STORE_STREAM_EVICTION)
 
 
 @gluon.constexpr_function
@@ -2198,7 +2201,8 @@ def _store_codes(cache_ptr, at, groups, ok, BITS: gl.constexpr):
         RANK: gl.constexpr = len(groups.shape)
         LAYOUT: gl.constexpr = groups.type.layout
         q = _iota(4, RANK - 1, RANK, LAYOUT)  # a word pointer plus q, not a byte pointer plus 4 q: one 16-byte store
-        gl.store((cache_ptr + at).to(gl.pointer_type(gl.uint32)) + q, groups, mask=ok, eviction_policy="evict_first")
+        gl.store((cache_ptr + at).to(gl.pointer_type(gl.uint32)) + q, groups, mask=ok,
+                 eviction_policy=STORE_STREAM_EVICTION)
     else:
         even, odd = gl.split(gl.reshape(groups, _pairs_shape(groups.shape)))  # q = 2a + b: [..., a] each
         g0, g2 = gl.split(even)
@@ -2207,9 +2211,9 @@ def _store_codes(cache_ptr, at, groups, ok, BITS: gl.constexpr):
         at = gl.convert_layout(gl.reshape(at, g0.shape), LAYOUT3)
         ok = gl.convert_layout(gl.reshape(ok, g0.shape), LAYOUT3)
         words = (cache_ptr + at).to(gl.pointer_type(gl.uint32))
-        gl.store(words, g0 | (g1 << 24), mask=ok, eviction_policy="evict_first")
-        gl.store(words + 1, (g1 >> 8) | (g2 << 16), mask=ok, eviction_policy="evict_first")
-        gl.store(words + 2, (g2 >> 16) | (g3 << 8), mask=ok, eviction_policy="evict_first")
+        gl.store(words, g0 | (g1 << 24), mask=ok, eviction_policy=STORE_STREAM_EVICTION)
+        gl.store(words + 1, (g1 >> 8) | (g2 << 16), mask=ok, eviction_policy=STORE_STREAM_EVICTION)
+        gl.store(words + 2, (g2 >> 16) | (g3 << 8), mask=ok, eviction_policy=STORE_STREAM_EVICTION)
 
 
 # Bucketize by a uniform grid, shared by this store and the portable one (``turboquant._store_kernel``): written

@@ -87,6 +87,7 @@ from triton_impl.turboquant import (
     triton_turboquant_decode_attention_v2,
     triton_turboquant_store,
 )
+from triton_impl.turboquant_sm90 import STORE_FIELDS_EVICTION, STORE_STREAM_EVICTION
 
 U = 2.0**-24  # fp32 unit roundoff
 U_OP = 2.0**-22  # one fp32 operation rounded within 2 ulp
@@ -461,7 +462,8 @@ def _scatter_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, num_rows, block_wor
     ``[T, HKV, D]`` tensors) and folded by XOR into 32 words, which (and past them the unfolded words, for a slot of
     more than 32 words) are written to the row's slot data, and the first half-word to each of its ``NUM_FIELDS``
     fp16 fields: the store's traffic, to the store's addresses, with no arithmetic to speak of. A negative slot
-    writes nothing. With the store's L2 eviction hints (``turboquant_sm90.STORE_FIELDS_EVICTION``)."""
+    writes nothing. With the store's L2 eviction hints (``turboquant_sm90.STORE_STREAM_EVICTION`` and
+    ``STORE_FIELDS_EVICTION``)."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = row < num_rows
     slot = tl.load(slot_ptr + row // NUM_KV_HEADS, mask=live, other=-1).to(tl.int64)
@@ -470,23 +472,23 @@ def _scatter_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, num_rows, block_wor
     block, position = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     words = tl.arange(0, ROW_WORDS)
     at = row[:, None].to(tl.int64) * ROW_WORDS + words[None, :]
-    both = (tl.load(key_ptr + at, mask=live[:, None], other=0, eviction_policy="evict_first")
-            ^ tl.load(value_ptr + at, mask=live[:, None], other=0, eviction_policy="evict_first"))
+    both = (tl.load(key_ptr + at, mask=live[:, None], other=0, eviction_policy=STORE_STREAM_EVICTION)
+            ^ tl.load(value_ptr + at, mask=live[:, None], other=0, eviction_policy=STORE_STREAM_EVICTION))
     folded = tl.xor_sum(tl.reshape(both, [ROWS, ROW_WORDS // 32, 32]), axis=1)  # every word read is used
     half = tl.arange(0, 32)
     data = block * block_words + (position * NUM_KV_HEADS + head) * SLOT_WORDS
     tl.store(cache_ptr + data[:, None] + half[None, :], folded, mask=live[:, None] & (half[None, :] < SLOT_WORDS),
-             eviction_policy="evict_first")
+             eviction_policy=STORE_STREAM_EVICTION)
     if SLOT_WORDS > 32:  # FP8 keys: 48 words
         upper = live[:, None] & (words[None, :] >= 32) & (words[None, :] < SLOT_WORDS)
-        tl.store(cache_ptr + data[:, None] + words[None, :], both, mask=upper, eviction_policy="evict_first")
+        tl.store(cache_ptr + data[:, None] + words[None, :], both, mask=upper, eviction_policy=STORE_STREAM_EVICTION)
     # fp16 fields [HKV][fields][block] after the block's data, in 2-byte units
     meta = 2 * (block * block_words + BLOCK_SIZE * NUM_KV_HEADS * SLOT_WORDS) + (head * NUM_FIELDS * BLOCK_SIZE
                                                                                  + position)  # fmt: skip
     first = tl.sum(tl.where(half[None, :] == 0, folded, 0), axis=1).to(tl.int16)
     for f in tl.static_range(NUM_FIELDS):
         tl.store(cache_ptr.to(tl.pointer_type(tl.int16)) + meta + f * BLOCK_SIZE, first, mask=live,
-                 eviction_policy="evict_last")
+                 eviction_policy=STORE_FIELDS_EVICTION)
 
 
 def scatter_slots(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
