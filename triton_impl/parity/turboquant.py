@@ -462,8 +462,9 @@ def _scatter_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, num_rows, block_wor
     ``[T, HKV, D]`` tensors) and folded by XOR into 32 words, which (and past them the unfolded words, for a slot of
     more than 32 words) are written to the row's slot data, and the first half-word to each of its ``NUM_FIELDS``
     fp16 fields: the store's traffic, to the store's addresses, with no arithmetic to speak of. A negative slot
-    writes nothing. With the store's L2 eviction hints (``turboquant_sm90.STORE_STREAM_EVICTION`` and
-    ``STORE_FIELDS_EVICTION``)."""
+    writes nothing. With the L2 eviction hints of the MSE presets' Gluon stores (``turboquant_sm90``'s
+    ``STORE_STREAM_EVICTION`` and ``STORE_FIELDS_EVICTION``; the FP8 keys' portable store takes none: its
+    baseline 1.616 ms without them, 1.666 with, perf_log.md's thirty-fourth session)."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = row < num_rows
     slot = tl.load(slot_ptr + row // NUM_KV_HEADS, mask=live, other=-1).to(tl.int64)
