@@ -2674,7 +2674,8 @@ def store_hadamard_kernel(
     32 contiguous codes, the norm correction, and the values as the portable store quantizes them."""
     gl.static_assert(gl.num_warps() == WARPS)
     centroid_sq, table, grid_scale, grid_offset, grid_ok = _store_tables(midpoint_ptr, centroid_ptr, KEY_BITS,
-                                                                         NORM_CORRECTION, WARPS, True)  # fmt: skip
+                                                                         NORM_CORRECTION, WARPS,
+                                                                         BY_WARP=True)  # fmt: skip
     c = gl.load(pit_ptr)
     if grid_ok:
         _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
