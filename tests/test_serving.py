@@ -609,8 +609,11 @@ def _refill(step: int, *tensors: torch.Tensor, empty_lse: torch.Tensor | None = 
 
 
 def _turboquant_decode_call(device: torch.device, gen: torch.Generator, head_dim: int,
-                            preset: str = "turboquant_4bit_nc") -> tuple[ServingCall, dict]:  # fmt: skip
-    """A TurboQuant decode at 4 requests (one empty) with its buffers given, and its case."""
+                            preset: str = "turboquant_4bit_nc", hadamard: bool = False) -> tuple[ServingCall, dict]:
+    """A TurboQuant decode at 4 requests (one empty) with its buffers given, and its case. Each step writes a new
+    rotation: with ``hadamard``, ``c H`` with a new ``c`` (sm_90's one-warp stage 1 then rotates the query itself, on
+    every replay; a rotation it captured must stay a multiple of ``H``), else a shuffle of ``H``'s columns that is
+    no multiple of it (the rotation launch, any new rotation)."""
     tq_case = _turboquant_case(device, gen, seq_lens=[40, 70, 0, 129], block_size=16, head_dim=head_dim,
                                preset=preset)  # fmt: skip
     buffers = {"mid_o_buf": torch.empty(4, 4, 8, head_dim + 1, device=device),
@@ -624,7 +627,7 @@ def _turboquant_decode_call(device: torch.device, gen: torch.Generator, head_dim
         _new_lengths_and_pages(tq_case["table"], tq_case["seq_lens"], tq_case["cache"].shape[0], 16, i)
         _refill(i, tq_case["query"])
         tq_case["centroids"].copy_(codebook * (1 + 0.25 * i))
-        tq_case["pit"].copy_(rotation.roll(i, dims=1))
+        tq_case["pit"].copy_(rotation * (1 + 0.25 * i) if hadamard else rotation.roll(i + 1, dims=1))
 
     call = ServingCall(
         lambda: _run_turboquant(tq_case, splits=8, buffers=buffers, clone=False),
@@ -712,6 +715,7 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
     # D=128 with blocks of 16 (bf16 keys for the store): on an H100/H200 the sm_90 fast paths
     # (triton_impl/turboquant_sm90.py) serve them.
     calls["turboquant_decode_d128"], tq_case_d128 = _turboquant_decode_call(device, gen, head_dim=128)
+    calls["turboquant_decode_hadamard_d128"], _ = _turboquant_decode_call(device, gen, head_dim=128, hadamard=True)
     # FP8 keys (k8v4) take the same TMA path with their own boxes: the cache's descriptors looked up at each call.
     calls["turboquant_decode_k8v4_d128"], _ = _turboquant_decode_call(device, gen, 128, "turboquant_k8v4")
     calls["turboquant_store"] = _turboquant_store_call(tq_case, torch.float32)
@@ -787,7 +791,8 @@ def _serving_calls(device: torch.device) -> dict[str, ServingCall]:
 
 
 SERVING_OPS = ["decode_mla", "decode_mla_d576", "decode_mla_few_d576", "verify", "verify_d576", "verify_fp8_d576",
-               "turboquant_decode", "turboquant_decode_d128", "turboquant_decode_k8v4_d128", "turboquant_store",
+               "turboquant_decode", "turboquant_decode_d128", "turboquant_decode_hadamard_d128",
+               "turboquant_decode_k8v4_d128", "turboquant_store",
                "turboquant_store_d128",
                "merge_attn_states", "merge_splits", "ue8m0_insert", "ue8m0_gather",
                "combine_topk_swa_indices"]  # fmt: skip

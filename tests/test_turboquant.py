@@ -32,6 +32,8 @@ import triton.language as tl
 from einops import einsum, rearrange
 from hypothesis import example, given
 from hypothesis import strategies as st
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from golden import _lloyd_max
 from golden import turboquant as tq
@@ -1201,7 +1203,15 @@ def _check_decode_against_golden(seed, preset, head_dim, seq_lens, num_kv_heads,
     assert_close(mid_o[:, :, :run, head_dim], split.lse, ("turboquant", "lse", "float32"))
     slot = ttq.query_slot(entry, num_splits, key_bits, config.value_quant_bits)
     past = mid_o[:, :, run:]
+    # Where stage 1 rotates the query itself (a Hadamard PiT on sm_90), there is no rotation launch and the slot too
+    # stays untouched.
+    in_stage1 = not config.key_fp8 and ttq.hadamard_query_in_stage1(query, cache, pit.T, config.key_mse_bits,
+                                                                     config.value_quant_bits)  # fmt: skip
+    if launched:  # (compiled launches: the interpreter's leave no kernel to name)
+        rotations = sum(getattr(kernel, "name", "") == "_rotate_query_kernel" for kernel in launched.values())
+        assert rotations == (0 if config.key_fp8 or in_stage1 else 1), launched
     if slot is not None and slot >= run and not bool(past[:, :, slot - run, :head_dim].isnan().all()):
+        assert not in_stage1
         precision = "tf32x3" if entry.get("ROTATE_TF32X3") else "ieee"
         rotated = ptq.kernel_rotated_query(query.to(device), pit.to(device), precision)
         assert_bits_equal(past[:, :, slot - run, :head_dim], rotated[:, :, 0])
@@ -1373,6 +1383,24 @@ def test_decode_stays_within_the_centroid_rounding_bound_at_long_length_and_larg
     assert float(out_err.max()) <= 0 and float(lse_err.max()) <= 0
     # Without the bound the table alone would not hold: the rounding is visible at this scale.
     assert fails_tolerance(lse, exact_lse, ("turboquant", "lse", "float32"))
+
+
+def test_hadamard_query_model_is_the_rotation_within_its_bound() -> None:
+    """``parity.turboquant.hadamard_query`` (the rotation sm_90's one-warp decode computes for ``PiT = c H_128``):
+    within seven fp32 additions and one product of ``q @ PiT`` in float64, ``8 u c sum_k |q_k|`` and the fp32
+    rounding of the result, for bf16 and fp16 queries of norm ~4 sqrt(D); and the K order it works in is a
+    permutation of the dimensions."""
+    order = ptq.score_dim(torch.arange(128))
+    assert sorted(order.tolist()) == list(range(128)) and order[:4].tolist() == [0, 1, 32, 33]
+    pit = tq.hadamard_rotation(128).T.contiguous()
+    gen = generator(50)
+    for dtype in (torch.bfloat16, torch.float16):
+        query = (torch.randn(3, 8, 128, generator=gen) * 4).to(dtype)
+        rotated = ptq.hadamard_query(query, float(pit[0, 0])).double()
+        exact = query.double() @ pit.double()
+        bound = 8 * ptq.U * float(pit[0, 0]) * query.double().abs().sum(-1, keepdim=True) + ptq.U * exact.abs()
+        assert bool(((rotated - exact).abs() <= bound).all())
+        assert not torch.equal(rotated, exact)  # fp32, not exact
 
 
 @pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
@@ -1861,6 +1889,15 @@ for key_bits, value_bits in ((3, 3), (3, 4), (4, 4), (8, 4)):
             programs = entry["PROGRAMS_PER_SM"] if tma or not entry.get("GLUON_WARP") else 5
             print(json.dumps([key_bits, value_bits, group, block_size, *resources, kernel.metadata.shared, moves,
                               programs, local, stream_k, tma]))
+            if warp and key_bits != 8 and entry.get("HADAMARD_QUERY"):  # the same rotating its query itself
+                kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits, group=group,
+                                                          block_size=block_size, maxnreg=maxnreg,
+                                                          stages=staging["STAGES"], step=staging["STEP"],
+                                                          fp16_operands=True, warp=True, stream_k=stream_k,
+                                                          hadamard_query=True)  # fmt: skip
+                loop = sass_loop(kernel.asm["cubin"], "HMMA")
+                print(json.dumps(["hq", key_bits, value_bits, group, block_size, *sass_resources(kernel.asm["cubin"]),
+                                  sum(" LDL" in line or " STL" in line for line in loop)]))
     for fp16_operands in (False, True):  # uncapped, the bench's group and block size
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits, stages=stages,
                                                   fp16_operands=fp16_operands)
@@ -1916,7 +1953,9 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
-    assert len(rows) == 24 + 12 + 8 + 8 + 8 + 8  # 3/4-bit keys' one-warp groups (1 and 4) twice: grid and stream-K
+    # 3/4-bit keys' one-warp groups (1 and 4) twice: grid and stream-K; those with 4-bit values once more, rotating
+    # their query (HADAMARD_QUERY)
+    assert len(rows) == 24 + 12 + 8 + 8 + 8 + 8 + 16
     # Decode: the staged presets (4-bit values) hold three stages of a 64-key tile (one-warp programs: three 16-key
     # chunks), so that the entry's programs a SM fit its 228 KiB (1 KiB of it reserved per program); the others a few
     # KiB. At most 8 bytes of stack, outside the tile loop: no LDL or STL in it (the 4-warp kernel at 96 registers
@@ -1939,6 +1978,10 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
         assert stack <= most[0] and local <= most[1], row
         assert registers <= 255 and (programs * (shared + 1024) <= 228 * 1024 if staged else shared <= 4096), row
         assert key_bits != 4 or moves <= 16, row
+    # The one-warp kernels rotating their query (a Hadamard PiT): by stream-K at group 4, 8 bytes of stack under
+    # Triton 3.6 and 16 under 3.9, none of it in the loop; else none.
+    for row in (row for row in rows if row[0] == "hq"):
+        assert row[5] <= 255 and row[6] <= (8 if triton.__version__.startswith("3.6") else 16) and row[7] == 0, row
     # FP16_OPERANDS (one fp16 rounding of the query and p * v_scale): no stack and fewer registers than the hi + lo
     # pairs, uncapped (Triton 3.6: 94-109 against 119-138; at 96 or fewer five programs share a SM).
     # Under Triton 3.9 the 3-bit values' fp16 kernel takes one register more than its pairs (127 against 126: the
@@ -2092,22 +2135,57 @@ def test_decode_variants_outside_the_config_table_match_golden(variant, preset, 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon stage 1 kernels need an sm_90 GPU")  # fmt: skip
-@pytest.mark.parametrize("kernel", ["tile", "streams", "warp", "stream_k"])
+@pytest.mark.parametrize(("kernel", "hadamard_query"), [("tile", 0), ("streams", 0), ("warp", 0), ("warp", 1),
+                                                        ("stream_k", 0), ("stream_k", 1)])  # fmt: skip
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc",
                                     "turboquant_3bit_nc"])
-def test_sm90_decode_of_each_gluon_kernel_matches_golden(preset, kernel, device: torch.device) -> None:
+def test_sm90_decode_of_each_gluon_kernel_matches_golden(preset, kernel, hadamard_query, device: torch.device) -> None:
     """Each Gluon stage 1 kernel for the keys the TMA kernels serve, whichever the sm90 entry selects: the cp.async
-    tile kernel, the per-warp streams and the one-warp programs; partly live chunks, every stream with more chunks than
-    its 3 buffers (L=2048: each buffer and its mbarrier phase reused), and group 16 (the TMA kernels decline it)."""
+    tile kernel, the per-warp streams and the one-warp programs, these reading the rotated query from the rotation
+    launch or rotating it themselves (``HADAMARD_QUERY``); partly live chunks, every stream with more chunks than its
+    3 buffers (L=2048: each buffer and its mbarrier phase reused), and group 16 (the TMA kernels decline it)."""
     streams, warp = int(kernel == "streams"), int(kernel in ("warp", "stream_k"))
     config = ttq.DECODE_CONFIGS["sm90"] | {"GLUON_STREAMS": streams, "GLUON_WARP": warp, "STREAM_K": int(
-        kernel == "stream_k"), "PROGRAMS_PER_SM": {"tile": 5, "streams": 4, "warp": 16, "stream_k": 16}[kernel]}
+        kernel == "stream_k"), "PROGRAMS_PER_SM": {"tile": 5, "streams": 4, "warp": 16, "stream_k": 16}[kernel],
+        "HADAMARD_QUERY": hadamard_query}  # fmt: skip
     per_preset = ("GLUON_STREAMS_", "GLUON_WARP_", "PROGRAMS_PER_SM_", "STREAM_K_")
     config = {k: v for k, v in config.items() if not k.startswith(per_preset)}
     with _decode_config_table(dict.fromkeys(ttq.DECODE_CONFIGS, config)):
         _check_decode_against_golden(41, preset, 128, [300, 129], 2, 4, 2, 16, torch.float16, device)
         _check_decode_against_golden(44, preset, 128, [2048, 1], 1, 8, 3, 32, torch.bfloat16, device)
         _check_decode_against_golden(45, preset, 128, [97, 0], 1, 16, 1, 16, torch.float16, device)
+
+
+@gluon.jit
+def _hadamard_query_probe(q_ptr, pit_ptr, out_ptr, stride_qb, stride_qh, KV_GROUP: gl.constexpr):
+    """The one-warp decode's rotated query operand of (request, KV head) ``program_id(0, 1)``, stored as ``[HEAD_DIM,
+    8]`` fp16 (K index, head) at ``out_ptr``'s block of that pair."""
+    dot_b: gl.constexpr = ttq_sm90._operand_layouts(False, 1)[1]
+    b, kv_head = gl.program_id(0), gl.program_id(1)
+    q = ttq_sm90._hadamard_query(q_ptr, pit_ptr, stride_qb, stride_qh, b, kv_head, KV_GROUP, 8, dot_b)
+    k = gl.arange(0, 128, layout=gl.SliceLayout(1, dot_b))
+    h = gl.arange(0, 8, layout=gl.SliceLayout(0, dot_b))
+    block = (b * gl.num_programs(1) + kv_head) * 128 * 8
+    gl.store(out_ptr + block + k[:, None] * 8 + h[None, :], q)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon stage 1 kernels need an sm_90 GPU")  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sm90_hadamard_query_is_its_cpu_model_bit_for_bit(dtype, device: torch.device) -> None:
+    """The query operand the one-warp decode builds for a Hadamard ``PiT`` (``turboquant_sm90._hadamard_query``) is
+    ``parity.turboquant.hadamard_query`` rounded to fp16, every bit, for queries of norm ~4 sqrt(D) (what the decode
+    tests feed golden), in K order (``score_dim``), the heads past the group zero."""
+    gen, num_kv_heads, group = generator(49), 2, 4
+    query = (torch.randn(3, num_kv_heads * group, 128, generator=gen) * 4).to(dtype)
+    pit = tq.hadamard_rotation(128).T.contiguous()
+    out = torch.full((3, num_kv_heads, 128, 8), float("nan"), dtype=torch.float16, device=device)
+    _hadamard_query_probe[(3, num_kv_heads)](query.to(device), pit.to(device), out, query.stride(0),
+                                             query.stride(1), group, num_warps=1)  # fmt: skip
+    rotated = ptq.hadamard_query(query, float(pit[0, 0])).half()[..., ptq.score_dim(torch.arange(128))]
+    expected = torch.zeros(3, num_kv_heads, 128, 8, dtype=torch.float16)
+    expected[..., :group] = rearrange(rotated, "b (hkv g) k -> b hkv k g", g=group)
+    assert_bits_equal(out.cpu(), expected)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,

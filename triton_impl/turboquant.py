@@ -294,6 +294,16 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # 409.1 against 416.9-418.8 at 35 in the call before; 25 kept. With the spans (one call, tilt 20 / 25 / 30): 107.5 /
 # 106.4 / 106.0, 377.2 / 372.6 / 372.2; the next day (tilt 25 / 30 / 35 / 40): 107.7 / 106.9 / 106.0 / 112.6, 377.7 /
 # 372.4 / 371.0 / 393.0. 30 kept: ahead of 25 in both calls, and 5 below the cliff that 40 falls off.
+# HADAMARD_QUERY (sm90, the one-warp kernels, MSE keys): where the rotation is c H_128 (turboquant_sm90.
+# is_hadamard_rotation, serving's), each program rotates its query itself (turboquant_sm90._hadamard_query: fp32
+# butterflies over the K order, then c) and the call launches no _rotate_query_kernel (3.7 us and a 2.8-3.2 us gap
+# before stage 1, after a reading flush). One call on the H200 (2026-12-04, the call after a reading flush, us, L=8K /
+# 32K / 1-32K mixed), the rotation launch -> in stage 1: 4-bit 112.8 -> 108.3 / 367.4 -> 368.3 / 215.1 -> 213.5,
+# k3v4 116.7 -> 110.6 / 373.7 -> 364.1; stage 1 itself 1.4 us longer at L=8K (98.5 -> 99.9: each piece's query from
+# the query in DRAM, its butterflies and one layout conversion). 3-bit values keep the launch (_v3 0): their stream-K
+# places are weighed by rank through counts the rotation launch zeroes, and without them (tilt 0) stage 1 took 396.6
+# against 371.5 us at L=32K. Loading the query after the first chunk copies were asked for gained nothing (4-bit
+# 108.3 -> 110.2 / 368.3 -> 366.8 us; benchmarks/variants/query_after_copies.patch).
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
@@ -302,7 +312,8 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
              "GLUON_MAXNREG": 96, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 16, "GLUON_STAGES": 3, "ROTATE_TF32X3": 1,
              "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 128, "WARP_STEP": 2,
              "WARP_STAGES": 4, "WARP_STEP_v3": 2, "WARP_STAGES_v3": 4, "WARP_MAXNREG_v3": 168, "PROGRAMS_PER_SM_v3": 12,
-             "STREAM_K": 1, "STREAM_K_k8": 0, "STREAM_K_TILT": 0, "STREAM_K_TILT_v3": 30},
+             "STREAM_K": 1, "STREAM_K_k8": 0, "STREAM_K_TILT": 0, "STREAM_K_TILT_v3": 30, "HADAMARD_QUERY": 1,
+             "HADAMARD_QUERY_v3": 0},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -1287,6 +1298,9 @@ class _DecodePlan(NamedTuple):
     rotate: Callable[..., None]  # (stream, query, PiT or Pi, mid_o); no_launch for FP8 keys
     stage1: Callable[..., None]  # (stream, query, kv_cache, block_table, seq_lens, centroids, mid_o)
     merge: Callable[..., None]  # (stream, mid_o, output, lse)
+    # sm_90's one-warp stage 1 rotating the query itself, where the rotation is c H_128 (HADAMARD_QUERY; else None):
+    # (stream, query, kv_cache, block_table, seq_lens, centroids, mid_o, PiT or Pi), and no rotate launch
+    hadamard_stage1: Callable[..., None] | None
     launches: bool  # False: no (request, head), nothing to compute
     rotation_from_pit: bool  # MSE keys: rotate by PiT (else by Pi, transposed through its strides)
     contiguous_lens: bool  # seq_lens is read with unit stride: else a contiguous copy per call
@@ -1330,7 +1344,7 @@ def triton_turboquant_decode_attention_v2(
 ) -> torch.Tensor:
     """One-token decode attention over a TurboQuant SoA cache (vLLM's v2 launcher).
 
-    ``q~ = q @ PiT`` (``PiT = Pi.T`` when not given) in fp32, by a first kernel; MSE keys score
+    ``q~ = q @ PiT`` (``PiT = Pi.T`` when not given) in fp32, by a first kernel (see below); MSE keys score
     ``scale * n_j <q~, c[idx_j]>``, FP8 keys ``scale * <q, k_j>``; softmax over ``j <
     seq_lens[b]``; values ``q_j * scale_j + zero_j``. Golden:
     ``golden.turboquant.turboquant_decode_attention``. An empty request gives ``out = 0``,
@@ -1363,10 +1377,18 @@ def triton_turboquant_decode_attention_v2(
     overwrites) and the fp16 centroids (the pair LUT too, built in registers). Content checks,
     when on, run on every call.
 
+    On sm_90, where ``PiT`` (or ``Pi``) is ``c H_128`` (the Sylvester-Hadamard rotation serving uses) and the entry
+    sets ``HADAMARD_QUERY``, the one-warp stage 1 rotates the query itself (fp32 butterflies, then ``c``) and the
+    rotation launch is skipped. Which way is decided as for the store (``turboquant_sm90.is_hadamard_rotation``): once
+    per rotation tensor and in-place version, one flag read back then (a host sync on the first call with it, none
+    after), and a rotation first seen inside a CUDA graph capture takes the rotation launch.
+
     CUDA graphs: capture with the buffers given (then nothing is allocated) and replay with new
     ``query`` / ``seq_lens`` / ``block_table`` / ``kv_cache`` / ``centroids`` / ``PiT`` contents
     written in place; the tensors (their addresses and shapes), ``scale``, the preset's sizes,
-    ``key_fp8``, ``max_num_kv_splits`` and ``use_pair_lut`` stay fixed across replays.
+    ``key_fp8``, ``max_num_kv_splits`` and ``use_pair_lut`` stay fixed across replays. A capture that rotated the
+    query in stage 1 reads ``c`` from ``PiT[0, 0]`` on every replay, and ``PiT`` must stay a positive multiple of
+    ``H_128`` there; any other capture takes any new rotation.
 
     Args:
         query: ``[B, H, D]`` float16/bfloat16.
@@ -1431,9 +1453,13 @@ def triton_turboquant_decode_attention_v2(
         if buf_holder is not None:
             buf_holder._tq_lse_buf = lse_buf
     if plan.launches:
-        plan.rotate(stream, query, PiT if plan.rotation_from_pit else Pi, mid_o_buf)
-        plan.stage1(stream, query, kv_cache, block_table, seq_lens if plan.contiguous_lens else seq_lens.contiguous(),
-                    centroids, mid_o_buf)  # fmt: skip
+        rotation = PiT if plan.rotation_from_pit else Pi
+        lens = seq_lens if plan.contiguous_lens else seq_lens.contiguous()
+        if plan.hadamard_stage1 is not None and turboquant_sm90.is_hadamard_rotation(rotation):
+            plan.hadamard_stage1(stream, query, kv_cache, block_table, lens, centroids, mid_o_buf, rotation)
+        else:
+            plan.rotate(stream, query, rotation, mid_o_buf)
+            plan.stage1(stream, query, kv_cache, block_table, lens, centroids, mid_o_buf)
         plan.merge(stream, mid_o_buf, output_buf, lse_buf)
     if plan.output_is_view:
         shape = plan.shapes[1]
@@ -1443,15 +1469,17 @@ def triton_turboquant_decode_attention_v2(
 
 class _DescribedLaunch(NamedTuple):
     """A stage 1 whose kernel reads the cache through tensor descriptors: called as the plan's ``stage1`` (``stream,
-    query, kv_cache, block_table, seq_lens, centroids, mid_o``), it looks the cache's descriptors up by its address
-    and passes them after those tensors."""
+    query, kv_cache, block_table, seq_lens, centroids, mid_o``) or ``hadamard_stage1`` (the same and the rotation),
+    it looks the cache's descriptors up by its address and passes them after those tensors and the rotation (the
+    kernel's ``pit_ptr``, read with ``HADAMARD_QUERY`` only: else the query stands in)."""
 
     launch: Launch
     descriptors: DescriptorsByAddress
     geometry: tuple
 
     def __call__(self, stream: int | None, *tensors: Any) -> None:
-        self.launch(stream, *tensors, *self.descriptors(tensors[1], self.geometry))
+        rotation = tensors[6] if len(tensors) > 6 else tensors[0]
+        self.launch(stream, *tensors[:6], rotation, *self.descriptors(tensors[1], self.geometry))
 
 
 def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, mse_bits, key_packed_size,
@@ -1500,7 +1528,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
                         output_is_view=output_buf is not None and tuple(output_buf.shape) != shapes[1], batch=batch,
                         block_size=block_size, num_blocks=num_blocks, on_cuda=device.type == "cuda")  # fmt: skip
     if batch * num_heads == 0:
-        return make_plan(no_launch, no_launch, no_launch, False)
+        return make_plan(no_launch, no_launch, no_launch, None, False)
     if num_blocks == 0:  # the kernel reads block 0 in place of a bad entry
         raise ValueError(f"kv_cache: expected at least one block, got shape {list(kv_cache.shape)}")
     if kv_cache.data_ptr() % 4:
@@ -1511,15 +1539,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
     group = num_heads // num_kv_heads
     table_keys = table_2d.shape[1] * block_size
     meta_offset = block_size * num_kv_heads * layout["data_bytes_per_slot"]
-    gluon = config.get("GLUON") and turboquant_sm90.supports(
-        device=device, head_dim=head_dim, key_bits=key_bits, value_bits=value_quant_bits, group=group,
-        block_size=block_size, stride_block=kv_cache.stride(0), slot_bytes=layout["data_bytes_per_slot"],
-        key_bytes=layout["key_data_bytes"],
-    )
-    tma = gluon and (config.get("GLUON_WARP") or config.get("GLUON_STREAMS")) and turboquant_sm90.streams_supports(
-        key_bits=key_bits, value_bits=value_quant_bits, group=group, fp16_operands=config.get("FP16_OPERANDS", 0),
-        cache_address=kv_cache.data_ptr(), one_warp=bool(config.get("GLUON_WARP")),
-    )
+    gluon, tma = _sm90_stage1(config, query, kv_cache, layout, key_bits, value_quant_bits)
     num_splits = decode_num_splits(max_num_kv_splits, batch, num_kv_heads, device, key_bits, value_quant_bits)
     # The TMA kernels read MSE keys' rotated query from one slot past the splits (query_slot).
     q_slot = query_slot(config, max_num_kv_splits, key_bits, value_quant_bits) if tma else None
@@ -1529,6 +1549,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
     shape = dict(KV_GROUP=group, KEY_BITS=key_bits, KEY_DATA_BYTES=layout["key_data_bytes"],
                  VALUE_BITS=value_quant_bits, SLOT_BYTES=layout["data_bytes_per_slot"], NUM_KV_HEADS=num_kv_heads,
                  BLOCK_SIZE=block_size, FP16_OPERANDS=config.get("FP16_OPERANDS", 0))  # fmt: skip
+    hadamard_stage1 = None
     if tma:  # the sm_90 fast paths whose chunks are copied by TMA (one-warp programs, or per-warp streams of a
         # program): the cache's descriptors looked up by its address at each call
         geometry = turboquant_sm90.tma_geometry(
@@ -1540,17 +1561,23 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         if config.get("GLUON_WARP"):
             kernel = turboquant_sm90.decode_stage1_warp_kernel
             options = turboquant_sm90.launch_options(group, config["WARP_MAXNREG"], warps=1)
-            options |= warp_stages(config)
+            options |= warp_stages(config) | {"HADAMARD_QUERY": 0}  # (every constexpr given: Launch's fast path)
             programs = stream_k_programs(config, device, num_splits, num_kv_heads)
+            rotating = dict(options, HADAMARD_QUERY=1)
             if programs:  # one round of programs, the keys divided by their places' weights
                 kernel, grid, args = turboquant_sm90.decode_stage1_stream_k_kernel, (programs,), (*args, batch)
                 options |= stream_k_ranks(config, batch, num_heads, key_bits)
+                rotating |= {"RANKS": 1, "TILT": 0}  # (the ranks' counts are zeroed by the rotation launch)
+            if config.get("HADAMARD_QUERY") and key_bits != 8:
+                hadamard_stage1 = Launch(kernel, grid, args, dict(shape, **rotating))
         else:
             kernel = turboquant_sm90.decode_stage1_streams_kernel
             options = turboquant_sm90.launch_options(group, turboquant_sm90.STREAMS_LAUNCH_REGS)
             options["STAGES"] = max(2, config.get("GLUON_STAGES", 0))
-        stage1 = _DescribedLaunch(Launch(kernel, grid, args, dict(shape, **options)),
-                                  DescriptorsByAddress(turboquant_sm90.descriptors), geometry)  # fmt: skip
+        described = DescriptorsByAddress(turboquant_sm90.descriptors)
+        stage1 = _DescribedLaunch(Launch(kernel, grid, args, dict(shape, **options)), described, geometry)
+        if hadamard_stage1 is not None:
+            hadamard_stage1 = _DescribedLaunch(hadamard_stage1, described, geometry)
     elif gluon:  # the sm_90 fast path (triton_impl/turboquant_sm90.py): the same partials, operands built in place
         stage1 = Launch(turboquant_sm90.decode_stage1_kernel, grid, (
             float(scale), num_splits, num_blocks, table_keys, kv_cache.stride(0), *query.stride()[:2],
@@ -1566,8 +1593,39 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         pit_strides = rotation.stride() if PiT is not None else rotation.stride()[::-1]
         rotate = rotate_query_launch(query, pit_strides, mid_o, "tf32x3" if config.get("ROTATE_TF32X3") else "ieee",
                                      q_slot)  # fmt: skip
-    return make_plan(rotate, stage1, merge_splits_launch(batch, mid_o, output, lse), True,
+    return make_plan(rotate, stage1, merge_splits_launch(batch, mid_o, output, lse), hadamard_stage1, True,
                      contiguous_lens=seq_lens.shape[0] <= 1 or seq_lens.stride(0) == 1)  # fmt: skip
+
+
+def _sm90_stage1(config: dict[str, int], query: torch.Tensor, kv_cache: torch.Tensor, layout: dict[str, int],
+                 key_bits: int, value_bits: int) -> tuple[bool, bool]:  # fmt: skip
+    """Whether a decode's stage 1 runs as a Gluon kernel (``turboquant_sm90.supports``) and whether as one whose
+    chunks TMA copies (the one-warp or per-warp-stream kernels, ``turboquant_sm90.streams_supports``)."""
+    group = query.shape[1] // kv_cache.shape[2]
+    gluon = bool(config.get("GLUON")) and turboquant_sm90.supports(
+        device=kv_cache.device, head_dim=query.shape[2], key_bits=key_bits, value_bits=value_bits, group=group,
+        block_size=kv_cache.shape[1], stride_block=kv_cache.stride(0), slot_bytes=layout["data_bytes_per_slot"],
+        key_bytes=layout["key_data_bytes"],
+    )
+    tma = gluon and bool(config.get("GLUON_WARP") or config.get("GLUON_STREAMS")) and turboquant_sm90.streams_supports(
+        key_bits=key_bits, value_bits=value_bits, group=group, fp16_operands=config.get("FP16_OPERANDS", 0),
+        cache_address=kv_cache.data_ptr(), one_warp=bool(config.get("GLUON_WARP")),
+    )
+    return gluon, tma
+
+
+def hadamard_query_in_stage1(query: torch.Tensor, kv_cache: torch.Tensor, rotation: torch.Tensor, mse_bits: int,
+                             value_quant_bits: int) -> bool:  # fmt: skip
+    """Whether a decode call of MSE keys on these tensors rotates its query inside stage 1 instead of by a launch of
+    its own: sm_90's one-warp kernels under an entry with ``HADAMARD_QUERY``, for a rotation (``PiT`` or ``Pi``) that
+    is ``c H_128`` (``turboquant_sm90.is_hadamard_rotation``). Its rounding is then
+    ``parity.turboquant.hadamard_query``'s."""
+    config = select_decode_config(kv_cache.device, mse_bits, value_quant_bits)
+    if not (config.get("HADAMARD_QUERY") and config.get("GLUON_WARP")):
+        return False
+    layout = _soa_layout(query.shape[2], mse_bits, value_quant_bits, False)
+    return _sm90_stage1(config, query, kv_cache, layout, mse_bits, value_quant_bits)[1] and (
+        turboquant_sm90.is_hadamard_rotation(rotation))
 
 
 def rotate_query_launch(query: torch.Tensor, pit_strides: tuple[int, int], mid_o: torch.Tensor,

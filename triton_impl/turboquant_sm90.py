@@ -197,14 +197,15 @@ def launch_options(group: int, maxnreg: int | None, warps: int = int(NUM_WARPS))
 def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, block_size: int = 16,
                      maxnreg: int | None = None, stages: int = 0, fp16_operands: bool = False,
                      streams: bool = False, warp: bool = False, step: int = 1,
-                     stream_k: bool = False, ranks: int = 1, tilt: int = 0) -> Any:  # fmt: skip
+                     stream_k: bool = False, ranks: int = 1, tilt: int = 0,
+                     hadamard_query: bool = False) -> Any:  # fmt: skip
     """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a launch of the bench's
     shapes is (16-byte aligned pointers, the integer arguments that are multiples of 16 marked so, the
     block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``.
     ``streams``: :func:`decode_stage1_streams_kernel` (``stages`` chunk buffers a stream); ``warp``:
     :func:`decode_stage1_warp_kernel` (``step`` chunks an iteration; with ``stream_k``,
-    :func:`decode_stage1_stream_k_kernel`, its places weighted by ``ranks`` and ``tilt``); else
-    :func:`decode_stage1_kernel`."""
+    :func:`decode_stage1_stream_k_kernel`, its places weighted by ``ranks`` and ``tilt``; either rotating the query
+    itself with ``hadamard_query``); else :func:`decode_stage1_kernel`."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -215,7 +216,7 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
     names = fn.arg_names
     key_bytes = 16 * key_bits  # D = 128 codes of key_bits bits (FP8 keys: 8)
     pointers = {"q_ptr": "*bf16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-                "centroid_ptr": "*fp32", "partials_ptr": "*fp32",
+                "centroid_ptr": "*fp32", "partials_ptr": "*fp32", "pit_ptr": "*fp32",
                 "data_desc": f"tensordesc<u8[1, 16, {data_row(key_bytes)}],{_data_smem(data_row(key_bytes))!r}>",
                 "value_desc": f"tensordesc<u8[1, 16, 64],{_data_smem(64)!r}>",
                 "meta_desc": f"tensordesc<fp16[1, {int(TMA_META_ROWS)}, 16],{_META_SMEM!r}>"}  # fmt: skip
@@ -226,7 +227,7 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
                       NUM_KV_HEADS=8, BLOCK_SIZE=block_size, STAGES=stages, FP16_OPERANDS=int(fp16_operands),
                       stride_btc=1)  # fmt: skip
     if warp:
-        constexprs["STEP"] = step
+        constexprs |= {"STEP": step, "HADAMARD_QUERY": int(hadamard_query)}
     if warp and stream_k:
         constexprs |= {"RANKS": ranks, "TILT": tilt}
     options = launch_options(group, maxnreg, warps=1 if warp else int(NUM_WARPS))
@@ -987,11 +988,15 @@ def _key_range(block_table_ptr, b, start, end, seq_len, num_blocks, table_keys, 
 @gluon.jit
 def _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, b, kv_head, slot,
                    KV_GROUP: gl.constexpr, KEY_FP8: gl.constexpr, BLOCK_H: gl.constexpr,
-                   DOT_B: gl.constexpr):  # fmt: skip
+                   DOT_B: gl.constexpr, pit_ptr=None, HADAMARD_QUERY: gl.constexpr = 0):  # fmt: skip
     """The query as the B operand ``[HEAD_DIM, BLOCK_H]`` of the scores, K index ``k`` holding dimension
     ``_score_dim(k)``, as fp16 ``(hi, lo)`` parts (``lo`` unused with ``FP16_OPERANDS``). MSE keys read the
-    rotated query from partials slot ``slot`` (the program's own split, or the one slot past the splits), FP8 keys
-    the query itself, of request ``b``'s heads of KV head ``kv_head``."""
+    rotated query from partials slot ``slot`` (the program's own split, or the one slot past the splits), or with
+    ``HADAMARD_QUERY`` rotate it here (:func:`_hadamard_query`); FP8 keys take the query itself, of request ``b``'s
+    heads of KV head ``kv_head``."""
+    if HADAMARD_QUERY:
+        q_hi = _hadamard_query(q_ptr, pit_ptr, stride_qb, stride_qh, b, kv_head, KV_GROUP, BLOCK_H, DOT_B)
+        return q_hi, gl.zeros_like(q_hi)
     qk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, DOT_B))
     qh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, DOT_B))
     q_heads = kv_head * KV_GROUP + qh
@@ -1002,6 +1007,27 @@ def _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_
     q = gl.load(q_at[None, :] + _score_dim(qk)[:, None], mask=(qh < KV_GROUP)[None, :], other=0.0).to(gl.float32)
     q_hi = q.to(gl.float16)
     return q_hi, (q - q_hi.to(gl.float32)).to(gl.float16)
+
+
+@gluon.jit
+def _hadamard_query(q_ptr, pit_ptr, stride_qb, stride_qh, b, kv_head, KV_GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
+                    DOT_B: gl.constexpr):  # fmt: skip
+    """``fp16(q @ PiT)`` for ``PiT = c H_128`` (``c = PiT[0, 0]``, :func:`is_hadamard_rotation`) as
+    :func:`_query_operand`'s operand, from the query itself: no rotation launch. A one-warp program holds its heads as
+    the rows of :func:`_hadamard_rows` (8 heads, a lane quad each), each thread 32 of them loaded in K order (K index
+    ``32 t + i`` holds dimension ``_score_dim(32 t + i)``): ``H`` is ``(-1)^popcount(j & n)``, unchanged when the
+    bits of ``j`` and ``n`` are permuted alike, so the transform over K indices is the rotation over dimensions. fp32
+    butterflies over K-index bits 0, 1, .., 6, then one product by ``c``: ``parity.turboquant.hadamard_query`` is
+    this arithmetic on the CPU."""
+    gl.static_assert((gl.num_warps() == 1) and (BLOCK_H == STORE_QUAD_ROWS))
+    layout: gl.constexpr = _quad_layout(1)
+    head = _iota(BLOCK_H, 0, 3, layout)
+    t = _iota(4, 1, 3, layout)
+    k = t * 32 + _iota(32, 2, 3, layout)
+    at = q_ptr + b.to(gl.int64) * stride_qb + (kv_head * KV_GROUP + head) * stride_qh + _score_dim(k)
+    x = gl.load(at, mask=head < KV_GROUP, other=0.0).to(gl.float32)
+    y = (_hadamard_rows(x, t) * gl.load(pit_ptr)).to(gl.float16)
+    return gl.convert_layout(gl.permute(gl.reshape(y, [BLOCK_H, HEAD_DIM]), (1, 0)), DOT_B)
 
 
 @gluon.jit
@@ -1571,7 +1597,7 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
     ``pair_lut``: :func:`_centroid_tables`."""
     data, values, meta, full = ring
     data_desc, value_desc, meta_desc = descs
-    q_ptr, partials_ptr, _, cache_ptr = pointers
+    q_ptr, partials_ptr, _, cache_ptr, pit_ptr = pointers
     row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale, query_slot, b, kv_head = split
     stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block = strides
     KV_GROUP: gl.constexpr = shape[0]
@@ -1585,6 +1611,7 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
     STRIDE: gl.constexpr = shape[8]
     VALUE_BITS: gl.constexpr = shape[9]
     STEP: gl.constexpr = shape[11]
+    HADAMARD_QUERY: gl.constexpr = shape[12]
     gl.static_assert((STEP == 1) or ((STEP == 2) and (STRIDE == 1)))
     gl.static_assert(STAGES % STEP == 0)
     KEY_FP8: gl.constexpr = KEY_BITS == 8
@@ -1592,7 +1619,8 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
     dot_b: gl.constexpr = _operand_layouts(KEY_FP8, 1)[1]
     CHUNK_BYTES: gl.constexpr = 16 * _box_bytes(KEY_DATA_BYTES, SLOT_BYTES, VALUE_BITS)
     q_hi, q_lo = _query_operand(q_ptr, partials_ptr, stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, b,
-                                kv_head, query_slot, KV_GROUP, KEY_FP8, BLOCK_H, dot_b)  # fmt: skip
+                                kv_head, query_slot, KV_GROUP, KEY_FP8, BLOCK_H, dot_b, pit_ptr,
+                                HADAMARD_QUERY)  # fmt: skip
     num_chunks = gl.where(end > start, gl.cdiv(end - tile, 16), 0)
     count = gl.maximum(num_chunks - stream + STRIDE - 1, 0) // STRIDE  # this stream's chunks
     count = gl.cdiv(count, STEP) * STEP  # whole iterations: the second wait needs no test of its own
@@ -1663,7 +1691,8 @@ def _streams_guard(too_long, bad_pages, row_ptr, stride_btc, first_page, last_pa
 
 @gluon.jit
 def decode_stage1_streams_kernel(
-    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr, data_desc, value_desc, meta_desc,
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr, pit_ptr, data_desc, value_desc,
+    meta_desc,
     sm_scale, num_splits, num_blocks, table_keys, query_slot, stride_block,
     stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
     KV_GROUP: gl.constexpr,
@@ -1697,12 +1726,12 @@ def decode_stage1_streams_kernel(
     tile = (start // 16) * 16
     shared = (data, values, meta, full, states, sums)
     descs = (data_desc, value_desc, meta_desc)
-    pointers = (q_ptr, partials_ptr, centroid_ptr, cache_ptr)
+    pointers = (q_ptr, partials_ptr, centroid_ptr, cache_ptr, pit_ptr)
     split = (row_ptr, stride_btc, num_blocks, tile, start, end, sm_scale, query_slot, gl.program_id(0),
              gl.program_id(1))
     strides = (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
-                           STREAMS, VALUE_BITS, NUM_KV_HEADS, 1)  # fmt: skip
+                           STREAMS, VALUE_BITS, NUM_KV_HEADS, 1, 0)  # fmt: skip
     (poisoned,) = gl.warp_specialize([
         (_streams_guard, (too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)),
         (_stream, (gl.constexpr(0), shared, descs, pointers, split, strides, shape)),
@@ -1739,7 +1768,8 @@ def decode_stage1_streams_kernel(
 
 @gluon.jit
 def decode_stage1_warp_kernel(
-    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr, data_desc, value_desc, meta_desc,
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr, pit_ptr, data_desc, value_desc,
+    meta_desc,
     sm_scale, num_splits, num_blocks, table_keys, query_slot, stride_block,
     stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps,
     KV_GROUP: gl.constexpr,
@@ -1753,11 +1783,13 @@ def decode_stage1_warp_kernel(
     STAGES: gl.constexpr = 3,
     FP16_OPERANDS: gl.constexpr = 1,
     STEP: gl.constexpr = 1,  # chunks an iteration (1 or 2; STAGES a multiple of it)
+    HADAMARD_QUERY: gl.constexpr = 0,  # MSE keys, PiT = c H_128: rotate the query here (pit_ptr), not read it
 ):  # fmt: skip
     """:func:`decode_stage1_kernel`'s partials, grid ``(B, HKV, S)``, one warp a program: the split's chunks by TMA
     through ``STAGES`` buffers, ``STEP`` an iteration, one online softmax (:func:`_chunks`). The operands rounded once
     to fp16. MSE keys read the rotated query from partials slot ``query_slot``, past the splits (with one split, its
-    own slot, read before its partial overwrites it)."""
+    own slot, read before its partial overwrites it), or with ``HADAMARD_QUERY`` rotate the query themselves
+    (:func:`_hadamard_query`); ``pit_ptr`` is read there only."""
     gl.static_assert(gl.num_warps() == 1)
     gl.static_assert((VALUE_BITS == 3) or (VALUE_BITS == 4))
     gl.static_assert(FP16_OPERANDS == 1)
@@ -1770,9 +1802,9 @@ def decode_stage1_warp_kernel(
     kv_head = gl.program_id(1)
     split = (row_ptr, stride_btc, num_blocks, (start // 16) * 16, start, end, sm_scale, query_slot, b, kv_head)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, 1,
-                           VALUE_BITS, NUM_KV_HEADS, STEP)  # fmt: skip
+                           VALUE_BITS, NUM_KV_HEADS, STEP, HADAMARD_QUERY)  # fmt: skip
     acc, m_i, l_i, z_i = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
-                                 (q_ptr, partials_ptr, centroid_ptr, cache_ptr), split,
+                                 (q_ptr, partials_ptr, centroid_ptr, cache_ptr, pit_ptr), split,
                                  (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block),
                                  _centroid_tables(centroid_ptr, KEY_BITS), shape)  # fmt: skip
     poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)
@@ -1944,7 +1976,8 @@ def _empty_slots(partials_ptr, b, kv_head, first, num_splits, lse, stride_pb, st
 
 @gluon.jit
 def decode_stage1_stream_k_kernel(
-    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr, data_desc, value_desc, meta_desc,
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, centroid_ptr, partials_ptr, pit_ptr, data_desc, value_desc,
+    meta_desc,
     sm_scale, num_splits, num_blocks, table_keys, query_slot, stride_block,
     stride_qb, stride_qh, stride_bt, stride_btc, stride_pb, stride_ph, stride_ps, batch,
     KV_GROUP: gl.constexpr,
@@ -1960,6 +1993,7 @@ def decode_stage1_stream_k_kernel(
     STEP: gl.constexpr = 1,
     RANKS: gl.constexpr = 1,
     TILT: gl.constexpr = 0,
+    HADAMARD_QUERY: gl.constexpr = 0,  # as decode_stage1_warp_kernel's
 ):  # fmt: skip
     """:func:`decode_stage1_warp_kernel`'s partials by stream-K (the section above): grid ``(P,)``, ``P`` a multiple
     of ``HKV``, one warp a program, ``num_splits`` (at least 2) partial slots a (request, KV head). With ``RANKS``
@@ -1969,7 +2003,8 @@ def decode_stage1_stream_k_kernel(
     gl.static_assert(gl.num_warps() == 1)
     gl.static_assert((VALUE_BITS == 3) or (VALUE_BITS == 4))
     gl.static_assert(FP16_OPERANDS == 1)
-    gl.static_assert((RANKS == 1) or (KEY_BITS != 8))  # the counts need the rotation (MSE keys) to zero them
+    # The counts need the rotation launch (MSE keys) to zero them.
+    gl.static_assert((RANKS == 1) or ((KEY_BITS != 8) and not HADAMARD_QUERY))
     NUM_FIELDS: gl.constexpr = 2 if KEY_BITS == 8 else 3
     STEP_KEYS: gl.constexpr = 16 * STEP
     pid = gl.program_id(0)
@@ -2001,7 +2036,7 @@ def decode_stage1_stream_k_kernel(
                                                VALUE_BITS)  # fmt: skip
         pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
         shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
-                               1, VALUE_BITS, NUM_KV_HEADS, STEP)  # fmt: skip
+                               1, VALUE_BITS, NUM_KV_HEADS, STEP, HADAMARD_QUERY)  # fmt: skip
         hi = _stream_k_bound(mine + 1, total, programs, launched, tilt, RANKS)
         pos = _stream_k_bound(mine, total, programs, launched, tilt, RANKS)
         while pos < hi:  # a piece: the steps from pos in one request
@@ -2020,7 +2055,7 @@ def decode_stage1_stream_k_kernel(
             poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)
             split = (row_ptr, stride_btc, num_blocks, start, start, end, sm_scale, query_slot, b, kv_head)
             acc, m_i, l_i, z_i = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
-                                         (q_ptr, partials_ptr, centroid_ptr, cache_ptr), split,
+                                         (q_ptr, partials_ptr, centroid_ptr, cache_ptr, pit_ptr), split,
                                          (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block),
                                          pair_lut, shape)  # fmt: skip
             # Every copy of the piece has landed and been read: the next piece starts the ring at its first phase (a

@@ -81,6 +81,7 @@ from triton_impl.launch import current_target
 from triton_impl.parity import Case, Check
 from triton_impl.tolerances import tolerance
 from triton_impl.turboquant import (
+    hadamard_query_in_stage1,
     rotate_query_launch,
     select_decode_config,
     select_store_config,
@@ -690,6 +691,29 @@ def kernel_rotated_query(query: torch.Tensor, PiT: torch.Tensor, precision: str,
     return partials[..., :head_dim]
 
 
+def score_dim(k: torch.Tensor) -> torch.Tensor:
+    """The head dimension sm_90's decode holds at K index ``k`` of its scores' query operand
+    (``turboquant_sm90._score_dim``): ``32 ((k >> 1) & 3) + 4 (k >> 4) + 2 ((k >> 3) & 1) + (k & 1)``."""
+    return ((k >> 1) & 3) * 32 + (k >> 4) * 4 + ((k >> 3) & 1) * 2 + (k & 1)
+
+
+def hadamard_query(query: torch.Tensor, c: float) -> torch.Tensor:
+    """``query @ PiT`` for ``PiT = c H_128`` in the fp32 operations sm_90's one-warp stage 1 rotates it with
+    (``turboquant_sm90._hadamard_query``, where ``turboquant.hadamard_query_in_stage1``): the query in K order
+    (:func:`score_dim`), the butterflies ``(a + b, a - b)`` over K-index bits 0 to 6, then one product by ``c``;
+    back in dimension order, ``[B, H, D]`` float32 on the CPU (the kernel scores it rounded to fp16)."""
+    head_dim = query.shape[-1]
+    order = score_dim(torch.arange(head_dim))
+    x = query.cpu().float()[..., order]
+    for bit in range(head_dim.bit_length() - 1):
+        pairs = x.reshape(*x.shape[:-1], head_dim >> (bit + 1), 2, 1 << bit)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(x.shape)
+    out = torch.empty_like(x)
+    out[..., order] = x * torch.tensor(c, dtype=torch.float32)
+    return out
+
+
 @dataclass(frozen=True)
 class DecodeExpected:
     """What a decode call is checked against (:func:`decode_expected`): golden's ``out`` and ``lse`` (float64, on the
@@ -719,9 +743,10 @@ def decode_expected(
     exact codebook). With the config's ``FP16_OPERANDS`` off, golden scores the exact ``query @ PiT`` and the table
     alone applies. With it on, the kernel scores ``fp16(q~)``, its own fp32 rotation rounded once to fp16 (FP8
     keys: ``fp16(query)``), and rounds each value weight once to fp16: golden is fed that query (read back by
-    :func:`kernel_rotated_query`, ``PiT`` then the identity), so the scores agree, and :func:`weight_rounding_bound`
-    covers the weights. With ``num_splits``: stage 1's split states (``turboquant_decode_split_states``, over
-    ``ranges`` where given: a stream-K division), ``out`` as ``[B, H, S, D]`` and ``lse`` as ``[B, H, S]``.
+    :func:`kernel_rotated_query`, or where stage 1 rotates it, :func:`hadamard_query`; ``PiT`` then the identity), so
+    the scores agree, and :func:`weight_rounding_bound` covers the weights. With ``num_splits``: stage 1's split
+    states (``turboquant_decode_split_states``, over ``ranges`` where given: a stream-K division), ``out`` as ``[B,
+    H, S, D]`` and ``lse`` as ``[B, H, S]``.
     """
     device = kv_cache.device
     key_bits = 8 if config.key_fp8 else config.key_mse_bits
@@ -731,6 +756,8 @@ def decode_expected(
     if entry.get("FP16_OPERANDS"):
         if config.key_fp8:
             basis = query.cpu().half().double()
+        elif hadamard_query_in_stage1(query, kv_cache, PiT, config.key_mse_bits, config.value_quant_bits):
+            basis = hadamard_query(query, float(PiT[0, 0])).half().double()
         else:
             precision = "tf32x3" if entry.get("ROTATE_TF32X3") else "ieee"
             rotated = kernel_rotated_query(query.to(device), PiT.to(device), precision)
