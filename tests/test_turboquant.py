@@ -2148,7 +2148,7 @@ def test_sm90_decode_of_each_gluon_kernel_matches_golden(preset, kernel, hadamar
     config = ttq.DECODE_CONFIGS["sm90"] | {"GLUON_STREAMS": streams, "GLUON_WARP": warp, "STREAM_K": int(
         kernel == "stream_k"), "PROGRAMS_PER_SM": {"tile": 5, "streams": 4, "warp": 16, "stream_k": 16}[kernel],
         "HADAMARD_QUERY": hadamard_query}  # fmt: skip
-    per_preset = ("GLUON_STREAMS_", "GLUON_WARP_", "PROGRAMS_PER_SM_", "STREAM_K_")
+    per_preset = ("GLUON_STREAMS_", "GLUON_WARP_", "PROGRAMS_PER_SM_", "STREAM_K_", "HADAMARD_QUERY_")
     config = {k: v for k, v in config.items() if not k.startswith(per_preset)}
     with _decode_config_table(dict.fromkeys(ttq.DECODE_CONFIGS, config)):
         _check_decode_against_golden(41, preset, 128, [300, 129], 2, 4, 2, 16, torch.float16, device)
