@@ -612,7 +612,7 @@ for length in (8192, 32768):
               f"({bf16_ms:.3f} ms)  {row['pct_roofline']:.1f}% of its copy roofline")  # fmt: skip
         assert row["ms"] < bf16_ms, preset  # every preset beats the bf16 decode
         layout = tq.TurboQuantConfig.from_cache_dtype(preset, D)
-        # at twice its speed or more: every preset at both lengths (2.03-2.68x; 3-bit values 2.15x / 2.55x)
+        # at twice its speed or more: every preset at both lengths (2.04-2.64x; 3-bit values 2.10x / 2.48x)
         assert row["ms"] <= 0.5 * bf16_ms, preset
         # MSE keys short of byte-bound (42-72% of the copy roofline), FP8 keys 79-82%
         assert row["pct_roofline"] < (85 if layout.key_fp8 else 75), preset
@@ -621,13 +621,18 @@ for length in (8192, 32768):
 
 # %% [markdown]
 # **The part of a call that does not shrink with L.** At L=8K the MSE presets sit further from their roofline than
-# at 32K (4-bit keys 59% against 72%). Stage 1 alone, timed on the H200 at every request length from 1K to 32K
+# at 32K (4-bit keys 61% against 72%). Stage 1 alone, timed on the H200 at every request length from 1K to 32K
 # (`perf_log.md`, twenty-first session; the profiler's kernel time, the bench's shape: `benchmarks/turboquant_kernels.py
 # 3bit_nc lengths`), grows by a fixed time per
 # 1K keys and starts well above zero: the cell fits the line through 2K-32K. That intercept, the query's rotation
 # and the split merge (3.4-3.8 and 2.5-3.6 us, two more kernels) and the idle gaps before and between the three
 # kernels are paid once a call, whatever L. Two attempts to shorten it made stage 1 slower (merging the pieces in
-# stage 1 itself, and fewer steps for the programs that hold two pieces), both kept in `benchmarks/variants/`.
+# stage 1 itself, and fewer steps for the programs that hold two pieces), both kept in `benchmarks/variants/`. One
+# did shorten it: for serving's rotation `PiT = c H_128` each stage 1 program now rotates its query itself (fp32
+# butterflies over the 128 dimensions, in the order its MMA reads them; `H` is unchanged when the bits of both its
+# indices are permuted alike), and the call launches no rotation kernel: 4-bit keys 112.8 -> 108.3 us at L=8K, 3-bit
+# keys with 4-bit values 116.7 -> 110.6 (`perf_log.md`, thirty-fifth session). 3-bit values keep the launch, whose
+# counts weigh their stream-K places.
 
 # %%
 stage1_us = {  # B=32 Hq=32 Hk=8 D=128, block 16, every request L keys: L -> stage 1 in us (H200, Triton 3.6)
