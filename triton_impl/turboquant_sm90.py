@@ -71,8 +71,8 @@ slot past the splits, which the rotation alone writes, or for serving's ``PiT = 
 kernels before it, one call, L=8K / 32K: 4-bit keys 153.9 -> 127.3 / 557.2 -> 453.3 us, 3-bit keys (k3v4) 151.5 -> 125.2
 / 545.8 -> 444.0, FP8 keys 122.6 -> 119.4 / 515.7 -> 458.1 (2026-12-02). It serves 3-bit values too, their words loaded
 into registers a chunk ahead (not copied by TMA: a lane quad's 12-bit fields start at word offsets no linear layout of a
-buffer gives): 3-bit
-keys and values 171.6 -> 166.1 / 630.6 -> 577.3 us against the 4-warp kernel. Since then each iteration takes two
+buffer gives): 3-bit keys and values 171.6 -> 166.1 / 630.6 -> 577.3 us against the 4-warp kernel. Since then each
+iteration takes two
 consecutive 16-key chunks (``STEP``, a group of two buffers read as one 32-row tile: one row max and softmax step over
 32 keys; four buffers, 128 registers, still 16 programs a SM) and every value code is masked and biased by one
 ``lop3`` (:func:`masked_codes_asm`): 4-bit keys 517 -> 437 warp instructions per 16 keys, stage 1 131.8 -> 119.7 /
