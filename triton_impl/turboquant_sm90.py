@@ -72,24 +72,23 @@ kernels before it, one call, L=8K / 32K: 4-bit keys 153.9 -> 127.3 / 557.2 -> 45
 / 545.8 -> 444.0, FP8 keys 122.6 -> 119.4 / 515.7 -> 458.1 (2026-12-02). It serves 3-bit values too, their words loaded
 into registers a chunk ahead (not copied by TMA: a lane quad's 12-bit fields start at word offsets no linear layout of a
 buffer gives): 3-bit keys and values 171.6 -> 166.1 / 630.6 -> 577.3 us against the 4-warp kernel. Since then each
-iteration takes two
-consecutive 16-key chunks (``STEP``, a group of two buffers read as one 32-row tile: one row max and softmax step over
-32 keys; four buffers, 128 registers, still 16 programs a SM) and every value code is masked and biased by one
-``lop3`` (:func:`masked_codes_asm`): 4-bit keys 517 -> 437 warp instructions per 16 keys, stage 1 131.8 -> 119.7 /
-457.3 -> 405.9 us, 3-bit keys 129.7 -> 118.6 / 444.6 -> 401.5, 3-bit values (one chunk an iteration: two spill)
+iteration takes two consecutive 16-key chunks (``STEP``, a group of two buffers read as one 32-row tile: one row max and
+softmax step over 32 keys; four buffers, 128 registers, still 16 programs a SM) and every value code is masked and
+biased by one ``lop3`` (:func:`masked_codes_asm`): 4-bit keys 517 -> 437 warp instructions per 16 keys, stage 1 131.8 ->
+119.7 / 457.3 -> 405.9 us, 3-bit keys 129.7 -> 118.6 / 444.6 -> 401.5, 3-bit values (one chunk an iteration: two spill)
 165.7 -> 159.1 / 571.1 -> 546.0; with two rounds of programs instead of four, 4-bit keys 106.5 / 385.7 us (one call
-each, 2026-12-02). With 3-bit keys spread into ``prmt`` selectors by one ``lop3`` fewer (:data:`TRIPLE_PAIRS_ASM`,
-the bits above a group left unmasked) and, by stream-K, 3-bit value words made fields where the value product uses
-them (since replaced by the spans, below), a two-chunk step of stream-K takes 1092 -> 1034 warp instructions for
-3bit_nc and 915 -> 890 for k3v4 (Triton 3.6), and stage 1 124.1 -> 119.0 / 441.9 -> 419.3 us and 107.8 -> 104.6 /
-384.7 -> 371.2 (B=32 L=8K / 32K, one call, 2026-12-03). Each thread's 3-bit key words picked in 7 selects instead of 9
-(:func:`_three_bit_words`): 1022 and 878, k3v4 stage 1 103.2 -> 100.9 / 370.1 -> 363.1 us (3bit_nc within the
-noise). The spread in three halvings (:data:`TRIPLE_PAIRS_ASM`, 8 instructions for 8 codes instead of 10): 988 and
-846, stage 1 116.2 -> 114.0 / 409.2 -> 401.5 and 102.1 -> 100.0 / 362.7 -> 357.5 us. In one warp, 3-bit values are
-read as each lane quad's 6-byte span of a key's codes (:func:`_span_operand`: two aligned words a key, a ``prmt`` a
-field of two keys, where the 12-bit fields of the 4-warp layout took a shuffle and a funnel shift each): 3bit_nc
-988 -> 924 at 168 registers, no stack (24 bytes before), stage 1 113.8 -> 106.6 / 401.0 -> 373.9 us (one call each,
-2026-12-03). ``notebooks/results/perf_log.md`` has the measurements and the variants that lost.
+each, 2026-12-02). With 3-bit keys spread into ``prmt`` selectors by one ``lop3`` fewer (:data:`TRIPLE_PAIRS_ASM`, the
+bits above a group left unmasked) and, by stream-K, 3-bit value words made fields where the value product uses them
+(since replaced by the spans, below), a two-chunk step of stream-K takes 1092 -> 1034 warp instructions for 3bit_nc and
+915 -> 890 for k3v4 (Triton 3.6), and stage 1 124.1 -> 119.0 / 441.9 -> 419.3 us and 107.8 -> 104.6 / 384.7 -> 371.2
+(B=32 L=8K / 32K, one call, 2026-12-03). Each thread's 3-bit key words picked in 7 selects instead of 9
+(:func:`_three_bit_words`): 1022 and 878, k3v4 stage 1 103.2 -> 100.9 / 370.1 -> 363.1 us (3bit_nc within the noise).
+The spread in three halvings (:data:`TRIPLE_PAIRS_ASM`, 8 instructions for 8 codes instead of 10): 988 and 846, stage 1
+116.2 -> 114.0 / 409.2 -> 401.5 and 102.1 -> 100.0 / 362.7 -> 357.5 us. In one warp, 3-bit values are read as each lane
+quad's 6-byte span of a key's codes (:func:`_span_operand`: two aligned words a key, a ``prmt`` a field of two keys,
+where the 12-bit fields of the 4-warp layout took a shuffle and a funnel shift each): 3bit_nc 988 -> 924 at 168
+registers, no stack (24 bytes before), stage 1 113.8 -> 106.6 / 401.0 -> 373.9 us (one call each, 2026-12-03).
+``notebooks/results/perf_log.md`` has the measurements and the variants that lost.
 
 The store (:func:`store_kernel`, bf16 keys at ``D = 128``, 3- or 4-bit MSE codes; :func:`store_supports`):
 persistent 4-warp programs over tiles of 64 (token, KV head) rows. Each program rounds ``PiT`` once into two bf16
