@@ -1381,7 +1381,8 @@ def triton_turboquant_decode_attention_v2(
     sets ``HADAMARD_QUERY``, the one-warp stage 1 rotates the query itself (fp32 butterflies, then ``c``) and the
     rotation launch is skipped. Which way is decided as for the store (``turboquant_sm90.is_hadamard_rotation``): once
     per rotation tensor and in-place version, one flag read back then (a host sync on the first call with it, none
-    after), and a rotation first seen inside a CUDA graph capture takes the rotation launch.
+    after: pass the same tensor object each call, since a view made per call is a new tensor each time), and a
+    rotation first seen inside a CUDA graph capture takes the rotation launch.
 
     CUDA graphs: capture with the buffers given (then nothing is allocated) and replay with new
     ``query`` / ``seq_lens`` / ``block_table`` / ``kv_cache`` / ``centroids`` / ``PiT`` contents
