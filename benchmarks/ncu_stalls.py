@@ -10,13 +10,17 @@ instructions with the most samples. On the GPU machine, after ``benchmarks/profi
     PYTHONPATH=. python3 benchmarks/ncu_stalls.py source.csv [more.csv ...]
 
 A sample is one warp at one cycle; ``selected`` is a warp issuing. Samples per instruction over the loop's sum is
-the share of the loop's warp time that instruction's wait took.
+the share of the loop's warp time that instruction's wait took. For the hottest instructions that wait on the long
+scoreboard (a global or local memory result), the table names the load that last wrote one of their source registers,
+walking back through the loop (past its head to its tail: a load of the iteration before) and how many instructions
+before it sits: a load too close to its use is one the compiler moved there.
 """
 
 from __future__ import annotations
 
 import collections
 import csv
+import re
 import sys
 
 from triton_impl.bench import SASS_BRANCH, innermost_loop
@@ -59,6 +63,61 @@ def hottest_loop(rows: list[dict[str, str]]) -> tuple[int, int]:
     return found or (0, len(rows) - 1)
 
 
+_REGISTER = re.compile(r"\bR(\d+)\b")
+_LOADS = ("LDG", "LDL", "LD", "ATOMG", "ATOM")  # results the long scoreboard tracks (shared memory's: the short one)
+
+
+def _operands(source: str) -> list[str]:
+    """An instruction's operands, its predicate and opcode left out."""
+    text = source.strip().rstrip(";")
+    skip = 2 if text.startswith("@") else 1  # the predicate, the opcode
+    words = text.split(None, skip)
+    return [x.strip() for x in words[-1].split(",")] if len(words) > skip else []
+
+
+def _width(source: str) -> int:
+    """The 32-bit registers a load writes (its ``.64``/``.128`` suffix)."""
+    return 4 if ".128" in source else 2 if ".64" in source else 1
+
+
+def writes(source: str) -> set[int]:
+    """The registers an instruction writes: its first operand (a load's ``.64``/``.128`` result its 2 or 4); stores
+    write none."""
+    ops = _operands(source)
+    if not ops or opcode(source).startswith("ST") or not (m := _REGISTER.fullmatch(ops[0].split(".")[0])):
+        return set()
+    first = int(m.group(1))
+    return set(range(first, first + (_width(source) if opcode(source) in _LOADS else 1)))
+
+
+def reads(source: str) -> set[int]:
+    """The registers an instruction reads: every operand after the first (a store's all of them; an address
+    ``[R4.64]`` its pair)."""
+    ops = _operands(source)
+    taken = ops if opcode(source).startswith("ST") else ops[1:]
+    regs = set()
+    for op in taken:
+        for m in _REGISTER.finditer(op):
+            regs |= {int(m.group(1)), int(m.group(1)) + 1} if ".64" in op else {int(m.group(1))}
+    return regs
+
+
+def waited_load(rows: list[dict[str, str]], i: int, head: int, tail: int) -> tuple[int, int] | None:
+    """``(row, instructions before)`` of the load row ``i`` waits on: of the last writers of its source registers,
+    found walking back from ``i`` through the loop ``head .. tail`` (past the head to the tail), the nearest that is
+    a load; ``None`` if none is."""
+    span = tail - head + 1
+    found = []
+    for register in reads(rows[i]["Source"]):
+        for back in range(1, span):
+            j = head + (i - head - back) % span
+            if register in writes(rows[j]["Source"]):
+                if opcode(rows[j]["Source"]) in _LOADS:
+                    found.append((back, j))
+                break
+    return (min(found)[1], min(found)[0]) if found else None
+
+
 def reasons(rows: list[dict[str, str]]) -> collections.Counter:
     total = collections.Counter()
     for r in rows:
@@ -91,12 +150,15 @@ def summarize(path: str, top: int = 25) -> None:
     for op, (count, samples, why) in sorted(by_op.items(), key=lambda kv: -kv[1][1]):
         tops = ", ".join(f"{k} {v}" for k, v in why.most_common(3))
         print(f"| {op} | {count} | {samples} | {samples / max(1, sum(looped.values())):.1%} | {tops} |")
-    print("\n| row | instruction (loop) | samples | top reasons |\n| --- | --- | --- | --- |")
+    print("\n| row | instruction (loop) | samples | top reasons | waits on |\n| --- | --- | --- | --- | --- |")
     hot = sorted(range(head, tail + 1), key=lambda i: -int(rows[i]["Warp Stall Sampling (All Samples)"] or 0))
     for i in sorted(hot[:top]):
         r = rows[i]
-        tops = ", ".join(f"{k} {v}" for k, v in reasons([r]).most_common(3))
-        print(f"| {i} | `{r['Source'].strip()[:70]}` | {r['Warp Stall Sampling (All Samples)']} | {tops} |")
+        why = reasons([r])
+        tops = ", ".join(f"{k} {v}" for k, v in why.most_common(3))
+        waited = waited_load(rows, i, head, tail) if why and why.most_common(1)[0][0] == "long_sb" else None
+        source = f"row {waited[0]} `{opcode(rows[waited[0]]['Source'])}`, {waited[1]} before" if waited else ""
+        print(f"| {i} | `{r['Source'].strip()[:70]}` | {r['Warp Stall Sampling (All Samples)']} | {tops} | {source} |")
     print()
 
 

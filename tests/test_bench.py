@@ -439,6 +439,33 @@ def test_the_turboquant_timeline_row_reads_the_stamps() -> None:
                                           "0: 2, 92.5, 96.0; 1: 1, 98.5, 98.5"]  # fmt: skip
 
 
+def test_ncu_stalls_names_the_load_a_long_scoreboard_wait_is_on() -> None:
+    """``benchmarks/ncu_stalls.py``'s attribution of a long-scoreboard wait: the registers an instruction reads and
+    writes (a 128-bit load's four, a 64-bit address's pair, a store's none), and the nearest load that last wrote a
+    source register, found through the loop's back edge (a load of the iteration before) and not past a later
+    writer."""
+    from benchmarks import ncu_stalls
+
+    assert ncu_stalls.writes("@!P1  LDG.E.EF.128 R20, desc[UR34][R34.64+0x10] ;") == {20, 21, 22, 23}
+    assert ncu_stalls.reads("@!P1  LDG.E.EF.128 R20, desc[UR34][R34.64+0x10] ;") == {34, 35}
+    assert ncu_stalls.writes("@P0 STG.E desc[UR4][R32.64+0x30], R45 ;") == set()
+    assert ncu_stalls.reads("@P0 STG.E desc[UR4][R32.64+0x30], R45 ;") == {32, 33, 45}
+    assert ncu_stalls.reads("PRMT R40, R20, 0x7610, R40 ;") == {20, 40}
+    rows = [{"Source": source} for source in (
+        "MOV R1, R2",  # 0: before the loop
+        "IMAD.U32 R9, R5, 0x10000, RZ",  # 1 (loop head): R5 from row 4's load, the iteration before
+        "LDG.E.64 R6, desc[UR4][R2.64]",  # 2
+        "FADD R8, R7, R1",  # 3: R7 from row 2, 1 before
+        "LDG.E.128 R4, desc[UR4][R2.64]",  # 4
+        "MOV R7, R4",  # 5: R7 written again, by an ALU instruction
+        "FADD R3, R7, R7",  # 6: its last writer is no load
+        "@!P0 BRA 0x10",  # 7: the back edge
+    )]  # fmt: skip
+    assert ncu_stalls.waited_load(rows, 1, 1, 7) == (4, 4)
+    assert ncu_stalls.waited_load(rows, 3, 1, 7) == (2, 1)
+    assert ncu_stalls.waited_load(rows, 6, 1, 7) is None
+
+
 def test_ncu_stalls_sums_the_source_page_over_the_hottest_loop(tmp_path: Path, capsys) -> None:
     """``benchmarks/ncu_stalls.py`` on a small source page in Nsight Compute's CSV form: the innermost loop holding
     an MMA is found by its backward branch (not the wider loop around it), and samples are summed by reason (the
