@@ -1584,18 +1584,18 @@ def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, sh
 
 @gluon.jit
 def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.constexpr):
-    """One warp's online softmax over chunks ``stream, stream + STRIDE, ...`` of the split (16 keys from ``tile``
-    each), copied by TMA through its chunk buffers ``STAGES stream ..`` of ``ring`` (``data, values, meta, full``):
-    ``(acc, m, l, z)``, ``acc`` ``[HEAD_DIM, BLOCK_H]`` in the MMA layout, the rest per head. ``shape`` is ``(KV_GROUP,
-    KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, STRIDE, VALUE_BITS, NUM_KV_HEADS,
-    STEP)``; the other arguments are the kernels' in tuples. Each iteration takes ``STEP`` consecutive chunks (1, or 2
-    with ``STRIDE`` 1: one softmax step and one row max over 32 keys, which halves what an iteration costs besides its
-    keys), a group of ``STEP`` buffers; a split's last group is copied whole, past its keys if need be. 3-bit values
-    are loaded a step ahead as each lane quad's spans (:func:`_step_value_words`), made codes at the value product
-    (:func:`_span_operand`). ``split``
-    ends with the request and the KV head; the ring's mbarriers are at their first phase (a program that runs several
-    splits through the same buffers initializes them again between, :func:`decode_stage1_stream_k_kernel`).
-    ``pair_lut``: :func:`_centroid_tables`."""
+    """One warp's online softmax over chunks ``stream, stream + STRIDE, ...`` of the split (16 keys from ``tile`` each),
+    copied by TMA through its chunk buffers ``STAGES stream ..`` of ``ring`` (``data, values, meta, full``): ``(acc, m,
+    l, z)``, ``acc`` ``[HEAD_DIM, BLOCK_H]`` in the MMA layout, the rest per head. ``shape`` is ``(KV_GROUP, KEY_BITS,
+    KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, STRIDE, VALUE_BITS, NUM_KV_HEADS, STEP,
+    HADAMARD_QUERY)``; the other arguments are the kernels' in tuples (``pointers`` ends with ``pit_ptr``). Each
+    iteration takes ``STEP`` consecutive chunks (1, or 2 with ``STRIDE`` 1: one softmax step and one row max over 32
+    keys, which halves what an iteration costs besides its keys), a group of ``STEP`` buffers; a split's last group is
+    copied whole, past its keys if need be. 3-bit values are loaded a step ahead as each lane quad's spans
+    (:func:`_step_value_words`), made codes at the value product (:func:`_span_operand`). ``split`` ends with the
+    request and the KV head; the ring's mbarriers are at their first phase (a program that runs several splits through
+    the same buffers initializes them again between, :func:`decode_stage1_stream_k_kernel`). ``pair_lut``:
+    :func:`_centroid_tables`."""
     data, values, meta, full = ring
     data_desc, value_desc, meta_desc = descs
     q_ptr, partials_ptr, _, cache_ptr, pit_ptr = pointers
