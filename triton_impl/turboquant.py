@@ -1569,7 +1569,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
                 kernel, grid, args = turboquant_sm90.decode_stage1_stream_k_kernel, (programs,), (*args, batch)
                 options |= stream_k_ranks(config, batch, num_heads, key_bits)
                 rotating |= {"RANKS": 1, "TILT": 0}  # (the ranks' counts are zeroed by the rotation launch)
-            if config.get("HADAMARD_QUERY") and key_bits != 8:
+            if _rotates_in_stage1(config, key_bits):
                 hadamard_stage1 = Launch(kernel, grid, args, dict(shape, **rotating))
         else:
             kernel = turboquant_sm90.decode_stage1_streams_kernel
@@ -1615,6 +1615,12 @@ def _sm90_stage1(config: dict[str, int], query: torch.Tensor, kv_cache: torch.Te
     return gluon, tma
 
 
+def _rotates_in_stage1(config: dict[str, int], key_bits: int) -> bool:
+    """Whether a decode entry whose stage 1 runs on the TMA kernels rotates a Hadamard query in it: the one-warp
+    kernels under ``HADAMARD_QUERY``, MSE keys."""
+    return bool(config.get("GLUON_WARP") and config.get("HADAMARD_QUERY")) and key_bits != 8
+
+
 def hadamard_query_in_stage1(query: torch.Tensor, kv_cache: torch.Tensor, rotation: torch.Tensor, mse_bits: int,
                              value_quant_bits: int) -> bool:  # fmt: skip
     """Whether a decode call of MSE keys on these tensors rotates its query inside stage 1 instead of by a launch of
@@ -1622,7 +1628,7 @@ def hadamard_query_in_stage1(query: torch.Tensor, kv_cache: torch.Tensor, rotati
     is ``c H_128`` (``turboquant_sm90.is_hadamard_rotation``). Its rounding is then
     ``parity.turboquant.hadamard_query``'s."""
     config = select_decode_config(kv_cache.device, mse_bits, value_quant_bits)
-    if not (config.get("HADAMARD_QUERY") and config.get("GLUON_WARP")):
+    if not _rotates_in_stage1(config, mse_bits):
         return False
     layout = _soa_layout(query.shape[2], mse_bits, value_quant_bits, False)
     return _sm90_stage1(config, query, kv_cache, layout, mse_bits, value_quant_bits)[1] and (
