@@ -153,12 +153,24 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # ahead 2977 / 3049 / 2877: all slower than none. The bulk form (cp.async.bulk.prefetch.L2) takes its address in
 # uniform registers, and for per-thread rows ptxas wraps it in a loop over the warp's addresses (Nsight: 14% of the
 # samples).
+# HADAMARD_*_k3 (3-bit keys): 8 programs a SM at 64 registers, 32 warps where 80 registers fit 24. Their butterfly
+# loop compiles to the same code at 80, 72, 64 and 56 registers (1279-1282 instructions a tile, no local load or store
+# in it; Triton 3.6: ptxas issues the tile's loads closer to their use instead), while 4-bit keys spill below 64 and
+# the MMA H_32 spills below 96. One call on the H200 (2026-12-04, 1M tokens x 8 KV heads, stage us after a reading
+# flush, two rounds each, random / consecutive slots): k3v4 6 programs at 80 registers 1968.5, 1968.1 / 1770.2,
+# 1755.7; 8 at 64 1920.8, 1921.5 / 1751.9, 1760.3; 9 at 56 1935.5, 1918.7 / 1881.0, 1881.9; 3-bit 1919.0, 1919.9 /
+# 1784.1, 1783.6 -> 8 at 64 1847.5, 1841.0 / 1783.2, 1789.0 -> 9 at 56 1898.1, 1892.9 / 1845.1, 1836.6 (-2.4% and
+# -3.9% at random slots for 8 at 64). In the call before, 7 at 72 took 3-bit keys to 2081 us (+8%), and the MMA H_32
+# at 96 registers (5 programs) moved the random slots by +0.1 / +0.7% and the consecutive ones by -2.5 / -3.6%.
+# 4-bit keys by butterflies at 64 (8 programs) or 72 registers (7) lost 4-6% at random slots and 8-15% at
+# consecutive ones against the MMA H_32 at 96.
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
     "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1, "GLUON": 1,
              "GLUON_PROGRAMS_PER_SM": 3, "GLUON_MAXNREG": 168, "GLUON_PREFETCH": 1,
              "HADAMARD": 1, "HADAMARD_PROGRAMS_PER_SM": 6, "HADAMARD_MAXNREG": 80, "HADAMARD_PROGRAMS_PER_SM_k4": 5,
-             "HADAMARD_MAXNREG_k4": 96, "HADAMARD_MMA_H32_k4": 1},
+             "HADAMARD_MAXNREG_k4": 96, "HADAMARD_MMA_H32_k4": 1, "HADAMARD_PROGRAMS_PER_SM_k3": 8,
+             "HADAMARD_MAXNREG_k3": 64},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
 FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_stages unused: no rotation
