@@ -164,7 +164,7 @@ def insert(config: ue8m0.LaunchConfig, use_fnuz: bool) -> dict:
                       KEEP="evict_last" if config.evict else "")  # fmt: skip
     constexprs = {n: v for n, v in constexprs.items() if n in ue8m0._quantize_and_insert_k_kernel.arg_names}
     kernel = _compile(ue8m0._quantize_and_insert_k_kernel, INSERT_POINTERS, constexprs, config.num_warps,
-                      config.insert_max_registers)
+                      config.insert_registers(use_fnuz))
     return _report(f"insert {'FNUZ' if use_fnuz else 'OCP'}", kernel, config, loop=config.insert_programs > 0,
                    tokens=config.tokens_per_program)
 

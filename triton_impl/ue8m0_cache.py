@@ -135,10 +135,15 @@ class LaunchConfig:
     # reads) evict_first; the insert's scale bytes evict_last, so that the 8 MB of scale sectors per 1M
     # tokens, each written 8 bytes at a time by 4 randomly placed slots, stay in L2 until whole.
     evict: bool = False
-    # ptxas register caps (maxnreg; 0: none) of the insert and the gather. sm_90 at 8 tokens, no spill: insert OCP
-    # 56 -> 48 registers (10 blocks of 4 warps per SM, from 9), FNUZ 58 -> 56 (9 from 8; 48 spills); gather 48 -> 40
-    # (12 blocks, from 10; OCP 211 -> 216 warp instructions per token).
+    # ptxas register caps (maxnreg; 0: none) of the insert (the FNUZ insert's own where fnuz_insert_max_registers is
+    # set) and the gather. sm_90 at 8 tokens, no spill: insert OCP 56 -> 48 registers (10 blocks of 4 warps per SM,
+    # from 9), FNUZ 58 -> 56 (9 from 8; 48 spills); gather 48 -> 40 (12 blocks, from 10; OCP 211 -> 216 warp
+    # instructions per token). The insert's caps, one call on the H200 (2026-12-04, benchmarks/kernel_times.py, us
+    # after a reading flush, two rounds, random / consecutive slots): none OCP 515.7, 515.6 / 433.0, 431.6, FNUZ 539.7,
+    # 540.5 / 480.4, 480.0; 48 OCP 503.5, 504.0 / 405.9, 406.0, FNUZ 540.9, 541.5 / 488.3, 489.1; 56 OCP 509.7, 509.5
+    # / 416.4, 415.9, FNUZ 525.3, 526.3 / 467.2, 467.4: OCP takes 48, FNUZ 56.
     insert_max_registers: int = 0
+    fnuz_insert_max_registers: int = 0
     gather_max_registers: int = 0
     # The FNUZ gather's warps a program and tokens a tile (0: num_warps, and as the OCP gather). Its "branch" decode
     # takes a tile-wide max, a barrier every warp of the program waits at: on the H200 (Nsight Compute, 4 warps, 4
@@ -149,6 +154,10 @@ class LaunchConfig:
     # at d81922f: FNUZ 0.4669 / 0.4663 -> 0.4594 / 0.4587 ms, 85.6 -> 87.0%; OCP 0.4518 / 0.4526 -> 0.4523 / 0.4523).
     fnuz_gather_warps: int = 0
     fnuz_gather_tokens: int = 0
+
+    def insert_registers(self, use_fnuz: bool) -> int:
+        """The insert's register cap for its format (0: none)."""
+        return (use_fnuz and self.fnuz_insert_max_registers) or self.insert_max_registers
 
 
 # Launch configs as data, keyed by GPU architecture ("sm90", ...). Both kernels move 584 + 1024
@@ -164,14 +173,16 @@ class LaunchConfig:
 # (0.556 ms, 71.5%, in the bench at 62cb554). At 04efc58 (FNUZ insert 94 -> 58 registers, the gather's loads
 # before its stores), of the 5 best-ranked configs: the FNUZ "branch" decode with 4-token gather tiles, gather OCP
 # 0.4650 -> 0.4533 ms (85.9 -> 88.1%), FNUZ 0.5205 -> 0.5121 (76.7 -> 78.0%), inserts unchanged (OCP 76.9%, FNUZ
-# 73.8%); register caps (insert 48, gather 40) gave insert OCP 78.8% but a slower gather. The interpreter runs
+# 73.8%); register caps (insert 48, gather 40) gave insert OCP 78.8% but a slower gather (the gather's cap came later,
+# with its tiles; the insert's per format on 2026-12-04: LaunchConfig.insert_max_registers). The interpreter runs
 # programs one after another in Python at ~20 ms each, so it gets 16-token tiles and 2 workers (results do not
 # depend on the config; a test checks it).
 LAUNCH_CONFIGS: dict[str, LaunchConfig] = {
     "default": LaunchConfig(tokens_per_program=1, gather_workers=128, num_warps=4),
     "sm90": LaunchConfig(
         tokens_per_program=8, gather_workers=1024, num_warps=4, decode="branch", fnuz_encode="cvt", rope_words=True,
-        gather_tokens=4, gather_max_registers=40, fnuz_gather_warps=2, fnuz_gather_tokens=2,
+        gather_tokens=4, insert_max_registers=48, fnuz_insert_max_registers=56, gather_max_registers=40,
+        fnuz_gather_warps=2, fnuz_gather_tokens=2,
     ),
     "interpreter": LaunchConfig(tokens_per_program=16, gather_workers=2, num_warps=1),
 }
@@ -482,7 +493,7 @@ def quantize_and_insert_k_cache(
         STREAM="evict_first" if config.evict else "",
         KEEP="evict_last" if config.evict else "",
         num_warps=config.num_warps,
-        **register_cap(config.insert_max_registers),
+        **register_cap(config.insert_registers(use_fnuz)),
     )  # fmt: skip
 
 
