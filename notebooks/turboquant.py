@@ -743,7 +743,10 @@ for preset in tq.PRESETS:
 # codes go first: 4-bit 2.14 -> 1.82 ms, k3v4 2.21 -> 1.97, 3-bit 2.03 -> 1.92 (the bench at 658a2cf and 00a5c3a; 63-70%
 # of the copy roofline, a prefill's consecutive slots 70-78%). In the MMA store the same shuffles, for the centroids'
 # squares alone, had lost 2-11% (why was not measured); here they replace all of the loop's shared-memory traffic and
-# its barriers.
+# its barriers. Last, occupancy: the 3-bit keys' loop compiles to the same 1282 instructions a tile at 64 registers as
+# at 80, with no spill (ptxas issues the tile's loads later instead), so eight programs share a SM, 32 warps where 24
+# were: k3v4 1.97 -> 1.92 ms, 3-bit 1.92 -> 1.86 (64.5%, 64.9%; the bench at 076fef5). Nsight still finds 37% of
+# the 3-bit store's samples at two waits on the tile's own loads.
 #
 # The cell compiles both stores for sm_90 on this machine (Triton's own `ptxas`; no GPU needed, a process of its own
 # since the interpreter is on here) and counts what is in their tile loops: in the MMA store two barriers around each

@@ -131,7 +131,9 @@ centroids' squares) are warp shuffles (:func:`_lookup`: a copy of each table in 
 of L1's throughput), its 4-bit codes go out 16 bytes a store, and L2 keeps the slots' 2-byte fields while the rows
 and codes leave first (:data:`STORE_FIELDS_EVICTION`): at 00a5c3a (``attnref bench --op turboquant --case store``)
 4-bit 1.82 ms, k3v4 1.97, 3-bit 1.92 (70.1%, 63.1%, 63.2% of the copy roofline; consecutive slots 1.64 / 1.71 / 1.75 ms,
-70-78%), against 2.14 / 2.21 / 2.03 at 658a2cf.
+70-78%), against 2.14 / 2.21 / 2.03 at 658a2cf. 3-bit keys then went to eight programs a SM at 64 registers (their
+loop compiles to the same 1282 instructions a tile with no spill; ptxas issues the loads later), 32 warps: at 076fef5
+k3v4 1.92 ms, 3-bit 1.86 (64.5%, 64.9%).
 """
 
 from __future__ import annotations
