@@ -118,6 +118,21 @@ def waited_load(rows: list[dict[str, str]], i: int, head: int, tail: int) -> tup
     return (min(found)[1], min(found)[0]) if found else None
 
 
+def load_leads(loop: list[str]) -> list[tuple[int, int]]:
+    """``(index, lead)`` of each global load in a loop's SASS (its instructions in order, the back edge last): the
+    instructions from the load to the first that reads a register it writes, walking past the loop's tail to its
+    head, without a profile: how far ahead of its use the compiler put it (a load whose result no instruction reads
+    is left out)."""
+    leads = []
+    for i, source in enumerate(loop):
+        if opcode(source) == "LDG":
+            written = writes(source)
+            lead = next((d for d in range(1, len(loop) + 1) if reads(loop[(i + d) % len(loop)]) & written), None)
+            if lead is not None:
+                leads.append((i, lead))
+    return leads
+
+
 def reasons(rows: list[dict[str, str]]) -> collections.Counter:
     total = collections.Counter()
     for r in rows:

@@ -6,7 +6,9 @@ Triton wheel) reports registers and stack per thread. For the decode (the sm_90 
 runs it, and the portable kernel), the SASS between the loop's first and last branch is counted by opcode: what
 one ``BLOCK_N``-key tile costs one warp; for the sm_90 Gluon store, what one 64-row tile costs each thread. The
 stores keep two copies of their key loop (the grid's table lookup, and the binary search for midpoints the grid
-cannot separate): each copy is counted as the path a program takes. Run::
+cannot separate): each copy is counted as the path a program takes. For the store of a Hadamard ``PiT``, each global
+load of its tile loop is printed with its lead, the instructions from it to the first use of its result
+(``ncu_stalls.load_leads``): under a register cap ptxas moves loads toward their use. Run::
 
     TRITON_INTERPRET=0 PYTHONPATH=. .venv/bin/python benchmarks/sass_sm90_turboquant.py
 
@@ -31,11 +33,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler import compile as triton_compile
 
+from benchmarks import ncu_stalls
 from golden.turboquant import TurboQuantConfig
 from triton_impl import turboquant as ttq
 from triton_impl import turboquant_sm90
 from triton_impl.bench import SASS_UNIFORM_MOVE, cuobjdump, innermost_loop, sass_code
-from triton_impl.launch import register_cap
+from triton_impl.launch import register_cap, with_overrides
 
 TARGET = GPUTarget("cuda", 90, 32)
 DECODE_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -245,6 +248,26 @@ def gluon_store(preset: str) -> None:
                   f"{len(body) / 16:.1f} warp instructions per row; {mix}")  # fmt: skip
 
 
+def hadamard_store(preset: str, maxnreg: int | None = None) -> None:
+    """The sm_90 store for a Hadamard ``PiT`` (``store_hadamard_kernel``) as the sm90 entry launches it for the
+    preset's keys (or at ``maxnreg`` registers): registers, stack, its tile loop's instructions and local loads and
+    stores, and each global load's lead, the instructions from it to the first that reads its result (through the
+    loop's back edge: the next tile's keys): how far ahead of their use ptxas issued the rows' loads."""
+    layout = TurboQuantConfig.from_cache_dtype(preset, 128)
+    entry = with_overrides(ttq.STORE_CONFIGS["sm90"], f"_k{layout.key_mse_bits}")
+    cap = maxnreg or entry["HADAMARD_MAXNREG"]
+    kernel = turboquant_sm90.compile_store_for_sm90(key_bits=layout.key_mse_bits, value_bits=layout.value_quant_bits,
+                                                    norm_correction=layout.norm_correction, hadamard=True,
+                                                    maxnreg=cap, mma_h32=bool(entry.get("HADAMARD_MMA_H32", 0)))
+    code, loops = sass_code(kernel.asm["cubin"])
+    head, tail = innermost_loop(code, loops, ("STG",))
+    loop = [re.search(r"\*/\s*(.*?)\s*;", line).group(1) for address, _, _, line in code if head <= address <= tail]
+    mix = collections.Counter(ncu_stalls.opcode(x) for x in loop)
+    print(f"store {preset} Hadamard at {cap} registers: {_resources(kernel.asm['cubin'])}; tile loop {len(loop)} "
+          f"instructions, LDL {mix['LDL']}, STL {mix['STL']}; global loads (index, lead): "
+          f"{ncu_stalls.load_leads(loop)}")  # fmt: skip
+
+
 # The store variants of benchmarks/sweep_memory_bound.py's grids, after the sm90 entries.
 STORE_VARIANTS = {
     "mse": [{"BLOCK_T": t, "D_CHUNK": c, "num_warps": w, "TF32X3": x, "num_stages": 1, **({"maxnreg": r} if r else {})}
@@ -267,6 +290,7 @@ if __name__ == "__main__":
         key_fp8 = TurboQuantConfig.from_cache_dtype(preset, 128).key_fp8
         if not key_fp8:
             gluon_store(preset)
+            hadamard_store(preset)
         for config in [(ttq.FP8_KEY_STORE_CONFIGS if key_fp8 else ttq.STORE_CONFIGS)["sm90"],
                        *STORE_VARIANTS["fp8" if key_fp8 else "mse"]]:  # fmt: skip
             store(preset, config)

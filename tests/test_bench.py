@@ -464,6 +464,12 @@ def test_ncu_stalls_names_the_load_a_long_scoreboard_wait_is_on() -> None:
     assert ncu_stalls.waited_load(rows, 1, 1, 7) == (4, 4)
     assert ncu_stalls.waited_load(rows, 3, 1, 7) == (2, 1)
     assert ncu_stalls.waited_load(rows, 6, 1, 7) is None
+    # Statically, without samples: each load's lead to its first reader, through the back edge (row 4's R4-R7 are
+    # read by row 5, row 2's R6-R7 by row 3), the loop being rows 1-7
+    assert ncu_stalls.load_leads([row["Source"] for row in rows[1:]]) == [(1, 1), (3, 1)]
+    assert ncu_stalls.load_leads(["LDG.E R6, desc[UR4][R2.64]", "FADD R8, R9, R1", "IMAD R1, R6, R6, RZ",
+                                  "@!P0 BRA 0x10"]) == [(0, 2)]  # fmt: skip
+    assert ncu_stalls.load_leads(["IMAD R1, R6, R6, RZ", "LDG.E R6, desc[UR4][R2.64]", "@!P0 BRA 0x10"]) == [(1, 2)]
 
 
 def test_ncu_stalls_sums_the_source_page_over_the_hottest_loop(tmp_path: Path, capsys) -> None:
