@@ -160,7 +160,7 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # flush, two rounds each, random / consecutive slots): k3v4 6 programs at 80 registers 1968.5, 1968.1 / 1770.2,
 # 1755.7; 8 at 64 1920.8, 1921.5 / 1751.9, 1760.3; 9 at 56 1935.5, 1918.7 / 1881.0, 1881.9; 3-bit 1919.0, 1919.9 /
 # 1784.1, 1783.6 -> 8 at 64 1847.5, 1841.0 / 1783.2, 1789.0 -> 9 at 56 1898.1, 1892.9 / 1845.1, 1836.6 (-2.4% and
-# -3.9% at random slots for 8 at 64). In the call before, 7 at 72 took 3-bit keys to 2081 us (+8%), and the MMA H_32
+# -3.9% at random slots for 8 at 64). In a first call, 7 at 72 took 3-bit keys to 2081 us (+8%), and the MMA H_32
 # at 96 registers (5 programs) moved the random slots by -0.2 / +0.7% and the consecutive ones by -2.4 / -3.5%.
 # 4-bit keys by butterflies at 64 (8 programs) or 72 registers (7) lost 4-6% at random slots and 8-15% at
 # consecutive ones against the MMA H_32 at 96.
