@@ -121,6 +121,19 @@ def pytest_runtest_makereport(item: pytest.Item, call):
         report.user_properties.append(("hypothesis_examples", examples))
 
 
+TEST_TIMES_ENV = "ATTNREF_TEST_TIMES"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``ATTNREF_TEST_TIMES=<file>``, append each phase of each test (setup, call, teardown) to that file as its
+    report arrives (under pytest-xdist, on the controller): seconds, phase, outcome, test id, a line each, tab
+    separated. A run that a time limit cuts still says where its time went (``.ci/gpu_job`` sums it by test)."""
+    path = os.environ.get(TEST_TIMES_ENV)
+    if path and "PYTEST_XDIST_WORKER" not in os.environ:  # a worker's reports reach the controller's hook too
+        with open(path, "a") as times:
+            times.write(f"{report.duration:.3f}\t{report.when}\t{report.outcome}\t{report.nodeid}\n")
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     examples = sum(
         value

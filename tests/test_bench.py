@@ -508,3 +508,25 @@ def test_ncu_stalls_sums_the_source_page_over_the_hottest_loop(tmp_path: Path, c
     no_mma = [{**r, "Source": r["Source"].replace("HMMA.16816.F32", "FADD")} for r in loaded]
     assert ncu_stalls.hottest_loop(no_mma) == (2, 4)
     assert ncu_stalls.hottest_loop([r for r in no_mma if "BRA" not in r["Source"]]) == (0, len(rows) - 3)
+
+
+def test_the_suite_writes_each_test_phase_time_as_it_arrives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tests/conftest.py`` with ``ATTNREF_TEST_TIMES``: a tab-separated line a test phase (seconds, phase, outcome,
+    test id), appended as each report arrives, so that a run a time limit cuts keeps its times; nothing from an xdist
+    worker (its reports reach the controller, which writes them) and nothing without the variable."""
+    from tests import conftest
+
+    times = tmp_path / "times.tsv"
+    report = SimpleNamespace(duration=1.23456, when="call", outcome="passed", nodeid="tests/test_x.py::test_y[a b]")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.delenv(conftest.TEST_TIMES_ENV, raising=False)
+    conftest.pytest_runtest_logreport(report)
+    assert not times.exists()
+    monkeypatch.setenv(conftest.TEST_TIMES_ENV, str(times))
+    conftest.pytest_runtest_logreport(report)
+    conftest.pytest_runtest_logreport(SimpleNamespace(duration=0.5, when="teardown", outcome="passed",
+                                                      nodeid=report.nodeid))  # fmt: skip
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    conftest.pytest_runtest_logreport(report)
+    assert times.read_text().splitlines() == ["1.235\tcall\tpassed\ttests/test_x.py::test_y[a b]",
+                                              "0.500\tteardown\tpassed\ttests/test_x.py::test_y[a b]"]  # fmt: skip
