@@ -517,7 +517,7 @@ def test_the_suite_writes_each_test_phase_time_as_it_arrives(tmp_path: Path, mon
     from tests import conftest
 
     times = tmp_path / "times.tsv"
-    report = SimpleNamespace(duration=1.23456, when="call", outcome="passed", nodeid="tests/test_x.py::test_y[a b]")
+    report = SimpleNamespace(duration=1.23456, when="call", outcome="passed", nodeid="tests/test_bench.py::test_y[a b]")
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     monkeypatch.delenv(conftest.TEST_TIMES_ENV, raising=False)
     conftest.pytest_runtest_logreport(report)
@@ -528,5 +528,5 @@ def test_the_suite_writes_each_test_phase_time_as_it_arrives(tmp_path: Path, mon
                                                       nodeid=report.nodeid))  # fmt: skip
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
     conftest.pytest_runtest_logreport(report)
-    assert times.read_text().splitlines() == ["1.235\tcall\tpassed\ttests/test_x.py::test_y[a b]",
-                                              "0.500\tteardown\tpassed\ttests/test_x.py::test_y[a b]"]  # fmt: skip
+    assert times.read_text().splitlines() == ["1.235\tcall\tpassed\ttests/test_bench.py::test_y[a b]",
+                                              "0.500\tteardown\tpassed\ttests/test_bench.py::test_y[a b]"]  # fmt: skip
