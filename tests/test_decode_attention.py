@@ -630,6 +630,39 @@ def test_sm90_mla_kernels_compile_for_hopper() -> None:
         assert cluster_waits == (few and not single_split), rows
 
 
+_PROBE_COMPILE = """
+import json, re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import compile as triton_compile
+from triton.experimental.gluon._runtime import GluonASTSource
+from tests.racecheck_probe import ROUNDS, hand_over_kernel
+from triton_impl.bench import cuobjdump
+signature = {"out_ptr": "*fp32", "ROUNDS": "constexpr", "EARLY_FREE": "constexpr"}
+for early in (False, True):
+    source = GluonASTSource(hand_over_kernel, signature, {(1,): ROUNDS, (2,): early}, {(0,): [["tt.divisibility", 16]]})
+    kernel = triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    sass = [line for line in cuobjdump(kernel.asm["cubin"], "--dump-sass").splitlines() if "/*0" in line]
+    ops = ["load" if re.search(r"\\bLDS\\s", s) else "wait" if "SYNCS.PHASECHK" in s else "arrive" if "SYNCS.ARRIVE"
+           in s else "" for s in sass]
+    first_load = ops.index("load")
+    wait = max(i for i in range(first_load) if ops[i] == "wait")
+    print(json.dumps([early, "arrive" in ops[wait:first_load], ops.count("wait"), ops.count("arrive")]))
+"""
+
+
+def test_racecheck_probe_compiles_for_hopper_with_its_two_orders() -> None:
+    """``tests/racecheck_probe.py`` (run under racecheck on the H200: the MLA stage 1's mbarrier hand-over in a
+    kernel of its own) compiles for sm_90, and its SASS keeps the two orders it claims: the reader frees the buffer
+    after its load (``SYNCS.ARRIVE`` after the ``LDS`` that follows its wait), and with ``EARLY_FREE`` before it
+    (between the wait and the load). Both hold the mbarrier waits and arrivals of each side."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", _PROBE_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    assert [(early, freed_first) for early, freed_first, _, _ in rows] == [(False, False), (True, True)], rows
+    assert all(waits >= 2 and arrivals >= 2 for _, _, waits, arrivals in rows), rows
+
+
 # -- invariances -----------------------------------------------------------------------------
 
 

@@ -163,7 +163,10 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # -3.9% at random slots for 8 at 64). In a first call, 7 at 72 took 3-bit keys to 2081 us (+8%), and the MMA H_32
 # at 96 registers (5 programs) moved the random slots by -0.2 / +0.7% and the consecutive ones by -2.4 / -3.5%.
 # 4-bit keys by butterflies at 64 (8 programs) or 72 registers (7) lost 4-6% at random slots and 8-15% at
-# consecutive ones against the MMA H_32 at 96.
+# consecutive ones against the MMA H_32 at 96. The next call (each variant twice, random slots): the MMA H_32 for
+# 3-bit keys at 72 registers (7 programs; 8 local loads a tile) k3v4 1949.1, 1950.2 -> 2126.2, 2129.2 and 3-bit
+# 1849.4, 1845.1 -> 2244.5, 2266.1; at 64 (8 programs; 18 local loads, 10 local stores) 2425.0, 2415.4 and 2330.9,
+# 2334.0; 4-bit keys' MMA at 80 registers (6 programs, 5 local loads) 1823.4, 1829.2 -> 1915.9, 1914.0 (+5%).
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
     "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1, "GLUON": 1,
