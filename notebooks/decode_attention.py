@@ -784,6 +784,20 @@ assert 1.5 < executed / tile_flops < 1.6
 # L2: stage 1 91.3 -> 76.9 us (`benchmarks/kernel_times.py`), the call 0.0933 -> 0.0815 ms in the bench (cc1dbc3 ->
 # 6412cb9), from 0.88x to 1.01x FlashInfer's speed. The portable kernel takes the same order (stage 1 146 -> 140 us
 # there); the verify kernels always had their row blocks adjacent.
+#
+# How the two warpgroups stay in step: each tile the softmax warpgroup hands the value warpgroup `P` and a per-row
+# vector (the rescale factor, after the loop the row scale) through shared memory, with two mbarriers
+# (`decode_attention_sm90._hand_over`): it waits until the value warpgroup has freed the buffer (`p_free`), stores,
+# fences, and arrives on `p_full`; the value warpgroup waits on `p_full`, reads, and arrives on `p_free` only after its
+# product with the tile is done. A mistake there would not fail loudly: a read of the next tile's vector gives a wrong
+# rescale that the golden comparison catches only when it changes the output. `compute-sanitizer` checks what it can on
+# the H200 (`bash .ci/gpu_job sanitizer` with `SANITIZER_TOOL`): memcheck and synccheck report nothing on these kernels,
+# while racecheck reports every hand-over as a race because it does not follow mbarrier ordering. It reports
+# `tests/racecheck_probe.py` (the same hand-over in a kernel of its own, whose sums come out exact) the same way, and
+# the probe's deliberately wrong variant (`--early-free`, the buffer freed before the read: its sums differ) too, so
+# on these kernels its report cannot tell a correct hand-over from a wrong one. What checks the protocol is the golden
+# comparison over many shapes, and the probe's compile test, which holds its SASS to the order it claims (the arrival
+# after the read) (`perf_log.md`, thirty-seventh session).
 
 # %% [markdown]
 # ## 8. Sixteen heads on Hopper: the keys as wgmma's M
