@@ -167,13 +167,18 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # 3-bit keys at 72 registers (7 programs; 8 local loads a tile) k3v4 1949.1, 1950.2 -> 2126.2, 2129.2 and 3-bit
 # 1849.4, 1845.1 -> 2244.5, 2266.1; at 64 (8 programs; 18 local loads, 10 local stores) 2425.0, 2415.4 and 2330.9,
 # 2334.0; 4-bit keys' MMA at 80 registers (6 programs, 5 local loads) 1823.4, 1829.2 -> 1915.9, 1914.0 (+5%).
+# HADAMARD_PACKED_EXTREMA 1: each row's value min and max on the bf16 values as loaded, by packed min / max
+# (turboquant_sm90._store_values), 1080 -> 1043 instructions a tile for 4-bit keys at 96 registers, 1293 -> 1255 for
+# 3-bit keys at 64 (Triton 3.6; k3v4 spills at 64: 21 local loads a tile). One call on the H200 (2026-12-04, stage us
+# after a reading flush, random slots, twice): 4-bit 1818.1, 1814.2 -> 1804.3, 1802.8 (-0.7%), k3v4 1923.2, 1925.9 ->
+# 1932.6, 1934.9, 3-bit 1848.4, 1847.6 -> 1987.9, 1981.9 (+7.4%, fewer instructions): 4-bit keys only (_k4).
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
     "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1, "GLUON": 1,
              "GLUON_PROGRAMS_PER_SM": 3, "GLUON_MAXNREG": 168, "GLUON_PREFETCH": 1,
              "HADAMARD": 1, "HADAMARD_PROGRAMS_PER_SM": 6, "HADAMARD_MAXNREG": 80, "HADAMARD_PROGRAMS_PER_SM_k4": 5,
-             "HADAMARD_MAXNREG_k4": 96, "HADAMARD_MMA_H32_k4": 1, "HADAMARD_PROGRAMS_PER_SM_k3": 8,
-             "HADAMARD_MAXNREG_k3": 64},
+             "HADAMARD_MAXNREG_k4": 96, "HADAMARD_MMA_H32_k4": 1, "HADAMARD_PACKED_EXTREMA_k4": 1,
+             "HADAMARD_PROGRAMS_PER_SM_k3": 8, "HADAMARD_MAXNREG_k3": 64},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
 FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_stages unused: no rotation
@@ -849,7 +854,8 @@ def triton_turboquant_store(
         if config.get("HADAMARD") and turboquant_sm90.is_hadamard_rotation(PiT):  # PiT = c H: no PiT in shared memory
             kernel, prefix = turboquant_sm90.store_hadamard_kernel, "HADAMARD"
             warp_rows, extra = int(turboquant_sm90.STORE_QUAD_ROWS), ()
-            knobs = dict(MMA_H32=bool(config.get("HADAMARD_MMA_H32", 0)))
+            knobs = dict(MMA_H32=bool(config.get("HADAMARD_MMA_H32", 0)),
+                         PACKED_EXTREMA=bool(config.get("HADAMARD_PACKED_EXTREMA", 0)))  # fmt: skip
         else:
             kernel, prefix = turboquant_sm90.store_kernel, "GLUON"
             warp_rows, extra = turboquant_sm90.STORE_WARP_ROWS, (PiT.stride(0),)

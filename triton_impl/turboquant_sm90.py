@@ -247,7 +247,7 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
 def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_correction: bool = True,
                            block_size: int = 16, maxnreg: int | None = None, warps: int = 4,
                            early_values: bool = True, prefetch: bool = True, hadamard: bool = False,
-                           mma_h32: bool = False) -> Any:
+                           mma_h32: bool = False, packed_extrema: bool = False) -> Any:
     """:func:`store_kernel` (``hadamard``: :func:`store_hadamard_kernel`) compiled for sm_90 on any machine,
     specialized as the bench's launch is (8 KV heads, 16-byte aligned pointers, the strides multiples of 16): the
     ``CompiledKernel``."""
@@ -263,7 +263,8 @@ def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_corre
     slot_bytes = 128 * (key_bits + value_bits) // 8
     constexprs = dict(NUM_KV_HEADS=8, KEY_BITS=key_bits, VALUE_BITS=value_bits, NORM_CORRECTION=norm_correction,
                       SLOT_BYTES=slot_bytes, BLOCK_SIZE=block_size, WIDE_SLOTS=False, WARPS=warps)  # fmt: skip
-    constexprs |= dict(MMA_H32=mma_h32) if hadamard else dict(EARLY_VALUES=early_values, PREFETCH=prefetch)
+    constexprs |= dict(MMA_H32=mma_h32, PACKED_EXTREMA=packed_extrema) if hadamard else \
+        dict(EARLY_VALUES=early_values, PREFETCH=prefetch)
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     values = {(names.index(n),): v for n, v in constexprs.items()}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*pointers, *divisible) if n in names}
@@ -2377,17 +2378,33 @@ def _tile_rows(tile, RANK: gl.constexpr, LAYOUT: gl.constexpr, WARPS: gl.constex
 def _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS: gl.constexpr,
                   BLOCK_SIZE: gl.constexpr, SLOT_BYTES: gl.constexpr, KEY_DATA_BYTES: gl.constexpr,
                   VALUE_BITS: gl.constexpr, WIDE_SLOTS: gl.constexpr):  # fmt: skip
-    """One tile's values ``v`` (fp32 ``[..., 4, 32]``, dimension ``32 t + i`` of the row the leading dims name;
-    each thread owns 32 contiguous dimensions of a row: :func:`_value_layout`, :func:`_quad_layout`) min-max
-    quantized as the portable store does it, into slots ``slot`` of rows ``row`` (both ``[..., 1, 1]``)."""
+    """One tile's values ``v`` (``[..., 4, 32]``, dimension ``32 t + i`` of the row the leading dims name; each
+    thread owns 32 contiguous dimensions of a row: :func:`_value_layout`, :func:`_quad_layout`) min-max quantized as
+    the portable store does it, into slots ``slot`` of rows ``row`` (both ``[..., 1, 1]``). ``v`` is fp32, or bf16
+    as loaded: then each row's min and max start on packed pairs (:func:`_bf16x2`), which pick the same values."""
     RANK: gl.constexpr = len(v.shape)
     layout: gl.constexpr = v.type.layout
     t = _iota(4, RANK - 2, RANK, layout)
     ok, data, meta = _slot_offsets(slot, row, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
                                    WIDE_SLOTS)  # fmt: skip
     LEVELS: gl.constexpr = (1 << VALUE_BITS) - 1
-    v_min = gl.min(gl.min(v, axis=RANK - 1), axis=RANK - 2)
-    v_max = gl.max(gl.max(v, axis=RANK - 1), axis=RANK - 2)
+    if v.dtype == gl.bfloat16:
+        # Each thread's 32 values halved four times by packed bf16 min and max (two values an instruction; exact), the
+        # last pair and the row's four threads in fp32.
+        v_lo = v
+        v_hi = v
+        for _ in gl.static_range(4):
+            a, b = _split_in_half(v_lo)
+            v_lo = _bf16x2(a, b, "min")
+            a, b = _split_in_half(v_hi)
+            v_hi = _bf16x2(a, b, "max")
+        rows: gl.constexpr = gl.SliceLayout(RANK - 2, gl.SliceLayout(RANK - 1, layout))  # (no data moves)
+        v_min = gl.convert_layout(gl.min(gl.min(v_lo.to(gl.float32), axis=RANK - 1), axis=RANK - 2), rows)
+        v_max = gl.convert_layout(gl.max(gl.max(v_hi.to(gl.float32), axis=RANK - 1), axis=RANK - 2), rows)
+        v = v.to(gl.float32)
+    else:
+        v_min = gl.min(gl.min(v, axis=RANK - 1), axis=RANK - 2)
+        v_max = gl.max(gl.max(v, axis=RANK - 1), axis=RANK - 2)
     v_min = gl.minimum(gl.maximum(v_min, -_FP16_MAX), _FP16_MAX)
     v_max = gl.minimum(gl.maximum(v_max, -_FP16_MAX), _FP16_MAX)
     scale = gl.maximum((v_max - v_min) / LEVELS, _MIN_VALUE_SCALE)
@@ -2412,6 +2429,26 @@ def _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS
     row_ok = gl.max(gl.max(ok.to(gl.int32), axis=RANK - 1), axis=RANK - 2) != 0
     gl.store(fields + BLOCK_SIZE, _fp16_bits(scale), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
     gl.store(fields + 2 * BLOCK_SIZE, _fp16_bits(v_min), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
+
+
+@gluon.constexpr_function
+def _halves_shape(shape):
+    """``[..., 2n]`` -> ``[..., 2, n]``."""
+    return [*shape[:-1], 2, shape[-1] // 2]
+
+
+@gluon.jit
+def _split_in_half(x):
+    """``[a, b, 2n]`` -> its first and second halves along the last dimension, ``[a, b, n]`` each."""
+    return gl.split(gl.permute(gl.reshape(x, _halves_shape(x.shape)), (0, 1, 3, 2)))
+
+
+@gluon.jit
+def _bf16x2(a, b, OP: gl.constexpr):
+    """Elementwise ``min`` or ``max`` (``OP``) of two bf16 tensors, two elements an instruction (``min.bf16x2``).
+    Exact, and like fp32 ``min`` / ``max`` (no ``.NaN``) a NaN loses to a number."""
+    return gl.inline_asm_elementwise(f"{OP}.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.bfloat16, is_pure=True,
+                                     pack=2)  # fmt: skip
 
 
 @gluon.jit
@@ -2704,6 +2741,7 @@ def store_hadamard_kernel(
     WIDE_SLOTS: gl.constexpr,  # slot numbers past int32
     WARPS: gl.constexpr = 4,
     MMA_H32: gl.constexpr = False,  # H_32 by warp MMAs (_hadamard_rows_mma), else butterflies (_hadamard_rows)
+    PACKED_EXTREMA: gl.constexpr = False,  # each row's value min and max by packed bf16 min / max (_store_values)
 ):  # fmt: skip
     """Persistent programs over tiles of ``8 WARPS`` (token, KV head) rows for ``PiT = c H_128``: per tile the
     rows' norms, ``y = (k @ H) c / (||k|| + eps)`` (:func:`_hadamard_rows`, or with ``MMA_H32``
@@ -2719,12 +2757,12 @@ def store_hadamard_kernel(
         _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
                           grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
                           NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE, WIDE_SLOTS,
-                          True, WARPS, MMA_H32)  # fmt: skip
+                          True, WARPS, MMA_H32, PACKED_EXTREMA)  # fmt: skip
     else:
         _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
                           grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
                           NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE, WIDE_SLOTS,
-                          False, WARPS, MMA_H32)  # fmt: skip
+                          False, WARPS, MMA_H32, PACKED_EXTREMA)  # fmt: skip
 
 
 @gluon.jit
@@ -2733,7 +2771,7 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
                       NUM_KV_HEADS: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr,
                       NORM_CORRECTION: gl.constexpr, SLOT_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                       WIDE_SLOTS: gl.constexpr, GRID: gl.constexpr, WARPS: gl.constexpr,
-                      MMA_H32: gl.constexpr):  # fmt: skip
+                      MMA_H32: gl.constexpr, PACKED_EXTREMA: gl.constexpr):  # fmt: skip
     """:func:`store_hadamard_kernel`'s loop over its tiles."""
     ROWS: gl.constexpr = STORE_QUAD_ROWS * WARPS
     layout: gl.constexpr = _quad_layout(WARPS)
@@ -2776,5 +2814,6 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
         gl.store(fields, _fp16_bits(norm), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
         k_next = _row_loads(key_ptr, row + gl.num_programs(0) * ROWS, num_rows, dim, stride_kt, stride_kh,
                             NUM_KV_HEADS)  # fmt: skip
-        _store_values(v.to(gl.float32), slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE,
-                      SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS)  # fmt: skip
+        _store_values(v if PACKED_EXTREMA else v.to(gl.float32), slot, row, cache_ptr, num_slots, stride_block,
+                      NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS,
+                      WIDE_SLOTS)  # fmt: skip
