@@ -746,7 +746,9 @@ for preset in tq.PRESETS:
 # its barriers. Last, occupancy: the 3-bit keys' loop compiles to the same 1282 instructions a tile at 64 registers as
 # at 80, with no spill (ptxas issues the tile's loads later instead), so eight programs share a SM, 32 warps where 24
 # were: k3v4 1.97 -> 1.92 ms, 3-bit 1.92 -> 1.86 (64.5%, 64.9%; the bench at 076fef5). Nsight still finds 37% of
-# the 3-bit store's samples at two waits on the tile's own loads.
+# the 3-bit store's samples at two waits on the tile's own loads. For 4-bit keys, each row's value min and max by
+# packed bf16 `min` / `max` on the values as loaded (two an instruction, exact; 1080 -> 1043 instructions a tile) took
+# the store 1.83 -> 1.80 ms (69.6 -> 70.5%, the bench at 4bd4524); the same cut made the 3-bit store 7% slower.
 #
 # The cell compiles both stores for sm_90 on this machine (Triton's own `ptxas`; no GPU needed, a process of its own
 # since the interpreter is on here) and counts what is in their tile loops: in the MMA store two barriers around each

@@ -133,7 +133,9 @@ and codes leave first (:data:`STORE_FIELDS_EVICTION`): at 00a5c3a (``attnref ben
 4-bit 1.82 ms, k3v4 1.97, 3-bit 1.92 (70.1%, 63.1%, 63.2% of the copy roofline; consecutive slots 1.64 / 1.71 / 1.75 ms,
 70-78%), against 2.14 / 2.21 / 2.03 at 658a2cf. 3-bit keys then went to eight programs a SM at 64 registers (their
 loop compiles to the same 1282 instructions a tile with no spill; ptxas issues the loads later), 32 warps: at 076fef5
-k3v4 1.92 ms, 3-bit 1.86 (64.5%, 64.9%).
+k3v4 1.92 ms, 3-bit 1.86 (64.5%, 64.9%). With each row's value min and max taken by packed ``min.bf16x2`` /
+``max.bf16x2`` on the values as loaded (``PACKED_EXTREMA``, :func:`_store_values`; 1080 -> 1043 instructions a tile)
+the 4-bit store went 1.83 -> 1.80 ms at 4bd4524 (69.6 -> 70.5%); 3-bit keys at 64 registers lost 7% that way.
 """
 
 from __future__ import annotations
