@@ -1648,19 +1648,16 @@ _MMA_STORE = {"HADAMARD": 0}  # the sm90 entry with the MMA store for every PiT
                     reason="the Gluon store runs on compute capability 9.x (its sm_90 compile is tested anywhere)")
 @pytest.mark.parametrize("entry", [{}, {"HADAMARD_PROGRAMS_PER_SM": 1, "HADAMARD_PROGRAMS_PER_SM_k4": 1, "fused": 1},
                                    {"HADAMARD_MMA_H32_k4": 0, "HADAMARD_PROGRAMS_PER_SM_k4": 6,
-                                    "HADAMARD_MAXNREG_k4": 80, "HADAMARD_MMA_H4_k3": 0},
-                                   {"HADAMARD_MMA_H32": 1, "HADAMARD_PACKED_EXTREMA_k4": 0},
-                                   {"HADAMARD_MMA_H4": 1, "HADAMARD_MMA_H32_k4": 0, "HADAMARD_PROGRAMS_PER_SM_k4": 6,
                                     "HADAMARD_MAXNREG_k4": 80},
-                                   {"HADAMARD_PACKED_EXTREMA": 1, "HADAMARD_MMA_H4_k3": 0}, _MMA_STORE,
+                                   {"HADAMARD_MMA_H32": 1, "HADAMARD_PACKED_EXTREMA_k4": 0},
+                                   {"HADAMARD_PACKED_EXTREMA": 1}, _MMA_STORE,
                                    _MMA_STORE | {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128},
                                    _MMA_STORE | {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128,
                                                  "GLUON_EARLY_VALUES": 0},
                                    _MMA_STORE | {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1},
                                    _MMA_STORE | {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1, "GLUON_PREFETCH": 0}],
-                         ids=["entry", "fused-qkv", "butterflies", "h32-mma", "h4-mma", "packed-extrema", "mma",
-                              "mma-8warps", "mma-8warps-late-values", "mma-fused-qkv",
-                              "mma-fused-qkv-no-prefetch"])  # fmt: skip
+                         ids=["entry", "fused-qkv", "butterflies", "h32-mma", "packed-extrema", "mma", "mma-8warps",
+                              "mma-8warps-late-values", "mma-fused-qkv", "mma-fused-qkv-no-prefetch"])  # fmt: skip
 @pytest.mark.parametrize("norm_correction", [True, False])
 @pytest.mark.parametrize("preset", MSE_PRESETS)
 def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correction: bool, entry: dict,
@@ -1668,8 +1665,7 @@ def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correct
     """The sm_90 stores (bf16 keys, D = 128) against golden, each with its own rounding model: the Hadamard store
     (the sm90 entry's for serving's ``PiT``: ``FP32_GEMM``, with ``H_32`` by butterflies in fp32 or, for 4-bit keys
     in the entry, by warp MMAs on the exact +-1 operand, whose accumulation error over 32 terms is inside
-    ``gamma_128``, and ``H_4`` across a row's four threads by butterflies or, for 3-bit keys in the entry, by warp
-    MMAs (4 terms); the values' extrema by packed bf16 min / max, as the entry takes them for 4-bit keys, or in fp32)
+    ``gamma_128``; the values' extrema by packed bf16 min / max, as the entry takes them for 4-bit keys, or in fp32)
     and the MMA store (``BF16X2_GEMM``).
     A partial last tile, skipped slots, keys from 1e-30 to past 2^64 (inf and NaN too), values past fp16's range;
     as the sm90 entry launches them; the MMA store also at 8 warps a program (two warpgroups on one ``PiT``, 128
@@ -1931,15 +1927,14 @@ for key_bits in (3, 4):
         # The store for a Hadamard PiT, as the sm90 entry launches it for these keys
         entry = with_overrides(turboquant.STORE_CONFIGS["sm90"], f"_k{key_bits}")
         hadamard_cap, mma_h32 = entry["HADAMARD_MAXNREG"], bool(entry.get("HADAMARD_MMA_H32", 0))
-        mma_h4 = not mma_h32 and bool(entry.get("HADAMARD_MMA_H4", 0))
         for norm_correction in (False, True):
             kernel = turboquant_sm90.compile_store_for_sm90(key_bits=key_bits, value_bits=value_bits, hadamard=True,
                                                             norm_correction=norm_correction, maxnreg=hadamard_cap,
-                                                            mma_h32=mma_h32, mma_h4=mma_h4,
+                                                            mma_h32=mma_h32,
                                                             packed_extrema=bool(entry.get("HADAMARD_PACKED_EXTREMA")))
             flushing = [x.strip() for x in kernel.asm["ptx"].splitlines()
                         if ".ftz" in x and x.split()[0].split(".")[0] in ("fma", "min", "mul", "add", "sub")]
-            loop = sass_loop(kernel.asm["cubin"], "HMMA" if mma_h32 or mma_h4 else "SHFL")  # the grid's tile loop
+            loop = sass_loop(kernel.asm["cubin"], "HMMA" if mma_h32 else "SHFL")  # the grid's copy of the tile loop
             counts = [sum(f" {op}" in line for line in loop) for op in ("BAR.SYNC", "SHFL.BFLY", "SHFL.IDX", "HMMA",
                                                                       "LDL", "STL", "LDS", "STS")]
             counts.append(sum(bool(re.search(r" STG[.][A-Z.]*128 ", line)) for line in loop))  # 16-byte stores
@@ -2034,7 +2029,7 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
         assert registers <= cap and programs * registers * 128 <= 65536 and programs * (shared + 1024) <= 228 * 1024
         assert stack <= 256 and not flushing and barriers == shared_loads == shared_stores == 0, row
         assert lookups == 32 * (2 + norm_correction), row  # a thread's 32 codes of a tile
-        assert mmas == (16 if row[1] == 4 else 8) and butterflies <= 8, row  # H_32 (4-bit keys) or H_4 on MMAs
+        assert (mmas == 16 and butterflies <= 8) if row[1] == 4 else (mmas == 0 and butterflies >= 64), row
         assert wide_stores == (row[1] == 4) + (row[2] == 4), row
         assert loads <= (4 if triton.__version__.startswith("3.6") else 6) and stores <= 4, row
 

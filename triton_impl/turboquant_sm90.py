@@ -249,7 +249,7 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
 def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_correction: bool = True,
                            block_size: int = 16, maxnreg: int | None = None, warps: int = 4,
                            early_values: bool = True, prefetch: bool = True, hadamard: bool = False,
-                           mma_h32: bool = False, packed_extrema: bool = False, mma_h4: bool = False) -> Any:
+                           mma_h32: bool = False, packed_extrema: bool = False) -> Any:
     """:func:`store_kernel` (``hadamard``: :func:`store_hadamard_kernel`) compiled for sm_90 on any machine,
     specialized as the bench's launch is (8 KV heads, 16-byte aligned pointers, the strides multiples of 16): the
     ``CompiledKernel``."""
@@ -265,7 +265,7 @@ def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_corre
     slot_bytes = 128 * (key_bits + value_bits) // 8
     constexprs = dict(NUM_KV_HEADS=8, KEY_BITS=key_bits, VALUE_BITS=value_bits, NORM_CORRECTION=norm_correction,
                       SLOT_BYTES=slot_bytes, BLOCK_SIZE=block_size, WIDE_SLOTS=False, WARPS=warps)  # fmt: skip
-    constexprs |= dict(MMA_H32=mma_h32, PACKED_EXTREMA=packed_extrema, MMA_H4=mma_h4) if hadamard else \
+    constexprs |= dict(MMA_H32=mma_h32, PACKED_EXTREMA=packed_extrema) if hadamard else \
         dict(EARLY_VALUES=early_values, PREFETCH=prefetch)
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     values = {(names.index(n),): v for n, v in constexprs.items()}
@@ -2655,23 +2655,15 @@ def _butterfly_asm(lanes):
 
 
 @gluon.jit
-def _hadamard_in_threads(x):
-    """``H_32`` over each thread's 32 contiguous dimensions ``i`` of ``x`` (fp32 ``[R, 4, 32]``,
-    :func:`_quad_layout`): five butterfly stages of fp32 additions in the thread's registers."""
+def _hadamard_rows(x, t):
+    """``x @ H_128`` (Sylvester, entries +-1) of each row of ``x`` (fp32, :func:`_quad_layout`; ``t`` the lane's
+    ``[1, 4, 1]`` quarter): ``H_128 = H_4 (x) H_32`` over dimension ``32 t + i``, so five butterfly stages over
+    ``i`` run in each thread's registers and two over ``t`` across the lane quad (a shuffle and an fma each)."""
     R: gl.constexpr = x.shape[0]
     for k in gl.static_range(5):  # stage k pairs i with i + 2^k: i = 2^(k+1) hi + 2^k bit + lo
         pairs = gl.permute(gl.reshape(x, [R, 4, 16 >> k, 2, 1 << k]), (0, 1, 2, 4, 3))
         a, b = gl.split(pairs)
         x = gl.reshape(gl.permute(gl.join(a + b, a - b), (0, 1, 2, 4, 3)), [R, 4, 32])
-    return x
-
-
-@gluon.jit
-def _hadamard_rows(x, t):
-    """``x @ H_128`` (Sylvester, entries +-1) of each row of ``x`` (fp32, :func:`_quad_layout`; ``t`` the lane's
-    ``[1, 4, 1]`` quarter): ``H_128 = H_4 (x) H_32`` over dimension ``32 t + i``, so five butterfly stages over
-    ``i`` run in each thread's registers and two over ``t`` across the lane quad (a shuffle and an fma each)."""
-    x = _hadamard_in_threads(x)
     for k in gl.static_range(2):
         partner = gl.inline_asm_elementwise(_butterfly_asm(1 << k), "=f,f", [x], dtype=gl.float32, is_pure=True,
                                             pack=1)  # fmt: skip
@@ -2729,39 +2721,6 @@ def _hadamard_rows_mma(k, h32):
 
 
 @gluon.jit
-def _h4_operand(WARPS: gl.constexpr):
-    """``I_2 (x) H_4 (x) I_2`` as the B operand of :func:`_hadamard_rows_h4` (+-1 and 0 in bf16, exact): K index ``k
-    = 8h + 2t + e`` and N index ``n = 8h' + 2t' + e'``, the entry ``H_4[t, t']`` where ``h = h'`` and ``e = e'``, else
-    0. Thread ``t`` of a quad holds K indices ``2t + e (+ 8)`` of the A operand and N indices ``2t + e (+ 8)`` of the
-    accumulator: the MMA sums over the quad's four threads and hands each its own ``t'``."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [WARPS, 1], [1, 0])
-    k = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, layout)), 1)
-    n = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, layout)), 0)
-    both = (k >> 1) & (n >> 1) & 3  # t & t'
-    sign = gl.where(((both ^ (both >> 1)) & 1) != 0, -1.0, 1.0)
-    entry = gl.where(((k ^ n) & 9) == 0, sign, 0.0)  # h = h' (bit 3) and e = e' (bit 0)
-    return gl.convert_layout(entry.to(gl.bfloat16), _h32_layout(WARPS, 1))
-
-
-@gluon.jit
-def _hadamard_rows_h4(k, h4):
-    """``k @ H_128`` (fp32) of each row of ``k`` (bf16, :func:`_quad_layout`), as :func:`_hadamard_rows` gives it:
-    ``H_4`` over the lane quad's ``t`` by warp MMAs (``h4``, :func:`_h4_operand`), then ``H_32`` over ``i`` in each
-    thread's registers (:func:`_hadamard_in_threads`), no shuffle. Thread ``(g, t)`` of warp ``w`` holds row ``8w +
-    g``, dimensions ``32t + 8j + 4s + 2h + e``: K index ``8h + 2t + e`` of MMA row ``16 WARPS j + 16 w + 8 s + g``, the
-    A fragment of ``mma.sync`` m16n8k16 as loaded, and its accumulator's N index ``8h + 2t + e`` the same way."""
-    R: gl.constexpr = k.shape[0]
-    WARPS: gl.constexpr = R // 8
-    mma: gl.constexpr = _h32_layout(WARPS, None)
-    a = gl.reshape(k, [WARPS, 8, 4, 4, 2, 2, 2])  # [w, g, t, j, s, h, e]
-    a = gl.reshape(gl.permute(a, (3, 0, 4, 1, 5, 2, 6)), [64 * WARPS, 16])  # [j w s g | h t e]
-    z = mma_v2(gl.convert_layout(a, _h32_layout(WARPS, 0)), h4, gl.zeros([64 * WARPS, 16], gl.float32, mma))
-    z = gl.reshape(z, [4, WARPS, 2, 8, 2, 4, 2])  # [j, w, s, g | h, t, e]
-    z = gl.reshape(gl.permute(z, (1, 3, 5, 0, 2, 4, 6)), [R, 4, 32])  # [w, g, t, j, s, h, e]
-    return _hadamard_in_threads(gl.convert_layout(z, k.type.layout))
-
-
-@gluon.jit
 def _lookup(table, index):
     """``table[index]`` for ``index [8 WARPS, 4, 32]`` (:func:`_quad_layout`) and a table ``[WARPS, n]`` whose warps
     each hold a copy, an entry a lane (:func:`_store_tables`): viewed as ``[WARPS, 1024]``, each warp's indices
@@ -2785,7 +2744,6 @@ def store_hadamard_kernel(
     WARPS: gl.constexpr = 4,
     MMA_H32: gl.constexpr = False,  # H_32 by warp MMAs (_hadamard_rows_mma), else butterflies (_hadamard_rows)
     PACKED_EXTREMA: gl.constexpr = False,  # each row's value min and max by packed bf16 min / max (_store_values)
-    MMA_H4: gl.constexpr = False,  # H_4 by warp MMAs, H_32 by butterflies in registers (_hadamard_rows_h4)
 ):  # fmt: skip
     """Persistent programs over tiles of ``8 WARPS`` (token, KV head) rows for ``PiT = c H_128``: per tile the
     rows' norms, ``y = (k @ H) c / (||k|| + eps)`` (:func:`_hadamard_rows`, or with ``MMA_H32``
@@ -2801,12 +2759,12 @@ def store_hadamard_kernel(
         _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
                           grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
                           NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE, WIDE_SLOTS,
-                          True, WARPS, MMA_H32, PACKED_EXTREMA, MMA_H4)  # fmt: skip
+                          True, WARPS, MMA_H32, PACKED_EXTREMA)  # fmt: skip
     else:
         _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
                           grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
                           NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE, WIDE_SLOTS,
-                          False, WARPS, MMA_H32, PACKED_EXTREMA, MMA_H4)  # fmt: skip
+                          False, WARPS, MMA_H32, PACKED_EXTREMA)  # fmt: skip
 
 
 @gluon.jit
@@ -2815,13 +2773,13 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
                       NUM_KV_HEADS: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr,
                       NORM_CORRECTION: gl.constexpr, SLOT_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                       WIDE_SLOTS: gl.constexpr, GRID: gl.constexpr, WARPS: gl.constexpr,
-                      MMA_H32: gl.constexpr, PACKED_EXTREMA: gl.constexpr, MMA_H4: gl.constexpr):  # fmt: skip
+                      MMA_H32: gl.constexpr, PACKED_EXTREMA: gl.constexpr):  # fmt: skip
     """:func:`store_hadamard_kernel`'s loop over its tiles."""
     ROWS: gl.constexpr = STORE_QUAD_ROWS * WARPS
     layout: gl.constexpr = _quad_layout(WARPS)
     t = _iota(4, 1, 3, layout)
     dim = t * 32 + _iota(32, 2, 3, layout)
-    h32 = _h32_operand(WARPS) if MMA_H32 else (_h4_operand(WARPS) if MMA_H4 else 0)
+    h32 = _h32_operand(WARPS) if MMA_H32 else 0
     below, mid = grid_split(table)
     tile_rows = _iota(ROWS, 0, 3, layout)
     k_next = _row_loads(key_ptr, gl.program_id(0) * ROWS + tile_rows, num_rows, dim, stride_kt, stride_kh,
@@ -2834,8 +2792,6 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
         norm = gl.sqrt(gl.sum(gl.sum(k * k, axis=2), axis=1))
         if MMA_H32:
             h = _hadamard_rows_mma(k_next, h32)
-        elif MMA_H4:
-            h = _hadamard_rows_h4(k_next, h32)
         else:
             h = _hadamard_rows(k, t)
         y = h * gl.expand_dims(gl.expand_dims(c / (norm + _KEY_NORM_EPS), 1), 2)
