@@ -1650,15 +1650,14 @@ _MMA_STORE = {"HADAMARD": 0}  # the sm90 entry with the MMA store for every PiT
                                    {"HADAMARD_MMA_H32_k4": 0, "HADAMARD_PROGRAMS_PER_SM_k4": 6,
                                     "HADAMARD_MAXNREG_k4": 80},
                                    {"HADAMARD_MMA_H32": 1, "HADAMARD_PACKED_EXTREMA_k4": 0},
-                                   {"HADAMARD_PACKED_EXTREMA": 1}, {"HADAMARD_SECTOR_LOADS": 0}, _MMA_STORE,
+                                   {"HADAMARD_PACKED_EXTREMA": 1}, _MMA_STORE,
                                    _MMA_STORE | {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128},
                                    _MMA_STORE | {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128,
                                                  "GLUON_EARLY_VALUES": 0},
                                    _MMA_STORE | {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1},
                                    _MMA_STORE | {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1, "GLUON_PREFETCH": 0}],
-                         ids=["entry", "fused-qkv", "butterflies", "h32-mma", "packed-extrema", "half-sector-loads",
-                              "mma", "mma-8warps", "mma-8warps-late-values", "mma-fused-qkv",
-                              "mma-fused-qkv-no-prefetch"])  # fmt: skip
+                         ids=["entry", "fused-qkv", "butterflies", "h32-mma", "packed-extrema", "mma", "mma-8warps",
+                              "mma-8warps-late-values", "mma-fused-qkv", "mma-fused-qkv-no-prefetch"])  # fmt: skip
 @pytest.mark.parametrize("norm_correction", [True, False])
 @pytest.mark.parametrize("preset", MSE_PRESETS)
 def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correction: bool, entry: dict,
@@ -1932,8 +1931,7 @@ for key_bits in (3, 4):
             kernel = turboquant_sm90.compile_store_for_sm90(key_bits=key_bits, value_bits=value_bits, hadamard=True,
                                                             norm_correction=norm_correction, maxnreg=hadamard_cap,
                                                             mma_h32=mma_h32,
-                                                            packed_extrema=bool(entry.get("HADAMARD_PACKED_EXTREMA")),
-                                                            sector_loads=bool(entry.get("HADAMARD_SECTOR_LOADS")))
+                                                            packed_extrema=bool(entry.get("HADAMARD_PACKED_EXTREMA")))
             flushing = [x.strip() for x in kernel.asm["ptx"].splitlines()
                         if ".ftz" in x and x.split()[0].split(".")[0] in ("fma", "min", "mul", "add", "sub")]
             loop = sass_loop(kernel.asm["cubin"], "HMMA" if mma_h32 else "SHFL")  # the grid's copy of the tile loop
@@ -2031,7 +2029,7 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
         assert registers <= cap and programs * registers * 128 <= 65536 and programs * (shared + 1024) <= 228 * 1024
         assert stack <= 256 and not flushing and barriers == shared_loads == shared_stores == 0, row
         assert lookups == 32 * (2 + norm_correction), row  # a thread's 32 codes of a tile
-        assert (mmas == 16 and butterflies <= 24) if row[1] == 4 else (mmas == 0 and butterflies >= 64), row
+        assert (mmas == 16 and butterflies <= 8) if row[1] == 4 else (mmas == 0 and butterflies >= 64), row
         assert wide_stores == (row[1] == 4) + (row[2] == 4), row
         assert loads <= (4 if triton.__version__.startswith("3.6") else 6) and stores <= 4, row
 

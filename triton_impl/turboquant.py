@@ -178,7 +178,7 @@ STORE_CONFIGS: dict[str, dict[str, int]] = {
              "GLUON_PROGRAMS_PER_SM": 3, "GLUON_MAXNREG": 168, "GLUON_PREFETCH": 1,
              "HADAMARD": 1, "HADAMARD_PROGRAMS_PER_SM": 6, "HADAMARD_MAXNREG": 80, "HADAMARD_PROGRAMS_PER_SM_k4": 5,
              "HADAMARD_MAXNREG_k4": 96, "HADAMARD_MMA_H32_k4": 1, "HADAMARD_PACKED_EXTREMA_k4": 1,
-             "HADAMARD_PROGRAMS_PER_SM_k3": 8, "HADAMARD_MAXNREG_k3": 64, "HADAMARD_SECTOR_LOADS": 1},
+             "HADAMARD_PROGRAMS_PER_SM_k3": 8, "HADAMARD_MAXNREG_k3": 64},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
 FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_stages unused: no rotation
@@ -855,8 +855,7 @@ def triton_turboquant_store(
             kernel, prefix = turboquant_sm90.store_hadamard_kernel, "HADAMARD"
             warp_rows, extra = int(turboquant_sm90.STORE_QUAD_ROWS), ()
             knobs = dict(MMA_H32=bool(config.get("HADAMARD_MMA_H32", 0)),
-                         PACKED_EXTREMA=bool(config.get("HADAMARD_PACKED_EXTREMA", 0)),
-                         SECTOR_LOADS=bool(config.get("HADAMARD_SECTOR_LOADS", 0)))  # fmt: skip
+                         PACKED_EXTREMA=bool(config.get("HADAMARD_PACKED_EXTREMA", 0)))  # fmt: skip
         else:
             kernel, prefix = turboquant_sm90.store_kernel, "GLUON"
             warp_rows, extra = turboquant_sm90.STORE_WARP_ROWS, (PiT.stride(0),)

@@ -249,7 +249,7 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
 def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_correction: bool = True,
                            block_size: int = 16, maxnreg: int | None = None, warps: int = 4,
                            early_values: bool = True, prefetch: bool = True, hadamard: bool = False,
-                           mma_h32: bool = False, packed_extrema: bool = False, sector_loads: bool = False) -> Any:
+                           mma_h32: bool = False, packed_extrema: bool = False) -> Any:
     """:func:`store_kernel` (``hadamard``: :func:`store_hadamard_kernel`) compiled for sm_90 on any machine,
     specialized as the bench's launch is (8 KV heads, 16-byte aligned pointers, the strides multiples of 16): the
     ``CompiledKernel``."""
@@ -265,7 +265,7 @@ def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_corre
     slot_bytes = 128 * (key_bits + value_bits) // 8
     constexprs = dict(NUM_KV_HEADS=8, KEY_BITS=key_bits, VALUE_BITS=value_bits, NORM_CORRECTION=norm_correction,
                       SLOT_BYTES=slot_bytes, BLOCK_SIZE=block_size, WIDE_SLOTS=False, WARPS=warps)  # fmt: skip
-    constexprs |= dict(MMA_H32=mma_h32, PACKED_EXTREMA=packed_extrema, SECTOR_LOADS=sector_loads) if hadamard else \
+    constexprs |= dict(MMA_H32=mma_h32, PACKED_EXTREMA=packed_extrema) if hadamard else \
         dict(EARLY_VALUES=early_values, PREFETCH=prefetch)
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     values = {(names.index(n),): v for n, v in constexprs.items()}
@@ -2379,13 +2379,11 @@ def _tile_rows(tile, RANK: gl.constexpr, LAYOUT: gl.constexpr, WARPS: gl.constex
 @gluon.jit
 def _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS: gl.constexpr,
                   BLOCK_SIZE: gl.constexpr, SLOT_BYTES: gl.constexpr, KEY_DATA_BYTES: gl.constexpr,
-                  VALUE_BITS: gl.constexpr, WIDE_SLOTS: gl.constexpr, SECTOR_LOADS: gl.constexpr):  # fmt: skip
+                  VALUE_BITS: gl.constexpr, WIDE_SLOTS: gl.constexpr):  # fmt: skip
     """One tile's values ``v`` (``[..., 4, 32]``, dimension ``32 t + i`` of the row the leading dims name; each
     thread owns 32 contiguous dimensions of a row: :func:`_value_layout`, :func:`_quad_layout`) min-max quantized as
     the portable store does it, into slots ``slot`` of rows ``row`` (both ``[..., 1, 1]``). ``v`` is fp32, or bf16
-    as loaded: then each row's min and max start on packed pairs (:func:`_bf16x2`), which pick the same values.
-    With ``SECTOR_LOADS`` thread ``t``'s 32 values are dimensions ``32c + 8t + p`` (register ``8c + p``,
-    :func:`_quad_row_loads`), and its code words are handed round the quad before the store (:func:`_quad_words`)."""
+    as loaded: then each row's min and max start on packed pairs (:func:`_bf16x2`), which pick the same values."""
     RANK: gl.constexpr = len(v.shape)
     layout: gl.constexpr = v.type.layout
     t = _iota(4, RANK - 2, RANK, layout)
@@ -2423,8 +2421,6 @@ def _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS
     shift = (_iota(8, RANK, RANK + 1, glayout) * VALUE_BITS).to(gl.uint32)
     SPREAD: gl.constexpr = 0x11111111 if VALUE_BITS == 4 else 0x249249  # sum_p 2^(BITS p)
     words = gl.sum(groups << shift, axis=RANK) - (0x4B400000 * SPREAD % 2**32)
-    if SECTOR_LOADS:
-        words = _quad_words(words)
     words_layout: gl.constexpr = words.type.layout
     at = gl.convert_layout(data + KEY_DATA_BYTES + t * (4 * VALUE_BITS), words_layout)
     _store_codes(cache_ptr, at, words, gl.convert_layout(ok & (t < 4), words_layout), VALUE_BITS)
@@ -2634,7 +2630,7 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
         if not EARLY_VALUES:
             v = _row_loads(value_ptr, value_rows, num_rows, value_dim, stride_vt, stride_vh, NUM_KV_HEADS)
         _store_values(v.to(gl.float32), slot_v, value_rows, cache_ptr, num_slots, stride_block, NUM_KV_HEADS,
-                      BLOCK_SIZE, SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS, False)  # fmt: skip
+                      BLOCK_SIZE, SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS)  # fmt: skip
 
 
 # The store for the Sylvester-Hadamard rotation (``PiT = H_128 / sqrt(128)``, ``golden.turboquant.hadamard_rotation``
@@ -2650,62 +2646,6 @@ def _quad_layout(warps):
     """Rows ``[row, t, i]``: row ``8 warp + lane // 4``, dimension ``32 t + i`` with ``t = lane % 4`` (each thread
     owns 32 contiguous dimensions of one row)."""
     return gl.BlockedLayout([1, 1, 32], [8, 4, 1], [int(warps), 1, 1], [2, 1, 0])
-
-
-@gluon.jit
-def _quad_row_loads(ptr, first, num_rows, stride_t, stride_h, NUM_KV_HEADS: gl.constexpr, WARPS: gl.constexpr,
-                    SECTOR_LOADS: gl.constexpr):  # fmt: skip
-    """Rows ``first .. first + 8 WARPS - 1`` of ``ptr`` in :func:`_quad_layout` (0 past ``num_rows``): thread
-    ``t``'s register ``i`` holds dimension ``32t + i``, or with ``SECTOR_LOADS`` dimension ``32c + 8t + p`` for ``i =
-    8c + p``, so that a quad's four 16-byte loads ``c`` read 64 contiguous bytes of its row, two whole 32-byte
-    sectors each (with ``32t + i`` each load reads half of four sectors, and L2 serves a sector's two halves as two
-    requests). Either is the same rotation for :func:`_hadamard_rows` and :func:`_hadamard_rows_mma`: ``H_128``
-    applies ``H_2`` to each bit of the dimension, and this only renames which of its bits are ``t``'s and which
-    ``i``'s. The codes come out in the same order (:func:`_quad_words` puts them back)."""
-    ROWS: gl.constexpr = 8 * WARPS
-    layout: gl.constexpr = _quad_layout(WARPS)
-    if SECTOR_LOADS:
-        chunks: gl.constexpr = gl.BlockedLayout([1, 4, 1, 8], [8, 1, 4, 1], [WARPS, 1, 1, 1], [3, 1, 2, 0])
-        row = first + _iota(ROWS, 0, 4, chunks)
-        dim = _iota(4, 1, 4, chunks) * 32 + _iota(4, 2, 4, chunks) * 8 + _iota(8, 3, 4, chunks)  # [row, c, t, p]
-        x = _row_loads(ptr, row, num_rows, dim, stride_t, stride_h, NUM_KV_HEADS)
-        return gl.convert_layout(gl.reshape(gl.permute(x, (0, 2, 1, 3)), [ROWS, 4, 32]), layout)  # (no data moves)
-    row = first + _iota(ROWS, 0, 3, layout)
-    dim = _iota(4, 1, 3, layout) * 32 + _iota(32, 2, 3, layout)
-    return _row_loads(ptr, row, num_rows, dim, stride_t, stride_h, NUM_KV_HEADS)
-
-
-@gluon.jit
-def _quad_words(words):
-    """Code words ``[row, t, c]`` (uint32, :func:`_quad_layout` reduced over its codes) of
-    :func:`_quad_row_loads`'s ``SECTOR_LOADS`` order, thread ``t``'s group ``c`` the 8 codes of dimensions ``32c +
-    8t + p`` -> the same layout with thread ``t``'s group ``q`` the codes of dimensions ``32t + 8q + p``, so that
-    each thread stores its row's ``4 BITS`` contiguous bytes as before: a 4 x 4 transpose across each lane quad in
-    two steps, ``k = 2`` then ``1``, each ``w[t][c] <- w[t ^ k][c ^ k]`` where bit ``k`` of ``c`` and ``t`` differ
-    (four shuffles a step)."""
-    LAYOUT: gl.constexpr = words.type.layout
-    t = _iota(4, 1, 3, LAYOUT)
-    c = _iota(4, 2, 3, LAYOUT)
-    for k in gl.static_range(2):
-        swapped = _swap_words(words, 2 >> k)  # w[t][c ^ (2 >> k)], a renaming of registers
-        partner = gl.inline_asm_elementwise(_butterfly_asm(2 >> k), "=r,r", [swapped], dtype=gl.uint32,
-                                            is_pure=True, pack=1)  # fmt: skip
-        words = gl.where((c & (2 >> k)) == (t & (2 >> k)), words, partner)
-    return words
-
-
-@gluon.jit
-def _swap_words(words, BIT: gl.constexpr):
-    """``words [row, t, c]`` with ``c`` and ``c ^ BIT`` (``BIT`` 1 or 2) exchanged, in the same layout."""
-    R: gl.constexpr = words.shape[0]
-    x = gl.reshape(words, [R, 4, 2, 2])  # c = 2h + e
-    if BIT == 2:
-        x = gl.permute(x, (0, 1, 3, 2))  # [row, t, e, h]
-    a, b = gl.split(x)
-    x = gl.join(b, a)
-    if BIT == 2:
-        x = gl.permute(x, (0, 1, 3, 2))
-    return gl.convert_layout(gl.reshape(x, [R, 4, 4]), words.type.layout)
 
 
 @gluon.constexpr_function
@@ -2804,7 +2744,6 @@ def store_hadamard_kernel(
     WARPS: gl.constexpr = 4,
     MMA_H32: gl.constexpr = False,  # H_32 by warp MMAs (_hadamard_rows_mma), else butterflies (_hadamard_rows)
     PACKED_EXTREMA: gl.constexpr = False,  # each row's value min and max by packed bf16 min / max (_store_values)
-    SECTOR_LOADS: gl.constexpr = False,  # a quad's loads take whole 32-byte sectors (_quad_row_loads)
 ):  # fmt: skip
     """Persistent programs over tiles of ``8 WARPS`` (token, KV head) rows for ``PiT = c H_128``: per tile the
     rows' norms, ``y = (k @ H) c / (||k|| + eps)`` (:func:`_hadamard_rows`, or with ``MMA_H32``
@@ -2820,12 +2759,12 @@ def store_hadamard_kernel(
         _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
                           grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
                           NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE, WIDE_SLOTS,
-                          True, WARPS, MMA_H32, PACKED_EXTREMA, SECTOR_LOADS)  # fmt: skip
+                          True, WARPS, MMA_H32, PACKED_EXTREMA)  # fmt: skip
     else:
         _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
                           grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
                           NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE, WIDE_SLOTS,
-                          False, WARPS, MMA_H32, PACKED_EXTREMA, SECTOR_LOADS)  # fmt: skip
+                          False, WARPS, MMA_H32, PACKED_EXTREMA)  # fmt: skip
 
 
 @gluon.jit
@@ -2834,19 +2773,20 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
                       NUM_KV_HEADS: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr,
                       NORM_CORRECTION: gl.constexpr, SLOT_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                       WIDE_SLOTS: gl.constexpr, GRID: gl.constexpr, WARPS: gl.constexpr,
-                      MMA_H32: gl.constexpr, PACKED_EXTREMA: gl.constexpr, SECTOR_LOADS: gl.constexpr):  # fmt: skip
+                      MMA_H32: gl.constexpr, PACKED_EXTREMA: gl.constexpr):  # fmt: skip
     """:func:`store_hadamard_kernel`'s loop over its tiles."""
     ROWS: gl.constexpr = STORE_QUAD_ROWS * WARPS
     layout: gl.constexpr = _quad_layout(WARPS)
     t = _iota(4, 1, 3, layout)
+    dim = t * 32 + _iota(32, 2, 3, layout)
     h32 = _h32_operand(WARPS) if MMA_H32 else 0
     below, mid = grid_split(table)
     tile_rows = _iota(ROWS, 0, 3, layout)
-    k_next = _quad_row_loads(key_ptr, gl.program_id(0) * ROWS, num_rows, stride_kt, stride_kh, NUM_KV_HEADS, WARPS,
-                             SECTOR_LOADS)  # fmt: skip
+    k_next = _row_loads(key_ptr, gl.program_id(0) * ROWS + tile_rows, num_rows, dim, stride_kt, stride_kh,
+                        NUM_KV_HEADS)  # fmt: skip
     for tile in range(gl.program_id(0), gl.cdiv(num_rows, ROWS), gl.num_programs(0)):
         row = tile * ROWS + tile_rows
-        v = _quad_row_loads(value_ptr, tile * ROWS, num_rows, stride_vt, stride_vh, NUM_KV_HEADS, WARPS, SECTOR_LOADS)
+        v = _row_loads(value_ptr, row, num_rows, dim, stride_vt, stride_vh, NUM_KV_HEADS)
         slot = _slots(slot_ptr, row, num_rows, NUM_KV_HEADS)
         k = k_next.to(gl.float32)
         norm = gl.sqrt(gl.sum(gl.sum(k * k, axis=2), axis=1))
@@ -2863,8 +2803,6 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
         groups = gl.reshape(codes.to(gl.uint32), [ROWS, 4, 4, 8])  # [row, t, q, p]: dimension 32t + 8q + p
         groups_layout: gl.constexpr = groups.type.layout
         words = gl.sum(groups << (_iota(8, 3, 4, groups_layout) * KEY_BITS).to(gl.uint32), axis=3)
-        if SECTOR_LOADS:
-            words = _quad_words(words)
         ok, data, meta = _slot_offsets(slot, row, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
                                        WIDE_SLOTS)  # fmt: skip
         words_layout: gl.constexpr = words.type.layout
@@ -2876,8 +2814,8 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
         fields = (cache_ptr + gl.max(gl.max(meta, axis=2), axis=1)).to(gl.pointer_type(gl.uint16))
         row_ok = gl.max(gl.max(ok.to(gl.int32), axis=2), axis=1) != 0
         gl.store(fields, _fp16_bits(norm), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
-        k_next = _quad_row_loads(key_ptr, (tile + gl.num_programs(0)) * ROWS, num_rows, stride_kt, stride_kh,
-                                 NUM_KV_HEADS, WARPS, SECTOR_LOADS)  # fmt: skip
+        k_next = _row_loads(key_ptr, row + gl.num_programs(0) * ROWS, num_rows, dim, stride_kt, stride_kh,
+                            NUM_KV_HEADS)  # fmt: skip
         _store_values(v if PACKED_EXTREMA else v.to(gl.float32), slot, row, cache_ptr, num_slots, stride_block,
-                      NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS,
-                      SECTOR_LOADS)  # fmt: skip
+                      NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS,
+                      WIDE_SLOTS)  # fmt: skip
