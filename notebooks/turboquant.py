@@ -750,6 +750,13 @@ for preset in tq.PRESETS:
 # packed bf16 `min` / `max` on the values as loaded (two an instruction, exact; 1080 -> 1043 instructions a tile) took
 # the store 1.83 -> 1.80 ms (69.6 -> 70.5%, the bench at 4bd4524); the same cut made the 3-bit store 7% slower.
 #
+# What binds the 3-bit stores is not their instruction count: `H_4` by warp MMAs took 7% of the 3-bit loop's
+# instructions (all 64 butterfly shuffles across a row's four threads) and changed nothing, and Nsight Compute's byte
+# counts say it is not DRAM either. At random slots DRAM moves about 15% more than the roofline counts (the partly
+# written sectors of other tokens' slots are read to be merged, 340 MB for the 3-bit store); at consecutive slots it
+# moves exactly the roofline's bytes, yet the store takes 96% as long, with DRAM at 2.9 of its 4.3 TB/s
+# (`perf_log.md`, thirty-eighth session, has the table and the variants).
+#
 # The cell compiles both stores for sm_90 on this machine (Triton's own `ptxas`; no GPU needed, a process of its own
 # since the interpreter is on here) and counts what is in their tile loops: in the MMA store two barriers around each
 # of the two gathers (the grid's table and, with norm correction, the centroids' squares); in the Hadamard store no
