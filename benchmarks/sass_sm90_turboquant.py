@@ -258,8 +258,7 @@ def hadamard_store(preset: str, maxnreg: int | None = None) -> None:
     cap = maxnreg or entry["HADAMARD_MAXNREG"]
     kernel = turboquant_sm90.compile_store_for_sm90(key_bits=layout.key_mse_bits, value_bits=layout.value_quant_bits,
                                                     norm_correction=layout.norm_correction, hadamard=True,
-                                                    maxnreg=cap, mma_h32=bool(entry.get("HADAMARD_MMA_H32", 0)),
-                                                    packed_extrema=bool(entry.get("HADAMARD_PACKED_EXTREMA", 0)))
+                                                    maxnreg=cap, knobs=ttq.hadamard_store_knobs(entry))
     code, loops = sass_code(kernel.asm["cubin"])
     head, tail = innermost_loop(code, loops, ("STG",))
     loop = [re.search(r"\*/\s*(.*?)\s*;", line).group(1) for address, _, _, line in code if head <= address <= tail]

@@ -1926,12 +1926,12 @@ for key_bits in (3, 4):
                               kernel.metadata.shared, early]))
         # The store for a Hadamard PiT, as the sm90 entry launches it for these keys
         entry = with_overrides(turboquant.STORE_CONFIGS["sm90"], f"_k{key_bits}")
-        hadamard_cap, mma_h32 = entry["HADAMARD_MAXNREG"], bool(entry.get("HADAMARD_MMA_H32", 0))
+        hadamard_cap, knobs = entry["HADAMARD_MAXNREG"], turboquant.hadamard_store_knobs(entry)
+        mma_h32 = knobs["MMA_H32"]
         for norm_correction in (False, True):
             kernel = turboquant_sm90.compile_store_for_sm90(key_bits=key_bits, value_bits=value_bits, hadamard=True,
                                                             norm_correction=norm_correction, maxnreg=hadamard_cap,
-                                                            mma_h32=mma_h32,
-                                                            packed_extrema=bool(entry.get("HADAMARD_PACKED_EXTREMA")))
+                                                            knobs=knobs)  # fmt: skip
             flushing = [x.strip() for x in kernel.asm["ptx"].splitlines()
                         if ".ftz" in x and x.split()[0].split(".")[0] in ("fma", "min", "mul", "add", "sub")]
             loop = sass_loop(kernel.asm["cubin"], "HMMA" if mma_h32 else "SHFL")  # the grid's copy of the tile loop

@@ -345,6 +345,12 @@ def select_store_config(device: torch.device, key_fp8: bool = False, key_bits: i
     return with_overrides(entry, f"_k{key_bits}") if key_bits else dict(entry)
 
 
+def hadamard_store_knobs(entry: dict[str, int]) -> dict[str, bool]:
+    """``turboquant_sm90.store_hadamard_kernel``'s switches in a store entry (its ``_k<key_bits>`` keys applied):
+    ``MMA_H32`` from ``HADAMARD_MMA_H32``, ``PACKED_EXTREMA`` from ``HADAMARD_PACKED_EXTREMA``."""
+    return {knob: bool(entry.get(f"HADAMARD_{knob}", 0)) for knob in ("MMA_H32", "PACKED_EXTREMA")}
+
+
 def decode_entry(entry: dict[str, int], key_bits: int, value_bits: int) -> dict[str, int]:
     """A decode config entry for ``key_bits`` (3, 4, or 8 for FP8 keys) and ``value_bits``: its ``_k<bits>`` keys
     applied, then its ``_v<bits>`` keys."""
@@ -854,8 +860,7 @@ def triton_turboquant_store(
         if config.get("HADAMARD") and turboquant_sm90.is_hadamard_rotation(PiT):  # PiT = c H: no PiT in shared memory
             kernel, prefix = turboquant_sm90.store_hadamard_kernel, "HADAMARD"
             warp_rows, extra = int(turboquant_sm90.STORE_QUAD_ROWS), ()
-            knobs = dict(MMA_H32=bool(config.get("HADAMARD_MMA_H32", 0)),
-                         PACKED_EXTREMA=bool(config.get("HADAMARD_PACKED_EXTREMA", 0)))  # fmt: skip
+            knobs = hadamard_store_knobs(config)
         else:
             kernel, prefix = turboquant_sm90.store_kernel, "GLUON"
             warp_rows, extra = turboquant_sm90.STORE_WARP_ROWS, (PiT.stride(0),)

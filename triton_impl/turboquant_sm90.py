@@ -249,10 +249,11 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
 def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_correction: bool = True,
                            block_size: int = 16, maxnreg: int | None = None, warps: int = 4,
                            early_values: bool = True, prefetch: bool = True, hadamard: bool = False,
-                           mma_h32: bool = False, packed_extrema: bool = False) -> Any:
-    """:func:`store_kernel` (``hadamard``: :func:`store_hadamard_kernel`) compiled for sm_90 on any machine,
-    specialized as the bench's launch is (8 KV heads, 16-byte aligned pointers, the strides multiples of 16): the
-    ``CompiledKernel``."""
+                           knobs: dict[str, bool] | None = None) -> Any:
+    """:func:`store_kernel` (``hadamard``: :func:`store_hadamard_kernel`, its switches ``knobs`` as
+    ``turboquant.hadamard_store_knobs`` reads them from an entry, each off where absent) compiled for sm_90 on any
+    machine, specialized as the bench's launch is (8 KV heads, 16-byte aligned pointers, the strides multiples of
+    16): the ``CompiledKernel``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -265,7 +266,7 @@ def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_corre
     slot_bytes = 128 * (key_bits + value_bits) // 8
     constexprs = dict(NUM_KV_HEADS=8, KEY_BITS=key_bits, VALUE_BITS=value_bits, NORM_CORRECTION=norm_correction,
                       SLOT_BYTES=slot_bytes, BLOCK_SIZE=block_size, WIDE_SLOTS=False, WARPS=warps)  # fmt: skip
-    constexprs |= dict(MMA_H32=mma_h32, PACKED_EXTREMA=packed_extrema) if hadamard else \
+    constexprs |= dict(MMA_H32=False, PACKED_EXTREMA=False) | (knobs or {}) if hadamard else \
         dict(EARLY_VALUES=early_values, PREFETCH=prefetch)
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     values = {(names.index(n),): v for n, v in constexprs.items()}
