@@ -256,9 +256,10 @@ def hadamard_store(preset: str, maxnreg: int | None = None) -> None:
     layout = TurboQuantConfig.from_cache_dtype(preset, 128)
     entry = with_overrides(ttq.STORE_CONFIGS["sm90"], f"_k{layout.key_mse_bits}")
     cap = maxnreg or entry["HADAMARD_MAXNREG"]
+    knobs = ttq.hadamard_store_knobs(entry, layout.norm_correction)
     kernel = turboquant_sm90.compile_store_for_sm90(key_bits=layout.key_mse_bits, value_bits=layout.value_quant_bits,
                                                     norm_correction=layout.norm_correction, hadamard=True,
-                                                    maxnreg=cap, knobs=ttq.hadamard_store_knobs(entry))
+                                                    maxnreg=cap, knobs=knobs)
     code, loops = sass_code(kernel.asm["cubin"])
     head, tail = innermost_loop(code, loops, ("STG",))
     loop = [re.search(r"\*/\s*(.*?)\s*;", line).group(1) for address, _, _, line in code if head <= address <= tail]

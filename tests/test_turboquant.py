@@ -1649,15 +1649,16 @@ _MMA_STORE = {"HADAMARD": 0}  # the sm90 entry with the MMA store for every PiT
 @pytest.mark.parametrize("entry", [{}, {"HADAMARD_PROGRAMS_PER_SM": 1, "HADAMARD_PROGRAMS_PER_SM_k4": 1, "fused": 1},
                                    {"HADAMARD_MMA_H32_k4": 0, "HADAMARD_PROGRAMS_PER_SM_k4": 6,
                                     "HADAMARD_MAXNREG_k4": 80},
-                                   {"HADAMARD_MMA_H32": 1, "HADAMARD_PACKED_EXTREMA_k4": 0},
-                                   {"HADAMARD_PACKED_EXTREMA": 1}, _MMA_STORE,
+                                   {"HADAMARD_MMA_H32": 1, "HADAMARD_PACKED_EXTREMA": 0},
+                                   {"HADAMARD_PACKED_EXTREMA": 0}, {"HADAMARD_JOINT_STORES": 0}, _MMA_STORE,
                                    _MMA_STORE | {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128},
                                    _MMA_STORE | {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128,
                                                  "GLUON_EARLY_VALUES": 0},
                                    _MMA_STORE | {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1},
                                    _MMA_STORE | {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1, "GLUON_PREFETCH": 0}],
-                         ids=["entry", "fused-qkv", "butterflies", "h32-mma", "packed-extrema", "mma", "mma-8warps",
-                              "mma-8warps-late-values", "mma-fused-qkv", "mma-fused-qkv-no-prefetch"])  # fmt: skip
+                         ids=["entry", "fused-qkv", "butterflies", "h32-mma", "fp32-extrema", "stores-apart", "mma",
+                              "mma-8warps", "mma-8warps-late-values", "mma-fused-qkv",
+                              "mma-fused-qkv-no-prefetch"])  # fmt: skip
 @pytest.mark.parametrize("norm_correction", [True, False])
 @pytest.mark.parametrize("preset", MSE_PRESETS)
 def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correction: bool, entry: dict,
@@ -1665,7 +1666,8 @@ def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correct
     """The sm_90 stores (bf16 keys, D = 128) against golden, each with its own rounding model: the Hadamard store
     (the sm90 entry's for serving's ``PiT``: ``FP32_GEMM``, with ``H_32`` by butterflies in fp32 or, for 4-bit keys
     in the entry, by warp MMAs on the exact +-1 operand, whose accumulation error over 32 terms is inside
-    ``gamma_128``; the values' extrema by packed bf16 min / max, as the entry takes them for 4-bit keys, or in fp32)
+    ``gamma_128``; the values' extrema by packed bf16 min / max, as the entry takes them, or in fp32; each row's code
+    stores back to back, as the entry writes them with norm correction, or apart)
     and the MMA store (``BF16X2_GEMM``).
     A partial last tile, skipped slots, keys from 1e-30 to past 2^64 (inf and NaN too), values past fp16's range;
     as the sm90 entry launches them; the MMA store also at 8 warps a program (two warpgroups on one ``PiT``, 128
@@ -1926,12 +1928,12 @@ for key_bits in (3, 4):
                               kernel.metadata.shared, early]))
         # The store for a Hadamard PiT, as the sm90 entry launches it for these keys
         entry = with_overrides(turboquant.STORE_CONFIGS["sm90"], f"_k{key_bits}")
-        hadamard_cap, knobs = entry["HADAMARD_MAXNREG"], turboquant.hadamard_store_knobs(entry)
-        mma_h32 = knobs["MMA_H32"]
+        hadamard_cap, mma_h32 = entry["HADAMARD_MAXNREG"], bool(entry.get("HADAMARD_MMA_H32"))
         for norm_correction in (False, True):
             kernel = turboquant_sm90.compile_store_for_sm90(key_bits=key_bits, value_bits=value_bits, hadamard=True,
                                                             norm_correction=norm_correction, maxnreg=hadamard_cap,
-                                                            knobs=knobs)  # fmt: skip
+                                                            knobs=turboquant.hadamard_store_knobs(entry,
+                                                                                                 norm_correction))
             flushing = [x.strip() for x in kernel.asm["ptx"].splitlines()
                         if ".ftz" in x and x.split()[0].split(".")[0] in ("fma", "min", "mul", "add", "sub")]
             loop = sass_loop(kernel.asm["cubin"], "HMMA" if mma_h32 else "SHFL")  # the grid's copy of the tile loop

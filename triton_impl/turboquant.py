@@ -171,14 +171,24 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # (turboquant_sm90._store_values), 1080 -> 1043 instructions a tile for 4-bit keys at 96 registers, 1293 -> 1255 for
 # 3-bit keys at 64 (Triton 3.6; k3v4 spills at 64: 21 local loads a tile). One call on the H200 (2026-12-04, stage us
 # after a reading flush, random slots, twice): 4-bit 1818.1, 1814.2 -> 1804.3, 1802.8 (-0.7%), k3v4 1923.2, 1925.9 ->
-# 1932.6, 1934.9, 3-bit 1848.4, 1847.6 -> 1987.9, 1981.9 (+7.4%, fewer instructions): 4-bit keys only (_k4).
+# 1932.6, 1934.9, 3-bit 1848.4, 1847.6 -> 1987.9, 1981.9 (+7.4%, fewer instructions): at first 4-bit keys only. With
+# each row's code stores back to back (turboquant_sm90._store_quad_tiles says why) the packed extrema take 3-bit keys
+# to 1242 instructions a tile with no spill, and they are faster too. One call (2026-12-04, stage us after a reading
+# flush, random slots, twice each): 4-bit 1807.3, 1812.4 -> 1774.2, 1778.7, k3v4 1942.9, 1943.9 -> 1788.5, 1790.4,
+# 3-bit 1848.2, 1843.9 -> 1727.4, 1718.0; the stores back to back with fp32 extrema for 3-bit keys: k3v4 1845.7,
+# 1832.0, 3-bit 1924.0, 1913.6 (Nsight: 11M more L2 read sectors, read again from DRAM; not understood).
+# HADAMARD_JOINT_STORES 1: each row's code stores back to back, and its fields (turboquant_sm90._store_quad_tiles).
+# _PLAIN keys: a store without norm correction. There 3-bit keys with 4-bit values spill at 64 registers with the
+# stores back to back (Triton 3.6 with the packed extrema: 13 local loads a tile; Triton 3.9: 20-27 either way), so
+# 3-bit keys without norm correction keep the stores apart and the fp32 extrema (not timed on the H200).
 STORE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_T": 16, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
     "sm90": {"BLOCK_T": 64, "D_CHUNK": 32, "num_warps": 4, "TF32X3": 2, "num_stages": 1, "GLUON": 1,
              "GLUON_PROGRAMS_PER_SM": 3, "GLUON_MAXNREG": 168, "GLUON_PREFETCH": 1,
              "HADAMARD": 1, "HADAMARD_PROGRAMS_PER_SM": 6, "HADAMARD_MAXNREG": 80, "HADAMARD_PROGRAMS_PER_SM_k4": 5,
-             "HADAMARD_MAXNREG_k4": 96, "HADAMARD_MMA_H32_k4": 1, "HADAMARD_PACKED_EXTREMA_k4": 1,
-             "HADAMARD_PROGRAMS_PER_SM_k3": 8, "HADAMARD_MAXNREG_k3": 64},
+             "HADAMARD_MAXNREG_k4": 96, "HADAMARD_MMA_H32_k4": 1, "HADAMARD_PACKED_EXTREMA": 1,
+             "HADAMARD_JOINT_STORES": 1, "HADAMARD_PROGRAMS_PER_SM_k3": 8, "HADAMARD_MAXNREG_k3": 64,
+             "HADAMARD_PACKED_EXTREMA_PLAIN_k3": 0, "HADAMARD_JOINT_STORES_PLAIN_k3": 0},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
 FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_stages unused: no rotation
@@ -345,10 +355,14 @@ def select_store_config(device: torch.device, key_fp8: bool = False, key_bits: i
     return with_overrides(entry, f"_k{key_bits}") if key_bits else dict(entry)
 
 
-def hadamard_store_knobs(entry: dict[str, int]) -> dict[str, bool]:
+def hadamard_store_knobs(entry: dict[str, int], norm_correction: bool = True) -> dict[str, bool]:
     """``turboquant_sm90.store_hadamard_kernel``'s switches in a store entry (its ``_k<key_bits>`` keys applied):
-    ``MMA_H32`` from ``HADAMARD_MMA_H32``, ``PACKED_EXTREMA`` from ``HADAMARD_PACKED_EXTREMA``."""
-    return {knob: bool(entry.get(f"HADAMARD_{knob}", 0)) for knob in ("MMA_H32", "PACKED_EXTREMA")}
+    ``<KNOB>`` from ``HADAMARD_<KNOB>``, or for a store without norm correction from ``HADAMARD_<KNOB>_PLAIN`` where the
+    entry has it; off where the entry has neither."""
+    def knob(name: str) -> bool:
+        plain = f"HADAMARD_{name}_PLAIN"
+        return bool(entry[plain] if not norm_correction and plain in entry else entry.get(f"HADAMARD_{name}", 0))
+    return {name: knob(name) for name in ("MMA_H32", "PACKED_EXTREMA", "JOINT_STORES")}
 
 
 def decode_entry(entry: dict[str, int], key_bits: int, value_bits: int) -> dict[str, int]:
@@ -860,7 +874,7 @@ def triton_turboquant_store(
         if config.get("HADAMARD") and turboquant_sm90.is_hadamard_rotation(PiT):  # PiT = c H: no PiT in shared memory
             kernel, prefix = turboquant_sm90.store_hadamard_kernel, "HADAMARD"
             warp_rows, extra = int(turboquant_sm90.STORE_QUAD_ROWS), ()
-            knobs = hadamard_store_knobs(config)
+            knobs = hadamard_store_knobs(config, norm_correction)
         else:
             kernel, prefix = turboquant_sm90.store_kernel, "GLUON"
             warp_rows, extra = turboquant_sm90.STORE_WARP_ROWS, (PiT.stride(0),)

@@ -266,7 +266,7 @@ def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_corre
     slot_bytes = 128 * (key_bits + value_bits) // 8
     constexprs = dict(NUM_KV_HEADS=8, KEY_BITS=key_bits, VALUE_BITS=value_bits, NORM_CORRECTION=norm_correction,
                       SLOT_BYTES=slot_bytes, BLOCK_SIZE=block_size, WIDE_SLOTS=False, WARPS=warps)  # fmt: skip
-    constexprs |= dict(MMA_H32=False, PACKED_EXTREMA=False) | (knobs or {}) if hadamard else \
+    constexprs |= dict(MMA_H32=False, PACKED_EXTREMA=False, JOINT_STORES=False) | (knobs or {}) if hadamard else \
         dict(EARLY_VALUES=early_values, PREFETCH=prefetch)
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     values = {(names.index(n),): v for n, v in constexprs.items()}
@@ -2380,11 +2380,16 @@ def _tile_rows(tile, RANK: gl.constexpr, LAYOUT: gl.constexpr, WARPS: gl.constex
 @gluon.jit
 def _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS: gl.constexpr,
                   BLOCK_SIZE: gl.constexpr, SLOT_BYTES: gl.constexpr, KEY_DATA_BYTES: gl.constexpr,
-                  VALUE_BITS: gl.constexpr, WIDE_SLOTS: gl.constexpr):  # fmt: skip
+                  VALUE_BITS: gl.constexpr, WIDE_SLOTS: gl.constexpr, key_words=0, KEY_BITS: gl.constexpr = 0,
+                  key_norm=0):  # fmt: skip
     """One tile's values ``v`` (``[..., 4, 32]``, dimension ``32 t + i`` of the row the leading dims name; each
     thread owns 32 contiguous dimensions of a row: :func:`_value_layout`, :func:`_quad_layout`) min-max quantized as
     the portable store does it, into slots ``slot`` of rows ``row`` (both ``[..., 1, 1]``). ``v`` is fp32, or bf16
-    as loaded: then each row's min and max start on packed pairs (:func:`_bf16x2`), which pick the same values."""
+    as loaded: then each row's min and max start on packed pairs (:func:`_bf16x2`), which pick the same values.
+    With ``KEY_BITS``, the rows' key codes ``key_words`` (``[..., 4, 4]``: thread ``t``'s groups of 8 codes, in the
+    layout of the value codes' groups) and key norms ``key_norm`` (the layout of the value fields) are written in the
+    same place, each row's code stores back to back and its three fields likewise (:func:`_store_quad_tiles` says
+    why)."""
     RANK: gl.constexpr = len(v.shape)
     layout: gl.constexpr = v.type.layout
     t = _iota(4, RANK - 2, RANK, layout)
@@ -2424,12 +2429,18 @@ def _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS
     words = gl.sum(groups << shift, axis=RANK) - (0x4B400000 * SPREAD % 2**32)
     words_layout: gl.constexpr = words.type.layout
     at = gl.convert_layout(data + KEY_DATA_BYTES + t * (4 * VALUE_BITS), words_layout)
-    _store_codes(cache_ptr, at, words, gl.convert_layout(ok & (t < 4), words_layout), VALUE_BITS)
+    data_ok = gl.convert_layout(ok & (t < 4), words_layout)
+    if KEY_BITS != 0:
+        key_at = gl.convert_layout(data + t * (4 * KEY_BITS), words_layout)
+        _store_codes(cache_ptr, key_at, key_words, data_ok, KEY_BITS)
+    _store_codes(cache_ptr, at, words, data_ok, VALUE_BITS)
     # Each row's two fields stored from the layout its scale was reduced to (a row's lanes store it once): the rows go
     # to scattered slots, so a layout of one row a thread would buy no coalescing, and its four conversions cost two
     # CTA barriers each. ``ok`` and ``meta`` reduced over their two unit dimensions (no data moves) to that layout.
     fields = (cache_ptr + gl.max(gl.max(meta, axis=RANK - 1), axis=RANK - 2)).to(gl.pointer_type(gl.uint16))
     row_ok = gl.max(gl.max(ok.to(gl.int32), axis=RANK - 1), axis=RANK - 2) != 0
+    if KEY_BITS != 0:
+        gl.store(fields, _fp16_bits(key_norm), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
     gl.store(fields + BLOCK_SIZE, _fp16_bits(scale), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
     gl.store(fields + 2 * BLOCK_SIZE, _fp16_bits(v_min), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
 
@@ -2745,6 +2756,7 @@ def store_hadamard_kernel(
     WARPS: gl.constexpr = 4,
     MMA_H32: gl.constexpr = False,  # H_32 by warp MMAs (_hadamard_rows_mma), else butterflies (_hadamard_rows)
     PACKED_EXTREMA: gl.constexpr = False,  # each row's value min and max by packed bf16 min / max (_store_values)
+    JOINT_STORES: gl.constexpr = False,  # each row's code stores back to back, and its fields (_store_quad_tiles)
 ):  # fmt: skip
     """Persistent programs over tiles of ``8 WARPS`` (token, KV head) rows for ``PiT = c H_128``: per tile the
     rows' norms, ``y = (k @ H) c / (||k|| + eps)`` (:func:`_hadamard_rows`, or with ``MMA_H32``
@@ -2760,12 +2772,27 @@ def store_hadamard_kernel(
         _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
                           grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
                           NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE, WIDE_SLOTS,
-                          True, WARPS, MMA_H32, PACKED_EXTREMA)  # fmt: skip
+                          True, WARPS, MMA_H32, PACKED_EXTREMA, JOINT_STORES)  # fmt: skip
     else:
         _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, centroid_sq, table, grid_scale,
                           grid_offset, num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
                           NUM_KV_HEADS, KEY_BITS, VALUE_BITS, NORM_CORRECTION, SLOT_BYTES, BLOCK_SIZE, WIDE_SLOTS,
-                          False, WARPS, MMA_H32, PACKED_EXTREMA)  # fmt: skip
+                          False, WARPS, MMA_H32, PACKED_EXTREMA, JOINT_STORES)  # fmt: skip
+
+
+# Stores back to back. A row's 3-bit codes are 12 bytes a thread, three 4-byte stores at 12t, 12t + 4, 12t + 8, so a
+# sector of a slot is written by several store instructions. Stores of a warp to one line that issue back to back
+# reach L2 as fewer requests and sectors than the same stores apart (on the H200, Nsight Compute, 1M tokens x 8 KV heads
+# at random slots: the 3-bit store with its three key-code stores 21 instructions apart made 39.1M write requests and
+# 79.5M write sectors in L2 against 28.5M and 65.3M back to back, and took 8% longer). L2 traffic is what these stores
+# are short of: the fabric between L2's two halves, which carries every sector an SM reads or writes in the far half,
+# was 79-84% busy in every variant measured, DRAM 62-67% (3-bit). So each row's key codes are stored with its value
+# codes and its key norm with its value fields (:func:`_store_values`), and the next tile's keys are read after them
+# (read before, the key codes held through the values' quantization spill at 3-bit keys' 64 registers). 3-bit keys take
+# their values' extrema by packed bf16 min / max too (``HADAMARD_PACKED_EXTREMA``), which leaves them 1242 instructions
+# a tile (1293 before). Write requests / write sectors / us (Nsight): 3-bit 28.5M / 65.3M / 1850 -> 19.7M / 60.5M /
+# 1718, k3v4 30.1M / 66.8M / 1931 -> 22.6M / 64.1M / 1783, 4-bit 30.5M / 58.7M / 1799 -> 17.0M / 58.7M / 1774 (its
+# codes were whole 16-byte stores already).
 
 
 @gluon.jit
@@ -2774,7 +2801,7 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
                       NUM_KV_HEADS: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr,
                       NORM_CORRECTION: gl.constexpr, SLOT_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                       WIDE_SLOTS: gl.constexpr, GRID: gl.constexpr, WARPS: gl.constexpr,
-                      MMA_H32: gl.constexpr, PACKED_EXTREMA: gl.constexpr):  # fmt: skip
+                      MMA_H32: gl.constexpr, PACKED_EXTREMA: gl.constexpr, JOINT_STORES: gl.constexpr):  # fmt: skip
     """:func:`store_hadamard_kernel`'s loop over its tiles."""
     ROWS: gl.constexpr = STORE_QUAD_ROWS * WARPS
     layout: gl.constexpr = _quad_layout(WARPS)
@@ -2804,19 +2831,24 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
         groups = gl.reshape(codes.to(gl.uint32), [ROWS, 4, 4, 8])  # [row, t, q, p]: dimension 32t + 8q + p
         groups_layout: gl.constexpr = groups.type.layout
         words = gl.sum(groups << (_iota(8, 3, 4, groups_layout) * KEY_BITS).to(gl.uint32), axis=3)
-        ok, data, meta = _slot_offsets(slot, row, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
-                                       WIDE_SLOTS)  # fmt: skip
-        words_layout: gl.constexpr = words.type.layout
-        at = gl.convert_layout(data + t * (4 * KEY_BITS), words_layout)
-        _store_codes(cache_ptr, at, words, gl.convert_layout(ok & (t < 4), words_layout), KEY_BITS)
         if NORM_CORRECTION:
             code_sq = _lookup(centroid_sq, codes)
             norm = norm / gl.sqrt(gl.sum(gl.sum(code_sq, axis=2), axis=1) + _NORM_CORRECTION_EPS)
-        fields = (cache_ptr + gl.max(gl.max(meta, axis=2), axis=1)).to(gl.pointer_type(gl.uint16))
-        row_ok = gl.max(gl.max(ok.to(gl.int32), axis=2), axis=1) != 0
-        gl.store(fields, _fp16_bits(norm), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
-        k_next = _row_loads(key_ptr, row + gl.num_programs(0) * ROWS, num_rows, dim, stride_kt, stride_kh,
-                            NUM_KV_HEADS)  # fmt: skip
-        _store_values(v if PACKED_EXTREMA else v.to(gl.float32), slot, row, cache_ptr, num_slots, stride_block,
-                      NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS,
-                      WIDE_SLOTS)  # fmt: skip
+        v = v if PACKED_EXTREMA else v.to(gl.float32)
+        following = row + gl.num_programs(0) * ROWS
+        if JOINT_STORES:  # the key codes and norms written with the values', then the next tile's keys read
+            _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
+                          HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS, words, KEY_BITS, norm)  # fmt: skip
+            k_next = _row_loads(key_ptr, following, num_rows, dim, stride_kt, stride_kh, NUM_KV_HEADS)
+        else:
+            ok, data, meta = _slot_offsets(slot, row, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
+                                           WIDE_SLOTS)  # fmt: skip
+            words_layout: gl.constexpr = words.type.layout
+            at = gl.convert_layout(data + t * (4 * KEY_BITS), words_layout)
+            _store_codes(cache_ptr, at, words, gl.convert_layout(ok & (t < 4), words_layout), KEY_BITS)
+            fields = (cache_ptr + gl.max(gl.max(meta, axis=2), axis=1)).to(gl.pointer_type(gl.uint16))
+            row_ok = gl.max(gl.max(ok.to(gl.int32), axis=2), axis=1) != 0
+            gl.store(fields, _fp16_bits(norm), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
+            k_next = _row_loads(key_ptr, following, num_rows, dim, stride_kt, stride_kh, NUM_KV_HEADS)
+            _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
+                          HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS)  # fmt: skip
