@@ -178,6 +178,10 @@ _STORE_OPERAND_BYTES = 128 * 1024  # the store's two fp32 rotation operands, at 
 # 3-bit 1848.2, 1843.9 -> 1727.4, 1718.0; the stores back to back with fp32 extrema for 3-bit keys: k3v4 1845.7,
 # 1832.0, 3-bit 1924.0, 1913.6 (Nsight: 11M more L2 read sectors, read again from DRAM; not understood).
 # HADAMARD_JOINT_STORES 1: each row's code stores back to back, and its fields (turboquant_sm90._store_quad_tiles).
+# 4-bit keys keep them apart (_k4 0), their codes being whole 16-byte stores already: back to back, the same call
+# measured their random-slot store 1807.3, 1812.4 -> 1778.7, 1776.8 us but the consecutive one 1661.6, 1610.8 ->
+# 1700.6, 1691.9, and two bench runs at e28c9a3 1.8178 and 1.8185 ms (69.7%, 69.9%) against 1.7993 and 1.8078 with
+# them apart (4bd4524, 4a6efbf). Apart, the 4-bit kernel is 4bd4524's, SASS for SASS (Triton 3.6).
 # _PLAIN keys: a store without norm correction. There 3-bit keys with 4-bit values spill at 64 registers with the
 # stores back to back (Triton 3.6 with the packed extrema: 13 local loads a tile; Triton 3.9: 20-27 either way), so
 # 3-bit keys without norm correction keep the stores apart and the fp32 extrema (not timed on the H200).
@@ -187,8 +191,8 @@ STORE_CONFIGS: dict[str, dict[str, int]] = {
              "GLUON_PROGRAMS_PER_SM": 3, "GLUON_MAXNREG": 168, "GLUON_PREFETCH": 1,
              "HADAMARD": 1, "HADAMARD_PROGRAMS_PER_SM": 6, "HADAMARD_MAXNREG": 80, "HADAMARD_PROGRAMS_PER_SM_k4": 5,
              "HADAMARD_MAXNREG_k4": 96, "HADAMARD_MMA_H32_k4": 1, "HADAMARD_PACKED_EXTREMA": 1,
-             "HADAMARD_JOINT_STORES": 1, "HADAMARD_PROGRAMS_PER_SM_k3": 8, "HADAMARD_MAXNREG_k3": 64,
-             "HADAMARD_PACKED_EXTREMA_PLAIN_k3": 0, "HADAMARD_JOINT_STORES_PLAIN_k3": 0},
+             "HADAMARD_JOINT_STORES": 1, "HADAMARD_JOINT_STORES_k4": 0, "HADAMARD_PROGRAMS_PER_SM_k3": 8,
+             "HADAMARD_MAXNREG_k3": 64, "HADAMARD_PACKED_EXTREMA_PLAIN_k3": 0, "HADAMARD_JOINT_STORES_PLAIN_k3": 0},
     "interpreter": {"BLOCK_T": 16, "D_CHUNK": _MAX_HEAD_DIM, "num_warps": 4, "TF32X3": 0, "num_stages": 3},
 }
 FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_stages unused: no rotation

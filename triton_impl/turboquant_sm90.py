@@ -135,7 +135,9 @@ and codes leave first (:data:`STORE_FIELDS_EVICTION`): at 00a5c3a (``attnref ben
 loop compiles to the same 1282 instructions a tile with no spill; ptxas issues the loads later), 32 warps: at 076fef5
 k3v4 1.92 ms, 3-bit 1.86 (64.5%, 64.9%). With each row's value min and max taken by packed ``min.bf16x2`` /
 ``max.bf16x2`` on the values as loaded (``PACKED_EXTREMA``, :func:`_store_values`; 1080 -> 1043 instructions a tile)
-the 4-bit store went 1.83 -> 1.80 ms at 4bd4524 (69.6 -> 70.5%); 3-bit keys at 64 registers lost 7% that way.
+the 4-bit store went 1.83 -> 1.80 ms at 4bd4524 (69.6 -> 70.5%); 3-bit keys at 64 registers lost 7% that way, until
+each row's key and value code stores went back to back (``JOINT_STORES``; :func:`_store_quad_tiles` says why): with
+both, at e28c9a3, k3v4 1.91 -> 1.78 ms and 3-bit 1.84 -> 1.73-1.76 (64.6 -> 69.5-69.8%, 65.4 -> 68.8-69.5%; two runs).
 """
 
 from __future__ import annotations
@@ -2743,6 +2745,14 @@ def _lookup(table, index):
 
 
 @gluon.jit
+def _corrected_norm(norm, centroid_sq, codes):
+    """``norm / sqrt(||c[codes]||^2 + eps)`` of each row: the norm correction (``centroid_sq``: :func:`_lookup`'s
+    table of the centroids' squares)."""
+    code_sq = _lookup(centroid_sq, codes)
+    return norm / gl.sqrt(gl.sum(gl.sum(code_sq, axis=2), axis=1) + _NORM_CORRECTION_EPS)
+
+
+@gluon.jit
 def store_hadamard_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr, pit_ptr, midpoint_ptr, centroid_ptr,
     num_rows, num_slots, stride_block, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -2792,7 +2802,11 @@ def store_hadamard_kernel(
 # their values' extrema by packed bf16 min / max too (``HADAMARD_PACKED_EXTREMA``), which leaves them 1242 instructions
 # a tile (1293 before). Write requests / write sectors / us (Nsight): 3-bit 28.5M / 65.3M / 1850 -> 19.7M / 60.5M /
 # 1718, k3v4 30.1M / 66.8M / 1931 -> 22.6M / 64.1M / 1783, 4-bit 30.5M / 58.7M / 1799 -> 17.0M / 58.7M / 1774 (its
-# codes were whole 16-byte stores already).
+# codes were whole 16-byte stores already, and at consecutive slots it lost 2-5%: 4-bit keys keep the stores apart).
+# L2's sectors alone do not set the time: the 3-bit codes moved across each lane quad so that each of a row's three
+# 32-byte sectors is one 8-byte store a thread (benchmarks/variants/hadamard_sector_stores.patch: six shuffles and
+# 22 selects a tile) took the write sectors to the floor, 66.3M -> 50.3M (six a row: three of data, three fields),
+# and the fabric's sectors 100.8M -> 92.6M, yet 35 more instructions a tile made the store 4.5% slower.
 
 
 @gluon.jit
@@ -2831,24 +2845,27 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
         groups = gl.reshape(codes.to(gl.uint32), [ROWS, 4, 4, 8])  # [row, t, q, p]: dimension 32t + 8q + p
         groups_layout: gl.constexpr = groups.type.layout
         words = gl.sum(groups << (_iota(8, 3, 4, groups_layout) * KEY_BITS).to(gl.uint32), axis=3)
-        if NORM_CORRECTION:
-            code_sq = _lookup(centroid_sq, codes)
-            norm = norm / gl.sqrt(gl.sum(gl.sum(code_sq, axis=2), axis=1) + _NORM_CORRECTION_EPS)
-        v = v if PACKED_EXTREMA else v.to(gl.float32)
-        following = row + gl.num_programs(0) * ROWS
         if JOINT_STORES:  # the key codes and norms written with the values', then the next tile's keys read
+            if NORM_CORRECTION:
+                norm = _corrected_norm(norm, centroid_sq, codes)
+            v = v if PACKED_EXTREMA else v.to(gl.float32)
+            following = row + gl.num_programs(0) * ROWS
             _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
                           HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS, words, KEY_BITS, norm)  # fmt: skip
             k_next = _row_loads(key_ptr, following, num_rows, dim, stride_kt, stride_kh, NUM_KV_HEADS)
-        else:
+        else:  # the key codes and norm written first, the next tile's keys read, then the values
             ok, data, meta = _slot_offsets(slot, row, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
                                            WIDE_SLOTS)  # fmt: skip
             words_layout: gl.constexpr = words.type.layout
             at = gl.convert_layout(data + t * (4 * KEY_BITS), words_layout)
             _store_codes(cache_ptr, at, words, gl.convert_layout(ok & (t < 4), words_layout), KEY_BITS)
+            if NORM_CORRECTION:
+                norm = _corrected_norm(norm, centroid_sq, codes)
             fields = (cache_ptr + gl.max(gl.max(meta, axis=2), axis=1)).to(gl.pointer_type(gl.uint16))
             row_ok = gl.max(gl.max(ok.to(gl.int32), axis=2), axis=1) != 0
             gl.store(fields, _fp16_bits(norm), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
-            k_next = _row_loads(key_ptr, following, num_rows, dim, stride_kt, stride_kh, NUM_KV_HEADS)
-            _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES,
-                          HEAD_DIM * KEY_BITS // 8, VALUE_BITS, WIDE_SLOTS)  # fmt: skip
+            k_next = _row_loads(key_ptr, row + gl.num_programs(0) * ROWS, num_rows, dim, stride_kt, stride_kh,
+                                NUM_KV_HEADS)  # fmt: skip
+            _store_values(v if PACKED_EXTREMA else v.to(gl.float32), slot, row, cache_ptr, num_slots, stride_block,
+                          NUM_KV_HEADS, BLOCK_SIZE, SLOT_BYTES, HEAD_DIM * KEY_BITS // 8, VALUE_BITS,
+                          WIDE_SLOTS)  # fmt: skip
