@@ -757,6 +757,17 @@ for preset in tq.PRESETS:
 # moves exactly the roofline's bytes, yet the store takes 96% as long, with DRAM at 2.9 of its 4.3 TB/s
 # (`perf_log.md`, thirty-eighth session, has the table and the variants).
 #
+# What moved them was the order of their stores. A thread's 12 bytes of 3-bit codes go out as three 4-byte stores,
+# and a sector of a slot is written by several of them; Nsight's L2 counts show that stores of a warp to one line that
+# issue back to back arrive as fewer requests and sectors than the same stores apart (the packed extrema above had
+# moved the 3-bit key stores 21 instructions apart: 39.1M write requests against 28.5M, the 7%). With each row's key
+# code stores issued beside its value code stores, its key norm beside its value fields, the next tile's keys read
+# after them, and the packed extrema for 3-bit keys too: k3v4 1.91 -> 1.78 ms, 3-bit 1.84 -> 1.73-1.76 (64.6 ->
+# 69.5-69.8%, 65.4 -> 68.8-69.5%; two bench runs at e28c9a3). 4-bit keys, whose codes were whole 16-byte stores
+# already, lost at consecutive slots that way and keep the old order. The sectors alone do not set the time: moving
+# the 3-bit codes across each lane quad so that a row's three 32-byte sectors are three 8-byte stores took L2's write
+# sectors to their floor (six a row) and made the store 4.5% slower (35 more instructions a tile).
+#
 # The cell compiles both stores for sm_90 on this machine (Triton's own `ptxas`; no GPU needed, a process of its own
 # since the interpreter is on here) and counts what is in their tile loops: in the MMA store two barriers around each
 # of the two gathers (the grid's table and, with norm correction, the centroids' squares); in the Hadamard store no

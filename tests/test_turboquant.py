@@ -1650,13 +1650,14 @@ _MMA_STORE = {"HADAMARD": 0}  # the sm90 entry with the MMA store for every PiT
                                    {"HADAMARD_MMA_H32_k4": 0, "HADAMARD_PROGRAMS_PER_SM_k4": 6,
                                     "HADAMARD_MAXNREG_k4": 80},
                                    {"HADAMARD_MMA_H32": 1, "HADAMARD_PACKED_EXTREMA": 0},
-                                   {"HADAMARD_PACKED_EXTREMA": 0}, {"HADAMARD_JOINT_STORES": 0}, _MMA_STORE,
+                                   {"HADAMARD_PACKED_EXTREMA": 0},
+                                   {"HADAMARD_JOINT_STORES": 0, "HADAMARD_JOINT_STORES_k4": 1}, _MMA_STORE,
                                    _MMA_STORE | {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128},
                                    _MMA_STORE | {"GLUON_WARPS": 8, "GLUON_PROGRAMS_PER_SM": 2, "GLUON_MAXNREG": 128,
                                                  "GLUON_EARLY_VALUES": 0},
                                    _MMA_STORE | {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1},
                                    _MMA_STORE | {"GLUON_PROGRAMS_PER_SM": 1, "fused": 1, "GLUON_PREFETCH": 0}],
-                         ids=["entry", "fused-qkv", "butterflies", "h32-mma", "fp32-extrema", "stores-apart", "mma",
+                         ids=["entry", "fused-qkv", "butterflies", "h32-mma", "fp32-extrema", "other-stores", "mma",
                               "mma-8warps", "mma-8warps-late-values", "mma-fused-qkv",
                               "mma-fused-qkv-no-prefetch"])  # fmt: skip
 @pytest.mark.parametrize("norm_correction", [True, False])
@@ -1667,7 +1668,8 @@ def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correct
     (the sm90 entry's for serving's ``PiT``: ``FP32_GEMM``, with ``H_32`` by butterflies in fp32 or, for 4-bit keys
     in the entry, by warp MMAs on the exact +-1 operand, whose accumulation error over 32 terms is inside
     ``gamma_128``; the values' extrema by packed bf16 min / max, as the entry takes them, or in fp32; each row's code
-    stores back to back, as the entry writes them with norm correction, or apart)
+    stores back to back, as the entry writes them for 3-bit keys with norm correction, or apart, as for 4-bit keys;
+    ``other-stores`` swaps the two)
     and the MMA store (``BF16X2_GEMM``).
     A partial last tile, skipped slots, keys from 1e-30 to past 2^64 (inf and NaN too), values past fp16's range;
     as the sm90 entry launches them; the MMA store also at 8 warps a program (two warpgroups on one ``PiT``, 128
