@@ -1644,6 +1644,25 @@ def test_sm90_store_orders_are_permutations_with_whole_loads_and_stores() -> Non
 _MMA_STORE = {"HADAMARD": 0}  # the sm90 entry with the MMA store for every PiT
 
 
+def test_hadamard_store_knobs_follow_the_entry_and_its_plain_keys() -> None:
+    """``turboquant.hadamard_store_knobs``: each switch from ``HADAMARD_<KNOB>`` of the entry (its ``_k<bits>`` keys
+    applied), from ``HADAMARD_<KNOB>_PLAIN`` for a store without norm correction where the entry has one, off where
+    it has neither; and the sm90 entry's choices: 4-bit keys by the MMA ``H_32`` with their stores apart, 3-bit keys
+    with norm correction by butterflies with their code stores back to back, without it apart and in fp32."""
+    from triton_impl.launch import with_overrides
+
+    knobs = ttq.hadamard_store_knobs
+    assert knobs({}) == knobs({}, False) == {"MMA_H32": False, "PACKED_EXTREMA": False, "JOINT_STORES": False}
+    entry = {"HADAMARD_MMA_H32": 1, "HADAMARD_MMA_H32_PLAIN": 0, "HADAMARD_JOINT_STORES_PLAIN": 1}
+    assert knobs(entry) == {"MMA_H32": True, "PACKED_EXTREMA": False, "JOINT_STORES": False}
+    assert knobs(entry, False) == {"MMA_H32": False, "PACKED_EXTREMA": False, "JOINT_STORES": True}
+    sm90 = ttq.STORE_CONFIGS["sm90"]
+    k4, k3 = with_overrides(sm90, "_k4"), with_overrides(sm90, "_k3")
+    assert knobs(k4) == knobs(k4, False) == {"MMA_H32": True, "PACKED_EXTREMA": True, "JOINT_STORES": False}
+    assert knobs(k3) == {"MMA_H32": False, "PACKED_EXTREMA": True, "JOINT_STORES": True}
+    assert knobs(k3, False) == {"MMA_H32": False, "PACKED_EXTREMA": False, "JOINT_STORES": False}
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon store runs on compute capability 9.x (its sm_90 compile is tested anywhere)")
 @pytest.mark.parametrize("entry", [{}, {"HADAMARD_PROGRAMS_PER_SM": 1, "HADAMARD_PROGRAMS_PER_SM_k4": 1, "fused": 1},
