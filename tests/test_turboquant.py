@@ -1949,12 +1949,13 @@ for key_bits in (3, 4):
                               kernel.metadata.shared, early]))
         # The store for a Hadamard PiT, as the sm90 entry launches it for these keys
         entry = with_overrides(turboquant.STORE_CONFIGS["sm90"], f"_k{key_bits}")
-        hadamard_cap, mma_h32 = entry["HADAMARD_MAXNREG"], bool(entry.get("HADAMARD_MMA_H32"))
+        hadamard_cap = entry["HADAMARD_MAXNREG"]
         for norm_correction in (False, True):
+            knobs = turboquant.hadamard_store_knobs(entry, norm_correction)
+            mma_h32 = knobs["MMA_H32"]
             kernel = turboquant_sm90.compile_store_for_sm90(key_bits=key_bits, value_bits=value_bits, hadamard=True,
                                                             norm_correction=norm_correction, maxnreg=hadamard_cap,
-                                                            knobs=turboquant.hadamard_store_knobs(entry,
-                                                                                                 norm_correction))
+                                                            knobs=knobs)  # fmt: skip
             flushing = [x.strip() for x in kernel.asm["ptx"].splitlines()
                         if ".ftz" in x and x.split()[0].split(".")[0] in ("fma", "min", "mul", "add", "sub")]
             loop = sass_loop(kernel.asm["cubin"], "HMMA" if mma_h32 else "SHFL")  # the grid's copy of the tile loop

@@ -366,7 +366,7 @@ def hadamard_store_knobs(entry: dict[str, int], norm_correction: bool = True) ->
     def knob(name: str) -> bool:
         plain = f"HADAMARD_{name}_PLAIN"
         return bool(entry[plain] if not norm_correction and plain in entry else entry.get(f"HADAMARD_{name}", 0))
-    return {name: knob(name) for name in ("MMA_H32", "PACKED_EXTREMA", "JOINT_STORES")}
+    return {name: knob(name) for name in turboquant_sm90.HADAMARD_KNOBS}
 
 
 def decode_entry(entry: dict[str, int], key_bits: int, value_bits: int) -> dict[str, int]:

@@ -268,7 +268,7 @@ def compile_store_for_sm90(*, key_bits: int = 4, value_bits: int = 4, norm_corre
     slot_bytes = 128 * (key_bits + value_bits) // 8
     constexprs = dict(NUM_KV_HEADS=8, KEY_BITS=key_bits, VALUE_BITS=value_bits, NORM_CORRECTION=norm_correction,
                       SLOT_BYTES=slot_bytes, BLOCK_SIZE=block_size, WIDE_SLOTS=False, WARPS=warps)  # fmt: skip
-    constexprs |= dict(MMA_H32=False, PACKED_EXTREMA=False, JOINT_STORES=False) | (knobs or {}) if hadamard else \
+    constexprs |= dict.fromkeys(HADAMARD_KNOBS, False) | (knobs or {}) if hadamard else \
         dict(EARLY_VALUES=early_values, PREFETCH=prefetch)
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     values = {(names.index(n),): v for n, v in constexprs.items()}
@@ -2653,6 +2653,7 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
 # +-1 operand held in registers: no rotation operand in shared memory, so a program holds a tile of 8 rows a warp (a
 # lane quad a row, 32 contiguous dimensions a thread) and more programs fit a SM.
 STORE_QUAD_ROWS = gl.constexpr(8)  # (token, KV head) rows per warp and tile of store_hadamard_kernel
+HADAMARD_KNOBS = ("MMA_H32", "PACKED_EXTREMA", "JOINT_STORES")  # store_hadamard_kernel's switches, off by default
 
 
 @gluon.constexpr_function
