@@ -493,10 +493,12 @@ def _grid_params(midpoints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, torch.where(offset == 0, torch.zeros(()), offset)
 
 
-def _grid_slot_model(y: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+def _grid_slot_model(y: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                     saturated: bool = False) -> torch.Tensor:  # fmt: skip
     """``grid_slot`` in float64: the fma's exact value ``y S + C`` (``S``, ``C`` the integers ``scale / u``,
     ``offset / u``; ``y S`` is exact in float64, 24 x 24 bits) rounded to nearest even; a negative value rounds
-    to -0 or below, the last slot (``GRID_SLOTS - 1``), and so does NaN; clamped at the one before it above."""
+    to -0 or below, the last slot (``GRID_SLOTS - 1``), and so does NaN; clamped at the one before it above.
+    ``saturated``: ``saturated_grid_slot``, where those go to slot 0 (the fma's ``.sat`` makes them +0)."""
     big, low = scale.double() / _U, offset.double() / _U
     p = y.double() * big
     whole = torch.floor(p)
@@ -504,13 +506,15 @@ def _grid_slot_model(y: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor)
     base = whole + low
     rounded = base + ((frac > 0.5) | ((frac == 0.5) & (torch.remainder(base, 2) == 1))).double()
     last = float(_GRID_SLOTS - 1)
-    slot = torch.where(p < -low, last, rounded.clamp(max=last - 1))
-    return torch.where(slot.isnan() | y.isnan(), last, slot).long()  # NaN p: 0 times an infinite scale, or y NaN
+    below = 0.0 if saturated else last
+    slot = torch.where(p < -low, below, rounded.clamp(max=last - 1))
+    return torch.where(slot.isnan() | y.isnan(), below, slot).long()  # NaN p: 0 times an infinite scale, or y NaN
 
 
-def _grid_model(midpoints: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def _grid_model(midpoints: torch.Tensor, y: torch.Tensor, saturated: bool = False) -> tuple[torch.Tensor, bool]:
     """The grid bucketize in PyTorch: ``(below[k] + (y >= mid[k]) for k = slot(y), whether the grid is used)``,
-    the table built from the midpoints' own slots."""
+    the table built from the midpoints' own slots (by ``grid_slot``), ``y``'s slot by ``grid_slot`` or
+    (``saturated``) ``saturated_grid_slot``."""
     scale, offset = _grid_params(midpoints)
     slots = _grid_slot_model(midpoints, scale, offset)
     last = _GRID_SLOTS - 1
@@ -519,7 +523,7 @@ def _grid_model(midpoints: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor,
     below = (slots[None, :] < torch.where(k == last, 0, k)[:, None]).sum(dim=1)
     mid = torch.full((last + 1,), float("nan"))
     mid[slots] = midpoints  # one midpoint per slot where ok
-    at = _grid_slot_model(y, scale, offset)
+    at = _grid_slot_model(y, scale, offset, saturated)
     return below[at] + (y >= mid[at]).long(), ok
 
 
@@ -581,17 +585,18 @@ def _searchsorted(midpoints: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.where(y.isnan(), 0, torch.searchsorted(midpoints, y, right=True))
 
 
+@pytest.mark.parametrize("saturated", [False, True])
 @pytest.mark.parametrize("bits", [3, 4])
 @given(seed=st.integers(0, 2**31 - 1))
-def test_grid_model_equals_searchsorted_on_adversarial_values(bits: int, seed: int) -> None:
+def test_grid_model_equals_searchsorted_on_adversarial_values(bits: int, saturated: bool, seed: int) -> None:
     """The grid's design, modelled in PyTorch, gives ``#{m : m <= y}`` for every probe and every kind of codebook
-    where it takes the grid, and it takes the grid for every real TurboQuant codebook; the kinds that cannot be
-    separated fall back."""
+    where it takes the grid, with either slot function (``grid_slot``, ``saturated_grid_slot``), and it takes the grid
+    for every real TurboQuant codebook; the kinds that cannot be separated fall back."""
     gen = generator(seed)
     for kind in _CODEBOOK_KINDS:
         midpoints = _codebook(kind, bits, gen)
         y = _grid_probes(midpoints, gen)
-        codes, ok = _grid_model(midpoints, y)
+        codes, ok = _grid_model(midpoints, y, saturated)
         assert ok == (kind not in _FALLBACK_KINDS) or kind in _EITHER_KINDS, kind
         if ok:
             assert_bits_equal(codes, _searchsorted(midpoints, y))
@@ -599,28 +604,38 @@ def test_grid_model_equals_searchsorted_on_adversarial_values(bits: int, seed: i
 
 @triton.jit
 def _bucketize_probe_kernel(y_ptr, midpoint_ptr, grid_ptr, search_ptr, ok_ptr, BITS: tl.constexpr,
-                            ROWS: tl.constexpr, COLS: tl.constexpr):  # fmt: skip
+                            ROWS: tl.constexpr, COLS: tl.constexpr, SATURATED: tl.constexpr):  # fmt: skip
     """Program ``b``: codebook ``b``'s codes of its ``[ROWS, COLS]`` probes by the stores' grid lookup (used or
-    not) and by their binary search, and whether the stores would take the grid."""
+    not; its slot by ``grid_slot``, or by ``saturated_grid_slot`` with ``SATURATED``) and by their binary search, and
+    whether the stores would take the grid."""
     book = tl.program_id(0)
     midpoints = midpoint_ptr + book * ((1 << BITS) - 1)
     table, scale, offset, ok = ttq_sm90.grid_table(midpoints, tl.arange(0, ttq_sm90.GRID_SLOTS), BITS)
     at = book * ROWS * COLS + tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     y = tl.load(y_ptr + at)
-    tl.store(grid_ptr + at, ttq._key_codes(y, midpoints, table, scale, offset, True, BITS))
+    if SATURATED:
+        flat = tl.reshape(y, [ROWS * COLS])
+        slot = ttq_sm90.saturated_grid_slot(flat, scale, offset)
+        tl.store(grid_ptr + at, tl.reshape(ttq_sm90.grid_code(flat, tl.gather(table, slot, 0)), [ROWS, COLS]))
+    else:
+        tl.store(grid_ptr + at, ttq._key_codes(y, midpoints, table, scale, offset, True, BITS))
     tl.store(search_ptr + at, ttq._key_codes(y, midpoints, table, scale, offset, False, BITS))
     tl.store(ok_ptr + book, ok.to(tl.int32))
 
 
+@pytest.mark.parametrize("saturated", [False, True])
 @pytest.mark.parametrize("bits", [3, 4])
 @given(seed=st.integers(0, 2**31 - 1))
-def test_kernel_bucketize_equals_searchsorted_on_adversarial_values(bits: int, seed: int,
+def test_kernel_bucketize_equals_searchsorted_on_adversarial_values(bits: int, saturated: bool, seed: int,
                                                                      device: torch.device) -> None:  # fmt: skip
-    """The Triton bucketize of both stores (``turboquant_sm90.grid_table``, ``grid_slot``, ``grid_code``; the
-    portable store's ``_key_codes``) on the probes of every kind of codebook: the grid's codes are
-    ``#{m : m <= y}`` wherever the kernel takes the grid, it takes it exactly where the model does, and the
-    binary search (the fallback) is exact everywhere. Compiled on a GPU, so its rounding (and any flush of
-    subnormals) is the hardware's."""
+    """The Triton bucketize of the stores (``turboquant_sm90.grid_table``, ``grid_slot`` or, as the Hadamard store
+    takes it, ``saturated_grid_slot``, ``grid_code``; the portable store's ``_key_codes``) on the probes of every kind
+    of codebook: the grid's codes are ``#{m : m <= y}`` wherever the kernel takes the grid, it takes it exactly where
+    the model does, and the binary search (the fallback) is exact everywhere. Compiled on a GPU, so its rounding
+    (and any flush of subnormals) is the hardware's; the saturated slot is inline PTX, which the interpreter does not
+    run (its model is checked on the CPU)."""
+    if saturated and device.type != "cuda":
+        pytest.skip("saturated_grid_slot is inline PTX: GPU only")
     gen = generator(seed)
     books = [_codebook(kind, bits, gen) for kind in _CODEBOOK_KINDS]
     y = torch.stack([_grid_probes(m, gen) for m in books])
@@ -628,7 +643,7 @@ def test_kernel_bucketize_equals_searchsorted_on_adversarial_values(bits: int, s
                                                                                           device=device)  # fmt: skip
     ok = torch.empty(len(books), dtype=torch.int32, device=device)
     _bucketize_probe_kernel[(len(books),)](y.to(device), torch.stack(books).to(device), grid, search, ok, BITS=bits,
-                                           ROWS=64, COLS=32)  # fmt: skip
+                                           ROWS=64, COLS=32, SATURATED=saturated)  # fmt: skip
     grid, search = grid.cpu(), search.cpu()
     for kind, m, probes, grid_codes, search_codes, used in zip(_CODEBOOK_KINDS, books, y, grid, search, ok.tolist()):
         expected = _searchsorted(m, probes)

@@ -2284,6 +2284,18 @@ def grid_slot(y, scale, offset):
 
 
 @triton.jit
+def saturated_grid_slot(y, scale, offset):
+    """:func:`grid_slot` in two instructions (the Hadamard store's; inline PTX, so not under the interpreter): the fma
+    saturated (``fma.rn.sat.f32``: a negative result and NaN become +0), then the float min with ``30 u``. A ``y``
+    that :func:`grid_slot` puts in slot 31 lands in slot 0 instead, and both slots give it code 0 from the same
+    table (:func:`grid_table`): nothing is below slot 0, and such a ``y`` is below any midpoint there (the fma is
+    monotone and a midpoint's is never negative) or NaN, which compares false."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .f32 t; fma.rn.sat.f32 t, $1, $2, $3; min.f32 $0, t, 0f0000001E; }", "=r,f,f,f", [y, scale, offset],
+        dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
 def grid_table(midpoint_ptr, slot, BITS: tl.constexpr):
     """The grid's table for the ``2^BITS - 1`` ascending midpoints ``m``: ``(table, scale, offset, ok)``; ``slot``
     is ``0 .. 31`` (any layout: the table's).
@@ -2418,12 +2430,19 @@ def _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS
     v_min = gl.minimum(gl.maximum(v_min, -_FP16_MAX), _FP16_MAX)
     v_max = gl.minimum(gl.maximum(v_max, -_FP16_MAX), _FP16_MAX)
     scale = gl.maximum((v_max - v_min) / LEVELS, _MIN_VALUE_SCALE)
-    inv_scale = 1.0 / scale
+    # A value's level is (v - v_min) / scale, LEVELS times its share of the row's range (v_max - v_min, or LEVELS
+    # times the least scale): that share taken by one saturating product (:func:`_saturated_product`) is the clamp of
+    # the value to [v_min, v_max], NaN to v_min, at no instruction; one fma then scales and rounds it. Its rounding
+    # (the range, its reciprocal, the difference, the product: 3 u + u_op) is inside the band the store tests allow a
+    # value (parity.turboquant.value_tolerance). With the Hadamard store's saturated grid slot (saturated_grid_slot),
+    # Triton 3.6: 1242 -> 1214 instructions a tile for 3-bit keys, 1233 -> 1205 for k3v4, 1043 -> 1012 for 4-bit keys;
+    # on the H200 (benchmarks/kernel_times.py, us, random / consecutive slots, twice in one call) 3-bit 1719 -> 1694 /
+    # 1709 -> 1681, k3v4 1772 -> 1751 / 1702 -> 1670, 4-bit 1802 -> 1797 / 1600 -> 1570 (perf_log.md, fortieth session).
+    inv_range = 1.0 / gl.maximum(v_max - v_min, LEVELS * _MIN_VALUE_SCALE)
     lo = gl.expand_dims(gl.expand_dims(v_min, RANK - 2), RANK - 1)
-    hi = gl.expand_dims(gl.expand_dims(v_max, RANK - 2), RANK - 1)
-    v = gl.minimum(gl.maximum(v, lo), hi)
-    inv = gl.expand_dims(gl.expand_dims(inv_scale, RANK - 2), RANK - 1)
-    biased = ((v - lo) * inv + _ROUND_MAGIC).to(gl.uint32, bitcast=True)
+    inv = gl.expand_dims(gl.expand_dims(inv_range, RANK - 2), RANK - 1)
+    share = _saturated_product(v - lo, inv)
+    biased = (share * LEVELS + _ROUND_MAGIC).to(gl.uint32, bitcast=True)
     groups = gl.reshape(biased, _groups_shape(v.shape))  # [..., t, q, p]: dimension 32t + 8q + p
     glayout: gl.constexpr = groups.type.layout
     shift = (_iota(8, RANK, RANK + 1, glayout) * VALUE_BITS).to(gl.uint32)
@@ -2445,6 +2464,13 @@ def _store_values(v, slot, row, cache_ptr, num_slots, stride_block, NUM_KV_HEADS
         gl.store(fields, _fp16_bits(key_norm), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
     gl.store(fields + BLOCK_SIZE, _fp16_bits(scale), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
     gl.store(fields + 2 * BLOCK_SIZE, _fp16_bits(v_min), mask=row_ok, eviction_policy=STORE_FIELDS_EVICTION)
+
+
+@gluon.jit
+def _saturated_product(a, b):
+    """fp32 ``a * b`` rounded once, then clamped to ``[0, 1]``; NaN gives 0 (``mul.rn.sat.f32``: one instruction)."""
+    return gl.inline_asm_elementwise("mul.rn.sat.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=gl.float32, is_pure=True,
+                                     pack=1)  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -2792,22 +2818,23 @@ def store_hadamard_kernel(
 
 
 # Stores back to back. A row's 3-bit codes are 12 bytes a thread, three 4-byte stores at 12t, 12t + 4, 12t + 8, so a
-# sector of a slot is written by several store instructions. Stores of a warp to one line that issue back to back
-# reach L2 as fewer requests and sectors than the same stores apart (on the H200, Nsight Compute, 1M tokens x 8 KV heads
-# at random slots: the 3-bit store with its three key-code stores 21 instructions apart made 39.1M write requests and
-# 79.5M write sectors in L2 against 28.5M and 65.3M back to back, and took 8% longer). L2 traffic is what these stores
-# are short of: the fabric between L2's two halves, which carries every sector an SM reads or writes in the far half,
-# was 79-84% busy in every variant measured, DRAM 62-67% (3-bit). So each row's key codes are stored with its value
-# codes and its key norm with its value fields (:func:`_store_values`), and the next tile's keys are read after them
-# (read before, the key codes held through the values' quantization spill at 3-bit keys' 64 registers). 3-bit keys take
-# their values' extrema by packed bf16 min / max too (``HADAMARD_PACKED_EXTREMA``), which leaves them 1242 instructions
-# a tile (1293 before). Write requests / write sectors / us (Nsight): 3-bit 28.5M / 65.3M / 1850 -> 19.7M / 60.5M /
-# 1718, k3v4 30.1M / 66.8M / 1931 -> 22.6M / 64.1M / 1783, 4-bit 30.5M / 58.7M / 1799 -> 17.0M / 58.7M / 1774 (its
-# codes were whole 16-byte stores already, and at consecutive slots it lost 2-5%: 4-bit keys keep the stores apart).
-# L2's sectors alone do not set the time: the 3-bit codes moved across each lane quad so that each of a row's three
-# 32-byte sectors is one 8-byte store a thread (benchmarks/variants/hadamard_sector_stores.patch: six shuffles and
-# 22 selects a tile) took the write sectors to the floor, 66.3M -> 50.3M (six a row: three of data, three fields),
-# and the fabric's sectors 100.8M -> 92.6M, yet 35 more instructions a tile made the store 4.5% slower.
+# sector of a slot is written by several store instructions. Stores of a warp to one line that issue back to back reach
+# L2 as fewer requests and sectors than the same stores apart (on the H200, Nsight Compute, 1M tokens x 8 KV heads at
+# random slots: the 3-bit store with its three key-code stores 21 instructions apart made 39.1M write requests and 79.5M
+# write sectors in L2 against 28.5M and 65.3M back to back, and took 8% longer). L2 traffic is what these stores are
+# short of: the fabric between L2's two halves, which carries every sector an SM reads or writes in the far half, was
+# 79-84% busy in every variant measured, DRAM 62-67% (3-bit). So each row's key codes are stored with its value codes
+# and its key norm with its value fields (:func:`_store_values`), and the next tile's keys are read after them (read
+# before, the key codes held through the values' quantization spill at 3-bit keys' 64 registers). 3-bit keys take their
+# values' extrema by packed bf16 min / max too (``HADAMARD_PACKED_EXTREMA``), which left them 1242 instructions a tile
+# (1293 before; 1214 since the saturating value shares and grid slots of :func:`_store_values`). Write requests / write
+# sectors / us (Nsight): 3-bit 28.5M / 65.3M / 1850 -> 19.7M / 60.5M / 1718, k3v4 30.1M / 66.8M / 1931 -> 22.6M / 64.1M
+# / 1783, 4-bit 30.5M / 58.7M / 1799 -> 17.0M / 58.7M / 1774 (its codes were whole 16-byte stores already, and at
+# consecutive slots it lost 2-5%: 4-bit keys keep the stores apart). L2's sectors alone do not set the time: the 3-bit
+# codes moved across each lane quad so that each of a row's three 32-byte sectors is one 8-byte store a thread
+# (benchmarks/variants/hadamard_sector_stores.patch: six shuffles and 22 selects a tile) took the write sectors to the
+# floor, 66.3M -> 50.3M (six a row: three of data, three fields), and the fabric's sectors 100.8M -> 92.6M, yet 35 more
+# instructions a tile made the store 4.5% slower.
 
 
 @gluon.jit
@@ -2839,7 +2866,7 @@ def _store_quad_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, c, 
             h = _hadamard_rows(k, t)
         y = h * gl.expand_dims(gl.expand_dims(c / (norm + _KEY_NORM_EPS), 1), 2)
         if GRID:
-            slot_y = grid_slot(y, grid_scale, grid_offset)
+            slot_y = saturated_grid_slot(y, grid_scale, grid_offset)
             codes = _lookup(below, slot_y) + (y >= _lookup(mid, slot_y)).to(gl.int32)
         else:
             codes = _bucketize(y, midpoint_ptr, KEY_BITS)
