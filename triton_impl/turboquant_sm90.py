@@ -2641,7 +2641,7 @@ def _store_tiles(key_ptr, value_ptr, cache_ptr, slot_ptr, midpoint_ptr, pit_hi, 
         y = acc * (1.0 / (norm + _KEY_NORM_EPS))[:, None]
         if GRID:
             flat = gl.reshape(y, [ROWS * HEAD_DIM])
-            entry = gl.gather(table, grid_slot(flat, grid_scale, grid_offset), 0)
+            entry = gl.gather(table, saturated_grid_slot(flat, grid_scale, grid_offset), 0)
             codes = gl.reshape(grid_code(flat, entry), [ROWS, HEAD_DIM])
         else:
             codes = _bucketize(y, midpoint_ptr, KEY_BITS)
