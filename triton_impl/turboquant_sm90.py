@@ -2285,11 +2285,11 @@ def grid_slot(y, scale, offset):
 
 @triton.jit
 def saturated_grid_slot(y, scale, offset):
-    """:func:`grid_slot` in two instructions (the Hadamard store's; inline PTX, so not under the interpreter): the fma
-    saturated (``fma.rn.sat.f32``: a negative result and NaN become +0), then the float min with ``30 u``. A ``y``
-    that :func:`grid_slot` puts in slot 31 lands in slot 0 instead, and both slots give it code 0 from the same
-    table (:func:`grid_table`): nothing is below slot 0, and such a ``y`` is below any midpoint there (the fma is
-    monotone and a midpoint's is never negative) or NaN, which compares false."""
+    """:func:`grid_slot` in two instructions (the Hadamard store's, and the MMA store's for 3-bit keys; inline PTX, so
+    not under the interpreter): the fma saturated (``fma.rn.sat.f32``: a negative result and NaN become +0), then the
+    float min with ``30 u``. A ``y`` that :func:`grid_slot` puts in slot 31 lands in slot 0 instead, and both slots
+    give it code 0 from the same table (:func:`grid_table`): nothing is below slot 0, and such a ``y`` is below any
+    midpoint there (the fma is monotone and a midpoint's is never negative) or NaN, which compares false."""
     return tl.inline_asm_elementwise(
         "{ .reg .f32 t; fma.rn.sat.f32 t, $1, $2, $3; min.f32 $0, t, 0f0000001E; }", "=r,f,f,f", [y, scale, offset],
         dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
@@ -2834,14 +2834,14 @@ def store_hadamard_kernel(
 # and its key norm with its value fields (:func:`_store_values`), and the next tile's keys are read after them (read
 # before, the key codes held through the values' quantization spill at 3-bit keys' 64 registers). 3-bit keys take their
 # values' extrema by packed bf16 min / max too (``HADAMARD_PACKED_EXTREMA``), which left them 1242 instructions a tile
-# (1293 before; 1214 since the saturating value shares and grid slots of :func:`_store_values`). Write requests / write
-# sectors / us (Nsight): 3-bit 28.5M / 65.3M / 1850 -> 19.7M / 60.5M / 1718, k3v4 30.1M / 66.8M / 1931 -> 22.6M / 64.1M
-# / 1783, 4-bit 30.5M / 58.7M / 1799 -> 17.0M / 58.7M / 1774 (its codes were whole 16-byte stores already, and at
-# consecutive slots it lost 2-5%: 4-bit keys keep the stores apart). L2's sectors alone do not set the time: the 3-bit
-# codes moved across each lane quad so that each of a row's three 32-byte sectors is one 8-byte store a thread
-# (benchmarks/variants/hadamard_sector_stores.patch: six shuffles and 22 selects a tile) took the write sectors to the
-# floor, 66.3M -> 50.3M (six a row: three of data, three fields), and the fabric's sectors 100.8M -> 92.6M, yet 35 more
-# instructions a tile made the store 4.5% slower.
+# (1293 before; 1214 since the saturating value shares of :func:`_store_values` and :func:`saturated_grid_slot`). Write
+# requests / write sectors / us (Nsight): 3-bit 28.5M / 65.3M / 1850 -> 19.7M / 60.5M / 1718, k3v4 30.1M / 66.8M / 1931
+# -> 22.6M / 64.1M / 1783, 4-bit 30.5M / 58.7M / 1799 -> 17.0M / 58.7M / 1774 (its codes were whole 16-byte stores
+# already, and at consecutive slots it lost 2-5%: 4-bit keys keep the stores apart). L2's sectors alone do not set the
+# time: the 3-bit codes moved across each lane quad so that each of a row's three 32-byte sectors is one 8-byte store a
+# thread (benchmarks/variants/hadamard_sector_stores.patch: six shuffles and 22 selects a tile) took the write sectors
+# to the floor, 66.3M -> 50.3M (six a row: three of data, three fields), and the fabric's sectors 100.8M -> 92.6M, yet
+# 35 more instructions a tile made the store 4.5% slower.
 
 
 @gluon.jit
