@@ -769,13 +769,15 @@ for preset in tq.PRESETS:
 # sectors to their floor (six a row) and made the store 4.5% slower (35 more instructions a tile).
 #
 # Last, two clamps a value and one a code went into saturating arithmetic. A value's level is `LEVELS` times its share
-# of the row's range, and one `mul.rn.sat.f32` takes that share clamped to `[0, 1]`, NaN to 0: the clamp of the value
-# to the row's min and max (two `FMNMX`) comes with the product. A key's grid slot by `fma.rn.sat.f32` sends a
-# negative result or NaN to slot 0 instead of slot 31, where the same table gives them the same code 0, and drops the
-# integer min that caught them (`turboquant_sm90.saturated_grid_slot`; the grid's model checks it on every kind of
-# codebook on the CPU, the GPU probe on the H200). 1242 -> 1214 instructions a tile for 3-bit keys, 1043 -> 1012 for
-# 4-bit keys, and the stores 0.3-1.9% faster: k3v4 1.78 -> 1.76 ms, 3-bit 1.73-1.76 -> 1.72 (70.3-70.4% of the copy
-# roofline at random slots in two bench runs at b8f087c), 4-bit 70.7-70.9%, FP8 keys 70.4-70.6%.
+# of the row's range, and one `mul.rn.sat.f32` takes that share clamped to `[0, 1]`, NaN to 0: the clamp of the value to
+# the row's min and max (two `FMNMX`) comes with the product. A key's grid slot by `fma.rn.sat.f32` sends a negative
+# result or NaN to slot 0 instead of slot 31, where the same table gives them the same code 0, and drops the integer min
+# that caught them (`turboquant_sm90.saturated_grid_slot`; the grid's model checks it on every kind of codebook on the
+# CPU, the GPU probe on the H200). 1242 -> 1214 instructions a tile for 3-bit keys, 1043 -> 1012 for 4-bit keys, the cut
+# mostly on the ALU pipe (the 3-bit loop's ALU instructions 348 -> 325, `FMNMX` and `VIMNMX` 142 -> 47; the `H_4` MMAs
+# above had taken shuffles and fmas instead), and the stores 0.3-1.9% faster: k3v4 1.78 -> 1.76 ms, 3-bit 1.73-1.76 ->
+# 1.72 (70.3-70.4% of the copy roofline at random slots in two bench runs at b8f087c), 4-bit 70.7-70.9%, FP8 keys
+# 70.4-70.6%.
 #
 # The cell compiles both stores for sm_90 on this machine (Triton's own `ptxas`; no GPU needed, a process of its own
 # since the interpreter is on here) and counts what is in their tile loops: in the MMA store two barriers around each
