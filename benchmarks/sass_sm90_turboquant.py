@@ -141,6 +141,7 @@ def gluon_decode(preset: str) -> None:
                                                   maxnreg=config["WARP_MAXNREG"],
                                                   stages=ttq.warp_stages(config)["STAGES"], step=step,
                                                   fp16_operands=fp16_operands, warp=True, stream_k=stream_k,
+                                                  shared_pairs=ttq.warp_stages(config)["SHARED_PAIRS"],
                                                   **{k.lower(): v for k, v in ranks.items()})  # fmt: skip
     else:
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,

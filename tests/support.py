@@ -141,18 +141,25 @@ def paginate(tokens: list[torch.Tensor], page_size: int, gen: torch.Generator) -
     return cache, table
 
 
-def run_ptx(asm: str, inputs: list[int], outputs: int, laneid: int = 0) -> list[int]:
+def run_ptx(asm: str, inputs: list[int], outputs: int, laneid: int = 0, shared: dict[int, int] | None = None,
+            symbols: dict[str, int] | None = None) -> list[int]:
     """A model of the b32 PTX our inline asm uses (the Gluon kernels' lookups and conversions run only compiled), on
-    Python ints: ``mov`` (of ``%laneid``), ``and``, ``or``, ``shl``, ``shr``, ``mul.lo``, ``prmt`` (its default mode: 4
-    selector nibbles, the high bit replicating the byte's sign), ``lop3`` (bit ``4a + 2b + c`` of the immediate), and
-    on two bf16 lanes ``mul.rn.bf16x2`` (round to nearest even) and ``set.eq.u32.bf16x2`` (all ones where equal);
-    ``$k`` the operands, the ``outputs`` results first."""
+    Python ints: ``mov`` (of ``%laneid`` or of a ``symbols`` address), ``and``, ``or``, ``shl``, ``shr``, ``add``,
+    ``mul.lo``, ``mad.lo``, ``prmt`` (its default mode: 4 selector nibbles, the high bit replicating the byte's sign),
+    ``lop3`` (bit ``4a + 2b + c`` of the immediate), ``ld.shared`` / ``st.shared`` of a word at a register's address
+    in ``shared`` (a dict, written in place; reading an address never written fails), ``bar.warp.sync`` (nothing to
+    do for one lane), and on two bf16 lanes ``mul.rn.bf16x2`` (round to nearest even) and ``set.eq.u32.bf16x2`` (all
+    ones where equal); ``$k`` the operands, the ``outputs`` results first."""
     regs = {f"${k}": 0 for k in range(outputs)} | {f"${outputs + k}": v & 0xFFFFFFFF for k, v in enumerate(inputs)}
+    shared = {} if shared is None else shared
+    symbols = symbols or {}
 
     def value(token: str) -> int:
-        token = token.strip()
+        token = token.strip().strip("[]")
         if token == "%laneid":
             return laneid
+        if token in symbols:
+            return symbols[token]
         return regs[token] if token in regs else int(token, 0)
 
     for line in asm.replace("{", ";").replace("}", ";").split(";"):
@@ -162,8 +169,19 @@ def run_ptx(asm: str, inputs: list[int], outputs: int, laneid: int = 0) -> list[
         op, args = line.split(None, 1)
         dst, *src = [a.strip() for a in args.split(",")]
         x = [value(a) for a in src]
-        if op == "mov.b32":
+        if op == "bar.warp.sync":
+            continue
+        if op == "st.shared.b32":
+            shared[value(dst)] = x[0] & 0xFFFFFFFF
+            continue
+        if op in ("mov.b32", "mov.u32"):
             out = x[0]
+        elif op == "ld.shared.b32":
+            out = shared[x[0]]
+        elif op == "add.u32":
+            out = x[0] + x[1]
+        elif op == "mad.lo.u32":
+            out = x[0] * x[1] + x[2]
         elif op == "and.b32":
             out = x[0] & x[1]
         elif op == "or.b32":

@@ -1890,6 +1890,36 @@ def test_inline_ptx_of_the_3bit_lookup_does_what_its_docstring_says() -> None:
         assert run_ptx(ttq_sm90.TRIPLE_PAIRS_ASM.value, [group, *tables], 4) == expected, (hex(group), centroids)
 
 
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_inline_ptx_of_the_shared_pair_table_gives_the_register_lookup(bits: int) -> None:
+    """The shared pair table (``turboquant_sm90.SHARED_PAIRS``' path) on the model of its instructions, whole: the
+    table written entry by entry as ``_shared_pair_table`` writes it (``PAIR_TABLE_STORE_ASM``: entry ``e`` the fp16
+    pair of codes ``e & (2^b - 1)`` and ``e >> b``), its address as each lane takes it (the 4-bit one through the
+    lane's identity ``prmt``), and the lookup of a word (4-bit) or a 24-bit group (3-bit, whatever the 8 bits above
+    it) gives what the register lookup gives (``NIBBLE_PAIRS_ASM``, ``TRIPLE_PAIRS_ASM``), for random codes and fp16
+    bit patterns, in every lane, at a table placed anywhere 16-byte aligned. A wrong shift, mask, stride or entry
+    order fails it; no lookup reads outside the table (the model fails on an address never written)."""
+    rng = random.Random(8 + bits)
+    base_asm = ttq_sm90.PAIR_TABLE_LANE_BASE_ASM if bits == 4 else ttq_sm90.PAIR_TABLE_BASE_ASM
+    lookup_asm = ttq_sm90.SHARED_NIBBLE_PAIRS_ASM if bits == 4 else ttq_sm90.SHARED_TRIPLE_PAIRS_ASM
+    register_asm = ttq_sm90.NIBBLE_PAIRS_ASM if bits == 4 else ttq_sm90.TRIPLE_PAIRS_ASM
+    for _ in range(20):
+        centroids = [rng.getrandbits(16) for _ in range(1 << bits)]
+        symbols = {ttq_sm90.PAIR_TABLE: 16 * rng.randrange(1 << 10)}
+        shared: dict[int, int] = {}
+        for entry in range(1 << (2 * bits)):
+            pair = centroids[entry & ((1 << bits) - 1)] | centroids[entry >> bits] << 16
+            run_ptx(ttq_sm90.PAIR_TABLE_STORE_ASM.value, [entry, pair], 1, shared=shared, symbols=symbols)
+        assert len(shared) == 1 << (2 * bits)
+        tables = _byte_tables(centroids, 0, 1 << (bits - 2))
+        for lane in range(32):
+            (base,) = run_ptx(base_asm.value, [], 1, lane, symbols=symbols)
+            assert base == symbols[ttq_sm90.PAIR_TABLE]
+            word = rng.getrandbits(32)
+            expected = run_ptx(register_asm.value, [word, *tables], 4)
+            assert run_ptx(lookup_asm.value, [word, base], 4, lane, shared=shared) == expected, (hex(word), lane)
+
 _SM90_COMPILE = """
 import itertools
 import json
@@ -1982,6 +2012,54 @@ for key_bits in (3, 4):
                               entry["HADAMARD_PROGRAMS_PER_SM"], *counts]))
 """
 
+
+_SM90_SHARED_PAIRS_COMPILE = """
+import json
+import re
+from benchmarks.sass_sm90_turboquant import ALU_OPS
+from triton_impl import turboquant, turboquant_sm90
+from triton_impl.bench import cuobjdump, innermost_loop, sass_code, sass_resources
+for key_bits, value_bits, shared_pairs in ((4, 4, 0), (4, 4, 2), (4, 4, 4), (3, 4, 0), (3, 4, 4), (3, 3, 0), (3, 3, 4)):
+    entry = turboquant.decode_entry(turboquant.DECODE_CONFIGS["sm90"], key_bits, value_bits)
+    kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,
+                                              maxnreg=entry["WARP_MAXNREG"], fp16_operands=True, warp=True,
+                                              stream_k=True, shared_pairs=shared_pairs,
+                                              stages=turboquant.warp_stages(entry)["STAGES"],
+                                              step=turboquant.warp_stages(entry)["STEP"],
+                                              **{k.lower(): v for k, v in turboquant.stream_k_ranks(
+                                                  entry, 32, 32, key_bits).items()})
+    code, loops = sass_code(kernel.asm["cubin"])
+    head, tail = innermost_loop(code, loops, ("HMMA",))
+    loop = [(opcode, line) for address, opcode, _, line in code if head <= address <= tail]
+    alu = sum(opcode in ALU_OPS for opcode, _ in loop)
+    static = int(re.search(r"SHARED:(\\d+)", cuobjdump(kernel.asm["cubin"], "-res-usage")).group(1))
+    print(json.dumps([key_bits, value_bits, shared_pairs, *sass_resources(kernel.asm["cubin"]), kernel.metadata.shared,
+                      static, entry["PROGRAMS_PER_SM"], sum(op in ("LDL", "STL") for op, _ in loop), alu,
+                      sum(" LDS " in x for _, x in loop), kernel.asm["ptx"].count(".shared .align 16 .b32 ")]))
+"""
+
+
+def test_sm90_shared_pair_table_compiles_once_and_takes_alu_work_out_of_the_loop() -> None:
+    """The shared pair table (``SHARED_PAIRS``, not yet the sm90 entry's: its H200 timing is to come) compiled for
+    sm_90 in the stream-K kernel as the entry launches it otherwise: the table declared once in the PTX, no local
+    memory in the loop, the programs a SM still fitting 228 KiB with the table (256 or 1024 bytes more each), one
+    ``LDS`` a pair of codes for the words or groups it serves, and fewer ALU-pipe instructions than the ``prmt``
+    lookup's (Triton 3.6, a two-chunk step: 4-bit 402 -> 306 at 2, 210 at 4; k3v4 391 -> 294; 3bit_nc 426 -> 332)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", _SM90_SHARED_PAIRS_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    assert len(rows) == 7
+    alu = {(row[0], row[1], row[2]): row[9] for row in rows}
+    for key_bits, value_bits, shared_pairs, registers, stack, shared, static, programs, local, _, lds, tables in rows:
+        row = (key_bits, value_bits, shared_pairs)
+        assert registers <= 168 and stack <= 16 and local == 0 and programs * (shared + static) <= 228 * 1024, row
+        assert tables == (1 if shared_pairs else 0), row
+        # 32 keys x 128 codes a step in 32 lanes: 64 pairs a lane, shared_pairs / 4 of them from the table
+        assert lds == 16 * shared_pairs, row  # (the key words come from the TMA buffers by LDS.128)
+        if shared_pairs:
+            assert alu[row] <= alu[key_bits, value_bits, 0] - (40 if key_bits == 4 else 20) * shared_pairs, (row, alu)
 
 def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     """The Gluon fast paths never run under the interpreter: compile them for sm_90 here (a process of its own,
@@ -2178,20 +2256,25 @@ def test_decode_variants_outside_the_config_table_match_golden(variant, preset, 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon stage 1 kernels need an sm_90 GPU")  # fmt: skip
-@pytest.mark.parametrize(("kernel", "hadamard_query"), [("tile", 0), ("streams", 0), ("warp", 0), ("warp", 1),
-                                                        ("stream_k", 0), ("stream_k", 1)])  # fmt: skip
+@pytest.mark.parametrize(("kernel", "hadamard_query", "shared_pairs"), [
+    ("tile", 0, 0), ("streams", 0, 0), ("warp", 0, 0), ("warp", 1, 0), ("stream_k", 0, 0), ("stream_k", 1, 0),
+    ("warp", 1, 4), ("stream_k", 0, 2), ("stream_k", 1, 4)])  # fmt: skip
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc",
                                     "turboquant_3bit_nc"])
-def test_sm90_decode_of_each_gluon_kernel_matches_golden(preset, kernel, hadamard_query, device: torch.device) -> None:
+def test_sm90_decode_of_each_gluon_kernel_matches_golden(preset, kernel, hadamard_query, shared_pairs,
+                                                         device: torch.device) -> None:  # fmt: skip
     """Each Gluon stage 1 kernel for the keys the TMA kernels serve, whichever the sm90 entry selects: the cp.async
     tile kernel, the per-warp streams and the one-warp programs, these reading the rotated query from the rotation
-    launch or rotating it themselves (``HADAMARD_QUERY``); partly live chunks, every stream with more chunks than its
-    3 buffers (L=2048: each buffer and its mbarrier phase reused), and group 16 (the TMA kernels decline it)."""
+    launch or rotating it themselves (``HADAMARD_QUERY``), and looking MSE keys' centroid pairs up in registers or
+    (``WARP_SHARED_PAIRS``, half or all of them) in the shared pair table; partly live chunks, every stream with more
+    chunks than its 3 buffers (L=2048: each buffer and its mbarrier phase reused), and group 16 (the TMA kernels
+    decline it)."""
     streams, warp = int(kernel == "streams"), int(kernel in ("warp", "stream_k"))
     config = ttq.DECODE_CONFIGS["sm90"] | {"GLUON_STREAMS": streams, "GLUON_WARP": warp, "STREAM_K": int(
         kernel == "stream_k"), "PROGRAMS_PER_SM": {"tile": 5, "streams": 4, "warp": 16, "stream_k": 16}[kernel],
-        "HADAMARD_QUERY": hadamard_query}  # fmt: skip
-    per_preset = ("GLUON_STREAMS_", "GLUON_WARP_", "PROGRAMS_PER_SM_", "STREAM_K_", "HADAMARD_QUERY_")
+        "HADAMARD_QUERY": hadamard_query, "WARP_SHARED_PAIRS": shared_pairs}  # fmt: skip
+    per_preset = ("GLUON_STREAMS_", "GLUON_WARP_", "PROGRAMS_PER_SM_", "STREAM_K_", "HADAMARD_QUERY_",
+                  "WARP_SHARED_PAIRS_")
     config = {k: v for k, v in config.items() if not k.startswith(per_preset)}
     with _decode_config_table(dict.fromkeys(ttq.DECODE_CONFIGS, config)):
         _check_decode_against_golden(41, preset, 128, [300, 129], 2, 4, 2, 16, torch.float16, device)
@@ -2250,10 +2333,12 @@ def test_sm90_stream_k_decode_of_mixed_lengths_matches_golden(preset, device: to
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon stage 1 kernels need an sm_90 GPU")  # fmt: skip
-def test_sm90_decode_of_an_asymmetric_codebook_takes_the_general_lookup(device: torch.device) -> None:
+@pytest.mark.parametrize("shared_pairs", [0, 2])
+def test_sm90_decode_of_an_asymmetric_codebook_takes_the_general_lookup(shared_pairs, device: torch.device) -> None:
     """A 4-bit codebook that is not symmetric bit for bit (centroid 3 one fp16 step up) runs the one-warp kernel's
     loop with the general lookup (``turboquant_sm90._chunk_loop``, ``SYMMETRIC`` 0), the package's own the shorter one:
-    each matches golden on its own codebook, on the same bytes."""
+    each matches golden on its own codebook, on the same bytes; with ``WARP_SHARED_PAIRS`` 2 half of each thread's
+    words go through the shared pair table instead, the rest through the same lookups."""
     preset, head_dim = "turboquant_4bit_nc", 128
     gen = generator(46)
     cache, table, lens = _decode_setup(preset, head_dim, [700, 129], 2, 16, gen, device)
@@ -2261,13 +2346,15 @@ def test_sm90_decode_of_an_asymmetric_codebook_takes_the_general_lookup(device: 
     nudged = centroids.clone()
     nudged[3] = (centroids[3:4].half().view(torch.int16) + 1).view(torch.float16).float()
     query = torch.randn(2, 8, head_dim, generator=gen).half()
-    for codebook in (centroids, nudged):
-        out = ttq.triton_turboquant_decode_attention_v2(
-            query.to(device), cache, table, lens, pit.T.contiguous().to(device), codebook.to(device),
-            1 / math.sqrt(head_dim), config.key_mse_bits, config.key_packed_size, config.value_quant_bits,
-            config.value_packed_size, norm_correction=config.norm_correction, max_num_kv_splits=4)  # fmt: skip
-        expected = _decode_expected(query, cache, table, lens, preset, head_dim, centroids=codebook)
-        assert_close(out, expected.out, ("turboquant", "out", torch.float16), expected.out_bound)
+    entry = ttq.DECODE_CONFIGS["sm90"] | {"WARP_SHARED_PAIRS": shared_pairs}
+    with _decode_config_table(dict.fromkeys(ttq.DECODE_CONFIGS, entry)):
+        for codebook in (centroids, nudged):
+            out = ttq.triton_turboquant_decode_attention_v2(
+                query.to(device), cache, table, lens, pit.T.contiguous().to(device), codebook.to(device),
+                1 / math.sqrt(head_dim), config.key_mse_bits, config.key_packed_size, config.value_quant_bits,
+                config.value_packed_size, norm_correction=config.norm_correction, max_num_kv_splits=4)  # fmt: skip
+            expected = _decode_expected(query, cache, table, lens, preset, head_dim, centroids=codebook)
+            assert_close(out, expected.out, ("turboquant", "out", torch.float16), expected.out_bound)
 
 
 def test_pair_lut_is_never_stale_when_centroids_change_in_place(device: torch.device) -> None:
@@ -2548,10 +2635,10 @@ def test_shared_memory_stages_of_the_sm90_entry() -> None:
     assert ttq_sm90.stages(1, 4, 4) == 0 and ttq_sm90.stages(2, 8, 4) == 2 and ttq_sm90.stages(3, 8, 3) == 0
     assert ttq_sm90.stages(4, 3, 4) == 4
     # The one-warp kernel: two chunks an iteration through four buffers; 3-bit values at 168 registers (their words,
-    # loaded into registers a step ahead, spill at two chunks at 128: 88 bytes, Triton 3.6), 12 programs a SM.
+    # loaded into registers a step ahead, spill at two chunks at 128: 88 bytes, Triton 3.6), 12 programs a SM; every
+    # key looked up in registers (the shared pair table, untimed, off).
     warp = {(k, v): ttq.warp_stages(ttq.decode_entry(sm90, k, v)) for k, v in ((3, 3), (3, 4), (4, 4), (8, 4))}
-    assert warp == {(3, 3): {"STAGES": 4, "STEP": 2}, (3, 4): {"STAGES": 4, "STEP": 2},
-                    (4, 4): {"STAGES": 4, "STEP": 2}, (8, 4): {"STAGES": 4, "STEP": 2}}  # fmt: skip
+    assert warp == dict.fromkeys(((3, 3), (3, 4), (4, 4), (8, 4)), {"STAGES": 4, "STEP": 2, "SHARED_PAIRS": 0})
 
 
 def test_decode_split_cap_of_the_sm90_entry() -> None:

@@ -338,6 +338,14 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # places are weighed by rank through counts the rotation launch zeroes, and without them (tilt 0) stage 1 took 396.6
 # against 371.5 us at L=32K. Loading the query after the first chunk copies were asked for gained nothing (4-bit
 # 108.3 -> 110.2 / 368.3 -> 366.8 us; benchmarks/variants/query_after_copies.patch).
+# WARP_SHARED_PAIRS (sm90, the one-warp kernels, MSE keys; turboquant.warp_stages): of each thread's 4 key words (4-bit
+# codes) or 24-bit groups (3-bit) a chunk, how many (0, 2 or 4) look their centroid pairs up in a table in shared memory
+# (turboquant_sm90._shared_pair_table: one ld.shared a pair of codes) instead of by prmt from the byte tables in
+# registers. The loop is bound by its ALU-pipe instructions (perf_log.md, twenty-eighth session) and the table takes them
+# off that pipe: Triton 3.6, ALU instructions a two-chunk step of stream-K, 4-bit 402 -> 306 (2) -> 210 (4), k3v4 391
+# -> 294 (4), 3bit_nc 426 -> 332 (4), for 64 LDS a step at 4 (about 3.3 bank conflicts each for the 256-entry 4-bit
+# table, at most 2 for the 64-entry 3-bit one). Compiled and checked on the CPU (tests/test_turboquant.py); not yet
+# timed on the H200, so 0 here.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
@@ -347,7 +355,7 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
              "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 128, "WARP_STEP": 2,
              "WARP_STAGES": 4, "WARP_STEP_v3": 2, "WARP_STAGES_v3": 4, "WARP_MAXNREG_v3": 168, "PROGRAMS_PER_SM_v3": 12,
              "STREAM_K": 1, "STREAM_K_k8": 0, "STREAM_K_TILT": 0, "STREAM_K_TILT_v3": 30, "HADAMARD_QUERY": 1,
-             "HADAMARD_QUERY_v3": 0},
+             "HADAMARD_QUERY_v3": 0, "WARP_SHARED_PAIRS": 0},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
@@ -394,10 +402,12 @@ def decode_num_splits(max_num_kv_splits: int, batch: int, num_kv_heads: int, dev
 
 
 def warp_stages(config: dict[str, int]) -> dict[str, int]:
-    """``STAGES`` and ``STEP`` of ``turboquant_sm90.decode_stage1_warp_kernel`` under a decode entry: ``WARP_STAGES``
-    chunk buffers (else ``GLUON_STAGES``, at least 2) and ``WARP_STEP`` chunks an iteration (else 1)."""
+    """``STAGES``, ``STEP`` and ``SHARED_PAIRS`` of ``turboquant_sm90.decode_stage1_warp_kernel`` (and of its
+    stream-K twin) under a decode entry: ``WARP_STAGES`` chunk buffers (else ``GLUON_STAGES``, at least 2),
+    ``WARP_STEP`` chunks an iteration (else 1) and ``WARP_SHARED_PAIRS`` of each thread's 4 key words or groups
+    looked up in the shared pair table (else 0)."""
     return {"STAGES": config.get("WARP_STAGES", max(2, config.get("GLUON_STAGES", 0))),
-            "STEP": config.get("WARP_STEP", 1)}
+            "STEP": config.get("WARP_STEP", 1), "SHARED_PAIRS": config.get("WARP_SHARED_PAIRS", 0)}
 
 
 def stream_k_programs(config: dict[str, int], device: torch.device, num_splits: int, num_kv_heads: int) -> int | None:

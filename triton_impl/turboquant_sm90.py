@@ -209,7 +209,7 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
                      maxnreg: int | None = None, stages: int = 0, fp16_operands: bool = False,
                      streams: bool = False, warp: bool = False, step: int = 1,
                      stream_k: bool = False, ranks: int = 1, tilt: int = 0,
-                     hadamard_query: bool = False) -> Any:  # fmt: skip
+                     hadamard_query: bool = False, shared_pairs: int = 0) -> Any:  # fmt: skip
     """Stage 1 compiled for sm_90 on any machine (no GPU needed), specialized as a launch of the bench's
     shapes is (16-byte aligned pointers, the integer arguments that are multiples of 16 marked so, the
     block table's unit column stride a constant): the ``CompiledKernel``, with ``asm["cubin"]``.
@@ -238,7 +238,7 @@ def compile_for_sm90(*, key_bits: int, value_bits: int = 4, group: int = 4, bloc
                       NUM_KV_HEADS=8, BLOCK_SIZE=block_size, STAGES=stages, FP16_OPERANDS=int(fp16_operands),
                       stride_btc=1)  # fmt: skip
     if warp:
-        constexprs |= {"STEP": step, "HADAMARD_QUERY": int(hadamard_query)}
+        constexprs |= {"STEP": step, "HADAMARD_QUERY": int(hadamard_query), "SHARED_PAIRS": shared_pairs}
     if warp and stream_k:
         constexprs |= {"RANKS": ranks, "TILT": tilt}
     options = launch_options(group, maxnreg, warps=1 if warp else int(NUM_WARPS))
@@ -441,6 +441,108 @@ def _nibble_pairs(w, tables):
         dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True, pack=1)  # fmt: skip
 
 
+
+# The pair table in shared memory (:func:`_shared_pair_table`, one-warp programs; ``SHARED_PAIRS``): entry ``e``, the
+# bits of two codes (the first code in the low ``b`` bits), holds the fp16 centroids of codes ``e & (2^b - 1)`` (low
+# half) and ``e >> b`` (high half), the registers :func:`_nibble_pairs` and :func:`_triple_pairs` assemble by ``prmt``
+# (256 entries for 4-bit codes, 64 for 3-bit). A lookup there is one ``ld.shared`` a pair of codes and one or two ALU
+# instructions for its address, against about four ALU instructions by ``prmt``: the ALU pipe binds the MSE decode's
+# loop, the shared-memory pipe is nearly idle. Gluon has no per-lane gather from shared memory, so the inline PTX
+# declares the table as a ``.shared`` array and writes and reads it by name; the declaration may appear once in a
+# kernel (ptxas rejects a second).
+PAIR_TABLE = "tq_pair_table"
+
+
+@gluon.constexpr_function
+def pair_table_declaration(key_bits):
+    """Inline PTX declaring the pair table of ``key_bits`` codes (a 4-byte word an entry)."""
+    return f".shared .align 16 .b32 {PAIR_TABLE}[{1 << (2 * int(key_bits))}]; mov.b32 $0, 0;"
+
+
+# Entry $1 of the pair table := $2.
+PAIR_TABLE_STORE_ASM = gl.constexpr(
+    f"{{ .reg .b32 a; mov.u32 a, {PAIR_TABLE}; mad.lo.u32 a, $1, 4, a; st.shared.b32 [a], $2; mov.b32 $0, 0; }}")
+# The warp's table writes made visible to its lanes (a one-warp program's barrier), then the table's shared-memory
+# address: as it is (uniform: ptxas folds it into each ld.shared's address, 3-bit codes), or passed through an identity
+# prmt whose selector carries the lane id in the bits prmt ignores (not uniform to ptxas, which then forms a 4-bit
+# lookup's address by one IMAD, on the FMA pipe, where a uniform base took an LEA, on the ALU pipe).
+PAIR_TABLE_BASE_ASM = gl.constexpr(f"{{ bar.warp.sync -1; mov.u32 $0, {PAIR_TABLE}; }}")
+PAIR_TABLE_LANE_BASE_ASM = gl.constexpr(
+    f"{{ .reg .b32 s; bar.warp.sync -1; mov.u32 s, %laneid; shl.b32 s, s, 16; or.b32 s, s, 0x3210; "
+    f"mov.u32 $0, {PAIR_TABLE}; prmt.b32 $0, $0, 0, s; }}")
+# The 4-bit lookup of a word's 4 bytes (pairs of codes) in the pair table at $5: each byte zero-extended (``and``, two
+# ``prmt``, ``shr``: the ALU pipe), times 4 plus the base (``mad``: the FMA pipe), loaded.
+SHARED_NIBBLE_PAIRS_ASM = gl.constexpr("""{
+        .reg .b32 a0, a1, a2, a3;
+        and.b32 a0, $4, 0xFF;
+        prmt.b32 a1, $4, 0, 0x4441;
+        prmt.b32 a2, $4, 0, 0x4442;
+        shr.b32 a3, $4, 24;
+        mad.lo.u32 a0, a0, 4, $5;
+        mad.lo.u32 a1, a1, 4, $5;
+        mad.lo.u32 a2, a2, 4, $5;
+        mad.lo.u32 a3, a3, 4, $5;
+        ld.shared.b32 $0, [a0];
+        ld.shared.b32 $1, [a1];
+        ld.shared.b32 $2, [a2];
+        ld.shared.b32 $3, [a3];
+        }""")
+# The 3-bit lookup of a 24-bit group's 4 pairs of codes (6 bits each; the bits above 24 ignored) in the pair table at
+# $5: each pair's bits shifted to bits 2-7 and masked (the byte offset of its entry), plus the base, loaded.
+SHARED_TRIPLE_PAIRS_ASM = gl.constexpr("""{
+        .reg .b32 a0, a1, a2, a3;
+        shl.b32 a0, $4, 2;
+        shr.b32 a1, $4, 4;
+        shr.b32 a2, $4, 10;
+        shr.b32 a3, $4, 16;
+        and.b32 a0, a0, 0xFC;
+        and.b32 a1, a1, 0xFC;
+        and.b32 a2, a2, 0xFC;
+        and.b32 a3, a3, 0xFC;
+        add.u32 a0, a0, $5;
+        add.u32 a1, a1, $5;
+        add.u32 a2, a2, $5;
+        add.u32 a3, a3, $5;
+        ld.shared.b32 $0, [a0];
+        ld.shared.b32 $1, [a1];
+        ld.shared.b32 $2, [a2];
+        ld.shared.b32 $3, [a3];
+        }""")
+
+
+@gluon.jit
+def _shared_pair_table(centroid_ptr, KEY_BITS: gl.constexpr):
+    """Writes the pair table (:data:`PAIR_TABLE`) from the fp32 centroids, rounded to fp16 as :func:`_byte_table`
+    rounds them, and returns its address (:data:`PAIR_TABLE_LANE_BASE_ASM` for 4-bit codes). One-warp programs only:
+    ``bar.warp.sync`` orders the writes before every lane's reads."""
+    gl.static_assert(gl.num_warps() == 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    gl.inline_asm_elementwise(pair_table_declaration(KEY_BITS), "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    entry = gl.arange(0, 1 << (2 * KEY_BITS), layout)
+    low = gl.load(centroid_ptr + (entry & ((1 << KEY_BITS) - 1))).to(gl.float16).to(gl.uint16, bitcast=True)
+    high = gl.load(centroid_ptr + (entry >> KEY_BITS)).to(gl.float16).to(gl.uint16, bitcast=True)
+    gl.inline_asm_elementwise(PAIR_TABLE_STORE_ASM, "=r,r,r", [entry, low.to(gl.uint32) | (high.to(gl.uint32) << 16)],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+    if KEY_BITS == 4:
+        base = gl.inline_asm_elementwise(PAIR_TABLE_LANE_BASE_ASM, "=r", [], dtype=gl.uint32, is_pure=False, pack=1)
+    else:
+        base = gl.inline_asm_elementwise(PAIR_TABLE_BASE_ASM, "=r", [], dtype=gl.uint32, is_pure=False, pack=1)
+    return base
+
+
+@gluon.jit
+def _shared_pairs(groups, base, KEY_BITS: gl.constexpr):
+    """:func:`_nibble_pairs` (a word of 8 4-bit codes) or :func:`_triple_pairs` (a 24-bit group of 8 3-bit codes) from
+    the pair table at ``base`` (:func:`_shared_pair_table`): register ``j`` the entry of codes ``2j, 2j + 1``."""
+    if KEY_BITS == 4:
+        asm: gl.constexpr = SHARED_NIBBLE_PAIRS_ASM
+    else:
+        asm: gl.constexpr = SHARED_TRIPLE_PAIRS_ASM
+    return gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r", [groups, gl.full_like(groups, 0) + base],
+                                     dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True,
+                                     pack=1)  # fmt: skip
+
+
 # The 3-bit keys' lookup (:func:`_triple_pairs`), checked like the 4-bit one: a 24-bit group of 8 codes spread so
 # that code ``i`` is nibble ``i`` of a prmt selector (its sign-replicate bit clear), then one prmt per 4 bytes from
 # the 2 table registers of a byte of the 8 centroids, and two prmt interleave low and high bytes into fp16 pairs.
@@ -536,11 +638,37 @@ def _key_words(cache_ptr, page, tile_start, go, kv_head, num_kv_heads, stride_bl
 
 
 @gluon.jit
-def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.constexpr, SYMMETRIC: gl.constexpr = 0):
+def _register_pairs(groups, pair_lut, KEY_BITS: gl.constexpr, SYMMETRIC: gl.constexpr):
+    """The lookup by ``prmt`` from the byte tables in registers: :func:`_symmetric_pairs` or :func:`_nibble_pairs`
+    (4-bit codes), :func:`_triple_pairs` (3-bit)."""
+    if KEY_BITS == 4:
+        if SYMMETRIC:
+            pairs = _symmetric_pairs(groups, pair_lut)
+        else:
+            pairs = _nibble_pairs(groups, pair_lut)
+    else:
+        pairs = _triple_pairs(groups, pair_lut)
+    return pairs
+
+
+@gluon.jit
+def _table_base(pair_lut, KEY_BITS: gl.constexpr):
+    """The shared pair table's address in :func:`_centroid_tables`' tuple (0 where the kernel has no table)."""
+    if KEY_BITS == 4:
+        base = pair_lut[9]
+    else:
+        base = pair_lut[4]
+    return base
+
+
+@gluon.jit
+def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.constexpr, SYMMETRIC: gl.constexpr = 0,
+                 SHARED: gl.constexpr = 0):
     """Packed keys (:func:`_key_words`, ``CHUNKS`` 16-key chunks) -> ``[16 CHUNKS, HEAD_DIM]`` fp16, K index ``k``
     holding dimension ``_score_dim(k)``: each pair of codes (4-bit: a byte, its two centroids by ``prmt`` from the 8
-    byte tables in ``pair_lut``; 3-bit: 6 bits of a 24-bit group, by ``prmt`` from the 4 byte tables) or 16-bit half
-    word (FP8: the hardware e4m3x2 conversion) becomes one A-operand register of the scores' MMA. ``words`` is in
+    byte tables in ``pair_lut``; 3-bit: 6 bits of a 24-bit group, by ``prmt`` from the 4 byte tables; ``SHARED`` of
+    each thread's 4 words or groups from the shared pair table instead, :func:`_shared_pairs`) or 16-bit half word
+    (FP8: the hardware e4m3x2 conversion) becomes one A-operand register of the scores' MMA. ``words`` is in
     ``BYTES_LAYOUT`` sliced along its last dim."""
     CHUNKS: gl.constexpr = words.shape[0]
     if KEY_BITS == 8:
@@ -548,11 +676,7 @@ def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.const
         pairs = _e4m3_pairs(gl.reshape(halves, [CHUNKS, 2, 8, 4, 16]))
     else:
         if KEY_BITS == 4:
-            if SYMMETRIC:
-                p0, p1, p2, p3 = _symmetric_pairs(words, pair_lut)  # pair u = 4w + j of word w in p_j
-            else:
-                p0, p1, p2, p3 = _nibble_pairs(words, pair_lut)
-            pairs = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [CHUNKS, 2, 8, 4, 16])
+            groups = words  # pair u = 4w + j of word w in p_j
         else:
             # A thread's 32 codes are the 96 bits of its words 0-2: codes 8g .. 8g + 7 are the 24-bit group g at bits
             # 24g (parts of one or two words); pair u = 4g + j (codes 2u, 2u + 1) comes from group g's register j.
@@ -563,8 +687,19 @@ def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.const
             g23 = gl.join((w1 >> 16) | (w2 << 16), w2 >> 8)
             groups = gl.reshape(gl.permute(gl.join(g01, g23), (0, 1, 2, 3, 5, 4)), [CHUNKS, 2, 8, 4, 4])
             groups = gl.convert_layout(groups, words.type.layout)
-            p0, p1, p2, p3 = _triple_pairs(groups, pair_lut)  # pair u = 4g + j in p_j
-            pairs = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [CHUNKS, 2, 8, 4, 16])
+        if SHARED == 4:
+            p0, p1, p2, p3 = _shared_pairs(groups, _table_base(pair_lut, KEY_BITS), KEY_BITS)
+        elif SHARED == 2:  # a thread's even words or groups from the shared table, its odd ones by prmt
+            even, odd = gl.split(gl.reshape(groups, [CHUNKS, 2, 8, 4, 2, 2]))
+            e0, e1, e2, e3 = _shared_pairs(even, _table_base(pair_lut, KEY_BITS), KEY_BITS)
+            o0, o1, o2, o3 = _register_pairs(odd, pair_lut, KEY_BITS, SYMMETRIC)
+            p0 = gl.convert_layout(gl.reshape(gl.join(e0, o0), [CHUNKS, 2, 8, 4, 4]), groups.type.layout)
+            p1 = gl.convert_layout(gl.reshape(gl.join(e1, o1), [CHUNKS, 2, 8, 4, 4]), groups.type.layout)
+            p2 = gl.convert_layout(gl.reshape(gl.join(e2, o2), [CHUNKS, 2, 8, 4, 4]), groups.type.layout)
+            p3 = gl.convert_layout(gl.reshape(gl.join(e3, o3), [CHUNKS, 2, 8, 4, 4]), groups.type.layout)
+        else:
+            p0, p1, p2, p3 = _register_pairs(groups, pair_lut, KEY_BITS, SYMMETRIC)
+        pairs = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [CHUNKS, 2, 8, 4, 16])
     lo, hi = _f16_halves(pairs)
     k = gl.join(lo, hi)  # [warp, half, quad, t, u, e]: dimension 32t + 2u + e
     k = gl.reshape(k, [CHUNKS, 2, 8, 4, 8, 2, 2])  # u = 2c + j
@@ -813,7 +948,7 @@ def _scores(k, q_hi, q_lo, zero, FP16_OPERANDS: gl.constexpr):
 def _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo, score_scale, m_i, l_part, z_part,
                acc, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, KEY_BYTES: gl.constexpr,
                FP16_OPERANDS: gl.constexpr = 0, RESCALE_IF_GREW: gl.constexpr = 0,
-               SYMMETRIC: gl.constexpr = 0, VALUE_FIELDS: gl.constexpr = 0):  # fmt: skip
+               SYMMETRIC: gl.constexpr = 0, VALUE_FIELDS: gl.constexpr = 0, SHARED: gl.constexpr = 0):  # fmt: skip
     """One tile of the online softmax: scores ``K q^T``, the running max, ``(l, z)`` partial sums and ``O^T += V^T
     P^T`` (the module docstring says how each operand is built). Returns ``(m_i, l_part, z_part, acc)``.
     ``RESCALE_IF_GREW``: the sums and ``O^T`` are rescaled only when some head's running max grew (else every factor
@@ -826,7 +961,8 @@ def _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_
     BLOCK_H: gl.constexpr = q_hi.shape[1]
     KEYS: gl.constexpr = norm.shape[0]
     zero = gl.zeros([KEYS, BLOCK_H], gl.float32, mma)
-    s = _scores(_key_operand(k_words, pair_lut, KEY_BITS, KEY_BYTES, SYMMETRIC), q_hi, q_lo, zero, FP16_OPERANDS)
+    s = _scores(_key_operand(k_words, pair_lut, KEY_BITS, KEY_BYTES, SYMMETRIC, SHARED), q_hi, q_lo, zero,
+                FP16_OPERANDS)
     if KEY_BITS != 8:
         s = s * norm[:, None]
     s = gl.where(live[:, None], s * score_scale, float("-inf"))
@@ -1044,10 +1180,14 @@ def _hadamard_query(q_ptr, pit_ptr, stride_qb, stride_qh, b, kv_head, KV_GROUP: 
 
 
 @gluon.jit
-def _centroid_tables(centroid_ptr, KEY_BITS: gl.constexpr):
+def _centroid_tables(centroid_ptr, KEY_BITS: gl.constexpr, SHARED_TABLE: gl.constexpr = 0):
     """What :func:`_key_operand` looks centroids up in: the fp16 centroids' bytes in registers, for 4-bit keys 8
-    tables (:func:`_nibble_pairs`), for 3-bit keys 4 (:func:`_triple_pairs`); nothing (0) for FP8 keys."""
+    tables (:func:`_nibble_pairs`), for 3-bit keys 4 (:func:`_triple_pairs`), then (``SHARED_TABLE``) the shared pair
+    table's address (:func:`_shared_pair_table`; else 0); nothing (0) for FP8 keys."""
     pair_lut = 0
+    base = 0
+    if SHARED_TABLE and KEY_BITS != 8:
+        base = _shared_pair_table(centroid_ptr, KEY_BITS)
     if KEY_BITS == 4:
         # Whether the fp16 codebook is symmetric bit for bit (c[15 - k] = -c[k]), as this package's codebooks are:
         # then the shorter lookup serves (:data:`SYMMETRIC_PAIRS_ASM`).
@@ -1058,10 +1198,10 @@ def _centroid_tables(centroid_ptr, KEY_BITS: gl.constexpr):
             symmetric = symmetric & (low == (high ^ 0x8000))
         pair_lut = (_byte_table(centroid_ptr, 0, 0), _byte_table(centroid_ptr, 4, 0), _byte_table(centroid_ptr, 8, 0),
                     _byte_table(centroid_ptr, 12, 0), _byte_table(centroid_ptr, 0, 8), _byte_table(centroid_ptr, 4, 8),
-                    _byte_table(centroid_ptr, 8, 8), _byte_table(centroid_ptr, 12, 8), symmetric)  # fmt: skip
+                    _byte_table(centroid_ptr, 8, 8), _byte_table(centroid_ptr, 12, 8), symmetric, base)  # fmt: skip
     elif KEY_BITS == 3:
         pair_lut = (_byte_table(centroid_ptr, 0, 0), _byte_table(centroid_ptr, 4, 0), _byte_table(centroid_ptr, 0, 8),
-                    _byte_table(centroid_ptr, 4, 8))  # fmt: skip
+                    _byte_table(centroid_ptr, 4, 8), base)  # fmt: skip
     return pair_lut
 
 
@@ -1577,7 +1717,7 @@ def _chunk_loop(stream, ring, descs, cache_ptr, split_state, operands, state, sh
             v_words = staged_values
         m_i, l_part, z_part, acc = _tile_step(k_words, v_words, norm, v_scale, v_zero, live, pair_lut, q_hi, q_lo,
                                               score_scale, m_i, l_part, z_part, acc, KEY_BITS, VALUE_BITS, key_bytes,
-                                              1, 1, SYMMETRIC)  # fmt: skip
+                                              1, 1, SYMMETRIC, 0, shape[13])  # fmt: skip
         if VALUE_BITS == 3:  # the next iteration's value words, loaded once this iteration's are used
             following = tile + 16 * (stream + STRIDE * (n + STEP))
             v_next = _step_value_words(cache_ptr, row_ptr, stride_btc, following, end, num_blocks, kv_head,
@@ -1744,7 +1884,7 @@ def decode_stage1_streams_kernel(
              gl.program_id(1))
     strides = (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
-                           STREAMS, VALUE_BITS, NUM_KV_HEADS, 1, 0)  # fmt: skip
+                           STREAMS, VALUE_BITS, NUM_KV_HEADS, 1, 0, 0)  # fmt: skip
     (poisoned,) = gl.warp_specialize([
         (_streams_guard, (too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)),
         (_stream, (gl.constexpr(0), shared, descs, pointers, split, strides, shape)),
@@ -1797,6 +1937,8 @@ def decode_stage1_warp_kernel(
     FP16_OPERANDS: gl.constexpr = 1,
     STEP: gl.constexpr = 1,  # chunks an iteration (1 or 2; STAGES a multiple of it)
     HADAMARD_QUERY: gl.constexpr = 0,  # MSE keys, PiT = c H_128: rotate the query here (pit_ptr), not read it
+    SHARED_PAIRS: gl.constexpr = 0,  # MSE keys: of each thread's 4 words or groups of codes, those (0, 2 or 4) looked
+    # up in the shared pair table, the rest by prmt (_key_operand)
 ):  # fmt: skip
     """:func:`decode_stage1_kernel`'s partials, grid ``(B, HKV, S)``, one warp a program: the split's chunks by TMA
     through ``STAGES`` buffers, ``STEP`` an iteration, one online softmax (:func:`_chunks`). The operands rounded once
@@ -1815,11 +1957,11 @@ def decode_stage1_warp_kernel(
     kv_head = gl.program_id(1)
     split = (row_ptr, stride_btc, num_blocks, (start // 16) * 16, start, end, sm_scale, query_slot, b, kv_head)
     shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, 1,
-                           VALUE_BITS, NUM_KV_HEADS, STEP, HADAMARD_QUERY)  # fmt: skip
+                           VALUE_BITS, NUM_KV_HEADS, STEP, HADAMARD_QUERY, SHARED_PAIRS)  # fmt: skip
     acc, m_i, l_i, z_i = _chunks(0, (data, values, meta, full), (data_desc, value_desc, meta_desc),
                                  (q_ptr, partials_ptr, centroid_ptr, cache_ptr, pit_ptr), split,
                                  (stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_block),
-                                 _centroid_tables(centroid_ptr, KEY_BITS), shape)  # fmt: skip
+                                 _centroid_tables(centroid_ptr, KEY_BITS, SHARED_PAIRS), shape)  # fmt: skip
     poisoned = _poisoned(too_long, bad_pages, row_ptr, stride_btc, first_page, last_page, num_blocks)
     _store_partials(acc, m_i, l_i, z_i, start, end, poisoned, partials_ptr, stride_pb, stride_ph, stride_ps, b,
                     kv_head, gl.program_id(2), KV_GROUP, VALUE_BITS, VALUE_BITS == 3)  # fmt: skip
@@ -2007,6 +2149,7 @@ def decode_stage1_stream_k_kernel(
     RANKS: gl.constexpr = 1,
     TILT: gl.constexpr = 0,
     HADAMARD_QUERY: gl.constexpr = 0,  # as decode_stage1_warp_kernel's
+    SHARED_PAIRS: gl.constexpr = 0,  # as decode_stage1_warp_kernel's
 ):  # fmt: skip
     """:func:`decode_stage1_warp_kernel`'s partials by stream-K (the section above): grid ``(P,)``, ``P`` a multiple
     of ``HKV``, one warp a program, ``num_splits`` (at least 2) partial slots a (request, KV head). With ``RANKS``
@@ -2047,9 +2190,9 @@ def decode_stage1_stream_k_kernel(
     if mine < programs:
         data, values, meta, full = _chunk_ring(STAGES, data_desc, value_desc, meta_desc, KEY_DATA_BYTES, SLOT_BYTES,
                                                VALUE_BITS)  # fmt: skip
-        pair_lut = _centroid_tables(centroid_ptr, KEY_BITS)
+        pair_lut = _centroid_tables(centroid_ptr, KEY_BITS, SHARED_PAIRS)
         shape: gl.constexpr = (KV_GROUP, KEY_BITS, KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES,
-                               1, VALUE_BITS, NUM_KV_HEADS, STEP, HADAMARD_QUERY)  # fmt: skip
+                               1, VALUE_BITS, NUM_KV_HEADS, STEP, HADAMARD_QUERY, SHARED_PAIRS)  # fmt: skip
         hi = _stream_k_bound(mine + 1, total, programs, launched, tilt, RANKS)
         pos = _stream_k_bound(mine, total, programs, launched, tilt, RANKS)
         while pos < hi:  # a piece: the steps from pos in one request
