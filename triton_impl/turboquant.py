@@ -339,11 +339,11 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # against 371.5 us at L=32K. Loading the query after the first chunk copies were asked for gained nothing (4-bit
 # 108.3 -> 110.2 / 368.3 -> 366.8 us; benchmarks/variants/query_after_copies.patch).
 # WARP_SHARED_PAIRS (sm90, the one-warp kernels, MSE keys; turboquant.warp_stages): of each thread's 4 key words (4-bit
-# codes) or 24-bit groups (3-bit) a chunk, how many (0, 2 or 4) look their centroid pairs up in a table in shared memory
-# (turboquant_sm90._shared_pair_table: one ld.shared a pair of codes) instead of by prmt from the byte tables in
-# registers. The loop is bound by its ALU-pipe instructions (perf_log.md, twenty-eighth session) and the table takes them
-# off that pipe: Triton 3.6, ALU instructions a two-chunk step of stream-K, 4-bit 402 -> 306 (2) -> 210 (4), k3v4 391
-# -> 294 (4), 3bit_nc 426 -> 332 (4), for 64 LDS a step at 4 (about 3.3 bank conflicts each for the 256-entry 4-bit
+# codes) or 24-bit groups (3-bit) a chunk, how many (0, 2 or 4) look their centroid pairs up in a table in shared
+# memory (turboquant_sm90._shared_pair_table: one ld.shared a pair of codes) instead of by prmt from the byte tables in
+# registers. The loop is bound by its ALU-pipe instructions (perf_log.md, twenty-eighth session) and the table takes
+# them off that pipe: Triton 3.6, ALU instructions a two-chunk step of stream-K, 4-bit 402 -> 306 (2) -> 210 (4), k3v4
+# 391 -> 294 (4), 3bit_nc 426 -> 332 (4), for 64 LDS a step at 4 (about 3.3 bank conflicts each for the 256-entry 4-bit
 # table, at most 2 for the 64-entry 3-bit one). Compiled and checked on the CPU (tests/test_turboquant.py); not yet
 # timed on the H200, so 0 here.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {

@@ -453,10 +453,11 @@ def _nibble_pairs(w, tables):
 PAIR_TABLE = "tq_pair_table"
 
 
-@gluon.constexpr_function
-def pair_table_declaration(key_bits):
-    """Inline PTX declaring the pair table of ``key_bits`` codes (a 4-byte word an entry)."""
-    return f".shared .align 16 .b32 {PAIR_TABLE}[{1 << (2 * int(key_bits))}]; mov.b32 $0, 0;"
+# Inline PTX declaring the pair table: 1 KiB, a 4-byte word an entry, whatever the width (3-bit codes use its first 64
+# words). ptxas places it after the 1 KiB sm_90 reserves and before the dynamic shared memory that holds Triton's
+# buffers, which must stay 1024-byte aligned for TMA's swizzled copies into them (the chunk buffers); a 256-byte table
+# put it at 0x500.
+PAIR_TABLE_DECLARATION = gl.constexpr(f".shared .align 16 .b32 {PAIR_TABLE}[256]; mov.b32 $0, 0;")
 
 
 # Entry $1 of the pair table := $2.
@@ -517,7 +518,7 @@ def _shared_pair_table(centroid_ptr, KEY_BITS: gl.constexpr):
     ``bar.warp.sync`` orders the writes before every lane's reads."""
     gl.static_assert(gl.num_warps() == 1)
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    gl.inline_asm_elementwise(pair_table_declaration(KEY_BITS), "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(PAIR_TABLE_DECLARATION, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     entry = gl.arange(0, 1 << (2 * KEY_BITS), layout)
     low = gl.load(centroid_ptr + (entry & ((1 << KEY_BITS) - 1))).to(gl.float16).to(gl.uint16, bitcast=True)
     high = gl.load(centroid_ptr + (entry >> KEY_BITS)).to(gl.float16).to(gl.uint16, bitcast=True)
