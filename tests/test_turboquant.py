@@ -2335,12 +2335,12 @@ def test_sm90_stream_k_decode_of_mixed_lengths_matches_golden(preset, device: to
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the Gluon stage 1 kernels need an sm_90 GPU")  # fmt: skip
-@pytest.mark.parametrize("shared_pairs", [0, 2])
+@pytest.mark.parametrize("shared_pairs", [0, 3])
 def test_sm90_decode_of_an_asymmetric_codebook_takes_the_general_lookup(shared_pairs, device: torch.device) -> None:
     """A 4-bit codebook that is not symmetric bit for bit (centroid 3 one fp16 step up) runs the one-warp kernel's
     loop with the general lookup (``turboquant_sm90._chunk_loop``, ``SYMMETRIC`` 0), the package's own the shorter one:
-    each matches golden on its own codebook, on the same bytes; with ``WARP_SHARED_PAIRS`` 2 half of each thread's
-    words go through the shared pair table instead, the rest through the same lookups."""
+    each matches golden on its own codebook, on the same bytes; with ``WARP_SHARED_PAIRS`` 3, three of each thread's
+    four words go through the shared pair table instead, the fourth through the same lookups."""
     preset, head_dim = "turboquant_4bit_nc", 128
     gen = generator(46)
     cache, table, lens = _decode_setup(preset, head_dim, [700, 129], 2, 16, gen, device)

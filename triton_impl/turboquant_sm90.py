@@ -653,6 +653,24 @@ def _register_pairs(groups, pair_lut, KEY_BITS: gl.constexpr, SYMMETRIC: gl.cons
 
 
 @gluon.jit
+def _mixed_pairs(groups, pair_lut, KEY_BITS: gl.constexpr, SYMMETRIC: gl.constexpr, SHARED: gl.constexpr):
+    """:func:`_shared_pairs` where ``SHARED``, else :func:`_register_pairs`."""
+    if SHARED:
+        pairs = _shared_pairs(groups, _table_base(pair_lut, KEY_BITS), KEY_BITS)
+    else:
+        pairs = _register_pairs(groups, pair_lut, KEY_BITS, SYMMETRIC)
+    return pairs
+
+
+@gluon.jit
+def _words_again(r0, r1, r2, r3, LAYOUT: gl.constexpr):
+    """Words 0-3's results (``[..., ]`` each) as ``[..., 4]`` in ``LAYOUT``: the inverse of :func:`_key_operand`'s
+    two splits."""
+    joined = gl.join(gl.join(r0, r2), gl.join(r1, r3))  # [..., a, b]: word 2a + b
+    return gl.convert_layout(gl.reshape(joined, [r0.shape[0], r0.shape[1], r0.shape[2], r0.shape[3], 4]), LAYOUT)
+
+
+@gluon.jit
 def _table_base(pair_lut, KEY_BITS: gl.constexpr):
     """The shared pair table's address in :func:`_centroid_tables`' tuple (0 where the kernel has no table)."""
     if KEY_BITS == 4:
@@ -690,14 +708,19 @@ def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.const
             groups = gl.convert_layout(groups, words.type.layout)
         if SHARED == 4:
             p0, p1, p2, p3 = _shared_pairs(groups, _table_base(pair_lut, KEY_BITS), KEY_BITS)
-        elif SHARED == 2:  # a thread's even words or groups from the shared table, its odd ones by prmt
-            even, odd = gl.split(gl.reshape(groups, [CHUNKS, 2, 8, 4, 2, 2]))
-            e0, e1, e2, e3 = _shared_pairs(even, _table_base(pair_lut, KEY_BITS), KEY_BITS)
-            o0, o1, o2, o3 = _register_pairs(odd, pair_lut, KEY_BITS, SYMMETRIC)
-            p0 = gl.convert_layout(gl.reshape(gl.join(e0, o0), [CHUNKS, 2, 8, 4, 4]), groups.type.layout)
-            p1 = gl.convert_layout(gl.reshape(gl.join(e1, o1), [CHUNKS, 2, 8, 4, 4]), groups.type.layout)
-            p2 = gl.convert_layout(gl.reshape(gl.join(e2, o2), [CHUNKS, 2, 8, 4, 4]), groups.type.layout)
-            p3 = gl.convert_layout(gl.reshape(gl.join(e3, o3), [CHUNKS, 2, 8, 4, 4]), groups.type.layout)
+        elif SHARED:  # a thread's first SHARED words or groups from the shared table, the others by prmt
+            even, odd = gl.split(gl.reshape(groups, [CHUNKS, 2, 8, 4, 2, 2]))  # word 2a + b: split by b, then by a
+            w0, w2 = gl.split(even)
+            w1, w3 = gl.split(odd)
+            r0 = _mixed_pairs(w0, pair_lut, KEY_BITS, SYMMETRIC, SHARED > 0)
+            r1 = _mixed_pairs(w1, pair_lut, KEY_BITS, SYMMETRIC, SHARED > 1)
+            r2 = _mixed_pairs(w2, pair_lut, KEY_BITS, SYMMETRIC, SHARED > 2)
+            r3 = _mixed_pairs(w3, pair_lut, KEY_BITS, SYMMETRIC, SHARED > 3)
+            layout: gl.constexpr = groups.type.layout
+            p0 = _words_again(r0[0], r1[0], r2[0], r3[0], layout)
+            p1 = _words_again(r0[1], r1[1], r2[1], r3[1], layout)
+            p2 = _words_again(r0[2], r1[2], r2[2], r3[2], layout)
+            p3 = _words_again(r0[3], r1[3], r2[3], r3[3], layout)
         else:
             p0, p1, p2, p3 = _register_pairs(groups, pair_lut, KEY_BITS, SYMMETRIC)
         pairs = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [CHUNKS, 2, 8, 4, 16])
@@ -1938,7 +1961,7 @@ def decode_stage1_warp_kernel(
     FP16_OPERANDS: gl.constexpr = 1,
     STEP: gl.constexpr = 1,  # chunks an iteration (1 or 2; STAGES a multiple of it)
     HADAMARD_QUERY: gl.constexpr = 0,  # MSE keys, PiT = c H_128: rotate the query here (pit_ptr), not read it
-    SHARED_PAIRS: gl.constexpr = 0,  # MSE keys: of each thread's 4 words or groups of codes, those (0, 2 or 4) looked
+    SHARED_PAIRS: gl.constexpr = 0,  # MSE keys: of each thread's 4 words or groups of codes, how many (0-4) are looked
     # up in the shared pair table, the rest by prmt (_key_operand)
 ):  # fmt: skip
     """:func:`decode_stage1_kernel`'s partials, grid ``(B, HKV, S)``, one warp a program: the split's chunks by TMA
