@@ -15,9 +15,11 @@ tiles. Per tile:
   contiguous key bytes of 32 dimensions (16 for 4-bit keys, one 16-byte load; 12 for 3-bit; 32 for
   FP8) and turns each pair of codes into the register the A operand wants: the fp16 centroids of its two
   codes, for a byte of 4-bit codes picked by ``prmt`` from 8 registers holding the 16 centroids' bytes
-  (:func:`_nibble_pairs`: no memory access), for 6 bits of 3-bit ones by ``prmt`` from 4 (:func:`_triple_pairs`); or
-  the hardware e4m3x2 -> f16x2 conversion. That works because the dot product does not care in which order it visits the
-  dimensions: the query is loaded in the same permuted order (:func:`_score_dim`).
+  (:func:`_nibble_pairs`: no memory access), for 6 bits of 3-bit ones by ``prmt`` from 4 (:func:`_triple_pairs`),
+  or, in the one-warp kernels with ``SHARED_PAIRS``, by one ``ld.shared`` from a table of the pairs
+  (:func:`_shared_pair_table`; built, not yet timed); or the hardware e4m3x2 -> f16x2 conversion. That works
+  because the dot product does not care in which order it visits the dimensions: the query is loaded in the same
+  permuted order (:func:`_score_dim`).
 - the online softmax per head, across the 4 warps (the tile's row max is the one exchange);
   probabilities times the value scale, as fp16 hi and lo parts side by side (one ``[64, 2 BLOCK_H]``
   operand), go to every warp through shared memory as the B operand of ``O^T += V^T P^T``.
@@ -441,15 +443,14 @@ def _nibble_pairs(w, tables):
         dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True, pack=1)  # fmt: skip
 
 
-
 # The pair table in shared memory (:func:`_shared_pair_table`, one-warp programs; ``SHARED_PAIRS``): entry ``e``, the
 # bits of two codes (the first code in the low ``b`` bits), holds the fp16 centroids of codes ``e & (2^b - 1)`` (low
 # half) and ``e >> b`` (high half), the registers :func:`_nibble_pairs` and :func:`_triple_pairs` assemble by ``prmt``
 # (256 entries for 4-bit codes, 64 for 3-bit). A lookup there is one ``ld.shared`` a pair of codes and one or two ALU
 # instructions for its address, against about four ALU instructions by ``prmt``: the ALU pipe binds the MSE decode's
-# loop, the shared-memory pipe is nearly idle. Gluon has no per-lane gather from shared memory, so the inline PTX
-# declares the table as a ``.shared`` array and writes and reads it by name; the declaration may appear once in a
-# kernel (ptxas rejects a second).
+# loop, the shared-memory pipe is nearly idle (``notebooks/results/perf_log.md``, forty-first session: the counts).
+# Gluon has no per-lane gather from shared memory, so the inline PTX declares the table as a ``.shared`` array and
+# writes and reads it by name; the declaration may appear once in a kernel (ptxas rejects a second).
 PAIR_TABLE = "tq_pair_table"
 
 
@@ -664,8 +665,8 @@ def _mixed_pairs(groups, pair_lut, KEY_BITS: gl.constexpr, SYMMETRIC: gl.constex
 
 @gluon.jit
 def _words_again(r0, r1, r2, r3, LAYOUT: gl.constexpr):
-    """Words 0-3's results (``[..., ]`` each) as ``[..., 4]`` in ``LAYOUT``: the inverse of :func:`_key_operand`'s
-    two splits."""
+    """Words (or groups) 0-3's lookups, each ``[CHUNKS, 2, 8, 4]``, as one ``[CHUNKS, 2, 8, 4, 4]`` in ``LAYOUT``: the
+    inverse of :func:`_key_operand`'s two splits."""
     joined = gl.join(gl.join(r0, r2), gl.join(r1, r3))  # [..., a, b]: word 2a + b
     return gl.convert_layout(gl.reshape(joined, [r0.shape[0], r0.shape[1], r0.shape[2], r0.shape[3], 4]), LAYOUT)
 
@@ -1764,13 +1765,13 @@ def _chunks(stream, ring, descs, pointers, split, strides, pair_lut, shape: gl.c
     copied by TMA through its chunk buffers ``STAGES stream ..`` of ``ring`` (``data, values, meta, full``): ``(acc, m,
     l, z)``, ``acc`` ``[HEAD_DIM, BLOCK_H]`` in the MMA layout, the rest per head. ``shape`` is ``(KV_GROUP, KEY_BITS,
     KEY_DATA_BYTES, SLOT_BYTES, NUM_FIELDS, BLOCK_SIZE, BLOCK_H, STAGES, STRIDE, VALUE_BITS, NUM_KV_HEADS, STEP,
-    HADAMARD_QUERY)``; the other arguments are the kernels' in tuples (``pointers`` ends with ``pit_ptr``). Each
-    iteration takes ``STEP`` consecutive chunks (1, or 2 with ``STRIDE`` 1: one softmax step and one row max over 32
-    keys, which halves what an iteration costs besides its keys), a group of ``STEP`` buffers; a split's last group is
-    copied whole, past its keys if need be. 3-bit values are loaded a step ahead as each lane quad's spans
-    (:func:`_step_value_words`), made codes at the value product (:func:`_span_operand`). ``split`` ends with the
-    request and the KV head; the ring's mbarriers are at their first phase (a program that runs several splits through
-    the same buffers initializes them again between, :func:`decode_stage1_stream_k_kernel`). ``pair_lut``:
+    HADAMARD_QUERY, SHARED_PAIRS)``; the other arguments are the kernels' in tuples (``pointers`` ends with
+    ``pit_ptr``). Each iteration takes ``STEP`` consecutive chunks (1, or 2 with ``STRIDE`` 1: one softmax step and one
+    row max over 32 keys, which halves what an iteration costs besides its keys), a group of ``STEP`` buffers; a
+    split's last group is copied whole, past its keys if need be. 3-bit values are loaded a step ahead as each lane
+    quad's spans (:func:`_step_value_words`), made codes at the value product (:func:`_span_operand`). ``split`` ends
+    with the request and the KV head; the ring's mbarriers are at their first phase (a program that runs several splits
+    through the same buffers initializes them again between, :func:`decode_stage1_stream_k_kernel`). ``pair_lut``:
     :func:`_centroid_tables`."""
     data, values, meta, full = ring
     data_desc, value_desc, meta_desc = descs
