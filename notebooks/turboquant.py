@@ -413,6 +413,13 @@ plt.show()
 # What is left to cut is ALU work. The same probes in the 3-bit keys' lookup (`pipe_probe_alu_3bit.patch`,
 # `pipe_probe_fma_3bit.patch`) say the same of both 3-bit presets: +20% / +19% with 128 more ALU instructions a step
 # (k3v4 355 -> 426 us, 3bit_nc 371 -> 443 at 32K), +2% / +3% with 102 more `IMAD`s.
+# That brings the shared-memory pair table back for a new reason: in the one-warp loop the shared-memory pipe is
+# nearly idle while the ALU pipe binds, and a lookup there is one `LDS` a pair of codes and one or two ALU
+# instructions for its address, against about four by `prmt`. `WARP_SHARED_PAIRS` (a thread's first 0-4 words or
+# 24-bit groups through a 1 KiB table its inline PTX declares, writes and reads by name) takes a two-chunk step from
+# 404 to 212 ALU instructions for 4-bit keys and 386 to 291 for k3v4, at about 3.3 bank conflicts an `LDS` for the
+# 256-entry table (Triton 3.6; `tests/test_turboquant.py` compiles it and runs its PTX on a model of the
+# instructions). It is built and checked on the CPU, not yet timed on the H200, so the sm90 entry keeps it off.
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory (4-bit keys
 # at 59% / 72% of their copy roofline).
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
