@@ -1890,10 +1890,9 @@ def test_inline_ptx_of_the_3bit_lookup_does_what_its_docstring_says() -> None:
         assert run_ptx(ttq_sm90.TRIPLE_PAIRS_ASM.value, [group, *tables], 4) == expected, (hex(group), centroids)
 
 
-
 @pytest.mark.parametrize("bits", [4, 3])
 def test_inline_ptx_of_the_shared_pair_table_gives_the_register_lookup(bits: int) -> None:
-    """The shared pair table (``turboquant_sm90.SHARED_PAIRS``' path) on the model of its instructions, whole: the
+    """The shared pair table (the one-warp kernels' ``SHARED_PAIRS``) on the model of its instructions, whole: the
     table written entry by entry as ``_shared_pair_table`` writes it (``PAIR_TABLE_STORE_ASM``: entry ``e`` the fp16
     pair of codes ``e & (2^b - 1)`` and ``e >> b``), its address as each lane takes it (the 4-bit one through the
     lane's identity ``prmt``), and the lookup of a word (4-bit) or a 24-bit group (3-bit, whatever the 8 bits above
@@ -1919,6 +1918,7 @@ def test_inline_ptx_of_the_shared_pair_table_gives_the_register_lookup(bits: int
             word = rng.getrandbits(32)
             expected = run_ptx(register_asm.value, [word, *tables], 4)
             assert run_ptx(lookup_asm.value, [word, base], 4, lane, shared=shared) == expected, (hex(word), lane)
+
 
 _SM90_COMPILE = """
 import itertools
@@ -2062,6 +2062,7 @@ def test_sm90_shared_pair_table_compiles_once_and_takes_alu_work_out_of_the_loop
         assert lds == 16 * shared_pairs, row  # (the key words come from the TMA buffers by LDS.128)
         if shared_pairs:
             assert alu[row] <= alu[key_bits, value_bits, 0] - (40 if key_bits == 4 else 20) * shared_pairs, (row, alu)
+
 
 def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     """The Gluon fast paths never run under the interpreter: compile them for sm_90 here (a process of its own,
