@@ -121,15 +121,17 @@ def decode(preset: str, config: dict[str, int]) -> None:
           f"memory and barriers {memory}")  # fmt: skip
 
 
-def gluon_decode(preset: str) -> None:
+def gluon_decode(preset: str, shared_pairs: int | None = None) -> None:
     """The sm_90 Gluon stage 1 (triton_impl/turboquant_sm90.py) as the bench launches it: one warp a program over
     16-key chunks where the entry selects that kernel (``GLUON_WARP``; by stream-K where it selects that, ``STREAM_K``,
     its places weighted as at the bench's B=32 Hq=32),
     else 64-key tiles on 4 warps; the sm90 entry's register cap, shared-memory stages and operand rounding
-    (``FP16_OPERANDS``)."""
+    (``FP16_OPERANDS``); ``shared_pairs`` in place of the entry's ``WARP_SHARED_PAIRS`` where given."""
     quantizer = TurboQuantConfig.from_cache_dtype(preset, 128)
     key_bits, value_bits = 8 if quantizer.key_fp8 else quantizer.key_mse_bits, quantizer.value_quant_bits
     config = ttq.decode_entry(ttq.DECODE_CONFIGS["sm90"], key_bits, value_bits)
+    if shared_pairs is not None:
+        config["WARP_SHARED_PAIRS"] = shared_pairs
     fp16_operands = bool(config.get("FP16_OPERANDS"))
     warp = bool(config.get("GLUON_WARP")) and turboquant_sm90.streams_supports(
         key_bits=key_bits, value_bits=value_bits, group=4, fp16_operands=fp16_operands, cache_address=0, one_warp=True)
@@ -153,6 +155,7 @@ def gluon_decode(preset: str) -> None:
     per_key = 1 / (16 * step) if warp else int(turboquant_sm90.NUM_WARPS) / int(turboquant_sm90.BLOCK_N)
     shape = f"one warp, {step} 16-key chunks an iteration" if warp else "4 warps, 64-key tiles"
     shape += f", stream-K (ranks {ranks['RANKS']}, tilt {ranks['TILT']})" if warp and stream_k else ""
+    shape += f", {config['WARP_SHARED_PAIRS']} words of 4 by the shared pair table" if warp and key_bits != 8 else ""
     print(f"decode {preset} Gluon stage 1 ({shape}): "
           f"{_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
           f"{count} instructions per warp per iteration = {count * per_key:.1f} warp instructions per key and KV head, "
@@ -286,6 +289,9 @@ DECODE_VARIANTS = ({"PREFETCH": 1, "PREFETCH_k4": 1, "maxnreg": 0}, {"PREFETCH":
 if __name__ == "__main__":
     for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"):
         gluon_decode(preset)
+        if not TurboQuantConfig.from_cache_dtype(preset, 128).key_fp8:  # the shared pair table's counts (untimed)
+            for shared_pairs in (1, 2, 3, 4):
+                gluon_decode(preset, shared_pairs)
         decode(preset, ttq.DECODE_CONFIGS["sm90"] | {"GLUON": 0})
         for variant in DECODE_VARIANTS:
             decode(preset, ttq.DECODE_CONFIGS["sm90"] | variant)

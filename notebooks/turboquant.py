@@ -417,9 +417,10 @@ plt.show()
 # nearly idle while the ALU pipe binds, and a lookup there is one `LDS` a pair of codes and one or two ALU
 # instructions for its address, against about four by `prmt`. `WARP_SHARED_PAIRS` (a thread's first 0-4 words or
 # 24-bit groups through a 1 KiB table its inline PTX declares, writes and reads by name) takes a two-chunk step from
-# 404 to 212 ALU instructions for 4-bit keys and 386 to 291 for k3v4, at about 3.3 bank conflicts an `LDS` for the
-# 256-entry table (Triton 3.6; `tests/test_turboquant.py` compiles it and runs its PTX on a model of the
-# instructions). It is built and checked on the CPU, not yet timed on the H200, so the sm90 entry keeps it off.
+# 402 to 210 ALU instructions for 4-bit keys and 391 to 294 for k3v4, at about 3.3 bank conflicts an `LDS` for the
+# 256-entry table (Triton 3.6, `benchmarks/sass_sm90_turboquant.py`; `tests/test_turboquant.py` compiles it and runs
+# its PTX on a model of the instructions). It is built and checked on the CPU, not yet timed on the H200, so the sm90
+# entry keeps it off.
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory (4-bit keys
 # at 59% / 72% of their copy roofline).
 # `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.

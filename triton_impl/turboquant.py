@@ -342,11 +342,11 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # codes) or 24-bit groups (3-bit) a chunk, how many (0-4) look their centroid pairs up in a table in shared
 # memory (turboquant_sm90._shared_pair_table: one ld.shared a pair of codes) instead of by prmt from the byte tables in
 # registers. The loop is bound by its ALU-pipe instructions (perf_log.md, twenty-eighth session) and the table takes
-# them off that pipe: Triton 3.6, ALU instructions a two-chunk step of stream-K as the bench runs it, 4-bit 404 -> 356
-# (1) -> 309 (2) -> 260 (3) -> 212 (4), k3v4 386 -> 366 -> 342 -> 318 -> 291, 3bit_nc 426 -> 380 (2) -> 332 (4), for 16
-# LDS a step per word or group (about 3.3 bank conflicts each in the 256-entry 4-bit table, at most 2 in the 64-entry
-# 3-bit one). Compiled and checked on the CPU (tests/test_turboquant.py); not yet
-# timed on the H200, so 0 here.
+# them off that pipe: Triton 3.6, ALU instructions a two-chunk step of stream-K (benchmarks/sass_sm90_turboquant.py),
+# 4-bit 402 -> 354 (1) -> 306 (2) -> 258 (3) -> 210 (4), k3v4 391 -> 367 -> 343 -> 319 -> 294, 3bit_nc 426 -> 404 ->
+# 380 -> 356 -> 332, for 16 LDS a step per word or group (about 3.3 bank conflicts each in the 256-entry 4-bit table,
+# at most 2 in the 64-entry 3-bit one). Compiled and checked on the CPU (tests/test_turboquant.py); not yet timed on
+# the H200, so 0 here.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
