@@ -140,11 +140,10 @@ def gluon_decode(preset: str, shared_pairs: int | None = None) -> None:
     if warp:
         ranks = ttq.stream_k_ranks(config, 32, 32, key_bits) if stream_k else {}  # the bench's B=32 Hq=32
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,
-                                                  maxnreg=config["WARP_MAXNREG"],
-                                                  stages=ttq.warp_stages(config)["STAGES"], step=step,
-                                                  fp16_operands=fp16_operands, warp=True, stream_k=stream_k,
-                                                  shared_pairs=ttq.warp_stages(config)["SHARED_PAIRS"],
-                                                  **{k.lower(): v for k, v in ranks.items()})  # fmt: skip
+                                                  maxnreg=config["WARP_MAXNREG"], fp16_operands=fp16_operands,
+                                                  warp=True, stream_k=stream_k,
+                                                  **{k.lower(): v for k, v in (ttq.warp_stages(config)
+                                                                               | ranks).items()})  # fmt: skip
     else:
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,
                                                   maxnreg=config.get("GLUON_MAXNREG"),

@@ -2021,11 +2021,11 @@ from triton_impl import turboquant, turboquant_sm90
 from triton_impl.bench import cuobjdump, innermost_loop, sass_code, sass_resources
 for key_bits, value_bits, shared_pairs in ((4, 4, 0), (4, 4, 2), (4, 4, 4), (3, 4, 0), (3, 4, 4), (3, 3, 0), (3, 3, 4)):
     entry = turboquant.decode_entry(turboquant.DECODE_CONFIGS["sm90"], key_bits, value_bits)
+    staging = turboquant.warp_stages(entry)
     kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,
                                               maxnreg=entry["WARP_MAXNREG"], fp16_operands=True, warp=True,
-                                              stream_k=True, shared_pairs=shared_pairs,
-                                              stages=turboquant.warp_stages(entry)["STAGES"],
-                                              step=turboquant.warp_stages(entry)["STEP"],
+                                              stream_k=True, shared_pairs=shared_pairs, stages=staging["STAGES"],
+                                              step=staging["STEP"],
                                               **{k.lower(): v for k, v in turboquant.stream_k_ranks(
                                                   entry, 32, 32, key_bits).items()})
     code, loops = sass_code(kernel.asm["cubin"])
