@@ -1,149 +1,73 @@
-"""TurboQuant on NVIDIA Hopper tensor cores, in Gluon: the sm_90 fast paths of the decode's stage 1
+"""TurboQuant on NVIDIA Hopper, in Gluon: the sm_90 fast paths of the decode's stage 1
 (:func:`triton_impl.turboquant.triton_turboquant_decode_attention_v2`) and of the store of MSE keys
-(:func:`triton_impl.turboquant.triton_turboquant_store`; the last section of this file).
+(:func:`triton_impl.turboquant.triton_turboquant_store`; the last two sections of this file).
 
-The portable Triton kernel (``turboquant._decode_stage1_kernel``) computes the same partials and stays
-the readable twin (it runs under the interpreter; this one does not). What this kernel does that
-Triton's layouts do not let that one do: every tensor core operand is built in the registers the
-``mma.sync.m16n8k16`` instruction reads it from, by choosing which codes each thread loads.
+The portable Triton kernels (``turboquant._decode_stage1_kernel``, ``turboquant._store_kernel``) compute the same
+results and stay the readable twins: they run under the interpreter, these do not. What these kernels do that
+Triton's layouts do not let the portable ones do: every tensor-core operand is built in the registers the MMA
+instruction reads it from, by choosing which codes each thread loads. A dot product does not care in which order it
+visits the dimensions, so the query, the codes and the output are all visited in permuted orders that make this
+possible (:func:`_score_dim`, :func:`_value_dim`, :func:`_rotation_dim`, :func:`_code_dim`).
 
-One program owns one split of one request for one KV head (grid ``(B, HKV, S)``), 4 warps, 64-key
-tiles. Per tile:
+**Decode stage 1.** A program attends one KV head's group of query heads over a run of keys and writes a partial
+``(o, lse)``; the second stage (``triton_impl.lse_merge.merge_splits``) merges them. Which kernel serves a call:
 
-- scores as ``S^T = K q^T``: the keys are the MMA's M (16 per warp), the group's query heads its N
-  (``BLOCK_H`` >= 8): a GQA group of 4 fills half of each MMA, not a quarter. Each thread reads the
-  contiguous key bytes of 32 dimensions (16 for 4-bit keys, one 16-byte load; 12 for 3-bit; 32 for
-  FP8) and turns each pair of codes into the register the A operand wants: the fp16 centroids of its two
-  codes, for a byte of 4-bit codes picked by ``prmt`` from 8 registers holding the 16 centroids' bytes
-  (:func:`_nibble_pairs`: no memory access), for 6 bits of 3-bit ones by ``prmt`` from 4 (:func:`_triple_pairs`),
-  or, in the one-warp kernels with ``SHARED_PAIRS``, by one ``ld.shared`` from a table of the pairs
-  (:func:`_shared_pair_table`; built, not yet timed); or the hardware e4m3x2 -> f16x2 conversion. That works
-  because the dot product does not care in which order it visits the dimensions: the query is loaded in the same
-  permuted order (:func:`_score_dim`).
-- the online softmax per head, across the 4 warps (the tile's row max is the one exchange);
-  probabilities times the value scale, as fp16 hi and lo parts side by side (one ``[64, 2 BLOCK_H]``
-  operand), go to every warp through shared memory as the B operand of ``O^T += V^T P^T``.
-- values: each warp owns 32 of the 128 output dimensions. A thread reads 4 codes (16 bits, or 12 for 3-bit
-  values: :func:`_value_words`) of each of its 16 keys and pairs the codes of two keys at one dimension into
-  one register with integer ops: ``0x6400 | c`` is the fp16 ``1024 + c``, and one ``sub.f16x2`` makes both
-  codes exact fp16 (no lookup, no conversion). The output dimension order is permuted the same way
-  (:func:`_value_dim`) and undone by the final store's addresses.
-- each tile's block-table entries are read a tile ahead, so its data loads need not wait for them.
-- with ``STAGES`` (4-bit values, any keys: :func:`stages`): the tile's key bytes, value bytes and metadata are not
-  loaded into registers but copied (``cp.async``, 16 bytes a copy; 4 for 3-bit keys) into a ring of shared-memory
-  stages, ``STAGES - 1`` tiles ahead, and read back in the same register layouts (the "Staged tiles" section below):
-  the copies of later tiles are in flight while this one computes, without holding registers.
+- one warp a program (:func:`decode_stage1_stream_k_kernel` for 3- and 4-bit keys, :func:`decode_stage1_warp_kernel`
+  for FP8 keys; groups of at most 8 heads, a 16-byte aligned cache: :func:`streams_supports`). The run's 16-key
+  chunks are copied by TMA (the slots' bytes and their metadata) into a ring of ``STAGES`` shared-memory buffers, and
+  each iteration takes ``STEP`` (2) of them through one online softmax step; 3-bit values are loaded into registers a
+  step ahead instead. 16 programs a SM at 128 registers (3-bit values: 12 at 168). Stream-K runs one round of
+  programs and divides each KV head's keys over the whole batch evenly among them, a piece of a request a partial
+  slot (the section "Stream-K" says how, and why 3-bit values weigh the programs by their rank on their scheduler);
+  the grid kernel runs fixed splits ``(B, HKV, S)``.
+- 4 warps a program on 64-key tiles (:func:`decode_stage1_kernel`, grid ``(B, HKV, S)``): the calls the one-warp
+  kernels do not take (groups of 9-16 heads, the operands as fp16 hi + lo pairs, a cache not 16-byte aligned). With
+  4-bit values its tiles are copied ``STAGES - 1`` tiles ahead by ``cp.async`` (the section "Staged tiles").
+- 4 one-warp streams a program (:func:`decode_stage1_streams_kernel`): only where a config asks for it. It runs the
+  one-warp kernel's stream in four partitions, four copies of the loop in the instruction cache where one-warp
+  programs share one.
 
-Numerics are the portable kernel's: centroids rounded to fp16 once, the query and ``p * scale`` as
-fp16 hi + lo pairs (two MMAs each; with ``FP16_OPERANDS``, one fp16 rounding and one MMA each), codes exact, fp32
-sums. Supported: ``HEAD_DIM = 128``, 3- or
-4-bit MSE keys or FP8 keys, 3- or 4-bit values, a group of at most 16 query heads, a block size that is a
-multiple of 16, 16-byte aligned slots; :func:`supports` says whether a call qualifies.
+Every kernel computes a chunk the same way:
 
-On the H200 (``attnref bench --op turboquant --case decode``, B=32 Hq=32 Hk=8, whole call, at e8603a5 with 4 splits):
-FP8 keys 0.1740 / 0.6450 ms at L=8K / 32K, 4-bit keys 0.2177 / 0.7630, 3-bit keys 0.2002 / 0.6902 (the portable
-kernel with the same splits: 3-bit keys 0.4019 / 1.5005; at vLLM's 32 splits and 8107e0d: FP8 0.3632 / 1.1904,
-4-bit 0.4226 / 1.3685); 3-bit keys and values 0.2127 / 0.7445 (one call against c29ba24's 0.2576 / 0.9303; the
-portable kernel at 8 rounds of programs: 0.4104 / 1.4686). With three stages (52ac88b): FP8 keys 0.1585 / 0.5891, 4-bit
-keys 0.1938 / 0.6699. With each thread's copies inside one 16-key chunk and 3-bit keys staged too (one call against
-the previous kernel, stage 1 alone, us): FP8 keys 150.1 -> 144.9 / 579.1 -> 555.6, 3-bit keys 178.0 -> 166.7 / 664.2
--> 622.9, 4-bit keys 172.2 -> 171.8 / 647.3 -> 647.9. With the query and weights rounded once to fp16 at 96 registers
-and five programs a SM (1aee0a3, the bench's whole call): FP8 keys 0.1466 / 0.5256, 4-bit keys 0.1775 / 0.6074, 3-bit
-keys 0.1706 / 0.5797, 3-bit keys and values 0.1976 / 0.6974. Then shared-memory instructions bound it (Nsight
-Compute, 4-bit keys at L=8K: 3.1 of 10 cycles between a warp's instructions waiting on them, L1 73% busy), and the
-4-bit keys' lookup by ``prmt`` instead of the shared-memory pair LUT (49 -> 15 shared loads a tile, 504 -> 618
-instructions) took stage 1 from 163.9 / 594.4 to 156.7 / 570.9 us (one A/B call; at four programs a SM with hi + lo
-operands it had not helped: 172.5 -> 174.9). Its 8 byte tables then sat in uniform registers, copied into per-thread
-ones at every use (68 moves a tile); held per thread (:func:`_byte_table`), the tile loop has 565 instructions at 90
-registers (Triton 3.6), and stage 1 took 153.6 / 556.4 us (one call, ``benchmarks/kernel_times.py``, c6e2b62).
+- scores as ``S^T = K q^T``: the keys are the MMA's M (``mma.sync.m16n8k16``, 16 keys), the group's heads its N. Each
+  thread reads the contiguous key bytes of its dimensions and turns each pair of codes into the A-operand register
+  that holds their two fp16 centroids: for 4-bit codes by ``prmt`` from 8 registers holding the 16 centroids' bytes
+  (:func:`_nibble_pairs`, :func:`_symmetric_pairs`: no memory access), for 3-bit codes from 4 (:func:`_triple_pairs`),
+  for FP8 keys by the hardware e4m3x2 conversion; in the one-warp kernels with ``SHARED_PAIRS``, by one ``ld.shared``
+  from a table of the pairs (:func:`_shared_pair_table`; built, not yet timed). The query is loaded in the same
+  permuted order, from the rotation's output or, for serving's ``PiT = c H_128`` and 4-bit values, rotated by the
+  program itself (``HADAMARD_QUERY``, :func:`_hadamard_query`);
+- the online softmax in base 2, per head;
+- values as ``O^T += V^T P^T``: each value code becomes an exact fp16 with integer ops, no lookup: ``0x6400 | c`` is
+  the fp16 ``1024 + c``, one ``lop3`` masks two codes in place with that bias (:func:`masked_codes_asm`) and one
+  packed subtraction removes it; values are affine in their codes, so each key's scale multiplies its weight and
+  the zeros add up, weighted, in one sum a head (``z_i``). 3-bit values of a lane quad come as a 6-byte span of a key
+  (:func:`_span_operand`).
 
-Per-warp streams (:func:`decode_stage1_streams_kernel`; 3/4-bit or FP8 keys with 4-bit values, groups of at most 8
-heads, fp16 operands: :func:`streams_supports`): 4 one-warp partitions, each an online softmax of its own over every
-fourth 16-key chunk, its chunks copied by TMA into its own buffers, no CTA barrier or shared row max in the loop; the
-default warps check the block table meanwhile and merge the four states. For FP8 keys stage 1 went 140.2 -> 121.0 /
-519.1 -> 504.6 us (one call, ff5c3c7); for 4-bit keys it was slower (153.6 -> 169.5 / 556.4 -> 558.8 us), and Nsight
-Compute says why: 40% of the stream warps' samples wait for instructions, the four partitions being four copies of
-the loop in the instruction cache.
+Numerics are the portable kernel's: centroids rounded to fp16 once, codes exact, fp32 sums, and the query and the
+weights ``p * scale`` either as fp16 hi + lo pairs (two MMAs each) or, with ``FP16_OPERANDS`` (the sm90 entry's
+choice; the one-warp kernels have no other form), rounded once to fp16 as upstream rounds its query. Served
+(:func:`supports`): ``HEAD_DIM = 128``, 3- or 4-bit MSE keys or FP8 keys, 3- or 4-bit values, a group of at most 16
+query heads, a block size a multiple of 16, 16-byte aligned slots.
 
-So the calls the streams serve run :func:`decode_stage1_warp_kernel`: the same stream as a whole program of one warp
-over its split, every warp of a SM running one copy of the loop; the splits' merge is the second stage's, with more
-splits (16 programs a SM, at 104 registers then, four rounds of them). MSE keys read the rotated query from one partials
-slot past the splits, which the rotation alone writes, or for serving's ``PiT = c H_128`` rotate the query themselves
-(``HADAMARD_QUERY``, :func:`_hadamard_query`; no rotation launch: 4.5-6.1 us off a call at L=8K). Stage 1 against the
-kernels before it, one call, L=8K / 32K: 4-bit keys 153.9 -> 127.3 / 557.2 -> 453.3 us, 3-bit keys (k3v4) 151.5 -> 125.2
-/ 545.8 -> 444.0, FP8 keys 122.6 -> 119.4 / 515.7 -> 458.1 (2026-12-02). It serves 3-bit values too, their words loaded
-into registers a chunk ahead (not copied by TMA: a lane quad's 12-bit fields start at word offsets no linear layout of a
-buffer gives): 3-bit keys and values 171.6 -> 166.1 / 630.6 -> 577.3 us against the 4-warp kernel. Since then each
-iteration takes two consecutive 16-key chunks (``STEP``, a group of two buffers read as one 32-row tile: one row max and
-softmax step over 32 keys; four buffers, 128 registers, still 16 programs a SM) and every value code is masked and
-biased by one ``lop3`` (:func:`masked_codes_asm`): 4-bit keys 517 -> 437 warp instructions per 16 keys, stage 1 131.8 ->
-119.7 / 457.3 -> 405.9 us, 3-bit keys 129.7 -> 118.6 / 444.6 -> 401.5, 3-bit values (one chunk an iteration: two spill)
-165.7 -> 159.1 / 571.1 -> 546.0; with two rounds of programs instead of four, 4-bit keys 106.5 / 385.7 us (one call
-each, 2026-12-02). With 3-bit keys spread into ``prmt`` selectors by one ``lop3`` fewer (:data:`TRIPLE_PAIRS_ASM`, the
-bits above a group left unmasked) and, by stream-K, 3-bit value words made fields where the value product uses them
-(since replaced by the spans, below), a two-chunk step of stream-K takes 1092 -> 1034 warp instructions for 3bit_nc and
-915 -> 890 for k3v4 (Triton 3.6), and stage 1 124.1 -> 119.0 / 441.9 -> 419.3 us and 107.8 -> 104.6 / 384.7 -> 371.2
-(B=32 L=8K / 32K, one call, 2026-12-03). Each thread's 3-bit key words picked in 7 selects instead of 9
-(:func:`_three_bit_words`): 1022 and 878, k3v4 stage 1 103.2 -> 100.9 / 370.1 -> 363.1 us (3bit_nc within the noise).
-The spread in three halvings (:data:`TRIPLE_PAIRS_ASM`, 8 instructions for 8 codes instead of 10): 988 and 846, stage 1
-116.2 -> 114.0 / 409.2 -> 401.5 and 102.1 -> 100.0 / 362.7 -> 357.5 us. In one warp, 3-bit values are read as each lane
-quad's 6-byte span of a key's codes (:func:`_span_operand`: two aligned words a key, a ``prmt`` a field of two keys,
-where the 12-bit fields of the 4-warp layout took a shuffle and a funnel shift each): 3bit_nc 988 -> 924 at 168
-registers, no stack (24 bytes before), stage 1 113.8 -> 106.6 / 401.0 -> 373.9 us (one call each, 2026-12-03).
-``notebooks/results/perf_log.md`` has the measurements and the variants that lost.
+**Store** (bf16 keys at ``D = 128``, 3- or 4-bit MSE codes; :func:`store_supports`): persistent programs over tiles of
+(token, KV head) rows, each row rotated (``k @ PiT``), normalized, bucketized to its nearest centroid by a grid table
+(:func:`grid_table`, shared with the portable store, a binary search where the table cannot separate two midpoints),
+packed and stored with its norm and the values' min-max scale and zero. For serving's rotation, ``PiT = H_128 /
+sqrt(128)`` (:func:`is_hadamard_rotation`), :func:`store_hadamard_kernel` rotates by the fast Walsh-Hadamard
+transform in fp32 (five butterfly stages in each thread's registers, two across a lane quad; for 4-bit keys the
+``H_32`` factor on warp MMAs, ``MMA_H32``), looks its codes up by warp shuffles (:func:`_lookup`), takes each value's
+level by one saturating product (:func:`_store_values`), and keeps the slots' 2-byte fields in L2 while the rows
+leave first. For any other ``PiT``, :func:`store_kernel` rotates on warpgroup MMAs (``wgmma.m64n128k16``, ``PiT``
+rounded once into bf16 hi + lo parts held in shared memory).
 
-The store (:func:`store_kernel`, bf16 keys at ``D = 128``, 3- or 4-bit MSE codes; :func:`store_supports`):
-persistent 4-warp programs over tiles of 64 (token, KV head) rows. Each program rounds ``PiT`` once into two bf16
-parts (``hi`` to nearest, ``lo`` the rest to nearest: each product within ``2^-16`` of exact, the
-``BF16X2_GEMM`` model of ``triton_impl.parity.turboquant``) and keeps both in shared memory (64 KiB); per tile,
-``k @ PiT`` is two warpgroup MMAs (``wgmma.m64n128k16``, 16 per tile) on the keys as loaded, in registers. The
-same two permutations make the MMA's fragments line up with memory: the K order (:func:`_rotation_dim`) gives
-each thread 16-byte pieces of its rows' keys, the column order (:func:`_code_dim`) gives each thread 32
-contiguous codes of a row (a 16-byte store of 4-bit codes). Norms, bucketize, norm correction and the values'
-min-max quantization are the portable store's arithmetic; the bucketize is a lookup in a table per code (64 slots
-then, 32 now: :func:`grid_table`, shared with the portable store), the binary search where the table cannot separate the
-midpoints. On the H200 (``attnref bench --op turboquant --case store``, 1M tokens x 8 KV heads), with the binary
-search: 4-bit 3.61 ms, k3v4 3.00, 3-bit 2.90 (35-42% of the copy roofline; the portable kernel 9.52-9.93 ms).
-The table cut the tile loop from 2879 to 2073 SASS instructions per thread (4-bit; k3v4 2232 -> 2035, 3-bit
-2248 -> 2053; Triton 3.6, ``benchmarks/sass_sm90_turboquant.py``); timed at edb6bfc: 4-bit 2.98 ms (42.6%),
-k3v4 3.01, 3-bit 2.98 (41.1% and 40.5%: no gain for 3-bit keys). Once a tile's codes are bucketized, each program
-prefetches its next tile's rows into L2 (:func:`_prefetch_tile`, one ``prefetch.global.L2`` a 128-byte line): at
-609826a 4-bit 2.75 ms, k3v4 2.74, 3-bit 2.57 (45-47% of the copy roofline; 2-4% faster than without). With each
-tile's keys loaded into registers during the tile before it, and each row's value fields stored from the layout
-they were reduced to (no layout conversion, 4 CTA barriers a tile instead of 12), at cd8b10d: 4-bit 2.57 ms, k3v4
-2.47, 3-bit 2.44 (49-50%).
-
-For the rotation serving uses, ``PiT = H_128 / sqrt(128)`` (Sylvester-Hadamard, no signs; :func:`is_hadamard_rotation`
-checks a ``PiT`` once per tensor), :func:`store_hadamard_kernel` replaces the MMAs by the fast Walsh-Hadamard transform:
-``k @ PiT = c (k @ H)`` with ``c = PiT[0, 0]``, seven butterfly stages of fp32 additions, five in each thread's
-registers and two across a lane quad (:func:`_hadamard_rows`), exact but for their roundings (``FP32_GEMM``'s band,
-tighter than the MMA store's). No ``PiT`` in shared memory and tiles of 8 rows a warp (32 contiguous dimensions a
-thread) let six 4-warp programs share a SM at 80 registers, against three for the MMA store: 24 warps instead of 12,
-for 21% more instructions a row (162 warp instructions against 134, Triton 3.6; the butterflies are 288 of a tile's
-1298 a thread). On the H200 (``attnref bench --op turboquant --case store`` at 49bc981): 4-bit 2.20 ms, k3v4 2.21,
-3-bit 2.03 (56-59% of the copy roofline), against 2.58 / 2.61 / 2.41 for the MMA store in the same call
-(``benchmarks/kernel_times.py``); at five programs a SM (96 registers) 2.23 / 2.21 / 2.14, at four (128) 2.29 / 2.25 /
-2.14, at eight (64, no keys loaded a tile ahead) 2.42 / 2.30 / 2.14. With ``MMA_H32`` the ``H_32`` factor runs on warp
-MMAs instead (:func:`_hadamard_rows_mma`: ``H_128 = H_32 (x) H_4`` over dimension ``4 i + c``, a row's four residues
-``c`` four MMA rows held by the thread that loaded them, the +-1 operand exact in bf16, then ``H_4`` in registers; no
-shuffles): 1298 -> 1070 instructions a tile at 96 registers, and 4-bit keys at five programs a SM 2.20 -> 2.12 ms,
-the sm90 entry's choice for them (3-bit keys were 1-2% slower that way). Its lookups (the grid's two tables and the
-centroids' squares) are warp shuffles (:func:`_lookup`: a copy of each table in every warp, an entry a lane, one
-``shfl.idx`` a code; the gathers through shared memory had cost the loop 14% of its Nsight samples at barriers and 44%
-of L1's throughput), its 4-bit codes go out 16 bytes a store, and L2 keeps the slots' 2-byte fields while the rows
-and codes leave first (:data:`STORE_FIELDS_EVICTION`): at 00a5c3a (``attnref bench --op turboquant --case store``)
-4-bit 1.82 ms, k3v4 1.97, 3-bit 1.92 (70.1%, 63.1%, 63.2% of the copy roofline; consecutive slots 1.64 / 1.71 / 1.75 ms,
-70-78%), against 2.14 / 2.21 / 2.03 at 658a2cf. 3-bit keys then went to eight programs a SM at 64 registers (their
-loop compiles to the same 1282 instructions a tile with no spill; ptxas issues the loads later), 32 warps: at 076fef5
-k3v4 1.92 ms, 3-bit 1.86 (64.5%, 64.9%). With each row's value min and max taken by packed ``min.bf16x2`` /
-``max.bf16x2`` on the values as loaded (``PACKED_EXTREMA``, :func:`_store_values`; 1080 -> 1043 instructions a tile)
-the 4-bit store went 1.83 -> 1.80 ms at 4bd4524 (69.6 -> 70.5%); 3-bit keys at 64 registers lost 7% that way, until
-each row's key and value code stores went back to back (``JOINT_STORES``; :func:`_store_quad_tiles` says why): with
-both, at e28c9a3, k3v4 1.91 -> 1.78 ms and 3-bit 1.84 -> 1.73-1.76 (64.6 -> 69.5-69.8%, 65.4 -> 68.8-69.5%; two runs).
-Each value's level then became one saturating product (the clamp to the row's range included) and each code's grid slot
-one saturated fma (:func:`_store_values`, :func:`saturated_grid_slot`; 1242 -> 1214 instructions a tile for 3-bit keys,
-1043 -> 1012 for 4-bit): at b8f087c, two runs, 4-bit 1.79-1.80 ms, k3v4 1.76, 3-bit 1.72 (70.7-70.9%, 70.3-70.4%,
-70.3-70.4%; FP8 keys, the portable store, 70.4-70.6%).
+**On the H200** (``notebooks/results/bench_h200.md``, the whole call; B=32 Hq=32 Hk=8 D=128, block 16): decode at
+L=8K / 32K, FP8 keys 0.122 / 0.471 ms (79% / 82% of the copy roofline over the bytes read), 4-bit 0.108 / 0.366
+(61% / 72%), 3-bit keys 0.109 / 0.363 (54% / 64%), 3-bit keys and values 0.120 / 0.388 (42% / 52%), against 0.253 /
+0.961 ms for the bf16 decode of the same shape; the store of 1M tokens x 8 KV heads at random slots 1.72-1.80 ms (70%
+of the copy roofline, where a scatter of the same bytes with no arithmetic reaches 76-84%). The decode's loop is bound
+by its ALU-pipe instructions, most of them the keys' lookups; ``notebooks/results/perf_log.md`` has every change
+with its prediction and measurement, and the variants that lost.
 """
 
 from __future__ import annotations
