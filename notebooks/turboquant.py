@@ -301,129 +301,85 @@ plt.show()
 # ## 6. Performance: where the decode's time goes
 #
 # A 4-bit cache exists to make long-context decode cheaper: per (token, KV head) it holds 134 bytes
-# where bf16 holds 512. The cell below reads the H200 benchmark of this decode
+# where bf16 holds 512. The cells below read the H200 benchmark of this decode
 # (`notebooks/results/bench_h200.json`, the data of `bench_h200.md`) at B=32, Hq=32, Hk=8, D=128,
 # block 16, beside this package's bf16 GQA decode of the same shape.
 #
 # On the H200, 3-bit, 4-bit and FP8 keys with 3- or 4-bit values run stage 1 as a Gluon kernel
-# (`triton_impl/turboquant_sm90.py`); the portable Triton kernel (what this notebook runs on a CPU)
-# serves everything else. The Gluon kernel builds every tensor-core operand in the
-# registers `mma.sync` reads it from, by choosing which bytes each thread loads:
+# (`triton_impl/turboquant_sm90.py`, whose docstring says which of its kernels serves which call); the portable
+# Triton kernel (what this notebook runs on a CPU) serves everything else. The Gluon kernel builds every tensor-core
+# operand in the registers `mma.sync` reads it from, by choosing which bytes each thread loads:
 #
-# - scores as `S^T = K q^T`, the keys the MMA's M (16 per warp), the group's heads its N (8): a GQA
+# - scores as `S^T = K q^T`, the keys the MMA's M (16 per chunk), the group's heads its N (8): a GQA
 #   group of 4 fills half of each MMA instead of a quarter;
-# - a thread's 16 bytes of 4-bit key codes are one 16-byte load, and each byte becomes one A-operand
-#   register: its two codes' fp16 centroids from the pair LUT of section 5 (3-bit keys: 12 bytes, each
-#   6 bits a pair of codes, from a 64-entry pair LUT; FP8 keys: one hardware e4m3x2 -> f16x2
-#   conversion). The dot product does not care in which order it visits dimensions, so the query is
-#   loaded in the same permuted order;
-# - each warp owns 32 of the 128 output dimensions of `O^T = V^T P^T`; a thread pairs two keys'
-#   16-bit code words into registers holding both keys' code at one dimension, `0x6400 | c` per
-#   half, and one packed `sub.f16x2` of 1024 makes them exact fp16: no lookup, no conversion. With
-#   3-bit values in a one-warp program a lane quad holds 16 dimensions, a 6-byte span of each key's
-#   values, whose four 12-bit fields one byte permute (`prmt`) each takes out (the cells below).
+# - a thread's 16 bytes of 4-bit key codes are one read, and each byte becomes one A-operand register: its two
+#   codes' fp16 centroids, the entry of the pair LUT of section 5, assembled by `prmt` (byte permute) from 8
+#   registers that hold the 16 centroids' bytes (a cell below checks that the two agree). 3-bit keys: 12 bytes, each
+#   6 bits a pair of codes, from 4 such registers; FP8 keys: one hardware e4m3x2 -> f16x2 conversion. The dot
+#   product does not care in which order it visits dimensions, so the query is loaded in the same permuted order;
+# - the value product `O^T = V^T P^T` pairs two keys' code words into registers holding both keys' code at one
+#   dimension, `0x6400 | c` per half, and one packed `sub.f16x2` of 1024 makes them exact fp16: no lookup, no
+#   conversion. With 3-bit values a lane quad holds 16 dimensions, a 6-byte span of each key's values, whose four
+#   12-bit fields one `prmt` each takes out (the cells below).
 #
-# Compiled by the H200's Triton 3.6 with the query and the weights as fp16 hi + lo pairs (two MMAs each) that was
-# 34.6 warp instructions per key and KV head for 4-bit keys, 35.6 for 3-bit keys, 39.0 for 3-bit keys and values
-# and 26.1 for FP8 keys, against 61.9 and 62.6 for the portable kernel (4-bit, FP8), at 119-128 registers and four
-# 4-warp programs per SM. Each
-# program also pays a fixed cost (the bad-page scan, the query, the tables, the partial's write and
-# merge): 56-84 us of the L=8K call at vLLM's 32 splits, so the sm90 config runs at most two rounds of
-# resident programs (4 splits at B=32 Hk=8). Stage 1 alone (`benchmarks/turboquant_kernels.py`) at L=32K,
-# portable -> Gluon: 4-bit 1344 -> 789 us (740 us with 4 splits), FP8 keys 1177 -> 690 us (648), 3-bit
-# keys 1480 -> 672 us (4 splits both). Nsight Compute on the 4-bit kernel: the L1
-# pipe is 83% busy, 9.9M of its 16.6M shared-memory wavefronts bank conflicts of the pair-LUT gathers;
-# the FP8-key kernel reads DRAM at 41% of its peak and its warps wait mostly on global loads. So for 4-bit
-# and FP8 keys the tiles now go through shared memory: 16-byte `cp.async` copies into a ring of three
-# stages, two tiles ahead of the one being computed, read back in the same register layouts (the copies
-# of later tiles are in flight while this one computes, and hold no registers): FP8 keys 0.6563 -> 0.5882 ms
-# at L=32K, 4-bit keys 0.7612 -> 0.6696 (one A/B call). 3-bit keys go the same way (4-byte copies of each
-# thread's 12 bytes; stage 1 at L=32K 664 -> 623 us), 3-bit values do not (copied as 4-byte words they were
-# 1.5-1.6x slower). But the bank conflicts were not what held the 4-bit kernel back: a lookup from 8 registers
-# (`prmt`, no shared memory at all) cut its shared-memory wavefronts from 18.9M to 4.9M and left its time
-# where it was. The query's rotation, a first kernel, took 12-13 us of the L=8K call: its fp32 dot read shared
-# memory with 82% of the wavefronts bank conflicts; in 3xTF32 on tensor cores the MSE presets' calls are 7.5-8.5 us
-# faster. Then the query and each weight `p * v_scale` are rounded once to fp16 (one MMA each, as upstream rounds
-# its query): 88-96 registers, five programs per SM; stage 1 at L=32K 4-bit 641 -> 593 us, FP8 keys 560 -> 531 (one
-# A/B call). Its check feeds golden the kernel's own fp16 query and adds a derived bound on the weights' rounding
-# (`decode_expected`; at most 2.6-3.5e-3 on the parity table's outputs, about their own fp16 rounding). With that,
-# shared-memory instructions became the bound, and 4-bit keys now take their centroids by `prmt` from registers
-# (below): 38.6 warp instructions per key (`benchmarks/sass_sm90_turboquant.py`) but 15 shared loads a tile instead
-# of 49, stage 1 594 -> 571 us at L=32K; its byte tables held per thread rather than in uniform registers (which
-# `prmt` cannot read two of: a copy at every use) leave 35.3, and stage 1 557 us. FP8 keys then went to per-warp
-# streams: each of 4 warps runs its own online softmax over every fourth 16-key chunk, its chunks copied by TMA, with
-# no barrier or shared row max between warps in the loop, and the four states merged once at the end: stage 1
-# 140 -> 121 us at L=8K, 519 -> 505 at 32K. The same kernel was slower for 4-bit keys (154 -> 170 us at L=8K), and
-# Nsight Compute's per-instruction samples (`benchmarks/ncu_stalls.py`) said why: 40% of the stream warps' time went
-# waiting for instructions, the four partitions being four copies of a 534-instruction loop that the instruction
-# cache does not hold together. One warp a program, the same stream over a whole split, gives every warp of a SM one
-# copy of the loop, and a program of one warp has no barrier another warp can hold up; the splits' merge is the
-# second kernel's, over more splits (16 programs a SM, four rounds). Stage 1 at L=8K / 32K, one call: 4-bit keys
-# 154 -> 127 / 557 -> 453 us, 3-bit keys 152 -> 125 / 546 -> 444, FP8 keys 123 -> 119 / 516 -> 458. Its warps now
-# issue on 57% of the cycles, and the integer pipe that `prmt` and `lop3` share is the busiest (Nsight Compute at
-# L=8K). 3-bit values run it too, their words loaded into registers a chunk ahead (not by TMA): 172 -> 166 / 631 ->
-# 577 us. Then fewer instructions a key: each value code is masked and biased to `0x6400 | c` by one `lop3` instead of
-# an `and` and an `or`, and each iteration takes two 16-key chunks, so the row max, the softmax step, the loop's
-# bookkeeping and the TMA waits are paid once for 32 keys (four chunk buffers, 128 registers: still 16 programs a
-# SM). For 4-bit keys that is 517 -> 437 warp instructions per 16 keys (Triton 3.6), and stage 1 132 -> 120 / 457 ->
-# 406 us; 3-bit keys 130 -> 119 / 445 -> 402; 3-bit values keep one chunk an iteration (their words held a step
-# ahead spill at two) and gain the `lop3` alone, 166 -> 159 / 571 -> 546. With programs that much shorter, each
-# program's fixed cost weighs more: two rounds of resident programs (16 splits at this shape) instead of four took
-# stage 1 for 4-bit keys 119 -> 107 / 405 -> 386 us and the merge 6 -> 4 us. The whole call in the bench, against the
-# bf16 decode in the same run (252-254 / 963-965 us): FP8 keys 123 / 472 us (2.05x / 2.04x its speed), 4-bit keys
-# 121 / 399 (2.10x / 2.42x), 3-bit keys 121 / 396 (2.08x / 2.43x), 3-bit keys and values 159 / 548 (1.59x / 1.76x).
-# Then a shorter lookup for 4-bit keys where the codebook is symmetric bit for bit, c[15 - k] = -c[k], as the
-# Lloyd-Max codebooks are (18 instructions for 8 codes instead of 21; each program checks and otherwise takes the
-# general one): stage 1 107 -> 98 / 388 -> 350 us. And stream-K for 3- and 4-bit keys: one round of programs, each KV
-# head's keys over all requests divided evenly among its programs, so that a batch of long and short requests keeps
-# every SM busy (the grid gives a 32K request as many splits as a 3K one): over 32 requests of 1-32K keys, stage 1
-# 268 -> 204 us; at one length it is within -1..+3% of the grid (and its loop at the grid's instruction count once
-# the chunk ring restarts at each piece, 358 -> 353 us at 32K). 3-bit values' word loads lost their mask (a chunk past
-# the split reads a block inside the cache, its words unused; ptxas had copied the mask into a predicate before each
-# load): 619 -> 594 warp instructions a chunk, stage 1 140 -> 135 / 511 -> 492 us; their words parked in shared memory
-# by 4-byte copies instead, so that two chunks fit an iteration, were 1.5x slower again (140 -> 207 us at 8K), as in
-# the 4-warp kernel. What fit two chunks was more registers: at 168 a thread (12 programs a SM instead of 16) the
-# words no longer spill, and stage 1 took 137 -> 129 / 492 -> 469 us (594 -> 544 warp instructions a chunk). The
-# bench at 0b5137d, against the bf16 decode in the same run (257-258 / 982-984 us): FP8 keys 125 / 486 us (2.05x /
-# 2.02x its speed), 4-bit keys 112 / 367 (2.29x / 2.68x), 3-bit keys 122 / 400 (2.12x / 2.46x), 3-bit keys and values
-# 141 / 478 (1.82x / 2.05x). Then a timeline of every program (`benchmarks/tq_timeline.py`) showed that with the same
-# steps each, the one-warp programs end by their rank on their warp scheduler: the warps that arrived first are issued
-# first (3-bit values at L=8K: ranks 0 / 1 / 2 end at 94 / 110 / 128 us), and the youngest ends alone. Stream-K now
-# gave the places of 3-bit values' programs steps in proportion 170 : 135 : 100 by rank (the program reads its warp
-# slot and takes a place of its rank): 3-bit keys and values 138 / 457 us (1.84x / 2.11x the bf16 decode of that run,
-# 254 / 963 us). With 4-bit values the same weights only moved the time between ranks (the scheduler stays near
-# saturation until one warp is left). Then fewer integer instructions for 3-bit codes: the 3-bit keys' spread into
-# `prmt` selectors one `lop3` shorter, 3-bit value fields made where the value product uses them (no longer right
-# after their loads, which each step then waited for), and each thread's three key words picked from its own and its
-# neighbour's in 7 selects instead of 9: 3-bit keys 115 / 376 us (2.20x / 2.56x). With the shorter steps the
-# oldest rank ended last (6 us after the others at L=8K), so the weights went to 150 : 125 : 100: 3-bit keys and
-# values 130 / 423 us (1.99x / 2.33x the bf16 decode of that run, 258 / 985 us). Nsight Compute on the 3-bit
-# values' stage 1 finds a warp ready to issue on 44% of its samples and the integer pipe throttling another 15%: the
-# scheduler's issue slots and the integer pipe, not latency, bound it. So two more integer cuts: the 3-bit keys'
-# spread into selectors in three halvings (8 instructions for 8 codes instead of 10), and 3-bit values read as each
-# lane quad's 6-byte span (the cells above: no shuffle, no funnel shift, half the loads), 1022 -> 924 warp
-# instructions a two-chunk step: 3-bit keys and values 121 / 388 us (2.10x / 2.49x the bf16 decode of that run, 254 /
-# 965 us); with the weights at 160 : 130 : 100, 120 / 386 us (2.15x / 2.55x, against 257 / 983 us). The goal,
-# twice the bf16 speed, is reached by every preset at both lengths.
-# Which pipe binds the 4-bit loop: two probes (`benchmarks/variants/pipe_probe_alu.patch`, `pipe_probe_fma.patch`) add
-# work that changes no result to its lookups. 128 more ALU instructions a step (identity `prmt`s) made stage 1 20%
-# slower (354 -> 426 us at 32K), 113 more `IMAD`s 1.6% (-> 360). Of the step's 805 instructions 402 issue to the ALU
-# pipe (`benchmarks/sass_sm90_turboquant.py` counts them), 256 of those in the keys' lookups; cuts on the FMA pipe
-# (`IMAD.MOV`, `HADD2`) left the time where it was, and the lookups' shifts moved to `IMAD.HI` made it 2-4% slower.
-# What is left to cut is ALU work. The same probes in the 3-bit keys' lookup (`pipe_probe_alu_3bit.patch`,
-# `pipe_probe_fma_3bit.patch`) say the same of both 3-bit presets: +20% / +19% with 128 more ALU instructions a step
-# (k3v4 355 -> 426 us, 3bit_nc 371 -> 443 at 32K), +2% / +3% with 102 more `IMAD`s.
-# That brings the shared-memory pair table back for a new reason: in the one-warp loop the shared-memory pipe is
-# nearly idle while the ALU pipe binds, and a lookup there is one `LDS` a pair of codes and one or two ALU
-# instructions for its address, against about four by `prmt`. `WARP_SHARED_PAIRS` (a thread's first 0-4 words or
-# 24-bit groups through a 1 KiB table its inline PTX declares, writes and reads by name) takes a two-chunk step from
-# 402 to 210 ALU instructions for 4-bit keys and 391 to 294 for k3v4, at about 3.3 bank conflicts an `LDS` for the
-# 256-entry table (Triton 3.6, `benchmarks/sass_sm90_turboquant.py`; `tests/test_turboquant.py` compiles it and runs
-# its PTX on a model of the instructions). It is built and checked on the CPU, not yet timed on the H200, so the sm90
-# entry keeps it off.
+# Every call runs one warp a program: its 16-key chunks copied by TMA into a ring of shared-memory buffers, two
+# chunks an iteration through one online-softmax step, 16 programs a SM (3-bit values: 12). 3- and 4-bit keys divide
+# each KV head's keys over the whole batch evenly among one round of programs (stream-K, below), and the splits'
+# partial states are merged by the second kernel, `merge_splits` (the LSE merge op).
+#
+# **What a step costs, and what binds it.** A step (32 keys of one KV head, one warp) compiles, under the H200's
+# Triton 3.6, to these warp instructions (`benchmarks/sass_sm90_turboquant.py` counts them from the SASS):
+#
+# | preset | instructions a step | of them on the ALU pipe | per key and KV head |
+# | --- | --- | --- | --- |
+# | turboquant_k8v4 (FP8 keys) | 566 | 209 | 17.7 |
+# | turboquant_4bit_nc | 805 | 402 | 25.2 |
+# | turboquant_k3v4_nc | 846 | 391 | 26.4 |
+# | turboquant_3bit_nc | 924 | 426 | 28.9 |
+#
+# The ALU pipe (`prmt`, `lop3`, shifts, selects, compares) takes 2 cycles of its scheduler a warp instruction, where
+# issuing any instruction takes 1. Two probes on the 4-bit loop, work that changes no result added to its lookups
+# (`benchmarks/variants/pipe_probe_alu.patch`, `pipe_probe_fma.patch`), say which binds: 128 more ALU instructions
+# a step made stage 1 20% slower (354 -> 426 us at L=32K), 113 more `IMAD`s (the FMA pipe) 1.6% (-> 360). The same
+# probes on 3-bit keys (k3v4 / 3bit_nc): +20% / +19% with 128 more ALU instructions, +2% / +3% with 102 more `IMAD`s.
+# So the lever is the ALU count, and most of it is the keys' lookups (256 of the 402 for 4-bit keys). Cuts on other
+# pipes did not move the time (fewer `IMAD.MOV` or `HADD2`), and moving the lookups' shifts to `IMAD.HI` made it 2-4%
+# slower.
+#
+# That brings a shared-memory pair table back for a new reason: in this loop the shared-memory pipe is nearly idle
+# while the ALU pipe binds, and a lookup there is one `LDS` a pair of codes and one or two ALU instructions for its
+# address, against about four by `prmt`. `WARP_SHARED_PAIRS` (a thread's first 0-4 words or 24-bit groups through a
+# 1 KiB table its inline PTX declares, writes and reads by name) takes a step from 402 to 210 ALU instructions for
+# 4-bit keys and 391 to 294 for k3v4, at about 3.3 bank conflicts an `LDS` for the 256-entry table
+# (`tests/test_turboquant.py` compiles it and runs its PTX on a model of the instructions). It is built and checked on
+# the CPU, not yet timed on the H200, so the sm90 entry keeps it off.
+#
+# **How it got here.** The cell below lists each change that landed, as timed on the H200 against the kernel before
+# it in one device call: stage 1 (`benchmarks/kernel_times.py`) or the whole call (the bench), in us.
+#
 # Fewer bytes still does not mean proportionally less time: the cost is per-key decode work, not memory (4-bit keys
-# at 59% / 72% of their copy roofline).
-# `notebooks/results/perf_log.md` has the measurements, the variants that lost, and what is still open.
+# at 61% / 72% of their copy roofline, 3-bit keys and values at 42% / 52%). `notebooks/results/perf_log.md` has every
+# change with its prediction and outcome, the variants that lost, and what is still open.
+
+# %%
+HISTORY = [  # (change, what was timed, length, before, after): each row one A/B call on the H200, Triton 3.6
+    ("the Gluon kernel (4 warps, 64-key tiles), not the portable one", "stage 1, 4-bit", "32K", 1344, 789),
+    ("  the same", "stage 1, FP8 keys", "32K", 1177, 690),
+    ("  the same", "stage 1, 3-bit keys", "32K", 1480, 672),
+    ("tiles copied by cp.async into three shared-memory stages", "call, 4-bit", "32K", 761, 670),
+    ("the query and p * scale rounded once to fp16: one MMA, not two", "stage 1, 4-bit", "32K", 641, 593),
+    ("4-bit centroids by prmt from registers, not the shared pair LUT", "stage 1, 4-bit", "32K", 594, 571),
+    ("one warp a program: one copy of the loop, no CTA barrier", "stage 1, 4-bit", "8K", 154, 127),
+    ("each value code masked and biased by one lop3; two chunks a step", "stage 1, 4-bit", "8K", 132, 120),
+    ("two rounds of resident programs, not four", "stage 1, 4-bit", "8K", 119, 107),
+    ("a symmetric codebook's lookup: 18 instructions for 8 codes, not 21", "stage 1, 4-bit", "8K", 107, 98),
+    ("stream-K: each KV head's keys divided evenly (1-32K mixed)", "stage 1, 4-bit", "mixed", 268, 204),
+    ("3-bit values at 168 registers, two chunks a step", "stage 1, 3bit_nc", "32K", 492, 469),
+    ("3-bit values read as each lane quad's 6-byte span", "stage 1, 3bit_nc", "8K", 114, 107),
+]
+for change, timed, length, before, after in HISTORY:
+    print(f"{change:68s} {timed:19s} L={length:5s} {before:5d} -> {after:4d} us ({after / before - 1:+.0%})")
+    assert after < before, change
 
 # %% [markdown]
 # Which dimensions a thread holds. In the scores' A operand, thread `t` of each lane quad holds K
