@@ -41,8 +41,8 @@ _SCORES_WAIT = "        s = warpgroup_mma_wait(0, deps=[s])\n"
 # pointer passed down). A ``where`` that no longer matches stops the tool with its text.
 _EDITS = (
     ("\n@gluon.jit\ndef _zero_rows(", "\n" + STAMP_SOURCE + "\n@gluon.jit\ndef _zero_rows("),
-    ("request,\n            row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, PAGE_SIZE",
-     "request,\n            row_block, trace_ptr, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, PAGE_SIZE"),
+    ("stride_out_h,\n            request, row_block, QLEN: gl.constexpr,",
+     "stride_out_h,\n            request, row_block, trace_ptr, QLEN: gl.constexpr,"),
     after("    poisoned = (limit > table_keys) | (row_end > first_bad)\n    async_copy.wait_group(0)\n"
            "    fence_async_shared()\n    _barrier()\n", 2),
     ("    acc = warpgroup_mma_wait(0, deps=[acc])\n\n",
@@ -55,8 +55,8 @@ _EDITS = (
     ("logit_cap, request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,",
      "logit_cap, request, row_block, trace_ptr, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,"),
     after("    first_tile = start // BLOCK_N * BLOCK_N\n", 1),
-    ("request, row_block, QLEN, NUM_HEADS, PAGE_SIZE, HAS_CAP, OUT_VEC)),",
-     "request, row_block, trace_ptr, QLEN, NUM_HEADS, PAGE_SIZE, HAS_CAP, OUT_VEC)),"),
+    ("request, row_block, QLEN, NUM_HEADS, PAGE_SIZE, HAS_CAP, OUT_VEC,\n",
+     "request, row_block, trace_ptr, QLEN, NUM_HEADS, PAGE_SIZE, HAS_CAP, OUT_VEC,\n"),
     after("lse.to(lse_ptr.dtype.element_ty), mask=ok)\n", 5),
     ("    stride_t_r, stride_t_p, stride_sl,\n", "    stride_t_r, stride_t_p, stride_sl, trace_ptr,\n"),
     ("    row, head_block, split = _decode_program(",

@@ -411,31 +411,45 @@ def padded_query(q: torch.Tensor, pad: int) -> torch.Tensor:
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon stage 1 runs on compute capability 9.x only")
 @pytest.mark.parametrize(
-    ("num_heads", "page_size", "layout", "window", "splits", "cap", "dtype", "fp8"),
-    [(128, 64, "4d", None, 2, 0.0, torch.bfloat16, False), (128, 128, "3d", 150, 3, 0.0, torch.bfloat16, False),
-     (96, 64, "4d", None, 1, 0.0, torch.bfloat16, False), (64, 64, "4d", 150, 5, 30.0, torch.float16, False),
-     (128, 64, "4d", None, 1, 0.0, torch.bfloat16, False), (40, 64, "4d", None, 2, 0.0, torch.bfloat16, False),
-     (16, 64, "4d", None, 2, 0.0, torch.bfloat16, False), (16, 128, "3d", 150, 3, 30.0, torch.float16, False),
-     (10, 64, "4d", None, 1, 0.0, torch.bfloat16, False), (1, 64, "4d", 150, 5, 0.0, torch.bfloat16, False),
-     (16, 64, "4d", None, 8, 0.0, torch.bfloat16, False), (12, 64, "4d", 150, 7, 30.0, torch.float16, False),
-     (16, 64, "4d", None, 9, 0.0, torch.bfloat16, False),
-     (128, 64, "4d", None, 2, 0.0, torch.bfloat16, True), (64, 128, "3d", 150, 3, 30.0, torch.float16, True),
-     (40, 64, "4d", None, 1, 0.0, torch.bfloat16, True)],
+    ("num_heads", "page_size", "layout", "window", "splits", "cap", "dtype", "fp8", "lean"),
+    [(128, 64, "4d", None, 2, 0.0, torch.bfloat16, False, False),
+     (128, 128, "3d", 150, 3, 0.0, torch.bfloat16, False, False),
+     (96, 64, "4d", None, 1, 0.0, torch.bfloat16, False, False),
+     (64, 64, "4d", 150, 5, 30.0, torch.float16, False, False),
+     (128, 64, "4d", None, 1, 0.0, torch.bfloat16, False, False),
+     (40, 64, "4d", None, 2, 0.0, torch.bfloat16, False, False),
+     (16, 64, "4d", None, 2, 0.0, torch.bfloat16, False, False),
+     (16, 128, "3d", 150, 3, 30.0, torch.float16, False, False),
+     (10, 64, "4d", None, 1, 0.0, torch.bfloat16, False, False),
+     (1, 64, "4d", 150, 5, 0.0, torch.bfloat16, False, False),
+     (16, 64, "4d", None, 8, 0.0, torch.bfloat16, False, False),
+     (12, 64, "4d", 150, 7, 30.0, torch.float16, False, False),
+     (16, 64, "4d", None, 9, 0.0, torch.bfloat16, False, False),
+     (128, 64, "4d", None, 2, 0.0, torch.bfloat16, True, False),
+     (64, 128, "3d", 150, 3, 30.0, torch.float16, True, False),
+     (40, 64, "4d", None, 1, 0.0, torch.bfloat16, True, False),
+     (128, 128, "3d", 150, 3, 0.0, torch.bfloat16, False, True),
+     (96, 64, "4d", None, 1, 0.0, torch.bfloat16, False, True),
+     (64, 64, "4d", 150, 5, 30.0, torch.float16, False, True),
+     (40, 64, "4d", None, 2, 0.0, torch.bfloat16, False, True),
+     (128, 64, "4d", None, 2, 0.0, torch.bfloat16, True, True)],
 )  # fmt: skip
 def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout, window, splits, cap, dtype,
-                                           fp8) -> None:  # fmt: skip
+                                           fp8, lean) -> None:  # fmt: skip
     """The Gluon stage 1 (DeepSeek's widths, 32 heads or more, pages of 64k keys) against golden: whole tiles and
     the partial tiles at each split's ends (window and split starts off a tile, rows shorter than a tile, an
     empty row), the NaN moat around every row, a head count that leaves a half-empty head block and one (40
     heads) with 24 empty rows, one split (o and lse written directly) and several, a logit cap, fp16, a query
     whose heads are 592 elements apart (96 heads); an FP8 cache (its codes widened in shared memory, the moat's
-    NaN codes zeroed there, the scale on scores and output) with bf16 and fp16 queries."""
+    NaN codes zeroed there, the scale on scores and output) with bf16 and fp16 queries. ``lean``: ``LEAN_SOFTMAX``
+    (masks on a split's edge tiles only, the scale in the exponents' fma; with a cap or an FP8 cache only the former),
+    over a window and splits that start inside a tile and head blocks with empty rows."""
     lens = [300, 200, 64, 63, 1, 0, 1000]
     d = make_decode(device, 43, lens, is_mla=True, num_heads=num_heads, widths=(512, 64), page_size=page_size,
                     layout=layout, dtype=dtype, fp8=fp8, window=window, cap=cap)  # fmt: skip
     d.q = padded_query(d.q, 16) if num_heads == 96 else d.q
     d.sm_scale = 192**-0.5
-    config = _config("sm90", True)
+    config = {**_config("sm90", True), "LEAN_SOFTMAX": lean}
     rows = len(lens)
     o, lse = torch.empty(rows, num_heads, 512, device=device), torch.empty(rows, num_heads, device=device)
     args = (d.q, d.k, d.v, o, lse, d.table, d.lens, torch.empty(rows, num_heads, splits, 513, device=device), splits,
@@ -443,7 +457,7 @@ def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout,
     few = num_heads <= 16
     kernel = decode_attention_sm90.mla_decode_few_rows_kernel if few else decode_attention_sm90.mla_decode_stage1_kernel
     plan = _plan_decode(*args)
-    assert plan.stage1._kernel is kernel
+    assert plan.stage1._kernel is kernel and plan.stage1._constexprs.get("LEAN_SOFTMAX", False) == (lean and not few)
     # the few-rows kernel merges 2 to 8 splits itself, in one cluster a row (7 clusters fit any Hopper GPU); one split
     # needs no merge, 9 the merge kernel
     assert (plan.merge is no_launch) == (few and 1 < splits <= 8), (plan.merge, splits)
@@ -628,6 +642,47 @@ def test_sm90_mla_kernels_compile_for_hopper() -> None:
         assert few or single_split or stores16 == 0, rows
         # several splits of the few-rows kernel wait once for their cluster, then merge: nothing else waits so
         assert cluster_waits == (few and not single_split), rows
+
+
+_LEAN_SOFTMAX_COMPILE = """
+import json, re
+from triton_impl import decode_attention_sm90
+from triton_impl.bench import sass_code, sass_main_path, sass_resources
+for verify, qlen, fp8 in ((False, 1, False), (True, 4, False), (True, 2, True)):
+    for lean in (False, True):
+        kernel = decode_attention_sm90.compile_for_sm90(verify=verify, heads=128, qlen=qlen, fp8=fp8,
+                                                        single_split=True, lean_softmax=lean)
+        code, loops = sass_code(kernel.asm["cubin"])
+        # the softmax warpgroup's tile loop: the innermost loop that holds a tile's 36 score HGMMA
+        head, tail = min(((h, t) for h, t in loops if sum(h <= a <= t and op == "HGMMA" for a, op, _, _ in code) >= 36),
+                         key=lambda loop: loop[1] - loop[0])  # fmt: skip
+        path = sass_main_path(code, head, tail)
+        masks = sum(bool(re.search(r"FSEL R\\d+, R\\d+, -INF", line)) for line in path)
+        ffma = sum(" FFMA " in line for line in path)
+        print(json.dumps([verify, fp8, lean, *sass_resources(kernel.asm["cubin"]), len(path), masks, ffma]))
+"""
+
+
+def test_sm90_mla_lean_softmax_takes_the_masks_off_the_interior_tiles() -> None:
+    """``LEAN_SOFTMAX`` (not yet the sm90 entries': its H200 timing is to come) compiled for sm_90: on the path a
+    tile takes through the softmax warpgroup's loop when every row sees it whole, no score is masked (the masks sit
+    in a block that a branch on the tile's bounds skips) and, for a 16-bit cache, each exponent's argument is one
+    fma (the scale folded in: 32 ``FFMA`` a thread, where the tree multiplies, then subtracts). Triton 3.6, the
+    interior tile's path (``bench.sass_main_path``): decode 614 -> 505 instructions, verify 590 -> 495, verify over
+    an FP8 cache 1198 -> 1135; registers and stack as without it."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", _LEAN_SOFTMAX_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {(row[0], row[1], row[2]): row[3:] for row in map(json.loads, done.stdout.splitlines()) if row}
+    assert len(rows) == 6
+    for (verify, fp8, lean), (registers, stack, path, masks, ffma) in rows.items():
+        tree_registers, tree_stack, tree_path, tree_masks, tree_ffma = rows[verify, fp8, False]
+        assert registers <= tree_registers and stack <= tree_stack, rows
+        if lean:
+            assert masks == 0 and tree_masks >= 32, rows  # 32 scores a thread and tile
+            assert path <= tree_path - (32 if fp8 else 64), rows
+            assert fp8 or ffma >= tree_ffma + 32, rows
 
 
 _PROBE_COMPILE = """

@@ -245,23 +245,29 @@ def test_verify_tma_tiles_and_the_cut_last_tile(device, page_size, layout, fp8) 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon stage 1 runs on compute capability 9.x only")
 @pytest.mark.parametrize(
-    ("qlen", "heads", "num_kv_splits", "real", "page_size", "layout", "fp8"),
-    [(4, 16, 2, False, 64, "4d", False), (4, 128, 1, False, 64, "4d", False), (3, 32, 3, True, 128, "3d", False),
-     (1, 64, 4, True, 64, "4d", False), (2, 16, 3, True, 64, "4d", False), (3, 16, 2, False, 128, "3d", False),
-     (2, 128, 2, False, 64, "4d", True), (4, 16, 1, True, 64, "4d", True), (3, 32, 3, True, 128, "3d", True)],
+    ("qlen", "heads", "num_kv_splits", "real", "page_size", "layout", "fp8", "lean"),
+    [(4, 16, 2, False, 64, "4d", False, False), (4, 128, 1, False, 64, "4d", False, False),
+     (3, 32, 3, True, 128, "3d", False, False), (1, 64, 4, True, 64, "4d", False, False),
+     (2, 16, 3, True, 64, "4d", False, False), (3, 16, 2, False, 128, "3d", False, False),
+     (2, 128, 2, False, 64, "4d", True, False), (4, 16, 1, True, 64, "4d", True, False),
+     (3, 32, 3, True, 128, "3d", True, False),
+     (4, 16, 2, False, 64, "4d", False, True), (4, 128, 1, False, 64, "4d", False, True),
+     (3, 32, 3, True, 128, "3d", False, True), (2, 128, 2, False, 64, "4d", True, True)],
 )  # fmt: skip
 def test_sm90_verify_fast_path_matches_golden(device, qlen, heads, num_kv_splits, real, page_size, layout,
-                                              fp8) -> None:  # fmt: skip
+                                              fp8, lean) -> None:  # fmt: skip
     """The Gluon stage 1 (DeepSeek's widths, 32 rows or more per request, pages of 64k keys) against golden,
     partials included: one row block of 4 tokens x 16 heads (per-row causal limits in one tile), 8 blocks of one
     token each, 96 rows (a token cut across two blocks, the second half empty), 32 and 48 rows (one block, partly
     empty), real lengths below the kernel's, the NaN moat around every request, the cut last tile of each split;
-    a 16-bit and an FP8 cache (its codes widened in shared memory, the moat's NaN codes zeroed there)."""
+    a 16-bit and an FP8 cache (its codes widened in shared memory, the moat's NaN codes zeroed there). ``lean``:
+    ``LEAN_SOFTMAX`` (masks on a split's edge tiles only, the scale in the exponents' fma; an FP8 cache only the
+    former), over causal limits that differ by row, splits that start inside a tile, and blocks with empty rows."""
     lens = [300, 129, 64, 1, 0, 700]
     problem = make_problem(lens, qlen, heads, 512, 64, page_size, device, seed=11, layout=layout,
                            cache_dtype=torch.float8_e4m3fn if fp8 else None,
                            real_seq_lens=[250, 129, 10, 1, 0, 700] if real else None)  # fmt: skip
-    config = _config("large", arch="sm90")
+    config = {**_config("large", arch="sm90"), "LEAN_SOFTMAX": lean}
     rows = len(lens) * qlen
     o, lse = torch.empty(rows, heads, 512, device=device), torch.empty(rows, heads, device=device)
     plan = tv._plan_verify(problem.q, problem.cache, problem.cache[..., :512], o, lse, problem.block_table,
@@ -269,6 +275,7 @@ def test_sm90_verify_fast_path_matches_golden(device, qlen, heads, num_kv_splits
                            torch.empty(rows, heads, num_kv_splits, 513, device=device), num_kv_splits,
                            problem.sm_scale, page_size, problem.k_scale, config)  # fmt: skip
     assert plan.stage1._kernel is decode_attention_sm90.mla_verify_stage1_kernel
+    assert plan.stage1._constexprs["LEAN_SOFTMAX"] == lean
     check_against_golden(problem, num_kv_splits, config)
 
 

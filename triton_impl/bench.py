@@ -256,6 +256,20 @@ def sass_loop(cubin: bytes, opcode: str) -> list[str]:
     return [line for address, _, _, line in code if head <= address <= tail]
 
 
+# A predicated forward branch: what a trip that takes it skips (a second predicate may follow BRA).
+SASS_SKIP = re.compile(r"@!?U?P[T0-9]+\s+BRA\s+(?:!?U?P[T0-9]+,\s*)?(?:`\(\S+\)\s*)?0x([0-9a-f]+)")
+
+
+def sass_main_path(code: list[tuple[int, str, str, str]], head: int, tail: int) -> list[str]:
+    """The lines of loop ``(head, tail)`` (:func:`sass_code`) that a trip runs whichever of the loop's predicated
+    forward branches it takes: those outside every span a branch skips (from the branch to its target inside the
+    loop; a branch out of the loop, to a block placed after it that jumps back, skips nothing here)."""
+    skipped = [(address, int(m.group(1), 16)) for address, _, _, line in code
+               if head <= address <= tail and (m := SASS_SKIP.search(line)) and address < int(m.group(1), 16) <= tail]
+    return [line for address, _, _, line in code
+            if head <= address <= tail and not any(start < address < end for start, end in skipped)]  # fmt: skip
+
+
 def sass_resources(cubin: bytes) -> tuple[int, int]:
     """``(registers, stack bytes)`` per thread of a cubin's (last) kernel, from ``cuobjdump -res-usage``."""
     line = [x for x in cuobjdump(cubin, "-res-usage").splitlines() if "REG:" in x][-1]

@@ -107,6 +107,12 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # CLUSTER_MERGE (0): the few-rows kernel merges 2-8 splits of a row itself, the row's programs one thread-block
 # cluster, where every row's cluster runs at once (decode_attention_sm90.merges_in_cluster): decode B=8 H=16 L=4K
 # 0.0191 -> 0.0181 ms (bench_h200.md, 6412cb9 -> a4d4a28; 0.96x -> 1.04x FlashInfer).
+# LEAN_SOFTMAX (0; the 64-row Gluon stage 1, decode and verify alike, for a positive sm_scale): a tile that every row
+# sees whole skips its mask, and the score scale goes into each exponent's fma (decode_attention_sm90._softmax): the
+# softmax warpgroup's path through such a tile 614 -> 505 instructions (decode, H=128) and 590 -> 495 (verify,
+# qlen 4), its ALU-pipe instructions 151 -> 87 and 128 -> 80; an FP8 cache (the masks only) 1198 -> 1135 (Triton
+# 3.6, bench.sass_main_path; perf_log.md, forty-second session). The softmax runs with the tensor cores idle:
+# predicted 3-5% off a compute-bound tile. Compiled and checked on the CPU, not yet timed on the H200, so 0 here.
 # Every key ending in _h16 / _H16 replaces its base key where the head tile is 16 heads (tile_config).
 _CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})
 DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
@@ -117,7 +123,7 @@ DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "sm90": {
         "mla": {"BLOCK_N": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1, "GLUON": 1,
                 "maxnreg_h16": 128, "TMA": 1, "TMA_H16": 0, "SPLIT_ROUNDS": 1, "PROGRAMS_PER_SM": 1,
-                "PROGRAMS_PER_SM_H16": 2, "GLUON_FEW": 1, "CLUSTER_MERGE": 1},
+                "PROGRAMS_PER_SM_H16": 2, "GLUON_FEW": 1, "CLUSTER_MERGE": 1, "LEAN_SOFTMAX": 0},
         "gqa": {"BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4},
     },
 }
@@ -774,6 +780,8 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
                 device, num_rows, num_kv_splits)  # fmt: skip
             constexprs["CLUSTER_MERGE"] = bool(merged)
             cluster = num_kv_splits if merged else 1
+        else:
+            constexprs["LEAN_SOFTMAX"] = bool(config.get("LEAN_SOFTMAX")) and sm_scale > 0
         stage1 = Launch(gluon, (head_blocks * num_rows * num_kv_splits,), (
             float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,
             num_pages, req_to_token.shape[1] * page_size,

@@ -32,9 +32,11 @@ mbarriers order everything: ``k_full`` / ``k_free`` per stage (TMA landed / both
 scale the value warpgroup applies to its half.
 
 Numerics are the portable kernel's: bf16 (or fp16) operands, ``P`` rounded to the query dtype, fp32
-accumulation, online softmax in base 2. Partial tiles at a split's ends are loaded whole (their page holds
-them) and their keys outside the split are zeroed in shared memory before any MMA reads them, so a NaN in
-an unused cache slot never reaches the value product.
+accumulation, online softmax in base 2. ``LEAN_SOFTMAX`` (off in the sm90 entries until it is timed on the H200)
+masks only the tiles some row does not see whole and folds the score scale into each exponent's fma
+(:func:`_softmax`: the same row max, ``P`` rounded once where it was rounded twice). Partial tiles at a split's
+ends are loaded whole (their page holds them) and their keys outside the split are zeroed in shared memory before
+any MMA reads them, so a NaN in an unused cache slot never reaches the value product.
 
 An FP8 (e4m3) cache takes the same schedule with its codes widened in shared memory (:func:`_attend` says where
 they live): TMA brings two stages of codes (36 KiB a tile), and each warpgroup widens its parts of a tile into one
@@ -438,19 +440,39 @@ def _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, w_full, i, first
 
 
 @gluon.jit
-def _softmax(s, tile, start, row_end, m_i, l_i, qk_scale, logit_cap, HAS_CAP: gl.constexpr):
+def _softmax(s, tile, start, row_end, row_min, m_i, l_i, qk_scale, logit_cap, HAS_CAP: gl.constexpr,
+             EDGE_MASKS: gl.constexpr = 0, FOLD_SCALE: gl.constexpr = 0):
     """A tile's scores -> ``(P, alpha, m, l)`` of the online softmax (base 2): row ``r`` sees keys ``[start,
     row_end[r])``, the rest get probability 0. A row with no key so far keeps ``m = -inf`` and gets
-    ``alpha = 1``, ``P = 0`` (its max is taken as 0 in the exponents)."""
-    s = s * qk_scale
+    ``alpha = 1``, ``P = 0`` (its max is taken as 0 in the exponents).
+
+    ``EDGE_MASKS``: the mask is applied only to a tile that some row does not see whole, one starting before
+    ``start`` or ending past ``row_min`` (the least ``row_end``); every other tile is seen whole by every row and
+    its mask would select every score (a branch on scalars, the same for the whole warpgroup). ``FOLD_SCALE``
+    (``qk_scale > 0``, no cap): the scale goes into each exponent's fma, ``exp2(s qk_scale - m)``, instead of a
+    multiplication of every score first, and the row max is taken of the unscaled scores, then scaled: rounding is
+    monotone, so that is the max of the scaled scores, the same ``m`` bit for bit; ``P`` differs from the
+    unfolded one by the rounding of ``s qk_scale`` (the fma rounds once)."""
+    if not FOLD_SCALE:
+        s = s * qk_scale
     if HAS_CAP:
         s = logit_cap * (2.0 / (1.0 + gl.exp2(s * (-2.0 * _LOG2E / logit_cap))) - 1.0) * _LOG2E
     key = tile + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _S_LAYOUT))
-    s = gl.where((key[None, :] >= start) & (key[None, :] < row_end[:, None]), s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    if EDGE_MASKS:
+        if (tile < start) | (tile + BLOCK_N > row_min):
+            s = gl.where((key[None, :] >= start) & (key[None, :] < row_end[:, None]), s, float("-inf"))
+    else:
+        s = gl.where((key[None, :] >= start) & (key[None, :] < row_end[:, None]), s, float("-inf"))
+    if FOLD_SCALE:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(s - m_use[:, None])
+    if FOLD_SCALE:
+        p = gl.exp2(s * qk_scale - m_use[:, None])
+    else:
+        p = gl.exp2(s - m_use[:, None])
     return p, gl.convert_layout(alpha, _ROWS), m_new, l_i * alpha + gl.sum(p, axis=1)
 
 
@@ -471,9 +493,9 @@ def _hand_over(p, row_values, p_s, vec_s, p_full, p_free, i):
 @gluon.jit
 def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, codes0, codes_pe, p_s, vec_s, k_full,
             k_free, w_full, p_full, p_free, table_row, stride_t_p, num_pages, table_keys, first_tile, num_tiles, start,
-            tile_end, limit, row_end, qk_scale, out_scale, logit_cap, out_ptr, stride_out_r, stride_out_h, request,
-            row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, PAGE_SIZE: gl.constexpr, HAS_CAP: gl.constexpr,
-            OUT_VEC: gl.constexpr):  # fmt: skip
+            tile_end, limit, row_end, row_min, qk_scale, out_scale, logit_cap, out_ptr, stride_out_r, stride_out_h,
+            request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, PAGE_SIZE: gl.constexpr,
+            HAS_CAP: gl.constexpr, OUT_VEC: gl.constexpr, LEAN_SOFTMAX: gl.constexpr):  # fmt: skip
     """The softmax warpgroup (the default partition): the query into shared memory and the block-table check
     (their loads in flight together, and beside the loader's first tiles), then per tile the scores, the online
     softmax and ``O[:, :256]``; the value product of a tile runs under the wait for the next tile and its
@@ -482,6 +504,9 @@ def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe,
     scale (times ``out_scale``), leaves the row scale for the value warpgroup and returns ``(lse,)``."""
     dtype: gl.constexpr = q_s0.dtype
     FP8: gl.constexpr = codes0.dtype.primitive_bitwidth == 8
+    # (an FP8 cache's scale, in qk_scale, is read on the device: its sign is not known to the host, which sets
+    # LEAN_SOFTMAX only for a positive sm_scale)
+    FOLD_SCALE: gl.constexpr = LEAN_SOFTMAX and not FP8 and not HAS_CAP
     r, h, _, ok = _rows(request, row_block, QLEN, NUM_HEADS, gl.SliceLayout(1, _ROWS_LAYOUT))
     q_rows = q_ptr + r.to(gl.int64) * stride_q_r + h * stride_q_h
     _copy_q(q_s0, q_rows, ok, 0, HALF)
@@ -515,8 +540,8 @@ def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe,
             mbarrier.arrive(k_free.index((i - 1) % STAGES), count=1)
         s = _issue_scores(q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, k_full, w_full, i, first_tile, start, tile_end, FP8)
         s = warpgroup_mma_wait(0, deps=[s])
-        p, alpha, m_i, l_i = _softmax(s, first_tile + i * BLOCK_N, start, row_end, m_i, l_i, qk_scale, logit_cap,
-                                      HAS_CAP)  # fmt: skip
+        p, alpha, m_i, l_i = _softmax(s, first_tile + i * BLOCK_N, start, row_end, row_min, m_i, l_i, qk_scale,
+                                      logit_cap, HAS_CAP, LEAN_SOFTMAX, FOLD_SCALE)  # fmt: skip
         p = p.to(dtype)
         _hand_over(p, alpha, p_s, vec_s, p_full, p_free, i)
         acc = warpgroup_mma(gl.convert_layout(p, _P_OPERAND), _key_tile(k_s0, i, FP8), acc * alpha[:, None],
@@ -549,7 +574,8 @@ def _copy_q(q_s, q_rows, row_ok, COL0: gl.constexpr, WIDTH: gl.constexpr):
 def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_t_p, num_pages, table_keys,
             out_ptr, stride_out_r, stride_out_h, lse_ptr, stride_lse_r, stride_lse_h, seq_len, real_len, start, end,
             qk_scale, k_scale_ptr, logit_cap, request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,
-            PAGE_SIZE: gl.constexpr, HAS_CAP: gl.constexpr, OUT_VEC: gl.constexpr):  # fmt: skip
+            PAGE_SIZE: gl.constexpr, HAS_CAP: gl.constexpr, OUT_VEC: gl.constexpr,
+            LEAN_SOFTMAX: gl.constexpr = 0):  # fmt: skip
     """One program: keys ``[start, end)`` of request ``request`` for its 64 rows, row ``r`` (token ``t``) up to
     its causal limit ``min(seq_len - QLEN + 1 + t, real_len)``; the output halves and LSE (natural log) stored
     at ``out_ptr`` / ``lse_ptr`` with the given row (query row) and head strides.
@@ -569,6 +595,7 @@ def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_
     limit = gl.where(ok, gl.maximum(gl.minimum(seq_len - QLEN + 1 + t, real_len), 0), 0)
     row_end = gl.minimum(gl.minimum(limit, end), table_keys)
     tile_end = gl.max(row_end, axis=0)
+    row_min = gl.min(row_end, axis=0)  # a tile below it, at or past start, is seen whole by every row
     first_tile = start // BLOCK_N * BLOCK_N
     num_tiles = gl.where(tile_end > start, gl.cdiv(tile_end - first_tile, BLOCK_N), 0)
 
@@ -602,8 +629,9 @@ def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_
     (lse,) = gl.warp_specialize([
         (_scores, (q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe, codes0, codes_pe, p_s, vec_s,
                    k_full, k_free, w_full, p_full, p_free, table_row, stride_t_p, num_pages, table_keys, first_tile,
-                   num_tiles, start, tile_end, limit, row_end, qk_scale, out_scale, logit_cap, out_ptr, stride_out_r,
-                   stride_out_h, request, row_block, QLEN, NUM_HEADS, PAGE_SIZE, HAS_CAP, OUT_VEC)),
+                   num_tiles, start, tile_end, limit, row_end, row_min, qk_scale, out_scale, logit_cap, out_ptr,
+                   stride_out_r, stride_out_h, request, row_block, QLEN, NUM_HEADS, PAGE_SIZE, HAS_CAP, OUT_VEC,
+                   LEAN_SOFTMAX)),
         (_values, (k_s1, codes1, p_s, vec_s, k_full, k_free, w_full, p_full, p_free, first_tile, num_tiles, start,
                    tile_end, out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN, NUM_HEADS, OUT_VEC)),
         (_loader, (lat_desc, pe_desc, codes0, codes1, codes_pe, k_full, k_free, table_row, stride_t_p, num_pages,
@@ -685,6 +713,7 @@ def mla_decode_stage1_kernel(
     HAS_CAP: gl.constexpr,
     SINGLE_SPLIT: gl.constexpr,
     BF16_PARTIALS: gl.constexpr,
+    LEAN_SOFTMAX: gl.constexpr = 0,  # interior tiles unmasked; the scale in the exponents' fma (_softmax)
 ):  # fmt: skip
     """Decode, grid ``(cdiv(GROUP, 64) * R * S,)`` (:func:`_decode_program`): a split of a row's visible keys for 64
     query heads; the same partials (or, with ``SINGLE_SPLIT``, outputs) as ``decode_attention._decode_stage1_kernel``.
@@ -699,7 +728,8 @@ def mla_decode_stage1_kernel(
     _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_ptr + row.to(gl.int64) * stride_t_r, stride_t_p,
             num_pages, table_keys, out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h,
             n, n, start, end, qk_scale, k_scale_ptr, logit_cap, row, head_block, 1, GROUP, PAGE_SIZE,
-            HAS_CAP, _store_vec(SINGLE_SPLIT, BF16_PARTIALS, o_ptr.dtype.element_ty.primitive_bitwidth))  # fmt: skip
+            HAS_CAP, _store_vec(SINGLE_SPLIT, BF16_PARTIALS, o_ptr.dtype.element_ty.primitive_bitwidth),
+            LEAN_SOFTMAX)  # fmt: skip
 
 
 @gluon.jit
@@ -718,6 +748,7 @@ def mla_verify_stage1_kernel(
     PAGE_SIZE: gl.constexpr,
     SINGLE_SPLIT: gl.constexpr,
     BF16_PARTIALS: gl.constexpr,
+    LEAN_SOFTMAX: gl.constexpr = 0,  # interior tiles unmasked; the scale in the exponents' fma (_softmax)
 ):  # fmt: skip
     """Verify, grid ``(B * S * cdiv(QLEN * NUM_HEADS, 64),)`` as ``mla_verify._fwd_verify_kernel_stage1`` (its
     split rule and partials; the row blocks of one request and split adjacent in the program id, so they share
@@ -741,7 +772,8 @@ def mla_verify_stage1_kernel(
     _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_ptr + b.to(gl.int64) * stride_t_b, stride_t_p,
             num_pages, table_keys, out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h,
             seq_len, real_len, start, end, sm_scale_log2, k_scale_ptr, 0.0, b, row_block, QLEN, NUM_HEADS, PAGE_SIZE,
-            False, _store_vec(SINGLE_SPLIT, BF16_PARTIALS, o_ptr.dtype.element_ty.primitive_bitwidth))  # fmt: skip
+            False, _store_vec(SINGLE_SPLIT, BF16_PARTIALS, o_ptr.dtype.element_ty.primitive_bitwidth),
+            LEAN_SOFTMAX)  # fmt: skip
 
 
 # -- Few rows: decode with at most 16 query heads (DeepSeek's 128 heads under tensor parallelism of 8) ---------------
@@ -985,12 +1017,13 @@ def merges_in_cluster(device: torch.device, num_rows: int, num_kv_splits: int) -
 
 def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, page_size: int = 64,
                      single_split: bool = False, few_rows: bool = False, fp8: bool = False,
-                     bf16_partials: bool = True, cluster_merge: bool | None = None) -> Any:  # fmt: skip
+                     bf16_partials: bool = True, cluster_merge: bool | None = None,
+                     lean_softmax: bool = False) -> Any:  # fmt: skip
     """The decode (or, ``verify``, the verify) stage 1 compiled for sm_90 on any machine (no GPU needed),
     specialized as a bench launch is (a bf16 query, a bf16 or, ``fp8``, an FP8 cache, 16-byte aligned pointers, the
     block table's unit column stride a constant; partials in bf16 as for a bf16 output, unless ``bf16_partials`` is
-    false; the few-rows kernel with several splits merging them itself unless ``cluster_merge`` is false): the
-    ``CompiledKernel``, with ``asm["cubin"]``."""
+    false; the few-rows kernel with several splits merging them itself unless ``cluster_merge`` is false; the 64-row
+    kernels' ``LEAN_SOFTMAX`` as ``lean_softmax``): the ``CompiledKernel``, with ``asm["cubin"]``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1014,6 +1047,8 @@ def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, p
         if few_rows:
             constexprs["CLUSTER_MERGE"] = not single_split if cluster_merge is None else cluster_merge
     constexprs["BF16_PARTIALS"] = bf16_partials
+    if not few_rows:
+        constexprs["LEAN_SOFTMAX"] = lean_softmax
     constexprs["stride_t_p"] = 1
     signature = {n: "constexpr" if n in constexprs else pointers.get(n) or descs.get(n) or
                  ("fp32" if n in floats else "i32") for n in names}  # fmt: skip

@@ -122,6 +122,8 @@ VERIFY_DEFAULT_CONFIG: dict[str, Any] = {
 #   M, every head from one read of each key) instead of a 64-row verify tile three-quarters empty: B=32 H=16 qlen=1
 #   L=32K 0.5403 ms through the portable verify kernel (53.0% of the copy roofline) -> 0.2841 ms (99.4%;
 #   benchmarks/verify_qlen.py at 04c9edb and ed2f980).
+#   LEAN_SOFTMAX: the Gluon stage 1's lean softmax (decode_attention.py's DECODE_CONFIGS comment says what it does
+#   and its counts); not yet timed on the H200, so False.
 # - "default": any other GPU; the same shapes, untuned.
 # - "interpreter": TRITON_INTERPRET=1 on a CPU, where a tile's cost is NumPy work: small tiles
 #   and short splits keep tests fast and exercise many splits on short sequences.
@@ -144,6 +146,7 @@ VERIFY_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
             "SPLIT_LATENT": True,
             "TMA": True,
             "GLUON": True,
+            "LEAN_SOFTMAX": False,
             "FP8_VIA_DECODE": True,
             "FEW_ROWS_VIA_DECODE": True,
             "num_warps": 8,
@@ -735,6 +738,7 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
         ), dict(QLEN=qlen, NUM_HEADS=num_heads, HAS_REAL=real_seq_lens is not None, NUM_KV_SPLITS=num_kv_splits,
                 SPLIT_ALIGN=cfg["SPLIT_ALIGN"], MIN_SPLIT_LEN=cfg["MIN_SPLIT_LEN"], PAGE_SIZE=page_size,
                 SINGLE_SPLIT=single, BF16_PARTIALS=bf16_values,
+                LEAN_SOFTMAX=bool(cfg.get("LEAN_SOFTMAX")) and sm_scale > 0,
                 num_warps=int(decode_attention_sm90.NUM_WARPS)))  # fmt: skip
         return make_plan(stage1, merge, tma, DescriptorsByAddress(decode_attention_sm90.descriptors))
     if cfg.get("FP8_VIA_DECODE") and k_buffer.dtype == torch.float8_e4m3fn and num_heads % cfg["BLOCK_H"] == 0:
