@@ -674,7 +674,8 @@ def test_sm90_mla_lean_softmax_takes_the_masks_off_the_interior_tiles() -> None:
     done = subprocess.run([sys.executable, "-c", _LEAN_SOFTMAX_COMPILE], env=env, capture_output=True, text=True,
                           timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = {(row[0], row[1], row[2]): row[3:] for row in map(json.loads, done.stdout.splitlines()) if row}
+    rows = {tuple(row[:3]): row[3:] for row in (json.loads(line) for line in done.stdout.splitlines()
+                                                 if line.startswith("["))}  # fmt: skip
     assert len(rows) == 6
     for (verify, fp8, lean), (registers, stack, path, masks, ffma) in rows.items():
         tree_registers, tree_stack, tree_path, tree_masks, tree_ffma = rows[verify, fp8, False]
