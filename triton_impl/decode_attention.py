@@ -781,7 +781,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
             constexprs["CLUSTER_MERGE"] = bool(merged)
             cluster = num_kv_splits if merged else 1
         else:
-            constexprs["LEAN_SOFTMAX"] = bool(config.get("LEAN_SOFTMAX")) and sm_scale > 0
+            constexprs["LEAN_SOFTMAX"] = decode_attention_sm90.uses_lean_softmax(config, sm_scale)
         stage1 = Launch(gluon, (head_blocks * num_rows * num_kv_splits,), (
             float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,
             num_pages, req_to_token.shape[1] * page_size,

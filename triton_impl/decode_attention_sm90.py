@@ -156,6 +156,12 @@ def supports(*, device: torch.device, is_mla: bool, key_width: int, value_width:
     return rows >= MIN_ROWS and _served(device, is_mla, key_width, value_width, q, cache_dtype, page_size, tma_rows)
 
 
+def uses_lean_softmax(config: dict[str, Any], sm_scale: float) -> bool:
+    """The 64-row kernels' ``LEAN_SOFTMAX`` under a launch config: where the config asks for it and the scale is
+    positive (:func:`_softmax` takes the row max of unscaled scores, which only a positive scale keeps in order)."""
+    return bool(config.get("LEAN_SOFTMAX")) and sm_scale > 0
+
+
 def supports_few_rows(*, device: torch.device, is_mla: bool, key_width: int, value_width: int, q: torch.Tensor,
                       cache_dtype: torch.dtype, rows: int, page_size: int, tma_rows: bool) -> bool:  # fmt: skip
     """Whether a decode call is one :func:`mla_decode_few_rows_kernel` serves: as :func:`supports`, with at most

@@ -738,7 +738,7 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
         ), dict(QLEN=qlen, NUM_HEADS=num_heads, HAS_REAL=real_seq_lens is not None, NUM_KV_SPLITS=num_kv_splits,
                 SPLIT_ALIGN=cfg["SPLIT_ALIGN"], MIN_SPLIT_LEN=cfg["MIN_SPLIT_LEN"], PAGE_SIZE=page_size,
                 SINGLE_SPLIT=single, BF16_PARTIALS=bf16_values,
-                LEAN_SOFTMAX=bool(cfg.get("LEAN_SOFTMAX")) and sm_scale > 0,
+                LEAN_SOFTMAX=decode_attention_sm90.uses_lean_softmax(cfg, sm_scale),
                 num_warps=int(decode_attention_sm90.NUM_WARPS)))  # fmt: skip
         return make_plan(stage1, merge, tma, DescriptorsByAddress(decode_attention_sm90.descriptors))
     if cfg.get("FP8_VIA_DECODE") and k_buffer.dtype == torch.float8_e4m3fn and num_heads % cfg["BLOCK_H"] == 0:
