@@ -459,26 +459,19 @@ def _softmax(s, tile, start, row_end, row_min, m_i, l_i, qk_scale, logit_cap, HA
     multiplication of every score first, and the row max is taken of the unscaled scores, then scaled: rounding is
     monotone, so that is the max of the scaled scores, the same ``m`` bit for bit; ``P`` differs from the
     unfolded one by the rounding of ``s qk_scale`` (the fma rounds once)."""
+    scale = qk_scale  # what multiplies the scores in the exponents: qk_scale where folded, else 1 (already applied)
     if not FOLD_SCALE:
         s = s * qk_scale
+        scale = 1.0
     if HAS_CAP:
         s = logit_cap * (2.0 / (1.0 + gl.exp2(s * (-2.0 * _LOG2E / logit_cap))) - 1.0) * _LOG2E
     key = tile + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _S_LAYOUT))
-    if EDGE_MASKS:
-        if (tile < start) | (tile + BLOCK_N > row_min):
-            s = gl.where((key[None, :] >= start) & (key[None, :] < row_end[:, None]), s, float("-inf"))
-    else:
+    if (not EDGE_MASKS) or (tile < start) | (tile + BLOCK_N > row_min):
         s = gl.where((key[None, :] >= start) & (key[None, :] < row_end[:, None]), s, float("-inf"))
-    if FOLD_SCALE:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-    else:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
-    if FOLD_SCALE:
-        p = gl.exp2(s * qk_scale - m_use[:, None])
-    else:
-        p = gl.exp2(s - m_use[:, None])
+    p = gl.exp2(s * scale - m_use[:, None])
     return p, gl.convert_layout(alpha, _ROWS), m_new, l_i * alpha + gl.sum(p, axis=1)
 
 
