@@ -581,7 +581,7 @@ def _register_pairs(groups, pair_lut, KEY_BITS: gl.constexpr, SYMMETRIC: gl.cons
 def _mixed_pairs(groups, pair_lut, KEY_BITS: gl.constexpr, SYMMETRIC: gl.constexpr, SHARED: gl.constexpr):
     """:func:`_shared_pairs` where ``SHARED``, else :func:`_register_pairs`."""
     if SHARED:
-        pairs = _shared_pairs(groups, _table_base(pair_lut, KEY_BITS), KEY_BITS)
+        pairs = _shared_pairs(groups, _table_base(pair_lut), KEY_BITS)
     else:
         pairs = _register_pairs(groups, pair_lut, KEY_BITS, SYMMETRIC)
     return pairs
@@ -596,13 +596,9 @@ def _words_again(r0, r1, r2, r3, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _table_base(pair_lut, KEY_BITS: gl.constexpr):
-    """The shared pair table's address in :func:`_centroid_tables`' tuple (0 where the kernel has no table)."""
-    if KEY_BITS == 4:
-        base = pair_lut[9]
-    else:
-        base = pair_lut[4]
-    return base
+def _table_base(pair_lut):
+    """The shared pair table's address, the last of :func:`_centroid_tables`' tuple (0 where the kernel has none)."""
+    return pair_lut[len(pair_lut) - 1]
 
 
 @gluon.jit
@@ -632,7 +628,7 @@ def _key_operand(words, pair_lut, KEY_BITS: gl.constexpr, BYTES_LAYOUT: gl.const
             groups = gl.reshape(gl.permute(gl.join(g01, g23), (0, 1, 2, 3, 5, 4)), [CHUNKS, 2, 8, 4, 4])
             groups = gl.convert_layout(groups, words.type.layout)
         if SHARED == 4:  # (the split path below gives the same lookups, at 6 more instructions a step for 4-bit keys)
-            p0, p1, p2, p3 = _shared_pairs(groups, _table_base(pair_lut, KEY_BITS), KEY_BITS)
+            p0, p1, p2, p3 = _shared_pairs(groups, _table_base(pair_lut), KEY_BITS)
         elif SHARED:  # a thread's first SHARED words or groups from the shared table, the others by prmt
             even, odd = gl.split(gl.reshape(groups, [CHUNKS, 2, 8, 4, 2, 2]))  # word 2a + b: split by b, then by a
             w0, w2 = gl.split(even)
