@@ -664,7 +664,7 @@ for verify, qlen, fp8 in ((False, 1, False), (True, 4, False), (True, 2, True)):
 
 
 def test_sm90_mla_lean_softmax_takes_the_masks_off_the_interior_tiles() -> None:
-    """``LEAN_SOFTMAX`` (not yet the sm90 entries': its H200 timing is to come) compiled for sm_90: on the path a
+    """``LEAN_SOFTMAX`` (the sm90 entries', decode and verify) compiled for sm_90: on the path a
     tile takes through the softmax warpgroup's loop when every row sees it whole, no score is masked (the masks sit
     in a block that a branch on the tile's bounds skips) and, for a 16-bit cache, each exponent's argument is one
     fma (the scale folded in: 32 ``FFMA`` a thread, where the tree multiplies, then subtracts). Triton 3.6, the

@@ -112,7 +112,9 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # softmax warpgroup's path through such a tile 614 -> 505 instructions (decode, H=128) and 590 -> 495 (verify,
 # qlen 4), its ALU-pipe instructions 151 -> 87 and 128 -> 80; an FP8 cache (the masks only) 1198 -> 1135 (Triton
 # 3.6, bench.sass_main_path; perf_log.md, forty-second session). The softmax runs with the tensor cores idle:
-# predicted 3-5% off a compute-bound tile. Compiled and checked on the CPU, not yet timed on the H200, so 0 here.
+# predicted 3-5% off a compute-bound tile; measured on the H200 (kernel_times.py, stage 1, two runs each, c2c2eac
+# with the flag off -> on): decode B=32 H=128 L=32K 508.2 -> 495.9 us, verify B=32 H=128 qlen 4 L=32K 1871.6 ->
+# 1821.7 us, qlen 8 L=4K 245.5 -> 242.3 us; with an FP8 cache within +-1% (perf_log.md, forty-third session).
 # Every key ending in _h16 / _H16 replaces its base key where the head tile is 16 heads (tile_config).
 _CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})
 DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
@@ -123,7 +125,7 @@ DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "sm90": {
         "mla": {"BLOCK_N": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1, "GLUON": 1,
                 "maxnreg_h16": 128, "TMA": 1, "TMA_H16": 0, "SPLIT_ROUNDS": 1, "PROGRAMS_PER_SM": 1,
-                "PROGRAMS_PER_SM_H16": 2, "GLUON_FEW": 1, "CLUSTER_MERGE": 1, "LEAN_SOFTMAX": 0},
+                "PROGRAMS_PER_SM_H16": 2, "GLUON_FEW": 1, "CLUSTER_MERGE": 1, "LEAN_SOFTMAX": 1},
         "gqa": {"BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4},
     },
 }

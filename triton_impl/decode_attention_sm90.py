@@ -32,7 +32,7 @@ mbarriers order everything: ``k_full`` / ``k_free`` per stage (TMA landed / both
 scale the value warpgroup applies to its half.
 
 Numerics are the portable kernel's: bf16 (or fp16) operands, ``P`` rounded to the query dtype, fp32
-accumulation, online softmax in base 2. ``LEAN_SOFTMAX`` (off in the sm90 entries until it is timed on the H200)
+accumulation, online softmax in base 2. ``LEAN_SOFTMAX`` (on in the sm90 entries; 1-3% off stage 1 on the H200)
 masks only the tiles some row does not see whole and folds the score scale into each exponent's fma
 (:func:`_softmax`: the same row max, ``P`` rounded once where it was rounded twice). Partial tiles at a split's
 ends are loaded whole (their page holds them) and their keys outside the split are zeroed in shared memory before
