@@ -345,8 +345,12 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # them off that pipe: Triton 3.6, ALU instructions a two-chunk step of stream-K (benchmarks/sass_sm90_turboquant.py),
 # 4-bit 402 -> 354 (1) -> 306 (2) -> 258 (3) -> 210 (4), k3v4 391 -> 367 -> 343 -> 319 -> 294, 3bit_nc 426 -> 404 ->
 # 380 -> 356 -> 332, for 16 LDS a step per word or group (about 3.3 bank conflicts each in the 256-entry 4-bit table,
-# at most 2 in the 64-entry 3-bit one). Compiled and checked on the CPU (tests/test_turboquant.py); not yet timed on
-# the H200, so 0 here.
+# at most 2 in the 64-entry 3-bit one). On the H200 (kernel_times.py, stage 1 at L=8K / 32K, two runs each in one
+# call, us; perf_log.md, forty-third session) only 3-bit keys with 4-bit values gain, and most with all 4 words:
+# k3v4 101.3 / 353.2 -> 95.4 / 334.1 (3) -> 94.5 / 331.0 (4), where 4-bit keys lose (100.2 / 358.6 -> 102.6 /
+# 369.3 (3) -> 109.9 / 403.0 (4)) and so do 3-bit values (107.1 / 370.1 -> 108.5 / 386.3 -> 110.2 / 402.7): the
+# 256-entry table's bank conflicts and the 3-bit values' own shared-memory reads put the LDS pipe in the ALU pipe's
+# place. So 4 for 3-bit keys (_k3), 0 for 3-bit values (_v3, applied after) and 4-bit keys.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
@@ -356,7 +360,8 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
              "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 128, "WARP_STEP": 2,
              "WARP_STAGES": 4, "WARP_STEP_v3": 2, "WARP_STAGES_v3": 4, "WARP_MAXNREG_v3": 168, "PROGRAMS_PER_SM_v3": 12,
              "STREAM_K": 1, "STREAM_K_k8": 0, "STREAM_K_TILT": 0, "STREAM_K_TILT_v3": 30, "HADAMARD_QUERY": 1,
-             "HADAMARD_QUERY_v3": 0, "WARP_SHARED_PAIRS": 0},
+             "HADAMARD_QUERY_v3": 0, "WARP_SHARED_PAIRS": 0, "WARP_SHARED_PAIRS_k3": 4,
+             "WARP_SHARED_PAIRS_v3": 0},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip
