@@ -351,8 +351,10 @@ plt.show()
 # address, against about four by `prmt`. `WARP_SHARED_PAIRS` (a thread's first 0-4 words or 24-bit groups through a
 # 1 KiB table its inline PTX declares, writes and reads by name) takes a step from 402 to 210 ALU instructions for
 # 4-bit keys and 391 to 294 for k3v4, at about 3.3 bank conflicts an `LDS` for the 256-entry table
-# (`tests/test_turboquant.py` compiles it and runs its PTX on a model of the instructions). It is built and checked on
-# the CPU, not yet timed on the H200, so the sm90 entry keeps it off.
+# (`tests/test_turboquant.py` compiles it and runs its PTX on a model of the instructions). On the H200 only 3-bit keys
+# with 4-bit values gained (k3v4, all four words: 101 -> 95 us at L=8K, 353 -> 331 at 32K); 4-bit keys ran 10-12%
+# slower with all four words and 3-bit values 3-9% slower: the 256-entry table's bank conflicts and the 3-bit values'
+# own shared-memory reads move the bound from the ALU pipe to the shared-memory pipe. The sm90 entry uses it for k3v4.
 #
 # **How it got here.** The cell below lists each change that landed, as timed on the H200 against the kernel before
 # it in one device call: stage 1 (`benchmarks/kernel_times.py`) or the whole call (the bench), in us.
@@ -376,6 +378,7 @@ HISTORY = [  # (change, what was timed, length, before, after): each row one A/B
     ("stream-K: each KV head's keys divided evenly (1-32K mixed)", "stage 1, 4-bit", "mixed", 268, 204),
     ("3-bit values at 168 registers, two chunks a step", "stage 1, 3bit_nc", "32K", 492, 469),
     ("3-bit values read as each lane quad's 6-byte span", "stage 1, 3bit_nc", "8K", 114, 107),
+    ("3-bit keys' centroid pairs from a table in shared memory", "stage 1, k3v4", "32K", 353, 331),
 ]
 for change, timed, length, before, after in HISTORY:
     print(f"{change:68s} {timed:19s} L={length:5s} {before:5d} -> {after:4d} us ({after / before - 1:+.0%})")
