@@ -676,6 +676,62 @@ assert all(a < b for b, a in stored.values()) and after < before / 4
 # faster (at these sizes it waits on latency, not bytes). `notebooks/results/perf_log.md` has the whole table.
 
 # %% [markdown]
+# **A lean softmax.** Between a tile's score product and its value product the tensor cores wait for the softmax
+# warpgroup, so every instruction on its path through a tile is time. Two of them do nothing on most tiles:
+#
+# - *the mask.* Row `r` sees keys `[start, row_end[r])`. A tile that starts at or after `start` and ends at or before
+#   `row_min = min(row_end)` is seen whole by every row, and masking it selects every score. Only a split's first tile
+#   (where `start` is not a multiple of 64) and the tiles past `row_min` need it; a branch on those scalars, the same
+#   for the whole warpgroup, skips the mask everywhere else;
+# - *the scale.* `p = exp2(s * scale - m)` multiplies every score, then subtracts. With the row max taken of the
+#   unscaled scores and scaled after, the exponent is one fused multiply-add, `fma(s, scale, -m)`: one rounding where
+#   there were two. For a positive scale the max is the same bit for bit, since rounding is monotone:
+#   `round(max(s) * scale) = max(round(s * scale))`. (An FP8 cache reads its scale on the device and a logit cap
+#   reshapes the scores, so those keep the multiplication.)
+#
+# The cell counts the masked tiles of the longest verify case and checks both facts about the scale on random scores
+# (the fma emulated in float64, then rounded to fp32). The second rounding it saves is small beside the bf16 rounding
+# of `P` that follows: the gain is the instruction, not the accuracy.
+
+# %%
+gen_lean = torch.Generator().manual_seed(7)
+lean_q, lean_keys, lean_start = 4, 32768, 0  # verify B=32 H=128 qlen=4 L=32K: one split, starting at key 0
+for t in range(lean_q):  # a 64-row tile holds 64 heads of one draft token: one row_end for all its rows
+    row_end_t = lean_keys - lean_q + 1 + t
+    lean_tiles = torch.arange(0, row_end_t, 64)
+    masked = (lean_tiles < lean_start) | (lean_tiles + 64 > row_end_t)
+    print(f"verify qlen={lean_q} L={lean_keys}, token {t}: {int(masked.sum())} of {len(lean_tiles)} tiles masked")
+    assert int(masked.sum()) == int(row_end_t % 64 != 0)  # the last tile, where the token's keys end inside it
+scores = torch.randn(4096, 64, generator=gen_lean) * 8  # fp32 scores of 4096 rows
+scale = torch.tensor(0.0721, dtype=torch.float32)  # 1/sqrt(192) * log2(e), rounded to fp32
+row_max = scores.max(dim=1).values
+assert torch.equal(row_max * scale, (scores * scale).max(dim=1).values)  # the same m, bit for bit
+m = row_max * scale
+exact = scores.double() * scale.double() - m.double()[:, None]
+two_roundings = scores * scale - m[:, None]
+one_rounding = exact.float()  # fma(s, scale, -m): the product is exact in float64, one rounding to fp32
+
+
+def p_error(argument: torch.Tensor) -> float:
+    """Worst relative error of exp2(argument) against exp2 of the exact argument."""
+    return ((torch.exp2(argument.double()) - torch.exp2(exact)).abs() / torch.exp2(exact)).max().item()
+
+
+err_two, err_one = p_error(two_roundings), p_error(one_rounding)
+print(f"P's worst relative error from its argument: two roundings {err_two:.2e}, one {err_one:.2e} "
+      f"(P is then rounded to bf16: {2.0**-9:.2e})")
+assert err_one < err_two < 2.0**-20
+lean_counts = {"decode H=128": (614, 505), "verify H=128 qlen 4": (590, 495)}
+for kernel, (before, after) in lean_counts.items():
+    print(f"{kernel}: the softmax warpgroup's path through an interior tile {before} -> {after} instructions")
+
+# %% [markdown]
+# On the H200 (`perf_log.md`, one A/B call, the CUDA profiler's stage 1) that took decode B=32 H=128 L=32K 508.2 ->
+# 495.9 us and verify B=32 H=128 qlen=4 L=32K 1871.6 -> 1821.7 us: 50 us over the 993 tiles each SM runs is about
+# 100 cycles a tile, one cycle for each of the 95 instructions taken off the softmax warpgroup's path. The instruction
+# counts are `bench.sass_main_path` on the SASS of Triton 3.6 (`tests/test_decode_attention.py` checks them).
+
+# %% [markdown]
 # **An FP8 cache in the same schedule.** An e4m3 cache has half the bytes, but wgmma multiplies FP8 only by FP8,
 # and rounding the query or `P` to e4m3 would change the numerics. So the kernel widens the codes to the query's
 # type in shared memory, exactly (every e4m3 value is a bf16 and an fp16 value), and multiplies by the scale in fp32,
