@@ -353,8 +353,9 @@ plt.show()
 # 4-bit keys and 391 to 294 for k3v4, at about 3.3 bank conflicts an `LDS` for the 256-entry table
 # (`tests/test_turboquant.py` compiles it and runs its PTX on a model of the instructions). On the H200 only 3-bit keys
 # with 4-bit values gained (k3v4, all four words: 101 -> 95 us at L=8K, 353 -> 331 at 32K); 4-bit keys ran 10-12%
-# slower with all four words and 3-bit values 3-9% slower: the 256-entry table's bank conflicts and the 3-bit values'
-# own shared-memory reads move the bound from the ALU pipe to the shared-memory pipe. The sm90 entry uses it for k3v4.
+# slower with all four words and 3-bit values 3-9% slower. By the SASS counts, likely the 256-entry table's bank
+# conflicts (its 64 `LDS` a step become ~210 shared-memory wavefronts) and, for 3-bit values, their 12 programs a SM
+# (3 warps a scheduler to hide each `LDS`'s latency, against 4 for k3v4). The sm90 entry uses it for k3v4 alone.
 #
 # **How it got here.** The cell below lists each change that landed, as timed on the H200 against the kernel before
 # it in one device call: stage 1 (`benchmarks/kernel_times.py`) or the whole call (the bench), in us.

@@ -348,9 +348,10 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # at most 2 in the 64-entry 3-bit one). On the H200 (kernel_times.py, stage 1 at L=8K / 32K, two runs each in one
 # call, us; perf_log.md, forty-third session) only 3-bit keys with 4-bit values gain, and most with all 4 words:
 # k3v4 101.3 / 353.2 -> 95.4 / 334.1 (3) -> 94.5 / 331.0 (4), where 4-bit keys lose (100.2 / 358.6 -> 102.6 /
-# 369.3 (3) -> 109.9 / 403.0 (4)) and so do 3-bit values (107.1 / 370.1 -> 108.5 / 386.3 -> 110.2 / 402.7): the
-# 256-entry table's bank conflicts and the 3-bit values' own shared-memory reads put the LDS pipe in the ALU pipe's
-# place. So 4 for 3-bit keys (_k3), 0 for 3-bit values (_v3, applied after) and 4-bit keys.
+# 369.3 (3) -> 109.9 / 403.0 (4)) and so do 3-bit values (107.1 / 370.1 -> 108.5 / 386.3 -> 110.2 / 402.7), likely
+# from the 256-entry table's bank conflicts (~210 shared-memory wavefronts a step) and from the 3-bit values' 12
+# programs a SM (3 warps a scheduler to hide each LDS's latency, against 4 for k3v4), by the SASS counts. So 4 for
+# 3-bit keys (_k3), 0 for 3-bit values (_v3, applied after) and 4-bit keys.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
