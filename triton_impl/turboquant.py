@@ -350,8 +350,8 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # k3v4 101.3 / 353.2 -> 95.4 / 334.1 (3) -> 94.5 / 331.0 (4), where 4-bit keys lose (100.2 / 358.6 -> 102.6 /
 # 369.3 (3) -> 109.9 / 403.0 (4)) and so do 3-bit values (107.1 / 370.1 -> 108.5 / 386.3 -> 110.2 / 402.7), likely
 # from the 256-entry table's bank conflicts (~210 shared-memory wavefronts a step) and from the 3-bit values' 12
-# programs a SM (3 warps a scheduler to hide each LDS's latency, against 4 for k3v4), by the SASS counts. So k3v4
-# wants 4 (_k3 4, and _v3 0 after it), but no GPU test has run the table yet: 0 here until one has.
+# programs a SM (3 warps a scheduler to hide each LDS's latency, against 4 for k3v4), by the SASS counts. So 4 for
+# 3-bit keys (_k3), 0 for 3-bit values (_v3, applied after) and 4-bit keys.
 DECODE_CONFIGS: dict[str, dict[str, int]] = {
     "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 0, "SMEM_CODEBOOK": 0,
                 "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
@@ -361,7 +361,8 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {
              "FP16_OPERANDS": 1, "GLUON_WARP": 1, "WARP_MAXNREG": 128, "WARP_STEP": 2,
              "WARP_STAGES": 4, "WARP_STEP_v3": 2, "WARP_STAGES_v3": 4, "WARP_MAXNREG_v3": 168, "PROGRAMS_PER_SM_v3": 12,
              "STREAM_K": 1, "STREAM_K_k8": 0, "STREAM_K_TILT": 0, "STREAM_K_TILT_v3": 30, "HADAMARD_QUERY": 1,
-             "HADAMARD_QUERY_v3": 0, "WARP_SHARED_PAIRS": 0},
+             "HADAMARD_QUERY_v3": 0, "WARP_SHARED_PAIRS": 0, "WARP_SHARED_PAIRS_k3": 4,
+             "WARP_SHARED_PAIRS_v3": 0},
     "interpreter": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PAIR_LUT": 1, "SMEM_CODEBOOK": 0,
                     "JOIN_UNPACK": 1, "GATHER_WORDS": 1, "PREFETCH": 1},
 }  # fmt: skip

@@ -34,7 +34,7 @@ Every kernel computes a chunk the same way:
   that holds their two fp16 centroids: for 4-bit codes by ``prmt`` from 8 registers holding the 16 centroids' bytes
   (:func:`_nibble_pairs`, :func:`_symmetric_pairs`: no memory access), for 3-bit codes from 4 (:func:`_triple_pairs`),
   for FP8 keys by the hardware e4m3x2 conversion; in the one-warp kernels with ``SHARED_PAIRS``, by one ``ld.shared``
-  from a table of the pairs (:func:`_shared_pair_table`; 6% faster for k3v4, off until its GPU tests run). The
+  from a table of the pairs (:func:`_shared_pair_table`; the sm90 entry's for 3-bit keys with 4-bit values). The
   query is loaded in the same permuted order, from the rotation's output or, for serving's ``PiT = c H_128`` and
   4-bit values, rotated by the program itself (``HADAMARD_QUERY``, :func:`_hadamard_query`);
 - the online softmax in base 2, per head;
