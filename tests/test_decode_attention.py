@@ -3,6 +3,7 @@ negative controls on the kernel's path, bad input."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -467,6 +468,27 @@ def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout,
     assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon stage 1 runs on compute capability 9.x only")
+@pytest.mark.parametrize(("num_heads", "splits", "window", "fp8"),
+                         [(128, 1, None, False), (64, 3, 700, False), (40, 2, None, True)])  # fmt: skip
+def test_sm90_mla_rescale_if_grew_changes_no_bit(device, num_heads, splits, window, fp8) -> None:
+    """``RESCALE_IF_GREW`` (each warp of the 64-row kernel skips the output's rescale where no row of its 16 has a
+    new max: every factor is exactly 1) gives the outputs, LSE and partials of the rescale on every tile bit for bit,
+    over rows of 1-63 tiles (their first tiles rescale, most late ones skip), a window, empty head rows (40 heads)
+    and an FP8 cache."""
+    d = make_decode(device, 47, [4000, 1500, 300, 1, 0], is_mla=True, num_heads=num_heads, widths=(512, 64),
+                    page_size=64, fp8=fp8, window=window)  # fmt: skip
+    d.sm_scale = 192**-0.5
+    runs = [d.run(splits, config={**_config("sm90", True), "RESCALE_IF_GREW": grew}) for grew in (False, True)]
+    plan = _plan_decode(d.q, d.k, d.v, *runs[1][:2], d.table, d.lens, runs[1][2], splits, d.sm_scale, 64, 0.0,
+                        d.k_scale, d.v_scale, True, window, {**_config("sm90", True), "RESCALE_IF_GREW": True})
+    assert plan.stage1._constexprs["RESCALE_IF_GREW"]
+    for every, skipping in zip(*runs):
+        if every is not None:
+            torch.testing.assert_close(skipping, every, rtol=0, atol=0, equal_nan=True)
+
+
 def test_this_triton_can_launch_clusters_of_a_compiled_kernel() -> None:
     """The clustered launch (``Launch(..., cluster=c)``) rests on Triton's NVIDIA launcher reading the packed
     metadata as ``(num_warps, num_ctas, shared)`` and launching ``num_ctas``-program clusters along x: true of the
@@ -644,23 +666,43 @@ def test_sm90_mla_kernels_compile_for_hopper() -> None:
         assert cluster_waits == (few and not single_split), rows
 
 
-_LEAN_SOFTMAX_COMPILE = """
+_SOFTMAX_PATHS_COMPILE = """
 import json, re
 from triton_impl import decode_attention_sm90
 from triton_impl.bench import sass_code, sass_main_path, sass_resources
 for verify, qlen, fp8 in ((False, 1, False), (True, 4, False), (True, 2, True)):
-    for lean in (False, True):
+    for lean, grew in ((False, False), (True, False), (True, True)):
         kernel = decode_attention_sm90.compile_for_sm90(verify=verify, heads=128, qlen=qlen, fp8=fp8,
-                                                        single_split=True, lean_softmax=lean)
+                                                        single_split=True, lean_softmax=lean, rescale_if_grew=grew)
         code, loops = sass_code(kernel.asm["cubin"])
-        # the softmax warpgroup's tile loop: the innermost loop that holds a tile's 36 score HGMMA
-        head, tail = min(((h, t) for h, t in loops if sum(h <= a <= t and op == "HGMMA" for a, op, _, _ in code) >= 36),
-                         key=lambda loop: loop[1] - loop[0])  # fmt: skip
-        path = sass_main_path(code, head, tail)
-        masks = sum(bool(re.search(r"FSEL R\\d+, R\\d+, -INF", line)) for line in path)
-        ffma = sum(" FFMA " in line for line in path)
-        print(json.dumps([verify, fp8, lean, *sass_resources(kernel.asm["cubin"]), len(path), masks, ffma]))
+        counts = []
+        # the softmax warpgroup's tile loop (the innermost loop that holds a tile's 36 score HGMMA), then the value
+        # warpgroup's (its 4 HGMMA)
+        for hgmma in (36, 4):
+            head, tail = min(((h, t) for h, t in loops if sum(h <= a <= t and op == "HGMMA" for a, op, _, _ in code)
+                              >= hgmma), key=lambda loop: loop[1] - loop[0])  # fmt: skip
+            path = sass_main_path(code, head, tail)
+            masks = sum(bool(re.search(r"FSEL R\\d+, R\\d+, -INF", line)) for line in path)
+            counts += [len(path), masks, sum(" FFMA " in line for line in path), sum(" FMUL " in line for line in path)]
+        print(json.dumps([verify, fp8, lean, grew, *sass_resources(kernel.asm["cubin"]), *counts]))
 """
+
+
+@functools.cache
+def _softmax_paths() -> dict[tuple, list[int]]:
+    """The 64-row MLA kernels compiled for sm_90 (decode, verify qlen 4, verify qlen 2 over an FP8 cache; H=128, one
+    split) without ``LEAN_SOFTMAX``, with it, and with it and ``RESCALE_IF_GREW``: ``(verify, fp8, lean, grew) ->
+    [registers, stack, then per loop (the softmax warpgroup's, the value warpgroup's) the instructions on the path a
+    tile takes through it when every row sees it whole and no row's max grew (bench.sass_main_path), the masks
+    among them, the FFMA, the FMUL]``."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", _SOFTMAX_PATHS_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {tuple(row[:4]): row[4:] for row in (json.loads(line) for line in done.stdout.splitlines()
+                                                 if line.startswith("["))}  # fmt: skip
+    assert len(rows) == 9
+    return rows
 
 
 def test_sm90_mla_lean_softmax_takes_the_masks_off_the_interior_tiles() -> None:
@@ -670,13 +712,7 @@ def test_sm90_mla_lean_softmax_takes_the_masks_off_the_interior_tiles() -> None:
     fma (the scale folded in: 32 ``FFMA`` a thread, where the tree multiplies, then subtracts). Triton 3.6, the
     interior tile's path (``bench.sass_main_path``): decode 614 -> 505 instructions, verify 590 -> 495, verify over
     an FP8 cache 1198 -> 1135; registers and stack as without it."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, "-c", _LEAN_SOFTMAX_COMPILE], env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {tuple(row[:3]): row[3:] for row in (json.loads(line) for line in done.stdout.splitlines()
-                                                 if line.startswith("["))}  # fmt: skip
-    assert len(rows) == 6
+    rows = {key[:3]: row[:5] for key, row in _softmax_paths().items() if not key[3]}
     for (verify, fp8, lean), (registers, stack, path, masks, ffma) in rows.items():
         tree_registers, tree_stack, tree_path, tree_masks, tree_ffma = rows[verify, fp8, False]
         assert registers <= tree_registers and stack <= tree_stack, rows
@@ -684,6 +720,24 @@ def test_sm90_mla_lean_softmax_takes_the_masks_off_the_interior_tiles() -> None:
             assert masks == 0 and tree_masks >= 32, rows  # 32 scores a thread and tile
             assert path <= tree_path - (32 if fp8 else 64), rows
             assert fp8 or ffma >= tree_ffma + 32, rows
+
+
+def test_sm90_mla_rescale_if_grew_takes_the_rescale_off_the_path() -> None:
+    """``RESCALE_IF_GREW`` compiled for sm_90 (with ``LEAN_SOFTMAX``, as the sm90 entries run it): on the path a tile
+    takes where no row's max grew, neither warpgroup multiplies its output half (128 ``FMUL`` a thread each without
+    it; the branch is the warp's own, :func:`decode_attention_sm90._rescaled`), and nothing else grows: registers,
+    stack and the rest of each path as before. Triton 3.6: the softmax warpgroup's path decode 505 -> 384, verify
+    495 -> 374, FP8 1135 -> 1014; the value warpgroup's 173 -> 53 (FP8 650 -> 529)."""
+    rows = _softmax_paths()
+    for (verify, fp8, _, grew), row in rows.items():
+        if not grew:
+            continue
+        registers, stack, soft, _, _, soft_fmul, values, _, _, values_fmul = row
+        t_registers, t_stack, t_soft, _, _, t_soft_fmul, t_values, _, _, t_values_fmul = rows[verify, fp8, True, False]
+        assert registers <= t_registers and stack <= t_stack, rows
+        assert t_soft_fmul - soft_fmul == 128 and t_values_fmul - values_fmul == 128, rows
+        # the skipped multiplications, less the vote and the four branches (a few instructions each)
+        assert soft <= t_soft - 110 and values <= t_values - 110, rows
 
 
 _PROBE_COMPILE = """

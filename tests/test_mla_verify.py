@@ -280,6 +280,29 @@ def test_sm90_verify_fast_path_matches_golden(device, qlen, heads, num_kv_splits
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon stage 1 runs on compute capability 9.x only")
+@pytest.mark.parametrize(("qlen", "heads", "num_kv_splits", "fp8"), [(4, 128, 1, False), (3, 32, 3, False),
+                                                                     (2, 128, 2, True)])  # fmt: skip
+def test_sm90_verify_rescale_if_grew_changes_no_bit(device, qlen, heads, num_kv_splits, fp8) -> None:
+    """``RESCALE_IF_GREW`` in the verify kernel: outputs, LSE and partials bit for bit those of the rescale on every
+    tile, over causal limits that differ by row, requests of 1-63 tiles, blocks with empty rows (96 rows) and an
+    FP8 cache."""
+    problem = make_problem([4000, 1500, 129, 1, 0], qlen, heads, 512, 64, 64, device, seed=13,
+                           cache_dtype=torch.float8_e4m3fn if fp8 else None)  # fmt: skip
+    runs = [problem.run(num_kv_splits, {**_config("large", arch="sm90"), "RESCALE_IF_GREW": grew})
+            for grew in (False, True)]  # fmt: skip
+    rows = 5 * qlen
+    plan = tv._plan_verify(problem.q, problem.cache, problem.cache[..., :512], *runs[1][:2], problem.block_table,
+                           problem.seq_lens, None, qlen, torch.empty(rows, heads, num_kv_splits, 513, device=device),
+                           num_kv_splits, problem.sm_scale, 64, problem.k_scale,
+                           {**_config("large", arch="sm90"), "RESCALE_IF_GREW": True})  # fmt: skip
+    assert plan.stage1._kernel is decode_attention_sm90.mla_verify_stage1_kernel
+    assert plan.stage1._constexprs["RESCALE_IF_GREW"]
+    for every, skipping in zip(*runs):  # one split writes no partials: both stay NaN
+        torch.testing.assert_close(skipping, every, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon few-rows kernel runs on compute capability 9.x only")
 @pytest.mark.parametrize(("heads", "num_kv_splits", "page_size"), [(16, 3, 64), (8, 1, 128), (1, 5, 64)])
 def test_sm90_one_draft_token_at_few_heads_matches_golden_as_a_decode(device, heads, num_kv_splits, page_size) -> None:

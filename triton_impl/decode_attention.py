@@ -125,7 +125,8 @@ DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "sm90": {
         "mla": {"BLOCK_N": 64, "BLOCK_H": 64, "num_warps": 8, "num_stages": 2, "SPLIT_LATENT": 1, "GLUON": 1,
                 "maxnreg_h16": 128, "TMA": 1, "TMA_H16": 0, "SPLIT_ROUNDS": 1, "PROGRAMS_PER_SM": 1,
-                "PROGRAMS_PER_SM_H16": 2, "GLUON_FEW": 1, "CLUSTER_MERGE": 1, "LEAN_SOFTMAX": 1},
+                "PROGRAMS_PER_SM_H16": 2, "GLUON_FEW": 1, "CLUSTER_MERGE": 1, "LEAN_SOFTMAX": 1,
+                "RESCALE_IF_GREW": 1},
         "gqa": {"BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2, "SPLIT_ROUNDS": 2, "PROGRAMS_PER_SM": 4},
     },
 }
@@ -784,6 +785,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
             cluster = num_kv_splits if merged else 1
         else:
             constexprs["LEAN_SOFTMAX"] = decode_attention_sm90.uses_lean_softmax(config, sm_scale)
+            constexprs["RESCALE_IF_GREW"] = bool(config.get("RESCALE_IF_GREW"))
         stage1 = Launch(gluon, (head_blocks * num_rows * num_kv_splits,), (
             float(sm_scale), float(logit_cap), sliding_window or _NO_WINDOW, num_kv_splits,
             num_pages, req_to_token.shape[1] * page_size,

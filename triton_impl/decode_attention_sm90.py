@@ -258,7 +258,7 @@ def _loader(lat_desc, pe_desc, k_s0, k_s1, k_spe, k_full, k_free, table_row, str
 @gluon.jit
 def _values(k_s1, codes1, p_s, vec_s, k_full, k_free, w_full, p_full, p_free, first_tile, num_tiles, start, tile_end,
             out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,
-            OUT_VEC: gl.constexpr):  # fmt: skip
+            OUT_VEC: gl.constexpr, RESCALE_IF_GREW: gl.constexpr):  # fmt: skip
     """The value warpgroup: ``O[:, 256:]``, rescaled by each tile's factor and finally by the row scale that the
     softmax warpgroup leaves in ``vec_s`` after the loop, stored at ``out_ptr`` (partials or the output). With an
     FP8 cache it first widens each tile's second latent half (``codes1`` -> :func:`_key_tile` of ``k_s1``)."""
@@ -272,7 +272,8 @@ def _values(k_s1, codes1, p_s, vec_s, k_full, k_free, w_full, p_full, p_free, fi
             mbarrier.wait(k_full.index(stage), (i // STAGES) & 1)
         mbarrier.wait(p_full, i & 1)
         alpha = vec_s.load(_ROWS)
-        acc = warpgroup_mma(p_s, _key_tile(k_s1, i, FP8), acc * alpha[:, None], is_async=True)
+        acc = warpgroup_mma(p_s, _key_tile(k_s1, i, FP8), _rescaled(acc, alpha, RESCALE_IF_GREW),
+                            is_async=True)  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=[acc])
         _barrier()
         mbarrier.arrive(p_free, count=1)
@@ -475,6 +476,48 @@ def _softmax(s, tile, start, row_end, row_min, m_i, l_i, qk_scale, logit_cap, HA
     return p, gl.convert_layout(alpha, _ROWS), m_new, l_i * alpha + gl.sum(p, axis=1)
 
 
+@gluon.constexpr_function
+def unit_flag_asm():
+    """Inline PTX over a thread's two rows' rescale factors (``pack=2``): 1 (both outputs) where every factor of the
+    warp's 16 rows is exactly 1 (no row's max grew: ``vote.all``), else 0. The result is the same in every lane."""
+    return ("{ .reg .pred one; setp.eq.f32 one, $2, 0f3F800000; setp.eq.and.f32 one, $3, 0f3F800000, one; "
+            "vote.sync.all.pred one, one, 0xffffffff; selp.u32 $0, 1, 0, one; mov.b32 $1, $0; }")
+
+
+@gluon.constexpr_function
+def unit_rescale_asm(n):
+    """Inline PTX over ``n`` accumulator values ``$n..$2n-1``, their rows' factors ``$2n..$3n-1`` and the warp's
+    flag (:func:`unit_flag_asm`, ``$3n``): the values times their factors, or, where the flag is set, the values
+    as they are, the multiplications skipped by a branch the whole warp takes (a factor of exactly 1 changes
+    nothing)."""
+    moves = " ".join(f"mov.b32 ${i}, ${n + i};" for i in range(n))
+    products = " ".join(f"mul.f32 ${i}, ${n + i}, ${2 * n + i};" for i in range(n))
+    return (f"{{ .reg .pred same; setp.ne.u32 same, ${3 * n}, 0; {moves} @same bra.uni UNIT; {products} UNIT: }}")
+
+
+@gluon.constexpr_function
+def unit_rescale_constraints(n):
+    """The operands of :func:`unit_rescale_asm`: ``n`` float outputs, ``2 n`` float inputs, ``n`` flags."""
+    return ",".join(["=f"] * n + ["f"] * (2 * n) + ["r"] * n)
+
+
+_RESCALE_PACK = gl.constexpr(32)
+
+
+@gluon.jit
+def _rescaled(acc, alpha, IF_GREW: gl.constexpr):
+    """``acc * alpha[:, None]`` for an output half in ``_O_LAYOUT``; with ``IF_GREW``, the multiplications are
+    skipped by each warp whose 16 rows' factors are all exactly 1 (no row's max grew), which changes no bit. Gluon's
+    ``if`` takes a scalar of the whole warpgroup (a reduction across its warps, and ptxas spilled the accumulator
+    carried through that branch); the branch here is the warp's own, in PTX (:func:`unit_rescale_asm`)."""
+    if not IF_GREW:
+        return acc * alpha[:, None]
+    flag = gl.inline_asm_elementwise(unit_flag_asm(), "=r,=r,f,f", [alpha], dtype=gl.uint32, is_pure=True, pack=2)
+    return gl.inline_asm_elementwise(unit_rescale_asm(_RESCALE_PACK), unit_rescale_constraints(_RESCALE_PACK),
+                                     [acc, gl.broadcast(alpha[:, None], acc)[0], gl.broadcast(flag[:, None], acc)[0]],
+                                     dtype=gl.float32, is_pure=True, pack=_RESCALE_PACK)  # fmt: skip
+
+
 @gluon.jit
 def _hand_over(p, row_values, p_s, vec_s, p_full, p_free, i):
     """Give the value warpgroup ``P`` (if not None) and a per-row vector (the rescale factor, or after the
@@ -494,7 +537,8 @@ def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe,
             k_free, w_full, p_full, p_free, table_row, stride_t_p, num_pages, table_keys, first_tile, num_tiles, start,
             tile_end, limit, row_end, row_min, qk_scale, out_scale, logit_cap, out_ptr, stride_out_r, stride_out_h,
             request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, PAGE_SIZE: gl.constexpr,
-            HAS_CAP: gl.constexpr, OUT_VEC: gl.constexpr, LEAN_SOFTMAX: gl.constexpr):  # fmt: skip
+            HAS_CAP: gl.constexpr, OUT_VEC: gl.constexpr, LEAN_SOFTMAX: gl.constexpr,
+            RESCALE_IF_GREW: gl.constexpr):  # fmt: skip
     """The softmax warpgroup (the default partition): the query into shared memory and the block-table check
     (their loads in flight together, and beside the loader's first tiles), then per tile the scores, the online
     softmax and ``O[:, :256]``; the value product of a tile runs under the wait for the next tile and its
@@ -543,8 +587,8 @@ def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe,
                                       logit_cap, HAS_CAP, LEAN_SOFTMAX, FOLD_SCALE)  # fmt: skip
         p = p.to(dtype)
         _hand_over(p, alpha, p_s, vec_s, p_full, p_free, i)
-        acc = warpgroup_mma(gl.convert_layout(p, _P_OPERAND), _key_tile(k_s0, i, FP8), acc * alpha[:, None],
-                            is_async=True)  # fmt: skip
+        acc = warpgroup_mma(gl.convert_layout(p, _P_OPERAND), _key_tile(k_s0, i, FP8),
+                            _rescaled(acc, alpha, RESCALE_IF_GREW), is_async=True)  # fmt: skip
     acc = warpgroup_mma_wait(0, deps=[acc])
 
     # A row with no key in this split is the neutral state (0, -inf): stage 2 then needs no boundaries.
@@ -574,7 +618,7 @@ def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_
             out_ptr, stride_out_r, stride_out_h, lse_ptr, stride_lse_r, stride_lse_h, seq_len, real_len, start, end,
             qk_scale, k_scale_ptr, logit_cap, request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr,
             PAGE_SIZE: gl.constexpr, HAS_CAP: gl.constexpr, OUT_VEC: gl.constexpr,
-            LEAN_SOFTMAX: gl.constexpr = 0):  # fmt: skip
+            LEAN_SOFTMAX: gl.constexpr = 0, RESCALE_IF_GREW: gl.constexpr = 0):  # fmt: skip
     """One program: keys ``[start, end)`` of request ``request`` for its 64 rows, row ``r`` (token ``t``) up to
     its causal limit ``min(seq_len - QLEN + 1 + t, real_len)``; the output halves and LSE (natural log) stored
     at ``out_ptr`` / ``lse_ptr`` with the given row (query row) and head strides.
@@ -630,9 +674,10 @@ def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_
                    k_full, k_free, w_full, p_full, p_free, table_row, stride_t_p, num_pages, table_keys, first_tile,
                    num_tiles, start, tile_end, limit, row_end, row_min, qk_scale, out_scale, logit_cap, out_ptr,
                    stride_out_r, stride_out_h, request, row_block, QLEN, NUM_HEADS, PAGE_SIZE, HAS_CAP, OUT_VEC,
-                   LEAN_SOFTMAX)),
+                   LEAN_SOFTMAX, RESCALE_IF_GREW)),
         (_values, (k_s1, codes1, p_s, vec_s, k_full, k_free, w_full, p_full, p_free, first_tile, num_tiles, start,
-                   tile_end, out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN, NUM_HEADS, OUT_VEC)),
+                   tile_end, out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN, NUM_HEADS, OUT_VEC,
+                   RESCALE_IF_GREW)),
         (_loader, (lat_desc, pe_desc, codes0, codes1, codes_pe, k_full, k_free, table_row, stride_t_p, num_pages,
                    first_tile, num_tiles, PAGE_SIZE)),
     ], [4, 1], [VALUE_REGS, LOADER_REGS])  # fmt: skip
@@ -713,6 +758,7 @@ def mla_decode_stage1_kernel(
     SINGLE_SPLIT: gl.constexpr,
     BF16_PARTIALS: gl.constexpr,
     LEAN_SOFTMAX: gl.constexpr = 0,  # interior tiles unmasked; the scale in the exponents' fma (_softmax)
+    RESCALE_IF_GREW: gl.constexpr = 0,  # a warp skips the output's rescale where no row's max grew (_rescaled)
 ):  # fmt: skip
     """Decode, grid ``(cdiv(GROUP, 64) * R * S,)`` (:func:`_decode_program`): a split of a row's visible keys for 64
     query heads; the same partials (or, with ``SINGLE_SPLIT``, outputs) as ``decode_attention._decode_stage1_kernel``.
@@ -728,7 +774,7 @@ def mla_decode_stage1_kernel(
             num_pages, table_keys, out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h,
             n, n, start, end, qk_scale, k_scale_ptr, logit_cap, row, head_block, 1, GROUP, PAGE_SIZE,
             HAS_CAP, _store_vec(SINGLE_SPLIT, BF16_PARTIALS, o_ptr.dtype.element_ty.primitive_bitwidth),
-            LEAN_SOFTMAX)  # fmt: skip
+            LEAN_SOFTMAX, RESCALE_IF_GREW)  # fmt: skip
 
 
 @gluon.jit
@@ -748,6 +794,7 @@ def mla_verify_stage1_kernel(
     SINGLE_SPLIT: gl.constexpr,
     BF16_PARTIALS: gl.constexpr,
     LEAN_SOFTMAX: gl.constexpr = 0,  # interior tiles unmasked; the scale in the exponents' fma (_softmax)
+    RESCALE_IF_GREW: gl.constexpr = 0,  # a warp skips the output's rescale where no row's max grew (_rescaled)
 ):  # fmt: skip
     """Verify, grid ``(B * S * cdiv(QLEN * NUM_HEADS, 64),)`` as ``mla_verify._fwd_verify_kernel_stage1`` (its
     split rule and partials; the row blocks of one request and split adjacent in the program id, so they share
@@ -772,7 +819,7 @@ def mla_verify_stage1_kernel(
             num_pages, table_keys, out_ptr, stride_out_r, stride_out_h, lse_out_ptr, stride_lo_r, stride_lo_h,
             seq_len, real_len, start, end, sm_scale_log2, k_scale_ptr, 0.0, b, row_block, QLEN, NUM_HEADS, PAGE_SIZE,
             False, _store_vec(SINGLE_SPLIT, BF16_PARTIALS, o_ptr.dtype.element_ty.primitive_bitwidth),
-            LEAN_SOFTMAX)  # fmt: skip
+            LEAN_SOFTMAX, RESCALE_IF_GREW)  # fmt: skip
 
 
 # -- Few rows: decode with at most 16 query heads (DeepSeek's 128 heads under tensor parallelism of 8) ---------------
@@ -1017,12 +1064,13 @@ def merges_in_cluster(device: torch.device, num_rows: int, num_kv_splits: int) -
 def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, page_size: int = 64,
                      single_split: bool = False, few_rows: bool = False, fp8: bool = False,
                      bf16_partials: bool = True, cluster_merge: bool | None = None,
-                     lean_softmax: bool = False) -> Any:  # fmt: skip
+                     lean_softmax: bool = False, rescale_if_grew: bool = False) -> Any:  # fmt: skip
     """The decode (or, ``verify``, the verify) stage 1 compiled for sm_90 on any machine (no GPU needed),
     specialized as a bench launch is (a bf16 query, a bf16 or, ``fp8``, an FP8 cache, 16-byte aligned pointers, the
     block table's unit column stride a constant; partials in bf16 as for a bf16 output, unless ``bf16_partials`` is
     false; the few-rows kernel with several splits merging them itself unless ``cluster_merge`` is false; the 64-row
-    kernels' ``LEAN_SOFTMAX`` as ``lean_softmax``): the ``CompiledKernel``, with ``asm["cubin"]``."""
+    kernels' ``LEAN_SOFTMAX`` as ``lean_softmax``, ``RESCALE_IF_GREW`` as ``rescale_if_grew``): the
+    ``CompiledKernel``, with ``asm["cubin"]``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1048,6 +1096,7 @@ def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, p
     constexprs["BF16_PARTIALS"] = bf16_partials
     if not few_rows:
         constexprs["LEAN_SOFTMAX"] = lean_softmax
+        constexprs["RESCALE_IF_GREW"] = rescale_if_grew
     constexprs["stride_t_p"] = 1
     signature = {n: "constexpr" if n in constexprs else pointers.get(n) or descs.get(n) or
                  ("fp32" if n in floats else "i32") for n in names}  # fmt: skip

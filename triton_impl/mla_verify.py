@@ -147,6 +147,7 @@ VERIFY_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
             "TMA": True,
             "GLUON": True,
             "LEAN_SOFTMAX": True,
+            "RESCALE_IF_GREW": True,
             "FP8_VIA_DECODE": True,
             "FEW_ROWS_VIA_DECODE": True,
             "num_warps": 8,
@@ -739,6 +740,7 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
                 SPLIT_ALIGN=cfg["SPLIT_ALIGN"], MIN_SPLIT_LEN=cfg["MIN_SPLIT_LEN"], PAGE_SIZE=page_size,
                 SINGLE_SPLIT=single, BF16_PARTIALS=bf16_values,
                 LEAN_SOFTMAX=decode_attention_sm90.uses_lean_softmax(cfg, sm_scale),
+                RESCALE_IF_GREW=bool(cfg.get("RESCALE_IF_GREW")),
                 num_warps=int(decode_attention_sm90.NUM_WARPS)))  # fmt: skip
         return make_plan(stage1, merge, tma, DescriptorsByAddress(decode_attention_sm90.descriptors))
     if cfg.get("FP8_VIA_DECODE") and k_buffer.dtype == torch.float8_e4m3fn and num_heads % cfg["BLOCK_H"] == 0:
