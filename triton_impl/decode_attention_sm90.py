@@ -537,8 +537,7 @@ def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe,
             k_free, w_full, p_full, p_free, table_row, stride_t_p, num_pages, table_keys, first_tile, num_tiles, start,
             tile_end, limit, row_end, row_min, qk_scale, out_scale, logit_cap, out_ptr, stride_out_r, stride_out_h,
             request, row_block, QLEN: gl.constexpr, NUM_HEADS: gl.constexpr, PAGE_SIZE: gl.constexpr,
-            HAS_CAP: gl.constexpr, OUT_VEC: gl.constexpr, LEAN_SOFTMAX: gl.constexpr,
-            RESCALE_IF_GREW: gl.constexpr):  # fmt: skip
+            HAS_CAP: gl.constexpr, OUT_VEC: gl.constexpr, LEAN_SOFTMAX: gl.constexpr):  # fmt: skip
     """The softmax warpgroup (the default partition): the query into shared memory and the block-table check
     (their loads in flight together, and beside the loader's first tiles), then per tile the scores, the online
     softmax and ``O[:, :256]``; the value product of a tile runs under the wait for the next tile and its
@@ -587,8 +586,8 @@ def _scores(q_ptr, stride_q_r, stride_q_h, q_s0, q_s1, q_spe, k_s0, k_s1, k_spe,
                                       logit_cap, HAS_CAP, LEAN_SOFTMAX, FOLD_SCALE)  # fmt: skip
         p = p.to(dtype)
         _hand_over(p, alpha, p_s, vec_s, p_full, p_free, i)
-        acc = warpgroup_mma(gl.convert_layout(p, _P_OPERAND), _key_tile(k_s0, i, FP8),
-                            _rescaled(acc, alpha, RESCALE_IF_GREW), is_async=True)  # fmt: skip
+        acc = warpgroup_mma(gl.convert_layout(p, _P_OPERAND), _key_tile(k_s0, i, FP8), acc * alpha[:, None],
+                            is_async=True)  # fmt: skip
     acc = warpgroup_mma_wait(0, deps=[acc])
 
     # A row with no key in this split is the neutral state (0, -inf): stage 2 then needs no boundaries.
@@ -674,7 +673,7 @@ def _attend(q_ptr, stride_q_r, stride_q_h, lat_desc, pe_desc, table_row, stride_
                    k_full, k_free, w_full, p_full, p_free, table_row, stride_t_p, num_pages, table_keys, first_tile,
                    num_tiles, start, tile_end, limit, row_end, row_min, qk_scale, out_scale, logit_cap, out_ptr,
                    stride_out_r, stride_out_h, request, row_block, QLEN, NUM_HEADS, PAGE_SIZE, HAS_CAP, OUT_VEC,
-                   LEAN_SOFTMAX, RESCALE_IF_GREW)),
+                   LEAN_SOFTMAX)),
         (_values, (k_s1, codes1, p_s, vec_s, k_full, k_free, w_full, p_full, p_free, first_tile, num_tiles, start,
                    tile_end, out_ptr, stride_out_r, stride_out_h, request, row_block, QLEN, NUM_HEADS, OUT_VEC,
                    RESCALE_IF_GREW)),
