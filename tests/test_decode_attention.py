@@ -473,10 +473,10 @@ def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout,
 @pytest.mark.parametrize(("num_heads", "splits", "window", "fp8"),
                          [(128, 1, None, False), (64, 3, 700, False), (40, 2, None, True)])  # fmt: skip
 def test_sm90_mla_rescale_if_grew_changes_no_bit(device, num_heads, splits, window, fp8) -> None:
-    """``RESCALE_IF_GREW`` (each warp of the 64-row kernel skips the output's rescale where no row of its 16 has a
-    new max: every factor is exactly 1) gives the outputs, LSE and partials of the rescale on every tile bit for bit,
-    over rows of 1-63 tiles (their first tiles rescale, most late ones skip), a window, empty head rows (40 heads)
-    and an FP8 cache."""
+    """``RESCALE_IF_GREW`` (each warp of the 64-row kernel's value warpgroup skips its rescale where no row of its 16
+    has a new max: every factor is exactly 1) gives the outputs, LSE and partials of the rescale on every tile bit
+    for bit, over rows of 1-63 tiles (their first tiles rescale, most late ones skip), a window, empty head rows (40
+    heads) and an FP8 cache."""
     d = make_decode(device, 47, [4000, 1500, 300, 1, 0], is_mla=True, num_heads=num_heads, widths=(512, 64),
                     page_size=64, fp8=fp8, window=window)  # fmt: skip
     d.sm_scale = 192**-0.5

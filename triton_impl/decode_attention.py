@@ -115,6 +115,13 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # predicted 3-5% off a compute-bound tile; measured on the H200 (kernel_times.py, stage 1, two runs each, c2c2eac
 # with the flag off -> on): decode B=32 H=128 L=32K 508.2 -> 495.9 us, verify B=32 H=128 qlen 4 L=32K 1871.6 ->
 # 1821.7 us, qlen 8 L=4K 245.5 -> 242.3 us; with an FP8 cache within +-1% (perf_log.md, forty-third session).
+# RESCALE_IF_GREW (0; the 64-row Gluon stage 1, decode and verify alike): the value warpgroup's warps skip the
+# rescale of their output half where none of their 16 rows' max grew (every factor exactly 1: the same bits;
+# decode_attention_sm90._rescaled), its loop's path 173 -> 53 instructions. Measured on the H200 (kernel_times.py,
+# stage 1, two runs each, fef9649's kernel with the flag off -> on): decode B=32 H=128 L=32K 493.7 -> 462.0 us,
+# B=128 H=128 L=1K 75.6 -> 74.1, verify B=32 H=128 qlen 4 L=32K 1811.2 -> 1771.0, qlen 8 L=4K 241.6 -> 235.9, every
+# H=128 case 0.5-6.4% faster; the same skip in the softmax warpgroup made every case 2-8% slower (perf_log.md,
+# forty-fourth session).
 # Every key ending in _h16 / _H16 replaces its base key where the head tile is 16 heads (tile_config).
 _CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})
 DECODE_CONFIGS: dict[str, dict[str, dict[str, int]]] = {

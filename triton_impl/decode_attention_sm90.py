@@ -34,7 +34,9 @@ scale the value warpgroup applies to its half.
 Numerics are the portable kernel's: bf16 (or fp16) operands, ``P`` rounded to the query dtype, fp32
 accumulation, online softmax in base 2. ``LEAN_SOFTMAX`` (on in the sm90 entries; 1-3% off stage 1 on the H200)
 masks only the tiles some row does not see whole and folds the score scale into each exponent's fma
-(:func:`_softmax`: the same row max, ``P`` rounded once where it was rounded twice). Partial tiles at a split's
+(:func:`_softmax`: the same row max, ``P`` rounded once where it was rounded twice). ``RESCALE_IF_GREW`` (on in
+the sm90 entries; 0.5-6.4% off stage 1) lets each warp of the value warpgroup skip its rescale where none of its rows'
+max grew (:func:`_rescaled`: the same bits). Partial tiles at a split's
 ends are loaded whole (their page holds them) and their keys outside the split are zeroed in shared memory before
 any MMA reads them, so a NaN in an unused cache slot never reaches the value product.
 
@@ -509,7 +511,9 @@ def _rescaled(acc, alpha, IF_GREW: gl.constexpr):
     """``acc * alpha[:, None]`` for an output half in ``_O_LAYOUT``; with ``IF_GREW``, the multiplications are
     skipped by each warp whose 16 rows' factors are all exactly 1 (no row's max grew), which changes no bit. Gluon's
     ``if`` takes a scalar of the whole warpgroup (a reduction across its warps, and ptxas spilled the accumulator
-    carried through that branch); the branch here is the warp's own, in PTX (:func:`unit_rescale_asm`)."""
+    carried through that branch); the branch here is the warp's own, in PTX (:func:`unit_rescale_asm`). The value
+    warpgroup's loop uses it; in the softmax warpgroup the rescale fills the hand-over's latency, and behind a branch
+    it made every case slower (perf_log.md, forty-fourth session)."""
     if not IF_GREW:
         return acc * alpha[:, None]
     flag = gl.inline_asm_elementwise(unit_flag_asm(), "=r,=r,f,f", [alpha], dtype=gl.uint32, is_pure=True, pack=2)
