@@ -120,7 +120,7 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 # decode_attention_sm90._rescaled), its loop's path 173 -> 53 instructions. Measured on the H200 (kernel_times.py,
 # stage 1, two runs each, fef9649's kernel with the flag off -> on): decode B=32 H=128 L=32K 493.7 -> 462.0 us,
 # B=128 H=128 L=1K 75.6 -> 74.1, verify B=32 H=128 qlen 4 L=32K 1811.2 -> 1771.0, qlen 8 L=4K 241.6 -> 235.9, every
-# H=128 case 0.5-6.4% faster; the same skip in the softmax warpgroup made every case 2-8% slower (perf_log.md,
+# H=128 case 0.5-6.4% faster; the same skip in the softmax warpgroup made every case 0.3-8.6% slower (perf_log.md,
 # forty-fourth session).
 # Every key ending in _h16 / _H16 replaces its base key where the head tile is 16 heads (tile_config).
 _CONFIG_KEYS = frozenset({"BLOCK_N", "BLOCK_H", "num_warps", "num_stages"})
