@@ -739,8 +739,9 @@ for kernel, (before, after) in lean_counts.items():
 # on random scores. Gluon's `if` takes one scalar for the whole warpgroup, so the kernel votes and branches in inline
 # PTX, per warp (`decode_attention_sm90._rescaled`: `vote.sync.all` of `alpha == 1`, then `@flag bra.uni` over the
 # multiplications). Only the value warpgroup does it (`RESCALE_IF_GREW`): its loop's path 173 -> 53 instructions.
-# In the softmax warpgroup the same skip made every case 0.3-8.6% slower on the H200: there the multiplications used to
-# fill the latency of the hand-over's shared-memory stores and barrier, and behind a branch they no longer can.
+# In the softmax warpgroup the same skip made every case 0.3-8.6% slower on the H200; the likely reading (the SASS
+# order, not a stall measurement): there the multiplications fill the latency of the hand-over's shared-memory stores
+# and barrier, and behind a branch they no longer can.
 
 # %%
 gen_skip = torch.Generator().manual_seed(8)

@@ -512,8 +512,8 @@ def _rescaled(acc, alpha, IF_GREW: gl.constexpr):
     skipped by each warp whose 16 rows' factors are all exactly 1 (no row's max grew), which changes no bit. Gluon's
     ``if`` takes a scalar of the whole warpgroup (a reduction across its warps, and ptxas spilled the accumulator
     carried through that branch); the branch here is the warp's own, in PTX (:func:`unit_rescale_asm`). The value
-    warpgroup's loop uses it; in the softmax warpgroup the rescale fills the hand-over's latency, and behind a branch
-    it made every case slower (perf_log.md, forty-fourth session)."""
+    warpgroup's loop uses it; in the softmax warpgroup, where the rescale likely fills the hand-over's latency, the
+    branch made every case slower (perf_log.md, forty-fourth session)."""
     if not IF_GREW:
         return acc * alpha[:, None]
     flag = gl.inline_asm_elementwise(unit_flag_asm(), "=r,=r,f,f", [alpha], dtype=gl.uint32, is_pure=True, pack=2)
@@ -761,7 +761,7 @@ def mla_decode_stage1_kernel(
     SINGLE_SPLIT: gl.constexpr,
     BF16_PARTIALS: gl.constexpr,
     LEAN_SOFTMAX: gl.constexpr = 0,  # interior tiles unmasked; the scale in the exponents' fma (_softmax)
-    RESCALE_IF_GREW: gl.constexpr = 0,  # a warp skips the output's rescale where no row's max grew (_rescaled)
+    RESCALE_IF_GREW: gl.constexpr = 0,  # value warpgroup: a warp skips its rescale where no row's max grew
 ):  # fmt: skip
     """Decode, grid ``(cdiv(GROUP, 64) * R * S,)`` (:func:`_decode_program`): a split of a row's visible keys for 64
     query heads; the same partials (or, with ``SINGLE_SPLIT``, outputs) as ``decode_attention._decode_stage1_kernel``.
@@ -797,7 +797,7 @@ def mla_verify_stage1_kernel(
     SINGLE_SPLIT: gl.constexpr,
     BF16_PARTIALS: gl.constexpr,
     LEAN_SOFTMAX: gl.constexpr = 0,  # interior tiles unmasked; the scale in the exponents' fma (_softmax)
-    RESCALE_IF_GREW: gl.constexpr = 0,  # a warp skips the output's rescale where no row's max grew (_rescaled)
+    RESCALE_IF_GREW: gl.constexpr = 0,  # value warpgroup: a warp skips its rescale where no row's max grew
 ):  # fmt: skip
     """Verify, grid ``(B * S * cdiv(QLEN * NUM_HEADS, 64),)`` as ``mla_verify._fwd_verify_kernel_stage1`` (its
     split rule and partials; the row blocks of one request and split adjacent in the program id, so they share
