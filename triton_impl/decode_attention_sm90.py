@@ -503,7 +503,7 @@ def unit_rescale_constraints(n):
     return ",".join(["=f"] * n + ["f"] * (2 * n) + ["r"] * n)
 
 
-_RESCALE_PACK = gl.constexpr(32)
+_RESCALE_PACK = gl.constexpr(32)  # accumulator values an asm block: 4 blocks (4 branches) for a thread's 128
 
 
 @gluon.jit
