@@ -480,13 +480,14 @@ def test_sm90_mla_rescale_if_grew_changes_no_bit(device, num_heads, splits, wind
     d = make_decode(device, 47, [4000, 1500, 300, 1, 0], is_mla=True, num_heads=num_heads, widths=(512, 64),
                     page_size=64, fp8=fp8, window=window)  # fmt: skip
     d.sm_scale = 192**-0.5
-    runs = [d.run(splits, config={**_config("sm90", True), "RESCALE_IF_GREW": grew}) for grew in (False, True)]
+    rescaling, skipping = ({**_config("sm90", True), "RESCALE_IF_GREW": grew} for grew in (False, True))
+    runs = [d.run(splits, config=config) for config in (rescaling, skipping)]
     plan = _plan_decode(d.q, d.k, d.v, *runs[1][:2], d.table, d.lens, runs[1][2], splits, d.sm_scale, 64, 0.0,
-                        d.k_scale, d.v_scale, True, window, {**_config("sm90", True), "RESCALE_IF_GREW": True})
+                        d.k_scale, d.v_scale, True, window, skipping)
     assert plan.stage1._constexprs["RESCALE_IF_GREW"]
-    for every, skipping in zip(*runs):
-        if every is not None:
-            torch.testing.assert_close(skipping, every, rtol=0, atol=0, equal_nan=True)
+    for rescaled, skipped in zip(*runs):
+        if rescaled is not None:
+            torch.testing.assert_close(skipped, rescaled, rtol=0, atol=0, equal_nan=True)
 
 
 def test_this_triton_can_launch_clusters_of_a_compiled_kernel() -> None:

@@ -289,17 +289,16 @@ def test_sm90_verify_rescale_if_grew_changes_no_bit(device, qlen, heads, num_kv_
     FP8 cache."""
     problem = make_problem([4000, 1500, 129, 1, 0], qlen, heads, 512, 64, 64, device, seed=13,
                            cache_dtype=torch.float8_e4m3fn if fp8 else None)  # fmt: skip
-    runs = [problem.run(num_kv_splits, {**_config("large", arch="sm90"), "RESCALE_IF_GREW": grew})
-            for grew in (False, True)]  # fmt: skip
+    rescaling, skipping = ({**_config("large", arch="sm90"), "RESCALE_IF_GREW": grew} for grew in (False, True))
+    runs = [problem.run(num_kv_splits, config) for config in (rescaling, skipping)]
     rows = 5 * qlen
     plan = tv._plan_verify(problem.q, problem.cache, problem.cache[..., :512], *runs[1][:2], problem.block_table,
                            problem.seq_lens, None, qlen, torch.empty(rows, heads, num_kv_splits, 513, device=device),
-                           num_kv_splits, problem.sm_scale, 64, problem.k_scale,
-                           {**_config("large", arch="sm90"), "RESCALE_IF_GREW": True})  # fmt: skip
+                           num_kv_splits, problem.sm_scale, 64, problem.k_scale, skipping)  # fmt: skip
     assert plan.stage1._kernel is decode_attention_sm90.mla_verify_stage1_kernel
     assert plan.stage1._constexprs["RESCALE_IF_GREW"]
-    for every, skipping in zip(*runs):  # one split writes no partials: both stay NaN
-        torch.testing.assert_close(skipping, every, rtol=0, atol=0, equal_nan=True)
+    for rescaled, skipped in zip(*runs):  # one split writes no partials: both stay NaN
+        torch.testing.assert_close(skipped, rescaled, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),

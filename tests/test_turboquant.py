@@ -2638,7 +2638,7 @@ def test_shared_memory_stages_of_the_sm90_entry() -> None:
     assert ttq_sm90.stages(1, 4, 4) == 0 and ttq_sm90.stages(2, 8, 4) == 2 and ttq_sm90.stages(3, 8, 3) == 0
     assert ttq_sm90.stages(4, 3, 4) == 4
     # The one-warp kernel: two chunks an iteration through four buffers; 3-bit values at 168 registers (their words,
-    # loaded into registers a step ahead, spill at two chunks at 128: 88 bytes, Triton 3.6), 12 programs a SM; 3-bit
+    # loaded into registers a step ahead, spill at two chunks at 128: 128 bytes, Triton 3.6), 12 programs a SM; 3-bit
     # keys with 4-bit values look all their centroid pairs up in the shared pair table (6% faster on the H200), every
     # other preset in registers (4-bit keys and 3-bit values ran 3-12% slower with the table).
     warp = {(k, v): ttq.warp_stages(ttq.decode_entry(sm90, k, v)) for k, v in ((3, 3), (3, 4), (4, 4), (8, 4))}
