@@ -68,13 +68,14 @@ other at a cluster barrier once their partials are stored, and then each merges 
 (:func:`_merge_in_cluster`), so no merge kernel follows (decode B=8 H=16 L=4K on the H200: stage 1 16.3 us and the
 merge 2.4 us behind a 1.2-1.7 us gap became one kernel of 18.2-18.4 us).
 
-On the H200 (``attnref bench --op decode_attention --op mla_verify``, FlashInfer 0.7 in the same run, c7e2fb0):
-decode B=32 H=128 L=32K 0.607 ms (the portable kernel 1.041 ms; FlashInfer 0.576 ms), B=1 H=128 L=32K 0.032 ms
-(0.062; 0.038), verify B=16 H=128 qlen=8 L=4K 0.259 ms (0.514; 0.253), B=8 H=16 qlen=4 L=4K 0.0247 ms (0.0362;
-0.0215); few rows: decode B=32 H=16 L=32K 0.290 ms (the portable kernel 0.340; FlashInfer 0.301), 98.3% of the copy
-roofline. ``notebooks/results/perf_log.md`` has what bounds it (the tensor pipe is busy half the time: the softmax
-warpgroup's chain and two stages) and the variants that lost (the softmax pipelined under the value MMAs, 32-key
-tiles in four stages, twice).
+On the H200 (``notebooks/results/bench_h200.md``: ``attnref bench --op decode_attention --op mla_verify --case
+bf16`` at 64a60c0, before ``RESCALE_IF_GREW``, FlashInfer 0.7 in the same run): decode B=32 H=128 L=32K 0.526 ms
+(FlashInfer 0.540 ms), B=1 H=128 L=32K 0.0283 ms (0.0381), verify B=16 H=128 qlen=8 L=4K 0.247 ms (0.244), B=32
+H=128 qlen=4 L=32K 2.045 ms (1.970), B=8 H=16 qlen=4 L=4K 0.0201 ms (0.0215); few rows: decode B=32 H=16 L=32K
+0.281 ms (0.290), 100.6% of the copy roofline measured in that run. ``notebooks/results/perf_log.md`` has what bounds
+it (the softmax warpgroup's chain and two stages; at 132 busy SMs a tile takes 2.05 us where FlashInfer's takes 1.90,
+``notebooks/results/mla_rounds_h200.md``) and the variants that lost (the softmax pipelined under the value MMAs,
+32-key tiles in four stages, twice).
 """
 
 from __future__ import annotations
