@@ -580,6 +580,27 @@ assert growth > 33 / 32 and rounds[33][2] / (33 * 8 * tiles / 132) < rounds[33][
 # (`benchmarks/variants/mla_seesaw.patch`, `mla_seesaw_no_loader.patch`): all pass the GPU tests and all are slower,
 # 11-41% at 128 heads, each warpgroup's loop needing more registers than a thread has (`notebooks/results/perf_log.md`).
 #
+# **Would dividing the tiles evenly pay?** FlashInfer's work list gives every SM the same number of tiles; at B=32 that
+# is 256 x 512 / 132 = 993 tiles an SM, where our two rounds give the busiest SMs 1024. The same table says what such a
+# schedule would cost here: B=33 keeps all 132 SMs busy for both rounds, so its tile time is the tile time of a
+# schedule with no idle SM, and an even B=32 would run its 993 tiles at that rate. Taking the first round as B=33's
+# also gives the second round's tile at B=31 and 32, where 8 and 16 SMs sit idle.
+
+# %%
+full = rounds[33][1] * 1e3 / (2 * tiles)  # us a tile with every SM busy (B=33: two full rounds)
+for b in (31, 32):
+    second = rounds[b][1] * 1e3 / tiles - full  # the second round's tile, its first round taken as B=33's
+    print(f"B={b}: second round {b * 8 - 132} programs, {second:.3f} us a tile (every SM busy: {full:.3f})")
+    assert second < full
+even = 32 * 8 * tiles / 132 * full / 1e3  # B=32 with every SM given 993 tiles, at the all-busy rate
+print(f"B=32 divided evenly: {even:.4f} ms before any merge, against {rounds[32][1]:.4f} ms in two rounds")
+assert even > rounds[32][1]
+
+# %% [markdown]
+# So an even division is slower here, by about 2% before the merge its split rows would need: a tile takes longer the
+# more SMs stream tiles at once, and the SMs idle in the last round buy the others that time back. It pays only once a
+# tile with all 132 SMs busy is below 1.9963 ms / 993 = 2.01 us; FlashInfer's is 1.90-1.95 us there.
+#
 # ## 7. The schedule on Hopper: three roles, one program per SM
 #
 # On an H100/H200, a 16-bit (or FP8: the end of this section) cache at DeepSeek's widths with pages a multiple of 64

@@ -623,6 +623,30 @@ for preset, times in stage1_us.items():
     assert 12 < intercept < 18 and 10 < slope < 15
 
 # %% [markdown]
+# The same line through the bench's own two lengths (the whole call, L=8K and 32K) splits each preset's call into a
+# part per 1K keys and a part at L=0, and says what 70% of the roofline at L=8K would ask of either. Two lengths cannot
+# tell a fixed cost from a per-key rate that is better at 32K than at 8K: the line is a way to read the rows, not a
+# measurement of the fixed cost (`perf_log.md`, forty-fifth session).
+
+# %%
+for preset in tq.PRESETS:
+    short, long = (by_case[f"{preset} decode B={batch} Hq={q_heads} Hk={bench_kv_heads} D={D} L={n}"]
+                   for n in (8192, 32768))  # fmt: skip
+    per_1k = (long["ms"] - short["ms"]) * 1e3 / 24  # us per 1K keys
+    at_zero = short["ms"] * 1e3 - 8 * per_1k
+    streamed = short["roofline_ms"] * 1e3 / 8 / per_1k  # the per-key part against the roofline's rate
+    target = short["roofline_ms"] * 1e3 / 0.7  # the L=8K call at 70% of its roofline
+    room = target - 8 * per_1k  # what the L=0 part may take at this slope
+    print(f"{preset:20s} {per_1k:5.2f} us per 1K keys ({streamed:.0%} of the roofline's rate) + {at_zero:4.1f} us; "
+          f"70% at L=8K is {target:5.1f} us: " + (f"an L=0 part of at most {room:.1f} us" if room > 0 else
+                                                   "out of reach at this slope, whatever the L=0 part"))
+    layout = tq.TurboQuantConfig.from_cache_dtype(preset, D)
+    if layout.key_fp8:
+        assert at_zero < 12 and short["pct_roofline"] > 70  # the FP8 grid kernel: little at L=0, 70% met
+    elif layout.value_quant_bits == 4:
+        assert streamed > 0.7 and at_zero > 20  # 3- and 4-bit keys: the keys stream near 70%, L=0 holds them back
+
+# %% [markdown]
 # **Splitting where the keys are (stream-K).** The grid of splits gives every request `S` splits, whatever its
 # length: a 32K-key request's splits are ten times as long as a 3K one's, and the last programs to finish keep SMs
 # waiting. For 3- and 4-bit keys the sm_90 decode instead concatenates each KV head's 32-key steps over all requests
