@@ -584,7 +584,7 @@ assert growth > 33 / 32 and rounds[33][2] / (33 * 8 * tiles / 132) < rounds[33][
 # is 256 x 512 / 132 = 993 tiles an SM, where our two rounds give the busiest SMs 1024. The same table says what such a
 # schedule would cost here: B=33 keeps all 132 SMs busy for both rounds, so its tile time is the tile time of a
 # schedule with no idle SM, and an even B=32 would run its 993 tiles at that rate. Taking the first round as B=33's
-# also gives the second round's tile at B=31 and 32, where 8 and 16 SMs sit idle.
+# also gives the second round's tile at B=31 and 32, where 16 and 8 SMs sit idle.
 
 # %%
 full = rounds[33][1] * 1e3 / (2 * tiles)  # us a tile with every SM busy (B=33: two full rounds)
