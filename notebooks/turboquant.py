@@ -569,11 +569,18 @@ RESULTS = Path(triton_impl.__file__).resolve().parent.parent / "notebooks" / "re
 bench = json.loads((RESULTS / "bench_h200.json").read_text())
 by_case = {row["case"]: row for row in bench["results"]}
 batch, q_heads, bench_kv_heads = 32, 32, 8  # the case names below hold this shape
+
+
+def decode_row(preset: str, length: int) -> dict:
+    """The bench's decode row of ``preset`` at this shape and ``length`` keys a request."""
+    return by_case[f"{preset} decode B={batch} Hq={q_heads} Hk={bench_kv_heads} D={D} L={length}"]
+
+
 print(bench["header"])
 for length in (8192, 32768):
     timed = []
     for preset in tq.PRESETS:
-        row = by_case[f"{preset} decode B={batch} Hq={q_heads} Hk={bench_kv_heads} D={D} L={length}"]
+        row = decode_row(preset, length)
         slot_bytes = tq.TurboQuantConfig.from_cache_dtype(preset, D).slot_size_aligned
         # bytes the benchmark counted per (token, KV head): the cache slot plus a little query and output traffic
         counted = row["gbps"] * row["ms"] * 1e6 / (batch * bench_kv_heads * length)
@@ -617,7 +624,7 @@ stage1_us = {  # B=32 Hq=32 Hk=8 D=128, block 16, every request L keys: L -> sta
 }
 for preset, times in stage1_us.items():
     slope, intercept = per_length_line(times)  # least squares through L = 2K..32K
-    call_8k = by_case[f"{preset} decode B={batch} Hq={q_heads} Hk={bench_kv_heads} D={D} L=8192"]["ms"] * 1e3
+    call_8k = decode_row(preset, 8192)["ms"] * 1e3
     print(f"{preset:20s} stage 1 = {slope:.2f} us per 1K keys + {intercept:.1f} us; the bench's L=8K call "
           f"{call_8k:.1f} us, of which {call_8k - slope * 8:.1f} us do not grow with L")
     assert 12 < intercept < 18 and 10 < slope < 15
@@ -630,8 +637,7 @@ for preset, times in stage1_us.items():
 
 # %%
 for preset in tq.PRESETS:
-    short, long = (by_case[f"{preset} decode B={batch} Hq={q_heads} Hk={bench_kv_heads} D={D} L={n}"]
-                   for n in (8192, 32768))  # fmt: skip
+    short, long = decode_row(preset, 8192), decode_row(preset, 32768)
     per_1k = (long["ms"] - short["ms"]) * 1e3 / 24  # us per 1K keys
     at_zero = short["ms"] * 1e3 - 8 * per_1k
     streamed = short["roofline_ms"] * 1e3 / 8 / per_1k  # the per-key part against the roofline's rate
