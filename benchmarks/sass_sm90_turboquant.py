@@ -11,8 +11,10 @@ load of its tile loop is printed with its lead, the instructions from it to the 
 (``ncu_stalls.load_leads``): under a register cap ptxas moves loads toward their use. Run::
 
     TRITON_INTERPRET=0 PYTHONPATH=. .venv/bin/python benchmarks/sass_sm90_turboquant.py
+    TRITON_INTERPRET=0 PYTHONPATH=. .venv/bin/python benchmarks/sass_sm90_turboquant.py --loop turboquant_3bit_nc
 
-The numbers quoted in ``notebooks/results/perf_log.md`` come from this script. The repository's venv
+(the second prints the Gluon stage 1's loop, the SASS the first counts, an instruction a line). The numbers
+quoted in ``notebooks/results/perf_log.md`` come from this script. The repository's venv
 has Triton 3.9; the H200 runs 3.6, whose code differs a lot for these kernels (k8v4 decode at BLOCK_N
 128: 255 registers, 2288 bytes of stack and 213 warp instructions per key with 3.6, no stack and 96
 with 3.9). For the H200's compiler, run the script from a separate venv::
@@ -26,6 +28,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import sys
 
 os.environ["TRITON_INTERPRET"] = "0"  # before triton_impl decorates its kernels: compile, don't interpret
 
@@ -121,12 +124,9 @@ def decode(preset: str, config: dict[str, int]) -> None:
           f"memory and barriers {memory}")  # fmt: skip
 
 
-def gluon_decode(preset: str, shared_pairs: int | None = None) -> None:
-    """The sm_90 Gluon stage 1 (triton_impl/turboquant_sm90.py) as the bench launches it: one warp a program over
-    16-key chunks where the entry selects that kernel (``GLUON_WARP``; by stream-K where it selects that, ``STREAM_K``,
-    its places weighted as at the bench's B=32 Hq=32),
-    else 64-key tiles on 4 warps; the sm90 entry's register cap, shared-memory stages and operand rounding
-    (``FP16_OPERANDS``); ``shared_pairs`` in place of the entry's ``WARP_SHARED_PAIRS`` where given."""
+def _gluon_decode_kernel(preset: str, shared_pairs: int | None = None):
+    """The sm_90 Gluon stage 1 as the bench launches it (:func:`gluon_decode` says how), compiled: ``(kernel, config,
+    warp, step, ranks)``, ``ranks`` stream-K's ``RANKS`` and ``TILT`` where it runs (else empty)."""
     quantizer = TurboQuantConfig.from_cache_dtype(preset, 128)
     key_bits, value_bits = 8 if quantizer.key_fp8 else quantizer.key_mse_bits, quantizer.value_quant_bits
     config = ttq.decode_entry(ttq.DECODE_CONFIGS["sm90"], key_bits, value_bits)
@@ -136,12 +136,11 @@ def gluon_decode(preset: str, shared_pairs: int | None = None) -> None:
     warp = bool(config.get("GLUON_WARP")) and turboquant_sm90.streams_supports(
         key_bits=key_bits, value_bits=value_bits, group=4, fp16_operands=fp16_operands, cache_address=0, one_warp=True)
     step = ttq.warp_stages(config)["STEP"] if warp else 1
-    stream_k = bool(config.get("STREAM_K"))
+    ranks = ttq.stream_k_ranks(config, 32, 32, key_bits) if warp and config.get("STREAM_K") else {}  # B=32 Hq=32
     if warp:
-        ranks = ttq.stream_k_ranks(config, 32, 32, key_bits) if stream_k else {}  # the bench's B=32 Hq=32
         kernel = turboquant_sm90.compile_for_sm90(key_bits=key_bits, value_bits=value_bits,
                                                   maxnreg=config["WARP_MAXNREG"], fp16_operands=fp16_operands,
-                                                  warp=True, stream_k=stream_k,
+                                                  warp=True, stream_k=bool(config.get("STREAM_K")),
                                                   **{k.lower(): v for k, v in (ttq.warp_stages(config)
                                                                                | ranks).items()})  # fmt: skip
     else:
@@ -150,16 +149,37 @@ def gluon_decode(preset: str, shared_pairs: int | None = None) -> None:
                                                   stages=turboquant_sm90.stages(config.get("GLUON_STAGES", 0),
                                                                                 key_bits, value_bits),
                                                   fp16_operands=fp16_operands)  # fmt: skip
+    return kernel, config, warp, step, ranks
+
+
+def gluon_decode(preset: str, shared_pairs: int | None = None) -> None:
+    """The sm_90 Gluon stage 1 (triton_impl/turboquant_sm90.py) as the bench launches it: one warp a program over
+    16-key chunks where the entry selects that kernel (``GLUON_WARP``; by stream-K where it selects that, ``STREAM_K``,
+    its places weighted as at the bench's B=32 Hq=32),
+    else 64-key tiles on 4 warps; the sm90 entry's register cap, shared-memory stages and operand rounding
+    (``FP16_OPERANDS``); ``shared_pairs`` in place of the entry's ``WARP_SHARED_PAIRS`` where given."""
+    kernel, config, warp, step, ranks = _gluon_decode_kernel(preset, shared_pairs)
+    key_fp8 = TurboQuantConfig.from_cache_dtype(preset, 128).key_fp8
     count, mix, memory, moves, alu = _loop_mix(kernel.asm["cubin"], "HMMA")
     per_key = 1 / (16 * step) if warp else int(turboquant_sm90.NUM_WARPS) / int(turboquant_sm90.BLOCK_N)
     shape = f"one warp, {step} 16-key chunks an iteration" if warp else "4 warps, 64-key tiles"
-    shape += f", stream-K (ranks {ranks['RANKS']}, tilt {ranks['TILT']})" if warp and stream_k else ""
-    shape += f", {config['WARP_SHARED_PAIRS']} words of 4 by the shared pair table" if warp and key_bits != 8 else ""
+    shape += f", stream-K (ranks {ranks['RANKS']}, tilt {ranks['TILT']})" if ranks else ""
+    shape += f", {config['WARP_SHARED_PAIRS']} words of 4 by the shared pair table" if warp and not key_fp8 else ""
     print(f"decode {preset} Gluon stage 1 ({shape}): "
           f"{_resources(kernel.asm['cubin'])}, {kernel.metadata.shared} B shared; loop "
           f"{count} instructions per warp per iteration = {count * per_key:.1f} warp instructions per key and KV head, "
           f"{moves} of them moves of a uniform register, {alu} on the ALU pipe ({2 * alu} of its cycles); {mix}; "
           f"memory and barriers {memory}")  # fmt: skip
+
+
+def gluon_decode_loop(preset: str) -> None:
+    """Prints the SASS of the loop that :func:`gluon_decode` counts, one instruction a line (``--loop PRESET``): to
+    count an instruction by its operands, e.g. the 3-bit keys' lookups by their ``LOP3`` and ``PRMT`` immediates."""
+    code, loops = sass_code(_gluon_decode_kernel(preset)[0].asm["cubin"])
+    head, tail = innermost_loop(code, loops, ("HMMA",))
+    for address, _, _, line in code:
+        if head <= address <= tail:
+            print(line.strip())
 
 
 def _outer_loops(loops: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -286,6 +306,9 @@ DECODE_VARIANTS = ({"PREFETCH": 1, "PREFETCH_k4": 1, "maxnreg": 0}, {"PREFETCH":
                    {"JOIN_UNPACK": 0})  # fmt: skip
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--loop"]:
+        gluon_decode_loop(sys.argv[2])
+        sys.exit()
     for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"):
         gluon_decode(preset)
         if not TurboQuantConfig.from_cache_dtype(preset, 128).key_fp8:  # the shared pair table's counts (untimed)
