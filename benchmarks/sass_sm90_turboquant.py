@@ -29,6 +29,7 @@ import collections
 import os
 import re
 import sys
+from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "0"  # before triton_impl decorates its kernels: compile, don't interpret
 
@@ -124,7 +125,8 @@ def decode(preset: str, config: dict[str, int]) -> None:
           f"memory and barriers {memory}")  # fmt: skip
 
 
-def _gluon_decode_kernel(preset: str, shared_pairs: int | None = None):
+def _gluon_decode_kernel(preset: str, shared_pairs: int | None = None) -> tuple[Any, dict[str, int], bool, int,
+                                                                              dict[str, int]]:
     """The sm_90 Gluon stage 1 as the bench launches it (:func:`gluon_decode` says how), compiled: ``(kernel, config,
     warp, step, ranks)``, ``ranks`` stream-K's ``RANKS`` and ``TILT`` where it runs (else empty)."""
     quantizer = TurboQuantConfig.from_cache_dtype(preset, 128)
