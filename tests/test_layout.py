@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
+import sys
 from collections import deque
 from pathlib import Path
 
@@ -306,3 +307,17 @@ def test_every_tolerance_has_a_reason_and_a_known_op() -> None:
 def test_tolerance_doc_is_current() -> None:
     doc = (ROOT / "tests" / "TOLERANCES.md").read_text()
     assert doc == markdown_table(), "regenerate: python -m triton_impl tolerances > tests/TOLERANCES.md"
+
+
+# -- The README's example -----------------------------------------------------------------------------
+
+
+def test_readme_python_examples_run() -> None:
+    """Every ```python block of the README runs as printed, in a fresh interpreter from the repository root (the
+    example checks a kernel against its golden model and asserts the result)."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert blocks, "the README lost its example"
+    for block in blocks:
+        done = subprocess.run([sys.executable, "-c", block], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "max |error|" in done.stdout, done.stdout
