@@ -309,6 +309,41 @@ def test_tolerance_doc_is_current() -> None:
     assert doc == markdown_table(), "regenerate: python -m triton_impl tolerances > tests/TOLERANCES.md"
 
 
+
+# -- Kernel variants kept as patches ------------------------------------------------------------------
+
+
+def _git(*args: str, cwd: Path = ROOT, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=60, **kwargs)
+
+
+def test_every_variant_patch_applies_at_its_base(tmp_path: Path) -> None:
+    """Each patch of ``benchmarks/variants/`` applies to the files of the commit its first line names (``Base:
+    <commit>``, else HEAD), as ``benchmarks/variants/unpack.sh`` applies it: the archive of variants not landed can
+    be timed again. A patch that no longer applies at HEAD gets the commit it was written against."""
+    if _git("rev-parse", "HEAD").returncode:
+        pytest.skip("not a git checkout")
+    patches = sorted((ROOT / "benchmarks" / "variants").glob("*.patch"))
+    assert patches
+    for patch in patches:
+        first = patch.read_text().split("\n", 1)[0]
+        base = first.removeprefix("Base: ") if first.startswith("Base: ") else "HEAD"
+        if _git("cat-file", "-e", f"{base}^{{commit}}").returncode:
+            pytest.skip(f"{patch.name}: its base {base} is not in this clone's history")
+        where = tmp_path / patch.stem
+        for name in _git("apply", "--numstat", str(patch), check=True).stdout.split("\n"):
+            if not name.strip():
+                continue
+            file = name.split("\t")[2]
+            shown = _git("show", f"{base}:{file}")
+            if shown.returncode == 0:  # (a file the patch creates is not at its base)
+                (where / file).parent.mkdir(parents=True, exist_ok=True)
+                (where / file).write_text(shown.stdout)
+        where.mkdir(exist_ok=True)
+        applied = _git("apply", "--check", str(patch), cwd=where)
+        assert applied.returncode == 0, f"{patch.name} at {base}: {applied.stderr}"
+
+
 # -- The README's example -----------------------------------------------------------------------------
 
 
