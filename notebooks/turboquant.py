@@ -342,7 +342,9 @@ plt.show()
 # (`benchmarks/variants/pipe_probe_alu.patch`, `pipe_probe_fma.patch`), say which binds: 128 more ALU instructions
 # a step made stage 1 20% slower (354 -> 426 us at L=32K), 113 more `IMAD`s (the FMA pipe) 1.6% (-> 360). The same
 # probes on 3-bit keys (k3v4 / 3bit_nc): +20% / +19% with 128 more ALU instructions, +2% / +3% with 102 more `IMAD`s.
-# So the lever is the ALU count, and most of it is the keys' lookups (256 of the 402 for 4-bit keys). Cuts on other
+# So the lever is the ALU count, and most of it is the keys' lookups: 256 of the 402 for 4-bit keys, 208 of the 426 for
+# 3-bit keys and values (13 a group of 8 codes, whose 3 left shifts ptxas issues as `IMAD.SHL` on the FMA pipe; the
+# loop's SASS: `benchmarks/sass_sm90_turboquant.py --loop turboquant_3bit_nc` under Triton 3.6). Cuts on other
 # pipes did not move the time (fewer `IMAD.MOV` or `HADD2`), and moving the lookups' shifts to `IMAD.HI` made it 2-4%
 # slower.
 #
