@@ -191,13 +191,16 @@ def test_triton_impl_has_no_import_cycle() -> None:
 # -- References -----------------------------------------------------------------------------------
 
 
+def _git(*args: str, cwd: Path = ROOT, **kwargs) -> subprocess.CompletedProcess:
+    """``git args`` run in ``cwd``, its output captured as text."""
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=60, **kwargs)
+
+
 def _tracked_text_files() -> list[str]:
     """Tracked ``*.py``, ``*.md``, ``.ci/*`` and ``pyproject.toml``; a walk where there is no git
     checkout (the GPU machine gets the files without ``.git``)."""
     try:
-        listed = subprocess.run(
-            ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
-        ).stdout.splitlines()
+        listed = _git("ls-files", check=True).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
         skip = {"__pycache__", "build", "dist", "gpu_out"}
         listed = [
@@ -309,12 +312,7 @@ def test_tolerance_doc_is_current() -> None:
     assert doc == markdown_table(), "regenerate: python -m triton_impl tolerances > tests/TOLERANCES.md"
 
 
-
 # -- Kernel variants kept as patches ------------------------------------------------------------------
-
-
-def _git(*args: str, cwd: Path = ROOT, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=60, **kwargs)
 
 
 def test_every_variant_patch_applies_at_its_base(tmp_path: Path) -> None:
