@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -26,6 +27,7 @@ from triton_impl.bench import (
     flashinfer_peers,
     lse_from_base2,
     lse_to_base2,
+    table_lines,
     time_peers,
     write_report,
 )
@@ -362,6 +364,46 @@ def _report(monkeypatch, tmp_path: Path, results: list[Result]) -> list[str]:
     text = write_report(results, {"copy_gbps": 4000.0, "matmul_tflops": 700.0}, tmp_path).read_text()
     lines = text.splitlines()
     return lines[lines.index(next(line for line in lines if line.startswith("| op |"))) :]
+
+
+
+def test_a_partial_run_merges_into_the_table(monkeypatch, capsys, tmp_path: Path) -> None:
+    """``attnref bench-merge``: a run's rows replace those of the same (op, case) in place, new ones are appended,
+    the rest and the notes above the table stay; the geomeans cover the merged rows and the JSON names each run's
+    ceilings. Merging the same run twice changes nothing more."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a CPU")
+    into, run = tmp_path / "results", tmp_path / "run"
+    kept = [_result("mla_verify", "verify A", 0.4), _result("mla_verify", "verify B", 0.2),
+            _result("lse_merge", "merge C", 0.1)]  # fmt: skip
+    monkeypatch.setenv("ATTNREF_COMMIT", "aaaaaaa")
+    write_report(kept, {"copy_gbps": 4000.0, "matmul_tflops": 700.0}, into)
+    notes = into / "bench_h200.md"
+    lines = notes.read_text().splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("| op |")))
+    prose = [*lines[:start], "Rows of verify B are from a run named here by hand.", ""]
+    notes.write_text("\n".join([*prose, *lines[start:]]) + "\n")
+    faster = Result("mla_verify", "verify B", 0.1, 200.0, 2.0, "memory", 0.05, 80.0, {}, "-", True)
+    new_op = _result("decode_attention", "decode D", 0.3)
+    monkeypatch.setenv("ATTNREF_COMMIT", "bbbbbbb")
+    write_report([faster, new_op], {"copy_gbps": 4100.0, "matmul_tflops": 720.0}, run)
+
+    assert main(["bench-merge", str(run), "--into", str(into)]) == 0
+    merged = [kept[0], faster, kept[2], new_op]
+    text = notes.read_text()
+    assert text == "\n".join([*prose, *table_lines(merged)]) + "\n"
+    assert "- mla_verify: 63.2%" in text  # sqrt(50 * 80): verify A's run and verify B's new one
+    assert sum("| verify B |" in line for line in text.splitlines()) == 1
+    saved = json.loads((into / "bench_h200.json").read_text())
+    assert saved["results"] == [asdict(r) for r in merged]
+    assert saved["ceilings"] == {"mla_verify, lse_merge (aaaaaaa)": {"copy_gbps": 4000.0, "matmul_tflops": 700.0},
+                                 "mla_verify, decode_attention (bbbbbbb)": {"copy_gbps": 4100.0,
+                                                                            "matmul_tflops": 720.0}}  # fmt: skip
+    assert saved["header"].startswith("GPU: a CPU |") and "commit aaaaaaa" in saved["header"]
+    before = (text, (into / "bench_h200.json").read_text())
+    assert main(["bench-merge", str(run), "--into", str(into)]) == 0
+    assert (notes.read_text(), (into / "bench_h200.json").read_text()) == before
+    assert main(["bench-merge", str(into), "--into", str(run)]) == 2  # a merged table is not a run
+    assert capsys.readouterr().err.endswith("results/bench_h200.json is a merged table, not one bench run\n")
 
 
 _TIMELINE_COMPILE = """

@@ -460,30 +460,10 @@ def _peer_cell(r: Result, name: str) -> str:
     return f"{ms:.4f} ({ms / r.ms:.2f}x)"
 
 
-def write_report(results: Sequence[Result], ceilings: dict[str, float], out_dir: Path) -> Path:
-    import triton
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    commit = os.environ.get("ATTNREF_COMMIT") or _git_commit()
-    header = (
-        f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-        f"commit {commit} | {time.strftime('%Y-%m-%d')}"
-    )
+def table_lines(results: Sequence[Result]) -> list[str]:
+    """The table of ``bench_h200.md``, a row per result in order, and the geomeans under it: everything from the
+    table's header line to the end of the file (what :func:`merge_report` rewrites)."""
     lines = [
-        "# Benchmarks",
-        "",
-        header,
-        "",
-        f"Measured ceilings (same run): copy {ceilings['copy_gbps']:.0f} GB/s (read + write), "
-        f"bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s. "
-        "Roofline = max(bytes / copy BW, FLOPs / matmul rate).",
-        "Times are medians over calls between CUDA events, each after an L2 flush that reads 256 MB (`bench_ms`: "
-        "`triton.testing.do_bench` with a reading flush; CUDA-graph replays below 50 us); baselines timed in the "
-        "same run.",
-        f"Peers ({', '.join(PEERS)}, where installed) run on the same tensors, are checked against the same golden "
-        "model first, then timed like baselines; (Nx) = peer ms / our ms, above 1 where ours is faster; "
-        "`-`: no peer for the case or not installed.",
-        "",
         "| op | case | ms | GB/s | TFLOP/s | bound | roofline ms | % of roofline | baselines (ms) | SASS | "
         + " | ".join(f"{name} (ms, ours/peer speed)" for name in PEERS)
         + " |",
@@ -508,16 +488,92 @@ def write_report(results: Sequence[Result], ceilings: dict[str, float], out_dir:
             for op in sorted({r.op for r in timed}):
                 ratios = [r.peers_ms[name] / r.ms for r in timed if r.op == op]
                 lines.append(f"- {op}: {_geomean(ratios):.2f}x over {len(ratios)} cases")
+    return lines
+
+
+def write_report(results: Sequence[Result], ceilings: dict[str, float], out_dir: Path) -> Path:
+    import triton
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    commit = os.environ.get("ATTNREF_COMMIT") or _git_commit()
+    gpu = torch.cuda.get_device_name()
+    header = (
+        f"GPU: {gpu} | torch {torch.__version__} | triton {triton.__version__} | commit {commit} | "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
+    lines = [
+        "# Benchmarks",
+        "",
+        header,
+        "",
+        f"Measured ceilings (same run): copy {ceilings['copy_gbps']:.0f} GB/s (read + write), "
+        f"bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s. "
+        "Roofline = max(bytes / copy BW, FLOPs / matmul rate).",
+        "Times are medians over calls between CUDA events, each after an L2 flush that reads 256 MB (`bench_ms`: "
+        "`triton.testing.do_bench` with a reading flush; CUDA-graph replays below 50 us); baselines timed in the "
+        "same run.",
+        f"Peers ({', '.join(PEERS)}, where installed) run on the same tensors, are checked against the same golden "
+        "model first, then timed like baselines; (Nx) = peer ms / our ms, above 1 where ours is faster; "
+        "`-`: no peer for the case or not installed.",
+        "",
+        *table_lines(results),
+    ]
     table = out_dir / "bench_h200.md"
     table.write_text("\n".join(lines) + "\n")
     (out_dir / "bench_h200.json").write_text(
         json.dumps({"header": header, "ceilings": ceilings, "results": [asdict(r) for r in results]}, indent=1)
     )
-    _plot(results, ceilings, out_dir / "roofline_h200.png")
+    _plot(results, ceilings, f"Roofline on {gpu}", out_dir / "roofline_h200.png")
     return table
 
 
-def _plot(results: Sequence[Result], ceilings: dict[str, float], path: Path) -> None:
+def _run_label(header: str, results: Sequence[Result]) -> str:
+    """A run's name in a merged JSON's ``ceilings``: its ops and its commit, e.g. ``mla_verify, decode_attention
+    (64a60c0)``."""
+    commit = re.search(r"\bcommit (\S+)", header)
+    ops = ", ".join(dict.fromkeys(r.op for r in results))
+    return f"{ops} ({commit.group(1) if commit else 'unknown commit'})"
+
+
+def merge_report(run_dir: Path, into_dir: Path) -> tuple[Path, int, int]:
+    """Merge the rows of a bench run (``run_dir/bench_h200.json``, e.g. a GPU job's output for a few ops) into the
+    table in ``into_dir``: each of the run's ``(op, case)`` replaces the row of the same ``(op, case)`` where it
+    stands, or is appended; every other row stays as it was. Everything above the table in ``bench_h200.md`` (its
+    header and notes, which say which commit each group of rows comes from) is kept: edit it by hand. Each row keeps
+    the percentages its own run measured, so the JSON's ``ceilings`` becomes ``{run: ceilings}`` with the run's
+    under :func:`_run_label`, and the geomeans are recomputed over the merged rows. Returns ``(the table, rows
+    replaced, rows appended)``; no GPU needed."""
+    run = json.loads((run_dir / "bench_h200.json").read_text())
+    into = json.loads((into_dir / "bench_h200.json").read_text())
+    if "copy_gbps" not in run["ceilings"]:
+        raise ValueError(f"run_dir: {run_dir / 'bench_h200.json'} is a merged table, not one bench run")
+    new = [Result(**r) for r in run["results"]]
+    rows = [Result(**r) for r in into["results"]]
+    ceilings = into["ceilings"]
+    if "copy_gbps" in ceilings:  # one run's ceilings: name them before adding another's
+        ceilings = {_run_label(into["header"], rows): ceilings}
+    ceilings[_run_label(run["header"], new)] = run["ceilings"]
+    index = {(r.op, r.case): i for i, r in enumerate(rows)}
+    replaced = 0
+    for r in new:
+        if (r.op, r.case) in index:
+            rows[index[(r.op, r.case)]] = r
+            replaced += 1
+        else:
+            index[(r.op, r.case)] = len(rows)
+            rows.append(r)
+    table = into_dir / "bench_h200.md"
+    text = table.read_text().splitlines()
+    start = next((i for i, line in enumerate(text) if line.startswith("| op | case |")), len(text))
+    table.write_text("\n".join([*text[:start], *table_lines(rows)]) + "\n")
+    into["ceilings"], into["results"] = ceilings, [asdict(r) for r in rows]
+    (into_dir / "bench_h200.json").write_text(json.dumps(into, indent=1))
+    gpu = into["header"].split(" | ")[0].removeprefix("GPU: ")
+    _plot(rows, run["ceilings"], f"Roofline on {gpu}", into_dir / "roofline_h200.png")
+    return table, replaced, len(new) - replaced
+
+
+def _plot(results: Sequence[Result], ceilings: dict[str, float], title: str, path: Path) -> None:
     try:
         import matplotlib
 
@@ -536,8 +592,9 @@ def _plot(results: Sequence[Result], ceilings: dict[str, float], path: Path) -> 
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("TFLOP/s")
     ax.legend(fontsize=8)
-    ax.set_title(f"Roofline on {torch.cuda.get_device_name()}")
+    ax.set_title(title)
     fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
 
 
 def _git_commit() -> str:

@@ -1,4 +1,5 @@
-"""Command line: ``attnref parity`` (the main job), ``attnref bench`` (GPU), ``attnref tolerances``.
+"""Command line: ``attnref parity`` (the main job), ``attnref bench`` (GPU), ``attnref bench-merge``,
+``attnref tolerances``.
 
 ``python -m triton_impl ...`` is the same command.
 """
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", type=Path, default=Path("notebooks/results"), help="where the table, JSON and plot go")
     bench.add_argument("--no-baselines", action="store_true", help="skip the eager / torch.compile golden baselines")
     bench.add_argument("--case", action="append", help="only cases whose name contains this (repeatable)")
+    merge = sub.add_parser("bench-merge", help="merge a bench run's rows (RUN/bench_h200.json) into a table")
+    merge.add_argument("run", type=Path, help="the folder of the run's bench_h200.json (e.g. a GPU job's output)")
+    merge.add_argument("--into", type=Path, default=Path("notebooks/results"), help="the table to update")
     sub.add_parser("tolerances", help="print the tolerance table as markdown")
     args = parser.parse_args(argv)
 
@@ -39,6 +43,17 @@ def main(argv: list[str] | None = None) -> int:
 
         cases = [c for c in registered_bench_cases(args.op) if not args.case or any(f in c.name for f in args.case)]
         return bench_main(cases, args.out, baselines=not args.no_baselines)
+
+    if args.command == "bench-merge":
+        from triton_impl.bench import merge_report
+
+        try:
+            table, replaced, appended = merge_report(args.run, args.into)
+        except (OSError, ValueError) as err:
+            print(f"attnref bench-merge: {err}", file=sys.stderr)
+            return 2
+        print(f"{table}: {replaced} rows replaced, {appended} appended; the notes above the table name the commits")
+        return 0
 
     if args.command == "tolerances":
         from triton_impl.tolerances import markdown_table
