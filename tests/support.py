@@ -8,12 +8,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from triton_impl.cases import block_table_for, exact
 from triton_impl.tolerances import Tolerance, compare, tolerance
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def sm90_only(what: str) -> pytest.MarkDecorator:
+    """A test of what runs on Hopper only: skipped unless a compute capability 9.x GPU is here."""
+    here = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    return pytest.mark.skipif(not here, reason=f"{what} runs on compute capability 9.x only")
 
 
 def generator(seed: int) -> torch.Generator:

@@ -31,6 +31,7 @@ from tests.support import (
     paged_cache,
     paginate,
     run_ptx,
+    sm90_only,
 )
 from triton_impl import decode_attention_sm90
 from triton_impl.decode_attention import (
@@ -409,8 +410,7 @@ def padded_query(q: torch.Tensor, pad: int) -> torch.Tensor:
     return wide[..., : q.shape[-1]]
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon stage 1 runs on compute capability 9.x only")
+@sm90_only("the Gluon stage 1")
 @pytest.mark.parametrize(
     ("num_heads", "page_size", "layout", "window", "splits", "cap", "dtype", "fp8", "lean"),
     [(128, 64, "4d", None, 2, 0.0, torch.bfloat16, False, False),
@@ -468,8 +468,7 @@ def test_sm90_mla_fast_path_matches_golden(device, num_heads, page_size, layout,
     assert_close(lse, ref_lse, ("decode_attention", "lse", "float32"))
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon stage 1 runs on compute capability 9.x only")
+@sm90_only("the Gluon stage 1")
 @pytest.mark.parametrize(("num_heads", "splits", "window", "fp8"),
                          [(128, 1, None, False), (64, 3, 700, False), (40, 2, None, True)])  # fmt: skip
 def test_sm90_mla_rescale_if_grew_changes_no_bit(device, num_heads, splits, window, fp8) -> None:
@@ -499,8 +498,7 @@ def test_this_triton_can_launch_clusters_of_a_compiled_kernel() -> None:
         Launch(decode_attention_sm90.mla_decode_few_rows_kernel, (12,), (), {}, cluster=8)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="thread-block clusters: compute capability 9.x")
+@sm90_only("a thread-block cluster")
 def test_few_rows_decode_clusters_its_splits_only_where_every_cluster_runs_at_once(device) -> None:
     """``cluster_capacity`` (the driver's ``cuOccupancyMaxActiveClusters``) lies between 1 and ``SMs // c`` clusters
     of ``c`` one-SM programs, and the few-rows decode merges in clusters exactly up to that many rows: a second wave
@@ -594,8 +592,7 @@ def _widen_probe(codes_ptr, out_ptr, start, end, WIDTH: gl.constexpr, SWIZZLE: g
     gl.store(out_ptr + offsets, wide.load(layout))
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon stage 1 runs on compute capability 9.x only")
+@sm90_only("the Gluon stage 1")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("part", ["latent", "rope"])
 @pytest.mark.parametrize(("start", "end"), [(0, 64), (5, 50)])

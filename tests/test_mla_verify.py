@@ -20,7 +20,15 @@ from golden._paged import gather_tokens
 from golden.decode_attention import decode_attention, expand_decode_rows
 from golden.lse_merge import merge_states
 from golden.mla_verify import mla_verify, mla_verify_split_partials, row_limits, split_bounds
-from tests.support import FP8_DTYPES, assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled
+from tests.support import (
+    FP8_DTYPES,
+    assert_bits_equal,
+    assert_close,
+    fails_tolerance,
+    generator,
+    nan_filled,
+    sm90_only,
+)
 from tests.support import paged_cache as build_paged_cache
 from triton_impl import decode_attention_sm90
 from triton_impl import mla_verify as tv
@@ -242,8 +250,7 @@ def test_verify_tma_tiles_and_the_cut_last_tile(device, page_size, layout, fp8) 
         check_against_golden(problem, 2, {**config, "TMA": tma, "GLUON": False})
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon stage 1 runs on compute capability 9.x only")
+@sm90_only("the Gluon stage 1")
 @pytest.mark.parametrize(
     ("qlen", "heads", "num_kv_splits", "real", "page_size", "layout", "fp8", "lean"),
     [(4, 16, 2, False, 64, "4d", False, False), (4, 128, 1, False, 64, "4d", False, False),
@@ -279,8 +286,7 @@ def test_sm90_verify_fast_path_matches_golden(device, qlen, heads, num_kv_splits
     check_against_golden(problem, num_kv_splits, config)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon stage 1 runs on compute capability 9.x only")
+@sm90_only("the Gluon stage 1")
 @pytest.mark.parametrize(("qlen", "heads", "num_kv_splits", "fp8"), [(4, 128, 1, False), (3, 32, 3, False),
                                                                      (2, 128, 2, True)])  # fmt: skip
 def test_sm90_verify_rescale_if_grew_changes_no_bit(device, qlen, heads, num_kv_splits, fp8) -> None:
@@ -301,8 +307,7 @@ def test_sm90_verify_rescale_if_grew_changes_no_bit(device, qlen, heads, num_kv_
         torch.testing.assert_close(skipped, rescaled, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon few-rows kernel runs on compute capability 9.x only")
+@sm90_only("the Gluon few-rows kernel")
 @pytest.mark.parametrize(("heads", "num_kv_splits", "page_size"), [(16, 3, 64), (8, 1, 128), (1, 5, 64)])
 def test_sm90_one_draft_token_at_few_heads_matches_golden_as_a_decode(device, heads, num_kv_splits, page_size) -> None:
     """qlen 1 at 16 heads or fewer runs decode's few-rows Gluon kernel (decode's split rule, so only the merged
@@ -480,6 +485,32 @@ def test_block_table_with_spare_rows_or_a_unit_dimension(device) -> None:
         assert_bits_equal(lse_t, lse)
         ref_o_t, ref_lse_t = replace(problem, block_table=variant).golden()
         assert torch.equal(ref_o_t, ref_o) and torch.equal(ref_lse_t, ref_lse)
+
+
+
+def _every_other(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s entries as a view with stride 2, the gaps between them holding 7 (a read past a gap shows)."""
+    buffer = torch.full((2 * t.shape[0],), 7, dtype=t.dtype, device=t.device)
+    buffer[::2] = t
+    return buffer[::2]
+
+
+@pytest.mark.parametrize("path", ["small", "large", pytest.param("sm90", marks=sm90_only("the Gluon stage 1"))])
+def test_strided_lengths_give_the_bits_of_contiguous_ones(device, path) -> None:
+    """``seq_lens`` and ``real_seq_lens`` as views with stride 2 give the bits of contiguous ones: the portable
+    kernel's configs and (on sm_90) the Gluon stage 1 read each length through its stride. Before they did, the
+    second request read the gap after the first as its length."""
+    if path == "sm90":
+        problem = make_problem([300, 129, 64], 2, 16, 512, 64, 64, device, seed=20, real_seq_lens=[250, 129, 10])
+        cfg = _config("large", arch="sm90")
+    else:
+        problem = make_problem([21, 6, 40], 3, 2, 16, 16, 4, device, seed=19, real_seq_lens=[20, 6, 33])
+        cfg = _config(path, short_splits=True)
+    o, lse, logits = problem.run(2, cfg)
+    strided = problem.run(2, cfg, seq_lens=_every_other(problem.seq_lens),
+                          real_seq_lens=_every_other(problem.real_seq_lens))  # fmt: skip
+    for contiguous, view in zip((o, lse, logits), strided):
+        assert_bits_equal(view, contiguous)
 
 
 def test_one_split_result_independent_of_batch(device) -> None:

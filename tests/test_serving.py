@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from benchmarks import serving
 from golden import turboquant as tq
 from golden.lse_merge import merge_attn_states as golden_merge_attn_states
-from tests.support import assert_bits_equal, generator, paged_cache, randn
+from tests.support import assert_bits_equal, generator, paged_cache, randn, sm90_only
 from triton_impl import decode_attention as dec
 from triton_impl import lse_merge, mla_verify, sparse_indices, turboquant, ue8m0_cache
 from triton_impl.bench import eager_and_graph_us
@@ -314,8 +314,7 @@ def test_decode_poisons_only_rows_with_bad_pages(checks_off, is_mla, num_kv_spli
         assert_bits_equal(lse[row], clean[1][row])
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon MLA stage 1 runs on compute capability 9.x only")
+@sm90_only("the Gluon MLA stage 1")
 @pytest.mark.parametrize("bad_page", [-1, "num_pages", 2**30])
 @pytest.mark.parametrize("num_kv_splits", [1, 3])
 @pytest.mark.parametrize("heads", [128, 16])

@@ -582,6 +582,8 @@ def _flashinfer_args(device, **change):
         ({"seq_lens": _i32([5, 1])}, ValueError, r"seq_lens: expected >= the query length"),
         ({"compressed_block_size": 0}, ValueError, r"compressed_block_size: expected a positive int"),
         ({"swa_block_span": 0}, ValueError, r"swa_block_span: expected a positive int"),
+        # One row for two requests: the second request's SWA slots would be read past the table.
+        ({"swa_block_table": _i32([[0]])}, ValueError, r"swa_block_table: expected >= 2 rows \(one per request\)"),
     ],
 )
 def test_flashinfer_rejects_bad_input(device, change, error, match) -> None:

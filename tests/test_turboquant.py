@@ -38,7 +38,15 @@ from triton.experimental.gluon import language as gl
 from golden import _lloyd_max
 from golden import turboquant as tq
 from golden.lse_merge import merge_states
-from tests.support import assert_bits_equal, assert_close, fails_tolerance, generator, nan_filled, run_ptx
+from tests.support import (
+    assert_bits_equal,
+    assert_close,
+    fails_tolerance,
+    generator,
+    nan_filled,
+    run_ptx,
+    sm90_only,
+)
 from triton_impl import turboquant as ttq
 from triton_impl import turboquant_sm90 as ttq_sm90
 from triton_impl.bench import capture_launches
@@ -1678,8 +1686,7 @@ def test_hadamard_store_knobs_follow_the_entry_and_its_plain_keys() -> None:
     assert knobs(k3, False) == {"MMA_H32": False, "PACKED_EXTREMA": False, "JOINT_STORES": False}
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon store runs on compute capability 9.x (its sm_90 compile is tested anywhere)")
+@sm90_only("the Gluon store (its sm_90 compile is tested anywhere)")
 @pytest.mark.parametrize("entry", [{}, {"HADAMARD_PROGRAMS_PER_SM": 1, "HADAMARD_PROGRAMS_PER_SM_k4": 1, "fused": 1},
                                    {"HADAMARD_MMA_H32_k4": 0, "HADAMARD_PROGRAMS_PER_SM_k4": 6,
                                     "HADAMARD_MAXNREG_k4": 80},
@@ -1751,8 +1758,7 @@ def test_sm90_store_matches_golden_within_its_own_band(preset: str, norm_correct
     assert cmp.ok, cmp.summary()
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon store runs on compute capability 9.x (its sm_90 compile is tested anywhere)")
+@sm90_only("the Gluon store (its sm_90 compile is tested anywhere)")
 def test_sm90_store_takes_the_butterflies_only_for_a_hadamard_rotation(monkeypatch: pytest.MonkeyPatch) -> None:
     """Which sm_90 store runs, and that each is right: the Hadamard store for ``hadamard_rotation(128)`` (a new
     tensor: one check, then none), the MMA store once that ``PiT`` is negated in place (no longer ``c H`` with

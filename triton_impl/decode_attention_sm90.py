@@ -785,7 +785,7 @@ def mla_decode_stage1_kernel(
 def mla_verify_stage1_kernel(
     q_ptr, k_ptr, sm_scale_log2, table_ptr, seq_lens_ptr, real_seq_lens_ptr, part_ptr, o_ptr, lse_ptr, k_scale_ptr,
     lat_desc, pe_desc,
-    num_pages, table_keys,
+    num_pages, table_keys, stride_sl, stride_rl,
     stride_t_b, stride_t_p, stride_q_r, stride_q_h,
     stride_p_r, stride_p_h, stride_p_s, stride_o_r, stride_o_h, stride_lse_r, stride_lse_h,
     QLEN: gl.constexpr,
@@ -808,10 +808,10 @@ def mla_verify_stage1_kernel(
     row_block = pid % ROW_BLOCKS
     split = (pid // ROW_BLOCKS) % NUM_KV_SPLITS
     b = pid // (ROW_BLOCKS * NUM_KV_SPLITS)
-    seq_len = gl.maximum(gl.load(seq_lens_ptr + b), 0)
+    seq_len = gl.maximum(gl.load(seq_lens_ptr + b.to(gl.int64) * stride_sl), 0)
     real_len = seq_len
     if HAS_REAL:
-        real_len = gl.load(real_seq_lens_ptr + b)
+        real_len = gl.load(real_seq_lens_ptr + b.to(gl.int64) * stride_rl)
     per_split = gl.cdiv(seq_len, NUM_KV_SPLITS)
     chunk = gl.maximum(gl.cdiv(per_split, SPLIT_ALIGN) * SPLIT_ALIGN, MIN_SPLIT_LEN)
     start = split * chunk
@@ -1102,6 +1102,8 @@ def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, p
         constexprs["LEAN_SOFTMAX"] = lean_softmax
         constexprs["RESCALE_IF_GREW"] = rescale_if_grew
     constexprs["stride_t_p"] = 1
+    if verify:  # contiguous length vectors, as the bench's
+        constexprs["stride_sl"] = constexprs["stride_rl"] = 1
     signature = {n: "constexpr" if n in constexprs else pointers.get(n) or descs.get(n) or
                  ("fp32" if n in floats else "i32") for n in names}  # fmt: skip
     values = {(names.index(n),): v for n, v in constexprs.items()}

@@ -306,7 +306,7 @@ def _verify_gather(k_ptr, table_row, stride_t_p, num_pages, stride_k_page, strid
 def _fwd_verify_kernel_stage1(
     q_ptr, k_ptr, sm_scale_log2, table_ptr, seq_lens_ptr, real_seq_lens_ptr, part_ptr, o_ptr, lse_ptr, k_scale_ptr,
     lat_desc, pe_desc,
-    num_pages, table_keys,
+    num_pages, table_keys, stride_sl, stride_rl,
     stride_t_b, stride_t_p, stride_q_r, stride_q_h, stride_k_page, stride_k_tok,
     stride_p_r, stride_p_h, stride_p_s, stride_o_r, stride_o_h, stride_lse_r, stride_lse_h,
     QLEN: tl.constexpr,
@@ -375,10 +375,10 @@ def _fwd_verify_kernel_stage1(
     r = b * QLEN + t
 
     # Row limits n(b, t) and this split's keys [split_start, split_end) of the request.
-    seq_len = tl.maximum(tl.load(seq_lens_ptr + b), 0)
+    seq_len = tl.maximum(tl.load(seq_lens_ptr + b * stride_sl), 0)
     limit = seq_len - QLEN + 1 + t
     if HAS_REAL:
-        limit = tl.minimum(limit, tl.load(real_seq_lens_ptr + b))
+        limit = tl.minimum(limit, tl.load(real_seq_lens_ptr + b * stride_rl))
     limit = tl.where(row_ok, tl.maximum(limit, 0), 0)
     per_split = tl.cdiv(seq_len, NUM_KV_SPLITS)
     chunk = tl.maximum(tl.cdiv(per_split, SPLIT_ALIGN) * SPLIT_ALIGN, MIN_SPLIT_LEN)
@@ -602,8 +602,8 @@ def decode_attention_fwd_verify(
             block table (not repeated), any strides. Entries covering a row's keys should address
             a page: one that does not (or a row longer than the table) makes that row
             ``o = lse = NaN`` and is never dereferenced; entries past the keys are never read.
-        seq_lens: ``[>= B]`` int kernel KV lengths ``L``.
-        real_seq_lens: ``[>= B]`` int or None; row limit is ``max(min(L - qlen + 1 + t, L_real), 0)``.
+        seq_lens: ``[>= B]`` int kernel KV lengths ``L``, any stride.
+        real_seq_lens: ``[>= B]`` int or None, any stride; row limit is ``max(min(L - qlen + 1 + t, L_real), 0)``.
         qlen: verify tokens per request.
         attn_logits: fp32 workspace ``[>= B * qlen, H, num_kv_splits, Lv + 1]``; unused, and may be
             None, when ``num_kv_splits`` is 1. Each split's record holds its partial output (for a bf16 ``o`` in
@@ -719,6 +719,7 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
             return make_plan(_decode_stage1(decode.stage1), decode.merge, decode.tma, decode.descriptors)
     single = num_kv_splits == 1
     part_strides = (0, 0, 0) if single else attn_logits.stride()[:3]  # with one split, o stands in for part
+    length_strides = (seq_lens.stride(0), seq_lens.stride(0) if real_seq_lens is None else real_seq_lens.stride(0))
     split_latent = bool(cfg["SPLIT_LATENT"]) and value_width >= 32
     rope_width = key_width - value_width
     # tl.dot needs every dim >= 16: a rope width below 16 (test shapes only) loads a 16-wide tile
@@ -736,7 +737,7 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
     ):  # the sm_90 fast path (triton_impl/decode_attention_sm90.py): the same partials, a hand-made schedule
         stage1 = Launch(decode_attention_sm90.mla_verify_stage1_kernel,
                         (verify_row_blocks(qlen, num_heads, 64) * batch * num_kv_splits,), (
-            num_pages, block_table.shape[1] * page_size, block_table.stride(0), block_table.stride(1),
+            num_pages, block_table.shape[1] * page_size, *length_strides, block_table.stride(0), block_table.stride(1),
             q.stride(0), q.stride(1), *part_strides, o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
         ), dict(QLEN=qlen, NUM_HEADS=num_heads, HAS_REAL=real_seq_lens is not None, NUM_KV_SPLITS=num_kv_splits,
                 SPLIT_ALIGN=cfg["SPLIT_ALIGN"], MIN_SPLIT_LEN=cfg["MIN_SPLIT_LEN"], PAGE_SIZE=page_size,
@@ -755,7 +756,7 @@ def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq
                          cfg["BLOCK_N"], value_width, block_dpe)  # fmt: skip
     grid = (verify_row_blocks(qlen, num_heads, cfg["BLOCK_H"]) * batch * num_kv_splits,)
     stage1 = Launch(_fwd_verify_kernel_stage1, grid, (
-        num_pages, block_table.shape[1] * page_size,
+        num_pages, block_table.shape[1] * page_size, *length_strides,
         block_table.stride(0), block_table.stride(1),
         q.stride(0), q.stride(1), _page_stride(k_buffer, page_size), k_buffer.stride(-3),
         *part_strides, o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),

@@ -624,7 +624,8 @@ def build_flashinfer_mixed_sparse_indices(
         prefill_topk_indices: ``[Tp, Kp]`` int32 request-local compressed positions or -1.
         query_start_loc: ``[R + 1]`` int32 (batch token numbering, decodes first).
         seq_lens: ``[R]`` int32; token_to_req_indices: ``[>= Td + Tp]`` int32.
-        swa_block_table: ``[R, B]`` int32; compressed_block_table: ``[R', B']`` int32 or None (the SWA table).
+        swa_block_table: ``[>= R, B]`` int32; compressed_block_table: ``[R', B']`` int32 or None (the SWA table;
+            a request past its ``R'`` rows gets -1 slots).
         swa_block_size, compressed_block_size: tokens per block; spans: page stride in tokens
             (None: the block size).
         window_size, compress_ratio, topk: as in the golden model.
@@ -650,6 +651,10 @@ def build_flashinfer_mixed_sparse_indices(
     if token_to_req_indices.shape[0] < num_tokens:
         raise ValueError(f"token_to_req_indices: expected >= {num_tokens} entries, got {token_to_req_indices.shape[0]}")
     check_tensor("swa_block_table", swa_block_table, ndim=2, dtypes=_I32, device=device)
+    if swa_block_table.shape[0] < num_reqs:  # the kernel bounds the SWA table's rows by the request count
+        raise ValueError(
+            f"swa_block_table: expected >= {num_reqs} rows (one per request), got {list(swa_block_table.shape)}"
+        )
     compressed_table = swa_block_table if compressed_block_table is None else compressed_block_table
     check_tensor("compressed_block_table", compressed_table, ndim=2, dtypes=_I32, device=device)
     for name, value in (("swa_block_size", swa_block_size), ("compressed_block_size", compressed_block_size)):
