@@ -271,6 +271,49 @@ def test_content_checks_name_the_bad_entry_when_on(monkeypatch: pytest.MonkeyPat
         _run_decode(q, cache.cache, v, table, cache.seq_lens, 1, 4, width, False)
 
 
+
+@pytest.mark.parametrize("length", [2**32 + 3, -(2**32) + 3])
+@pytest.mark.parametrize("op", ["decode", "verify", "verify_real", "turboquant", "gather", "gather_lens"])
+def test_content_checks_reject_int64_lengths_outside_int32(op, length, monkeypatch, device: torch.device) -> None:
+    """The kernels read lengths as int32, where ``2**32 + 3`` and ``-2**32 + 3`` both read as 3: with the content
+    checks on, such an int64 length is a named error (it passed them before: the first is too long for the table and
+    the table check clamped the second to an empty row)."""
+    monkeypatch.setenv(CONTENT_CHECKS_ENV, "1")
+    gen = generator(6)
+
+    def bad(lens: torch.Tensor) -> torch.Tensor:
+        lens = lens.to(torch.int64).clone()
+        lens[1] = length
+        return lens
+
+    name = {"decode": "b_seq_len", "verify_real": "real_seq_lens", "gather_lens": "gather_lens"}.get(op, "seq_lens")
+    with pytest.raises(ValueError, match=rf"{name}: entry 1 = {length} is outside int32"):
+        if op == "decode":
+            q, cache, v, width = _decode_case(device, gen, is_mla=False, seq_lens=[5, 3], page_size=4)
+            _run_decode(q, cache.cache, v, cache.block_table, bad(cache.seq_lens), 1, 4, width, False)
+        elif op.startswith("verify"):
+            q, cache, qlen = _verify_case(device, gen, seq_lens=[7, 3], qlen=2, page_size=4)
+            lens = cache.seq_lens.to(torch.int64)
+            o = torch.empty(q.shape[0], q.shape[1], 32, dtype=torch.bfloat16, device=device)
+            lse = torch.empty(q.shape[:2], device=device)
+            mla_verify.decode_attention_fwd_verify(
+                q, cache.cache, cache.cache[..., :32], o, lse, cache.block_table,
+                lens if op == "verify_real" else bad(lens), bad(lens) if op == "verify_real" else None, qlen, None, 1,
+                0.3, cache.page_size,
+            )  # fmt: skip
+        elif op == "turboquant":
+            case = _turboquant_case(device, gen, seq_lens=[7, 3])
+            _run_turboquant(case, seq_lens=bad(case["seq_lens"]))
+        else:
+            block_size = 4
+            cache = torch.zeros(2, block_size * ue8m0_cache.RECORD_BYTES, dtype=torch.uint8, device=device)
+            lens = torch.tensor([4, 3], dtype=torch.int64, device=device)
+            out = torch.empty(2, 4, 512, dtype=torch.bfloat16, device=device)
+            table = torch.tensor([[0], [1]], dtype=torch.int32, device=device)
+            ue8m0_cache.dequantize_and_gather_k_cache(out, cache, lens if op == "gather_lens" else bad(lens),
+                                                      bad(lens) if op == "gather_lens" else lens, table, block_size, 0)
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. Memory safety with the checks off: poisoned rows NaN, the rest bit for bit, guards untouched.
 # ----------------------------------------------------------------------------------------------

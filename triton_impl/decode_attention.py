@@ -676,7 +676,7 @@ def decode_attention_fwd(
             _PLANS.add(key, plan)
     if content_checks_on(plan.on_cuda):
         table = block_table_2d("req_to_token", req_to_token, min_rows=0, device=q.device, dtypes=_INDEX_DTYPES)
-        check_block_table("req_to_token", table, b_seq_len[: plan.num_rows], page_size, plan.num_pages)
+        check_block_table("req_to_token", table, b_seq_len[: plan.num_rows], page_size, plan.num_pages, "b_seq_len")
     unit = plan.unit_scale
     lat_desc, pe_desc = plan.descriptors(k_buffer, plan.tma)
     plan.stage1(stream, q, k_buffer, v_buffer, o, lse, o if plan.merge is None else attn_logits, req_to_token,

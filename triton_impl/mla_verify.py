@@ -42,6 +42,7 @@ from triton_impl.validation import (
     block_table_2d,
     cdiv,
     check_block_table,
+    check_int32_lengths,
     check_lengths,
     check_positive,
     check_power_of_two,
@@ -559,7 +560,9 @@ def _check_verify_table(req_to_token, seq_lens, real_seq_lens, batch, page_size,
     block_table = block_table_2d("req_to_token", req_to_token, min_rows=0, device=req_to_token.device,
                                  dtypes=_INDEX_DTYPES)  # fmt: skip
     keys_read = seq_lens[:batch]
+    check_int32_lengths("seq_lens", keys_read)
     if real_seq_lens is not None:
+        check_int32_lengths("real_seq_lens", real_seq_lens[:batch])
         keys_read = torch.minimum(keys_read, real_seq_lens[:batch])
     check_block_table("req_to_token", block_table, keys_read, page_size, num_pages)
 

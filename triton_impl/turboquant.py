@@ -52,6 +52,7 @@ from triton_impl.validation import (
     block_table_2d,
     cdiv,
     check_block_table,
+    check_int32_lengths,
     check_lengths,
     check_tensor,
     content_checks_enabled,
@@ -1497,6 +1498,7 @@ def triton_turboquant_decode_attention_v2(
             _PLANS.add(key, plan)
     if plan.batch and content_checks_on(plan.on_cuda):
         lens = seq_lens[: plan.batch]
+        check_int32_lengths("seq_lens", lens)
         if int(lens.min()) < 0:
             raise ValueError(f"seq_lens: expected >= 0, got {int(lens.min())}")
         table_2d = block_table_2d("block_table", block_table, min_rows=0, device=query.device, dtypes=_INDEX_DTYPES)

@@ -79,7 +79,7 @@ from triton_impl.interpreter import (
     f32_to_e4m3fn_bits_not_nan,
 )
 from triton_impl.launch import launch, register_cap, select_config
-from triton_impl.validation import cdiv, check_positive, check_tensor, content_checks_enabled
+from triton_impl.validation import cdiv, check_int32_lengths, check_positive, check_tensor, content_checks_enabled
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -754,6 +754,9 @@ def _check_gather_contents(
     offset: int,
 ) -> None:
     """Lengths in range, and the block-table entries that cover gathered positions address a block."""
+    check_int32_lengths("seq_lens", seq_lens)
+    if gather_lens is not None:
+        check_int32_lengths("gather_lens", gather_lens)
     seq = seq_lens.to(torch.int64).cpu()
     lens = seq if gather_lens is None else gather_lens.to(torch.int64).cpu()
     if bool((seq < 0).any()):

@@ -10,6 +10,9 @@ is being captured. The test suite turns them on.
 Memory safety never depends on them: every kernel bounds each table entry and slot it uses against
 the tensors it was given, on the device. A row whose keys would come from a page outside the cache
 gets ``o = NaN, lse = NaN``; a write to a slot outside the cache is skipped, like a ``-1`` slot.
+The kernels read lengths as int32, so an int64 length outside int32 (``2**32 + 3`` read as 3) is
+caught by the content checks only (:func:`check_int32_lengths`); what the kernel then reads is
+still bounded by the table.
 
 The attention wrappers (decode, verify, both merges) run their metadata checks once per distinct
 call layout: they key a plan on :func:`tensor_facts` of every tensor and on every other argument
@@ -200,14 +203,27 @@ def block_table_2d(
     return table
 
 
+def check_int32_lengths(name: str, lengths: torch.Tensor) -> None:
+    """A content check: every entry of an int64 vector of lengths fits int32, as the kernels read it (an entry of
+    ``2**32 + 3`` would be read as 3, ``-2**32 + 3`` as 3 where the check below clamps it to 0)."""
+    if lengths.dtype != torch.int64 or lengths.numel() == 0:
+        return
+    outside = (lengths < -(2**31)) | (lengths >= 2**31)
+    if bool(outside.any()):
+        i = int(outside.nonzero()[0, 0])
+        raise ValueError(f"{name}: entry {i} = {int(lengths[i])} is outside int32 (the kernels read lengths as int32)")
+
+
 def check_block_table(
     name: str,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     page_size: int,
     num_pages: int,
+    lens_name: str = "seq_lens",
 ) -> None:
-    """Entries that cover keys ``[0, seq_lens[b])`` of row ``b`` must address a page of the cache.
+    """Lengths that fit int32 (:func:`check_int32_lengths`, the lengths named ``lens_name``); entries that cover
+    keys ``[0, seq_lens[b])`` of row ``b`` must address a page of the cache.
 
     A content check (see :func:`content_checks_enabled`). Entries past a row's length are never
     read and may hold anything (serving pads with garbage). The kernels bound every entry they
@@ -215,6 +231,7 @@ def check_block_table(
     """
     if not content_checks_enabled(block_table.device) or block_table.numel() == 0 or seq_lens.numel() == 0:
         return
+    check_int32_lengths(lens_name, seq_lens)
     block_table = block_table[: seq_lens.shape[0]]
     used_pages = (seq_lens.to(torch.int64).clamp(min=0) + page_size - 1) // page_size
     if int(used_pages.max().item()) > block_table.shape[1]:
