@@ -531,6 +531,23 @@ def _combine_args(device, **change):
             r"token 2's window has 19 positions, more than the 14 SWA columns",
         ),
         ({"left_visible": _i32([0, -1, 0]), "right_visible": _i32([0, 0, 0])}, ValueError, r"expected >= 0"),
+        # The first token (position 7) sees positions 0-7: a tail of 9 puts position 0 in the compressed rows.
+        (
+            {"gather_lens": _i32([9])},
+            ValueError,
+            r"gather_lens: request 0 gathers its last 9 tokens, but its token at position 7 sees position 0",
+        ),
+        ({"gather_lens": _i32([11])}, ValueError, r"gather_lens: expected 0 <= gather_len <= seq_len"),
+        ({"M": 15}, ValueError, r"gather_lens: expected .* <= M - N = 5"),
+        ({"M": 5}, ValueError, r"M: expected an int >= 10, got 5"),
+        ({"M": 30.0}, ValueError, r"M: expected an int >= 10, got 30.0"),
+        ({"N": None}, ValueError, r"N: expected an int >= 0, got None"),
+        ({"topk": True}, ValueError, r"topk: expected an int >= 0, got True"),
+        (
+            {"out": (torch.zeros(3, 128, dtype=I32), torch.zeros(3, dtype=I32), None)},
+            TypeError,
+            r"out: expected a pair \(combined, lens\) of tensors or None, got tuple of 3",
+        ),
     ],
 )
 def test_combine_rejects_bad_input(device, change, error, match) -> None:

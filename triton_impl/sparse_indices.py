@@ -19,7 +19,13 @@ import triton
 import triton.language as tl
 
 from triton_impl.launch import launch, select_config
-from triton_impl.validation import check_positive, check_tensor, content_checks_enabled, next_pow2
+from triton_impl.validation import (
+    check_int_at_least,
+    check_positive,
+    check_tensor,
+    content_checks_enabled,
+    next_pow2,
+)
 
 _I32 = (torch.int32,)
 _COLUMN_TILE = 128  # combine: columns per tile (the width is a multiple of 128)
@@ -104,11 +110,6 @@ def _swa_window(pos, left_ptr, right_ptr, token, WINDOW: tl.constexpr, HAS_IMAGE
         right = tl.load(right_ptr + token)
     start = tl.maximum(pos - (WINDOW - 1) - tl.maximum(left - (WINDOW - 1), 0), 0)
     return start, pos + right - start + 1
-
-
-def _check_int_at_least(name: str, value: int, minimum: int) -> None:
-    if not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,8 +300,9 @@ def combine_topk_swa_indices(
     Args:
         topk_indices: ``[Tc, Kw]`` int32, chunk-local rows, ``Kw >= topk`` (any row stride).
         query_start_loc: ``[Rc + 1]`` int32, non-decreasing; rebased on its first entry.
-        seq_lens, gather_lens: ``[Rc]`` int32, ``seq_len >= query_len``.
-        window_size: ``W >= 1``; compress_ratio: ``>= 1``; topk: ``>= 0``; M, N: workspace sizes.
+        seq_lens, gather_lens: ``[Rc]`` int32, ``seq_len >= query_len``; ``gather_len <= min(seq_len, M - N)``
+            and at least the span from each request's earliest position a window sees to its end.
+        window_size: ``W >= 1``; compress_ratio: ``>= 1``; topk: ``>= 0``; M, N: workspace sizes, ``M >= N >= 0``.
         out: ``(combined [>= Tc, width], lens [>= Tc])`` int32 buffers, or None to allocate
             (``-1`` / ``0`` for chunk rows past the last request).
         left_visible, right_visible: ``[>= Tc]`` int32 (both or neither), with
@@ -319,10 +321,12 @@ def combine_topk_swa_indices(
     num_reqs = seq_lens.shape[0]
     check_tensor("query_start_loc", query_start_loc, shape=(num_reqs + 1,), dtypes=_I32, device=device)
     check_tensor("gather_lens", gather_lens, shape=(num_reqs,), dtypes=_I32, device=device)
-    _check_int_at_least("window_size", window_size, 1)
-    _check_int_at_least("compress_ratio", compress_ratio, 1)
-    _check_int_at_least("topk", topk, 0)
-    _check_int_at_least("max_image_tokens", max_image_tokens, 0)
+    check_int_at_least("window_size", window_size, 1)
+    check_int_at_least("compress_ratio", compress_ratio, 1)
+    check_int_at_least("topk", topk, 0)
+    check_int_at_least("max_image_tokens", max_image_tokens, 0)
+    check_int_at_least("N", N, 0)
+    check_int_at_least("M", M, N)
     if topk > topk_width:
         raise ValueError(f"topk: expected <= topk_indices.shape[1] = {topk_width}, got {topk}")
     if (left_visible is None) != (right_visible is None):
@@ -339,6 +343,9 @@ def combine_topk_swa_indices(
         combined = torch.full((num_tokens, width), -1, dtype=torch.int32, device=device)
         lens = torch.zeros(num_tokens, dtype=torch.int32, device=device)
     else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError(f"out: expected a pair (combined, lens) of tensors or None, got {type(out).__name__}"
+                            f"{f' of {len(out)}' if isinstance(out, (tuple, list)) else ''}")  # fmt: skip
         combined, lens = out
         check_tensor("out[0]", combined, ndim=2, dtypes=_I32, device=device)
         check_tensor("out[1]", lens, ndim=1, dtypes=_I32, device=device)
@@ -348,7 +355,8 @@ def combine_topk_swa_indices(
             raise ValueError(f"out[1]: expected >= {num_tokens} entries, got {lens.shape[0]}")
     if content_checks_enabled(device) and num_reqs:
         _check_combine_contents(
-            num_tokens, query_start_loc, seq_lens, window_size, left_visible, right_visible, image_width
+            num_tokens, query_start_loc, seq_lens, gather_lens, window_size, left_visible, right_visible, image_width,
+            M - N,
         )
     if num_reqs == 0 or num_tokens == 0:
         return combined, lens
@@ -375,12 +383,17 @@ def _check_combine_contents(
     num_tokens: int,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
+    gather_lens: torch.Tensor,
     window_size: int,
     left_visible: torch.Tensor | None,
     right_visible: torch.Tensor | None,
     image_width: int,
+    tail_rows: int,
 ) -> None:
-    """Query ranges inside the chunk, ``seq_len >= query_len``, and every window within its columns."""
+    """Query ranges inside the chunk, ``seq_len >= query_len``, every window within its columns, and each request's
+    gathered tail (``gather_len`` raw tokens at workspace rows ``[N, N + gather_len)``, at most ``tail_rows = M - N``
+    of them) holding every position its tokens' windows see: else a window's first rows would fall into the
+    compressed rows below ``N`` (or into the next request's rows)."""
     qsl = query_start_loc.to(torch.int64).cpu()
     query_lens = qsl[1:] - qsl[:-1]
     if bool((query_lens < 0).any()) or int(qsl[-1] - qsl[0]) > num_tokens:
@@ -390,14 +403,31 @@ def _check_combine_contents(
     seq = seq_lens.to(torch.int64).cpu()
     if bool((seq < query_lens).any()):
         raise ValueError(f"seq_lens: expected >= the query lengths {query_lens.tolist()}, got {seq.tolist()}")
-    if left_visible is None:
-        return
+    gathered = gather_lens.to(torch.int64).cpu()
+    if bool(((gathered < 0) | (gathered > seq) | (gathered > tail_rows)).any()):
+        raise ValueError(
+            f"gather_lens: expected 0 <= gather_len <= seq_len and <= M - N = {tail_rows}, got {gathered.tolist()} "
+            f"for seq_lens {seq.tolist()}"
+        )
     tokens = int(qsl[-1] - qsl[0])
     positions = torch.cat(
         [torch.arange(int(s) - int(q), int(s)) for s, q in zip(seq, query_lens)] or [torch.zeros(0, dtype=torch.int64)]
     )
-    left, right = left_visible[:tokens].cpu(), right_visible[:tokens].cpu()
-    _check_visibility(positions, left, right, window_size, window_size + image_width)
+    request = torch.repeat_interleave(torch.arange(seq.shape[0]), query_lens)
+    if left_visible is None:
+        left = right = torch.zeros_like(positions)
+    else:
+        left, right = left_visible[:tokens].cpu(), right_visible[:tokens].cpu()
+        _check_visibility(positions, left, right, window_size, window_size + image_width)
+    first_seen = positions + 1 - _swa_lengths(positions, left, right, window_size) + right
+    short = first_seen < seq[request] - gathered[request]
+    if bool(short.any()):
+        token = int(short.nonzero()[0, 0])
+        b = int(request[token])
+        raise ValueError(
+            f"gather_lens: request {b} gathers its last {int(gathered[b])} tokens, but its token at position "
+            f"{int(positions[token])} sees position {int(first_seen[token])} through its window"
+        )
 
 
 def _check_visibility(
@@ -663,10 +693,10 @@ def build_flashinfer_mixed_sparse_indices(
     compressed_span = compressed_block_size if compressed_block_span is None else compressed_block_span
     check_positive("swa_block_span", swa_span)
     check_positive("compressed_block_span", compressed_span)
-    _check_int_at_least("window_size", window_size, 1)
-    _check_int_at_least("compress_ratio", compress_ratio, 1)
-    _check_int_at_least("topk", topk, 0)
-    _check_int_at_least("max_image_tokens", max_image_tokens, 0)
+    check_int_at_least("window_size", window_size, 1)
+    check_int_at_least("compress_ratio", compress_ratio, 1)
+    check_int_at_least("topk", topk, 0)
+    check_int_at_least("max_image_tokens", max_image_tokens, 0)
     if swa_index_width < window_size:
         raise ValueError(f"decode_swa_indices: expected >= window_size = {window_size} columns, got {swa_index_width}")
     decode_topk = 0

@@ -23,6 +23,7 @@ checks, which read nothing but what the key holds.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Iterable, Sequence
 
@@ -181,9 +182,43 @@ def check_power_of_two(name: str, value: int, *, allow_zero: bool = False) -> No
         raise ValueError(f"{name}: expected a power of two{' or 0' if allow_zero else ''}, got {value}")
 
 
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (``True`` is an ``int`` to Python, and would pass for 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
+    if not _is_int(value) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def check_int_at_least(name: str, value: int, minimum: int) -> None:
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+
+
+def check_int_choice(name: str, value: int, choices: Sequence[int]) -> None:
+    """One of ``choices``, as an int (``4.0`` equals 4 but is not one; nor is ``True``)."""
+    if not _is_int(value) or value not in choices:
+        raise ValueError(f"{name}: expected {' or '.join(map(str, choices))}, got {value!r}")
+
+
+def check_flag(name: str, value: object) -> None:
+    """A bool (or the int 0 or 1): a string or a float is not a flag, however truthy."""
+    if not isinstance(value, int) or value not in (0, 1):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+
+
+def check_float(name: str, value: object) -> float:
+    """A finite scalar the kernels take as an fp32 argument: anything ``float()`` takes (a Python or NumPy number,
+    a one-element tensor) but a bool; returns it as a float."""
+    try:
+        converted = math.nan if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError, RuntimeError):
+        converted = math.nan
+    if not math.isfinite(converted):
+        raise ValueError(f"{name}: expected a finite float, got {value!r}")
+    return converted
 
 
 def block_table_2d(
