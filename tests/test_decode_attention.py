@@ -1008,6 +1008,13 @@ def _bad_input_cases(device):
         ({"config": {"BLOCK_N": 32}}, ValueError, r"config: missing keys \['BLOCK_H', 'num_stages', 'num_warps'\]"),
         ({"k_scale": 0.5}, TypeError, "k_scale: expected a one-element float tensor"),
         ({"is_mla": True}, ValueError, "k_buffer: MLA expects one latent KV head, got 2"),
+        # Scalars that Python would take for valid ones (True is 1, "no" is truthy), or that fail far inside.
+        ({"sm_scale": None}, ValueError, "sm_scale: expected a finite float, got None"),
+        ({"logit_cap": float("inf")}, ValueError, r"logit_cap: expected a float >= 0, finite \(0: no cap\), got inf"),
+        ({"sliding_window": True}, ValueError, "sliding_window: expected None, 0 or a positive int, got True"),
+        ({"num_kv_splits": True}, ValueError, "num_kv_splits: expected a positive int, got True"),
+        ({"is_mla": "no"}, ValueError, "is_mla: expected a bool, got 'no'"),
+        ({"k_buffer": d.k[:, :, :0], "v_buffer": d.v[:, :, :0]}, ValueError, "k_buffer: expected at least one KV head"),
     ]
 
 

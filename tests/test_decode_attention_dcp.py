@@ -160,3 +160,15 @@ def test_dcp_requires_an_initialized_group() -> None:
         pytest.fail("a process group leaked into the test process")
     with pytest.raises(ValueError, match=r"torch\.distributed is not initialized"):
         decode_attention_dcp(None, None, None, None, None, None, None, None, 1, 1.0, 1)
+
+
+def test_dcp_names_a_group_that_is_not_one(tmp_path) -> None:
+    """A ``group`` that is not a process group is a named error, not torch.distributed's failure inside."""
+    if dist.is_initialized():
+        pytest.fail("a process group leaked into the test process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(TypeError, match=r"group: expected a torch\.distributed ProcessGroup or None, got str"):
+            decode_attention_dcp(None, None, None, None, None, None, None, None, 1, 1.0, 1, group="x")
+    finally:
+        dist.destroy_process_group()

@@ -789,6 +789,8 @@ def test_bad_input_raises_named_errors(device, monkeypatch) -> None:
 
     raises(ValueError, "qlen", qlen=3)  # 4 rows is not a multiple of 3
     raises(ValueError, "qlen", qlen=0)
+    raises(ValueError, "qlen: expected a positive int, got True", qlen=True)
+    raises(ValueError, "sm_scale: expected a finite float, got None", sm_scale=None)
     odd = torch.zeros(8, 4, 1, 24, dtype=torch.bfloat16, device=device)  # Lv = 12: not a power of two
     raises(ValueError, "Lv", q=torch.zeros(rows, 2, 24, dtype=torch.bfloat16, device=device), k_buffer=odd,
            v_buffer=odd[..., :12], o=torch.empty(rows, 2, 12, dtype=torch.bfloat16, device=device))  # fmt: skip

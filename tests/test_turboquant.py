@@ -2555,6 +2555,10 @@ STORE_BAD = [
     (dict(centroids=None), ValueError, "centroids: required with norm_correction=True"),
     (dict(key=torch.zeros(2, 1, 72).half(), value=torch.zeros(2, 1, 72).half()), ValueError,
      "head_dim: expected a multiple of 16"),
+    # Equal to a valid value, but not one: a float or a bool for an int, a string for a flag.
+    (dict(mse_bits=4.0), ValueError, "mse_bits: expected 3 or 4 for MSE keys, got 4.0"),
+    (dict(value_quant_bits=True), ValueError, "value_quant_bits: expected 3 or 4, got True"),
+    (dict(key_fp8="no"), ValueError, "key_fp8: expected a bool, got 'no'"),
 ]  # fmt: skip
 
 
@@ -2562,6 +2566,16 @@ STORE_BAD = [
 def test_store_rejects_bad_input(overrides, error, match, device: torch.device) -> None:
     with pytest.raises(error, match=match):
         ttq.triton_turboquant_store(**_store_args(device, **overrides))
+
+
+def test_store_rejects_a_cache_at_an_odd_byte(device: torch.device) -> None:
+    """The store writes its 2-byte fields through a uint16 view of the cache: a cache starting at an odd byte is a
+    named error, not torch's failure to make that view."""
+    shape = _store_args(device)["kv_cache"].shape
+    storage = torch.zeros(math.prod(shape) + 1, dtype=torch.uint8, device=device)
+    ttq.triton_turboquant_store(**_store_args(device, kv_cache=storage[:-1].view(shape)))  # even: fine
+    with pytest.raises(ValueError, match="kv_cache: expected an even byte offset into its storage, got 1"):
+        ttq.triton_turboquant_store(**_store_args(device, kv_cache=storage[1:].view(shape)))
 
 
 def _decode_args(device: torch.device, **overrides):
@@ -2592,6 +2606,12 @@ DECODE_BAD = [
     (dict(max_num_kv_splits=0), ValueError, "max_num_kv_splits: expected a positive int"),
     (dict(centroids=torch.zeros(8)), ValueError, r"centroids: expected shape \[16\]"),
     (dict(block_table=torch.zeros(1, 2, dtype=torch.int32)), ValueError, "block_table: expected >= 2 rows"),
+    (dict(scale=None), ValueError, "scale: expected a finite float, got None"),
+    (dict(scale="0.1"), ValueError, "scale: expected a finite float, got '0.1'"),
+    (dict(scale=math.inf), ValueError, "scale: expected a finite float, got inf"),
+    (dict(mse_bits=4.0), ValueError, "mse_bits: expected 3 or 4 for MSE keys, got 4.0"),
+    (dict(max_num_kv_splits=True), ValueError, "max_num_kv_splits: expected a positive int, got True"),
+    (dict(use_pair_lut="no"), ValueError, "use_pair_lut: expected a bool, got 'no'"),
 ]  # fmt: skip
 
 

@@ -684,6 +684,9 @@ def _insert_args(device, **change):
         ),
         ({"block_size": 0}, ValueError, r"block_size: expected a positive int"),
         ({"is_ue8m0": False}, ValueError, r"is_ue8m0: only UE8M0"),
+        ({"k_cache": None}, TypeError, r"k_cache: expected a torch.Tensor, got NoneType"),
+        ({"k_cache": [[0] * 9344] * 2}, TypeError, r"k_cache: expected a torch.Tensor, got list"),
+        ({"use_fnuz": "yes"}, ValueError, r"use_fnuz: expected a bool, got 'yes'"),
     ],
 )
 def test_insert_rejects_bad_input(device, change, error, match) -> None:
@@ -731,6 +734,10 @@ def _gather_args(device, **change):
             r"block_table: a request needs 2 blocks",
         ),
         ({"block_table": torch.tensor([[0.0, 1.0], [1.0, 1.0]])}, TypeError, r"block_table: expected dtype"),
+        ({"k_cache": None}, TypeError, r"k_cache: expected a torch.Tensor, got NoneType"),
+        ({"offset": True}, ValueError, r"offset: expected a non-negative int, got True"),
+        ({"use_fnuz": 2}, ValueError, r"use_fnuz: expected a bool, got 2"),
+        ({"seq_lens": torch.tensor([5, 2**32 + 20])}, ValueError, r"seq_lens: entry 1 = 4294967316 is outside int32"),
     ],
 )
 def test_gather_rejects_bad_input(device, change, error, match) -> None:

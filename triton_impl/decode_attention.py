@@ -19,6 +19,7 @@ decode context parallelism over ``torch.distributed`` (:func:`decode_attention_d
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -47,6 +48,8 @@ from triton_impl.validation import (
     block_table_2d,
     cdiv,
     check_block_table,
+    check_flag,
+    check_float,
     check_lengths,
     check_positive,
     check_power_of_two,
@@ -715,6 +718,8 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     check_tensor("v_buffer", v_buffer, ndim=k_buffer.dim(), dtypes=(k_buffer.dtype,), device=device)
     check_positive("page_size", page_size)
     check_positive("num_kv_splits", num_kv_splits)
+    check_float("sm_scale", sm_scale)
+    check_flag("is_mla", is_mla)
     num_pages, stride_k_page, stride_k_tok, _ = _paged_strides("k_buffer", k_buffer, page_size)
     _paged_strides("v_buffer", v_buffer, page_size)  # its layout checks; the launch takes its strides
     if k_buffer.shape[-1] != key_width:
@@ -722,6 +727,8 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     num_kv_heads, value_width = k_buffer.shape[-2], v_buffer.shape[-1]
     if v_buffer.shape[:-1] != k_buffer.shape[:-1]:
         raise ValueError(f"v_buffer: expected shape {[*k_buffer.shape[:-1], value_width]}, got {list(v_buffer.shape)}")
+    if num_kv_heads < 1:
+        raise ValueError(f"k_buffer: expected at least one KV head, got shape {list(k_buffer.shape)}")
     if num_heads % num_kv_heads:
         raise ValueError(f"q: {num_heads} query heads is not a multiple of k_buffer's {num_kv_heads} KV heads")
     if is_mla:
@@ -738,9 +745,9 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
     single = num_kv_splits == 1
     if not single:
         check_split_workspace(attn_logits, num_rows, num_heads, num_kv_splits, value_width, device)
-    if not isinstance(logit_cap, (int, float)) or not logit_cap >= 0:
-        raise ValueError(f"logit_cap: expected a float >= 0, got {logit_cap!r}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 0):
+    if isinstance(logit_cap, bool) or not isinstance(logit_cap, (int, float)) or not 0 <= logit_cap < math.inf:
+        raise ValueError(f"logit_cap: expected a float >= 0, finite (0: no cap), got {logit_cap!r}")
+    if sliding_window is not None and not (type(sliding_window) is int and sliding_window >= 0):  # (not a bool)
         raise ValueError(f"sliding_window: expected None, 0 or a positive int, got {sliding_window!r}")
     unit_scale = check_scale("k_scale", None, device)
     check_scale("k_scale", k_scale, device)
@@ -942,6 +949,8 @@ def decode_attention_dcp(
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group: torch.distributed is not initialized (call init_process_group first)")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     check_tensor("o", o, ndim=3, dtypes=_OUT_DTYPES)
     num_rows, num_heads, value_width = o.shape
     world_size = dist.get_world_size(group)

@@ -42,6 +42,7 @@ from triton_impl.validation import (
     block_table_2d,
     cdiv,
     check_block_table,
+    check_float,
     check_int32_lengths,
     check_lengths,
     check_positive,
@@ -700,6 +701,7 @@ _PLANS = Plans()
 def _plan_verify(q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq_lens, qlen, attn_logits,
                  num_kv_splits, sm_scale, page_size, k_scale, config) -> _VerifyPlan:  # fmt: skip
     """The argument checks of :func:`decode_attention_fwd_verify` (all but the content check) and its launches."""
+    check_float("sm_scale", sm_scale)
     block_table, launch_scale, num_pages = _check_verify_layout(
         q, k_buffer, v_buffer, o, lse, req_to_token, seq_lens, real_seq_lens, qlen, attn_logits,
         num_kv_splits, page_size, k_scale,

@@ -52,8 +52,12 @@ from triton_impl.validation import (
     block_table_2d,
     cdiv,
     check_block_table,
+    check_flag,
+    check_float,
     check_int32_lengths,
+    check_int_choice,
     check_lengths,
+    check_positive,
     check_tensor,
     content_checks_enabled,
     content_checks_on,
@@ -509,12 +513,12 @@ def _check_quant_args(
 ) -> dict[str, int]:
     if head_dim < 16 or head_dim % 16 or head_dim > _MAX_HEAD_DIM:
         raise ValueError(f"head_dim: expected a multiple of 16 in [16, {_MAX_HEAD_DIM}], got {head_dim}")
-    if key_fp8 and mse_bits != 0:
-        raise ValueError(f"mse_bits: expected 0 with key_fp8=True, got {mse_bits}")
-    if not key_fp8 and mse_bits not in (3, 4):
-        raise ValueError(f"mse_bits: expected 3 or 4 for MSE keys, got {mse_bits}")
-    if value_quant_bits not in (3, 4):
-        raise ValueError(f"value_quant_bits: expected 3 or 4, got {value_quant_bits}")
+    check_flag("key_fp8", key_fp8)
+    if key_fp8:
+        check_int_choice("mse_bits", mse_bits, (0,), "with key_fp8=True")
+    else:
+        check_int_choice("mse_bits", mse_bits, (3, 4), "for MSE keys")
+    check_int_choice("value_quant_bits", value_quant_bits, (3, 4))
     layout = _soa_layout(head_dim, mse_bits, value_quant_bits, key_fp8)
     if key_packed_size != layout["key_packed_size"]:
         raise ValueError(f"key_packed_size: expected {layout['key_packed_size']} for D={head_dim}, "
@@ -532,6 +536,8 @@ def _check_cache(kv_cache: torch.Tensor, num_kv_heads: int, layout: dict[str, in
         raise ValueError(f"kv_cache: last dim must be even and >= the slot size {slot_size}, got {padded_slot}")
     if kv_cache.stride()[1:] != (num_kv_heads * padded_slot, padded_slot, 1) or kv_cache.stride(0) % 2:
         raise ValueError(f"kv_cache: a block must be dense with an even block stride, got strides {kv_cache.stride()}")
+    if kv_cache.storage_offset() % 2:  # its 2-byte fields are written and read through a uint16 view
+        raise ValueError(f"kv_cache: expected an even byte offset into its storage, got {kv_cache.storage_offset()}")
 
 
 def _check_codebook(name: str, t: torch.Tensor, size: int, device: torch.device) -> None:
@@ -1564,8 +1570,9 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
     _check_cache(kv_cache, num_kv_heads, layout)
     table_2d = block_table_2d("block_table", block_table, min_rows=batch, device=device, dtypes=_INDEX_DTYPES)
     check_lengths("seq_lens", seq_lens, batch, device, _INDEX_DTYPES)
-    if not isinstance(max_num_kv_splits, int) or max_num_kv_splits < 1:
-        raise ValueError(f"max_num_kv_splits: expected a positive int, got {max_num_kv_splits!r}")
+    check_positive("max_num_kv_splits", max_num_kv_splits)
+    if use_pair_lut is not None:
+        check_flag("use_pair_lut", use_pair_lut)
     if use_pair_lut and (key_fp8 or mse_bits != 4):
         raise ValueError(f"use_pair_lut: the pair LUT serves 4-bit keys, got mse_bits={mse_bits}, key_fp8={key_fp8}")
     rotation = PiT if PiT is not None else Pi
@@ -1575,8 +1582,7 @@ def _plan_decode(query, kv_cache, block_table, seq_lens, Pi, centroids, scale, m
         check_tensor("PiT" if PiT is not None else "Pi", rotation, shape=(head_dim, head_dim), dtypes=(torch.float32,),
                      device=device, unit_last_stride=False)  # fmt: skip
         check_tensor("centroids", centroids, shape=(2**mse_bits,), dtypes=(torch.float32,), device=device)
-    if not isinstance(scale, (int, float)):
-        float(scale)  # what the launch does with it: raises for what cannot be a float
+    check_float("scale", scale)  # the launches pass float(scale)
 
     shapes = ((batch, num_heads, max_num_kv_splits, head_dim + 1), (batch, num_heads, head_dim), (batch, num_heads))
     # The leading parts the kernels write (checked), or buffers of the shapes this call will allocate.

@@ -79,7 +79,14 @@ from triton_impl.interpreter import (
     f32_to_e4m3fn_bits_not_nan,
 )
 from triton_impl.launch import launch, register_cap, select_config
-from triton_impl.validation import cdiv, check_int32_lengths, check_positive, check_tensor, content_checks_enabled
+from triton_impl.validation import (
+    cdiv,
+    check_flag,
+    check_int32_lengths,
+    check_positive,
+    check_tensor,
+    content_checks_enabled,
+)
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -449,6 +456,8 @@ def quantize_and_insert_k_cache(
 
     Traffic: reads ``1024*N + 8*N`` bytes; writes ``584*N``.
     """
+    check_flag("is_ue8m0", is_ue8m0)
+    check_flag("use_fnuz", use_fnuz)
     if not is_ue8m0:
         raise ValueError("is_ue8m0: only UE8M0 (power-of-two) scales are supported, got False")
     check_positive("block_size", block_size)
@@ -459,8 +468,7 @@ def quantize_and_insert_k_cache(
     num_tokens = slot_mapping.shape[0]
     if num_tokens > k.shape[0]:
         raise ValueError(f"slot_mapping: {num_tokens} slots but k has only {k.shape[0]} rows")
-    if k_cache.device != k.device:
-        raise ValueError(f"k_cache: expected device {k.device}, got {k_cache.device}")
+    check_tensor("k_cache", k_cache, dtypes=(torch.uint8,), device=k.device, unit_last_stride=False)
     blocks = _block_view(k_cache, block_size)
     if content_checks_enabled(k.device) and num_tokens:
         slots = slot_mapping[slot_mapping >= 0].to(torch.int64)
@@ -711,10 +719,10 @@ def dequantize_and_gather_k_cache(
     check_tensor("block_table", block_table, ndim=2, dtypes=_INDEX_DTYPES, device=out.device)
     if block_table.shape[0] < num_reqs:
         raise ValueError(f"block_table: expected >= {num_reqs} rows (one per request), got {block_table.shape[0]}")
-    if not isinstance(offset, int) or offset < 0:
+    check_flag("use_fnuz", use_fnuz)
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise ValueError(f"offset: expected a non-negative int, got {offset!r}")
-    if k_cache.device != out.device:
-        raise ValueError(f"k_cache: expected device {out.device}, got {k_cache.device}")
+    check_tensor("k_cache", k_cache, dtypes=(torch.uint8,), device=out.device, unit_last_stride=False)
     blocks = _block_view(k_cache, block_size)
     if content_checks_enabled(out.device) and num_reqs:
         _check_gather_contents(out, blocks.shape[0], seq_lens, gather_lens, block_table, block_size, offset)

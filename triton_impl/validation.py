@@ -197,10 +197,11 @@ def check_int_at_least(name: str, value: int, minimum: int) -> None:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
 
 
-def check_int_choice(name: str, value: int, choices: Sequence[int]) -> None:
-    """One of ``choices``, as an int (``4.0`` equals 4 but is not one; nor is ``True``)."""
+def check_int_choice(name: str, value: int, choices: Sequence[int], when: str = "") -> None:
+    """One of ``choices``, as an int (``4.0`` equals 4 but is not one; nor is ``True``); ``when`` says under which
+    other argument's value, in the message."""
     if not _is_int(value) or value not in choices:
-        raise ValueError(f"{name}: expected {' or '.join(map(str, choices))}, got {value!r}")
+        raise ValueError(f"{name}: expected {' or '.join(map(str, choices))}{when and ' ' + when}, got {value!r}")
 
 
 def check_flag(name: str, value: object) -> None:
@@ -211,9 +212,9 @@ def check_flag(name: str, value: object) -> None:
 
 def check_float(name: str, value: object) -> float:
     """A finite scalar the kernels take as an fp32 argument: anything ``float()`` takes (a Python or NumPy number,
-    a one-element tensor) but a bool; returns it as a float."""
+    a one-element tensor) but a bool or a string; returns it as a float."""
     try:
-        converted = math.nan if isinstance(value, bool) else float(value)
+        converted = math.nan if isinstance(value, (bool, str, bytes)) else float(value)
     except (TypeError, ValueError, RuntimeError):
         converted = math.nan
     if not math.isfinite(converted):
