@@ -243,9 +243,9 @@ def _decode_table(device: torch.device, use_fnuz: bool) -> torch.Tensor:
     return table
 
 
-def _block_view(k_cache: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``k_cache`` as ``[num_blocks, block bytes]``; each block's bytes must be contiguous."""
-    check_tensor("k_cache", k_cache, dtypes=(torch.uint8,), unit_last_stride=False)
+def _block_view(k_cache: torch.Tensor, block_size: int, device: torch.device) -> torch.Tensor:
+    """``k_cache`` (on ``device``) as ``[num_blocks, block bytes]``; each block's bytes must be contiguous."""
+    check_tensor("k_cache", k_cache, dtypes=(torch.uint8,), device=device, unit_last_stride=False)
     if k_cache.dim() < 2:
         raise ValueError(f"k_cache: expected [num_blocks, ...] uint8 of rank >= 2, got shape {list(k_cache.shape)}")
     try:
@@ -468,8 +468,7 @@ def quantize_and_insert_k_cache(
     num_tokens = slot_mapping.shape[0]
     if num_tokens > k.shape[0]:
         raise ValueError(f"slot_mapping: {num_tokens} slots but k has only {k.shape[0]} rows")
-    check_tensor("k_cache", k_cache, dtypes=(torch.uint8,), device=k.device, unit_last_stride=False)
-    blocks = _block_view(k_cache, block_size)
+    blocks = _block_view(k_cache, block_size, k.device)
     if content_checks_enabled(k.device) and num_tokens:
         slots = slot_mapping[slot_mapping >= 0].to(torch.int64)
         capacity = blocks.shape[0] * block_size
@@ -722,8 +721,7 @@ def dequantize_and_gather_k_cache(
     check_flag("use_fnuz", use_fnuz)
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise ValueError(f"offset: expected a non-negative int, got {offset!r}")
-    check_tensor("k_cache", k_cache, dtypes=(torch.uint8,), device=out.device, unit_last_stride=False)
-    blocks = _block_view(k_cache, block_size)
+    blocks = _block_view(k_cache, block_size, out.device)
     if content_checks_enabled(out.device) and num_reqs:
         _check_gather_contents(out, blocks.shape[0], seq_lens, gather_lens, block_table, block_size, offset)
     if num_reqs == 0:
