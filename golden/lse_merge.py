@@ -27,7 +27,8 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torc
     ``M = max_i lse_i``; ``w_i = exp(lse_i - M)``; ``o = sum_i (w_i / sum w) * o_i``;
     ``lse = M + ln sum_i w_i``. ``+inf`` LSEs count as ``-inf`` (an empty set, as FlashAttention-2
     reports it). A state of weight 0 never contributes, even if its ``o`` is NaN. When every state
-    is empty the result is the neutral state ``(0, -inf)``.
+    is empty the result is the neutral state ``(0, -inf)``. A NaN LSE (a poisoned state, as a split
+    whose keys came from outside the cache reports it) makes the result ``(NaN, NaN)``.
 
     Args:
         o: ``[..., N, D]`` float, the states' normalized outputs.
@@ -46,7 +47,7 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torc
     w = torch.exp(lse - torch.where(empty, 0.0, m))  # 0 for empty states, never NaN
     total = w.sum(dim=-1, keepdim=True)
     scale = torch.where(empty, 0.0, w / torch.where(empty, 1.0, total))
-    contrib = torch.where(scale.unsqueeze(-1) > 0, scale.unsqueeze(-1) * o, 0.0)
+    contrib = torch.where(scale.unsqueeze(-1) == 0, 0.0, scale.unsqueeze(-1) * o)  # NaN weights stay NaN
     merged_o = contrib.sum(dim=-2)
     merged_lse = torch.where(empty, NEG_INF, m + torch.log(total)).squeeze(-1)
     return merged_o, merged_lse

@@ -85,6 +85,22 @@ def test_merge_attn_states_edge_cases_exact(device) -> None:
     assert out_lse.cpu().tolist() == [[0.5, 1.5, NEG_INF]]
 
 
+def test_merge_attn_states_nan_lse_poisons_its_token_as_golden_does(device) -> None:
+    """A NaN LSE on either side (a poisoned state) gives that token ``(NaN, NaN)``, in the kernel and in the golden
+    model (which gave ``o = 0`` for it until the weights' NaN was kept); the clean token merges as usual."""
+    o_a = torch.tensor([[[1.0, -2.0]], [[3.0, 4.0]], [[5.0, 6.0]]])
+    o_b = torch.tensor([[[7.0, 8.0]], [[9.0, 1.0]], [[2.0, 3.0]]])
+    lse_a = torch.tensor([[float("nan"), 0.5, 0.25]])
+    lse_b = torch.tensor([[0.5, float("nan"), 1.0]])
+    out, out_lse = nan_filled((3, 1, 2), torch.float32, device), torch.zeros(1, 3, device=device)
+    merge_attn_states(out, o_a.to(device), lse_a.to(device), o_b.to(device), lse_b.to(device), out_lse)
+    ref_o, ref_lse = merge_two(o_a.double(), lse_a.t().double(), o_b.double(), lse_b.t().double())
+    for o, lse in ((out.cpu(), out_lse.cpu().t()), (ref_o, ref_lse)):
+        assert o[:2].isnan().all() and lse[:2].isnan().all()
+        assert not o[2].isnan().any() and not lse[2].isnan().any()
+    assert_close(out.cpu()[2], ref_o[2], ("lse_merge", "o", "float32"))
+
+
 # -- merge_splits (N states, stage-1 layout) -----------------------------------------------------
 
 
@@ -162,6 +178,7 @@ def test_merge_splits_poisoned_split(device, splits, head_dim) -> None:
     assert not o[~poisoned].isnan().any() and not lse[~poisoned].isnan().any()
     assert torch.equal(o[1, 1], torch.zeros(head_dim)) and lse[1, 1].item() == NEG_INF
     ref_o, ref_lse = merge_states(partials[..., :head_dim].double(), partials[..., head_dim].double())
+    assert ref_o[poisoned].isnan().all() and ref_lse[poisoned].isnan().all()  # the golden model poisons them too
     assert_close(o[~poisoned], ref_o[~poisoned], ("lse_merge", "o", "float32"))
     assert_close(lse[~poisoned], ref_lse[~poisoned], ("lse_merge", "lse", "float32"))
 
