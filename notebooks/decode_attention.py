@@ -737,9 +737,9 @@ assert abs(per_sm_tflops * H200_SMS - row["tflops"]) < 0.02 * row["tflops"]
 assert tile_flops / tile_bytes > 100 and 0.5 * bench_ceiling < per_sm_tflops * H200_SMS < 0.8 * bench_ceiling
 
 # %% [markdown]
-# A tile is compute-heavy (121 FLOP per byte) and the SM spends about 2.2 us on it at about three quarters of the
+# A tile is compute-heavy (121 FLOP per byte) and the SM spends about 2.1 us on it at about three quarters of the
 # matmul rate. Triton's own schedule for this loop, the portable kernel, ran the same row at 1.0411 ms (the bench at
-# 580e9fc, `perf_log.md`): 4.2 us a tile at 37% of this run's matmul rate. What each of its warpgroups does is in the
+# 580e9fc, `perf_log.md`): 4.2 us a tile at 39% of this run's matmul rate. What each of its warpgroups does is in the
 # SASS of the loop (Triton 3.6, the H200's compiler; `notebooks/results/sass_sm90.md` says how to get it): per 64-key
 # tile, each of the two warpgroups issues 72 `HGMMA.64x32x16` (the whole [64 heads, 64 keys] score tile over 576
 # columns, in two 32-key halves), 34 `MUFU.EX2` per thread (the exponentials of all 64 x 64 scores), and 8
@@ -764,15 +764,16 @@ print(f"tensor work per tile: {executed / 1e6:.2f} MFLOP executed for {tile_flop
 assert 1.5 < executed / tile_flops < 1.6
 
 # %% [markdown]
-# So in Triton's schedule the tensor cores run at about 60% of their rate, but a third of that work
-# repeats the scores, and even at the full rate it stops at 65% of the roofline; the softmax between the products is the
-# rest (Nsight Compute: issue slots 24% busy). The Gluon kernel computes each tile's scores once: a softmax warpgroup
-# computes the scores and the softmax and half of P V, a value warpgroup the other half with P through shared memory, a
-# loader warp feeds both by TMA (the verify notebook's section 7 counts its tile). On this row it takes 0.5108 ms, 1.02x
-# FlashInfer's speed (bench at 6412cb9; at cc1dbc3 0.5344 ms and 1.01x; at e8603a5 0.5339 ms and 1.00x, on a GPU that
-# measured a 9% higher matmul rate than the earlier runs; at c7e2fb0 0.6072 ms and 0.95x, and 0.6346 ms and 0.92x before
-# the softmax warpgroup released each key stage ahead of the next tile's scores, the verify notebook's section 7). What
-# keeps it short: the tensor pipe idles while the softmax runs, and the query leaves room for only two stages of keys
+# So in Triton's schedule the tensor cores run at about 60% of their rate, but a third of that work repeats the scores,
+# and even at the full rate it stops at 65% of the roofline; the softmax between the products is the rest (Nsight
+# Compute: issue slots 24% busy). The Gluon kernel computes each tile's scores once: a softmax warpgroup computes the
+# scores and the softmax and half of P V, a value warpgroup the other half with P through shared memory, a loader warp
+# feeds both by TMA (the verify notebook's section 7 counts its tile). On this row it takes 0.5262 ms, 1.03x
+# FlashInfer's speed (bench at 64a60c0; at 6412cb9 0.5108 ms and 1.02x; at cc1dbc3 0.5344 ms and 1.01x; at e8603a5
+# 0.5339 ms and 1.00x, on a GPU that measured a 9% higher matmul rate than the earlier runs; at c7e2fb0 0.6072 ms and
+# 0.95x, and 0.6346 ms and 0.92x before the softmax warpgroup released each key stage ahead of the next tile's scores,
+# the verify notebook's section 7). What keeps it short: the tensor pipe idles while the softmax runs, and the query
+# leaves room for only two stages of keys
 # (`perf_log.md`).
 #
 # The order of the programs matters as much as any of that once a call has more programs than SMs. At 128 heads a row
@@ -840,7 +841,7 @@ assert bench_rows["MLA 576/512 B=32 H=16 L=32768 bf16"]["pct_roofline"] > 95
 
 # %% [markdown]
 # A tile costs the tensor cores about a seventh of the time its bytes take, so the kernel is a stream of keys: B=32
-# and B=128 run at 100-102% of the bench's copy ceiling (4281 GB/s in that run), 1.03-1.04x FlashInfer's speed. At
+# and B=128 run at 100-102% of the bench's copy ceiling (4279 GB/s in that run), 1.03-1.04x FlashInfer's speed. At
 # B=8 L=4K the call is 18-19 us for 38 MB (9 us of bandwidth): each program has a few tiles, and the first two loads
 # and the stores of the partials are not hidden.
 #

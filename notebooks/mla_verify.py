@@ -536,15 +536,15 @@ print(f"geomean {geomean:.2f}x over {len(ratios)} cases")
 assert ratios and min(ratios.values()) > 0.9 and max(ratios.values()) < 1.2 and geomean > 1.0
 
 # %% [markdown]
-# The ratios above (bench at 6412cb9): 0.97-1.11x, geomean 1.03x. FlashInfer is faster in three cases: two with one
-# split at 128 heads (B=16 qlen=8 L=4K 0.98x, B=32 qlen=4 L=32K 0.97x: below) and B=64 H=16 qlen=2 at 0.99x (1.02x at
-# cc1dbc3, with the same kernel: within what one case moves between runs); ours is 1.11x faster at the smallest call,
-# B=8 H=16 qlen=4 L=4K, where FlashInfer was 1.14x faster at e8603a5 (0.88x): there each program reads four tiles and
-# writes 64 rows of partials, and since cc1dbc3 those partials are bf16 (section 7: stage 1 20.3 -> 16.2 us). At cc1dbc3
-# the ratios were 0.96-1.13x, at e8603a5 0.88-1.05x, at c7e2fb0 0.87-1.02x, 0.86-0.97x before the next section's softmax
-# warpgroup released each stage earlier, 1.14-2.4x slower before that kernel stored its outputs through shared memory,
-# 1.5-2.1x slower before that kernel. Its FP8-cache LSE misses this package's tolerance, so that case is reported and
-# not timed: the golden check runs on the peer as on our kernels.
+# The ratios above (bench at 64a60c0): 0.96-1.07x, geomean 1.03x. FlashInfer is faster in two cases, both with one split
+# at 128 heads (B=16 qlen=8 L=4K 0.99x, B=32 qlen=4 L=32K 0.96x: below); B=64 H=16 qlen=2 is at 1.01x (0.99x at 6412cb9
+# and 1.02x at cc1dbc3, with the same kernel: within what one case moves between runs); ours is 1.07x faster at the
+# smallest call, B=8 H=16 qlen=4 L=4K, where FlashInfer was 1.14x faster at e8603a5 (0.88x): there each program reads
+# four tiles and writes 64 rows of partials, and since cc1dbc3 those partials are bf16 (section 7: stage 1 20.3 -> 16.2
+# us). At 6412cb9 the ratios were 0.97-1.11x, at cc1dbc3 0.96-1.13x, at e8603a5 0.88-1.05x, at c7e2fb0 0.87-1.02x,
+# 0.86-0.97x before the next section's softmax warpgroup released each stage earlier, 1.14-2.4x slower before that
+# kernel stored its outputs through shared memory, 1.5-2.1x slower before that kernel. Its FP8-cache LSE misses this
+# package's tolerance, so that case is reported and not timed: the golden check runs on the peer as on our kernels.
 #
 # **What is left at 128 heads.** At B=32 qlen=4 L=32K a request is 8 programs (one split), 256 programs in two
 # rounds on 132 SMs, the second 124 programs. `benchmarks/mla_rounds.py` times the call on either side of two whole
@@ -656,7 +656,7 @@ assert 0.4 < tensor_cycles / cycles < 0.7
 # qlen=1 78.7 -> 68.7 us, verify B=32 H=16 qlen=4 L=32K 322.9 -> 289.0 us (the copy roofline: 285.6 us); the longest
 # compute-bound call, verify B=32 H=128 qlen=4 L=32K, 3%. The softmax warpgroup's wait for tiles fell from 56% to 34%
 # of the loop (`mla_timeline_h200.md`). The cell above uses the bench row after the change. A third stage does not
-# fit beside the query, and 32-key tiles in four stages (the loader three tiles ahead) were 18-32% slower: each key
+# fit beside the query, and 32-key tiles in four stages (the loader three tiles ahead) were 11-32% slower: each key
 # then pays twice the barriers and softmax reductions (`perf_log.md`).
 #
 # **What a program costs besides its tiles.** Small batches have few tiles per program (B=8 qlen=4 H=16 L=4K: four), so

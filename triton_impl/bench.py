@@ -539,7 +539,8 @@ def merge_report(run_dir: Path, into_dir: Path) -> tuple[Path, int, int]:
     """Merge the rows of a bench run (``run_dir/bench_h200.json``, e.g. a GPU job's output for a few ops) into the
     table in ``into_dir``: each of the run's ``(op, case)`` replaces the row of the same ``(op, case)`` where it
     stands, or is appended; every other row stays as it was. Everything above the table in ``bench_h200.md`` (its
-    header and notes, which say which commit each group of rows comes from) is kept: edit it by hand. Each row keeps
+    header and notes, which say which commit each group of rows comes from) is kept: edit it by hand; the JSON's
+    ``header`` becomes the markdown's ``GPU:`` line as it stands (merge again after editing it). Each row keeps
     the percentages its own run measured, so the JSON's ``ceilings`` becomes ``{run: ceilings}`` with the run's
     under :func:`_run_label`, and the geomeans are recomputed over the merged rows. Returns ``(the table, rows
     replaced, rows appended)``; no GPU needed."""
@@ -566,6 +567,7 @@ def merge_report(run_dir: Path, into_dir: Path) -> tuple[Path, int, int]:
     text = table.read_text().splitlines()
     start = next((i for i, line in enumerate(text) if line.startswith("| op | case |")), len(text))
     table.write_text("\n".join([*text[:start], *table_lines(rows)]) + "\n")
+    into["header"] = next((line for line in text[:start] if line.startswith("GPU: ")), into["header"])
     into["ceilings"], into["results"] = ceilings, [asdict(r) for r in rows]
     (into_dir / "bench_h200.json").write_text(json.dumps(into, indent=1))
     gpu = into["header"].split(" | ")[0].removeprefix("GPU: ")

@@ -31,12 +31,12 @@ mbarriers order everything: ``k_full`` / ``k_free`` per stage (TMA landed / both
 ``p_full`` / ``p_free`` for the ``P`` buffer (written / read), and after the loop ``p_full`` once more, for the row
 scale the value warpgroup applies to its half.
 
-Numerics are the portable kernel's: bf16 (or fp16) operands, ``P`` rounded to the query dtype, fp32
-accumulation, online softmax in base 2. ``LEAN_SOFTMAX`` (on in the sm90 entries; 1-3% off stage 1 on the H200)
-masks only the tiles some row does not see whole and folds the score scale into each exponent's fma
-(:func:`_softmax`: the same row max, ``P`` rounded once where it was rounded twice). ``RESCALE_IF_GREW`` (on in
-the sm90 entries; 0.5-6.4% off stage 1) lets each warp of the value warpgroup skip its rescale where none of its rows'
-max grew (:func:`_rescaled`: the same bits). Partial tiles at a split's
+Numerics are the portable kernel's: bf16 (or fp16) operands, ``P`` rounded to the query dtype, fp32 accumulation, online
+softmax in base 2. ``LEAN_SOFTMAX`` (on in the sm90 entries; 0.7-2.7% off stage 1 on the H200, an FP8 cache within
+noise) masks only the tiles some row does not see whole and folds the score scale into each exponent's fma
+(:func:`_softmax`: the same row max, ``P`` rounded once where it was rounded twice). ``RESCALE_IF_GREW`` (on in the sm90
+entries; 0.5-6.4% off stage 1) lets each warp of the value warpgroup skip its rescale where none of its rows' max grew
+(:func:`_rescaled`: the same bits). Partial tiles at a split's
 ends are loaded whole (their page holds them) and their keys outside the split are zeroed in shared memory before
 any MMA reads them, so a NaN in an unused cache slot never reaches the value product.
 

@@ -61,13 +61,13 @@ level by one saturating product (:func:`_store_values`), and keeps the slots' 2-
 leave first. For any other ``PiT``, :func:`store_kernel` rotates on warpgroup MMAs (``wgmma.m64n128k16``, ``PiT``
 rounded once into bf16 hi + lo parts held in shared memory).
 
-**On the H200** (``notebooks/results/bench_h200.md``, the whole call; B=32 Hq=32 Hk=8 D=128, block 16): decode at
-L=8K / 32K, FP8 keys 0.124 / 0.472 ms (78% / 82% of the copy roofline over the bytes read), 4-bit 0.109 / 0.367
-(61% / 72%), 3-bit keys 0.104 / 0.340 (56% / 68%), 3-bit keys and values 0.121 / 0.387 (42% / 52%), against 0.253 /
-0.961 ms for the bf16 decode of the same shape; the store of 1M tokens x 8 KV heads at random slots 1.72-1.80 ms (70%
-of the copy roofline, where a scatter of the same bytes with no arithmetic reaches 76-84%). The decode's loop is bound
-by its ALU-pipe instructions, most of them the keys' lookups; ``notebooks/results/perf_log.md`` has every change
-with its prediction and measurement, and the variants that lost.
+**On the H200** (``notebooks/results/bench_h200.md``, the whole call; B=32 Hq=32 Hk=8 D=128, block 16): decode at L=8K /
+32K, FP8 keys 0.124 / 0.472 ms (78% / 82% of the copy roofline over the bytes read), 4-bit 0.109 / 0.367 (61% / 72%),
+3-bit keys 0.104 / 0.340 (56% / 68%), 3-bit keys and values 0.121 / 0.387 (42% / 52%), against 0.253-0.254 / 0.959-0.961
+ms for the bf16 decode of the same shape; the store of 1M tokens x 8 KV heads at random slots 1.72-1.80 ms (70% of the
+copy roofline, where a scatter of the same bytes with no arithmetic reaches 76-84%). The decode's loop is bound by its
+ALU-pipe instructions, most of them the keys' lookups; ``notebooks/results/perf_log.md`` has every change with its
+prediction and measurement, and the variants that lost.
 """
 
 from __future__ import annotations
