@@ -183,6 +183,22 @@ def test_merge_splits_poisoned_split(device, splits, head_dim) -> None:
     assert_close(lse[~poisoned], ref_lse[~poisoned], ("lse_merge", "lse", "float32"))
 
 
+def test_merge_splits_max_spans_every_tile_of_splits(device) -> None:
+    """More splits (40) than one tile of the merge holds (32): the max is taken over every tile. Row 0's first 32
+    splits are empty and row 1 has one later split 200 above the rest; a max over the first tile only gives row 0
+    ``(0, -inf)`` and row 1 inf / NaN, and passes every test of random LSEs."""
+    gen = generator(12)
+    partials = torch.randn(2, 2, 40, 129, generator=gen)
+    partials[..., 128] = torch.randn(2, 2, 40, generator=gen) * 8
+    partials[0, :, :32, 128] = NEG_INF
+    partials[1, :, 35, 128] = 200.0
+    _poison_empty(partials[..., :128], partials[..., 128])
+    o, lse = nan_filled((2, 2, 128), torch.float32, device), nan_filled((2, 2), torch.float32, device)
+    merge_splits(partials.to(device), o, lse)
+    ref_o, ref_lse = merge_states(partials[..., :128].double(), partials[..., 128].double())
+    assert_close(o.cpu(), ref_o, ("lse_merge", "o", "float32"))
+    assert_close(lse.cpu(), ref_lse, ("lse_merge", "lse", "float32"))
+
 def test_merge_splits_strided_partials(device) -> None:
     """A scratch view with padded strides (as carved from a workspace) merges like a dense one."""
     gen = generator(7)

@@ -207,6 +207,43 @@ def test_block_table_with_a_trailing_unit_dim_and_spare_rows(op: str, device: to
     assert_bits_equal(lse2, lse1)
 
 
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+@pytest.mark.parametrize("op", ["decode", "verify", "turboquant"])
+def test_a_table_exactly_as_wide_as_the_longest_row(op: str, num_kv_splits: int, device: torch.device) -> None:
+    """A request whose keys fill every column of its block table (12 keys, 3 pages of 4: a table sized exactly, as a
+    server may size it) is not too long for it: the table cut to those 3 columns gives the bits of the table with a
+    spare column, and no NaN. The other tests' tables all have a spare column, where a kernel that took a row as long
+    as the table for one longer than it (``>=`` for ``>``) passed."""
+    gen = generator(7)
+    lens, columns = [12, 7], 3
+    if op == "decode":
+        q, cache, v, width = _decode_case(device, gen, is_mla=False, seq_lens=lens, page_size=4)
+
+        def run(table):
+            return _run_decode(q, cache.cache, v, table, cache.seq_lens, num_kv_splits, 4, width, False)
+
+        table = cache.block_table
+    elif op == "verify":
+        q, cache, qlen = _verify_case(device, gen, seq_lens=lens, qlen=2, page_size=4)
+
+        def run(table):
+            return _run_verify(q, cache, qlen, num_kv_splits=num_kv_splits, table=table)
+
+        table = cache.block_table
+    else:
+        case = _turboquant_case(device, gen, seq_lens=lens)
+
+        def run(table):
+            return _run_turboquant(case, table=table, splits=num_kv_splits)
+
+        table = case["table"]
+    assert table.shape[1] > columns  # the spare column the exact table drops
+    spare, exact = run(table), run(table[:, :columns])
+    assert not spare[0].isnan().any() and not spare[1].isnan().any()
+    assert_bits_equal(exact[0], spare[0])
+    assert_bits_equal(exact[1], spare[1])
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz])
 def test_merge_attn_states_copies_context_free_tokens_and_quantizes(out_dtype, device: torch.device) -> None:
     """``prefill_tokens_with_context`` and ``output_scale``, upstream's last two parameters."""

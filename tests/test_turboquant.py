@@ -71,10 +71,12 @@ TIE_COUNTS: collections.Counter[str] = collections.Counter()
 
 @functools.cache
 def _quantizer(preset: str, head_dim: int) -> tuple[tq.TurboQuantConfig, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(config, PiT, centroids, midpoints) as serving builds them: plain Hadamard, Gaussian codebook."""
+    """(config, PiT, centroids, midpoints) as serving builds them: plain Hadamard, Gaussian codebook; a head
+    dimension that is not a power of two (no Hadamard matrix) gets a Haar rotation of seed 0."""
     config = tq.TurboQuantConfig.from_cache_dtype(preset, head_dim)
     centroids, midpoints = tq.solve_lloyd_max(head_dim, config.centroid_bits)
-    return config, tq.hadamard_rotation(head_dim).T.contiguous(), centroids, midpoints
+    rotation = tq.hadamard_rotation(head_dim) if head_dim & (head_dim - 1) == 0 else tq.haar_rotation(head_dim, 0)
+    return config, rotation.T.contiguous().float(), centroids, midpoints
 
 
 def _garbage_cache(num_blocks: int, block_size: int, num_kv_heads: int, config, gen, device, cross_layer=False):
@@ -705,7 +707,7 @@ def test_pack_codes_is_an_lsb_first_bit_stream(seed: int, bits: int, groups: int
 @given(
     seed=st.integers(0, 2**31 - 1),
     preset=st.sampled_from(PRESETS),
-    head_dim=st.sampled_from([64, 128, 256]),
+    head_dim=st.sampled_from([64, 80, 96, 128, 256]),
     block_size=st.sampled_from([1, 2, 16]),
     num_kv_heads=st.integers(1, 2),
     num_tokens=st.integers(1, 5),
@@ -713,9 +715,10 @@ def test_pack_codes_is_an_lsb_first_bit_stream(seed: int, bits: int, groups: int
     dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
     scale=st.sampled_from([1.0, 1e-3, 300.0]),
     cross_layer=st.booleans(),
+    value_sign=st.sampled_from([0, 1, -1]),
 )
 @example(seed=1, preset="turboquant_3bit_nc", head_dim=256, block_size=16, num_kv_heads=2, num_tokens=3,
-         skip="none", dtype=torch.bfloat16, scale=1.0, cross_layer=True)  # fmt: skip
+         skip="none", dtype=torch.bfloat16, scale=1.0, cross_layer=True, value_sign=0)  # fmt: skip
 @example(
     seed=2,
     preset="turboquant_k8v4",
@@ -727,15 +730,23 @@ def test_pack_codes_is_an_lsb_first_bit_stream(seed: int, bits: int, groups: int
     dtype=torch.float16,
     scale=300.0,
     cross_layer=False,
+    value_sign=0,
 )  # fp8 saturates past 448
 @example(seed=0, preset="turboquant_k8v4", head_dim=64, block_size=1, num_kv_heads=1, num_tokens=1, skip="none",
-         dtype=torch.float32, scale=1.0, cross_layer=False)  # fmt: skip
+         dtype=torch.float32, scale=1.0, cross_layer=False, value_sign=0)  # fmt: skip
 # ^ on the H200 (Triton 3.6) the hardware e4m3 of |k| with the sign bit OR-ed back wrote a constant into every odd key
 # byte at block size 1 (not at 4); the kernel now converts k itself, as f32_to_e4m3_bits does
+# A head dimension below its power-of-two tile (the padding lanes of every row masked out of the norm correction's
+# squares and the values' min and max), with values of one sign (where a padding zero would be the min or the max):
+@example(seed=3, preset="turboquant_4bit_nc", head_dim=96, block_size=2, num_kv_heads=2, num_tokens=3, skip="none",
+         dtype=torch.bfloat16, scale=1.0, cross_layer=False, value_sign=1)  # fmt: skip
+@example(seed=4, preset="turboquant_3bit_nc", head_dim=80, block_size=16, num_kv_heads=1, num_tokens=4, skip="first",
+         dtype=torch.float16, scale=1.0, cross_layer=False, value_sign=-1)  # fmt: skip
 def test_store_matches_golden_outside_tie_bands(seed, preset, head_dim, block_size, num_kv_heads, num_tokens, skip,
-                                                dtype, scale, cross_layer, device) -> None:  # fmt: skip
+                                                dtype, scale, cross_layer, value_sign, device) -> None:  # fmt: skip
     """``compare_store``: every untouched byte kept; codes, norms, scales golden's outside the tie bands;
-    zeros and FP8 bytes golden's exactly. The tie counts are printed and quoted on failure."""
+    zeros and FP8 bytes golden's exactly. The tie counts are printed and quoted on failure. ``value_sign``: values
+    all positive (1) or all negative (-1), away from zero, or of both signs (0)."""
     gen = generator(seed)
     config = _quantizer(preset, head_dim)[0]
     num_blocks = -(-num_tokens // block_size) + 1
@@ -746,7 +757,10 @@ def test_store_matches_golden_outside_tie_bands(seed, preset, head_dim, block_si
     elif skip == "every_other":
         slots[::2] = -1
     key = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * scale).to(dtype)
-    value = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * scale).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    if value_sign:
+        value = value_sign * (value.abs() + 0.5)
+    value = (value * scale).to(dtype)
     before = cache.clone()
     _store_triton(cache, key, value, slots, preset, head_dim)
     _assert_store_ok(cache, before, key, value, slots, preset, head_dim)

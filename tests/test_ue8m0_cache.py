@@ -579,6 +579,28 @@ def test_variants_stay_memory_safe_with_the_checks_off(device, variant, monkeypa
     assert bool((out_storage[1:4, 0] == -7.0).all())
 
 
+@variants
+def test_a_position_past_the_tables_last_column_gathers_nan(device, variant, monkeypatch) -> None:
+    """With the content checks off, request 0 is one key longer than its 2-column table holds (9 keys, blocks of 4):
+    its position 8 has no column and gathers as NaN, and the positions the table covers gather their keys. The
+    table's rows are back to back, so a bound of ``col <= columns`` would read request 1's first entry there (block
+    2's token 0) instead; no other test has a request exactly one column past its table."""
+    monkeypatch.setenv("ATTNREF_CHECK_CONTENTS", "0")
+    block_size = 4
+    cache = torch.zeros(4, block_bytes(block_size), dtype=torch.uint8, device=device)
+    keys = _keys(4 * block_size, generator(17)).to(device)
+    quantize_and_insert_k_cache(keys, cache, torch.arange(4 * block_size, device=device), block_size)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    out = torch.full((2, 5, 512), -7.0, dtype=torch.bfloat16, device=device)
+    with _variant(variant):
+        dequantize_and_gather_k_cache(out, cache, torch.tensor([9, 4], dtype=torch.int32, device=device),
+                                      torch.tensor([5, 4], dtype=torch.int32, device=device), table, block_size, 0)
+    expected = gather_k_cache(torch.zeros(2, 5, 512, dtype=torch.bfloat16), cache.cpu(), torch.tensor([8, 4]),
+                              torch.tensor([4, 4]), table.cpu(), block_size, 0)  # positions 4-7 and request 1
+    _assert_same_bf16(out[0, :4], expected[0, :4])
+    _assert_same_bf16(out[1, :4], expected[1, :4])
+    assert bool((out[0, 4].view(torch.int16) == 0x7FC0).all())  # position 8: no column
+
 def test_decode_table_is_made_once_per_device_and_format() -> None:
     """The "table" decode's 256 values: torch's decode of each byte, one tensor per (device, format), kept."""
     cpu = torch.device("cpu")
