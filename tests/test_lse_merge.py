@@ -259,6 +259,21 @@ def test_split_kv_identity(keys, splits, seed) -> None:
     torch.testing.assert_close(merged_lse, full_lse, rtol=1e-12, atol=1e-12)
 
 
+def test_attention_state_over_a_mask_is_the_state_of_the_visible_keys() -> None:
+    """``attention_state`` with ``visible``: a row that sees some keys is the state over those keys alone, and a
+    row that sees none is the neutral state ``(0, -inf)``, not NaN (the masked softmax takes its exponent against 0
+    there, since ``-inf - (-inf)`` is NaN)."""
+    gen = generator(13)
+    q, k, v = (torch.randn(shape, generator=gen, dtype=torch.float64) for shape in ((3, 8), (5, 8), (5, 4)))
+    visible = torch.tensor([[True, False, True, True, False], [False] * 5, [True] * 5])
+    o, lse = attention_state(q, k, v, 0.5, visible)
+    for row in (0, 2):
+        keys = visible[row]
+        o_row, lse_row = attention_state(q[row : row + 1], k[keys], v[keys], 0.5)
+        torch.testing.assert_close(o[row], o_row[0], rtol=0, atol=1e-14)
+        torch.testing.assert_close(lse[row], lse_row[0], rtol=0, atol=1e-14)
+    assert torch.equal(o[1], torch.zeros(4, dtype=torch.float64)) and lse[1].item() == NEG_INF
+
 def test_base2_lse_conversion() -> None:
     """FlashInfer's base-2 LSE (log2 sum 2^(s log2 e)) converts to the natural-log LSE."""
     scores = torch.randn(5, 7, generator=generator(0), dtype=torch.float64) * 4

@@ -232,6 +232,15 @@ def test_combine_vllm_swa_visible_cases(device, seq_lens, query_lens, spans, wit
     assert combined.cpu().tolist() == [row + [-1] * (width - len(row)) for row in rows]
 
 
+def test_image_visibility_by_hand() -> None:
+    """vLLM's rule by hand: inside a span ``[s, e]`` a token sees ``min(pos - s, IMG - 1)`` back and ``min(e - pos,
+    IMG)`` ahead (the limits differ by one), outside every span nothing. Both the kernels' inputs and the golden
+    model's expected rows come from this function, so only hand values test it."""
+    positions = torch.tensor([0, 3, 10, 18, 20, 21, 31])
+    left, right = image_visibility(positions, [(0, 20), (30, 32)], 6)
+    assert left.tolist() == [0, 3, 5, 5, 5, 0, 1]
+    assert right.tolist() == [6, 6, 6, 2, 0, 0, 1]
+
 def test_combine_resets_stale_tails_and_keeps_negative_topk(device) -> None:
     """An out= buffer full of stale values comes back with -1 past each row's entries, and a -1
     inside topk_len stays -1 (upstream: -1 + M*b, a row of the previous request)."""

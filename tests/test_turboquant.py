@@ -954,6 +954,16 @@ OUTLIERS = [(-125000.0, None), (-70000.0, None), (-42000.0, None), (-125000.0, 1
             (-125000.0, 4.0), (-1.0, 125000.0)]  # fmt: skip
 
 
+def test_golden_value_levels_round_a_half_up() -> None:
+    """The golden model's value level is upstream's ``floor(t + 0.5)``: an exact half goes up, not to even. The
+    store comparison lets a kernel round a tie either way (it lies in the tie band), so only this test pins the
+    golden rule. Values 0 .. 15 at 4 bits have scale 1 and zero 0: ``t`` is the value itself."""
+    assert tq.round_levels(torch.tensor([0.5, 1.5, 2.5, 14.5, 15.4, 0.49], dtype=torch.float64), 4).tolist() == [
+        1, 2, 3, 15, 15, 0]  # fmt: skip
+    assert tq.round_levels(torch.tensor([0.5, 6.5, 7.5], dtype=torch.float64), 3).tolist() == [1, 7, 7]
+    codes, scale, zero = tq.quantize_values(torch.tensor([[0.0, 2.5, 4.5, 15.0, 1.0, 1.0, 1.0, 1.0]]), 4)
+    assert codes.tolist() == [[0, 3, 5, 15, 1, 1, 1, 1]] and scale.item() == 1.0 and zero.item() == 0.0
+
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
 def test_value_outliers_give_finite_metadata_and_bounded_error(preset: str, device: torch.device) -> None:
     """Upstream stores fp16(vmin) and fp16(scale) unclamped, so |v| > 65504 gives inf metadata and a vector of
@@ -1295,6 +1305,30 @@ def test_stream_k_pieces_cover_every_key_once_in_at_most_the_slots() -> None:
     assert [(min(sizes[r * 66 : r * 66 + 66]), max(sizes[r * 66 : r * 66 + 66])) for r in range(4)] == [
         (38, 39), (33, 34), (28, 29), (23, 24)]  # 8192 * (160, 140, 120, 100) / 34320 = 38.2, 33.4, 28.6, 23.9
     assert ttq.stream_k_bounds(100, 4, 4) == [0, 25, 50, 75, 100]  # one rank: the even division
+
+
+@given(
+    lens=st.lists(st.one_of(st.integers(0, 300), st.integers(0, 20000)), min_size=1, max_size=12),
+    table_keys=st.sampled_from([16, 4096, 8192]),
+    step_keys=st.sampled_from([16, 32]),
+    programs=st.integers(1, 400),
+    num_splits=st.integers(2, 16),
+    ranks=st.integers(1, 4),
+    tilt=st.sampled_from([0, 10, 30]),
+)
+# A cut of T // ceil(most steps / S) (a slot too few) gives the second request 5 pieces for 4 slots.
+@example(lens=[25, 186, 18], table_keys=4096, step_keys=16, programs=16, num_splits=4, ranks=1, tilt=0)
+def test_stream_k_pieces_fit_their_slots_for_any_batch(lens, table_keys, step_keys, programs, num_splits, ranks,
+                                                       tilt) -> None:  # fmt: skip
+    """The stream-K model over any batch: every request's keys (cut at the table's) covered once, in order, by at
+    most ``num_splits`` pieces in slots 0, 1, ...; weighted places as well as even ones."""
+    pieces = ttq.stream_k_pieces(lens, table_keys, step_keys, programs, num_splits, ranks, tilt)
+    assert len(pieces) == len(lens)
+    for n, taken in zip(lens, pieces):
+        assert [slot for slot, _, _ in taken] == list(range(len(taken))) and len(taken) <= num_splits
+        ends = [0] + [end for _, _, end in taken]
+        assert [start for _, start, _ in taken] == ends[:-1] and ends[-1] == min(n, table_keys)
+        assert all(start < end for _, start, end in taken)
 
 
 def _rank_starts(launched: int, ranks: int) -> list[int]:

@@ -322,6 +322,28 @@ def test_gather_matches_golden(
 
 
 @variants
+@pytest.mark.parametrize("byte", [0x80, 0x7F, 0xFF])
+def test_gather_finds_a_lone_special_byte_in_a_tile(device, variant, byte) -> None:
+    """One byte of FNUZ's NaN (0x80) or +-240 (0x7F, 0xFF) among finite bytes (0x38, 0.5) of every token: each decode
+    gives the golden bits, NaN or +-240 there. The every-byte test holds these three bytes in the same tiles, so a
+    decode that tested a tile for one of them and fixed up all three passed it whatever it did with the others."""
+    block_size, num_tokens = 16, 4
+    cache = torch.zeros(1, block_bytes(block_size), dtype=torch.uint8)
+    for t in range(num_tokens):
+        record = torch.full((NOPE_DIM,), 0x38, dtype=torch.uint8)
+        record[5 + 64 * t] = byte  # a group of its own in each token
+        cache[0, t * 576 : t * 576 + NOPE_DIM] = record
+        cache[0, block_size * 576 + t * 8 : block_size * 576 + t * 8 + 7] = 127  # scale 2^0
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([num_tokens], dtype=torch.int32)
+    out = torch.zeros(1, num_tokens, 512, dtype=torch.bfloat16)
+    expected = gather_k_cache(out, cache, lens, None, table, block_size, 0, True)
+    actual = out.to(device)
+    with _variant(variant):
+        dequantize_and_gather_k_cache(actual, cache.to(device), lens.to(device), None, table.to(device), block_size, 0,
+                                      use_fnuz=True)  # fmt: skip
+    _assert_same_bf16(actual, expected)
+
+@variants
 @pytest.mark.parametrize("special", [True, False])
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # codes near 254 overflow bf16: inf
 def test_gather_decodes_every_byte_at_every_code(device, variant, special) -> None:
