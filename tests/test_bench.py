@@ -366,7 +366,6 @@ def _report(monkeypatch, tmp_path: Path, results: list[Result]) -> list[str]:
     return lines[lines.index(next(line for line in lines if line.startswith("| op |"))) :]
 
 
-
 def test_a_partial_run_merges_into_the_table(monkeypatch, capsys, tmp_path: Path) -> None:
     """``attnref bench-merge``: a run's rows replace those of the same (op, case) in place, new ones are appended,
     the rest and the notes above the table stay; the geomeans cover the merged rows and the JSON names each run's

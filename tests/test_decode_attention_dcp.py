@@ -111,7 +111,6 @@ def test_dcp_positions_partition_the_keys(layout: str, interleave: int) -> None:
             assert torch.equal(torch.cat(parts).sort().values, torch.arange(seq_len))
 
 
-
 def test_dcp_positions_by_hand() -> None:
     """Each layout's own positions, not only a partition (any partition merges to the same attention, so the merge
     tests cannot tell layouts apart): sliced ranks hold ``cdiv(L, N)`` contiguous keys, the last the rest; striped
@@ -124,6 +123,7 @@ def test_dcp_positions_by_hand() -> None:
     assert positions(7, 3, "sliced") == [[0, 1, 2], [3, 4, 5], [6]]
     assert positions(7, 3, "striped") == [[0, 3, 6], [1, 4], [2, 5]]
     assert positions(9, 2, "striped", 2) == [[0, 1, 4, 5, 8], [2, 3, 6, 7]]
+
 
 @pytest.mark.parametrize("kind", ["mla", "gqa"])
 def test_dcp_states_merged_in_one_process_and_a_layout_mismatch_fails(device, kind: str) -> None:

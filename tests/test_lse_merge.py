@@ -199,6 +199,7 @@ def test_merge_splits_max_spans_every_tile_of_splits(device) -> None:
     assert_close(o.cpu(), ref_o, ("lse_merge", "o", "float32"))
     assert_close(lse.cpu(), ref_lse, ("lse_merge", "lse", "float32"))
 
+
 def test_merge_splits_strided_partials(device) -> None:
     """A scratch view with padded strides (as carved from a workspace) merges like a dense one."""
     gen = generator(7)
@@ -273,6 +274,7 @@ def test_attention_state_over_a_mask_is_the_state_of_the_visible_keys() -> None:
         torch.testing.assert_close(o[row], o_row[0], rtol=0, atol=1e-14)
         torch.testing.assert_close(lse[row], lse_row[0], rtol=0, atol=1e-14)
     assert torch.equal(o[1], torch.zeros(4, dtype=torch.float64)) and lse[1].item() == NEG_INF
+
 
 def test_base2_lse_conversion() -> None:
     """FlashInfer's base-2 LSE (log2 sum 2^(s log2 e)) converts to the natural-log LSE."""

@@ -487,7 +487,6 @@ def test_block_table_with_spare_rows_or_a_unit_dimension(device) -> None:
         assert torch.equal(ref_o_t, ref_o) and torch.equal(ref_lse_t, ref_lse)
 
 
-
 def _every_other(t: torch.Tensor) -> torch.Tensor:
     """``t``'s entries as a view with stride 2, the gaps between them holding 7 (a read past a gap shows)."""
     buffer = torch.full((2 * t.shape[0],), 7, dtype=t.dtype, device=t.device)

@@ -207,7 +207,6 @@ def test_block_table_with_a_trailing_unit_dim_and_spare_rows(op: str, device: to
     assert_bits_equal(lse2, lse1)
 
 
-
 @pytest.mark.parametrize("num_kv_splits", [1, 3])
 @pytest.mark.parametrize("op", ["decode", "verify", "turboquant"])
 def test_a_table_exactly_as_wide_as_the_longest_row(op: str, num_kv_splits: int, device: torch.device) -> None:
@@ -243,6 +242,7 @@ def test_a_table_exactly_as_wide_as_the_longest_row(op: str, num_kv_splits: int,
     assert not spare[0].isnan().any() and not spare[1].isnan().any()
     assert_bits_equal(exact[0], spare[0])
     assert_bits_equal(exact[1], spare[1])
+
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz])
 def test_merge_attn_states_copies_context_free_tokens_and_quantizes(out_dtype, device: torch.device) -> None:
@@ -306,7 +306,6 @@ def test_content_checks_name_the_bad_entry_when_on(monkeypatch: pytest.MonkeyPat
     table[1, 1] = -1
     with pytest.raises(ValueError, match=r"req_to_token: entry \[1, 1\] = -1"):
         _run_decode(q, cache.cache, v, table, cache.seq_lens, 1, 4, width, False)
-
 
 
 @pytest.mark.parametrize("length", [2**32 + 3, -(2**32) + 3])

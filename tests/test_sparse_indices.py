@@ -241,6 +241,7 @@ def test_image_visibility_by_hand() -> None:
     assert left.tolist() == [0, 3, 5, 5, 5, 0, 1]
     assert right.tolist() == [6, 6, 6, 2, 0, 0, 1]
 
+
 def test_combine_resets_stale_tails_and_keeps_negative_topk(device) -> None:
     """An out= buffer full of stale values comes back with -1 past each row's entries, and a -1
     inside topk_len stays -1 (upstream: -1 + M*b, a row of the previous request)."""

@@ -964,6 +964,7 @@ def test_golden_value_levels_round_a_half_up() -> None:
     codes, scale, zero = tq.quantize_values(torch.tensor([[0.0, 2.5, 4.5, 15.0, 1.0, 1.0, 1.0, 1.0]]), 4)
     assert codes.tolist() == [[0, 3, 5, 15, 1, 1, 1, 1]] and scale.item() == 1.0 and zero.item() == 0.0
 
+
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
 def test_value_outliers_give_finite_metadata_and_bounded_error(preset: str, device: torch.device) -> None:
     """Upstream stores fp16(vmin) and fp16(scale) unclamped, so |v| > 65504 gives inf metadata and a vector of

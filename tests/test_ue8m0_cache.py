@@ -343,6 +343,7 @@ def test_gather_finds_a_lone_special_byte_in_a_tile(device, variant, byte) -> No
                                       use_fnuz=True)  # fmt: skip
     _assert_same_bf16(actual, expected)
 
+
 @variants
 @pytest.mark.parametrize("special", [True, False])
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # codes near 254 overflow bf16: inf
@@ -622,6 +623,7 @@ def test_a_position_past_the_tables_last_column_gathers_nan(device, variant, mon
     _assert_same_bf16(out[0, :4], expected[0, :4])
     _assert_same_bf16(out[1, :4], expected[1, :4])
     assert bool((out[0, 4].view(torch.int16) == 0x7FC0).all())  # position 8: no column
+
 
 def test_decode_table_is_made_once_per_device_and_format() -> None:
     """The "table" decode's 256 values: torch's decode of each byte, one tensor per (device, format), kept."""
