@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from tests.support import assert_close, fails_tolerance
 from triton_impl.tolerances import Tolerance, compare
 
 TOL = Tolerance(1e-3, 1e-2, "a test entry")
@@ -72,6 +73,22 @@ def test_a_derived_bound_widens_only_its_own_elements() -> None:
     assert not result.ok and result.detail.endswith("at flat index 4"), result
     bound[4] = 0.2
     assert compare(actual, EXPECTED, TOL, bound).ok
+    # The bound counts once: an error a part in 10^6 past tolerance + bound fails.
+    assert not compare(EXPECTED + (ALLOWED + bound) * (1 + 1e-6), EXPECTED, TOL, bound).ok
+
+
+def test_the_test_helpers_compare_actual_against_expected_with_the_bound() -> None:
+    """``assert_close`` and ``fails_tolerance`` (every kernel test's and negative control's verdict) are ``compare``
+    with the arguments in order: the relative allowance comes from the expected value (1.0111 against 1.0 is 0.0111
+    off, over its 0.011; 1.0 against 1.0111 would be allowed 0.011111), and a derived bound is passed on."""
+    actual, expected = torch.tensor([1.0111], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64)
+    assert fails_tolerance(actual, expected, TOL) and not fails_tolerance(expected, actual, TOL)
+    with pytest.raises(AssertionError, match="worst excess"):
+        assert_close(actual, expected, TOL)
+    assert_close(expected, actual, TOL)
+    bound = torch.tensor([0.001], dtype=torch.float64)
+    assert not fails_tolerance(actual, expected, TOL, bound)
+    assert_close(actual, expected, TOL, bound)
 
 
 def test_a_lower_precision_actual_is_compared_in_float64() -> None:
