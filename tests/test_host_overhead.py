@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support import generator, paged_cache, randn
+from tests.support import assert_bits_equal, generator, paged_cache, randn
 from triton_impl import decode_attention as dec
 from triton_impl import decode_attention_sm90, launch, lse_merge, mla_verify
 from triton_impl import turboquant as ttq
@@ -454,6 +454,45 @@ def test_cpu_benchmark_takes_the_cached_path_for_every_serving_case() -> None:
     for name, *_ in CASES:
         assert f"| {name} |" in result.stdout
 
+
+@pytest.mark.parametrize(("name", "first", "second"), [("sm_scale", 0.3, 0.25), ("sliding_window", 5, 3),
+                                                       ("logit_cap", 1.0, 2.0)])  # fmt: skip
+def test_a_decode_plan_is_never_reused_for_another_value_of_a_scalar(name: str, first, second, device) -> None:
+    """Two calls of one layout that differ in the value (not the type) of one scalar the launch takes (the softmax
+    scale, the window, the logit cap) get the second call's own results, the bits of the same call on a fresh plan:
+    a plan key without that value would hand the second call the first call's launch."""
+
+    def call(value) -> tuple[torch.Tensor, torch.Tensor]:
+        args = _decode_args(device) | {name: value}
+        dec.decode_attention_fwd(**args)
+        return args["o"], args["lse"]
+
+    forget_plans()
+    before = call(first)
+    cached = call(second)
+    forget_plans()
+    fresh = call(second)
+    assert not torch.equal(fresh[1], before[1])  # the scalar changes the result
+    for got, want in zip(cached, fresh):
+        assert_bits_equal(got, want)
+
+
+def test_a_merge_plan_is_never_reused_for_the_other_partial_dtype(device) -> None:
+    """``merge_splits`` of the same tensors with bf16 and fp32 partials (``bf16_values``): each gets its own plan,
+    so the second call reads its partials as it was told to."""
+    gen = generator(23)
+    partials = torch.randn(3, 2, 4, 33, generator=gen).to(device)
+    results = {}
+    for bf16 in (False, True, False):
+        o, lse = torch.empty(3, 2, 32, device=device), torch.empty(3, 2, device=device)
+        lse_merge.merge_splits(partials, o, lse, bf16_values=bf16)
+        results.setdefault(bf16, []).append(o.clone())
+    forget_plans()
+    o, lse = torch.empty(3, 2, 32, device=device), torch.empty(3, 2, device=device)
+    lse_merge.merge_splits(partials, o, lse, bf16_values=True)
+    assert_bits_equal(results[True][0], o)
+    assert_bits_equal(results[False][1], results[False][0])
+    assert bool((results[True][0].view(torch.int32) != results[False][0].view(torch.int32)).any())
 
 def test_forget_plans_empties_every_wrapper_s_plans() -> None:
     """A sweep edits a config table and calls ``forget_plans``: no plan made from the old table survives."""
