@@ -987,6 +987,8 @@ def _bad_input_cases(device):
                 attn_logits=logits, num_kv_splits=2, sm_scale=0.25, page_size=4)  # fmt: skip
     bad_table = d.table.clone()
     bad_table[1, 0] = 10**6
+    one_past = d.table.clone()
+    one_past[0, 1] = d.k.shape[0]  # the first page past the cache, in request 0's last (partial) page
     return base, [
         ({"q": d.q[0]}, ValueError, "q: expected rank 3"),
         ({"q": d.q.to(torch.float64)}, TypeError, "q: expected dtype"),
@@ -1000,6 +1002,8 @@ def _bad_input_cases(device):
         ({"b_seq_len": d.lens.float()}, TypeError, "b_seq_len: expected dtype"),
         ({"req_to_token": d.table[:1]}, ValueError, "req_to_token: expected >= 2 rows"),
         ({"req_to_token": bad_table}, ValueError, r"req_to_token: entry \[1, 0\] = 1000000 is outside"),
+        ({"req_to_token": one_past}, ValueError, rf"req_to_token: entry \[0, 1\] = {d.k.shape[0]} is outside"),
+        ({"attn_logits": logits[:1]}, ValueError, r"attn_logits: expected \[>= 2, 4, 2, 17\]"),
         ({"b_seq_len": d.lens * 10}, ValueError, "req_to_token: a row needs"),
         ({"page_size": 3}, ValueError, "k_buffer: expected \\[num_pages, 3, HKV, D\\]"),
         ({"num_kv_splits": 0}, ValueError, "num_kv_splits: expected a positive int"),

@@ -861,7 +861,7 @@ def test_store_check_catches_planted_errors(device: torch.device) -> None:
     """Negative controls on the kernel's path: the Triton store with a wrong argument (no norm correction;
     midpoints moved by 2e-3, beyond any tie band), and its output with one planted error each (a key code
     one step off far from a boundary, a value code one level off far from its .5, a scale and a zero one
-    fp16 ulp off away from a tie, one byte outside the written records): each fails ``compare_store`` in
+    fp16 ulp off away from a tie or NaN, one byte outside the written records): each fails ``compare_store`` in
     the quantity planted, and the unplanted store passes."""
     preset, head_dim, gen = "turboquant_k3v4_nc", 128, generator(41)
     config, pit, _, midpoints = _quantizer(preset, head_dim)
@@ -907,6 +907,10 @@ def test_store_check_catches_planted_errors(device: torch.device) -> None:
         planted = cpu.clone()
         _, meta = tq.cache_regions(planted, config)
         meta[where[0], where[2], field, where[1]].view(torch.int16).add_(1)  # one fp16 ulp, away from a tie
+        assert fails_in(planted, quantity)
+        planted = cpu.clone()
+        _, meta = tq.cache_regions(planted, config)
+        meta[where[0], where[2], field, where[1]].view(torch.int16).fill_(0x7E00)  # a NaN where golden is finite
         assert fails_in(planted, quantity)
 
     planted = cpu.clone()
