@@ -23,10 +23,12 @@ from triton_impl.bench import (
     FLASHINFER,
     PeerMismatch,
     Result,
+    _geomean,
     check_peer,
     flashinfer_peers,
     lse_from_base2,
     lse_to_base2,
+    per_length_line,
     table_lines,
     time_peers,
     write_report,
@@ -364,6 +366,15 @@ def _report(monkeypatch, tmp_path: Path, results: list[Result]) -> list[str]:
     text = write_report(results, {"copy_gbps": 4000.0, "matmul_tflops": 700.0}, tmp_path).read_text()
     lines = text.splitlines()
     return lines[lines.index(next(line for line in lines if line.startswith("| op |"))) :]
+
+
+def test_the_per_length_line_and_the_geomean_by_hand() -> None:
+    """``per_length_line`` fits the lengths from ``from_length`` on, that length included (times 3, 5 at 2K, 4K: 1 us
+    per 1K keys and 1 at L=0); ``_geomean`` drops what has no logarithm (0, inf, NaN)."""
+    slope, intercept = per_length_line({1024: 9.0, 2048: 3.0, 4096: 5.0})
+    assert slope == pytest.approx(1.0, abs=1e-12) and intercept == pytest.approx(1.0, abs=1e-12)
+    assert _geomean([4.0, 1.0, math.inf, 0.0, math.nan]) == pytest.approx(2.0, abs=1e-12)
+    assert math.isnan(_geomean([0.0, math.inf]))
 
 
 def test_a_partial_run_merges_into_the_table(monkeypatch, capsys, tmp_path: Path) -> None:
