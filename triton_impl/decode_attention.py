@@ -57,6 +57,7 @@ from triton_impl.validation import (
     check_split_workspace,
     check_tensor,
     content_checks_on,
+    is_int,
     next_pow2,
     tensor_facts,
 )
@@ -747,7 +748,7 @@ def _plan_decode(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_lo
         check_split_workspace(attn_logits, num_rows, num_heads, num_kv_splits, value_width, device)
     if isinstance(logit_cap, bool) or not isinstance(logit_cap, (int, float)) or not 0 <= logit_cap < math.inf:
         raise ValueError(f"logit_cap: expected a float >= 0, finite (0: no cap), got {logit_cap!r}")
-    if sliding_window is not None and not (type(sliding_window) is int and sliding_window >= 0):  # (not a bool)
+    if sliding_window is not None and not (is_int(sliding_window) and sliding_window >= 0):
         raise ValueError(f"sliding_window: expected None, 0 or a positive int, got {sliding_window!r}")
     unit_scale = check_scale("k_scale", None, device)
     check_scale("k_scale", k_scale, device)

@@ -86,6 +86,7 @@ from triton_impl.validation import (
     check_positive,
     check_tensor,
     content_checks_enabled,
+    is_int,
 )
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -719,7 +720,7 @@ def dequantize_and_gather_k_cache(
     if block_table.shape[0] < num_reqs:
         raise ValueError(f"block_table: expected >= {num_reqs} rows (one per request), got {block_table.shape[0]}")
     check_flag("use_fnuz", use_fnuz)
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+    if not is_int(offset) or offset < 0:
         raise ValueError(f"offset: expected a non-negative int, got {offset!r}")
     blocks = _block_view(k_cache, block_size, out.device)
     if content_checks_enabled(out.device) and num_reqs:

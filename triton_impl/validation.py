@@ -182,25 +182,25 @@ def check_power_of_two(name: str, value: int, *, allow_zero: bool = False) -> No
         raise ValueError(f"{name}: expected a power of two{' or 0' if allow_zero else ''}, got {value}")
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     """An int that is not a bool (``True`` is an ``int`` to Python, and would pass for 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_positive(name: str, value: int) -> None:
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
 def check_int_at_least(name: str, value: int, minimum: int) -> None:
-    if not _is_int(value) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
 
 
 def check_int_choice(name: str, value: int, choices: Sequence[int], when: str = "") -> None:
     """One of ``choices``, as an int (``4.0`` equals 4 but is not one; nor is ``True``); ``when`` says under which
     other argument's value, in the message."""
-    if not _is_int(value) or value not in choices:
+    if not is_int(value) or value not in choices:
         raise ValueError(f"{name}: expected {' or '.join(map(str, choices))}{when and ' ' + when}, got {value!r}")
 
 
