@@ -14,7 +14,6 @@ from triton_impl.validation import (
     check_lengths,
 )
 
-CPU = torch.device("cpu")
 I32 = (torch.int32, torch.int64)
 
 
@@ -40,16 +39,17 @@ def test_int64_lengths_must_fit_int32_exactly(length: int, ok: bool) -> None:
             check_int32_lengths("n", lengths)
 
 
-def test_a_block_table_is_two_dimensional_or_has_a_unit_third_dimension() -> None:
-    table = torch.zeros(2, 3, 1, dtype=torch.int32)
-    assert block_table_2d("t", table, min_rows=2, device=CPU, dtypes=I32).shape == (2, 3)
+def test_a_block_table_is_two_dimensional_or_has_a_unit_third_dimension(device: torch.device) -> None:
+    table = torch.zeros(2, 3, 1, dtype=torch.int32, device=device)
+    assert block_table_2d("t", table, min_rows=2, device=device, dtypes=I32).shape == (2, 3)
     with pytest.raises(ValueError, match=r"t: expected \[rows, columns\] or \[rows, columns, 1\], got \[2, 3, 2\]"):
-        block_table_2d("t", torch.zeros(2, 3, 2, dtype=torch.int32), min_rows=2, device=CPU, dtypes=I32)
+        block_table_2d("t", torch.zeros(2, 3, 2, dtype=torch.int32, device=device), min_rows=2, device=device,
+                       dtypes=I32)  # fmt: skip
     with pytest.raises(ValueError, match=r"t: expected >= 3 rows"):
-        block_table_2d("t", table, min_rows=3, device=CPU, dtypes=I32)
+        block_table_2d("t", table, min_rows=3, device=device, dtypes=I32)
 
 
-def test_a_length_vector_needs_an_entry_per_row() -> None:
-    check_lengths("n", torch.zeros(2, dtype=torch.int32), 2, CPU, I32)
+def test_a_length_vector_needs_an_entry_per_row(device: torch.device) -> None:
+    check_lengths("n", torch.zeros(2, dtype=torch.int32, device=device), 2, device, I32)
     with pytest.raises(ValueError, match=r"n: expected >= 2 entries \(one per row\), got 1"):
-        check_lengths("n", torch.zeros(1, dtype=torch.int32), 2, CPU, I32)
+        check_lengths("n", torch.zeros(1, dtype=torch.int32, device=device), 2, device, I32)
