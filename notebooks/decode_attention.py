@@ -768,8 +768,9 @@ assert 1.5 < executed / tile_flops < 1.6
 # and even at the full rate it stops at 65% of the roofline; the softmax between the products is the rest (Nsight
 # Compute: issue slots 24% busy). The Gluon kernel computes each tile's scores once: a softmax warpgroup computes the
 # scores and the softmax and half of P V, a value warpgroup the other half with P through shared memory, a loader warp
-# feeds both by TMA (the verify notebook's section 7 counts its tile). On this row it takes 0.5262 ms, 1.03x
-# FlashInfer's speed (bench at 64a60c0; at 6412cb9 0.5108 ms and 1.02x; at cc1dbc3 0.5344 ms and 1.01x; at e8603a5
+# feeds both by TMA (the verify notebook's section 7 counts its tile). On this row it takes 0.4821 ms, 1.10x
+# FlashInfer's speed (bench at a474ebd, the value warpgroup skipping its rescale where no row's max grew; at 64a60c0
+# 0.5262 ms and 1.03x; at 6412cb9 0.5108 ms and 1.02x; at cc1dbc3 0.5344 ms and 1.01x; at e8603a5
 # 0.5339 ms and 1.00x, on a GPU that measured a 9% higher matmul rate than the earlier runs; at c7e2fb0 0.6072 ms and
 # 0.95x, and 0.6346 ms and 0.92x before the softmax warpgroup released each key stage ahead of the next tile's scores,
 # the verify notebook's section 7). What keeps it short: the tensor pipe idles while the softmax runs, and the query

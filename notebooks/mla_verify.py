@@ -536,9 +536,11 @@ print(f"geomean {geomean:.2f}x over {len(ratios)} cases")
 assert ratios and min(ratios.values()) > 0.9 and max(ratios.values()) < 1.2 and geomean > 1.0
 
 # %% [markdown]
-# The ratios above (bench at 64a60c0): 0.96-1.07x, geomean 1.03x. FlashInfer is faster in two cases, both with one split
-# at 128 heads (B=16 qlen=8 L=4K 0.99x, B=32 qlen=4 L=32K 0.96x: below); B=64 H=16 qlen=2 is at 1.01x (0.99x at 6412cb9
-# and 1.02x at cc1dbc3, with the same kernel: within what one case moves between runs); ours is 1.07x faster at the
+# The ratios above (bench at a474ebd): 1.00-1.13x, geomean 1.06x; FlashInfer is faster in none. At 64a60c0 they were
+# 0.96-1.07x, FlashInfer faster in the two cases with one split at 128 heads (B=16 qlen=8 L=4K 0.99x, now 1.01x; B=32
+# qlen=4 L=32K 0.96x, now 1.04x at 1.897 ms): between the two runs the value warpgroup began to skip its rescale where
+# no row's max grew (`RESCALE_IF_GREW`, section 7). B=64 H=16 qlen=2 is at 1.00x (1.01x at 64a60c0, 0.99x at 6412cb9
+# and 1.02x at cc1dbc3, with the same kernel: within what one case moves between runs); ours is 1.10x faster at the
 # smallest call, B=8 H=16 qlen=4 L=4K, where FlashInfer was 1.14x faster at e8603a5 (0.88x): there each program reads
 # four tiles and writes 64 rows of partials, and since cc1dbc3 those partials are bf16 (section 7: stage 1 20.3 -> 16.2
 # us). At 6412cb9 the ratios were 0.97-1.11x, at cc1dbc3 0.96-1.13x, at e8603a5 0.88-1.05x, at c7e2fb0 0.87-1.02x,

@@ -69,12 +69,12 @@ other at a cluster barrier once their partials are stored, and then each merges 
 merge 2.4 us behind a 1.2-1.7 us gap became one kernel of 18.2-18.4 us).
 
 On the H200 (``notebooks/results/bench_h200.md``: ``attnref bench --op decode_attention --op mla_verify --case
-bf16`` at 64a60c0, before ``RESCALE_IF_GREW``, FlashInfer 0.7 in the same run): decode B=32 H=128 L=32K 0.526 ms
-(FlashInfer 0.540 ms), B=1 H=128 L=32K 0.0283 ms (0.0381), verify B=16 H=128 qlen=8 L=4K 0.247 ms (0.244), B=32
-H=128 qlen=4 L=32K 2.045 ms (1.970), B=8 H=16 qlen=4 L=4K 0.0201 ms (0.0215); few rows: decode B=32 H=16 L=32K
-0.281 ms (0.290), 100.6% of the copy roofline measured in that run. ``notebooks/results/perf_log.md`` has what bounds
-it (the softmax warpgroup's chain and two stages; at 132 busy SMs a tile takes 2.05 us where FlashInfer's takes 1.90,
-``notebooks/results/mla_rounds_h200.md``) and the variants that lost (the softmax pipelined under the value MMAs,
+bf16`` at a474ebd, FlashInfer 0.7 in the same run): decode B=32 H=128 L=32K 0.482 ms (FlashInfer 0.532 ms), B=1
+H=128 L=32K 0.0276 ms (0.0382), verify B=16 H=128 qlen=8 L=4K 0.243 ms (0.244), B=32 H=128 qlen=4 L=32K 1.897 ms
+(1.964), B=8 H=16 qlen=4 L=4K 0.0196 ms (0.0216); few rows: decode B=32 H=16 L=32K 0.281 ms (0.290), 100.8% of the
+copy roofline measured in that run. ``notebooks/results/perf_log.md`` has what bounds
+it (the softmax warpgroup's chain and two stages; at 132 busy SMs a tile took 2.05 us where FlashInfer's took 1.90,
+before ``RESCALE_IF_GREW``: ``notebooks/results/mla_rounds_h200.md``) and the variants that lost (the softmax pipelined under the value MMAs,
 32-key tiles in four stages, twice).
 """
 
