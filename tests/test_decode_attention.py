@@ -664,6 +664,22 @@ def test_sm90_mla_kernels_compile_for_hopper() -> None:
         assert cluster_waits == (few and not single_split), rows
 
 
+def test_sm90_mla_kernels_compile_for_int64_lengths() -> None:
+    """The API takes int64 ``seq_lens`` / ``real_seq_lens`` (torch's default integer): every Gluon MLA stage 1 reads a
+    length as an int32, so it compiles for int64 length vectors too. The verify stage 1 did not (its tile index, and
+    with it a stage's ``index``, came out int64), and a verify call with int64 lengths failed on sm_90."""
+    script = (
+        "from triton_impl import decode_attention_sm90\n"
+        "for verify, heads, qlen in ((True, 16, 4), (True, 128, 2), (False, 128, 1), (False, 16, 1)):\n"
+        "    decode_attention_sm90.compile_for_sm90(verify=verify, heads=heads, qlen=qlen, few_rows=heads == 16 and not"
+        " verify, lengths='i64')\n"
+        "print('compiled')\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
 _SOFTMAX_PATHS_COMPILE = """
 import json, re
 from triton_impl import decode_attention_sm90

@@ -494,21 +494,26 @@ def _every_other(t: torch.Tensor) -> torch.Tensor:
     return buffer[::2]
 
 
+@pytest.mark.parametrize("lengths", ["strided", "int64"])
 @pytest.mark.parametrize("path", ["small", "large", pytest.param("sm90", marks=sm90_only("the Gluon stage 1"))])
-def test_strided_lengths_give_the_bits_of_contiguous_ones(device, path) -> None:
-    """``seq_lens`` and ``real_seq_lens`` as views with stride 2 give the bits of contiguous ones: the portable
-    kernel's configs and (on sm_90) the Gluon stage 1 read each length through its stride. Before they did, the
-    second request read the gap after the first as its length."""
+def test_strided_or_int64_lengths_give_the_bits_of_contiguous_int32_ones(device, path, lengths) -> None:
+    """``seq_lens`` and ``real_seq_lens`` as views with stride 2, or in int64, give the bits of contiguous int32 ones:
+    the portable kernel's configs and (on sm_90) the Gluon stage 1 read each length through its stride and take it as
+    an int32. Before they did, the second request read the gap after the first as its length, and the Gluon stage 1
+    did not compile for int64 lengths (its stage indices came out int64)."""
     if path == "sm90":
         problem = make_problem([300, 129, 64], 2, 16, 512, 64, 64, device, seed=20, real_seq_lens=[250, 129, 10])
         cfg = _config("large", arch="sm90")
     else:
         problem = make_problem([21, 6, 40], 3, 2, 16, 16, 4, device, seed=19, real_seq_lens=[20, 6, 33])
         cfg = _config(path, short_splits=True)
+    assert problem.seq_lens.dtype == problem.real_seq_lens.dtype == torch.int32
     o, lse, logits = problem.run(2, cfg)
-    strided = problem.run(2, cfg, seq_lens=_every_other(problem.seq_lens),
-                          real_seq_lens=_every_other(problem.real_seq_lens))  # fmt: skip
-    for contiguous, view in zip((o, lse, logits), strided):
+    if lengths == "strided":
+        seq_lens, real_seq_lens = _every_other(problem.seq_lens), _every_other(problem.real_seq_lens)
+    else:
+        seq_lens, real_seq_lens = problem.seq_lens.long(), problem.real_seq_lens.long()
+    for contiguous, view in zip((o, lse, logits), problem.run(2, cfg, seq_lens=seq_lens, real_seq_lens=real_seq_lens)):
         assert_bits_equal(view, contiguous)
 
 

@@ -74,8 +74,8 @@ H=128 L=32K 0.0276 ms (0.0382), verify B=16 H=128 qlen=8 L=4K 0.243 ms (0.244), 
 (1.964), B=8 H=16 qlen=4 L=4K 0.0196 ms (0.0216); few rows: decode B=32 H=16 L=32K 0.281 ms (0.290), 100.8% of the
 copy roofline measured in that run. ``notebooks/results/perf_log.md`` has what bounds
 it (the softmax warpgroup's chain and two stages; at 132 busy SMs a tile took 2.05 us where FlashInfer's took 1.90,
-before ``RESCALE_IF_GREW``: ``notebooks/results/mla_rounds_h200.md``) and the variants that lost (the softmax pipelined under the value MMAs,
-32-key tiles in four stages, twice).
+before ``RESCALE_IF_GREW``: ``notebooks/results/mla_rounds_h200.md``) and the variants that lost (the softmax
+pipelined under the value MMAs, 32-key tiles in four stages, twice).
 """
 
 from __future__ import annotations
@@ -808,10 +808,11 @@ def mla_verify_stage1_kernel(
     row_block = pid % ROW_BLOCKS
     split = (pid // ROW_BLOCKS) % NUM_KV_SPLITS
     b = pid // (ROW_BLOCKS * NUM_KV_SPLITS)
-    seq_len = gl.maximum(gl.load(seq_lens_ptr + b.to(gl.int64) * stride_sl), 0)
+    # int32 whatever the lengths' dtype (int64 ones fit: the content check says so), as the loop's stage indices need
+    seq_len = gl.maximum(gl.load(seq_lens_ptr + b.to(gl.int64) * stride_sl).to(gl.int32), 0)
     real_len = seq_len
     if HAS_REAL:
-        real_len = gl.load(real_seq_lens_ptr + b.to(gl.int64) * stride_rl)
+        real_len = gl.load(real_seq_lens_ptr + b.to(gl.int64) * stride_rl).to(gl.int32)
     per_split = gl.cdiv(seq_len, NUM_KV_SPLITS)
     chunk = gl.maximum(gl.cdiv(per_split, SPLIT_ALIGN) * SPLIT_ALIGN, MIN_SPLIT_LEN)
     start = split * chunk
@@ -1068,13 +1069,14 @@ def merges_in_cluster(device: torch.device, num_rows: int, num_kv_splits: int) -
 def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, page_size: int = 64,
                      single_split: bool = False, few_rows: bool = False, fp8: bool = False,
                      bf16_partials: bool = True, cluster_merge: bool | None = None,
-                     lean_softmax: bool = False, rescale_if_grew: bool = False) -> Any:  # fmt: skip
+                     lean_softmax: bool = False, rescale_if_grew: bool = False,
+                     lengths: str = "i32") -> Any:  # fmt: skip
     """The decode (or, ``verify``, the verify) stage 1 compiled for sm_90 on any machine (no GPU needed),
     specialized as a bench launch is (a bf16 query, a bf16 or, ``fp8``, an FP8 cache, 16-byte aligned pointers, the
     block table's unit column stride a constant; partials in bf16 as for a bf16 output, unless ``bf16_partials`` is
     false; the few-rows kernel with several splits merging them itself unless ``cluster_merge`` is false; the 64-row
-    kernels' ``LEAN_SOFTMAX`` as ``lean_softmax``, ``RESCALE_IF_GREW`` as ``rescale_if_grew``): the
-    ``CompiledKernel``, with ``asm["cubin"]``."""
+    kernels' ``LEAN_SOFTMAX`` as ``lean_softmax``, ``RESCALE_IF_GREW`` as ``rescale_if_grew``; length vectors of
+    ``lengths``, ``"i32"`` or ``"i64"``): the ``CompiledKernel``, with ``asm["cubin"]``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1082,8 +1084,8 @@ def compile_for_sm90(*, verify: bool = False, heads: int = 128, qlen: int = 1, p
     fn = mla_verify_stage1_kernel if verify else mla_decode_few_rows_kernel if few_rows else mla_decode_stage1_kernel
     names = fn.arg_names
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32",
-                "part_ptr": "*fp32", "table_ptr": "*i32", "seq_lens_ptr": "*i32", "real_seq_lens_ptr": "*i32",
-                "real_lens_ptr": "*i32",
+                "part_ptr": "*fp32", "table_ptr": "*i32", "seq_lens_ptr": f"*{lengths}",
+                "real_seq_lens_ptr": f"*{lengths}", "real_lens_ptr": f"*{lengths}",
                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}  # fmt: skip
     cache = "fp8e4nv" if fp8 else "bf16"
     lat, pe = _tile_layouts(fp8)
