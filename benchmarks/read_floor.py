@@ -2,9 +2,11 @@
 
 ``PYTHONPATH=. python3 benchmarks/read_floor.py "op:name part" ...`` (specs as ``benchmarks/kernel_times.py`` takes
 them). The bench's roofline divides a case's bytes by the copy bandwidth of 1 GiB each way; a call that reads a few
-hundred MB pays its launch, the ramp of the memory system and the last programs' tail out of the same time, so its
-share of that roofline has a ceiling below 100% that depends on the size. For each case this times, in one run and
-as the bench times (``triton_impl.bench.cold_ms``: the median over calls each after a reading L2 flush):
+hundred MB pays its launch and the memory system's ramp out of the same time, and a read alone may run faster than a
+copy, so what share of that roofline a kernel can reach depends on the case. On the H200 a plain read reached
+97.8-102.6% at 214-412 MB and 104-108% from 570 MB (``notebooks/results/perf_log.md``, forty-eighth session). For each
+case this times, in one run and as the bench times (``triton_impl.bench.cold_ms``: the median over calls each after a
+reading L2 flush):
 
 - the read floor: a kernel that reads a flat buffer of the case's roofline bytes once, 16-byte loads, and writes one
   word a program (the fastest of a few tile shapes, named in the row);

@@ -72,10 +72,10 @@ On the H200 (``notebooks/results/bench_h200.md``: ``attnref bench --op decode_at
 bf16`` at a474ebd, FlashInfer 0.7 in the same run): decode B=32 H=128 L=32K 0.482 ms (FlashInfer 0.532 ms), B=1
 H=128 L=32K 0.0276 ms (0.0382), verify B=16 H=128 qlen=8 L=4K 0.243 ms (0.244), B=32 H=128 qlen=4 L=32K 1.897 ms
 (1.964), B=8 H=16 qlen=4 L=4K 0.0196 ms (0.0216); few rows: decode B=32 H=16 L=32K 0.281 ms (0.290), 100.8% of the
-copy roofline measured in that run. ``notebooks/results/perf_log.md`` has what bounds
-it (the softmax warpgroup's chain and two stages; at 132 busy SMs a tile took 2.05 us where FlashInfer's took 1.90,
-before ``RESCALE_IF_GREW``: ``notebooks/results/mla_rounds_h200.md``) and the variants that lost (the softmax
-pipelined under the value MMAs, 32-key tiles in four stages, twice).
+copy roofline measured in that run. ``notebooks/results/perf_log.md`` has what bounds it (the softmax warpgroup's
+chain and two stages; at 132 busy SMs a tile took 2.05 us where FlashInfer's took 1.90, before ``RESCALE_IF_GREW``:
+``notebooks/results/mla_rounds_h200.md``) and the variants that lost (the softmax pipelined under the value MMAs,
+32-key tiles in four stages, twice).
 """
 
 from __future__ import annotations
