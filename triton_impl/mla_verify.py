@@ -376,11 +376,12 @@ def _fwd_verify_kernel_stage1(
     h = rows % NUM_HEADS
     r = b * QLEN + t
 
-    # Row limits n(b, t) and this split's keys [split_start, split_end) of the request.
-    seq_len = tl.maximum(tl.load(seq_lens_ptr + b * stride_sl), 0)
+    # Row limits n(b, t) and this split's keys [split_start, split_end) of the request, in int32 whatever the lengths'
+    # dtype (int64 ones fit: the content check says so; int64 arithmetic here did not compile for sm_90).
+    seq_len = tl.maximum(tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32), 0)
     limit = seq_len - QLEN + 1 + t
     if HAS_REAL:
-        limit = tl.minimum(limit, tl.load(real_seq_lens_ptr + b * stride_rl))
+        limit = tl.minimum(limit, tl.load(real_seq_lens_ptr + b * stride_rl).to(tl.int32))
     limit = tl.where(row_ok, tl.maximum(limit, 0), 0)
     per_split = tl.cdiv(seq_len, NUM_KV_SPLITS)
     chunk = tl.maximum(tl.cdiv(per_split, SPLIT_ALIGN) * SPLIT_ALIGN, MIN_SPLIT_LEN)
