@@ -6,7 +6,11 @@ Hypothesis draws shapes and an integer seed; tensors come from a seeded ``torch.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +226,14 @@ def run_ptx(asm: str, inputs: list[int], outputs: int, laneid: int = 0, shared: 
             raise AssertionError(f"no model of {op}")
         regs[dst] = out & 0xFFFFFFFF
     return [regs[f"${k}"] for k in range(outputs)]
+
+
+def run_compiled(script: str, *args: str, timeout: int = 900) -> str:
+    """Run ``python -c script args`` in a fresh process where Triton compiles (``TRITON_INTERPRET=0``, the repository
+    on ``PYTHONPATH``), e.g. to compile kernels for sm_90 on a CPU; its stdout. A non-zero exit fails the test with
+    the end of its stderr."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

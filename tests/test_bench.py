@@ -19,6 +19,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
+from tests.support import run_compiled
 from triton_impl.bench import (
     FLASHINFER,
     PeerMismatch,
@@ -449,12 +450,8 @@ for key_bits, value_bits in ((4, 4), (3, 3)):
 def _compiled_rows(script: str, tmp_path: Path) -> list:
     """The JSON rows ``script`` prints, run in a process of its own (TRITON_INTERPRET=0) with ``tmp_path`` as its
     argument."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    stdout = run_compiled(script, str(tmp_path))
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("[")]
 
 
 def test_the_mla_timeline_stamps_compile_for_hopper(tmp_path: Path) -> None:

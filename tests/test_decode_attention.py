@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +26,7 @@ from tests.support import (
     nan_filled,
     paged_cache,
     paginate,
+    run_compiled,
     run_ptx,
     sm90_only,
 )
@@ -644,10 +641,7 @@ def test_sm90_mla_kernels_compile_for_hopper() -> None:
     several splits itself); Triton 3.9 spills 32 bytes (the few-rows kernel 40-48). The few-rows kernel with several
     splits waits once for its cluster (``barrier.cluster``), then merges them. The MMAs stay asynchronous: no wait
     after each one. Several splits of a bf16 output store the partials as bf16 pairs, one 4-byte store each."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    rows = [json.loads(line) for line in run_compiled(_SM90_COMPILE).splitlines() if line.startswith("[")]
     assert len(rows) == 14
     for verify, heads, single_split, registers, stack, shared, hgmma, waits, stores16, cluster_waits in rows:
         few = heads == 16 and not verify  # the few-rows schedule: a 16-row query, 48 bytes of stack under Triton 3.9
@@ -675,9 +669,7 @@ def test_sm90_mla_kernels_compile_for_int64_lengths() -> None:
         " verify, lengths='i64')\n"
         "print('compiled')\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert "compiled" in run_compiled(script)
 
 
 _SOFTMAX_PATHS_COMPILE = """
@@ -709,11 +701,8 @@ def _softmax_paths() -> dict[tuple, list[int]]:
     [registers, stack, then per loop (the softmax warpgroup's, the value warpgroup's) the instructions on the path a
     tile takes through it when every row sees it whole and no row's max grew (bench.sass_main_path), the masks
     among them, the FFMA, the FMUL]``."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, "-c", _SOFTMAX_PATHS_COMPILE], env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {tuple(row[:4]): row[4:] for row in (json.loads(line) for line in done.stdout.splitlines()
+    stdout = run_compiled(_SOFTMAX_PATHS_COMPILE)
+    rows = {tuple(row[:4]): row[4:] for row in (json.loads(line) for line in stdout.splitlines()
                                                  if line.startswith("["))}  # fmt: skip
     assert len(rows) == 9
     return rows
@@ -779,10 +768,7 @@ def test_racecheck_probe_compiles_for_hopper_with_its_two_orders() -> None:
     kernel of its own) compiles for sm_90, and its SASS keeps the two orders it claims: the reader frees the buffer
     after its load (``SYNCS.ARRIVE`` after the ``LDS`` that follows its wait), and with ``EARLY_FREE`` before it
     (between the wait and the load). Both hold the mbarrier waits and arrivals of each side."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, "-c", _PROBE_COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    rows = [json.loads(line) for line in run_compiled(_PROBE_COMPILE, timeout=300).splitlines() if line.startswith("[")]
     assert [(early, freed_first) for early, freed_first, _, _ in rows] == [(False, False), (True, True)], rows
     assert all(waits >= 2 and arrivals >= 2 for _, _, waits, arrivals in rows), rows
 
