@@ -442,6 +442,7 @@ def test_the_interpreter_builds_descriptors_on_the_cache_itself() -> None:
     assert first[0].base is cache and by_address(cache, layout)[0] is not first[0]
     assert by_address(cache, None) == (None, None)
 
+
 def test_cpu_benchmark_takes_the_cached_path_for_every_serving_case() -> None:
     """The benchmark raises if a timed call launches through ``JITFunction.run`` (a missed plan or
     launch cache); every case of ``benchmarks/serving.py`` appears in its table."""
@@ -493,6 +494,7 @@ def test_a_merge_plan_is_never_reused_for_the_other_partial_dtype(device) -> Non
     assert_bits_equal(results[True][0], o)
     assert_bits_equal(results[False][1], results[False][0])
     assert bool((results[True][0].view(torch.int32) != results[False][0].view(torch.int32)).any())
+
 
 def test_forget_plans_empties_every_wrapper_s_plans() -> None:
     """A sweep edits a config table and calls ``forget_plans``: no plan made from the old table survives."""
