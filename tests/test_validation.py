@@ -41,6 +41,7 @@ def test_int64_lengths_must_fit_int32_exactly(length: int, ok: bool) -> None:
 
 def test_a_block_table_is_two_dimensional_or_has_a_unit_third_dimension(device: torch.device) -> None:
     table = torch.zeros(2, 3, 1, dtype=torch.int32, device=device)
+    device = table.device  # a call's device is its query's, with an index ("cuda:0", not "cuda")
     assert block_table_2d("t", table, min_rows=2, device=device, dtypes=I32).shape == (2, 3)
     with pytest.raises(ValueError, match=r"t: expected \[rows, columns\] or \[rows, columns, 1\], got \[2, 3, 2\]"):
         block_table_2d("t", torch.zeros(2, 3, 2, dtype=torch.int32, device=device), min_rows=2, device=device,
@@ -50,6 +51,7 @@ def test_a_block_table_is_two_dimensional_or_has_a_unit_third_dimension(device: 
 
 
 def test_a_length_vector_needs_an_entry_per_row(device: torch.device) -> None:
+    device = torch.zeros(0, device=device).device  # a call's device is its query's, with an index ("cuda:0")
     check_lengths("n", torch.zeros(2, dtype=torch.int32, device=device), 2, device, I32)
     with pytest.raises(ValueError, match=r"n: expected >= 2 entries \(one per row\), got 1"):
         check_lengths("n", torch.zeros(1, dtype=torch.int32, device=device), 2, device, I32)
