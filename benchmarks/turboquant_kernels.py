@@ -85,5 +85,6 @@ def main(name_part: str = "", mode: str = "") -> None:
         del bench
         torch.cuda.empty_cache()
 
+
 if __name__ == "__main__":
     main(*sys.argv[1:3])
