@@ -655,6 +655,16 @@ for preset in tq.PRESETS:
         assert streamed > 0.7 and at_zero > 20  # 3- and 4-bit keys: the keys stream near 70%, L=0 holds them back
 
 # %% [markdown]
+# **The same kernels on an H100.** A roofline belongs to a machine. The H100 has the H200's SMs at the same clock and
+# 3.03 TB/s of copy bandwidth to the H200's 4.27, so a loop bound by its ALU pipe on the H200 sits nearer its memory
+# floor there. One run of `benchmarks/read_floor.py` on an H100 at L=32K (`perf_log.md`, forty-ninth session): 4-bit
+# keys at 87% of the H100's copy roofline, 3-bit keys and values 73%, FP8 keys 76%, the bf16 decode 99.6%. The
+# exception is 3-bit keys with 4-bit values, at 53%: 1.98x the time of a plain read of its bytes, where 3-bit keys
+# with 3-bit values (more ALU work a key, the same key codes) take 1.42x. What only that preset does is copy each
+# token as two TMA boxes that share 16 bytes (its 64-byte data box and its 64-byte value box over a 112-byte slot);
+# whether that is the cost is an open question, with two probes written for it in `benchmarks/variants/`.
+
+# %% [markdown]
 # **Splitting where the keys are (stream-K).** The grid of splits gives every request `S` splits, whatever its
 # length: a 32K-key request's splits are ten times as long as a 3K one's, and the last programs to finish keep SMs
 # waiting. For 3- and 4-bit keys the sm_90 decode instead concatenates each KV head's 32-key steps over all requests
