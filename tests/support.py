@@ -6,6 +6,7 @@ Hypothesis draws shapes and an integer seed; tensors come from a seeded ``torch.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -237,3 +238,9 @@ def run_compiled(script: str, *args: str, timeout: int = 900) -> str:
                           timeout=timeout)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def compiled_rows(script: str, *args: str, timeout: int = 900) -> list:
+    """The JSON rows (its stdout lines that start with ``[``) of :func:`run_compiled`'s run of ``script``."""
+    return [json.loads(line) for line in run_compiled(script, *args, timeout=timeout).splitlines()
+            if line.startswith("[")]  # fmt: skip

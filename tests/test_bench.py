@@ -19,7 +19,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
-from tests.support import run_compiled
+from tests.support import compiled_rows
 from triton_impl.bench import (
     FLASHINFER,
     PeerMismatch,
@@ -447,18 +447,11 @@ for key_bits, value_bits in ((4, 4), (3, 3)):
 """
 
 
-def _compiled_rows(script: str, tmp_path: Path) -> list:
-    """The JSON rows ``script`` prints, run in a process of its own (TRITON_INTERPRET=0) with ``tmp_path`` as its
-    argument."""
-    stdout = run_compiled(script, str(tmp_path))
-    return [json.loads(line) for line in stdout.splitlines() if line.startswith("[")]
-
-
 def test_the_mla_timeline_stamps_compile_for_hopper(tmp_path: Path) -> None:
     """``benchmarks/mla_timeline.py`` rebuilds the Gluon MLA stage 1 from its source with timer stamps: every edit
     still finds its place in the kernel (else it stops, naming the text), and both stamped entry kernels compile
     for sm_90, with the unstamped kernel's shared memory."""
-    rows = _compiled_rows(_TIMELINE_COMPILE, tmp_path)
+    rows = compiled_rows(_TIMELINE_COMPILE, str(tmp_path))
     assert [row[0] for row in rows] == [False, True]
     assert all(224 * 1024 <= row[3] <= 232448 for row in rows), rows
 
@@ -467,7 +460,7 @@ def test_the_turboquant_timeline_stamps_compile_for_hopper(tmp_path: Path) -> No
     """``benchmarks/tq_timeline.py`` rebuilds the TurboQuant stream-K stage 1 the same way: every edit finds its place,
     and the stamped kernel compiles for sm_90 with 4-bit and 3-bit keys and values, its chunk loop found (the stamps
     sit outside it)."""
-    rows = _compiled_rows(_TQ_TIMELINE_COMPILE, tmp_path)
+    rows = compiled_rows(_TQ_TIMELINE_COMPILE, str(tmp_path))
     assert [row[0] for row in rows] == [4, 3] and all(row[1] > 500 for row in rows), rows
 
 

@@ -4,7 +4,6 @@ negative controls on the kernel's path, bad input."""
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 
 import pytest
@@ -21,6 +20,7 @@ from golden.lse_merge import merge_states
 from tests.support import (
     assert_bits_equal,
     assert_close,
+    compiled_rows,
     fails_tolerance,
     generator,
     nan_filled,
@@ -641,7 +641,7 @@ def test_sm90_mla_kernels_compile_for_hopper() -> None:
     several splits itself); Triton 3.9 spills 32 bytes (the few-rows kernel 40-48). The few-rows kernel with several
     splits waits once for its cluster (``barrier.cluster``), then merges them. The MMAs stay asynchronous: no wait
     after each one. Several splits of a bf16 output store the partials as bf16 pairs, one 4-byte store each."""
-    rows = [json.loads(line) for line in run_compiled(_SM90_COMPILE).splitlines() if line.startswith("[")]
+    rows = compiled_rows(_SM90_COMPILE)
     assert len(rows) == 14
     for verify, heads, single_split, registers, stack, shared, hgmma, waits, stores16, cluster_waits in rows:
         few = heads == 16 and not verify  # the few-rows schedule: a 16-row query, 48 bytes of stack under Triton 3.9
@@ -701,9 +701,7 @@ def _softmax_paths() -> dict[tuple, list[int]]:
     [registers, stack, then per loop (the softmax warpgroup's, the value warpgroup's) the instructions on the path a
     tile takes through it when every row sees it whole and no row's max grew (bench.sass_main_path), the masks
     among them, the FFMA, the FMUL]``."""
-    stdout = run_compiled(_SOFTMAX_PATHS_COMPILE)
-    rows = {tuple(row[:4]): row[4:] for row in (json.loads(line) for line in stdout.splitlines()
-                                                 if line.startswith("["))}  # fmt: skip
+    rows = {tuple(row[:4]): row[4:] for row in compiled_rows(_SOFTMAX_PATHS_COMPILE)}
     assert len(rows) == 9
     return rows
 
@@ -768,7 +766,7 @@ def test_racecheck_probe_compiles_for_hopper_with_its_two_orders() -> None:
     kernel of its own) compiles for sm_90, and its SASS keeps the two orders it claims: the reader frees the buffer
     after its load (``SYNCS.ARRIVE`` after the ``LDS`` that follows its wait), and with ``EARLY_FREE`` before it
     (between the wait and the load). Both hold the mbarrier waits and arrivals of each side."""
-    rows = [json.loads(line) for line in run_compiled(_PROBE_COMPILE, timeout=300).splitlines() if line.startswith("[")]
+    rows = compiled_rows(_PROBE_COMPILE, timeout=300)
     assert [(early, freed_first) for early, freed_first, _, _ in rows] == [(False, False), (True, True)], rows
     assert all(waits >= 2 and arrivals >= 2 for _, _, waits, arrivals in rows), rows
 

@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import gc
 import itertools
-import json
 import math
 import random
 from unittest import mock
@@ -37,10 +36,10 @@ from golden.lse_merge import merge_states
 from tests.support import (
     assert_bits_equal,
     assert_close,
+    compiled_rows,
     fails_tolerance,
     generator,
     nan_filled,
-    run_compiled,
     run_ptx,
     sm90_only,
 )
@@ -2101,8 +2100,7 @@ def test_sm90_shared_pair_table_compiles_once_and_takes_alu_work_out_of_the_loop
     memory in the loop, the programs a SM still fitting 228 KiB with the table (1 KiB more each), one
     ``LDS`` a pair of codes for the words or groups it serves, and fewer ALU-pipe instructions than the ``prmt``
     lookup's (Triton 3.6, a two-chunk step: 4-bit 402 -> 306 at 2, 210 at 4; k3v4 391 -> 294; 3bit_nc 426 -> 332)."""
-    stdout = run_compiled(_SM90_SHARED_PAIRS_COMPILE, timeout=600)
-    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("[")]
+    rows = compiled_rows(_SM90_SHARED_PAIRS_COMPILE, timeout=600)
     assert len(rows) == 7
     alu = {(row[0], row[1], row[2]): row[9] for row in rows}
     for key_bits, value_bits, shared_pairs, registers, stack, shared, static, programs, local, _, lds, tables in rows:
@@ -2126,7 +2124,7 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
     norm correction, at the sm90 entry's register cap (the spills bounded below), no CTA barrier in the tile loop
     but its gathers' (the Hadamard store: none, and no shared memory access), and no multiply, fma or min that
     flushes subnormals (the grid bucketize reads the bits of subnormal results: ``turboquant_sm90.grid_slot``)."""
-    rows = [json.loads(line) for line in run_compiled(_SM90_COMPILE, timeout=600).splitlines() if line.startswith("[")]
+    rows = compiled_rows(_SM90_COMPILE, timeout=600)
     # 3/4-bit keys' one-warp groups (1 and 4) twice: grid and stream-K; those with 4-bit values once more, rotating
     # their query (HADAMARD_QUERY)
     assert len(rows) == 24 + 12 + 8 + 8 + 8 + 8 + 16
