@@ -482,6 +482,34 @@ def test_the_turboquant_timeline_row_reads_the_stamps() -> None:
                                           "0: 2, 92.5, 96.0; 1: 1, 98.5, 98.5"]  # fmt: skip
 
 
+def test_dram_bytes_reads_each_kernels_metrics_from_the_ncu_csv() -> None:
+    """``benchmarks/dram_bytes.py`` parses ``ncu --csv --print-units base --metrics`` output: one entry per kernel
+    (by its ID, in launch order, even where two launches share a name), every metric's value with thousands
+    separators dropped, and the lines that are not CSV rows (the profiler's and the program's own) skipped."""
+    from benchmarks import dram_bytes
+
+    header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+              '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')  # fmt: skip
+
+    def row(kernel_id: int, name: str, metric: str, unit: str, value: str) -> str:
+        return (f'"{kernel_id}","4548","python3.12","127.0.0.1","{name}","1","7","(32, 1, 1)","(2112, 1, 1)","0",'
+                f'"9.0","Command line profiler metrics","{metric}","{unit}","{value}"')  # fmt: skip
+
+    report = "\n".join([
+        "==PROF== Connected to process 4548", "profiling turboquant: some case", header,
+        row(0, "stage1", "dram__bytes_read.sum", "byte", "1,636,000,000"),
+        row(0, "stage1", "gpu__time_duration.sum", "nsecond", "612,900"),
+        row(1, "merge", "dram__bytes_read.sum", "byte", "2,500,000"),
+        row(2, "stage1", "dram__bytes_read.sum", "byte", "7"),
+        "==PROF== Disconnected from process 4548",
+    ])  # fmt: skip
+    assert dram_bytes.kernel_rows(report) == [
+        ("stage1", {"dram__bytes_read.sum": 1.636e9, "gpu__time_duration.sum": 612900.0}),
+        ("merge", {"dram__bytes_read.sum": 2.5e6}),
+        ("stage1", {"dram__bytes_read.sum": 7.0}),
+    ]
+
+
 def test_ncu_stalls_names_the_load_a_long_scoreboard_wait_is_on() -> None:
     """``benchmarks/ncu_stalls.py``'s attribution of a long-scoreboard wait: the registers an instruction reads and
     writes (a 128-bit load's four, a 64-bit address's pair, a store's none), and the nearest load that last wrote a
