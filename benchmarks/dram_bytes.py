@@ -3,12 +3,12 @@
 ``PYTHONPATH=. python3 benchmarks/dram_bytes.py "op:name part" ...`` (specs as ``benchmarks/kernel_times.py`` takes
 them). Each matching case's call runs once under Nsight Compute (``benchmarks/profile_ncu.py`` under ``ncu
 --metrics``, content checks off, the call's kernels only), which counts the bytes each kernel read from and wrote to
-DRAM. The bench's roofline assumes a call reads each byte it needs once; a call whose reads share 128-byte L2 lines
-with other programs' reads, and whose lines leave L2 between those reads, reads more. A row: the case, its roofline
-megabytes, each kernel's DRAM megabytes read (and its microseconds under the profiler), and the call's DRAM reads over
-the roofline bytes. On an H100 at L=32K, Nsight's DRAM throughput times stage 1's duration came to 1.02x the roofline
-bytes for 4bit_nc, 1.01x for 3bit_nc and 1.65x for k3v4, whose 112-byte slots put two KV heads in every seventh
-128-byte line (``notebooks/results/perf_log.md``, fiftieth session).
+DRAM. The bench's roofline assumes a call reads each byte it needs once; a line that two programs read (a KV head's
+slot and the next one's sharing a 128-byte line) and that leaves L2 between their reads is read twice. A row: the
+case, its roofline megabytes, each kernel's DRAM megabytes read (and its microseconds under the profiler), and the
+call's DRAM reads over the roofline bytes. On an H100 at L=32K, Nsight's DRAM throughput times stage 1's duration
+came to 1.02x the roofline bytes for 4bit_nc, 1.01x for 3bit_nc and 1.65x for k3v4 (``notebooks/results/perf_log.md``,
+fiftieth session).
 """
 
 from __future__ import annotations

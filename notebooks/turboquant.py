@@ -661,8 +661,14 @@ for preset in tq.PRESETS:
 # keys at 87% of the H100's copy roofline, 3-bit keys and values 73%, FP8 keys 76%, the bf16 decode 99.6%. The
 # exception is 3-bit keys with 4-bit values, at 53%: 1.98x the time of a plain read of its bytes, where 3-bit keys
 # with 3-bit values (more ALU work a key, the same key codes) take 1.42x. What only that preset does is copy each
-# token as two TMA boxes that share 16 bytes (its 64-byte data box and its 64-byte value box over a 112-byte slot);
-# whether that is the cost is an open question, with two probes written for it in `benchmarks/variants/`.
+# token as two TMA boxes that share 16 bytes (its 64-byte data box and its 64-byte value box over a 112-byte slot).
+# Three probes on 4-bit keys (`benchmarks/variants/tma_*_probe.patch`, fiftieth session) say that is not it: one more
+# box a token costs about 4%, whether its bytes are in flight twice or not, and 3 points more when it starts 16 bytes
+# off a 32-byte boundary. Nsight says what is: k3v4's stage 1 reads 1.65x its bytes from DRAM there, the other MSE
+# presets 1.01-1.02x (`benchmarks/dram_bytes.py`). The L2's fill size for TMA copies moves it (64 bytes instead of
+# Triton's 128: 11% faster on the H100 at L=32K, 15% slower on the H200; `benchmarks/tma_l2_promotion.sh`), which
+# points at lines filled and evicted before their other reader came; why k3v4's lines and not 3-bit values' (whose
+# 96-byte slots share lines between KV heads too) is still open.
 
 # %% [markdown]
 # **Splitting where the keys are (stream-K).** The grid of splits gives every request `S` splits, whatever its
