@@ -42,7 +42,10 @@ def profile(spec: str) -> list[tuple[str, dict[str, float]]]:
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profile_ncu.py")
     command = ["ncu", "--profile-from-start", "off", "--clock-control", "none", "--print-units", "base", "--csv",
                "--metrics", ",".join(METRICS), sys.executable, script, spec]  # fmt: skip
-    return kernel_rows(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"ncu on {spec!r} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return kernel_rows(done.stdout)
 
 
 def main(specs: list[str]) -> None:
