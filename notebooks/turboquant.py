@@ -665,10 +665,10 @@ for preset in tq.PRESETS:
 # Three probes on 4-bit keys (`benchmarks/variants/tma_*_probe.patch`, fiftieth session) say that is not it: one more
 # box a token costs about 4%, whether its bytes are in flight twice or not, and 3 points more when it starts 16 bytes
 # off a 32-byte boundary. Nsight says what is: k3v4's stage 1 reads 1.65x its bytes from DRAM there, the other MSE
-# presets 1.01-1.02x (`benchmarks/dram_bytes.py`). The L2's fill size for TMA copies moves it (64 bytes instead of
-# Triton's 128: 11% faster on the H100 at L=32K, 15% slower on the H200; `benchmarks/tma_l2_promotion.sh`), which
-# points at lines filled and evicted before their other reader came; why k3v4's lines and not 3-bit values' (whose
-# 96-byte slots share lines between KV heads too) is still open.
+# presets 1.01-1.02x (`benchmarks/dram_bytes.py`). The L2's fill size for TMA copies moves it: with 64-byte fills
+# instead of Triton's 128, k3v4's stage 1 at L=32K is 11% faster on the H100, which points there at lines filled and
+# evicted before their other reader came, and 15% slower on the H200 (`benchmarks/tma_l2_promotion.sh`). Why k3v4's
+# lines and not 3-bit values' (whose 96-byte slots share lines between KV heads too) is still open.
 
 # %% [markdown]
 # **Splitting where the keys are (stream-K).** The grid of splits gives every request `S` splits, whatever its
