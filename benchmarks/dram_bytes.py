@@ -13,6 +13,7 @@ fiftieth session).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import subprocess
@@ -28,12 +29,14 @@ METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.
 
 def kernel_rows(report: str) -> list[tuple[str, dict[str, float]]]:
     """``(kernel name, {metric: value})`` for each kernel of ``ncu --csv --print-units base`` output, in launch
-    order (the lines that are not CSV rows, the profiled program's own output among them, are skipped)."""
+    order (the lines that are not CSV rows, the profiled program's own output among them, are skipped, and so are
+    rows without a number)."""
     lines = [line for line in report.splitlines() if line.startswith('"')]
     kernels: dict[int, tuple[str, dict[str, float]]] = {}
     for row in csv.DictReader(lines):
         _, metrics = kernels.setdefault(int(row["ID"]), (row["Kernel Name"], {}))
-        metrics[row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
+        with contextlib.suppress(ValueError):  # a section's rule rows have no value, and some metrics "no data"
+            metrics[row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
     return list(kernels.values())
 
 

@@ -485,7 +485,8 @@ def test_the_turboquant_timeline_row_reads_the_stamps() -> None:
 def test_dram_bytes_reads_each_kernels_metrics_from_the_ncu_csv() -> None:
     """``benchmarks/dram_bytes.py`` parses ``ncu --csv --print-units base --metrics`` output: one entry per kernel
     (by its ID, in launch order, even where two launches share a name), every metric's value with thousands
-    separators dropped, and the lines that are not CSV rows (the profiler's and the program's own) skipped."""
+    separators dropped, and the lines that are not CSV rows (the profiler's and the program's own) and the rows
+    without a number skipped."""
     from benchmarks import dram_bytes
 
     header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
@@ -500,6 +501,8 @@ def test_dram_bytes_reads_each_kernels_metrics_from_the_ncu_csv() -> None:
         row(0, "stage1", "dram__bytes_read.sum", "byte", "1,636,000,000"),
         row(0, "stage1", "gpu__time_duration.sum", "nsecond", "612,900"),
         row(1, "merge", "dram__bytes_read.sum", "byte", "2,500,000"),
+        row(1, "merge", "a rule's row", "", ""),
+        row(1, "merge", "a metric without data", "", "no data"),
         row(2, "stage1", "dram__bytes_read.sum", "byte", "7"),
         "==PROF== Disconnected from process 4548",
     ])  # fmt: skip
