@@ -29,6 +29,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from golden import _lloyd_max
 from golden import turboquant as tq
@@ -1576,6 +1577,10 @@ def test_weight_rounding_bound_holds_at_long_length_and_large_norms(preset) -> N
     assert float((lse - golden_lse).abs().max()) < 1e-12
     assert 0 < float(bound.max()) < 2.0**-9 * float(golden.abs().max())
     assert float(error.max()) > 0.02 * float(bound.max())
+    # sm_90's Gluon kernels' term (value codes as fp16 subnormals): one number a head, the same in every dimension
+    with_codes = ptq.weight_rounding_bound(query_basis, cache, table, lens, read, scale, config, subnormal_codes=True)
+    extra = with_codes - bound
+    assert bool((extra > 0).all()) and torch.allclose(extra, extra[..., :1].expand_as(extra), rtol=1e-12, atol=0)
 
 
 @triton.jit
@@ -1654,14 +1659,14 @@ def test_sm90_three_bit_value_spans_hold_each_lanes_codes() -> None:
     def prmt(a, b, selector):
         return run_ptx(ttq_sm90.prmt_asm(None), [a, b, selector], 1)[0]
 
-    def lop3(x, mask):
-        return run_ptx(ttq_sm90.masked_codes_asm(mask), [x], 1)[0]
+    def halves(x):  # _code_halves: a uint32's two 16-bit halves as fp16 (subnormals: their bits times 2^-24)
+        return torch.tensor([x & 0xFFFF, x >> 16], dtype=torch.int32).to(torch.int16).view(torch.float16).float()
 
-    def field_codes(pair, offset):  # _field_codes' masks and shift: [code r][key e], as _code_pair_halves leaves it
+    def field_codes(pair, offset):  # _field_codes' masks and shift: [code r][key e], as _code_halves leaves it
         rest = pair >> (6 + offset)
-        masked = [lop3(pair, 0x70007 << offset), lop3(pair, 0x380038 << offset), lop3(rest, 0x70007),
-                  lop3(rest, 0x380038)]  # fmt: skip
-        return [[(x >> 16 * e & 0xFFFF) - 0x6400 for e in (0, 1)] for x in masked]
+        masked = [pair & 0x70007 << offset, pair & 0x380038 << offset, rest & 0x70007, rest & 0x380038]
+        assert all(x & 0xFC00FC00 == 0 for x in masked)  # below bit 10 of each half: subnormals, no exponent
+        return [halves(x) for x in masked]
 
     for g in range(8):
         first = 6 * g - 2 * (g & 1)
@@ -1676,7 +1681,7 @@ def test_sm90_three_bit_value_spans_hold_each_lanes_codes() -> None:
             for f, (pair, offset) in enumerate(pairs):
                 for r, by_key in enumerate(field_codes(pair, offset)):
                     row = 64 * (r // 2) + 16 * f + 8 * (r % 2) + g  # where _span_operand puts code r of field f
-                    got[:, dims[row]] = torch.tensor(by_key, dtype=torch.float32) * scales[row]
+                    got[:, dims[row]] = by_key * scales[row]
             held = got[:, 16 * g : 16 * g + 16]
             if odd == g & 1:
                 assert torch.equal(held, codes[:, 16 * g : 16 * g + 16].float()), g
@@ -2156,8 +2161,8 @@ def test_sm90_kernels_compile_for_hopper_without_spills() -> None:
         assert row[5] <= 255 and row[6] <= (8 if triton.__version__.startswith("3.6") else 16) and row[7] == 0, row
     # FP16_OPERANDS (one fp16 rounding of the query and p * v_scale): no stack and fewer registers than the hi + lo
     # pairs, uncapped (Triton 3.6: 94-109 against 119-138; at 96 or fewer five programs share a SM).
-    # Under Triton 3.9 the 3-bit values' fp16 kernel takes one register more than its pairs (127 against 126: the
-    # value codes' lop3 holds 0x64006400 in a register, turboquant_sm90.masked_codes_asm).
+    # Under Triton 3.9 the 3-bit values' fp16 kernel took one register more than its pairs (127 against 126), while
+    # the value codes' lop3 held the bias 0x64006400 in a register (until the codes became fp16 subnormals).
     pairs = {tuple(row[1:3]): row[3] for row in rows if row[0] == "pairs"}
     slack = 0 if triton.__version__.startswith("3.6") else 2
     for row in (row for row in rows if row[0] == "fp16"):
@@ -2265,6 +2270,69 @@ def test_interleaved_nibbles_into_a_16_key_dot_are_never_our_pattern() -> None:
     assert results[32] < 1e-2, results  # the smallest K our decode uses is compiled right
     if results[16] < 1e-2:
         pytest.skip(f"this Triton ({triton.__version__}) compiles K = 16 right too: {results}")
+
+
+@gluon.jit
+def _mma_probe(a_ptr, b_ptr, out_ptr):
+    """``out = a @ b`` (``a [16, 32]``, ``b [32, 8]`` fp16, row-major; ``out`` fp32) by one warp's ``mma_v2``, the
+    ``mma.sync.m16n8k16`` of the one-warp decode's value product, in its layouts."""
+    mma: gl.constexpr = ttq_sm90._operand_layouts(False, 1)[0]
+    dot_b: gl.constexpr = ttq_sm90._operand_layouts(False, 1)[1]
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    m = gl.arange(0, 16, layout=gl.SliceLayout(1, dot_a))
+    k = gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a))
+    a = gl.load(a_ptr + m[:, None] * 32 + k[None, :])
+    kb = gl.arange(0, 32, layout=gl.SliceLayout(1, dot_b))
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, dot_b))
+    b = gl.load(b_ptr + kb[:, None] * 8 + n[None, :])
+    out = mma_v2(a, b, gl.zeros([16, 8], gl.float32, mma))
+    mo = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+    no = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+    gl.store(out_ptr + mo[:, None] * 8 + no[None, :], out)
+
+
+def _mma(a: torch.Tensor, w: torch.Tensor, device: torch.device) -> torch.Tensor:
+    out = torch.empty(16, 8, device=device)
+    _mma_probe[(1,)](a.to(device), w.to(device), out, num_warps=1)
+    return out.cpu().double()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8,
+                    reason="mma.sync needs an sm_80+ GPU; the interpreter has no MMA")  # fmt: skip
+def test_mma_multiplies_fp16_subnormals_exactly(device: torch.device) -> None:
+    """The Gluon decode's value codes reach the MMA as fp16 subnormals (``turboquant_sm90._code_halves``: a code's bits
+    masked in place are ``c 2^-24``), and the output rows multiply by ``2^24`` at the end. The tensor cores take
+    subnormal operands as they are (not as zero): exact where the sum is (integer weights, both as subnormals and as
+    normal fp16). But they align a step's products to an exponent read off the operands, which for a subnormal is
+    ``2^-14`` whatever its bits, so sums round more coarsely than the same codes as normal fp16 would: by at most
+    ``parity.turboquant.SUBNORMAL_CODES`` times each ``k16`` step's largest weight, in code units, beyond an fp32
+    allowance (checked here over random weights and weights whose largest meets code 0 in every row, the worst case
+    for the alignment), and that term is needed (the second kind goes past the fp32 allowance alone)."""
+    gen = generator(61)
+    bits = torch.randint(0, 1024, (16, 32), generator=gen, dtype=torch.int16)  # every code field fits 10 bits
+    subnormal = bits.view(torch.float16)
+    assert torch.equal(subnormal.double(), bits.double() * 2.0**-24)  # (torch's own fp16: exactly c 2^-24)
+    integers = torch.randint(-16, 17, (32, 8), generator=gen).half()
+    exact = bits.double() @ integers.double()  # every partial sum an integer below 2^24: exact in fp32
+    assert torch.equal(_mma(bits.half(), integers, device), exact)
+    assert torch.equal(_mma(subnormal, integers, device) * 2.0**24, exact)
+    beyond = {}
+    for trial in range(40):
+        codes = torch.randint(0, 16, (16, 32), generator=gen, dtype=torch.int16)  # a word's code 0, unshifted
+        w = torch.randn(32, 8, generator=gen) * 2.0 ** torch.randint(-8, 4, (32, 8), generator=gen)
+        if trial % 2:  # each k16 step's largest weight, 2^7-2^8, on a key whose codes are all 0
+            for step in (0, 16):
+                big = step + int(torch.randint(0, 16, (), generator=gen))
+                codes[:, big] = 0
+                w[big] = (1 + torch.rand(8, generator=gen)) * 128 * torch.sign(torch.randn(8, generator=gen))
+        w = w.half()
+        exact = codes.double() @ w.double()
+        error = (_mma(codes.view(torch.float16), w, device) * 2.0**24 - exact).abs()
+        fp32 = 2.0**-22 * (codes.double().abs() @ w.double().abs())  # fp32's own rounding, generously
+        steps = w[:16].double().abs().amax(dim=0) + w[16:].double().abs().amax(dim=0)  # [8]: per output column
+        assert bool((error <= fp32 + ptq.SUBNORMAL_CODES * steps).all()), (trial, float((error / steps).max()))
+        beyond[trial % 2] = max(beyond.get(trial % 2, 0.0), float(((error - fp32) / steps).max()))
+    assert beyond[1] > 0, beyond  # the alignment's term is needed where a step's largest weight meets code 0
 
 
 def test_pair_lut_layout() -> None:

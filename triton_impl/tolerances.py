@@ -92,20 +92,22 @@ TOLERANCES: dict[tuple[str, str, str], Tolerance] = {
         5e-4,
         "output rounded to fp16 (<= 2^-11 relative); query and p*scale as fp16 hi+lo MMA operands "
         "(~2^-22), codes exact, fp32 sums; golden reads the kernel's fp16 centroids (exact: centroid_rounding_bound). "
-        "FP16_OPERANDS (the sm90 entry): golden reads the kernel's fp16 query, plus weight_rounding_bound",
+        "FP16_OPERANDS (the sm90 entry): golden reads the kernel's fp16 query, plus weight_rounding_bound (with "
+        "its SUBNORMAL_CODES term where the Gluon stage 1 feeds value codes to the MMA as fp16 subnormals)",
     ),
     ("turboquant", "out", "bfloat16"): Tolerance(
         1e-4,
         4e-3,
         "output rounded to bf16 (<= 2^-8 relative); query and p*scale as fp16 hi+lo MMA operands "
         "(~2^-22), codes exact, fp32 sums; golden reads the kernel's fp16 centroids. "
-        "FP16_OPERANDS: golden reads the kernel's fp16 query, plus weight_rounding_bound",
+        "FP16_OPERANDS: golden reads the kernel's fp16 query, plus weight_rounding_bound (and SUBNORMAL_CODES)",
     ),
     ("turboquant", "split_o", "float32"): Tolerance(
         1e-4,
         2e-5,
         "fp32 stage-1 partials: fp16 hi+lo MMA operands (~2^-22 per product), fp32 sums of <= L terms; "
-        "golden reads the kernel's fp16 centroids. FP16_OPERANDS: the fp16 query, plus each split's weight bound",
+        "golden reads the kernel's fp16 centroids. FP16_OPERANDS: the fp16 query, plus each split's weight bound "
+        "(and SUBNORMAL_CODES)",
     ),
     ("turboquant", "lse", "float32"): Tolerance(
         2e-5,

@@ -302,12 +302,12 @@ FP8_KEY_STORE_CONFIGS: dict[str, dict[str, int]] = {  # D_CHUNK, TF32X3 and num_
 # 0 / 15 / 25: 112.3 / 120.7 / 125.4 and 395.3 / 415.3 / 411.4, against 106.6 / 373.9 at 168 and 12); one call
 # on the H200 (2026-12-02, stage 1, us, L=8K / 32K), one chunk -> two at 168 registers: 3bit_nc 137.1 -> 128.6 / 492.3
 # -> 469.4 (at 144 registers and 14 programs a SM, 8 bytes of stack: 163.9 / 598.8). With the value codes masked and
-# biased by one lop3 in every preset (turboquant_sm90.masked_codes_asm), 4-bit keys take 517 -> 486 (lop3) -> 437 (two
-# chunks) warp instructions per 16 keys. One call on the H200 (stage 1, us, L=8K / 32K, 2026-12-02, four rounds),
-# 877fa50 -> lop3 -> both: 4-bit 131.8 -> 124.3 -> 119.7 / 457.3 -> 426.4 -> 405.9, k3v4 129.7 -> 122.6 -> 118.6 / 444.6
-# -> 420.0 -> 401.5, k8v4 119.3 -> 119.4 -> 118.3 / 461.0 -> 461.3 -> 462.5, 3bit_nc (lop3 only) 165.7 -> 159.1 / 571.1
-# -> 546.0. Six buffers instead of four (and four for FP8 keys): 4-bit 119.3 -> 121.2 / 404.7 -> 409.5, 3bit_nc 158.3 ->
-# 158.5 / 545.2 -> 545.6.
+# biased by one lop3 in every preset (the bias since dropped: turboquant_sm90._code_halves), 4-bit keys take 517 -> 486
+# (lop3) -> 437 (two chunks) warp instructions per 16 keys. One call on the H200 (stage 1, us, L=8K / 32K, 2026-12-02,
+# four rounds), 877fa50 -> lop3 -> both: 4-bit 131.8 -> 124.3 -> 119.7 / 457.3 -> 426.4 -> 405.9, k3v4 129.7 -> 122.6 ->
+# 118.6 / 444.6 -> 420.0 -> 401.5, k8v4 119.3 -> 119.4 -> 118.3 / 461.0 -> 461.3 -> 462.5, 3bit_nc (lop3 only) 165.7 ->
+# 159.1 / 571.1 -> 546.0. Six buffers instead of four (and four for FP8 keys): 4-bit 119.3 -> 121.2 / 404.7 -> 409.5,
+# 3bit_nc 158.3 -> 158.5 / 545.2 -> 545.6.
 # With these shorter programs SPLIT_ROUNDS went 4 -> 2 (16 splits at B=32 Hk=8; the merge reads half the partials).
 # One call, the call after a reading flush (us, L=8K / 32K), 4 -> 3 -> 2 rounds: 4-bit 135.5 -> 129.4 -> 121.5 /
 # 420.6 -> 406.6 -> 402.1, 3bit_nc 175.2 -> 169.9 -> 161.7 / 561.0 -> 549.1 -> 551.6; in the next call, 2 -> 1 round:
@@ -1682,6 +1682,15 @@ def _sm90_stage1(config: dict[str, int], query: torch.Tensor, kv_cache: torch.Te
         cache_address=kv_cache.data_ptr(), one_warp=bool(config.get("GLUON_WARP")),
     )
     return gluon, tma
+
+
+def gluon_stage1(query: torch.Tensor, kv_cache: torch.Tensor, key_bits: int, value_quant_bits: int) -> bool:
+    """Whether a decode call on these tensors (``key_bits`` 8: FP8 keys) runs its stage 1 as one of sm_90's Gluon
+    kernels, under the decode config the cache's device selects: they feed the value codes to the MMA as fp16
+    subnormals (``turboquant_sm90._code_halves``), whose rounding ``parity.turboquant.SUBNORMAL_CODES`` bounds."""
+    config = select_decode_config(kv_cache.device, key_bits, value_quant_bits)
+    layout = _soa_layout(query.shape[2], 0 if key_bits == 8 else key_bits, value_quant_bits, key_bits == 8)
+    return _sm90_stage1(config, query, kv_cache, layout, key_bits, value_quant_bits)[0]
 
 
 def _rotates_in_stage1(config: dict[str, int], key_bits: int) -> bool:

@@ -38,11 +38,11 @@ Every kernel computes a chunk the same way:
   query is loaded in the same permuted order, from the rotation's output or, for serving's ``PiT = c H_128`` and
   4-bit values, rotated by the program itself (``HADAMARD_QUERY``, :func:`_hadamard_query`);
 - the online softmax in base 2, per head;
-- values as ``O^T += V^T P^T``: each value code becomes an exact fp16 with integer ops, no lookup: ``0x6400 | c`` is
-  the fp16 ``1024 + c``, one ``lop3`` masks two codes in place with that bias (:func:`masked_codes_asm`) and one
-  packed subtraction removes it; values are affine in their codes, so each key's scale multiplies its weight and
-  the zeros add up, weighted, in one sum a head (``z_i``). 3-bit values of a lane quad come as a 6-byte span of a key
-  (:func:`_span_operand`).
+- values as ``O^T += V^T P^T``: each value code becomes an exact fp16 with one integer op, no lookup: a code masked
+  in place in a 16-bit half is the fp16 subnormal ``c 2^-24``, one ``lop3`` makes two (:func:`_code_halves`), and the
+  output rows take the ``2^24`` back at the end; values are affine in their codes, so each key's scale multiplies
+  its weight and the zeros add up, weighted, in one sum a head (``z_i``). 3-bit values of a lane quad come as a
+  6-byte span of a key (:func:`_span_operand`).
 
 Numerics are the portable kernel's: centroids rounded to fp16 once, codes exact, fp32 sums, and the query and the
 weights ``p * scale`` either as fp16 hi + lo pairs (two MMAs each) or, with ``FP16_OPERANDS`` (the sm90 entry's
@@ -250,27 +250,21 @@ def _f16_halves(x):
                                      is_pure=True, pack=1)  # fmt: skip
 
 
-@gluon.constexpr_function
-def masked_codes_asm(mask):
-    """Inline PTX of ``(x & mask) | 0x64006400`` as one ``lop3`` (``and`` then ``or`` are two instructions, as ptxas
-    keeps both constants as immediates; this way one of them is held in a register): the value codes under ``mask`` in
-    place, each 16-bit half an fp16 of ``1024`` plus its masked bits (:func:`_value_operand`)."""
-    return f"lop3.b32 $0, $1, {int(mask):#x}, 0x64006400, 0xEA;"
+# The value codes reach the MMA as fp16 subnormals: a 16-bit half whose exponent bits are zero and whose mantissa
+# bits are ``x < 1024`` is the fp16 ``x * 2^-24``, exactly, and the tensor cores multiply subnormal fp16 operands
+# exactly (``tests/test_turboquant.py::test_mma_multiplies_fp16_subnormals_exactly``). So masking two codes in place is
+# the whole conversion: the product ``O^T += V^T P^T`` comes out times ``2^-24`` (every product and every partial sum
+# scaled alike, so rounded alike: far above fp32's least normal, ``2^-126``), and :func:`_value_row_scale` and
+# :func:`_span_row_scale` take the ``2^24`` back with the rows' other powers of two. Before it, each half was made the
+# fp16 ``1024 + x`` (the mask and ``| 0x6400`` in one ``lop3``) and one packed ``sub.f16x2`` took the 1024 back: 64
+# ``HADD2`` of a two-chunk step that this way are not issued.
 
 
 @gluon.jit
-def _masked_codes(x, MASK: gl.constexpr):
-    """uint32 ``(x & MASK) | 0x64006400`` in one instruction (:func:`masked_codes_asm`)."""
-    return gl.inline_asm_elementwise(masked_codes_asm(MASK), "=r,r", [x], dtype=gl.uint32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _code_pair_halves(x):
-    """uint32 ``(0x6400 | c0) | (0x6400 | c1) << 16`` -> fp16 ``(c0, c1)``, exactly: the halves are the
-    fp16 ``1024 + c``, and one packed subtraction of 1024 is exact."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .b32 t, k; mov.b32 k, 0x64006400; sub.rn.f16x2 t, $2, k; mov.b32 {$0, $1}, t; }",
-        "=h,=h,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=1)  # fmt: skip
+def _code_halves(x, MASK: gl.constexpr):
+    """uint32 ``x`` -> the two fp16 halves of ``x & MASK`` (``MASK``'s bits below bit 10 of each half), each ``c *
+    2^-24`` for its masked bits ``c``, exactly: one ``lop3``, no conversion."""
+    return _f16_halves(x & MASK)
 
 
 # The inline PTX of the 4-bit keys' lookup, module-level so that a test runs it through a model of its instructions
@@ -716,9 +710,10 @@ def _value_operand(w, VALUE_BITS: gl.constexpr, FIELDS: gl.constexpr = 0):
     """Value words (:func:`_value_words`) -> codes ``[HEAD_DIM, keys]`` fp16 (exact), the A operand of
     ``O^T += V^T P^T``, output row ``d`` holding dimension ``_value_dim(d)``: the words of keys ``e = 0, 1``
     are paired (low and high halves), and each of their 4 codes becomes one register holding both keys'
-    code at one dimension. Codes 1 and 3 are not shifted down, only masked in place: they come out as
-    ``2^VALUE_BITS c`` (``1024 + 2^VALUE_BITS c`` is an fp16 below 2048, exact), one shift a word instead of three,
-    and :func:`_store_partials` divides their output rows by ``2^VALUE_BITS`` (:func:`_value_row_scale`: exact).
+    code at one dimension, as the fp16 subnormal ``c 2^-24`` (:func:`_code_halves`). Codes 1 and 3 are not shifted
+    down, only masked in place: they come out as ``2^VALUE_BITS c 2^-24``, one shift a word instead of three, and
+    :func:`_store_partials` multiplies the output rows by ``2^24``, those of codes 1 and 3 by ``2^(24 - VALUE_BITS)``
+    (:func:`_value_row_scale`: exact).
     3-bit values: ``w`` (``FIELDS``) :func:`_held_fields`, or a one-warp kernel's spans (:func:`_span_operand`)."""
     if (VALUE_BITS == 3) and not FIELDS:
         v = _span_operand(w)
@@ -733,17 +728,17 @@ def _value_operand(w, VALUE_BITS: gl.constexpr, FIELDS: gl.constexpr = 0):
 @gluon.jit
 def _field_codes(pair, VALUE_BITS: gl.constexpr, OFFSET: gl.constexpr):
     """Two keys' fields of 4 codes at bit ``OFFSET`` of each 16-bit half of ``pair`` (the bits outside them ignored)
-    -> ``[..., e, h, m]`` fp16, code ``r = h + 2m`` of key ``e``, exact: codes 0 and 1 masked in place (``2^OFFSET``
-    and ``2^(OFFSET + VALUE_BITS)`` times the code: at most ``1024 + 2^10 - 2^7``, an fp16 below 2048), codes 2 and 3
-    after one shift down (1 and ``2^VALUE_BITS`` times the code); :func:`_value_row_scale` and :func:`_span_row_scale`
-    undo the factors."""
+    -> ``[..., e, h, m]`` fp16, code ``r = h + 2m`` of key ``e``, exact, each ``2^-24`` times its masked bits
+    (:func:`_code_halves`): codes 0 and 1 masked in place (``2^OFFSET`` and ``2^(OFFSET + VALUE_BITS)`` times the
+    code, at most ``2^10 - 2^7``: below bit 10, as a subnormal needs), codes 2 and 3 after one shift down (1 and
+    ``2^VALUE_BITS`` times the code); :func:`_value_row_scale` and :func:`_span_row_scale` undo the factors."""
     low: gl.constexpr = ((1 << VALUE_BITS) - 1) * 0x10001
     high: gl.constexpr = low << VALUE_BITS
     rest = pair >> (2 * VALUE_BITS + OFFSET)
-    c0lo, c0hi = _code_pair_halves(_masked_codes(pair, low << OFFSET))
-    c1lo, c1hi = _code_pair_halves(_masked_codes(pair, high << OFFSET))
-    c2lo, c2hi = _code_pair_halves(_masked_codes(rest, low))
-    c3lo, c3hi = _code_pair_halves(_masked_codes(rest, high))
+    c0lo, c0hi = _code_halves(pair, low << OFFSET)
+    c1lo, c1hi = _code_halves(pair, high << OFFSET)
+    c2lo, c2hi = _code_halves(rest, low)
+    c3lo, c3hi = _code_halves(rest, high)
     r0 = gl.join(gl.join(c0lo, c0hi), gl.join(c1lo, c1hi))  # [..., e, h]
     r1 = gl.join(gl.join(c2lo, c2hi), gl.join(c3lo, c3hi))
     return gl.join(r0, r1)
@@ -812,17 +807,19 @@ def _span_dim(d):
 
 @gluon.jit
 def _span_row_scale(d):
-    """What :func:`_span_operand`'s output row ``d`` is multiplied by: ``1/8`` on codes 1 and 3 of a field (``h`` =
-    1), and ``1/16`` more on codes 0 and 1 (``m`` = 0) of the fields held at bit 4 (``f`` odd)."""
+    """What :func:`_span_operand`'s output row ``d`` is multiplied by: ``2^24`` (the codes' unit,
+    :func:`_code_halves`), ``1/8`` of it on codes 1 and 3 of a field (``h`` = 1), and ``1/16`` more on codes 0 and 1
+    (``m`` = 0) of the fields held at bit 4 (``f`` odd)."""
     shifted = ((d >> 4) & 1) & (1 - (d >> 6))  # code 0 or 1 of a field held at bit 4
-    return 1.0 / ((1 + 7 * ((d >> 3) & 1)) * (1 + 15 * shifted))
+    return 16777216.0 / ((1 + 7 * ((d >> 3) & 1)) * (1 + 15 * shifted))
 
 
 @gluon.jit
 def _value_row_scale(d, VALUE_BITS: gl.constexpr):
-    """What output row ``d`` of ``O^T`` is multiplied by to undo :func:`_value_operand`'s unshifted codes: ``2^-bits``
-    on the rows of codes 1 and 3 of a word (``r = 2m + h`` of :func:`_value_dim`: ``h`` = 1), else 1."""
-    return gl.where(((d >> 3) & 1) == 1, 1.0 / (1 << VALUE_BITS), 1.0)
+    """What output row ``d`` of ``O^T`` is multiplied by to undo :func:`_value_operand`'s factors: ``2^24`` (the
+    codes' unit, :func:`_code_halves`), and ``2^(24 - bits)`` on the rows of the unshifted codes 1 and 3 of a word
+    (``r = 2m + h`` of :func:`_value_dim`: ``h`` = 1)."""
+    return gl.where(((d >> 3) & 1) == 1, 16777216.0 / (1 << VALUE_BITS), 16777216.0)
 
 
 @gluon.jit

@@ -81,6 +81,7 @@ from triton_impl.launch import current_target
 from triton_impl.parity import Case, Check
 from triton_impl.tolerances import tolerance
 from triton_impl.turboquant import (
+    gluon_stage1,
     hadamard_query_in_stage1,
     rotate_query_launch,
     select_decode_config,
@@ -613,6 +614,13 @@ def centroid_rounding_bound(
 
 FP16_UNIT = 2.0**-11  # |fp16(x) - x| <= 2^-11 |x| + 2^-25 for |x| <= 65504 (to nearest; 2^-25: half the subnormal step)
 FP16_SUBNORMAL = 2.0**-25
+# sm_90's Gluon stage 1 feeds its value codes to the P V MMA as fp16 subnormals (``turboquant_sm90._code_halves``: a
+# code's bits masked in place are the fp16 ``c 2^-24``), exact, but the tensor cores align an MMA's products and its
+# accumulator to the largest exponent they read off the operands, and a subnormal's is ``2^-14`` whatever its bits:
+# each ``k16`` step then keeps as many bits below ``2^-14 max_k w_k`` as an exact-exponent code keeps below the true
+# product. Measured on the H200 (``tests/test_turboquant.py::test_mma_multiplies_fp16_subnormals_exactly``): a step
+# moves its outputs, in code units, by at most ``SUBNORMAL_CODES * max_k |w_k|`` beyond fp32's own rounding.
+SUBNORMAL_CODES = 2.0**-7
 
 
 def weight_rounding_bound(
@@ -625,6 +633,7 @@ def weight_rounding_bound(
     config: TurboQuantConfig,
     num_splits: int | None = None,
     ranges: list[list[tuple[int, int]]] | None = None,
+    subnormal_codes: bool = False,
 ) -> torch.Tensor:
     """A bound on how far a decode that rounds each value weight ``w_j = p_j * v_scale_j`` to fp16 before its ``P V``
     product (not as an fp16 hi + lo pair) moves from golden scored with the same query and centroids.
@@ -637,6 +646,9 @@ def weight_rounding_bound(
     splits merge with weights summing to 1, so ``|fp16(w) - w| <= 2^-11 w + 2^-25`` moves it by at most ``2^-11
     sum_j pi_j |v_jd - zero_j| + 2^-25 sum_j |code_jd|`` (``pi`` golden's softmax over the keys summed, ``|code_jd|
     = |v_jd - zero_j| / v_scale_j``; a zero scale makes ``w_j = 0`` exactly). ``lse`` does not see the weights.
+    With ``subnormal_codes`` (sm_90's Gluon stage 1, :data:`SUBNORMAL_CODES`), each MMA step moves the sum by at most
+    ``SUBNORMAL_CODES max_k w_k`` in code units (a row's codes multiplied by ``2^f`` in the operand only shrink it
+    there), and the steps' largest weights sum to at most ``sum_j w_j``: ``SUBNORMAL_CODES sum_j pi_j v_scale_j`` more.
 
     Args:
         query_basis: ``[B, H, D]`` the query as the kernel scores it (float64 values); the rest as
@@ -673,6 +685,8 @@ def weight_rounding_bound(
             p = torch.softmax(scores[..., lo:hi], dim=-1)
             bound = FP16_UNIT * einsum(p, levels[lo:hi], "hkv g l, l hkv d -> hkv g d")
             bound += FP16_SUBNORMAL * codes[lo:hi].sum(dim=0)[:, None, :]
+            if subnormal_codes:
+                bound += SUBNORMAL_CODES * einsum(p, v_scale[lo:hi, :, 0].abs(), "hkv g l, l hkv -> hkv g")[..., None]
             out_bound[b, :, split] = rearrange(bound, "hkv g d -> (hkv g) d")
     return out_bound if num_splits else out_bound[:, :, 0]
 
@@ -744,7 +758,8 @@ def decode_expected(
     alone applies. With it on, the kernel scores ``fp16(q~)``, its own fp32 rotation rounded once to fp16 (FP8
     keys: ``fp16(query)``), and rounds each value weight once to fp16: golden is fed that query (read back by
     :func:`kernel_rotated_query`, or where stage 1 rotates it, :func:`hadamard_query`; ``PiT`` then the identity), so
-    the scores agree, and :func:`weight_rounding_bound` covers the weights. With ``num_splits``: stage 1's split
+    the scores agree, and :func:`weight_rounding_bound` covers the weights (and, where sm_90's Gluon stage 1 serves
+    the call, its value codes as fp16 subnormals: :data:`SUBNORMAL_CODES`). With ``num_splits``: stage 1's split
     states (``turboquant_decode_split_states``, over ``ranges`` where given: a stream-K division), ``out`` as ``[B,
     H, S, D]`` and ``lse`` as ``[B, H, S]``.
     """
@@ -763,7 +778,8 @@ def decode_expected(
             rotated = kernel_rotated_query(query.to(device), PiT.to(device), precision)
             basis = rotated[:, :, 0].cpu().half().double()
         rotation = torch.eye(query.shape[-1], dtype=torch.float64)
-        bound = weight_rounding_bound(basis, *host, read, scale, config, num_splits, ranges)
+        subnormal = gluon_stage1(query, kv_cache, key_bits, config.value_quant_bits)
+        bound = weight_rounding_bound(basis, *host, read, scale, config, num_splits, ranges, subnormal)
     else:
         basis, rotation, bound = query.cpu(), PiT.cpu(), None
     if num_splits:
