@@ -334,10 +334,12 @@ plt.show()
 #
 # | preset | instructions a step | of them on the ALU pipe | per key and KV head |
 # | --- | --- | --- | --- |
-# | turboquant_k8v4 (FP8 keys) | 566 | 209 | 17.7 |
-# | turboquant_4bit_nc | 805 | 402 | 25.2 |
-# | turboquant_k3v4_nc | 846 | 391 | 26.4 |
-# | turboquant_3bit_nc | 924 | 426 | 28.9 |
+# | turboquant_k8v4 (FP8 keys) | 515 | 209 | 16.1 |
+# | turboquant_4bit_nc | 744 | 402 | 23.2 |
+# | turboquant_k3v4_nc (its key pairs from a shared table, below) | 730 | 294 | 22.8 |
+# | turboquant_3bit_nc | 860 | 428 | 26.9 |
+#
+# (Before the value codes became fp16 subnormals: 566, 805, 787 and 924 instructions, the ALU counts the same.)
 #
 # The ALU pipe (`prmt`, `lop3`, shifts, selects, compares) takes 2 cycles of its scheduler a warp instruction, where
 # issuing any instruction takes 1. Two probes on the 4-bit loop, work that changes no result added to its lookups
@@ -347,8 +349,9 @@ plt.show()
 # So the lever is the ALU count, and most of it is the keys' lookups: 256 of the 402 for 4-bit keys, 208 of the 426 for
 # 3-bit keys and values (13 a group of 8 codes, whose 3 left shifts ptxas issues as `IMAD.SHL` on the FMA pipe; the
 # loop's SASS: `benchmarks/sass_sm90_turboquant.py --loop turboquant_3bit_nc` under Triton 3.6). Cuts on other
-# pipes did not move the time (fewer `IMAD.MOV` or `HADD2`), and moving the lookups' shifts to `IMAD.HI` made it 2-4%
-# slower.
+# pipes moved the time little (fewer `IMAD.MOV`: nothing; 24-36 fewer `HADD2` by biased codes: nothing; the 61-64
+# `HADD2` that subnormal codes take off: 2-5% for 4-bit keys and k3v4 on the H200, in one A/B, 1% or less for 3-bit
+# values and FP8 keys, nothing on an H100), and moving the lookups' shifts to `IMAD.HI` made it 2-4% slower.
 #
 # That brings a shared-memory pair table back for a new reason: in this loop the shared-memory pipe is nearly idle
 # while the ALU pipe binds, and a lookup there is one `LDS` a pair of codes and one or two ALU instructions for its

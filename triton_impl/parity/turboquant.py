@@ -616,12 +616,12 @@ FP16_UNIT = 2.0**-11  # |fp16(x) - x| <= 2^-11 |x| + 2^-25 for |x| <= 65504 (to 
 FP16_SUBNORMAL = 2.0**-25
 # sm_90's Gluon stage 1 feeds its value codes to the P V MMA as fp16 subnormals (``turboquant_sm90._code_halves``: a
 # code's bits masked in place are the fp16 ``c 2^-24``). The products are exact, but a step's sum rounds more coarsely
-# than with the same codes as normal fp16 (likely as the tensor cores align a step's products to an exponent read
-# off the operands, a subnormal's ``2^-14`` whatever its bits). Measured on an H100 (the H200's
-# tensor cores; ``tests/test_turboquant.py::test_mma_multiplies_fp16_subnormals_exactly`` checks it on every GPU run):
-# over 400 random ``k16`` steps of codes 0-15 (a word's unshifted code: the furthest below ``2^-14``), a step moved its
-# outputs, in code units, by at most ``2^-12.8 max_k |w_k|`` beyond fp32's own rounding, where the same codes as normal
-# fp16 stayed within it; the bound takes ``2^-10``, 7 times that.
+# than with the same codes as normal fp16 (likely as the tensor cores align a step's products to an exponent read off
+# the operands, a subnormal's ``2^-14`` whatever its bits). Measured on an H100 (the H200's tensor cores;
+# ``benchmarks/mma_subnormal_codes.py``, and ``tests/test_turboquant.py::test_mma_multiplies_fp16_subnormals_exactly``
+# on every GPU run): over 400 random ``k16`` steps of codes 0-15 (a word's unshifted code: the furthest below
+# ``2^-14``), a step moved its outputs, in code units, by at most ``2^-12.8 max_k |w_k|`` beyond fp32's own rounding,
+# where the same codes as normal fp16 stayed within it; the bound takes ``2^-10``, 7 times that.
 SUBNORMAL_CODES = 2.0**-10
 
 

@@ -1,0 +1,55 @@
+"""How much more coarsely an ``mma.sync`` step sums value codes fed as fp16 subnormals, for the GPU machine.
+
+``PYTHONPATH=. python3 benchmarks/mma_subnormal_codes.py`` runs 400 ``k16`` steps (two a probe call) of the one-warp
+decode's value product on random codes 0-15 (a word's unshifted code, ``turboquant_sm90._field_codes``: the furthest
+below the subnormal exponent ``2^-14``) and weights ``randn * 2^[-8, 3]`` in fp16; in three quarters of them one
+weight a step is large (``2^7-2^8`` on a key whose codes are all 0, or ``2^14-2^15`` on codes 0 or 1). Each step runs
+twice, its codes as the subnormals ``c 2^-24`` (times ``2^24`` after) and as normal fp16, against the exact sum. A row:
+the kind of step, the codes' form, the largest error over the step's largest weight (code units), and the same beyond
+an fp32 allowance (``2^-22`` of the sum of the products' magnitudes), which ``parity.turboquant.SUBNORMAL_CODES``
+must cover with room. On an H100: ``2^-12.8`` at most for subnormal codes, none beyond the allowance for normal ones
+(``notebooks/results/perf_log.md``, fifty-first session).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tests.support import generator
+from tests.test_turboquant import _mma
+from triton_impl.parity.turboquant import SUBNORMAL_CODES
+
+KINDS = ("random", "2^7 weight on codes 0", "2^14 weight on codes 0", "2^14 weight on codes 1")
+
+
+def main(trials: int = 400) -> None:
+    device, gen = torch.device("cuda"), generator(5)
+    worst: dict[tuple[str, str], tuple[float, float]] = {}
+    for trial in range(trials):
+        kind = trial % 4
+        codes = torch.randint(0, 16, (16, 32), generator=gen, dtype=torch.int16)
+        w = torch.randn(32, 8, generator=gen) * 2.0 ** torch.randint(-8, 4, (32, 8), generator=gen)
+        for step in (0, 16) if kind else ():
+            big = step + int(torch.randint(0, 16, (), generator=gen))
+            codes[:, big] = int(kind == 3)
+            size = (1 + torch.rand(8, generator=gen)) * 2.0 ** (7 if kind == 1 else 14)
+            w[big] = size * torch.sign(torch.randn(8, generator=gen))
+        w = w.half()
+        exact = codes.double() @ w.double()
+        steps = w[:16].double().abs().amax(dim=0) + w[16:].double().abs().amax(dim=0)
+        fp32 = 2.0**-22 * (codes.double().abs() @ w.double().abs())
+        for form, a, unit in (("subnormal", codes.view(torch.float16), 2.0**24), ("normal", codes.half(), 1.0)):
+            error = (_mma(a, w, device) * unit - exact).abs()
+            raw, beyond = float((error / steps).max()), float(((error - fp32) / steps).max())
+            old = worst.get((KINDS[kind], form), (0.0, -math.inf))
+            worst[KINDS[kind], form] = max(old[0], raw), max(old[1], beyond)
+    print(f"| step | codes | largest error / the step's largest weight | beyond fp32 (bound: {SUBNORMAL_CODES:g}) |")
+    print("| --- | --- | --- | --- |")
+    for (kind, form), (raw, beyond) in worst.items():
+        print(f"| {kind} | {form} | {raw:.3g} (2^{math.log2(raw):.1f}) | {beyond:.3g} |")
+
+
+if __name__ == "__main__":
+    main()
