@@ -2303,8 +2303,8 @@ def test_mma_multiplies_fp16_subnormals_exactly(device: torch.device) -> None:
     """The Gluon decode's value codes reach the MMA as fp16 subnormals (``turboquant_sm90._code_halves``: a code's bits
     masked in place are ``c 2^-24``), and the output rows multiply by ``2^24`` at the end. The tensor cores take
     subnormal operands as they are (not as zero): exact where the sum is (integer weights, both as subnormals and as
-    normal fp16). But they align a step's products to an exponent read off the operands, which for a subnormal is
-    ``2^-14`` whatever its bits, so sums round more coarsely than the same codes as normal fp16 would: by at most
+    normal fp16). But a step's sum rounds more coarsely than with the same codes as normal fp16 (likely as its
+    products are aligned to an exponent read off the operands, a subnormal's ``2^-14`` whatever its bits): by at most
     ``parity.turboquant.SUBNORMAL_CODES`` times each ``k16`` step's largest weight, in code units, beyond an fp32
     allowance (checked here over random weights, and weights whose largest meets code 0 in every row), and that term
     is needed (either kind goes past the fp32 allowance alone)."""

@@ -253,15 +253,15 @@ def _f16_halves(x):
 # The value codes reach the MMA as fp16 subnormals: a 16-bit half whose exponent bits are zero and whose mantissa
 # bits are ``x < 1024`` is the fp16 ``x * 2^-24``, exactly, and the tensor cores multiply subnormal fp16 operands
 # exactly (``tests/test_turboquant.py::test_mma_multiplies_fp16_subnormals_exactly``). So masking two codes in place is
-# the whole conversion: the product ``O^T += V^T P^T`` comes out times ``2^-24`` (every product and every partial sum
-# scaled alike, so rounded alike: far above fp32's least normal, ``2^-126``), and :func:`_value_row_scale` and
-# :func:`_span_row_scale` take the ``2^24`` back with the rows' other powers of two. Before it, each half was made the
+# the whole conversion: the product ``O^T += V^T P^T`` comes out times ``2^-24`` (far above fp32's least normal,
+# ``2^-126``), and :func:`_value_row_scale` and :func:`_span_row_scale` take the ``2^24`` back with the rows' other
+# powers of two. Before it, each half was made the
 # fp16 ``1024 + x`` (the mask and ``| 0x6400`` in one ``lop3``) and one packed ``sub.f16x2`` took the 1024 back.
 # Triton 3.6, a two-chunk step: 4-bit keys 805 -> 744 instructions, k3v4 787 -> 730, 3bit_nc 924 -> 860, FP8 keys 566
 # -> 515 (no ALU-pipe instruction less). Stage 1 on the H200 in one call against the bias (us, L=8K / 32K): 4-bit 99.6
 # -> 97.0 / 360.3 -> 342.9, k3v4 94.5 -> 92.0 / 331.5 -> 324.2, 3bit_nc 106.6 -> 105.8 / 372.9 -> 370.5, FP8 keys
-# 117.1 -> 117.3 / 481.7 -> 483.0; on an H100, within 1% either way. The price is a coarser sum in the MMA
-# (``parity.turboquant.SUBNORMAL_CODES``).
+# 117.1 -> 117.3 / 481.7 -> 483.0; on an H100, within 1% either way. The price: the products are exact, but the MMA
+# sums them more coarsely than codes as normal fp16 (``parity.turboquant.SUBNORMAL_CODES`` bounds it).
 
 
 @gluon.jit
