@@ -16,16 +16,44 @@ from __future__ import annotations
 import math
 
 import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from tests.support import generator
-from tests.test_turboquant import _mma
+from triton_impl import turboquant_sm90
 from triton_impl.parity.turboquant import SUBNORMAL_CODES
 
 KINDS = ("random", "2^7 weight on codes 0", "2^14 weight on codes 0", "2^14 weight on codes 1")
 
 
+@gluon.jit
+def _mma_probe(a_ptr, b_ptr, out_ptr):
+    """``out = a @ b`` (``a [16, 32]``, ``b [32, 8]`` fp16, row-major; ``out`` fp32) by one warp's ``mma_v2``, the
+    ``mma.sync.m16n8k16`` of the one-warp decode's value product, in its layouts: two ``k16`` steps."""
+    mma: gl.constexpr = turboquant_sm90._operand_layouts(False, 1)[0]
+    dot_b: gl.constexpr = turboquant_sm90._operand_layouts(False, 1)[1]
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    m = gl.arange(0, 16, layout=gl.SliceLayout(1, dot_a))
+    k = gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a))
+    a = gl.load(a_ptr + m[:, None] * 32 + k[None, :])
+    kb = gl.arange(0, 32, layout=gl.SliceLayout(1, dot_b))
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, dot_b))
+    b = gl.load(b_ptr + kb[:, None] * 8 + n[None, :])
+    out = mma_v2(a, b, gl.zeros([16, 8], gl.float32, mma))
+    mo = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+    no = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+    gl.store(out_ptr + mo[:, None] * 8 + no[None, :], out)
+
+
+def mma(a: torch.Tensor, w: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``a [16, 32] @ w [32, 8]`` (fp16) by :func:`_mma_probe` on ``device``, as float64 on the CPU."""
+    out = torch.empty(16, 8, device=device)
+    _mma_probe[(1,)](a.to(device), w.to(device), out, num_warps=1)
+    return out.cpu().double()
+
+
 def main(trials: int = 400) -> None:
-    device, gen = torch.device("cuda"), generator(5)
+    device, gen = torch.device("cuda"), torch.Generator().manual_seed(5)
     worst: dict[tuple[str, str], tuple[float, float]] = {}
     for trial in range(trials):
         kind = trial % 4
@@ -41,7 +69,7 @@ def main(trials: int = 400) -> None:
         steps = w[:16].double().abs().amax(dim=0) + w[16:].double().abs().amax(dim=0)
         fp32 = 2.0**-22 * (codes.double().abs() @ w.double().abs())
         for form, a, unit in (("subnormal", codes.view(torch.float16), 2.0**24), ("normal", codes.half(), 1.0)):
-            error = (_mma(a, w, device) * unit - exact).abs()
+            error = (mma(a, w, device) * unit - exact).abs()
             raw, beyond = float((error / steps).max()), float(((error - fp32) / steps).max())
             old = worst.get((KINDS[kind], form), (0.0, -math.inf))
             worst[KINDS[kind], form] = max(old[0], raw), max(old[1], beyond)

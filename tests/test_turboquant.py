@@ -29,8 +29,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from benchmarks.mma_subnormal_codes import mma
 from golden import _lloyd_max
 from golden import turboquant as tq
 from golden.lse_merge import merge_states
@@ -2272,31 +2272,6 @@ def test_interleaved_nibbles_into_a_16_key_dot_are_never_our_pattern() -> None:
         pytest.skip(f"this Triton ({triton.__version__}) compiles K = 16 right too: {results}")
 
 
-@gluon.jit
-def _mma_probe(a_ptr, b_ptr, out_ptr):
-    """``out = a @ b`` (``a [16, 32]``, ``b [32, 8]`` fp16, row-major; ``out`` fp32) by one warp's ``mma_v2``, the
-    ``mma.sync.m16n8k16`` of the one-warp decode's value product, in its layouts."""
-    mma: gl.constexpr = ttq_sm90._operand_layouts(False, 1)[0]
-    dot_b: gl.constexpr = ttq_sm90._operand_layouts(False, 1)[1]
-    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    m = gl.arange(0, 16, layout=gl.SliceLayout(1, dot_a))
-    k = gl.arange(0, 32, layout=gl.SliceLayout(0, dot_a))
-    a = gl.load(a_ptr + m[:, None] * 32 + k[None, :])
-    kb = gl.arange(0, 32, layout=gl.SliceLayout(1, dot_b))
-    n = gl.arange(0, 8, layout=gl.SliceLayout(0, dot_b))
-    b = gl.load(b_ptr + kb[:, None] * 8 + n[None, :])
-    out = mma_v2(a, b, gl.zeros([16, 8], gl.float32, mma))
-    mo = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
-    no = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
-    gl.store(out_ptr + mo[:, None] * 8 + no[None, :], out)
-
-
-def _mma(a: torch.Tensor, w: torch.Tensor, device: torch.device) -> torch.Tensor:
-    out = torch.empty(16, 8, device=device)
-    _mma_probe[(1,)](a.to(device), w.to(device), out, num_warps=1)
-    return out.cpu().double()
-
-
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8,
                     reason="mma.sync needs an sm_80+ GPU; the interpreter has no MMA")  # fmt: skip
 def test_mma_multiplies_fp16_subnormals_exactly(device: torch.device) -> None:
@@ -2314,8 +2289,8 @@ def test_mma_multiplies_fp16_subnormals_exactly(device: torch.device) -> None:
     assert torch.equal(subnormal.double(), bits.double() * 2.0**-24)  # (torch's own fp16: exactly c 2^-24)
     integers = torch.randint(-16, 17, (32, 8), generator=gen).half()
     exact = bits.double() @ integers.double()  # every partial sum an integer below 2^24: exact in fp32
-    assert torch.equal(_mma(bits.half(), integers, device), exact)
-    assert torch.equal(_mma(subnormal, integers, device) * 2.0**24, exact)
+    assert torch.equal(mma(bits.half(), integers, device), exact)
+    assert torch.equal(mma(subnormal, integers, device) * 2.0**24, exact)
     beyond = {}
     for trial in range(40):
         codes = torch.randint(0, 16, (16, 32), generator=gen, dtype=torch.int16)  # a word's code 0, unshifted
@@ -2327,7 +2302,7 @@ def test_mma_multiplies_fp16_subnormals_exactly(device: torch.device) -> None:
                 w[big] = (1 + torch.rand(8, generator=gen)) * 128 * torch.sign(torch.randn(8, generator=gen))
         w = w.half()
         exact = codes.double() @ w.double()
-        error = (_mma(codes.view(torch.float16), w, device) * 2.0**24 - exact).abs()
+        error = (mma(codes.view(torch.float16), w, device) * 2.0**24 - exact).abs()
         fp32 = 2.0**-22 * (codes.double().abs() @ w.double().abs())  # fp32's own rounding, generously
         steps = w[:16].double().abs().amax(dim=0) + w[16:].double().abs().amax(dim=0)  # [8]: per output column
         assert bool((error <= fp32 + ptq.SUBNORMAL_CODES * steps).all()), (trial, float((error / steps).max()))
