@@ -349,9 +349,10 @@ plt.show()
 # So the lever is the ALU count, and most of it is the keys' lookups: 256 of the 402 for 4-bit keys, 208 of the 426 for
 # 3-bit keys and values (13 a group of 8 codes, whose 3 left shifts ptxas issues as `IMAD.SHL` on the FMA pipe; the
 # loop's SASS: `benchmarks/sass_sm90_turboquant.py --loop turboquant_3bit_nc` under Triton 3.6). Cuts on other
-# pipes moved the time little (fewer `IMAD.MOV`: nothing; 24-36 fewer `HADD2` by biased codes: nothing; the 61-64
-# `HADD2` that subnormal codes take off: 2-5% for 4-bit keys and k3v4 on the H200, in one A/B, 1% or less for 3-bit
-# values and FP8 keys, nothing on an H100), and moving the lookups' shifts to `IMAD.HI` made it 2-4% slower.
+# pipes moved the time little: fewer `IMAD.MOV`, nothing; the value codes biased (24-36 instructions fewer), nothing;
+# the value codes as fp16 subnormals (64 `HADD2` and 51-64 instructions fewer), 2-5% for 4-bit keys and k3v4 on the
+# H200 in one A/B, 1% or less for 3-bit values and FP8 keys, nothing on an H100. Moving the lookups' shifts to
+# `IMAD.HI` made it 2-4% slower.
 #
 # That brings a shared-memory pair table back for a new reason: in this loop the shared-memory pipe is nearly idle
 # while the ALU pipe binds, and a lookup there is one `LDS` a pair of codes and one or two ALU instructions for its
