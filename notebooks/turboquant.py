@@ -318,11 +318,14 @@ plt.show()
 #   6 bits a pair of codes, from 4 such registers; FP8 keys: one hardware e4m3x2 -> f16x2 conversion. The dot
 #   product does not care in which order it visits dimensions, so the query is loaded in the same permuted order;
 # - the value product `O^T = V^T P^T` pairs two keys' code words into registers holding both keys' code at one
-#   dimension, each code masked in place in its 16-bit half: bits `c` under a zero exponent are the fp16 subnormal
-#   `c 2^-24`, exact, so one `lop3` makes two operands and the output rows take the `2^24` back at the end: no
-#   lookup, no conversion (until the fifty-first session, `0x6400 | c` per half and a packed `sub.f16x2` of 1024,
-#   one more instruction a register). With 3-bit values a lane quad holds 16 dimensions, a 6-byte span of each
-#   key's values, whose four 12-bit fields one `prmt` each takes out (the cells below).
+#   dimension, each code masked in place in its 16-bit half: bits `c` under a zero exponent are the fp16 subnormal `c
+#   2^-24`, exact, so one `lop3` makes two operands and the output rows take the `2^24` back at the end: no lookup, no
+#   conversion (until the fifty-first session, `0x6400 | c` per half and a packed `sub.f16x2` of 1024, one more
+#   instruction a register). The products stay exact, but the tensor cores sum them a little more coarsely than normal
+#   fp16 codes (measured: at most `2^-12.8` of a step's largest weight, in code units;
+#   `benchmarks/mma_subnormal_codes.py`), which the check's bound takes as `SUBNORMAL_CODES`. With 3-bit values a lane
+#   quad holds 16 dimensions, a 6-byte span of each key's values, whose four 12-bit fields one `prmt` each takes out
+#   (the cells below).
 #
 # Every call runs one warp a program: its 16-key chunks copied by TMA into a ring of shared-memory buffers, two
 # chunks an iteration through one online-softmax step, 16 programs a SM (3-bit values: 12). 3- and 4-bit keys divide
