@@ -52,24 +52,39 @@ def mma(a: torch.Tensor, w: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out.cpu().double()
 
 
+def draw_step(gen: torch.Generator, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two ``k16`` steps' codes ``[16, 32]`` (int16, 0-15) and fp16 weights ``[32, 8]`` of :data:`KINDS` ``kind``:
+    random, or each step's largest weight planted on one key."""
+    codes = torch.randint(0, 16, (16, 32), generator=gen, dtype=torch.int16)
+    w = torch.randn(32, 8, generator=gen) * 2.0 ** torch.randint(-8, 4, (32, 8), generator=gen)
+    for step in (0, 16) if kind else ():
+        big = step + int(torch.randint(0, 16, (), generator=gen))
+        codes[:, big] = int(kind == 3)
+        size = (1 + torch.rand(8, generator=gen)) * 2.0 ** (7 if kind == 1 else 14)
+        w[big] = size * torch.sign(torch.randn(8, generator=gen))
+    return codes, w.half()
+
+
+def step_errors(codes: torch.Tensor, w: torch.Tensor, device: torch.device,
+                subnormal: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(error, fp32, steps)``: the MMA's error against the exact sum in code units (``[16, 8]``, the codes as fp16
+    subnormals ``c 2^-24`` or as normal fp16), an fp32 allowance (``2^-22`` of the sum of the products' magnitudes),
+    and each output column's two steps' largest weights summed (``[8]``)."""
+    a, unit = (codes.view(torch.float16), 2.0**24) if subnormal else (codes.half(), 1.0)
+    error = (mma(a, w, device) * unit - codes.double() @ w.double()).abs()
+    fp32 = 2.0**-22 * (codes.double().abs() @ w.double().abs())
+    steps = w[:16].double().abs().amax(dim=0) + w[16:].double().abs().amax(dim=0)
+    return error, fp32, steps
+
+
 def main(trials: int = 400) -> None:
     device, gen = torch.device("cuda"), torch.Generator().manual_seed(5)
     worst: dict[tuple[str, str], tuple[float, float]] = {}
     for trial in range(trials):
         kind = trial % 4
-        codes = torch.randint(0, 16, (16, 32), generator=gen, dtype=torch.int16)
-        w = torch.randn(32, 8, generator=gen) * 2.0 ** torch.randint(-8, 4, (32, 8), generator=gen)
-        for step in (0, 16) if kind else ():
-            big = step + int(torch.randint(0, 16, (), generator=gen))
-            codes[:, big] = int(kind == 3)
-            size = (1 + torch.rand(8, generator=gen)) * 2.0 ** (7 if kind == 1 else 14)
-            w[big] = size * torch.sign(torch.randn(8, generator=gen))
-        w = w.half()
-        exact = codes.double() @ w.double()
-        steps = w[:16].double().abs().amax(dim=0) + w[16:].double().abs().amax(dim=0)
-        fp32 = 2.0**-22 * (codes.double().abs() @ w.double().abs())
-        for form, a, unit in (("subnormal", codes.view(torch.float16), 2.0**24), ("normal", codes.half(), 1.0)):
-            error = (mma(a, w, device) * unit - exact).abs()
+        codes, w = draw_step(gen, kind)
+        for form in ("subnormal", "normal"):
+            error, fp32, steps = step_errors(codes, w, device, form == "subnormal")
             raw, beyond = float((error / steps).max()), float(((error - fp32) / steps).max())
             old = worst.get((KINDS[kind], form), (0.0, -math.inf))
             worst[KINDS[kind], form] = max(old[0], raw), max(old[1], beyond)

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from benchmarks.mma_subnormal_codes import mma
+from benchmarks.mma_subnormal_codes import draw_step, mma, step_errors
 from golden import _lloyd_max
 from golden import turboquant as tq
 from golden.lse_merge import merge_states
@@ -2293,18 +2293,10 @@ def test_mma_multiplies_fp16_subnormals_exactly(device: torch.device) -> None:
     assert torch.equal(mma(subnormal, integers, device) * 2.0**24, exact)
     beyond = {}
     for trial in range(40):
-        codes = torch.randint(0, 16, (16, 32), generator=gen, dtype=torch.int16)  # a word's code 0, unshifted
-        w = torch.randn(32, 8, generator=gen) * 2.0 ** torch.randint(-8, 4, (32, 8), generator=gen)
-        if trial % 2:  # each k16 step's largest weight, 2^7-2^8, on a key whose codes are all 0
-            for step in (0, 16):
-                big = step + int(torch.randint(0, 16, (), generator=gen))
-                codes[:, big] = 0
-                w[big] = (1 + torch.rand(8, generator=gen)) * 128 * torch.sign(torch.randn(8, generator=gen))
-        w = w.half()
-        exact = codes.double() @ w.double()
-        error = (mma(codes.view(torch.float16), w, device) * 2.0**24 - exact).abs()
-        fp32 = 2.0**-22 * (codes.double().abs() @ w.double().abs())  # fp32's own rounding, generously
-        steps = w[:16].double().abs().amax(dim=0) + w[16:].double().abs().amax(dim=0)  # [8]: per output column
+        # codes 0-15 (a word's code 0, unshifted); odd trials: each k16 step's largest weight, 2^7-2^8, on a key
+        # whose codes are all 0
+        codes, w = draw_step(gen, trial % 2)
+        error, fp32, steps = step_errors(codes, w, device)
         assert bool((error <= fp32 + ptq.SUBNORMAL_CODES * steps).all()), (trial, float((error / steps).max()))
         beyond[trial % 2] = max(beyond.get(trial % 2, 0.0), float(((error - fp32) / steps).max()))
     assert beyond[0] > 0 and beyond[1] > 0, beyond  # the alignment's term is needed
