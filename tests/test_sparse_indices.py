@@ -272,6 +272,21 @@ def _prefill_batch(gen, query_lens, prefix_lens, spans_on, max_image):
     return seq_lens, left, right
 
 
+def _covering_gather_lens(seq_lens, query_lens, left, window):
+    """Upstream's builder, ``query_len + min(prefix_len, window - 1)``, widened where an image lets a token see further
+    back than its window (``left > window - 1``, possible when ``window <= max_image_tokens``): the content check
+    rejects a tail that misses a position some token's window sees."""
+    lens, token = [], 0
+    for seq_len, query_len in zip(seq_lens, query_lens):
+        first_seen = seq_len - query_len - min(seq_len - query_len, window - 1)
+        for pos in range(seq_len - query_len, seq_len):
+            reach = window - 1 + max((left[token] if left else 0) - (window - 1), 0)
+            first_seen = min(first_seen, max(pos - reach, 0))
+            token += 1
+        lens.append(seq_len - first_seen)
+    return lens
+
+
 @given(
     query_lens=st.lists(st.integers(0, 6), min_size=1, max_size=4),
     prefix_lens=st.lists(st.integers(0, 40), min_size=4, max_size=4),
@@ -293,6 +308,10 @@ def _prefill_batch(gen, query_lens, prefix_lens, spans_on, max_image):
     query_lens=[6, 0, 3], prefix_lens=[40, 7, 0, 0], window=128, ratio=4, k=64, extra_topk_columns=5, with_image=True,
     with_out=True, base=3, extra_rows=2, seed=1,
 )  # fmt: skip
+@example(
+    query_lens=[0, 1], prefix_lens=[0, 2, 0, 0], window=1, ratio=1, k=0, extra_topk_columns=0, with_image=True,
+    with_out=False, base=0, extra_rows=0, seed=1,
+)  # fmt: skip  (an image reaching past a one-token window: the tail must cover it)
 def test_combine_matches_golden(
     device, query_lens, prefix_lens, window, ratio, k, extra_topk_columns, with_image, with_out, base, extra_rows, seed
 ) -> None:
@@ -303,7 +322,7 @@ def test_combine_matches_golden(
     for q in query_lens:
         qsl.append(qsl[-1] + q)
     num_tokens = qsl[-1] - base + extra_rows
-    gather_lens = [q + min(s - q, window - 1) for s, q in zip(seq_lens, query_lens)]
+    gather_lens = _covering_gather_lens(seq_lens, query_lens, left if with_image else None, window)
     N = max(s // ratio for s in seq_lens) + 1
     M = N + max(gather_lens) + 8
     topk = torch.randint(-1, N, (num_tokens, k + extra_topk_columns), generator=gen, dtype=I32)
