@@ -566,6 +566,19 @@ def _combine_args(device, **change):
             ValueError,
             r"gather_lens: request 0 gathers its last 9 tokens, but its token at position 7 sees position 0",
         ),
+        # An image lets the first token see 2 positions past its window of 2 (left 3): upstream's tail of
+        # q + min(prefix, window - 1) = 4 tokens misses positions 4 and 5.
+        (
+            {
+                "window_size": 2,
+                "gather_lens": _i32([4]),
+                "left_visible": _i32([3, 0, 0]),
+                "right_visible": _i32([0, 0, 0]),
+                "max_image_tokens": 6,
+            },
+            ValueError,
+            r"gather_lens: request 0 gathers its last 4 tokens, but its token at position 7 sees position 4",
+        ),
         ({"gather_lens": _i32([11])}, ValueError, r"gather_lens: expected 0 <= gather_len <= seq_len"),
         ({"M": 15}, ValueError, r"gather_lens: expected .* <= M - N = 5"),
         ({"M": 5}, ValueError, r"M: expected an int >= 10, got 5"),
