@@ -308,10 +308,11 @@ def _covering_gather_lens(seq_lens, query_lens, left, window):
     query_lens=[6, 0, 3], prefix_lens=[40, 7, 0, 0], window=128, ratio=4, k=64, extra_topk_columns=5, with_image=True,
     with_out=True, base=3, extra_rows=2, seed=1,
 )  # fmt: skip
+# An image reaching past a one-token window (the GPU profile's find): the gathered tail must cover it.
 @example(
     query_lens=[0, 1], prefix_lens=[0, 2, 0, 0], window=1, ratio=1, k=0, extra_topk_columns=0, with_image=True,
     with_out=False, base=0, extra_rows=0, seed=1,
-)  # fmt: skip  (an image reaching past a one-token window: the tail must cover it)
+)  # fmt: skip
 def test_combine_matches_golden(
     device, query_lens, prefix_lens, window, ratio, k, extra_topk_columns, with_image, with_out, base, extra_rows, seed
 ) -> None:
