@@ -264,6 +264,9 @@ def _f16_halves(x):
 # sums them more coarsely than codes as normal fp16 (``parity.turboquant.SUBNORMAL_CODES`` bounds it).
 
 
+CODE_SCALE = gl.constexpr(16777216.0)  # 2^24: what the output rows are multiplied by to undo the codes' unit 2^-24
+
+
 @gluon.jit
 def _code_halves(x, MASK: gl.constexpr):
     """uint32 ``x`` -> the two fp16 halves of ``x & MASK`` (``MASK``'s bits below bit 10 of each half), each ``c *
@@ -811,19 +814,19 @@ def _span_dim(d):
 
 @gluon.jit
 def _span_row_scale(d):
-    """What :func:`_span_operand`'s output row ``d`` is multiplied by: ``2^24`` (the codes' unit,
-    :func:`_code_halves`), ``1/8`` of it on codes 1 and 3 of a field (``h`` = 1), and ``1/16`` more on codes 0 and 1
-    (``m`` = 0) of the fields held at bit 4 (``f`` odd)."""
+    """What :func:`_span_operand`'s output row ``d`` is multiplied by: :data:`CODE_SCALE` (``2^24``, the codes' unit
+    undone: :func:`_code_halves`), ``1/8`` of it on codes 1 and 3 of a field (``h`` = 1), and ``1/16`` more on codes 0
+    and 1 (``m`` = 0) of the fields held at bit 4 (``f`` odd)."""
     shifted = ((d >> 4) & 1) & (1 - (d >> 6))  # code 0 or 1 of a field held at bit 4
-    return 16777216.0 / ((1 + 7 * ((d >> 3) & 1)) * (1 + 15 * shifted))
+    return CODE_SCALE / ((1 + 7 * ((d >> 3) & 1)) * (1 + 15 * shifted))
 
 
 @gluon.jit
 def _value_row_scale(d, VALUE_BITS: gl.constexpr):
-    """What output row ``d`` of ``O^T`` is multiplied by to undo :func:`_value_operand`'s factors: ``2^24`` (the
-    codes' unit, :func:`_code_halves`), and ``2^(24 - bits)`` on the rows of the unshifted codes 1 and 3 of a word
-    (``r = 2m + h`` of :func:`_value_dim`: ``h`` = 1)."""
-    return gl.where(((d >> 3) & 1) == 1, 16777216.0 / (1 << VALUE_BITS), 16777216.0)
+    """What output row ``d`` of ``O^T`` is multiplied by to undo :func:`_value_operand`'s factors: :data:`CODE_SCALE`
+    (``2^24``, the codes' unit undone: :func:`_code_halves`), and ``2^(24 - bits)`` on the rows of the unshifted codes
+    1 and 3 of a word (``r = 2m + h`` of :func:`_value_dim`: ``h`` = 1)."""
+    return gl.where(((d >> 3) & 1) == 1, CODE_SCALE / (1 << VALUE_BITS), CODE_SCALE)
 
 
 @gluon.jit
